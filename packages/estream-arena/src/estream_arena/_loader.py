@@ -1,0 +1,549 @@
+"""GroupLoader: Q reads in flight, each one vectored ``preadv`` of a group's extent straight into
+a bank's slots of the three planes, published only when every byte arrived.
+
+Threads, not io_uring: ``os.preadv`` releases the GIL for the whole syscall, so Q threads keep Q
+requests in the device queue, which is all a sequential grouped read needs.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import mmap
+import os
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from ._arena import ALIGN, Arena
+from ._errors import (
+    ArenaError,
+    ChecksumError,
+    FileChangedError,
+    LoaderClosedError,
+    ProtocolError,
+    ReadError,
+    ShortReadError,
+)
+from ._residency import Bank, GroupState, Residency
+
+__all__ = ["GroupLoader", "GroupRequest", "LoaderStats", "ReadEvent", "Reader"]
+
+#: ``reader(fd, buffers, offset) -> bytes read``; ``os.preadv`` by default. Tests inject delays
+#: and failures here.
+Reader = Callable[[int, Sequence[Any], int], int]
+
+_IOV_MAX = 1024  # Linux UIO_MAXIOV
+_MAX_SYSCALL_BYTES = 0x7FFFF000  # Linux caps one read at this
+
+
+def _checksums(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else tuple(int(c) & 0xFFFFFFFF for c in value)
+
+
+@attrs.frozen
+class GroupRequest:
+    """Read ``n_records`` consecutive records starting at file ``offset`` as ``group``.
+
+    ``checksums``: optional ``zlib.crc32`` of each whole record (checked when ``verify=True``).
+    """
+
+    group: int = attrs.field(converter=int)
+    offset: int = attrs.field(converter=int)
+    n_records: int = attrs.field(converter=int)
+    checksums: tuple[int, ...] | None = attrs.field(default=None, converter=_checksums)
+
+
+@attrs.frozen
+class ReadEvent:
+    """One group read, with ``time.perf_counter()`` stamps (submitted, started, finished)."""
+
+    layer: int
+    group: int
+    bank: int
+    t_submit: float
+    t_start: float
+    t_end: float
+    nbytes: int
+    outcome: str  # "published", "retired" (dropped while in flight) or "failed"
+
+
+@attrs.define
+class LoaderStats:
+    bytes_read: int = 0
+    n_reads: int = 0
+    n_syscalls: int = 0
+    n_failed: int = 0
+    events: list[ReadEvent] = attrs.Factory(list)
+
+
+def _advance(iovs: list[memoryview], n: int) -> list[memoryview]:
+    """Drop the first ``n`` bytes of a list of buffers (after a partial read)."""
+    out: list[memoryview] = []
+    for buf in iovs:
+        if n >= len(buf):
+            n -= len(buf)
+            continue
+        out.append(buf[n:] if n else buf)
+        n = 0
+    return out
+
+
+class GroupLoader:
+    """Reads groups of records from ``path`` into the banks of ``arena``, ``queue_depth`` at a time.
+
+    Per layer: :meth:`begin_layer`, :meth:`submit` groups in the order they should be read,
+    :meth:`drop` groups found to have no routes, :meth:`acquire` / :meth:`release` each routed
+    group, :meth:`end_layer`. Thread-safe: consumers may acquire/release from several threads.
+    """
+
+    def __init__(
+        self,
+        arena: Arena,
+        path: str | os.PathLike[str],
+        queue_depth: int,
+        *,
+        direct: bool | None = None,
+        verify: bool = False,
+        reader: Reader | None = None,
+    ) -> None:
+        if queue_depth < 1:
+            raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
+        self._arena = arena
+        self._layout = arena.layout
+        self._G = arena.group_size
+        self._path = os.fspath(path)
+        self.queue_depth = int(queue_depth)
+        self.verify = bool(verify)
+        self._reader: Reader = reader if reader is not None else os.preadv
+        self._cond = threading.Condition()
+        self._res = Residency(arena.n_banks, arena.group_size)
+        self._queue: deque[tuple[GroupRequest, float]] = deque()
+        self._requests: dict[int, GroupRequest] = {}
+        self._closed = False
+        self._inflight = 0
+        self._stats = LoaderStats()
+        self._threads: list[threading.Thread] = []
+        self._fd = -1
+        self._segments = self._layout.segments()
+        self._pad_per_record = self._layout.padding_bytes
+        self._planes = [memoryview(arena.plane_view(j)) for j in range(3)]
+        self._slot_bytes = arena.slot_bytes
+        self._fd, self.direct = self._open(direct)
+        try:
+            st = os.fstat(self._fd)
+            self._ident = (st.st_dev, st.st_ino)
+            self._size = st.st_size
+            self._mtime = st.st_mtime_ns
+            arena._register(self)
+            for i in range(self.queue_depth):
+                t = threading.Thread(
+                    target=self._worker, name=f"estream-arena-loader-{i}", daemon=True
+                )
+                self._threads.append(t)
+                t.start()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- file ----------------------------------------------------------------------------------
+    def _open(self, direct: bool | None) -> tuple[int, bool]:
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        o_direct = getattr(os, "O_DIRECT", 0)
+        if direct is False or not o_direct:
+            if direct:
+                raise ArenaError("O_DIRECT is not available on this platform; pass direct=None")
+            return os.open(self._path, flags), False
+        try:
+            fd = os.open(self._path, flags | o_direct)
+        except OSError as e:
+            if e.errno != _errno.EINVAL or direct:
+                raise
+            return os.open(self._path, flags), False
+        if os.fstat(fd).st_size >= ALIGN:  # some filesystems accept the flag but refuse reads
+            probe = mmap.mmap(-1, ALIGN)
+            try:
+                self._reader(fd, [memoryview(probe)], 0)
+            except OSError as e:
+                if e.errno != _errno.EINVAL:
+                    pass  # not a refusal of O_DIRECT; real reads will report it per group
+                else:
+                    os.close(fd)
+                    if direct:
+                        raise ArenaError(
+                            f"{self._path}: the filesystem refuses O_DIRECT reads; "
+                            "pass direct=None (auto) or direct=False"
+                        ) from e
+                    return os.open(self._path, flags), False
+            finally:
+                probe.close()
+        return fd, True
+
+    def _check_file(self, ctx: dict[str, Any]) -> None:
+        """Raise FileChangedError if the file was truncated, rewritten or replaced since open."""
+        st = os.fstat(self._fd)
+        why = ""
+        if st.st_size != self._size:
+            why = f"its size changed from {self._size} to {st.st_size} bytes (truncated?)"
+        elif st.st_mtime_ns != self._mtime:
+            why = "it was modified in place since the loader opened it"
+        else:
+            try:
+                cur = os.stat(self._path)
+            except FileNotFoundError:
+                why = "it was deleted or renamed"
+            else:
+                if (cur.st_dev, cur.st_ino) != self._ident:
+                    why = "it was replaced by another file (inode changed)"
+        if why:
+            raise FileChangedError(f"the file changed under the loader: {why}", **ctx)
+
+    # -- worker --------------------------------------------------------------------------------
+    def _next_job(self) -> tuple[GroupRequest, int, int, float] | None:
+        while True:
+            if self._closed:
+                return None
+            q = self._queue
+            while q and self._res.group_state(q[0][0].group) is not GroupState.PENDING:
+                q.popleft()  # dropped before it was read
+            if q and self._res.n_available:
+                req, t_submit = q.popleft()
+                bank = self._res.reserve(req.group)
+                layer = self._res.layer
+                assert layer is not None
+                return req, bank, layer, t_submit
+            self._cond.wait()
+
+    def _worker(self) -> None:
+        scratch = None
+        if self._pad_per_record:
+            scratch = mmap.mmap(-1, self._pad_per_record * self._G)
+        try:
+            while True:
+                with self._cond:
+                    job = self._next_job()
+                    if job is None:
+                        return
+                    self._inflight += 1
+                req, bank, layer, t_submit = job
+                t_start = time.perf_counter()
+                err: BaseException | None = None
+                nbytes = req.n_records * self._layout.record_bytes
+                ctx = dict(
+                    layer=layer, group=req.group, offset=req.offset, nbytes=nbytes, path=self._path
+                )
+                n_sys = 0
+                try:
+                    n_sys = self._read_group(req, bank, scratch, ctx)
+                except ReadError as e:
+                    err = e
+                except Exception as e:  # a bug or an odd reader: still end this group cleanly
+                    err = ReadError(f"unexpected failure: {e!r}", **ctx)
+                    err.__cause__ = e
+                t_end = time.perf_counter()
+                with self._cond:
+                    self._inflight -= 1
+                    st = self._stats
+                    st.n_syscalls += n_sys
+                    if err is None:
+                        self._res.complete(bank)
+                        if self._res.group_state(req.group) is GroupState.DROPPED:
+                            self._res.retire(bank)
+                            outcome = "retired"
+                        else:
+                            self._res.publish(bank)
+                            outcome = "published"
+                        st.bytes_read += nbytes
+                        st.n_reads += 1
+                    else:
+                        self._res.fail(bank, err)
+                        st.n_failed += 1
+                        outcome = "failed"
+                    st.events.append(
+                        ReadEvent(layer, req.group, bank, t_submit, t_start, t_end, nbytes, outcome)
+                    )
+                    self._cond.notify_all()
+        finally:
+            if scratch is not None:
+                scratch.close()
+
+    def _read_group(
+        self, req: GroupRequest, bank: int, scratch: mmap.mmap | None, ctx: dict[str, Any]
+    ) -> int:
+        rb = self._layout.record_bytes
+        G = self._G
+        pad = self._pad_per_record
+        smv = memoryview(scratch) if scratch is not None else None
+        per_chunk = max(
+            1, min(_IOV_MAX // len(self._segments), _MAX_SYSCALL_BYTES // rb, req.n_records)
+        )
+        n_sys = 0
+        records: list[list[memoryview]] = []
+        for i in range(req.n_records):
+            slot = bank * G + i
+            parts: list[memoryview] = []
+            spos = i * pad
+            for _, size, j in self._segments:
+                if j < 0:
+                    assert smv is not None
+                    parts.append(smv[spos : spos + size])
+                    spos += size
+                else:
+                    s = self._slot_bytes[j]
+                    parts.append(self._planes[j][slot * s : slot * s + s])
+            records.append(parts)
+        for first in range(0, req.n_records, per_chunk):
+            last = min(req.n_records, first + per_chunk)
+            iovs = [buf for rec in records[first:last] for buf in rec]
+            off = req.offset + first * rb
+            n_sys += self._read_fully(iovs, off, (last - first) * rb, ctx)
+            if not self.direct:
+                os.posix_fadvise(self._fd, off, (last - first) * rb, os.POSIX_FADV_DONTNEED)
+        self._check_file(ctx)
+        if self.verify and req.checksums is not None:
+            for i, parts in enumerate(records):
+                crc = 0
+                for buf in parts:
+                    crc = zlib.crc32(buf, crc)
+                if crc != req.checksums[i]:
+                    raise ChecksumError(
+                        f"record {i} (file offset {req.offset + i * rb}) has crc32 {crc:#010x}, "
+                        f"expected {req.checksums[i]:#010x}: the file is corrupt or not the one "
+                        "the manifest describes",
+                        record=i,
+                        expected=req.checksums[i],
+                        actual=crc,
+                        **ctx,
+                    )
+        return n_sys
+
+    def _read_fully(
+        self, iovs: list[memoryview], offset: int, want: int, ctx: dict[str, Any]
+    ) -> int:
+        done = 0
+        n_sys = 0
+        while done < want:
+            try:
+                n = self._reader(self._fd, iovs, offset + done)
+            except OSError as e:
+                self._check_file(ctx)  # a truncated/replaced file explains errors best
+                raise ReadError(
+                    f"read failed at file offset {offset + done}: "
+                    f"[errno {e.errno}] {e.strerror or e}",
+                    errno=e.errno,
+                    **ctx,
+                ) from e
+            n_sys += 1
+            if n <= 0:
+                self._check_file(ctx)
+                raise ShortReadError(
+                    f"short read: the file ended at offset {offset + done} "
+                    f"({done} of {want} bytes read, file size {os.fstat(self._fd).st_size})",
+                    **ctx,
+                )
+            if n > want - done:
+                raise ReadError(f"reader returned {n} bytes, only {want - done} asked", **ctx)
+            done += n
+            if done < want:
+                iovs = _advance(iovs, n)
+        return n_sys
+
+    # -- protocol ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LoaderClosedError("the loader is closed")
+
+    def begin_layer(self, layer: int) -> None:
+        """Start layer ``layer`` with an empty residency table Φ_layer."""
+        with self._cond:
+            self._check_open()
+            self._res.begin_layer(layer)
+            self._requests = {}
+
+    def submit(self, requests: Sequence[GroupRequest]) -> None:
+        """Queue group reads, read in this order, each into the next Available bank."""
+        requests = list(requests)
+        now = time.perf_counter()
+        seen: set[int] = set()
+        for r in requests:
+            if r.offset < 0 or r.offset % ALIGN:
+                raise ArenaError(
+                    f"group {r.group}: file offset {r.offset} is not a multiple of {ALIGN} "
+                    "(records must start on page boundaries for O_DIRECT)"
+                )
+            if not 1 <= r.n_records <= self._G:
+                raise ProtocolError(
+                    f"group {r.group} has {r.n_records} records; must be 1..G={self._G}"
+                )
+            if r.checksums is not None and len(r.checksums) != r.n_records:
+                raise ArenaError(
+                    f"group {r.group}: {len(r.checksums)} checksums for {r.n_records} records"
+                )
+            if r.group in seen:
+                raise ProtocolError(f"group {r.group} appears twice in one submit")
+            seen.add(r.group)
+        with self._cond:
+            self._check_open()
+            if self._res.layer is None:
+                raise ProtocolError("no layer is open: call begin_layer first")
+            for r in requests:
+                if self._res.has_group(r.group):
+                    raise ProtocolError(
+                        f"group {r.group} already submitted in layer {self._res.layer}"
+                    )
+            for r in requests:
+                self._res.submit(r.group, r.n_records)
+                self._requests[r.group] = r
+                self._queue.append((r, now))
+            self._cond.notify_all()
+
+    def drop(self, groups: Iterable[int]) -> None:
+        """Groups with no routes: never read if queued; Ready banks freed at once; banks being
+        filled freed when their read completes."""
+        groups = list(groups)
+        with self._cond:
+            self._check_open()
+            for g in groups:
+                if not self._res.has_group(g):
+                    raise ProtocolError(f"cannot drop group {g}: never submitted in this layer")
+                st = self._res.group_state(g)
+                if st in (GroupState.IN_USE, GroupState.RELEASED):
+                    raise ProtocolError(f"cannot drop group {g}: it is {st.value}")
+            for g in groups:
+                self._res.drop(g)
+            self._cond.notify_all()
+
+    def acquire(self, group: int, timeout: float | None = None) -> Bank:
+        """Block until ``group`` is Ready, mark it InUse and return its bank.
+
+        Raises the group's :class:`ReadError` if its read failed, :class:`TimeoutError` after
+        ``timeout`` seconds, :class:`ProtocolError` if it was never submitted or was dropped.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._check_open()
+                if self._res.layer is None:
+                    raise ProtocolError("no layer is open: call begin_layer first")
+                if not self._res.has_group(group):
+                    raise ProtocolError(
+                        f"group {group} was never submitted in layer {self._res.layer}"
+                    )
+                st = self._res.group_state(group)
+                if st in (GroupState.READY, GroupState.FAILED):
+                    return self._res.acquire(group)
+                if st not in (GroupState.PENDING, GroupState.FILLING, GroupState.FILLED):
+                    raise ProtocolError(
+                        f"cannot acquire group {group} of layer {self._res.layer}: it is {st.value}"
+                    )
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(
+                        f"group {group} of layer {self._res.layer} not Ready after {timeout} s "
+                        f"(it is {st.value}; {self._inflight} reads in flight, "
+                        f"{self._res.n_available} of {self._res.n_banks} banks Available — "
+                        "are all banks held by consumers that never release?)"
+                    )
+                self._cond.wait(remaining)
+
+    def release(self, bank: Bank) -> None:
+        """The consumer is done with ``bank``: InUse → Available, refilled at once."""
+        with self._cond:
+            if self._closed:
+                return  # everything is torn down; releasing on the way out is harmless
+            if bank.layer != self._res.layer or self._res.bank_owner(bank.index) != bank.group:
+                raise ProtocolError(
+                    f"bank {bank.index} (group {bank.group}, layer {bank.layer}) is not held "
+                    f"in the current layer {self._res.layer}"
+                )
+            self._res.release(bank.index)
+            self._cond.notify_all()
+
+    def end_layer(self) -> None:
+        """Close the layer; every submitted group must be released or dropped.
+
+        Waits for reads of dropped groups still in flight.
+        """
+        with self._cond:
+            self._check_open()
+            if self._res.layer is None:
+                raise ProtocolError("no layer is open")
+            busy = self._res.unsettled()
+            if busy:
+                raise ProtocolError(
+                    f"cannot end layer {self._res.layer}: groups neither released nor dropped: "
+                    f"{busy}"
+                )
+            while not self._res.settled():
+                self._check_open()
+                self._cond.wait()
+            self._res.end_layer()
+            self._queue.clear()
+            self._requests = {}
+
+    def residency(self) -> dict[int, int]:
+        """Visible bindings of the current layer: record position (group·G + i) → slot."""
+        with self._cond:
+            return self._res.bindings()
+
+    def check_valid(self) -> None:
+        """Run the residency table's self check under the loader's lock (tests)."""
+        with self._cond:
+            self._res.check_valid()
+            assert 0 <= self._inflight <= self.queue_depth
+
+    @property
+    def stats(self) -> LoaderStats:
+        """A snapshot of the counters and read events so far."""
+        with self._cond:
+            s = self._stats
+            return LoaderStats(s.bytes_read, s.n_reads, s.n_syscalls, s.n_failed, list(s.events))
+
+    def reset_stats(self) -> None:
+        with self._cond:
+            self._stats = LoaderStats()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def layer(self) -> int | None:
+        return self._res.layer
+
+    def close(self) -> None:
+        """Cancel queued reads, wake every waiter (LoaderClosedError), join every thread.
+
+        Idempotent; reads already in the kernel finish first (a ``preadv`` cannot be recalled).
+        """
+        with self._cond:
+            self._closed = True
+            self._queue.clear()
+            self._cond.notify_all()
+        me = threading.current_thread()
+        for t in self._threads:
+            if t is not me:
+                t.join()
+        with self._cond:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            for mv in self._planes:
+                mv.release()
+            self._planes = []
+
+    def __enter__(self) -> GroupLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"GroupLoader({self._path!r}, Q={self.queue_depth}, direct={self.direct}, "
+            f"layer={self._res.layer}, closed={self._closed})"
+        )
