@@ -1,0 +1,115 @@
+"""`estream bench`: TTFT and peak memory over prompt lengths × modes, one fresh process per run.
+
+Each run is a separate `estream prefill --json` process so that peak memory is that run's alone.
+`--cold` drops the page cache before each run (as root through /proc/sys/vm/drop_caches,
+otherwise `posix_fadvise(DONTNEED)` on the pack's files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import memory
+from .errors import BadRequestError
+
+__all__ = ["drop_page_cache", "run_bench", "run_one"]
+
+
+def drop_page_cache(paths: list[Path]) -> str:
+    """Drop cached pages; returns how ("drop_caches" or "fadvise")."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        for p in paths:
+            try:
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
+        return "fadvise"
+
+
+def run_one(
+    model: str | Path,
+    tokens: np.ndarray,
+    mode: str,
+    *,
+    extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "estream_cli.main",
+        "prefill",
+        str(model),
+        "--tokens",
+        ",".join(str(int(t)) for t in tokens),
+        "--mode",
+        mode,
+        "--json",
+        *(extra or []),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"prefill ({mode}, T={len(tokens)}) failed: {proc.stderr.strip()}")
+    return json.loads(proc.stdout)["metrics"]
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    try:
+        lengths = [int(x) for x in args.lengths.split(",") if x]
+    except ValueError:
+        raise BadRequestError(f"--lengths takes integers, got {args.lengths!r}") from None
+    modes = [m for m in args.modes.split(",") if m]
+    from .engine import MODES
+    from .packed import PackedModel
+
+    for m in modes:
+        if m not in MODES:
+            raise BadRequestError(f"unknown mode {m!r} (choose from {', '.join(MODES)})")
+    model = PackedModel(args.model)
+    hp = model.hparams
+    rng = np.random.default_rng(0)
+    files = [model.experts_path, model.path / "dense.bin"]
+    rows: list[dict[str, Any]] = []
+    for T in lengths:
+        if hp.n_ctx < T:
+            raise BadRequestError(f"length {T} exceeds the model context {hp.n_ctx}")
+        tokens = rng.integers(0, hp.n_vocab, size=T)
+        for mode in modes:
+            extra: list[str] = []
+            if mode == "stream" and args.budget:
+                extra += ["--budget", args.budget]
+            if args.threads:
+                extra += ["--threads", str(args.threads)]
+            for rep in range(args.repeat):
+                how = drop_page_cache(files) if args.cold else "warm"
+                m = run_one(args.model, tokens, mode, extra=extra)
+                m.update({"length": T, "rep": rep, "cache": how})
+                rows.append(m)
+                if not args.json:
+                    print(
+                        f"T={T:<6d} {mode:<9s} ttft {m['ttft_s'] * 1e3:9.1f} ms   peak "
+                        f"{memory.format_bytes(m['peak_memory_bytes']):>11s}   read "
+                        f"{memory.format_bytes(m['bytes_read']):>11s}   overlap "
+                        f"{m['io_compute_overlap'] * 100:5.1f} %   bubble {m['bubble_rate'] * 100:5.1f} %",
+                        flush=True,
+                    )
+    if args.json:
+        print(json.dumps({"model": str(args.model), "runs": rows}, indent=1))
+    return 0

@@ -1,0 +1,39 @@
+"""Errors of the engine and the command. Each names what is wrong and what to do about it."""
+
+from __future__ import annotations
+
+__all__ = [
+    "BadRequestError",
+    "BudgetTooSmallError",
+    "EStreamError",
+    "PackError",
+    "UnsupportedModelError",
+]
+
+
+class EStreamError(Exception):
+    """Base class: the command prints the message and exits non-zero."""
+
+    exit_code = 1
+
+
+class PackError(EStreamError):
+    """The packed model is missing, incomplete or corrupt."""
+
+
+class UnsupportedModelError(EStreamError):
+    """The model's architecture has no engine graph."""
+
+
+class BadRequestError(EStreamError):
+    """Tokens out of vocabulary, prompt longer than the context, bad option values."""
+
+    exit_code = 2
+
+
+class BudgetTooSmallError(EStreamError):
+    """The memory budget is below the smallest feasible configuration."""
+
+    def __init__(self, message: str, minimum_bytes: int) -> None:
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes

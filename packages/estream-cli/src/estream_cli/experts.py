@@ -1,0 +1,223 @@
+"""Where the experts come from during a prefill: resident memory or the streamed arena.
+
+Both sources run every expert through the same `estream_htp.ExpertGraph`, bound at call time to
+the routes and to the weight addresses of the slots the experts sit in. The streamed source is
+the pipeline of DESIGN.md §6: reads start when the layer starts (schedule ``early``), unrouted
+groups are dropped after routing, routed groups execute as their banks become ready and banks
+are recycled as soon as their group has run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import numpy as np
+
+import estream_arena as ea
+import estream_htp as htp
+
+from .packed import ExpertLayer, PackedModel
+
+__all__ = ["SCHEDULES", "GroupRecord", "ResidentExperts", "StreamedExperts", "flatten_routes"]
+
+SCHEDULES = ("early", "after-routing", "ondemand")
+ACQUIRE_TIMEOUT_S = 300.0
+
+
+@attrs.define
+class GroupRecord:
+    """What happened to one routed group of one layer (for profiles, metrics and traces)."""
+
+    layer: int
+    group: int
+    n_routes: int
+    t_wait: float  # executor started waiting for the bank
+    t_start: float  # bank acquired, kernel starts
+    t_end: float  # kernel done, bank released
+
+
+def flatten_routes(ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, ...]:
+    """`[T, k]` top-k ids/weights → flat (token, expert, weight) route arrays."""
+    t, k = ids.shape
+    tokens = np.repeat(np.arange(t, dtype=np.int32), k)
+    return (
+        tokens,
+        np.ascontiguousarray(ids, dtype=np.int32).ravel(),
+        np.ascontiguousarray(weights, dtype=np.float32).ravel(),
+    )
+
+
+class _Base:
+    def __init__(self, model: PackedModel, graph: htp.ExpertGraph) -> None:
+        self.model = model
+        self.graph = graph
+        self.records: list[GroupRecord] = []
+        n_e = max(lay.n_experts for lay in model.layers.values())
+        self._slot_of_expert = np.full(n_e, -1, dtype=np.int32)
+
+    def begin_layer(self, layer: ExpertLayer) -> None:  # pragma: no cover - overridden
+        pass
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def memory_bytes(self) -> int:
+        raise NotImplementedError
+
+
+class ResidentExperts(_Base):
+    """All experts read into memory once: the I/O-free reference point (same kernels)."""
+
+    def __init__(self, model: PackedModel, graph: htp.ExpertGraph) -> None:
+        super().__init__(model, graph)
+        self.pool = np.fromfile(model.experts_path, dtype=np.uint8)
+        self._base = self.pool.ctypes.data
+        self.bytes_read = int(self.pool.nbytes)
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.pool.nbytes)
+
+    def run_layer(
+        self, layer: ExpertLayer, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, y: np.ndarray
+    ) -> None:
+        tokens, experts, w = flatten_routes(ids, weights)
+        ext = layer.plane_extents
+        planes = tuple(self._base + layer.offset + off for off, _ in ext)
+        strides = (layer.record_bytes,) * 3
+        t0 = time.perf_counter()
+        self.graph.run(x, tokens, experts, w, layer.position, planes, strides, y)
+        t1 = time.perf_counter()
+        self.records.append(GroupRecord(layer.index, 0, int(tokens.size), t0, t0, t1))
+
+    def end_layer(self) -> None:
+        pass
+
+
+class StreamedExperts(_Base):
+    """Experts streamed group by group through a fixed arena of `B` banks of `G` slots."""
+
+    def __init__(
+        self,
+        model: PackedModel,
+        graph: htp.ExpertGraph,
+        *,
+        group_size: int,
+        queue_depth: int,
+        n_banks: int,
+        schedule: str = "early",
+        verify: bool = False,
+        direct: bool | None = None,
+        on_group: Callable[[GroupRecord], None] | None = None,
+    ) -> None:
+        super().__init__(model, graph)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        self.G, self.Q, self.B = int(group_size), int(queue_depth), int(n_banks)
+        self.schedule = schedule
+        self.on_group = on_group
+        layout = ea.RecordLayout(record_bytes=model.record_bytes, planes=model.plane_extents)
+        self.arena = ea.Arena(layout, n_banks=self.B, group_size=self.G)
+        try:
+            self.loader = ea.GroupLoader(
+                self.arena, model.experts_path, self.Q, direct=direct, verify=verify
+            )
+        except BaseException:
+            self.arena.close()
+            raise
+        self._planes = tuple(self.arena.plane_address(j) for j in range(3))
+        self._strides = tuple(size for _, size in model.plane_extents)
+        self._layer: ExpertLayer | None = None
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.arena.total_bytes)
+
+    @property
+    def bytes_read(self) -> int:
+        return int(self.loader.stats.bytes_read)
+
+    def _n_groups(self, layer: ExpertLayer) -> int:
+        return -(-layer.n_experts // self.G)
+
+    def _request(self, layer: ExpertLayer, k: int) -> Any:
+        first = k * self.G
+        n = min(self.G, layer.n_experts - first)
+        sums = layer.checksums[first : first + n] if layer.checksums else None
+        return ea.GroupRequest(
+            group=k,
+            offset=layer.offset + first * layer.record_bytes,
+            n_records=n,
+            checksums=tuple(sums) if sums else None,
+        )
+
+    def begin_layer(self, layer: ExpertLayer) -> None:
+        """The layer starts: with the ``early`` schedule, reads begin before routing is known."""
+        self._layer = layer
+        self.loader.begin_layer(layer.index)
+        if self.schedule == "early":
+            self.loader.submit([self._request(layer, k) for k in range(self._n_groups(layer))])
+
+    def run_layer(
+        self, layer: ExpertLayer, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, y: np.ndarray
+    ) -> None:
+        assert self._layer is layer, "begin_layer() must be called first"
+        tokens, experts, w = flatten_routes(ids, weights)
+        group_of_route = layer.position[experts] // self.G
+        perm = np.argsort(group_of_route, kind="stable")
+        tokens, experts, w = tokens[perm], experts[perm], w[perm]
+        n_groups = self._n_groups(layer)
+        counts = np.bincount(group_of_route, minlength=n_groups)
+        starts = np.concatenate(([0], np.cumsum(counts)))
+        routed = np.flatnonzero(counts)
+        unrouted = np.flatnonzero(counts == 0)
+        if self.schedule == "early":
+            if unrouted.size:
+                self.loader.drop(int(k) for k in unrouted)
+        elif self.schedule == "after-routing":
+            self.loader.submit([self._request(layer, int(k)) for k in routed])
+        slot_of_expert = self._slot_of_expert
+        for k in routed:
+            k = int(k)
+            if self.schedule == "ondemand":
+                self.loader.submit([self._request(layer, k)])
+            t_wait = time.perf_counter()
+            bank = self.loader.acquire(k, timeout=ACQUIRE_TIMEOUT_S)
+            try:
+                t0 = time.perf_counter()
+                first = k * self.G
+                members = layer.order[first : first + bank.n_records]
+                slot_of_expert.fill(-1)
+                slot_of_expert[members] = np.asarray(bank.slots, dtype=np.int32)
+                sl = slice(int(starts[k]), int(starts[k + 1]))
+                self.graph.run(
+                    x,
+                    tokens[sl],
+                    experts[sl],
+                    w[sl],
+                    slot_of_expert,
+                    self._planes,
+                    self._strides,
+                    y,
+                )
+                t1 = time.perf_counter()
+            finally:
+                self.loader.release(bank)
+            rec = GroupRecord(layer.index, k, int(counts[k]), t_wait, t0, t1)
+            self.records.append(rec)
+            if self.on_group is not None:
+                self.on_group(rec)
+
+    def end_layer(self) -> None:
+        self.loader.end_layer()
+        self._layer = None
+
+    def close(self) -> None:
+        try:
+            self.loader.close()
+        finally:
+            self.arena.close()

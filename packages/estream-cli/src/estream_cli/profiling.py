@@ -1,0 +1,222 @@
+"""Device/model calibration (`estream profile`) and configuration (`estream config`).
+
+Profiling runs one calibration request per candidate group size `g` (DESIGN.md §6): a prompt of
+`T` tokens streamed with `Q = 1` and enough banks that reads never wait for a bank, so that each
+group's read time is its pure service time and each group's execution time is measured alone.
+Grouped-read bandwidth `BW(g, q)` is measured with the real loader on a cold file. The resulting
+`estream_sched.Profile` is stored in the manifest; `configure_for_budget` turns it into
+`(G, Q, B)` for any memory budget in milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+import estream_arena as ea
+import estream_sched as es
+
+from .errors import BudgetTooSmallError, PackError
+from .memory import format_bytes
+from .packed import PackedModel, save_manifest
+
+__all__ = ["DEFAULT_CANDIDATES", "configure_for_budget", "measure_bandwidth", "profile_model"]
+
+DEFAULT_CANDIDATES = (1, 2, 4, 8, 16)
+DEFAULT_QS = (1, 2, 4, 8)
+
+
+def _drop_cache(path: os.PathLike[str] | str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def measure_bandwidth(
+    model: PackedModel,
+    g: int,
+    q: int,
+    *,
+    max_bytes: int = 256 << 20,
+) -> float:
+    """Grouped-read bandwidth (bytes/s) of the real loader at group size g, queue depth q."""
+    layers = sorted(model.layers.values(), key=lambda lay: lay.index)
+    reqs: list[tuple[int, ea.GroupRequest]] = []
+    total = 0
+    for lay in layers:
+        n_groups = -(-lay.n_experts // g)
+        for k in range(n_groups):
+            n = min(g, lay.n_experts - k * g)
+            reqs.append((lay.index, ea.GroupRequest(k, lay.offset + k * g * lay.record_bytes, n)))
+            total += n * lay.record_bytes
+            if total >= max_bytes:
+                break
+        if total >= max_bytes:
+            break
+    layout = ea.RecordLayout(record_bytes=model.record_bytes, planes=model.plane_extents)
+    _drop_cache(model.experts_path)
+    with (
+        ea.Arena(layout, n_banks=q + 1, group_size=g) as arena,
+        ea.GroupLoader(arena, model.experts_path, q) as loader,
+    ):
+        t0 = time.perf_counter()
+        by_layer: dict[int, list[ea.GroupRequest]] = {}
+        for li, r in reqs:
+            by_layer.setdefault(li, []).append(r)
+        for li, rs in by_layer.items():
+            loader.begin_layer(li)
+            loader.submit(rs)
+            for r in rs:
+                loader.release(loader.acquire(r.group, timeout=300))
+            loader.end_layer()
+        dt = time.perf_counter() - t0
+    return total / dt if dt > 0 else float("inf")
+
+
+def profile_model(
+    path: str | os.PathLike[str],
+    *,
+    candidates: Sequence[int] = DEFAULT_CANDIDATES,
+    queue_depths: Sequence[int] = DEFAULT_QS,
+    n_tokens: int = 256,
+    seed: int = 0,
+    n_threads: int | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Any:
+    """Calibrate: one request per candidate g, plus BW(g, q). Returns an `estream_sched.Profile`."""
+    from .engine import Engine
+
+    say = log or (lambda s: None)
+    model = PackedModel(path)
+    hp = model.hparams
+    gs = sorted({int(g) for g in candidates if 1 <= int(g) <= hp.n_experts})
+    if not gs:
+        raise PackError(f"no candidate group size fits {hp.n_experts} experts")
+    T = max(1, min(int(n_tokens), hp.n_ctx))
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, hp.n_vocab, size=T)
+    W_e = model.record_bytes
+    cand: dict[int, list[Any]] = {}
+    m_other: dict[int, int] = {}
+    bandwidth: dict[int, dict[int, float]] = {}
+    for g in gs:
+        t0 = time.perf_counter()
+        B = -(-hp.n_experts // g)
+        with Engine(path, G=g, Q=1, B=B, n_threads=n_threads) as eng:
+            eng.prefill(tokens[: min(T, 8)])  # warm-up: dense weights paged in, pool started
+            res = eng.prefill(tokens)
+            arena_bytes = eng.experts.memory_bytes
+        m_other[g] = max(0, int(res.metrics["peak_memory_bytes"]) - int(arena_bytes))
+        cand[g] = _layer_profiles(res, model, g)
+        bandwidth[g] = {int(q): measure_bandwidth(model, g, int(q)) for q in queue_depths}
+        say(
+            f"  g={g:<3d} B={B:<3d} ttft={res.metrics['ttft_s'] * 1e3:8.1f} ms  "
+            f"BW(q={','.join(str(q) for q in queue_depths)})="
+            + "/".join(f"{bandwidth[g][int(q)] / 1e9:.2f}" for q in queue_depths)
+            + f" GB/s  ({time.perf_counter() - t0:.1f} s)"
+        )
+    return es.Profile(
+        version=es.Profile.VERSION if hasattr(es.Profile, "VERSION") else 1,
+        model=str(model.manifest.get("source", {}).get("file", model.path.name)),
+        device=_device_name(),
+        n_experts=hp.n_experts,
+        n_layers=len(model.layers),
+        expert_bytes=W_e,
+        m_other=m_other,
+        bandwidth=bandwidth,
+        candidates=cand,
+        q_measured=1,
+    )
+
+
+def _layer_profiles(res: Any, model: PackedModel, g: int) -> list[Any]:
+    """Per MoE layer of the calibration request: T_ne, group bytes, routes, read and exec times."""
+    reads = {(r.layer, r.group): r for r in res.reads}
+    out = []
+    for i, lay in enumerate(sorted(model.layers.values(), key=lambda x: x.index)):
+        recs = [r for r in res.records if r.layer == lay.index]
+        routed = sorted(recs, key=lambda r: r.group)  # the pipeline schedules routed groups only
+        group_bytes, read_t = [], []
+        for r in routed:
+            n = min(g, lay.n_experts - r.group * g)
+            group_bytes.append(n * lay.record_bytes)
+            ev = reads.get((lay.index, r.group))
+            read_t.append(float(ev.t_end - ev.t_start) if ev is not None else 0.0)
+        out.append(
+            es.LayerProfile(
+                t_ne=float(res.metrics["layer_t_ne_s"][i]),
+                group_bytes=group_bytes,
+                routes=[int(r.n_routes) for r in routed],
+                read_times=read_t,
+                exec_times=[float(r.t_end - r.t_start) for r in routed],
+            )
+        )
+    return out
+
+
+def _device_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def stored_profile(model: PackedModel) -> Any:
+    prof = model.manifest.get("profile")
+    if not prof:
+        raise PackError(
+            f"{model.path}: no profile stored — run `estream profile {model.path}` first"
+        )
+    return es.Profile.from_dict(prof)
+
+
+def configure_for_budget(model: PackedModel, budget: int) -> Any:
+    """(G, Q, B) for a memory budget from the stored profile; clear error below the minimum."""
+    profile = stored_profile(model)
+    try:
+        return es.configure(profile, int(budget))
+    except es.BudgetError as exc:
+        raise BudgetTooSmallError(
+            f"budget {format_bytes(budget)} is below the minimum {format_bytes(exc.minimum_bytes)} "
+            f"for this model ({exc})",
+            exc.minimum_bytes,
+        ) from None
+
+
+def store_profile(model: PackedModel, profile: Any) -> None:
+    manifest = dict(model.manifest)
+    manifest["profile"] = profile.to_dict()
+    save_manifest(model.path, manifest)
+
+
+def store_config(model: PackedModel, choice: Any, budget: int) -> dict[str, Any]:
+    cfg = {
+        "G": int(choice.G),
+        "Q": int(choice.Q),
+        "B": int(choice.B),
+        "budget_bytes": int(budget),
+        "predicted_s": float(choice.predicted_s),
+        "memory_bytes": int(choice.memory_bytes),
+    }
+    manifest = dict(model.manifest)
+    manifest["config"] = cfg
+    save_manifest(model.path, manifest)
+    return cfg
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(profile_model(sys.argv[1], log=print))
