@@ -1,0 +1,612 @@
+"""An independent float64 numpy forward pass over an *original* GGUF MoE model.
+
+This is the yardstick the engine (and llama.cpp) is measured against. It reads the GGUF with
+``gguf.GGUFReader``, dequantizes every tensor with ``gguf.quants.dequantize`` to float64 and runs
+the architecture as written in its definition, following llama.cpp's conventions exactly (they
+were checked against llama.cpp's ``src/models/<arch>.cpp``, ``build_moe_ffn`` in
+``src/llama-graph.cpp``, ``llama_model_rope_type`` in ``src/llama-model.cpp`` and the CPU RoPE in
+``ggml-cpu/ops.cpp``, as vendored by llama-cpp-python 0.3.36):
+
+* RMSNorm ``x / sqrt(mean(x²) + eps) * w`` with eps from ``<arch>.attention.layer_norm_rms_epsilon``.
+* RoPE style per architecture: ``llama`` (Mixtral) and ``deepseek2`` use "normal" RoPE, which
+  rotates adjacent pairs ``(x[2i], x[2i+1])``; ``olmoe``, ``qwen3moe`` and ``lfm2moe`` use NeoX
+  RoPE, which rotates ``(x[i], x[i + n_rot/2])``. Angle ``pos * freq_scale * base^(-2i/n_rot)``
+  (divided by ``rope_freqs[i]`` when a ``rope_freqs.weight`` tensor exists). Dimensions past
+  ``n_rot`` pass through.
+  *Q/K permutation in ``llama`` GGUFs:* llama.cpp's converter permutes the rows of Q and K of
+  Hugging Face Llama/Mixtral checkpoints so that the HF "rotate-half" RoPE becomes llama.cpp's
+  adjacent-pair RoPE on the GGUF weights. We read the GGUF, so we apply adjacent-pair RoPE to the
+  GGUF rows as they are — the same function llama.cpp computes. (A synthetic ``llama`` GGUF
+  written with random Q/K is a valid model under that convention.)
+* Q/K norms: OLMoE normalises the *whole* projected q (width ``n_head*head_dim``) and k
+  (``n_head_kv*head_dim``) before the head split; Qwen3-MoE and LFM2 normalise each head over
+  ``head_dim``. Both are applied before RoPE.
+* Attention: causal, scale ``1/sqrt(head_dim)`` (DeepSeek-2: ``1/sqrt(key_length_mla)``, with the
+  YaRN mscale² factor, which is 1 without YaRN), GQA maps query head ``h`` to kv head
+  ``h // (n_head / n_head_kv)`` (ggml's broadcast).
+* MoE routing (``build_moe_ffn``): router logits → softmax (or sigmoid, or the other gating
+  functions) → top-k on the probabilities (plus ``exp_probs_b`` for *selection only*, and
+  DeepSeek group-limited selection when ``expert_group_count > 1``) → the *unbiased*
+  probabilities of the chosen experts as weights → optional normalisation to sum 1 → optional
+  scale. Per architecture, as llama.cpp does it: OLMoE: softmax, no normalisation; Qwen3-MoE and
+  Mixtral: softmax, normalised; DeepSeek-2: gating/normalisation/scale from metadata (gating
+  defaults to softmax); LFM2-MoE: gating from metadata, normalised. The expert weight scale is
+  only read for DeepSeek-2, as llama.cpp does. Experts are SwiGLU: ``down(silu(gate x) * up x)``.
+* Output head ``output.weight``, or the tied ``token_embd.weight`` when it is absent.
+
+Float64 throughout; expert weights are dequantized one layer at a time, so memory stays at
+roughly one layer of float64 weights plus the activations.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Any
+
+import attrs
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+__all__ = [
+    "GATING_SIGMOID",
+    "GATING_SOFTMAX",
+    "GATING_SOFTMAX_WEIGHT",
+    "GATING_SQRT_SOFTPLUS",
+    "SUPPORTED_ARCHS",
+    "ReferenceConfig",
+    "ReferenceModel",
+    "UnsupportedModelError",
+    "moe_ffn",
+    "reference_forward",
+    "rms_norm",
+    "rope",
+    "route",
+]
+
+SUPPORTED_ARCHS = ("olmoe", "qwen3moe", "llama", "deepseek2", "lfm2moe")
+
+# llama.cpp's llama_expert_gating_func_type values (src/llama-hparams.h).
+GATING_NONE = 0
+GATING_SOFTMAX = 1
+GATING_SIGMOID = 2
+GATING_SOFTMAX_WEIGHT = 3
+GATING_SQRT_SOFTPLUS = 4
+
+ROPE_NORM = "norm"  # adjacent pairs (x[2i], x[2i+1])
+ROPE_NEOX = "neox"  # halves (x[i], x[i + n_rot/2])
+
+_ROPE_STYLE = {
+    "llama": ROPE_NORM,
+    "deepseek2": ROPE_NORM,
+    "olmoe": ROPE_NEOX,
+    "qwen3moe": ROPE_NEOX,
+    "lfm2moe": ROPE_NEOX,
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The GGUF uses an architecture or a feature the reference does not implement."""
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks (float64, numpy). Public so that tests can check them on their own.
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis: ``x / sqrt(mean(x**2) + eps) * weight``."""
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y if weight is None else y * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    z = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return z / np.sum(z, axis=axis, keepdims=True)
+
+
+def rope(
+    x: np.ndarray,
+    positions: np.ndarray,
+    *,
+    n_rot: int,
+    style: str,
+    freq_base: float,
+    freq_scale: float = 1.0,
+    freq_factors: np.ndarray | None = None,
+) -> np.ndarray:
+    """Rotary embedding of ``x[T, H, D]`` on its first ``n_rot`` dims (llama.cpp semantics)."""
+    if n_rot % 2 or n_rot > x.shape[-1]:
+        raise UnsupportedModelError(f"n_rot={n_rot} must be even and <= head dim {x.shape[-1]}")
+    half = n_rot // 2
+    inv_freq = freq_base ** (-2.0 * np.arange(half, dtype=np.float64) / n_rot)
+    if freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)[:half]
+    theta = np.asarray(positions, dtype=np.float64)[:, None] * freq_scale * inv_freq  # [T, half]
+    cos = np.cos(theta)[:, None, :]
+    sin = np.sin(theta)[:, None, :]
+    out = np.array(x, dtype=np.float64, copy=True)
+    if style == ROPE_NORM:
+        a = x[..., 0:n_rot:2]
+        b = x[..., 1:n_rot:2]
+        out[..., 0:n_rot:2] = a * cos - b * sin
+        out[..., 1:n_rot:2] = a * sin + b * cos
+    elif style == ROPE_NEOX:
+        a = x[..., :half]
+        b = x[..., half:n_rot]
+        out[..., :half] = a * cos - b * sin
+        out[..., half:n_rot] = a * sin + b * cos
+    else:
+        raise UnsupportedModelError(f"unknown RoPE style {style!r}")
+    return out
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """``softmax(q kᵀ · scale + causal mask) v`` per head with GQA broadcast.
+
+    q ``[T, Hq, Dk]``, k ``[T, Hkv, Dk]``, v ``[T, Hkv, Dv]`` → ``[T, Hq * Dv]``.
+    Query head ``h`` reads kv head ``h // (Hq // Hkv)``.
+    """
+    t, n_head, _ = q.shape
+    n_head_kv = k.shape[1]
+    if n_head % n_head_kv:
+        raise UnsupportedModelError(f"n_head={n_head} is not a multiple of n_head_kv={n_head_kv}")
+    group = n_head // n_head_kv
+    kv_of = np.arange(n_head) // group
+    kh = k[:, kv_of, :].transpose(1, 2, 0)  # [H, Dk, T]
+    vh = v[:, kv_of, :].transpose(1, 0, 2)  # [H, T, Dv]
+    scores = np.matmul(q.transpose(1, 0, 2), kh) * scale  # [H, T, T]
+    future = np.triu(np.ones((t, t), dtype=bool), k=1)
+    scores[:, future] = -np.inf
+    probs = softmax(scores, axis=-1)
+    out = np.matmul(probs, vh)  # [H, T, Dv]
+    return out.transpose(1, 0, 2).reshape(t, -1)
+
+
+def route(
+    router_logits: np.ndarray,
+    n_used: int,
+    *,
+    gating: int,
+    normalize: bool,
+    scale: float,
+    selection_bias: np.ndarray | None = None,
+    n_groups: int = 0,
+    n_groups_used: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's expert selection: returns ``(experts [T, k] int, weights [T, k] float64)``."""
+    logits = np.asarray(router_logits, dtype=np.float64)
+    if gating == GATING_SOFTMAX:
+        probs = softmax(logits)
+    elif gating == GATING_SIGMOID:
+        probs = 1.0 / (1.0 + np.exp(-logits))
+    elif gating == GATING_SOFTMAX_WEIGHT:
+        probs = logits
+    elif gating == GATING_SQRT_SOFTPLUS:
+        probs = np.sqrt(np.logaddexp(0.0, logits))
+    else:
+        raise UnsupportedModelError(f"expert gating function {gating} is not supported")
+    select = probs if selection_bias is None else probs + selection_bias
+    n_tokens, n_expert = select.shape
+    if n_groups > 1:
+        per_group = n_expert // n_groups
+        grouped = select.reshape(n_tokens, n_groups, per_group)
+        top2 = -np.sort(-grouped, axis=-1)[..., :2]
+        group_score = top2.sum(axis=-1)  # [T, n_groups]
+        keep = np.argsort(-group_score, axis=-1, kind="stable")[:, :n_groups_used]
+        mask = np.ones((n_tokens, n_groups), dtype=bool)
+        np.put_along_axis(mask, keep, False, axis=-1)
+        grouped = np.where(mask[..., None], -np.inf, grouped)
+        select = grouped.reshape(n_tokens, n_expert)
+    experts = np.argsort(-select, axis=-1, kind="stable")[:, :n_used]
+    weights = np.take_along_axis(probs, experts, axis=-1)
+    if gating == GATING_SOFTMAX_WEIGHT:
+        weights = softmax(weights)
+    if normalize:
+        weights = weights / np.maximum(weights.sum(axis=-1, keepdims=True), 6.103515625e-5)
+    if scale not in (0.0, 1.0):
+        weights = weights * scale
+    return experts, weights
+
+
+def moe_ffn(
+    x: np.ndarray,
+    experts: np.ndarray,
+    weights: np.ndarray,
+    gate_exps: np.ndarray,
+    up_exps: np.ndarray,
+    down_exps: np.ndarray,
+) -> np.ndarray:
+    """Sum over routes of ``weight · down_e(silu(gate_e x) * up_e x)``.
+
+    ``gate_exps``/``up_exps`` are ``[E, ff, d]``, ``down_exps`` ``[E, d, ff]`` (numpy order of the
+    GGUF tensors). Each expert runs once on the rows routed to it.
+    """
+    out = np.zeros((x.shape[0], down_exps.shape[1]), dtype=np.float64)
+    for e in np.unique(experts):
+        rows, slots = np.nonzero(experts == e)
+        xe = x[rows]
+        h = silu(xe @ gate_exps[e].T) * (xe @ up_exps[e].T)
+        y = h @ down_exps[e].T
+        np.add.at(out, rows, y * weights[rows, slots][:, None])
+    return out
+
+
+def dense_ffn(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    return (silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def causal_short_conv(x: np.ndarray, kernel: np.ndarray) -> np.ndarray:
+    """Depthwise causal convolution: ``out[t, c] = sum_j kernel[c, j] * x[t - (L-1) + j, c]``.
+
+    ``kernel`` is ``[d, L]``; positions before 0 are zero (an empty recurrent state), as
+    ``ggml_ssm_conv`` on a fresh sequence.
+    """
+    t = x.shape[0]
+    length = kernel.shape[1]
+    padded = np.concatenate([np.zeros((length - 1, x.shape[1])), x], axis=0)
+    out = np.zeros_like(x)
+    for j in range(length):
+        out += padded[j : j + t] * kernel[:, j]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the GGUF
+# --------------------------------------------------------------------------------------------
+
+
+def _field_value(field: Any) -> Any:
+    value = field.contents()
+    if isinstance(value, list):
+        return [v.item() if isinstance(v, np.generic) else v for v in value]
+    return value.item() if isinstance(value, np.generic) else value
+
+
+@attrs.frozen
+class ReferenceConfig:
+    """The hyper-parameters the forward pass needs, read from GGUF metadata as llama.cpp does."""
+
+    arch: str
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: tuple[int, ...]
+    n_head_kv: tuple[int, ...]
+    head_dim_k: int
+    head_dim_v: int
+    n_rot: int
+    rms_eps: float
+    rope_style: str
+    freq_base: float
+    freq_scale: float
+    n_expert: int
+    n_expert_used: int
+    gating: int
+    normalize_weights: bool
+    weights_scale: float
+    n_layer_dense_lead: int = 0
+    n_expert_groups: int = 0
+    n_group_used: int = 0
+    # DeepSeek-2 MLA
+    kv_lora_rank: int = 0
+    head_dim_k_mla: int = 0
+    head_dim_v_mla: int = 0
+
+    @classmethod
+    def from_reader(cls, reader: GGUFReader) -> ReferenceConfig:
+        fields = {name: _field_value(f) for name, f in reader.fields.items() if f.types}
+        arch = fields.get("general.architecture")
+        if arch not in SUPPORTED_ARCHS:
+            raise UnsupportedModelError(
+                f"architecture {arch!r} is not supported by the reference "
+                f"(supported: {', '.join(SUPPORTED_ARCHS)})"
+            )
+
+        def get(key: str, default: Any = None) -> Any:
+            full = f"{arch}.{key}"
+            if full in fields:
+                return fields[full]
+            if default is None:
+                raise UnsupportedModelError(f"GGUF metadata key {full!r} is missing")
+            return default
+
+        n_layer = int(get("block_count"))
+
+        def per_layer(value: Any) -> tuple[int, ...]:
+            if isinstance(value, list):
+                if len(value) != n_layer:
+                    raise UnsupportedModelError(f"per-layer array of {len(value)} != {n_layer}")
+                return tuple(int(v) for v in value)
+            return (int(value),) * n_layer
+
+        n_embd = int(get("embedding_length"))
+        n_head = per_layer(get("attention.head_count"))
+        has_kv = f"{arch}.attention.head_count_kv" in fields
+        n_head_kv = per_layer(get("attention.head_count_kv")) if has_kv else n_head
+        n_head_max = max(n_head)
+        head_dim_k = int(get("attention.key_length", n_embd // n_head_max))
+        head_dim_v = int(get("attention.value_length", n_embd // n_head_max))
+        n_rot = int(get("rope.dimension_count", head_dim_k))
+        scaling_type = str(get("rope.scaling.type", "linear"))
+        factor = float(get("rope.scaling.factor", 0.0))
+        if scaling_type not in ("none", "linear"):
+            raise UnsupportedModelError(
+                f"RoPE scaling {scaling_type!r} is not implemented in the reference"
+            )
+        freq_scale = 1.0 if factor == 0.0 else 1.0 / factor
+
+        tensor_names = {t.name for t in reader.tensors}
+        if "token_embd.weight" not in tensor_names:
+            raise UnsupportedModelError("token_embd.weight is missing")
+        n_vocab = int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[1])
+
+        # Routing rules per architecture, as llama.cpp's graph builders hard-code them.
+        gating, normalize, scale = GATING_SOFTMAX, True, 1.0
+        if arch == "olmoe":
+            normalize = False
+        elif arch == "deepseek2":
+            gating = int(get("expert_gating_func", GATING_NONE)) or GATING_SOFTMAX
+            normalize = bool(get("expert_weights_norm", False))
+            scale = float(get("expert_weights_scale", 0.0))
+        elif arch == "lfm2moe":
+            gating = int(get("expert_gating_func"))
+
+        extra: dict[str, Any] = {}
+        if arch == "deepseek2":
+            extra["kv_lora_rank"] = int(get("attention.kv_lora_rank"))
+            k_mla = int(get("attention.key_length_mla", 0))
+            v_mla = int(get("attention.value_length_mla", 0))
+            extra["head_dim_k_mla"] = k_mla or head_dim_k
+            extra["head_dim_v_mla"] = v_mla or head_dim_v
+        return cls(
+            arch=arch,
+            n_vocab=n_vocab,
+            n_embd=n_embd,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            head_dim_k=head_dim_k,
+            head_dim_v=head_dim_v,
+            n_rot=n_rot,
+            rms_eps=float(get("attention.layer_norm_rms_epsilon")),
+            rope_style=_ROPE_STYLE[arch],
+            freq_base=float(get("rope.freq_base", 10000.0)),
+            freq_scale=freq_scale,
+            n_expert=int(get("expert_count", 0)),
+            n_expert_used=int(max(per_layer(get("expert_used_count", 0)))),
+            gating=gating,
+            normalize_weights=normalize,
+            weights_scale=scale,
+            n_layer_dense_lead=int(get("leading_dense_block_count", 0)),
+            n_expert_groups=int(get("expert_group_count", 0)),
+            n_group_used=int(get("expert_group_used_count", 0)),
+            **extra,
+        )
+
+
+class ReferenceModel:
+    """A GGUF opened for the reference forward pass. Tensors are dequantized on demand."""
+
+    def __init__(self, gguf_path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(gguf_path)
+        self.reader = GGUFReader(self.path)
+        self._tensors = {t.name: t for t in self.reader.tensors}
+        self.config = ReferenceConfig.from_reader(self.reader)
+        if self.config.arch == "llama" and self.config.n_expert == 0:
+            raise UnsupportedModelError("a `llama` GGUF without experts is not an MoE model")
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The named tensor dequantized to float64, in numpy order (GGUF ``ne`` reversed)."""
+        try:
+            t = self._tensors[name]
+        except KeyError:
+            raise UnsupportedModelError(f"tensor {name!r} is missing from {self.path}") from None
+        values = dequantize(np.asarray(t.data), t.tensor_type)
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        return np.asarray(values, dtype=np.float64).reshape(shape)
+
+    def opt(self, name: str) -> np.ndarray | None:
+        return self.tensor(name) if self.has(name) else None
+
+    @cached_property
+    def _freq_factors(self) -> np.ndarray | None:
+        return self.opt("rope_freqs.weight")
+
+    # ---- the forward pass --------------------------------------------------------------
+
+    def forward(
+        self, tokens: Sequence[int], *, return_hidden: bool = False
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        cfg = self.config
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError("tokens must be a non-empty 1-D sequence of token ids")
+        if ids.min() < 0 or ids.max() >= cfg.n_vocab:
+            raise ValueError(f"token ids must lie in [0, {cfg.n_vocab})")
+        positions = np.arange(ids.size)
+        x = self.tensor("token_embd.weight")[ids]
+        for il in range(cfg.n_layer):
+            x = self._layer(il, x, positions)
+        norm_name = "token_embd_norm.weight" if cfg.arch == "lfm2moe" else "output_norm.weight"
+        hidden = rms_norm(x, self.tensor(norm_name), cfg.rms_eps)
+        head = self.opt("output.weight")
+        if head is None:
+            head = self.tensor("token_embd.weight")
+        logits = hidden @ head.T
+        return (logits, hidden) if return_hidden else logits
+
+    def _layer(self, il: int, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        cfg = self.config
+        p = f"blk.{il}."
+        h = rms_norm(x, self.tensor(p + "attn_norm.weight"), cfg.rms_eps)
+        if cfg.arch == "deepseek2":
+            mixed = self._mla_attention(il, h, positions)
+        elif cfg.arch == "lfm2moe" and cfg.n_head_kv[il] == 0:
+            mixed = self._short_conv(il, h)
+        else:
+            mixed = self._attention(il, h, positions)
+        x = x + mixed
+        h = rms_norm(x, self.tensor(p + "ffn_norm.weight"), cfg.rms_eps)
+        return x + self._ffn(il, h)
+
+    def _attention(self, il: int, h: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        cfg = self.config
+        p = f"blk.{il}."
+        t = h.shape[0]
+        n_head, n_head_kv, dk, dv = (
+            cfg.n_head[il],
+            cfg.n_head_kv[il],
+            cfg.head_dim_k,
+            cfg.head_dim_v,
+        )
+        if self.has(p + "attn_qkv.weight"):
+            qkv = h @ self.tensor(p + "attn_qkv.weight").T
+            q, k, v = np.split(qkv, [n_head * dk, n_head * dk + n_head_kv * dk], axis=1)
+        else:
+            q = h @ self.tensor(p + "attn_q.weight").T
+            k = h @ self.tensor(p + "attn_k.weight").T
+            v = h @ self.tensor(p + "attn_v.weight").T
+        for name, bias in (("q", "attn_q.bias"), ("k", "attn_k.bias"), ("v", "attn_v.bias")):
+            b = self.opt(p + bias)
+            if b is not None:
+                if name == "q":
+                    q = q + b
+                elif name == "k":
+                    k = k + b
+                else:
+                    v = v + b
+        q_norm = self.opt(p + "attn_q_norm.weight")
+        k_norm = self.opt(p + "attn_k_norm.weight")
+        if cfg.arch == "olmoe":
+            # OLMoE: RMSNorm over the whole projection, before the head split.
+            q = rms_norm(q, q_norm, cfg.rms_eps)
+            k = rms_norm(k, k_norm, cfg.rms_eps)
+        q = q.reshape(t, n_head, dk)
+        k = k.reshape(t, n_head_kv, dk)
+        v = v.reshape(t, n_head_kv, dv)
+        if cfg.arch in ("qwen3moe", "lfm2moe"):
+            # Per-head RMSNorm over head_dim.
+            q = rms_norm(q, q_norm, cfg.rms_eps)
+            k = rms_norm(k, k_norm, cfg.rms_eps)
+        rope_kw = dict(
+            n_rot=cfg.n_rot,
+            style=cfg.rope_style,
+            freq_base=cfg.freq_base,
+            freq_scale=cfg.freq_scale,
+            freq_factors=self._freq_factors,
+        )
+        q = rope(q, positions, **rope_kw)
+        k = rope(k, positions, **rope_kw)
+        attn = causal_attention(q, k, v, 1.0 / math.sqrt(dk))
+        out = attn @ self.tensor(p + "attn_output.weight").T
+        bias = self.opt(p + "attn_output.bias")
+        return out if bias is None else out + bias
+
+    def _mla_attention(self, il: int, h: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """DeepSeek-2 multi-head latent attention, computed in its expanded (MHA) form."""
+        cfg = self.config
+        p = f"blk.{il}."
+        t = h.shape[0]
+        n_head = cfg.n_head[il]
+        d_rope = cfg.n_rot
+        dk = cfg.head_dim_k_mla
+        dv = cfg.head_dim_v_mla
+        d_nope = dk - d_rope
+        rank = cfg.kv_lora_rank
+        if self.has(p + "attn_q_a.weight"):
+            qa = rms_norm(
+                h @ self.tensor(p + "attn_q_a.weight").T,
+                self.tensor(p + "attn_q_a_norm.weight"),
+                cfg.rms_eps,
+            )
+            q = qa @ self.tensor(p + "attn_q_b.weight").T
+        else:
+            q = h @ self.tensor(p + "attn_q.weight").T
+        q = q.reshape(t, n_head, dk)
+        kv_a = h @ self.tensor(p + "attn_kv_a_mqa.weight").T  # [T, rank + d_rope]
+        latent = rms_norm(kv_a[:, :rank], self.tensor(p + "attn_kv_a_norm.weight"), cfg.rms_eps)
+        rope_kw = dict(
+            n_rot=d_rope, style=cfg.rope_style, freq_base=cfg.freq_base, freq_scale=cfg.freq_scale
+        )
+        k_pe = rope(kv_a[:, None, rank:], positions, **rope_kw)  # [T, 1, d_rope]
+        q_pe = rope(q[:, :, d_nope:], positions, **rope_kw)
+        if self.has(p + "attn_kv_b.weight"):
+            kv = (latent @ self.tensor(p + "attn_kv_b.weight").T).reshape(t, n_head, d_nope + dv)
+            k_nope, v = kv[..., :d_nope], kv[..., d_nope:]
+        else:
+            # Split form: attn_k_b [H, rank, d_nope] (k_nope = W_kᵀ-stored), attn_v_b [H, dv, rank].
+            wk = self.tensor(p + "attn_k_b.weight").reshape(n_head, rank, d_nope)
+            wv = self.tensor(p + "attn_v_b.weight").reshape(n_head, dv, rank)
+            k_nope = np.einsum("tr,hrn->thn", latent, wk)
+            v = np.einsum("tr,hvr->thv", latent, wv)
+        qf = np.concatenate([q[..., :d_nope], q_pe], axis=-1)
+        kf = np.concatenate([k_nope, np.broadcast_to(k_pe, (t, n_head, d_rope))], axis=-1)
+        attn = causal_attention(qf, kf, v, 1.0 / math.sqrt(dk))
+        return attn @ self.tensor(p + "attn_output.weight").T
+
+    def _short_conv(self, il: int, h: np.ndarray) -> np.ndarray:
+        """LFM2 gated short convolution: ``out_proj(C * conv(B * x))``."""
+        p = f"blk.{il}."
+        bcx = h @ self.tensor(p + "shortconv.in_proj.weight").T
+        b, c, xx = np.split(bcx, 3, axis=1)
+        kernel = self.tensor(p + "shortconv.conv.weight")  # [d, L]
+        y = c * causal_short_conv(b * xx, kernel)
+        return y @ self.tensor(p + "shortconv.out_proj.weight").T
+
+    def _ffn(self, il: int, h: np.ndarray) -> np.ndarray:
+        cfg = self.config
+        p = f"blk.{il}."
+        if not self.has(p + "ffn_gate_inp.weight"):
+            return dense_ffn(
+                h,
+                self.tensor(p + "ffn_gate.weight"),
+                self.tensor(p + "ffn_up.weight"),
+                self.tensor(p + "ffn_down.weight"),
+            )
+        logits = h @ self.tensor(p + "ffn_gate_inp.weight").T
+        experts, weights = route(
+            logits,
+            cfg.n_expert_used,
+            gating=cfg.gating,
+            normalize=cfg.normalize_weights,
+            scale=cfg.weights_scale,
+            selection_bias=self.opt(p + "exp_probs_b.bias"),
+            n_groups=cfg.n_expert_groups,
+            n_groups_used=cfg.n_group_used,
+        )
+        if self.has(p + "ffn_gate_up_exps.weight"):
+            gate, up = np.split(self.tensor(p + "ffn_gate_up_exps.weight"), 2, axis=1)
+        else:
+            gate = self.tensor(p + "ffn_gate_exps.weight")
+            up = self.tensor(p + "ffn_up_exps.weight")
+        out = moe_ffn(h, experts, weights, gate, up, self.tensor(p + "ffn_down_exps.weight"))
+        if self.has(p + "ffn_gate_shexp.weight"):
+            out = out + dense_ffn(
+                h,
+                self.tensor(p + "ffn_gate_shexp.weight"),
+                self.tensor(p + "ffn_up_shexp.weight"),
+                self.tensor(p + "ffn_down_shexp.weight"),
+            )
+        return out
+
+
+def reference_forward(
+    gguf_path: str | os.PathLike[str], tokens: Sequence[int], *, return_hidden: bool = False
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """All-position logits ``[T, n_vocab]`` (float64) of the GGUF model on ``tokens``.
+
+    With ``return_hidden=True`` returns ``(logits, hidden)`` where ``hidden`` is the final
+    normed hidden state ``[T, n_embd]`` (what the output head multiplies).
+    """
+    return ReferenceModel(gguf_path).forward(tokens, return_hidden=return_hidden)
