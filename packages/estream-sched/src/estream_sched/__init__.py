@@ -1,0 +1,46 @@
+"""estream-sched: the max-plus pipeline model, a discrete-event simulator, calibration profiles,
+the (G, Q, B) configurator, pipeline metrics and Chrome-trace timelines (DESIGN.md §6)."""
+
+from __future__ import annotations
+
+from ._model import Schedule, pipeline_schedule, pipeline_time
+from .configure import BudgetError, Choice, Row, choose_q0, configure, format_bytes, sweep
+from .metrics import bubble_rate, busy_time, overlap, pareto_frontier, union
+from .profile import SCHEMA_VERSION, LayerProfile, Profile, ProfileError, n_groups
+from .synthetic import SyntheticSpec, synthetic_profile
+from .trace import TraceEvent, chrome_trace, schedule_events, write_chrome_trace
+
+GroupCandidate = LayerProfile  # name used by the engine's brief: one g's profile of one layer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "BudgetError",
+    "Choice",
+    "GroupCandidate",
+    "LayerProfile",
+    "Profile",
+    "ProfileError",
+    "Row",
+    "Schedule",
+    "SyntheticSpec",
+    "TraceEvent",
+    "__version__",
+    "bubble_rate",
+    "busy_time",
+    "choose_q0",
+    "chrome_trace",
+    "configure",
+    "format_bytes",
+    "n_groups",
+    "overlap",
+    "pareto_frontier",
+    "pipeline_schedule",
+    "pipeline_time",
+    "schedule_events",
+    "sweep",
+    "synthetic_profile",
+    "union",
+    "write_chrome_trace",
+]

@@ -1,0 +1,301 @@
+"""The (G, Q, B) configurator of DESIGN.md §6: Q0, B_max(g), the inner search for B*(g), the
+outer search for G* under a memory budget, evaluated with the max-plus model of a profile.
+
+Service-time model (see README "Modelling choices"):
+
+* ``L_k(g, q)`` — read service time of group ``k`` with ``q`` reads in flight. ``q`` loader
+  threads share the device, which delivers ``BW(g, q)`` bytes/s in aggregate, so one read of
+  ``n`` bytes takes ``n · q / BW(g, q)``. The default ``read_model="calibrated"`` keeps that
+  q-dependence but anchors its level on the read times measured in the calibration request
+  (pooled per ``g``: total measured read time / total bytes, at ``q_measured``)::
+
+      L_k(g, q) = bytes_k · λ(g) · [q / BW(g, q)] / [q_m / BW(g, q_m)]
+
+  ``"bandwidth"`` uses ``bytes_k · q / BW(g, q)`` alone; ``"measured"`` scales every group's own
+  measured read time by the same bandwidth ratio.
+* ``X_k(g)`` — the execution time measured for that group in the calibration run of that ``g``.
+* ``T_ne`` — per layer, pooled (averaged) across the ``g`` runs (it does not depend on ``g``).
+* Groups with zero routes are dropped from the schedule, as the runtime drops them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+import numpy as np
+from numpy.typing import NDArray
+
+from ._model import sweep_banks
+from .profile import Profile, ProfileError, n_groups
+
+__all__ = [
+    "BudgetError",
+    "Choice",
+    "Row",
+    "choose_q0",
+    "configure",
+    "format_bytes",
+    "model_arrays",
+    "sweep",
+]
+
+ReadModel = Literal["calibrated", "bandwidth", "measured"]
+_READ_MODELS = ("calibrated", "bandwidth", "measured")
+
+
+class BudgetError(ValueError):
+    """The memory budget is below the smallest feasible configuration."""
+
+    def __init__(
+        self, message: str, *, budget_bytes: int, minimum_bytes: int, g: int, q: int, b: int
+    ):
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.minimum_bytes = minimum_bytes
+        self.minimum_config = (g, q, b)
+
+
+def format_bytes(n: float) -> str:
+    """``"412 MiB"`` for whole MiB, else two decimals."""
+    mib = n / 2**20
+    return f"{mib:.0f} MiB" if float(mib).is_integer() else f"{mib:.2f} MiB"
+
+
+def choose_q0(
+    bandwidth: Mapping[int, Mapping[int, float]],
+    *,
+    threshold: float = 0.95,
+    groups: list[int] | None = None,
+) -> int:
+    """Smallest queue depth reaching ``threshold`` of the peak grouped-read bandwidth, for
+    EVERY group size: ``Q0 = min{q : min_g BW(g,q) / max_q' BW(g,q') >= threshold}``."""
+    gs = sorted(bandwidth) if groups is None else sorted(groups)
+    if not gs:
+        raise ValueError("bandwidth table is empty")
+    qsets = [set(bandwidth[g]) for g in gs]
+    qs = sorted(set.intersection(*qsets))
+    if not qs:
+        raise ValueError("no queue depth was measured for every g")
+    for q in qs:
+        if all(bandwidth[g][q] >= threshold * max(bandwidth[g].values()) for g in gs):
+            return int(q)
+    # Unreachable when the peak's q is shared by all g; the deepest common q is the best guess.
+    return int(qs[-1])
+
+
+@attrs.frozen
+class Row:
+    """One candidate ``(g, q, b)``: predicted MoE-layer time of the request and its memory."""
+
+    g: int
+    b: int
+    q: int
+    predicted_s: float
+    memory_bytes: int
+    feasible: bool
+    per_layer_s: float
+
+
+@attrs.frozen
+class Choice:
+    """The configurator's answer; ``table`` holds every evaluated ``(g, b)`` at ``q = Q``."""
+
+    G: int
+    Q: int
+    B: int
+    predicted_s: float
+    memory_bytes: int
+    budget_bytes: int
+    per_layer_s: float
+    read_model: str
+    table: tuple[Row, ...] = attrs.field(repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest's ``config`` entry."""
+        return {
+            "G": self.G,
+            "Q": self.Q,
+            "B": self.B,
+            "budget_bytes": self.budget_bytes,
+            "predicted_s": self.predicted_s,
+            "memory_bytes": self.memory_bytes,
+            "per_layer_s": self.per_layer_s,
+            "read_model": self.read_model,
+        }
+
+
+@attrs.frozen
+class _GroupModel:
+    L: NDArray[np.float64]  # [W, Kmax] scheduled groups only, zero-padded at the end
+    X: NDArray[np.float64]
+    t_ne: NDArray[np.float64]  # [W]
+    k_max: int
+
+
+def model_arrays(
+    profile: Profile, q: int, read_model: ReadModel = "calibrated"
+) -> dict[int, _GroupModel]:
+    """Per ``g``: ``L``, ``X`` (``[W, K_max]``) and pooled ``t_ne`` (``[W]``) at queue depth ``q``.
+
+    Cached on the profile (it is budget independent)."""
+    key = ("model", q, read_model)
+    hit = profile._cache.get(key)
+    if hit is not None:
+        return hit  # type: ignore[no-any-return]
+    if read_model not in _READ_MODELS:
+        raise ValueError(f"read_model must be one of {_READ_MODELS}, got {read_model!r}")
+    qm = profile.q_measured
+    gs = profile.groups
+    t_ne = np.mean(
+        np.array([[lp.t_ne for lp in profile.candidates[g]] for g in gs], dtype=np.float64), axis=0
+    )
+    out: dict[int, _GroupModel] = {}
+    for g in gs:
+        bw = profile.bandwidth[g]
+        if q not in bw:
+            raise ValueError(
+                f"queue depth q={q} was not measured for g={g} (measured: {sorted(bw)})"
+            )
+        layers = profile.candidates[g]
+        routes = np.stack([lp.routes for lp in layers])
+        nbytes = np.stack([lp.group_bytes for lp in layers]).astype(np.float64)
+        reads = np.stack([lp.read_times for lp in layers])
+        execs = np.stack([lp.exec_times for lp in layers])
+        routed = routes > 0
+        scale = (q / bw[q]) / (qm / bw[qm])
+        if read_model == "bandwidth":
+            L = nbytes * (q / bw[q])
+        elif read_model == "measured":
+            L = reads * scale
+        else:
+            sel_bytes = float(nbytes[routed].sum())
+            sel_time = float(reads[routed].sum())
+            if sel_bytes <= 0 or sel_time <= 0:
+                raise ProfileError(
+                    f"candidates.{g}",
+                    "no routed group with a measured read time; cannot calibrate reads "
+                    "(use read_model='bandwidth')",
+                )
+            L = nbytes * (sel_time / sel_bytes) * scale
+        W = routes.shape[0]
+        counts = routed.sum(axis=1)
+        k_max = int(counts.max()) if W else 0
+        Lp = np.zeros((W, k_max))
+        Xp = np.zeros((W, k_max))
+        for w in range(W):
+            m = routed[w]
+            Lp[w, : counts[w]] = L[w, m]
+            Xp[w, : counts[w]] = execs[w, m]
+        out[g] = _GroupModel(L=Lp, X=Xp, t_ne=t_ne, k_max=k_max)
+    profile._cache[key] = out
+    return out
+
+
+def _memory(profile: Profile, g: int, b: int | NDArray[np.int64]) -> Any:
+    return profile.m_other[g] + b * g * profile.expert_bytes
+
+
+def sweep(
+    profile: Profile, *, q: int | None = None, read_model: ReadModel = "calibrated"
+) -> dict[int, tuple[NDArray[np.int64], NDArray[np.float64]]]:
+    """Mean per-layer ``T_pipe`` for every ``g`` and every ``b`` in ``q..ceil(N_e/g)``.
+
+    Returns ``{g: (b_values, mean_T_pipe)}``. Bank counts ``b >= K_max`` (the most groups any
+    calibration layer schedules) cannot bind (``f_{k-b}`` is then ``f_{<=0} = 0``), so they are
+    evaluated once and repeated.
+    """
+    q0 = choose_q0(profile.bandwidth) if q is None else int(q)
+    if q0 < 1:
+        raise ValueError(f"q must be >= 1, got {q0}")
+    models = model_arrays(profile, q0, read_model)
+    out: dict[int, tuple[NDArray[np.int64], NDArray[np.float64]]] = {}
+    for g in profile.groups:
+        b_top = n_groups(profile.n_experts, g)
+        if b_top < q0:
+            continue
+        m = models[g]
+        b_hi = max(q0, min(b_top, m.k_max))
+        f = sweep_banks(m.L, m.X, m.t_ne, q0, q0, b_hi)  # [W, b_hi - q0 + 1]
+        mean = f.mean(axis=0)
+        if b_top > b_hi:
+            mean = np.concatenate([mean, np.full(b_top - b_hi, mean[-1])])
+        out[g] = (np.arange(q0, b_top + 1, dtype=np.int64), mean)
+    return out
+
+
+def configure(
+    profile: Profile,
+    budget_bytes: int,
+    *,
+    q0: int | None = None,
+    read_model: ReadModel = "calibrated",
+) -> Choice:
+    """Choose ``(G, Q, B)`` for a process-memory budget (bytes).
+
+    ``Q = Q0`` (``choose_q0`` of the profile's bandwidth table unless given);
+    ``B_max(g) = min(floor((budget - M_other(g)) / (g W_e)), ceil(N_e / g))``;
+    ``B*(g) = argmin_{Q0 <= b <= B_max(g)} mean_w T_pipe``; ``G* = argmin_g`` over ``g`` with
+    ``B_max(g) >= Q0``. Ties go to the smaller memory, then the smaller ``g``. ``predicted_s`` is
+    ``n_layers ×`` the mean per-layer ``T_pipe`` (the MoE layers of one calibration-sized request).
+    Raises :class:`BudgetError` (with ``.minimum_bytes``) when no configuration fits.
+    """
+    budget = int(budget_bytes)
+    Q = choose_q0(profile.bandwidth) if q0 is None else int(q0)
+    sw = sweep(profile, q=Q, read_model=read_model)
+    if not sw:
+        raise ProfileError(
+            "candidates",
+            f"no group size has ceil(n_experts/g) >= Q0={Q} banks' worth of groups",
+        )
+    W_e = profile.expert_bytes
+    nl = profile.n_layers
+    rows: list[Row] = []
+    best: tuple[float, int, int, int] | None = None  # (value, memory, g, b)
+    for g, (bs, mean) in sw.items():
+        b_max = min((budget - profile.m_other[g]) // (g * W_e), int(bs[-1]))
+        for b, v in zip(bs.tolist(), mean.tolist()):
+            mem = _memory(profile, g, b)
+            rows.append(
+                Row(
+                    g=g,
+                    b=b,
+                    q=Q,
+                    predicted_s=nl * v,
+                    memory_bytes=mem,
+                    feasible=b <= b_max,
+                    per_layer_s=v,
+                )
+            )
+        if b_max < Q:
+            continue
+        j = int(np.argmin(mean[: b_max - Q + 1]))  # first minimum: the fewest banks
+        cand = (float(mean[j]), _memory(profile, g, Q + j), g, Q + j)
+        if best is None or cand < best:
+            best = cand
+    if best is None:
+        g_min = min(sw, key=lambda g: (_memory(profile, g, Q), g))
+        minimum = _memory(profile, g_min, Q)
+        raise BudgetError(
+            f"budget {format_bytes(budget)} ({budget} B) is below the minimum "
+            f"{format_bytes(minimum)} ({minimum} B) (G={g_min}, Q={Q}, B={Q}); "
+            f"raise the budget to at least {minimum} bytes",
+            budget_bytes=budget,
+            minimum_bytes=minimum,
+            g=g_min,
+            q=Q,
+            b=Q,
+        )
+    v, mem, g, b = best
+    return Choice(
+        G=g,
+        Q=Q,
+        B=b,
+        predicted_s=nl * v,
+        memory_bytes=mem,
+        budget_bytes=budget,
+        per_layer_s=v,
+        read_model=read_model,
+        table=tuple(rows),
+    )
