@@ -126,7 +126,7 @@ def make_tiny_model(
         f"{a}.context_length": 4096,
         f"{a}.embedding_length": n_embd,
         f"{a}.block_count": n_layer,
-        f"{a}.feed_forward_length": n_ff_exp * 2,
+        f"{a}.feed_forward_length": n_ff_exp if arch in ("olmoe", "llama") else 2 * n_ff_exp,
         f"{a}.attention.head_count": n_head,
         f"{a}.attention.head_count_kv": n_head_kv,
         f"{a}.attention.layer_norm_rms_epsilon": 1e-6,
