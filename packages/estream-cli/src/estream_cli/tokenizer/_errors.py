@@ -8,6 +8,7 @@ __all__ = [
     "TokenIdError",
     "TokenizerError",
     "UnsupportedTokenizerError",
+    "VocabularyError",
 ]
 
 
@@ -29,3 +30,7 @@ class UnsupportedTokenizerError(TokenizerError):
 
 class TokenIdError(TokenizerError, IndexError):
     """A token id outside ``[0, n_vocab)`` was given to a decoding function."""
+
+
+class VocabularyError(TokenizerError):
+    """The tokenizer metadata is inconsistent (duplicate tokens, missing BOS id, ...)."""
