@@ -1,0 +1,120 @@
+"""Console scripts `estream-pack` and `estream-synth`.
+
+Errors a user can cause (bad paths, non-GGUF input, existing targets, ...) end with one line on
+stderr and exit status 2 (1 when a verification finds problems); never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from .errors import LayoutError
+from .synth import ARCHES, PRESETS
+
+__all__ = ["pack_main", "synth_main"]
+
+EXIT_PROBLEMS = 1
+EXIT_ERROR = 2
+
+
+def _fail(prog: str, msg: str) -> int:
+    sys.stderr.write(f"{prog}: error: {msg}\n")
+    return EXIT_ERROR
+
+
+def pack_main(argv: Sequence[str] | None = None) -> int:
+    """`estream-pack SRC.gguf -o NAME.estream | --verify DIR [--against SRC] | --inspect DIR`."""
+    ap = argparse.ArgumentParser(
+        prog="estream-pack",
+        description="Pack a GGUF MoE model into EStream's streamable layout, or verify/inspect a pack.",
+    )
+    ap.add_argument("src", nargs="?", help="source GGUF model")
+    ap.add_argument("-o", "--output", help="output directory, conventionally NAME.estream")
+    ap.add_argument("--force", action="store_true", help="replace an existing output directory")
+    ap.add_argument("--order-profile", metavar="JSON", help="routing profile: hot experts first")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--verify", metavar="DIR", help="verify a packed model")
+    ap.add_argument("--against", metavar="SRC", help="with --verify: compare with the source GGUF")
+    ap.add_argument("--inspect", metavar="DIR", help="summarise a packed model")
+    ap.add_argument("--json", action="store_true", help="with --inspect/--verify: print JSON")
+    args = ap.parse_args(argv)
+    try:
+        if args.verify:
+            from .verify import verify_pack
+
+            report = verify_pack(args.verify, against=args.against)
+            if args.json:
+                print(json.dumps(report.to_dict(), indent=1))
+            else:
+                what = " and against the source" if report.compared_with_source else ""
+                print(
+                    f"{report.path}: {report.checked_records} records "
+                    f"({report.checked_bytes / 2**20:,.1f} MiB) checked{what}: "
+                    + ("OK" if report.ok else f"{len(report.problems)} problem(s)")
+                )
+                for p in report.problems:
+                    print(f"  - {p}")
+            return 0 if report.ok else EXIT_PROBLEMS
+        if args.inspect:
+            from .verify import format_inspect, inspect_pack
+
+            info = inspect_pack(args.inspect)
+            print(json.dumps(info, indent=1) if args.json else format_inspect(info))
+            return 0
+        if not args.src or not args.output:
+            return _fail(
+                "estream-pack", "give SRC.gguf -o NAME.estream (or --verify/--inspect DIR)"
+            )
+        from .pack import pack_model
+
+        m = pack_model(
+            args.src,
+            args.output,
+            order=args.order_profile,
+            force=args.force,
+            progress=not args.no_progress,
+        )
+        print(
+            f"packed {args.src} -> {m.root} ({len(m.layers)} MoE layers, "
+            f"{m.experts_bytes / 2**20:,.1f} MiB of experts)"
+        )
+        return 0
+    except LayoutError as e:
+        return _fail("estream-pack", str(e))
+    except KeyboardInterrupt:
+        return _fail("estream-pack", "interrupted; nothing was written")
+    except OSError as e:
+        return _fail("estream-pack", f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
+
+
+def synth_main(argv: Sequence[str] | None = None) -> int:
+    """`estream-synth --arch A --preset P [--seed N] [--vocab VOCAB.gguf] -o model.gguf`."""
+    ap = argparse.ArgumentParser(
+        prog="estream-synth",
+        description="Write a synthetic GGUF MoE model that llama.cpp can load.",
+    )
+    ap.add_argument("--arch", required=True, choices=ARCHES)
+    ap.add_argument("--preset", required=True, choices=PRESETS)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab", help="GGUF to copy tokenizer.ggml.* from (default: by family)")
+    ap.add_argument("-o", "--output", required=True, help="output .gguf path")
+    args = ap.parse_args(argv)
+    from .synth import synth_model
+
+    try:
+        path = synth_model(args.arch, args.preset, args.output, seed=args.seed, vocab=args.vocab)
+    except LayoutError as e:
+        return _fail("estream-synth", str(e))
+    except OSError as e:
+        return _fail("estream-synth", f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
+    except KeyboardInterrupt:
+        return _fail("estream-synth", "interrupted")
+    print(f"wrote {path} ({path.stat().st_size / 2**20:,.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pack_main())

@@ -1,0 +1,66 @@
+"""Exception hierarchy: every failure a user can cause has its own class and an actionable message."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ChecksumError",
+    "DenseModelError",
+    "InvalidGGUFError",
+    "LayoutError",
+    "NotGGUFError",
+    "PackExistsError",
+    "PackFormatError",
+    "ProfileError",
+    "TruncatedGGUFError",
+    "UnalignedReductionError",
+    "UnsupportedArchitectureError",
+    "UnsupportedTensorTypeError",
+]
+
+
+class LayoutError(Exception):
+    """Base class of every error raised by estream-layout."""
+
+
+class InvalidGGUFError(LayoutError):
+    """The file cannot be read as a GGUF model."""
+
+
+class NotGGUFError(InvalidGGUFError):
+    """The file does not start with the GGUF magic."""
+
+
+class TruncatedGGUFError(InvalidGGUFError):
+    """The file is shorter than its own header says (an interrupted download or copy)."""
+
+
+class UnsupportedArchitectureError(LayoutError):
+    """`general.architecture` is not one that estream-layout knows how to lay out."""
+
+
+class DenseModelError(LayoutError):
+    """The model has no expert tensors: there is nothing to stream."""
+
+
+class UnalignedReductionError(LayoutError):
+    """A matrix that must be tiled has a reduction (input) dimension that is not a multiple of 32."""
+
+
+class UnsupportedTensorTypeError(LayoutError):
+    """A tensor type that gguf cannot dequantize, so it cannot be converted."""
+
+
+class PackExistsError(LayoutError):
+    """The target NAME.estream already exists and overwriting was not requested."""
+
+
+class PackFormatError(LayoutError):
+    """A packed model directory is missing files or its manifest is malformed."""
+
+
+class ChecksumError(PackFormatError):
+    """A stored checksum does not match the bytes on disk."""
+
+
+class ProfileError(LayoutError):
+    """A routing-profile JSON file does not have the documented shape."""

@@ -1,0 +1,500 @@
+"""Read GGUF MoE models: architecture detection, a typed `ModelSpec`, and raw tensor access.
+
+Keys and tensor names are llama.cpp's (taken from `gguf.Keys` / `gguf.TENSOR_NAMES`, which are
+generated from the same tables as llama.cpp's `llama-arch.cpp`). Shapes here are in numpy
+(row-major) order: a GGUF tensor with `ne = [ne0, ne1, ne2]` has `shape = (ne2, ne1, ne0)`, so a
+2-D weight is `[rows (outputs), cols (reduction)]` and an expert stack is `[E, rows, cols]`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, Keys
+from gguf import quants as gguf_quants
+from gguf.constants import GGML_QUANT_SIZES
+
+from .errors import (
+    DenseModelError,
+    InvalidGGUFError,
+    NotGGUFError,
+    TruncatedGGUFError,
+    UnalignedReductionError,
+    UnsupportedArchitectureError,
+    UnsupportedTensorTypeError,
+)
+
+__all__ = [
+    "EXPERT_PROJECTIONS",
+    "FAMILIES",
+    "ModelSpec",
+    "TensorInfo",
+    "TensorReader",
+    "dequantize_tensor",
+    "expert_tensor_name",
+    "parse_expert_tensor_name",
+    "read_fields",
+    "tensor_memmap",
+]
+
+GGUF_MAGIC: Final = b"GGUF"
+EXPERT_PROJECTIONS: Final = ("gate", "up", "down")
+
+# general.architecture -> model family (the unit the engine builds graphs for).
+# `llama` is accepted only with experts ({arch}.expert_count > 0): that is Mixtral's GGUF form.
+FAMILIES: Final = {
+    "olmoe": "olmoe",
+    "qwen3moe": "qwen3moe",
+    "llama": "mixtral",
+    "deepseek2": "deepseek2",
+    "lfm2moe": "lfm2moe",
+}
+
+# How llama.cpp's graph builders weight the selected experts, per family: whether the top-k
+# router weights are renormalised to sum to 1 (`norm_w` of build_moe_ffn). deepseek2 reads it
+# from `{arch}.expert_weights_norm` (default false) instead.
+_NORM_TOPK: Final = {"olmoe": False, "qwen3moe": True, "mixtral": True, "lfm2moe": True}
+
+_EXPERT_RE: Final = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+
+
+def expert_tensor_name(layer: int, projection: str) -> str:
+    """GGUF name of a layer's stacked expert tensor, e.g. `blk.3.ffn_gate_exps.weight`."""
+    if projection not in EXPERT_PROJECTIONS:
+        raise ValueError(f"projection must be one of {EXPERT_PROJECTIONS}, got {projection!r}")
+    return f"blk.{layer}.ffn_{projection}_exps.weight"
+
+
+def parse_expert_tensor_name(name: str) -> tuple[int, str] | None:
+    """`blk.3.ffn_up_exps.weight` -> (3, "up"); None for any other tensor."""
+    m = _EXPERT_RE.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+@attrs.frozen
+class TensorInfo:
+    """One tensor of a GGUF file: type, numpy-order shape and where its bytes are."""
+
+    name: str
+    ggml_type: str  # GGMLQuantizationType name: "Q4_0", "F32", ...
+    shape: tuple[int, ...]  # numpy order: (ne1, ne0) for 2-D, (ne2, ne1, ne0) for 3-D
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+    @property
+    def qtype(self) -> GGMLQuantizationType:
+        return GGMLQuantizationType[self.ggml_type]
+
+    @property
+    def ne(self) -> tuple[int, ...]:
+        """GGML order (ne0 first)."""
+        return tuple(reversed(self.shape))
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (`ne0` elements)."""
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        return self.shape[-1] // block * size
+
+    @property
+    def n_rows(self) -> int:
+        """Rows over all leading dimensions."""
+        return int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
+
+
+def read_fields(reader: GGUFReader) -> dict[str, Any]:
+    """All KV metadata of a GGUF as plain Python values (strings, ints, floats, lists)."""
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            val = field.contents()
+        except Exception:  # pragma: no cover - exotic field types
+            continue
+        if isinstance(val, np.generic):
+            val = val.item()
+        out[key] = val
+    return out
+
+
+def _open_reader(path: Path) -> GGUFReader:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise InvalidGGUFError(f"{path}: no such file") from None
+    except OSError as e:
+        raise InvalidGGUFError(f"{path}: cannot read ({e.strerror})") from None
+    if path.is_dir():
+        raise InvalidGGUFError(f"{path} is a directory, not a GGUF file")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != GGUF_MAGIC:
+        raise NotGGUFError(
+            f"{path} is not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r}); "
+            "convert the model with llama.cpp's convert_hf_to_gguf.py first"
+        )
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # gguf raises ValueError/IndexError/... on short or corrupt headers
+        raise TruncatedGGUFError(
+            f"{path} ({size} bytes) has a GGUF magic but its header cannot be parsed "
+            f"({type(e).__name__}: {e}); the file is truncated or corrupt, copy it again"
+        ) from None
+    end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise TruncatedGGUFError(
+            f"{path} is truncated: its tensors need {end} bytes but the file has {size}; "
+            "the download or copy was interrupted, fetch it again"
+        )
+    return reader
+
+
+def _get(fields: Mapping[str, Any], key: str, arch: str, default: Any = None) -> Any:
+    return fields.get(key.format(arch=arch), default)
+
+
+def _first_int(v: Any, default: int = 0) -> int:
+    if v is None:
+        return default
+    if isinstance(v, list | tuple):
+        return int(max(v)) if v else default
+    return int(v)
+
+
+@attrs.frozen(eq=False)
+class ModelSpec:
+    """What the packer and the engine need to know about a GGUF MoE model.
+
+    Built with `ModelSpec.from_gguf(path)`. Dimensions follow llama.cpp's hparams; `tensors`
+    indexes every tensor (numpy-order shapes). `n_head_kv` is per layer (lfm2moe marks its
+    short-convolution layers with 0 heads).
+    """
+
+    path: str
+    file_bytes: int
+    arch: str  # general.architecture
+    family: str  # olmoe | qwen3moe | mixtral | deepseek2 | lfm2moe
+    name: str
+    n_layers: int
+    n_embd: int
+    n_ff: int  # dense FFN width (feed_forward_length); 0 when the model has none
+    n_ff_exp: int  # expert FFN width (from the expert tensors)
+    n_head: int
+    n_head_kv: tuple[int, ...]  # per layer
+    head_dim_k: int
+    head_dim_v: int
+    n_vocab: int
+    n_ctx: int
+    rope_dims: int
+    rope_freq_base: float
+    rope_freq_scale: float
+    rope_scaling_type: str
+    rms_eps: float
+    n_experts: int
+    n_experts_used: int
+    n_shared_experts: int
+    n_leading_dense: int
+    expert_weights_norm: bool
+    expert_weights_scale: float
+    expert_gating_func: str  # "softmax" | "sigmoid"
+    moe_layers: tuple[int, ...]
+    attention_layers: tuple[int, ...]
+    expert_type: str  # GGML type of the source expert tensors
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    head_dim_k_mla: int = 0
+    head_dim_v_mla: int = 0
+    shortconv_l_cache: int = 0
+    tensors: Mapping[str, TensorInfo] = attrs.field(factory=dict, repr=False)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str]) -> ModelSpec:
+        """Read a GGUF file's header (no tensor data) and describe the MoE model in it.
+
+        Raises NotGGUFError / TruncatedGGUFError for unreadable files,
+        UnsupportedArchitectureError, DenseModelError (no experts), UnalignedReductionError.
+        """
+        p = Path(path)
+        reader = _open_reader(p)
+        fields = read_fields(reader)
+        tensors = {
+            t.name: TensorInfo(
+                name=t.name,
+                ggml_type=GGMLQuantizationType(int(t.tensor_type)).name,
+                shape=tuple(int(x) for x in reversed(t.shape.tolist())),
+                offset=int(t.data_offset),
+                nbytes=int(t.n_bytes),
+            )
+            for t in reader.tensors
+        }
+        return cls._from_fields(p, fields, tensors)
+
+    @classmethod
+    def _from_fields(
+        cls, p: Path, fields: Mapping[str, Any], tensors: Mapping[str, TensorInfo]
+    ) -> ModelSpec:
+        arch = fields.get(Keys.General.ARCHITECTURE)
+        if arch is None:
+            raise InvalidGGUFError(f"{p} has no general.architecture key")
+        family = FAMILIES.get(arch)
+        if family is None:
+            raise UnsupportedArchitectureError(
+                f"{p}: architecture {arch!r} is not supported; estream-layout packs "
+                f"{', '.join(sorted(FAMILIES))} (llama only with experts, i.e. Mixtral)"
+            )
+        g = lambda key, default=None: _get(fields, key, arch, default)  # noqa: E731
+
+        n_experts = _first_int(g(Keys.LLM.EXPERT_COUNT))
+        experts: dict[int, dict[str, TensorInfo]] = {}
+        for name, info in tensors.items():
+            parsed = parse_expert_tensor_name(name)
+            if parsed:
+                experts.setdefault(parsed[0], {})[parsed[1]] = info
+        if n_experts == 0 or not experts:
+            raise DenseModelError(
+                f"{p}: {arch!r} model has no experts ({arch}.expert_count="
+                f"{g(Keys.LLM.EXPERT_COUNT)}, {sum(len(v) for v in experts.values())} "
+                "ffn_*_exps tensors); EStream streams MoE experts, a dense model needs no packing"
+            )
+        for layer, projs in sorted(experts.items()):
+            missing = [j for j in EXPERT_PROJECTIONS if j not in projs]
+            if missing:
+                raise InvalidGGUFError(f"{p}: layer {layer} lacks expert tensors {missing}")
+        moe_layers = tuple(sorted(experts))
+        gate0 = experts[moe_layers[0]]["gate"]
+        if len(gate0.shape) != 3:
+            raise InvalidGGUFError(
+                f"{gate0.name} should be 3-D [E, ff, d], has shape {gate0.shape}"
+            )
+        _, n_ff_exp, n_embd_t = gate0.shape
+        for layer in moe_layers:
+            want = {
+                "gate": (n_experts, n_ff_exp, n_embd_t),
+                "up": (n_experts, n_ff_exp, n_embd_t),
+                "down": (n_experts, n_embd_t, n_ff_exp),
+            }
+            for j, info in experts[layer].items():
+                if info.shape != want[j]:
+                    raise InvalidGGUFError(
+                        f"{p}: {info.name} has shape {info.shape}, expected {want[j]} "
+                        f"([E, rows, cols] with E={n_experts})"
+                    )
+                if info.shape[-1] % 32:
+                    raise UnalignedReductionError(
+                        f"{p}: expert tensor {info.name} has reduction dimension "
+                        f"{info.shape[-1]}, not a multiple of 32; the tile format needs K % 32 == 0"
+                    )
+
+        n_layers = _first_int(g(Keys.LLM.BLOCK_COUNT))
+        n_embd = _first_int(g(Keys.LLM.EMBEDDING_LENGTH), n_embd_t)
+        n_head = _first_int(g(Keys.Attention.HEAD_COUNT))
+        kv = g(Keys.Attention.HEAD_COUNT_KV, n_head)
+        if isinstance(kv, list | tuple):
+            n_head_kv = tuple(int(x) for x in kv)
+        else:
+            n_head_kv = (int(kv),) * n_layers
+        head_dim = n_embd // n_head if n_head else 0
+        head_dim_k = _first_int(g(Keys.Attention.KEY_LENGTH), head_dim)
+        head_dim_v = _first_int(g(Keys.Attention.VALUE_LENGTH), head_dim)
+        tokens = fields.get(Keys.Tokenizer.LIST)
+        emb = tensors.get("token_embd.weight")
+        n_vocab = _first_int(
+            g(Keys.LLM.VOCAB_SIZE),
+            len(tokens) if tokens is not None else (emb.shape[0] if emb else 0),
+        )
+        scaling_type = str(g(Keys.Rope.SCALING_TYPE, "none"))
+        factor = float(g(Keys.Rope.SCALING_FACTOR, 0.0) or 0.0)
+        freq_scale = 1.0 / factor if (factor and scaling_type != "none") else 1.0
+        if family == "deepseek2":
+            norm_w = bool(g(Keys.LLM.EXPERT_WEIGHTS_NORM, False))
+        else:
+            norm_w = _NORM_TOPK[family]
+        gating = _first_int(g(Keys.LLM.EXPERT_GATING_FUNC), 1)
+        if family == "lfm2moe":
+            attention_layers = tuple(i for i in range(n_layers) if n_head_kv[i] > 0)
+        else:
+            attention_layers = tuple(range(n_layers))
+        expert_type = gate0.ggml_type
+        return cls(
+            path=str(p),
+            file_bytes=p.stat().st_size,
+            arch=arch,
+            family=family,
+            name=str(fields.get(Keys.General.NAME, p.stem)),
+            n_layers=n_layers,
+            n_embd=n_embd,
+            n_ff=_first_int(g(Keys.LLM.FEED_FORWARD_LENGTH)),
+            n_ff_exp=int(n_ff_exp),
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            head_dim_k=head_dim_k,
+            head_dim_v=head_dim_v,
+            n_vocab=n_vocab,
+            n_ctx=_first_int(g(Keys.LLM.CONTEXT_LENGTH)),
+            rope_dims=_first_int(g(Keys.Rope.DIMENSION_COUNT), head_dim_k),
+            rope_freq_base=float(g(Keys.Rope.FREQ_BASE, 10000.0)),
+            rope_freq_scale=freq_scale,
+            rope_scaling_type=scaling_type,
+            rms_eps=float(g(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6)),
+            n_experts=n_experts,
+            n_experts_used=_first_int(g(Keys.LLM.EXPERT_USED_COUNT)),
+            n_shared_experts=_first_int(g(Keys.LLM.EXPERT_SHARED_COUNT)),
+            n_leading_dense=_first_int(g(Keys.LLM.LEADING_DENSE_BLOCK_COUNT)),
+            expert_weights_norm=norm_w,
+            expert_weights_scale=float(g(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0) or 1.0),
+            expert_gating_func="sigmoid" if gating == 2 else "softmax",
+            moe_layers=moe_layers,
+            attention_layers=attention_layers,
+            expert_type=expert_type,
+            q_lora_rank=_first_int(g(Keys.Attention.Q_LORA_RANK)),
+            kv_lora_rank=_first_int(g(Keys.Attention.KV_LORA_RANK)),
+            head_dim_k_mla=_first_int(g(Keys.Attention.KEY_LENGTH_MLA)),
+            head_dim_v_mla=_first_int(g(Keys.Attention.VALUE_LENGTH_MLA)),
+            shortconv_l_cache=_first_int(g(Keys.ShortConv.L_CACHE)),
+            tensors=dict(tensors),
+        )
+
+    # ------------------------------------------------------------------ queries
+    def expert_tensor(self, layer: int, projection: str) -> TensorInfo:
+        """The stacked `[E, rows, cols]` tensor of one projection of one MoE layer."""
+        return self.tensors[expert_tensor_name(layer, projection)]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    @property
+    def dense_tensor_names(self) -> tuple[str, ...]:
+        """Every tensor that is not a routed-expert stack, in file order."""
+        return tuple(n for n in self.tensors if parse_expert_tensor_name(n) is None)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Source bytes of all routed-expert tensors."""
+        return sum(
+            self.expert_tensor(layer, j).nbytes
+            for layer in self.moe_layers
+            for j in EXPERT_PROJECTIONS
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able description (everything but the tensor index and the path)."""
+        d = attrs.asdict(self, filter=lambda a, _v: a.name not in ("tensors", "path"))
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+class TensorReader:
+    """Reads tensor rows with `pread` into caller-owned buffers.
+
+    Unlike a memory map, the pages read do not stay in this process's resident set, which is
+    what keeps packing a 4 GB model under a few hundred MiB of RSS.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._fd = os.open(path, os.O_RDONLY)
+        self.path = str(path)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def read_into(self, offset: int, out: np.ndarray) -> np.ndarray:
+        """Fill the contiguous uint8 buffer `out` from the file at `offset`."""
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise TruncatedGGUFError(
+                    f"{self.path}: unexpected end of file at byte {offset + done}"
+                )
+            done += n
+        return out
+
+    def rows(
+        self,
+        info: TensorInfo,
+        start: int = 0,
+        count: int | None = None,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Rows `[start, start+count)` of a tensor (rows counted over all leading dims) as
+        uint8 `[count, row_bytes]`."""
+        rb = info.row_bytes
+        if count is None:
+            count = info.n_rows - start
+        if out is None:
+            out = np.empty((count, rb), dtype=np.uint8)
+        else:
+            out = out.reshape(-1)[: count * rb].reshape(count, rb)
+        return self.read_into(info.offset + start * rb, out)
+
+    def expert(self, info: TensorInfo, expert: int, out: np.ndarray | None = None) -> np.ndarray:
+        """One expert's `[rows, row_bytes]` slice of a stacked `[E, rows, cols]` tensor."""
+        rows = info.shape[-2]
+        return self.rows(info, expert * rows, rows, out)
+
+
+def tensor_memmap(spec: ModelSpec, name: str) -> np.ndarray:
+    """Zero-copy read-only view of a tensor's raw bytes, shaped `[..., rows, row_bytes]`."""
+    info = spec.tensors[name]
+    mm = np.memmap(spec.path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
+    return mm.reshape(*info.shape[:-1], info.row_bytes) if len(info.shape) > 1 else mm
+
+
+def dequantize_rows(raw: np.ndarray, info: TensorInfo) -> np.ndarray:
+    """Raw rows of `info`'s type -> float32 (any type gguf can dequantize)."""
+    qt = info.qtype
+    if qt == GGMLQuantizationType.F32:
+        return raw.view(np.float32).reshape(*raw.shape[:-1], -1)
+    if qt == GGMLQuantizationType.F16:
+        return raw.view(np.float16).astype(np.float32).reshape(*raw.shape[:-1], -1)
+    try:
+        return np.asarray(gguf_quants.dequantize(raw, qt), dtype=np.float32)
+    except (NotImplementedError, KeyError, ValueError) as e:
+        raise UnsupportedTensorTypeError(
+            f"{info.name}: gguf cannot dequantize tensor type {info.ggml_type} ({e})"
+        ) from None
+
+
+def dequantize_tensor(spec: ModelSpec, name: str) -> np.ndarray:
+    """A whole tensor as float32 in numpy order (loads it: meant for small tensors and tests)."""
+    info = spec.tensors[name]
+    raw = np.array(tensor_memmap(spec, name))
+    if len(info.shape) == 1:
+        raw = raw.reshape(1, -1)
+        return dequantize_rows(raw, info).reshape(info.shape)
+    return dequantize_rows(raw, info).reshape(info.shape)
+
+
+def iter_tensor_chunks(
+    reader: TensorReader, info: TensorInfo, max_bytes: int = 32 << 20
+) -> Iterator[tuple[int, np.ndarray]]:
+    """Yield `(first_row, rows)` chunks of a tensor, at most `max_bytes` each, in row order."""
+    rb = max(info.row_bytes, 1)
+    step = max(32, (max_bytes // rb) // 32 * 32)
+    total = info.n_rows
+    for start in range(0, total, step):
+        yield start, reader.rows(info, start, min(step, total - start))
+
+
+def value_type_of(field: Any) -> tuple[GGUFValueType, GGUFValueType | None]:
+    """(type, array sub-type) of a GGUFReader field, for copying it with GGUFWriter."""
+    types = list(field.types)
+    if types[0] == GGUFValueType.ARRAY:
+        return GGUFValueType.ARRAY, types[-1]
+    return types[0], None

@@ -1,0 +1,487 @@
+"""Pack a GGUF MoE model into `NAME.estream/` (DESIGN.md §4, docs/format.md).
+
+Streaming: tensors are read with `pread` into reused buffers, converted and appended to the
+output files, so memory stays bounded (a few chunk buffers) whatever the model size. The pack is
+built in `NAME.estream.tmp-XXXX` beside the target and renamed into place only after the
+manifest (written last) is on disk: an interrupted pack never leaves a `NAME.estream`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, Final
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+from .errors import PackExistsError, ProfileError, UnalignedReductionError
+from .gguf_model import (
+    EXPERT_PROJECTIONS,
+    ModelSpec,
+    TensorInfo,
+    TensorReader,
+    dequantize_rows,
+    value_type_of,
+)
+from .manifest import (
+    MANIFEST_NAME,
+    MODEL_GGUF,
+    PAGE,
+    DenseEntry,
+    LayerEntry,
+    Manifest,
+    ProjectionEntry,
+)
+from .tiles import TILE, pack_tiles, quantize_q4_0, quantize_q8_0, tile_nbytes
+
+__all__ = [
+    "DENSE_FILE",
+    "EXPERTS_FILE",
+    "dense_format",
+    "load_routing_profile",
+    "pack_model",
+    "storage_order",
+    "write_metadata_gguf",
+]
+
+DENSE_FILE: Final = "dense.bin"
+EXPERTS_FILE: Final = "experts.bin"
+_QUANT_PASSTHROUGH: Final = {
+    GGMLQuantizationType.Q4_0: "q4_0-t32r4",
+    GGMLQuantizationType.Q8_0: "q8_0-t32r4",
+}
+_FLOAT_TYPES: Final = {
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+}
+
+
+def _round_up(n: int, to: int = PAGE) -> int:
+    return -(-n // to) * to
+
+
+# ------------------------------------------------------------------------------ dense rules
+def dense_format(info: TensorInfo) -> str:
+    """The dense.bin format of a non-expert tensor.
+
+    * 1-D tensors, routers (`ffn_gate_inp`), and float matrices whose row length is not a
+      multiple of 32 (e.g. lfm2's short-convolution kernels) -> `f32`;
+    * Q4_0 matrices -> `q4_0-t32r4` (lossless), Q8_0 -> `q8_0-t32r4` (lossless);
+    * other matrices (K-quants, F16/BF16/F32 ...) -> dequantized, re-quantized to Q8_0 ->
+      `q8_0-t32r4` (one rounding step).
+    """
+    if len(info.shape) == 1 or info.name.endswith("ffn_gate_inp.weight"):
+        return "f32"
+    qt = info.qtype
+    if qt in _QUANT_PASSTHROUGH:
+        return _QUANT_PASSTHROUGH[qt]
+    if info.shape[-1] % TILE:
+        if qt in _FLOAT_TYPES:
+            return "f32"
+        raise UnalignedReductionError(
+            f"{info.name}: {info.ggml_type} matrix with reduction dimension {info.shape[-1]}, "
+            "not a multiple of 32, cannot be tiled"
+        )
+    return "q8_0-t32r4"
+
+
+def _dense_nbytes(info: TensorInfo, fmt: str) -> int:
+    if fmt == "f32":
+        return int(np.prod(info.shape, dtype=np.int64)) * 4
+    n_mats = int(np.prod(info.shape[:-2], dtype=np.int64)) if len(info.shape) > 2 else 1
+    return n_mats * tile_nbytes(info.shape[-2], info.shape[-1], fmt)
+
+
+# ------------------------------------------------------------------------------ storage order
+def load_routing_profile(
+    profile: str | os.PathLike[str] | Mapping[str, Any],
+) -> dict[int, dict[str, Any]]:
+    """Read a routing profile: `{"layers": {"<layer>": {"counts": [E], "coactivation": [[E]*E]}}}`.
+
+    `layers` may also be a list of `{"index": l, "counts": ..., "coactivation": ...}`.
+    `counts[e]` is how many routed tokens chose expert `e`; `coactivation[a][b]` (optional) how
+    often `a` and `b` were chosen for the same token. Returns layer -> {"counts", "coactivation"}.
+    """
+    if not isinstance(profile, Mapping):
+        try:
+            profile = json.loads(Path(profile).read_text())
+        except (OSError, ValueError) as e:
+            raise ProfileError(f"cannot read routing profile {profile}: {e}") from None
+    layers = profile.get("layers") if isinstance(profile, Mapping) else None
+    if layers is None:
+        raise ProfileError('routing profile needs a "layers" field (see docs/format.md)')
+    items: list[tuple[int, Any]]
+    if isinstance(layers, Mapping):
+        items = [(int(k), v) for k, v in layers.items()]
+    elif isinstance(layers, list):
+        try:
+            items = [(int(v["index"]), v) for v in layers]
+        except (KeyError, TypeError, ValueError):
+            raise ProfileError('each entry of a "layers" list needs an "index"') from None
+    else:
+        raise ProfileError('"layers" must be an object or a list')
+    out: dict[int, dict[str, Any]] = {}
+    for index, entry in items:
+        if not isinstance(entry, Mapping) or "counts" not in entry:
+            raise ProfileError(f'layer {index}: needs "counts" (one number per expert)')
+        counts = np.asarray(entry["counts"], dtype=np.float64)
+        if counts.ndim != 1 or (counts < 0).any():
+            raise ProfileError(f"layer {index}: counts must be a list of non-negative numbers")
+        co = entry.get("coactivation")
+        if co is not None:
+            co = np.asarray(co, dtype=np.float64)
+            if co.shape != (counts.size, counts.size):
+                raise ProfileError(
+                    f"layer {index}: coactivation must be {counts.size}x{counts.size}, "
+                    f"got {co.shape}"
+                )
+        out[index] = {"counts": counts, "coactivation": co}
+    return out
+
+
+def storage_order(counts: Sequence[float], coactivation: Any = None, window: int = 4) -> list[int]:
+    """Storage order (position -> expert id) from a routing profile.
+
+    Without co-activation: hottest expert first (ties by id). With it: start with the hottest,
+    then repeatedly append the unplaced expert most co-activated with the last `window` placed
+    ones (ties: hotter first), so experts that fire together sit in the same group extents.
+    """
+    c = np.asarray(counts, dtype=np.float64)
+    n = c.size
+    if coactivation is None:
+        return [int(e) for e in sorted(range(n), key=lambda e: (-c[e], e))]
+    co = np.asarray(coactivation, dtype=np.float64)
+    order = [int(sorted(range(n), key=lambda e: (-c[e], e))[0])]
+    placed = np.zeros(n, dtype=bool)
+    placed[order[0]] = True
+    while len(order) < n:
+        score = co[order[-window:]].sum(axis=0)
+        cand = [e for e in range(n) if not placed[e]]
+        best = max(cand, key=lambda e: (score[e], c[e], -e))
+        order.append(int(best))
+        placed[best] = True
+    return order
+
+
+def _resolve_orders(
+    spec: ModelSpec, order: Any
+) -> tuple[dict[int, list[int]], dict[str, Any] | None]:
+    """Per-layer storage orders from `order` (None | profile path/dict | {layer: [ids]})."""
+    identity = {layer: list(range(spec.n_experts)) for layer in spec.moe_layers}
+    if order is None:
+        return identity, None
+    if isinstance(order, Mapping) and "layers" not in order:
+        out = dict(identity)
+        for k, v in order.items():
+            out[int(k)] = [int(x) for x in v]
+        summary = {"source": "explicit"}
+    else:
+        prof = load_routing_profile(order)
+        out = dict(identity)
+        for layer, entry in prof.items():
+            if layer not in identity:
+                raise ProfileError(f"routing profile names layer {layer}, not a MoE layer")
+            if entry["counts"].size != spec.n_experts:
+                raise ProfileError(
+                    f"layer {layer}: {entry['counts'].size} counts for {spec.n_experts} experts"
+                )
+            out[layer] = storage_order(entry["counts"], entry["coactivation"])
+        summary = {"source": str(order) if not isinstance(order, Mapping) else "dict"}
+    for layer, o in out.items():
+        if sorted(o) != list(range(spec.n_experts)):
+            raise ProfileError(
+                f"layer {layer}: order is not a permutation of 0..{spec.n_experts - 1}"
+            )
+    return out, summary
+
+
+# ------------------------------------------------------------------------------ progress
+class _Progress:
+    """A dependency-free progress line on stderr (rewritten in place on a terminal)."""
+
+    def __init__(self, total: int, label: str, enabled: bool) -> None:
+        self.total = max(total, 1)
+        self.label = label
+        self.enabled = enabled
+        self.done = 0
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+        self.tty = sys.stderr.isatty()
+        self.next_pct = 10
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        pct = 100 * self.done / self.total
+        if self.tty and (now - self.last > 0.2 or self.done >= self.total):
+            self.last = now
+            rate = self.done / max(now - self.t0, 1e-9) / 1e6
+            sys.stderr.write(
+                f"\r{self.label}: {pct:5.1f}% {self.done / 1e6:,.0f}/{self.total / 1e6:,.0f} MB "
+                f"{rate:,.0f} MB/s"
+            )
+            sys.stderr.flush()
+        elif not self.tty and pct >= self.next_pct:
+            while self.next_pct <= pct:
+                self.next_pct += 10
+            sys.stderr.write(f"{self.label}: {pct:.0f}%\n")
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            sys.stderr.write("\n")
+
+
+# ------------------------------------------------------------------------------ writers
+def write_metadata_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Copy every KV pair of `src` (tokenizer included) into a tensor-less GGUF at `dst`."""
+    reader = GGUFReader(src, "r")
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(dst, arch)
+    try:
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF.") or key == "general.architecture":
+                continue
+            vtype, sub = value_type_of(field)
+            if vtype == GGUFValueType.ARRAY and sub == GGUFValueType.ARRAY:
+                continue  # nested arrays are not used by any supported architecture
+            val = field.contents()
+            if key == "general.alignment":
+                writer.data_alignment = int(val)
+            writer.add_key_value(key, val, vtype, sub)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+    finally:
+        writer.close()
+
+
+def _pad_file(fh: IO[bytes], to: int = PAGE) -> int:
+    pos = fh.tell()
+    pad = _round_up(pos, to) - pos
+    if pad:
+        fh.write(b"\0" * pad)
+    return pos + pad
+
+
+def _write_dense_tensor(
+    reader: TensorReader, info: TensorInfo, fmt: str, fh: IO[bytes], chunk_bytes: int
+) -> None:
+    """Convert one tensor chunk by chunk (row chunks of whole 32-row tiles) and append it."""
+    rows_per_mat = info.shape[-2] if len(info.shape) >= 2 else 1
+    n_mats = info.n_rows // rows_per_mat if len(info.shape) >= 2 else 1
+    if len(info.shape) == 1:
+        raw = reader.rows(info, 0, 1)
+        fh.write(dequantize_rows(raw, info).astype(np.float32).tobytes())
+        return
+    rb = max(info.row_bytes, 1)
+    step = max(TILE, (chunk_bytes // rb) // TILE * TILE)
+    for m in range(n_mats):
+        for start in range(0, rows_per_mat, step):
+            count = min(step, rows_per_mat - start)
+            raw = reader.rows(info, m * rows_per_mat + start, count)
+            if fmt == "f32":
+                fh.write(np.ascontiguousarray(dequantize_rows(raw, info), np.float32).tobytes())
+                continue
+            src_fmt = _QUANT_PASSTHROUGH.get(info.qtype)
+            if src_fmt == fmt:
+                blocks = raw
+            else:
+                blocks = quantize_q8_0(dequantize_rows(raw, info))
+            fh.write(pack_tiles(blocks, fmt).data)
+
+
+def _hash_file(path: str, out: dict[str, str]) -> None:
+    h = hashlib.sha256()
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while True:
+            n = os.readv(fd, [view])
+            if n <= 0:
+                break
+            h.update(view[:n])
+    finally:
+        os.close(fd)
+    out["sha256"] = h.hexdigest()
+
+
+def _warn_requant(spec: ModelSpec) -> None:
+    bar = "!" * 78
+    sys.stderr.write(
+        f"{bar}\nWARNING: the experts of {Path(spec.path).name} are {spec.expert_type}, not Q4_0.\n"
+        "They will be dequantized and RE-QUANTIZED to Q4_0 (double quantization): the packed\n"
+        "experts are NOT bit-identical to the source and lose accuracy. For best quality pack\n"
+        "a GGUF quantized to Q4_0 from the original weights (llama-quantize ... Q4_0).\n"
+        f"{bar}\n"
+    )
+    sys.stderr.flush()
+
+
+# ------------------------------------------------------------------------------ main entry
+def pack_model(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    order: Any = None,
+    force: bool = False,
+    progress: bool = True,
+    chunk_bytes: int = 64 << 20,
+) -> Manifest:
+    """Pack the GGUF MoE model `src` into the directory `dst` (conventionally `NAME.estream`).
+
+    `order`: None (identity storage order), a routing-profile JSON path or dict (hot and
+    co-activated experts first, see `load_routing_profile`), or `{layer: [expert ids]}`.
+    Refuses to replace an existing `dst` unless `force`. Returns the written manifest.
+    """
+    spec = ModelSpec.from_gguf(src)
+    dst_path = Path(dst).absolute()
+    if dst_path.exists() and not force:
+        raise PackExistsError(f"{dst_path} already exists; pass --force (force=True) to replace it")
+    orders, order_summary = _resolve_orders(spec, order)
+    dense_plan = [(spec.tensors[n], dense_format(spec.tensors[n])) for n in spec.dense_tensor_names]
+    requant = spec.expert_type != "Q4_0"
+    if requant:
+        _warn_requant(spec)
+
+    dst_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dst_path.name + ".tmp-", dir=dst_path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    hasher_out: dict[str, str] = {}
+    hasher = threading.Thread(target=_hash_file, args=(spec.path, hasher_out), daemon=True)
+    try:
+        hasher.start()
+        write_metadata_gguf(spec.path, tmp / MODEL_GGUF)
+        dense_total = sum(_dense_nbytes(i, f) for i, f in dense_plan)
+        expert_total = spec.expert_bytes
+        bar = _Progress(dense_total + expert_total, f"packing {Path(spec.path).name}", progress)
+        dense_entries: dict[str, DenseEntry] = {}
+        with TensorReader(spec.path) as reader:
+            with open(tmp / DENSE_FILE, "wb") as fh:
+                for info, fmt in dense_plan:
+                    offset = _pad_file(fh)
+                    _write_dense_tensor(reader, info, fmt, fh, chunk_bytes)
+                    nbytes = fh.tell() - offset
+                    assert nbytes == _dense_nbytes(info, fmt), info.name
+                    dense_entries[info.name] = DenseEntry(
+                        info.name, offset, nbytes, fmt, info.shape
+                    )
+                    bar.update(nbytes)
+                _pad_file(fh)
+            with open(tmp / EXPERTS_FILE, "wb") as fh:
+                layers = [
+                    _write_layer(reader, spec, layer, orders[layer], fh, chunk_bytes, bar, requant)
+                    for layer in spec.moe_layers
+                ]
+                experts_bytes = fh.tell()
+        bar.close()
+        hasher.join()
+        manifest = Manifest(
+            root=tmp,
+            arch=spec.arch,
+            tile_format="q4_0-t32r4",
+            source={
+                "file": Path(spec.path).name,
+                "bytes": spec.file_bytes,
+                "sha256": hasher_out.get("sha256", ""),
+                "expert_type": spec.expert_type,
+                "requantized": requant,
+                "order": order_summary,
+            },
+            spec=spec.summary(),
+            dense_file=DENSE_FILE,
+            dense=dense_entries,
+            experts_file=EXPERTS_FILE,
+            experts_bytes=experts_bytes,
+            checksum="crc32",
+            layers=tuple(layers),
+        )
+        for name in (DENSE_FILE, EXPERTS_FILE, MODEL_GGUF):
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        manifest.write(tmp / MANIFEST_NAME)  # last: a pack without it is never valid
+        if dst_path.exists():
+            old = Path(tempfile.mkdtemp(prefix=dst_path.name + ".old-", dir=dst_path.parent))
+            os.replace(dst_path, old / "x")
+            os.replace(tmp, dst_path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dst_path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Manifest.from_path(dst_path)
+
+
+def _write_layer(
+    reader: TensorReader,
+    spec: ModelSpec,
+    layer: int,
+    order: list[int],
+    fh: IO[bytes],
+    chunk_bytes: int,
+    bar: _Progress,
+    requant: bool,
+) -> LayerEntry:
+    infos = {j: spec.expert_tensor(layer, j) for j in EXPERT_PROJECTIONS}
+    projections: dict[str, ProjectionEntry] = {}
+    off = 0
+    for j in EXPERT_PROJECTIONS:
+        _, rows, cols = infos[j].shape
+        nbytes = tile_nbytes(rows, cols)
+        padded = _round_up(nbytes)
+        projections[j] = ProjectionEntry(rows, cols, off, nbytes, padded)
+        off += padded
+    record_bytes = off
+    layer_offset = fh.tell()
+    assert layer_offset % PAGE == 0
+    n_chunk = max(1, min(len(order), chunk_bytes // record_bytes))
+    records = np.zeros((n_chunk, record_bytes), dtype=np.uint8)  # padding stays zero
+    q4_row_bytes = {j: infos[j].shape[-1] // TILE * 18 for j in EXPERT_PROJECTIONS}
+    src_bufs = {
+        j: np.empty((infos[j].shape[1], infos[j].row_bytes), dtype=np.uint8)
+        for j in EXPERT_PROJECTIONS
+    }
+    checksums: list[int] = []
+    src_bytes_per_expert = sum(infos[j].nbytes for j in EXPERT_PROJECTIONS) // spec.n_experts
+    for c0 in range(0, len(order), n_chunk):
+        ids = order[c0 : c0 + n_chunk]
+        for c, expert in enumerate(ids):
+            for j in EXPERT_PROJECTIONS:
+                p = projections[j]
+                raw = reader.expert(infos[j], expert, out=src_bufs[j])
+                if requant:
+                    blocks = quantize_q4_0(dequantize_rows(raw, infos[j]))
+                    assert blocks.shape[-1] == q4_row_bytes[j]
+                else:
+                    blocks = raw
+                pack_tiles(
+                    blocks, out=records[c, p.offset_in_record : p.offset_in_record + p.bytes]
+                )
+            checksums.append(zlib.crc32(records[c]))
+        fh.write(memoryview(records[: len(ids)]).cast("B"))
+        bar.update(len(ids) * src_bytes_per_expert)
+    return LayerEntry(
+        index=layer,
+        n_experts=spec.n_experts,
+        order=tuple(order),
+        offset=layer_offset,
+        record_bytes=record_bytes,
+        checksums=tuple(checksums),
+        projections=projections,
+    )

@@ -1,0 +1,599 @@
+"""Synthetic MoE models as GGUF files that llama.cpp itself would load.
+
+Each architecture gets exactly the tensor names, shapes, types and metadata keys llama.cpp's
+loader asks for (checked against `gguf.MODEL_TENSORS` and llama.cpp's `load_tensors`), filled
+with random but well-scaled values: Q4_0 blocks whose scales keep activations O(1) through every
+layer, RMS-norm weights near 1, and routers with a few hot experts so routing is uneven like in
+real models. Tensor data is generated and written one tensor at a time, so the 4 GB
+`olmoe-1b-7b` preset needs only ~100 MiB of memory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+import numpy as np
+from gguf import (
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFValueType,
+    GGUFWriter,
+    Keys,
+    LlamaFileType,
+)
+from gguf.constants import GGML_QUANT_SIZES
+
+from .gguf_model import value_type_of
+
+__all__ = [
+    "ARCHES",
+    "DEFAULT_VOCABS",
+    "PRESETS",
+    "SynthDims",
+    "find_vocab",
+    "generate_bpe_vocab",
+    "synth_dims",
+    "synth_model",
+]
+
+ARCHES: Final = ("olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe")
+PRESETS: Final = ("tiny", "small", "olmoe-1b-7b")
+GGUF_ARCH: Final = {
+    "olmoe": "olmoe",
+    "qwen3moe": "qwen3moe",
+    "mixtral": "llama",
+    "deepseek2": "deepseek2",
+    "lfm2moe": "lfm2moe",
+}
+# Tokenizers of the real model families, from llama.cpp's models/ folder (shared/data/vocab).
+DEFAULT_VOCABS: Final = {
+    "olmoe": "ggml-vocab-mpt.gguf",
+    "qwen3moe": "ggml-vocab-qwen2.gguf",
+    "mixtral": "ggml-vocab-llama-spm.gguf",
+    "deepseek2": "ggml-vocab-deepseek-llm.gguf",
+}
+
+Q4_0: Final = GGMLQuantizationType.Q4_0
+Q8_0: Final = GGMLQuantizationType.Q8_0
+F32: Final = GGMLQuantizationType.F32
+F16: Final = GGMLQuantizationType.F16
+
+
+@attrs.frozen
+class SynthDims:
+    """Shapes of a synthetic model (names follow llama.cpp's hparams)."""
+
+    n_layers: int
+    n_embd: int
+    n_ff_exp: int
+    n_ff: int  # dense FFN width (leading dense layers of deepseek2/lfm2moe)
+    n_experts: int
+    n_experts_used: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_vocab: int  # size of a generated vocabulary (a vocab file overrides it)
+    n_ctx: int = 4096
+    n_shared_experts: int = 1  # deepseek2
+    n_leading_dense: int = 1  # deepseek2, lfm2moe
+    q_lora_rank: int = 32  # deepseek2
+    kv_lora_rank: int = 32
+    qk_rope_dim: int = 16
+    qk_nope_dim: int = 32
+    v_head_dim: int = 32
+    l_cache: int = 3  # lfm2moe short convolution kernel
+
+
+def synth_dims(arch: str, preset: str) -> SynthDims:
+    """The dimensions of a preset for an architecture."""
+    if arch not in ARCHES:
+        raise ValueError(f"unknown arch {arch!r}; choose from {ARCHES}")
+    if preset == "tiny":
+        n_layers = {"deepseek2": 3, "lfm2moe": 4}.get(arch, 2)
+        return SynthDims(
+            n_layers=n_layers,
+            n_embd=64,
+            n_ff_exp=64,
+            n_ff=96,
+            n_experts=8,
+            n_experts_used=2,
+            n_head=4,
+            n_head_kv=4 if arch == "olmoe" else 2,
+            head_dim=32 if arch == "qwen3moe" else 16,  # qwen3: n_head*head_dim != n_embd
+            n_vocab=301,  # not a multiple of 32: exercises output-row padding
+        )
+    if preset == "small":
+        n_layers = {"lfm2moe": 6}.get(arch, 4)
+        return SynthDims(
+            n_layers=n_layers,
+            n_embd=256,
+            n_ff_exp=128,
+            n_ff=512,
+            n_experts=16,
+            n_experts_used=4,
+            n_head=8,
+            n_head_kv=8 if arch == "olmoe" else 4,
+            head_dim=32,
+            n_vocab=1000,
+            q_lora_rank=96,
+            kv_lora_rank=64,
+            qk_rope_dim=32,
+            qk_nope_dim=64,
+            v_head_dim=64,
+        )
+    if preset == "olmoe-1b-7b":
+        # allenai/OLMoE-1B-7B-0924: 16 layers, 64 experts, top-8, d=2048, ff=1024, 16 heads x 128
+        return SynthDims(
+            n_layers=16,
+            n_embd=2048,
+            n_ff_exp=1024,
+            n_ff=1024,
+            n_experts=64,
+            n_experts_used=8,
+            n_head=16,
+            n_head_kv=16,
+            head_dim=128,
+            n_vocab=50304,
+            n_ctx=4096,
+            q_lora_rank=0,
+            kv_lora_rank=512,
+            qk_rope_dim=64,
+            qk_nope_dim=128,
+            v_head_dim=128,
+        )
+    raise ValueError(f"unknown preset {preset!r}; choose from {PRESETS}")
+
+
+# ---------------------------------------------------------------------------------- vocab
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what tokenizer.ggml.tokens use)."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    out = {b: chr(b) for b in keep}
+    n = 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + n)
+            n += 1
+    return out
+
+
+def generate_bpe_vocab(n_tokens: int, seed: int = 0) -> dict[str, Any]:
+    """A small valid GPT-2-style BPE vocabulary: 256 byte tokens, merges, two control tokens.
+
+    Every merge `"a b"` joins two existing tokens into a new one that is in the vocabulary, so
+    llama.cpp's BPE tokenizer accepts it. Returns tokenizer.ggml.* key -> value.
+    """
+    if n_tokens < 260:
+        raise ValueError("a generated vocabulary needs at least 260 tokens")
+    rng = np.random.default_rng([seed, 7])
+    b2u = _bytes_to_unicode()
+    tokens = [b2u[b] for b in range(256)]
+    have = set(tokens)
+    merges: list[str] = []
+    letters = "etaoinshrdlucmfwypvbgkjqxz"
+    weights = np.array([12, 9, 8, 7.5, 7, 6.7, 6.3, 6, 5.9, 4.3, 4, 2.8, 2.8, 2.4, 2.2, 2.0, 2.0,
+                        1.9, 1.5, 1.0, 0.8, 0.15, 0.1, 0.1, 0.1, 0.07])  # fmt: skip
+    weights = weights / weights.sum()
+    space = b2u[ord(" ")]
+    n_words = n_tokens - 2
+    attempts = 0
+    while len(tokens) < n_words and attempts < 50 * n_tokens:
+        attempts += 1
+        length = int(rng.integers(2, 8))
+        word = "".join(rng.choice(list(letters), size=length, p=weights))
+        if rng.random() < 0.6:
+            word = space + word
+        for k in range(1, len(word)):
+            left, right = word[:k], word[k]
+            new = left + right
+            if new not in have:
+                merges.append(f"{left} {right}")
+                tokens.append(new)
+                have.add(new)
+                if len(tokens) >= n_words:
+                    break
+    while len(tokens) < n_words:  # pragma: no cover - only for absurdly large requests
+        tokens.append(f"<|unused_{len(tokens)}|>")
+    n_normal = len(tokens)
+    tokens += ["<|endoftext|>", "<|padding|>"]
+    token_type = [1] * n_normal + [3, 3]
+    eos = n_normal
+    return {
+        Keys.Tokenizer.MODEL: "gpt2",
+        Keys.Tokenizer.PRE: "default",
+        Keys.Tokenizer.LIST: tokens,
+        Keys.Tokenizer.TOKEN_TYPE: token_type,
+        Keys.Tokenizer.MERGES: merges,
+        Keys.Tokenizer.BOS_ID: eos,
+        Keys.Tokenizer.EOS_ID: eos,
+        Keys.Tokenizer.PAD_ID: eos + 1,
+    }
+
+
+def _vocab_dirs() -> Iterator[Path]:
+    env = os.environ.get("ESTREAM_VOCAB_DIR")
+    if env:
+        yield Path(env)
+    here = Path.cwd().resolve()
+    for base in (here, *here.parents):
+        yield base / "shared" / "data" / "vocab"
+        yield base.parent / "shared" / "data" / "vocab"
+    yield Path("/work/shared/data/vocab")
+
+
+def find_vocab(arch: str) -> Path | None:
+    """The real tokenizer GGUF for an architecture's family, if one is on this machine."""
+    name = DEFAULT_VOCABS.get(arch)
+    if name is None:
+        return None
+    for d in _vocab_dirs():
+        if (d / name).is_file():
+            return d / name
+    return None
+
+
+def _read_vocab(path: Path) -> list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
+    reader = GGUFReader(path, "r")
+    out = []
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer.ggml."):
+            continue
+        vtype, sub = value_type_of(field)
+        val = field.contents()
+        out.append((key, val, vtype, sub))
+    return out
+
+
+# ---------------------------------------------------------------------------------- tensors
+@attrs.frozen
+class _T:
+    name: str
+    shape: tuple[int, ...]  # numpy order
+    qtype: GGMLQuantizationType
+    kind: str  # "matrix" | "norm" | "router" | "conv" | "bias" | "embed"
+    gain: float = 1.0
+
+    @property
+    def nbytes(self) -> int:
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        return int(np.prod(self.shape[:-1], dtype=np.int64)) * (self.shape[-1] // block) * size
+
+
+def _tensor_plan(arch: str, d: SynthDims, n_vocab: int, expert_type: GGMLQuantizationType,
+                 dense_type: GGMLQuantizationType, output_type: GGMLQuantizationType) -> list[_T]:  # fmt: skip
+    E, ne, ff = d.n_experts, d.n_embd, d.n_ff_exp
+    hd, nh, nkv = d.head_dim, d.n_head, d.n_head_kv
+    M = lambda name, rows, cols, gain=1.0: _T(name, (rows, cols), dense_type, "matrix", gain)  # noqa: E731
+    N = lambda name, n: _T(name, (n,), F32, "norm")  # noqa: E731
+    ts: list[_T] = [_T("token_embd.weight", (n_vocab, ne), dense_type, "embed")]
+    if arch == "lfm2moe":
+        ts.append(N("token_embd_norm.weight", ne))  # LFM2's final norm; output is tied
+    else:
+        ts.append(N("output_norm.weight", ne))
+        ts.append(_T("output.weight", (n_vocab, ne), output_type, "matrix"))
+
+    def experts(i: int) -> list[_T]:
+        return [
+            _T(f"blk.{i}.ffn_gate_inp.weight", (E, ne), F32, "router"),
+            _T(f"blk.{i}.ffn_gate_exps.weight", (E, ff, ne), expert_type, "matrix"),
+            _T(f"blk.{i}.ffn_up_exps.weight", (E, ff, ne), expert_type, "matrix"),
+            _T(f"blk.{i}.ffn_down_exps.weight", (E, ne, ff), expert_type, "matrix", 0.5),
+        ]
+
+    def dense_ffn(i: int, width: int, tag: str = "") -> list[_T]:
+        return [
+            M(f"blk.{i}.ffn_gate{tag}.weight", width, ne),
+            M(f"blk.{i}.ffn_up{tag}.weight", width, ne),
+            M(f"blk.{i}.ffn_down{tag}.weight", ne, width, 0.5),
+        ]
+
+    for i in range(d.n_layers):
+        p = f"blk.{i}."
+        if arch in ("olmoe", "qwen3moe", "mixtral"):
+            ts.append(N(p + "attn_norm.weight", ne))
+            ts += [
+                M(p + "attn_q.weight", nh * hd, ne),
+                M(p + "attn_k.weight", nkv * hd, ne),
+                M(p + "attn_v.weight", nkv * hd, ne),
+                M(p + "attn_output.weight", ne, nh * hd, 0.5),
+            ]
+            if arch == "olmoe":  # full-width q/k norms (llama.cpp: {n_embd})
+                ts += [N(p + "attn_q_norm.weight", ne), N(p + "attn_k_norm.weight", ne)]
+            elif arch == "qwen3moe":  # per-head q/k norms (llama.cpp: {n_embd_head_k})
+                ts += [N(p + "attn_q_norm.weight", hd), N(p + "attn_k_norm.weight", hd)]
+            ts.append(N(p + "ffn_norm.weight", ne))
+            ts += experts(i)
+        elif arch == "deepseek2":
+            k_mla = d.qk_nope_dim + d.qk_rope_dim
+            ts.append(N(p + "attn_norm.weight", ne))
+            if d.q_lora_rank > 0:
+                ts += [
+                    M(p + "attn_q_a.weight", d.q_lora_rank, ne),
+                    N(p + "attn_q_a_norm.weight", d.q_lora_rank),
+                    M(p + "attn_q_b.weight", nh * k_mla, d.q_lora_rank),
+                ]
+            else:
+                ts.append(M(p + "attn_q.weight", nh * k_mla, ne))
+            ts += [
+                M(p + "attn_kv_a_mqa.weight", d.kv_lora_rank + d.qk_rope_dim, ne),
+                N(p + "attn_kv_a_norm.weight", d.kv_lora_rank),
+                # MLA up-projections split per head, as current convert_hf_to_gguf writes them:
+                # attn_k_b ne {nope, kv_lora, n_head}, attn_v_b ne {kv_lora, v_head, n_head}
+                _T(
+                    p + "attn_k_b.weight", (nh, d.kv_lora_rank, d.qk_nope_dim), dense_type, "matrix"
+                ),
+                _T(p + "attn_v_b.weight", (nh, d.v_head_dim, d.kv_lora_rank), dense_type, "matrix"),
+                M(p + "attn_output.weight", ne, nh * d.v_head_dim, 0.5),
+                N(p + "ffn_norm.weight", ne),
+            ]
+            if i < d.n_leading_dense:
+                ts += dense_ffn(i, d.n_ff)
+            else:
+                ts += experts(i)
+                ts += dense_ffn(i, ff * d.n_shared_experts, "_shexp")
+        elif arch == "lfm2moe":
+            ts.append(N(p + "ffn_norm.weight", ne))
+            if i < d.n_leading_dense:
+                ts += dense_ffn(i, d.n_ff)
+            else:
+                ts += experts(i)
+                ts.append(_T(p + "exp_probs_b.bias", (E,), F32, "bias"))
+            ts.append(N(p + "attn_norm.weight", ne))
+            if _lfm2_is_attention(i):
+                ts += [
+                    N(p + "attn_q_norm.weight", hd),
+                    N(p + "attn_k_norm.weight", hd),
+                    M(p + "attn_q.weight", nh * hd, ne),
+                    M(p + "attn_k.weight", nkv * hd, ne),
+                    M(p + "attn_v.weight", nkv * hd, ne),
+                    M(p + "attn_output.weight", ne, nh * hd, 0.5),
+                ]
+            else:
+                ts += [
+                    # ne {l_cache, n_embd}: a [n_embd, 3] f32 kernel (ne0 = 3, not tileable)
+                    _T(p + "shortconv.conv.weight", (ne, d.l_cache), F32, "conv"),
+                    M(p + "shortconv.in_proj.weight", 3 * ne, ne),
+                    M(p + "shortconv.out_proj.weight", ne, ne, 0.5),
+                ]
+    return ts
+
+
+def _lfm2_is_attention(layer: int) -> bool:
+    # LFM2 interleaves short-convolution blocks with a few attention blocks; here every
+    # second layer (1, 3, 5, ...) attends.
+    return layer % 2 == 1
+
+
+def _arch_keys(arch: str, d: SynthDims, n_vocab: int) -> list[tuple[str, Any, GGUFValueType]]:
+    a = GGUF_ARCH[arch]
+    U32, F32v, BOOL, STR = (
+        GGUFValueType.UINT32,
+        GGUFValueType.FLOAT32,
+        GGUFValueType.BOOL,
+        GGUFValueType.STRING,
+    )
+    k = lambda key: key.format(arch=a)  # noqa: E731
+    hd = d.head_dim
+    out: list[tuple[str, Any, GGUFValueType]] = [
+        (k(Keys.LLM.VOCAB_SIZE), n_vocab, U32),
+        (k(Keys.LLM.CONTEXT_LENGTH), d.n_ctx, U32),
+        (k(Keys.LLM.EMBEDDING_LENGTH), d.n_embd, U32),
+        (k(Keys.LLM.BLOCK_COUNT), d.n_layers, U32),
+        (k(Keys.Attention.HEAD_COUNT), d.n_head, U32),
+        (k(Keys.Attention.LAYERNORM_RMS_EPS), 1e-5 if arch != "qwen3moe" else 1e-6, F32v),
+        (k(Keys.Rope.FREQ_BASE), {"qwen3moe": 1e6, "mixtral": 1e6}.get(arch, 10000.0), F32v),
+        (k(Keys.LLM.EXPERT_COUNT), d.n_experts, U32),
+        (k(Keys.LLM.EXPERT_USED_COUNT), d.n_experts_used, U32),
+    ]
+    if arch == "olmoe":
+        out += [
+            (k(Keys.LLM.FEED_FORWARD_LENGTH), d.n_ff_exp, U32),  # olmoe's experts use n_ff
+            (k(Keys.Attention.HEAD_COUNT_KV), d.n_head_kv, U32),
+            (k(Keys.Rope.DIMENSION_COUNT), hd, U32),
+        ]
+    elif arch == "qwen3moe":
+        out += [
+            (k(Keys.LLM.FEED_FORWARD_LENGTH), d.n_ff, U32),
+            (k(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), d.n_ff_exp, U32),
+            (k(Keys.Attention.HEAD_COUNT_KV), d.n_head_kv, U32),
+            (k(Keys.Attention.KEY_LENGTH), hd, U32),
+            (k(Keys.Attention.VALUE_LENGTH), hd, U32),
+            (k(Keys.Rope.DIMENSION_COUNT), hd, U32),
+        ]
+    elif arch == "mixtral":
+        out += [
+            (k(Keys.LLM.FEED_FORWARD_LENGTH), d.n_ff_exp, U32),  # llama's experts use n_ff
+            (k(Keys.Attention.HEAD_COUNT_KV), d.n_head_kv, U32),
+            (k(Keys.Rope.DIMENSION_COUNT), hd, U32),
+        ]
+    elif arch == "deepseek2":
+        out += [
+            (k(Keys.LLM.FEED_FORWARD_LENGTH), d.n_ff, U32),
+            (k(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), d.n_ff_exp, U32),
+            (k(Keys.LLM.LEADING_DENSE_BLOCK_COUNT), d.n_leading_dense, U32),
+            (k(Keys.LLM.EXPERT_SHARED_COUNT), d.n_shared_experts, U32),
+            (k(Keys.LLM.EXPERT_WEIGHTS_SCALE), 1.0, F32v),
+            (k(Keys.LLM.EXPERT_WEIGHTS_NORM), False, BOOL),
+            (k(Keys.LLM.EXPERT_GATING_FUNC), 1, U32),  # softmax
+            (k(Keys.Attention.HEAD_COUNT_KV), 1, U32),  # MLA is stored as MQA
+            (k(Keys.Attention.KV_LORA_RANK), d.kv_lora_rank, U32),
+            (k(Keys.Attention.KEY_LENGTH), d.kv_lora_rank + d.qk_rope_dim, U32),
+            (k(Keys.Attention.VALUE_LENGTH), d.kv_lora_rank, U32),
+            (k(Keys.Attention.KEY_LENGTH_MLA), d.qk_nope_dim + d.qk_rope_dim, U32),
+            (k(Keys.Attention.VALUE_LENGTH_MLA), d.v_head_dim, U32),
+            (k(Keys.Rope.DIMENSION_COUNT), d.qk_rope_dim, U32),
+        ]
+        if d.q_lora_rank > 0:
+            out.append((k(Keys.Attention.Q_LORA_RANK), d.q_lora_rank, U32))
+    elif arch == "lfm2moe":
+        out += [
+            (k(Keys.LLM.FEED_FORWARD_LENGTH), d.n_ff, U32),
+            (k(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), d.n_ff_exp, U32),
+            (k(Keys.LLM.LEADING_DENSE_BLOCK_COUNT), d.n_leading_dense, U32),
+            (k(Keys.LLM.EXPERT_GATING_FUNC), 2, U32),  # sigmoid
+            (k(Keys.ShortConv.L_CACHE), d.l_cache, U32),
+            (k(Keys.Rope.DIMENSION_COUNT), hd, U32),
+        ]
+    out.append((Keys.General.NAME, f"estream-synth {arch}", STR))
+    return out
+
+
+# ---------------------------------------------------------------------------------- data
+def _random_blocks(
+    rng: np.random.Generator, t: _T, rows: int, qtype: GGMLQuantizationType
+) -> np.ndarray:
+    """Random valid Q4_0/Q8_0 blocks for `rows` rows of `t`, scaled so that y = W x keeps the
+    scale of x: per-element RMS ~ gain / sqrt(K)."""
+    k = t.shape[-1]
+    block, size = GGML_QUANT_SIZES[qtype]
+    nb = rows * (k // block)
+    n_words = -(-nb * size // 4)
+    raw = rng.integers(0, 1 << 32, size=n_words, dtype=np.uint32).view(np.uint8)[: nb * size]
+    blocks = raw.reshape(nb, size)
+    q_rms = 4.64 if qtype == Q4_0 else 73.9  # RMS of a uniform random nibble-8 / int8
+    d = t.gain / (q_rms * np.sqrt(k))
+    scales = (d * rng.uniform(0.75, 1.25, size=nb)).astype(np.float16)
+    blocks[:, :2] = scales.view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(rows, -1)
+
+
+def _tensor_data(t: _T, rng: np.random.Generator, hot: np.ndarray | None) -> np.ndarray:
+    rows = int(np.prod(t.shape[:-1], dtype=np.int64)) if len(t.shape) > 1 else 1
+    k = t.shape[-1]
+    if t.kind == "norm":
+        return (1.0 + 0.02 * rng.standard_normal(t.shape)).astype(np.float32)
+    if t.kind == "bias":
+        b = np.zeros(t.shape, dtype=np.float32)
+        if hot is not None:
+            b[hot] = 0.5  # selection bias towards the hot experts (sigmoid gating)
+        return b
+    if t.kind == "conv":
+        return (rng.standard_normal(t.shape) / np.sqrt(t.shape[-1])).astype(np.float32)
+    if t.kind == "router":
+        # Skewed routing: the hot experts' rows are 3x longer, so their logits have 3x the
+        # spread and they win the top-k for most tokens; the rest vary log-normally.
+        e = t.shape[0]
+        scale = np.exp(0.25 * rng.standard_normal(e))
+        if hot is not None:
+            scale[hot] *= 3.0
+        w = rng.standard_normal(t.shape) * (2.0 / np.sqrt(k)) * scale[:, None]
+        return w.astype(np.float32)
+    if t.qtype in (Q4_0, Q8_0):
+        return _random_blocks(rng, t, rows, t.qtype)
+    w = rng.standard_normal(t.shape).astype(np.float32) * (t.gain / np.sqrt(k))
+    if t.kind == "embed":
+        w *= np.sqrt(k)  # embeddings have O(1) entries
+    if t.qtype == F16:
+        return w.astype(np.float16)
+    if t.qtype == F32:
+        return w
+    from gguf import quants as gguf_quants
+
+    return np.asarray(gguf_quants.quantize(w, t.qtype), dtype=np.uint8)
+
+
+def synth_model(
+    arch: str,
+    preset: str,
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    vocab: str | os.PathLike[str] | None = None,
+    expert_type: str = "Q4_0",
+    dense_type: str = "Q4_0",
+    output_type: str = "Q8_0",
+    dims: Mapping[str, int] | None = None,
+) -> Path:
+    """Write a synthetic GGUF MoE model of `arch` at `preset` size to `path`; returns the path.
+
+    `vocab`: a GGUF whose tokenizer.ggml.* keys are copied; by default the real tokenizer of the
+    family (shared/data/vocab) for the small and olmoe-1b-7b presets, and a generated GPT-2-style
+    BPE vocabulary for tiny or when no file is found. `expert_type`/`dense_type`/`output_type`
+    are GGML type names (e.g. "F16", "Q8_0" experts to exercise re-quantization); `dims`
+    overrides preset dimensions (tests use it for awkward shapes).
+    """
+    d = synth_dims(arch, preset)
+    if dims:
+        d = attrs.evolve(d, **dims)
+    vocab_path: Path | None
+    if vocab is not None:
+        vocab_path = Path(vocab) if Path(vocab).is_file() else None
+    else:
+        vocab_path = find_vocab(arch) if preset != "tiny" else None
+    if vocab_path is not None:
+        vocab_kv = _read_vocab(vocab_path)
+        n_vocab = next(len(v) for k, v, _, _ in vocab_kv if k == Keys.Tokenizer.LIST)
+    else:
+        gen = generate_bpe_vocab(d.n_vocab, seed)
+        vocab_kv = []
+        for key, val in gen.items():
+            if isinstance(val, list):
+                sub = GGUFValueType.STRING if isinstance(val[0], str) else GGUFValueType.INT32
+                vocab_kv.append((key, val, GGUFValueType.ARRAY, sub))
+            elif isinstance(val, str):
+                vocab_kv.append((key, val, GGUFValueType.STRING, None))
+            else:
+                vocab_kv.append((key, val, GGUFValueType.UINT32, None))
+        n_vocab = len(gen[Keys.Tokenizer.LIST])
+
+    qt = {n: GGMLQuantizationType[n] for n in {expert_type, dense_type, output_type}}
+    plan = _tensor_plan(arch, d, n_vocab, qt[expert_type], qt[dense_type], qt[output_type])
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer = GGUFWriter(out, GGUF_ARCH[arch])
+    try:
+        for key, val, vtype in _arch_keys(arch, d, n_vocab):
+            writer.add_key_value(key, val, vtype)
+        if arch == "lfm2moe":
+            kv = [d.n_head_kv if _lfm2_is_attention(i) else 0 for i in range(d.n_layers)]
+            writer.add_key_value(
+                Keys.Attention.HEAD_COUNT_KV.format(arch="lfm2moe"),
+                kv,
+                GGUFValueType.ARRAY,
+                GGUFValueType.UINT32,
+            )
+        file_type = {
+            "Q4_0": LlamaFileType.MOSTLY_Q4_0,
+            "Q8_0": LlamaFileType.MOSTLY_Q8_0,
+            "F16": LlamaFileType.MOSTLY_F16,
+        }.get(expert_type, LlamaFileType.GUESSED)
+        writer.add_key_value(Keys.General.FILE_TYPE, int(file_type), GGUFValueType.UINT32)
+        writer.add_key_value(Keys.General.QUANTIZATION_VERSION, 2, GGUFValueType.UINT32)
+        for key, val, vtype, sub in vocab_kv:
+            writer.add_key_value(key, val, vtype, sub)
+        for t in plan:
+            if t.qtype in (F32, F16):
+                dtype = np.float32 if t.qtype == F32 else np.float16
+                writer.add_tensor_info(t.name, t.shape, np.dtype(dtype), t.nbytes)
+            else:
+                block, size = GGML_QUANT_SIZES[t.qtype]
+                byte_shape = (*t.shape[:-1], t.shape[-1] // block * size)
+                writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), t.nbytes, t.qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for i, t in enumerate(plan):
+            rng = np.random.default_rng([seed, 100 + i])
+            hot = None
+            if t.kind in ("router", "bias"):  # same hot experts for a layer's router and bias
+                layer_rng = np.random.default_rng([seed, 2, _layer_of(t.name)])
+                hot = layer_rng.permutation(d.n_experts)[: max(1, d.n_experts // 8)]
+            data = _tensor_data(t, rng, hot)
+            assert data.nbytes == t.nbytes, (t.name, data.nbytes, t.nbytes)
+            writer.write_tensor_data(np.ascontiguousarray(data))
+            del data
+    except BaseException:
+        writer.close()
+        out.unlink(missing_ok=True)
+        raise
+    writer.close()
+    return out
+
+
+def _layer_of(name: str) -> int:
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "blk" else -1

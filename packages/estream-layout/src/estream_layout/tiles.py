@@ -1,0 +1,270 @@
+"""Tile-major weight formats `q4_0-t32r4` and `q8_0-t32r4` (DESIGN.md §4, docs/format.md).
+
+A matrix `W[N][K]` stored as GGML blocks (one block = 32 consecutive elements of a row: an fp16
+scale then the quants) is cut into 32x32 tiles, output-tile major, reduction-tile minor. A tile
+holds the 32 row scales (64 B) and then the quants of its 32 rows interleaved in 4-byte pieces:
+group `g` (128 B) = bytes `4g..4g+3` of each row's quants, rows 0..31 in order. One group is one
+HVX vector / two AVX-512 registers whose 32-bit lanes are rows.
+
+Everything here is vectorised numpy: the conversion is a strided gather of 2-byte scales and
+4-byte quant pieces, expressed as two array assignments between views (no per-block Python).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import attrs
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+__all__ = [
+    "FORMATS",
+    "Q4_0_T32R4",
+    "Q8_0_T32R4",
+    "TILE",
+    "TileFormat",
+    "dequantize_blocks",
+    "dequantize_tiles",
+    "pack_tiles",
+    "pad_rows",
+    "quantize_q4_0",
+    "quantize_q8_0",
+    "tile_format",
+    "tile_nbytes",
+    "unpack_tiles",
+]
+
+TILE: Final = 32  # rows per tile and elements per GGML block (the reduction extent of a tile)
+
+
+@attrs.frozen
+class TileFormat:
+    """One tile-major format: which GGML block it re-lays and how big its pieces are."""
+
+    name: str
+    ggml_type: GGMLQuantizationType
+    block_bytes: int  # bytes of one GGML block (fp16 scale + quants)
+    n_groups: int  # 128-byte quant groups per tile
+    pad_quant_byte: int  # quant byte of a padding row (its scale is 0)
+
+    @property
+    def tile_bytes(self) -> int:
+        return 2 * TILE + self.n_groups * 4 * TILE
+
+    @property
+    def quant_bytes(self) -> int:
+        return self.block_bytes - 2
+
+
+Q4_0_T32R4: Final = TileFormat("q4_0-t32r4", GGMLQuantizationType.Q4_0, 18, 4, 0x88)
+Q8_0_T32R4: Final = TileFormat("q8_0-t32r4", GGMLQuantizationType.Q8_0, 34, 8, 0x00)
+FORMATS: Final = {f.name: f for f in (Q4_0_T32R4, Q8_0_T32R4)}
+
+
+def tile_format(fmt: str | TileFormat) -> TileFormat:
+    """Look a format up by name (`"q4_0-t32r4"` or `"q8_0-t32r4"`)."""
+    if isinstance(fmt, TileFormat):
+        return fmt
+    try:
+        return FORMATS[fmt]
+    except KeyError:
+        raise ValueError(f"unknown tile format {fmt!r}; known: {sorted(FORMATS)}") from None
+
+
+def _ceil_tiles(n: int) -> int:
+    return -(-n // TILE)
+
+
+def tile_nbytes(n_rows: int, n_cols: int, fmt: str | TileFormat = "q4_0-t32r4") -> int:
+    """Bytes of an `N x K` matrix in a tile format: `ceil(N/32) * (K/32) * tile_bytes`."""
+    f = tile_format(fmt)
+    if n_cols % TILE:
+        raise ValueError(f"reduction dimension K={n_cols} is not a multiple of {TILE}")
+    return _ceil_tiles(n_rows) * (n_cols // TILE) * f.tile_bytes
+
+
+def _as_rows(blocks: np.ndarray, f: TileFormat, n_rows: int | None) -> np.ndarray:
+    """View GGML block bytes as `[..., N, row_bytes]` uint8 (no copy when already contiguous)."""
+    a = np.ascontiguousarray(blocks)
+    if a.dtype != np.uint8:
+        raise TypeError(f"expected raw GGML block bytes (uint8), got {a.dtype}")
+    if a.ndim == 1:
+        if n_rows is None:
+            raise ValueError("flat block bytes need n_rows")
+        a = a.reshape(n_rows, -1)
+    if a.shape[-1] % f.block_bytes:
+        raise ValueError(
+            f"row of {a.shape[-1]} bytes is not a whole number of {f.ggml_type.name} blocks "
+            f"({f.block_bytes} B)"
+        )
+    return a
+
+
+def pad_rows(rows: np.ndarray, fmt: str | TileFormat = "q4_0-t32r4") -> np.ndarray:
+    """Append padding rows (scale 0, quants = the format's pad byte) up to a multiple of 32."""
+    f = tile_format(fmt)
+    n = rows.shape[-2]
+    n_pad = _ceil_tiles(n) * TILE
+    if n_pad == n:
+        return rows
+    out = np.empty((*rows.shape[:-2], n_pad, rows.shape[-1]), dtype=np.uint8)
+    out[..., :n, :] = rows
+    blocks = out.reshape(*rows.shape[:-2], n_pad, -1, f.block_bytes)  # a view: out is contiguous
+    blocks[..., n:, :, :2] = 0
+    blocks[..., n:, :, 2:] = f.pad_quant_byte
+    return out
+
+
+def _views(
+    src_rows: np.ndarray, tiles: np.ndarray, f: TileFormat, n_tiles_total: int, kb: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Strided views pairing source block pieces with their places in the tile buffer.
+
+    `src_rows` is `[n_tiles_total*32, kb*block_bytes]` contiguous uint8, `tiles` is
+    `[n_tiles_total*kb*tile_bytes]` contiguous uint8. Returns (src_scales, dst_scales,
+    src_quants, dst_quants) with identical shapes, so `dst[...] = src` (or the reverse) converts.
+    """
+    rb = kb * f.block_bytes
+    tb = f.tile_bytes
+    g = f.n_groups
+    sb = src_rows.reshape(-1)
+    # source: [tile i, block j, row r] scales (u2) and [i, j, group, r] quant pieces (u4)
+    src_s = np.ndarray(
+        (n_tiles_total, kb, TILE),
+        dtype="<u2",
+        buffer=sb,
+        offset=0,
+        strides=(TILE * rb, f.block_bytes, rb),
+    )
+    src_q = np.ndarray(
+        (n_tiles_total, kb, g, TILE),
+        dtype="<u4",
+        buffer=sb,
+        offset=2,
+        strides=(TILE * rb, f.block_bytes, 4, rb),
+    )
+    tbuf = tiles.reshape(-1)
+    dst_s = np.ndarray(
+        (n_tiles_total, kb, TILE), dtype="<u2", buffer=tbuf, offset=0, strides=(kb * tb, tb, 2)
+    )
+    dst_q = np.ndarray(
+        (n_tiles_total, kb, g, TILE),
+        dtype="<u4",
+        buffer=tbuf,
+        offset=2 * TILE,
+        strides=(kb * tb, tb, 4 * TILE, 4),
+    )
+    return src_s, dst_s, src_q, dst_q
+
+
+def pack_tiles(
+    blocks: np.ndarray,
+    fmt: str | TileFormat = "q4_0-t32r4",
+    *,
+    n_rows: int | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Re-lay GGML blocks of `W[N][K]` (or a batch `[..., N, K]`) into tile-major bytes.
+
+    `blocks` is uint8: `[..., N, K/32*block_bytes]` (as GGUF stores it), or flat bytes with
+    `n_rows`. Rows are padded to a multiple of 32 with (scale 0, quants 0x88/0) blocks.
+    Returns uint8 `[..., tile_nbytes(N, K)]` (1-D for a single matrix). Lossless:
+    `unpack_tiles(pack_tiles(b), N, K) == b` bit for bit.
+    """
+    f = tile_format(fmt)
+    rows = _as_rows(blocks, f, n_rows)
+    batch = rows.shape[:-2]
+    n = rows.shape[-2]
+    kb = rows.shape[-1] // f.block_bytes
+    rows = pad_rows(rows, f)  # no-op (no copy) when N % 32 == 0
+    n_tiles_total = int(np.prod(batch, dtype=np.int64)) * (rows.shape[-2] // TILE)
+    nbytes = _ceil_tiles(n) * kb * f.tile_bytes
+    if out is None:
+        out = np.empty((*batch, nbytes), dtype=np.uint8)
+    elif out.dtype != np.uint8 or out.size != nbytes * max(1, int(np.prod(batch))):
+        raise ValueError(f"out must be uint8 with {nbytes} bytes per matrix")
+    if n_tiles_total == 0 or kb == 0:
+        return out
+    src_s, dst_s, src_q, dst_q = _views(rows, out, f, n_tiles_total, kb)
+    dst_s[...] = src_s
+    dst_q[...] = src_q
+    return out
+
+
+def unpack_tiles(
+    buf: np.ndarray | bytes | memoryview,
+    n_rows: int,
+    n_cols: int,
+    fmt: str | TileFormat = "q4_0-t32r4",
+) -> np.ndarray:
+    """Inverse of `pack_tiles`: tile-major bytes of `W[N][K]` (or a batch) -> GGML block rows.
+
+    Returns uint8 `[..., N, K/32*block_bytes]` (padding rows dropped); a leading batch axis is
+    inferred when `buf` holds several matrices back to back.
+    """
+    f = tile_format(fmt)
+    if n_cols % TILE:
+        raise ValueError(f"reduction dimension K={n_cols} is not a multiple of {TILE}")
+    a = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
+    a = np.ascontiguousarray(a).reshape(-1)
+    one = tile_nbytes(n_rows, n_cols, f)
+    if one == 0:
+        return np.empty((n_rows, 0), dtype=np.uint8)
+    if a.size % one:
+        raise ValueError(f"buffer of {a.size} B is not a whole number of {one}-B matrices")
+    n_mats = a.size // one
+    kb = n_cols // TILE
+    nt = _ceil_tiles(n_rows)
+    rows = np.empty((n_mats, nt * TILE, kb * f.block_bytes), dtype=np.uint8)
+    src_s, dst_s, src_q, dst_q = _views(rows, a, f, n_mats * nt, kb)
+    src_s[...] = dst_s
+    src_q[...] = dst_q
+    rows = rows[:, :n_rows, :]
+    return rows[0] if (np.ndim(buf) <= 1 and n_mats == 1) else rows
+
+
+def _scales(rows: np.ndarray, f: TileFormat) -> tuple[np.ndarray, np.ndarray]:
+    b = rows.reshape(*rows.shape[:-1], -1, f.block_bytes)
+    d = b[..., :2].copy().view("<f2")[..., 0].astype(np.float32)
+    return b, d
+
+
+def dequantize_blocks(rows: np.ndarray, fmt: str | TileFormat = "q4_0-t32r4") -> np.ndarray:
+    """GGML Q4_0 / Q8_0 block rows `[..., N, K/32*bs]` -> float32 `[..., N, K]` (exact)."""
+    f = tile_format(fmt)
+    b, d = _scales(rows, f)
+    qs = b[..., 2:]
+    if f is Q4_0_T32R4:
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - 8
+    else:
+        q = qs.view(np.int8)
+    w = q.astype(np.float32) * d[..., None]
+    return w.reshape(*rows.shape[:-1], -1)
+
+
+def dequantize_tiles(
+    buf: np.ndarray | bytes | memoryview,
+    n_rows: int,
+    n_cols: int,
+    fmt: str | TileFormat = "q4_0-t32r4",
+) -> np.ndarray:
+    """Tile-major bytes -> float32 `W[N][K]` (the values a kernel must reproduce)."""
+    return dequantize_blocks(unpack_tiles(buf, n_rows, n_cols, fmt), fmt)
+
+
+def quantize_q4_0(w: np.ndarray) -> np.ndarray:
+    """float `[..., N, K]` -> GGML Q4_0 block rows `[..., N, K/32*18]` (ggml's reference rounding)."""
+    w = np.asarray(w, dtype=np.float32)
+    if w.shape[-1] % TILE:
+        raise ValueError(f"K={w.shape[-1]} is not a multiple of {TILE}")
+    return np.asarray(gguf_quants.quantize(w, GGMLQuantizationType.Q4_0), dtype=np.uint8)
+
+
+def quantize_q8_0(w: np.ndarray) -> np.ndarray:
+    """float `[..., N, K]` -> GGML Q8_0 block rows `[..., N, K/32*34]` (ggml's reference rounding)."""
+    w = np.asarray(w, dtype=np.float32)
+    if w.shape[-1] % TILE:
+        raise ValueError(f"K={w.shape[-1]} is not a multiple of {TILE}")
+    return np.asarray(gguf_quants.quantize(w, GGMLQuantizationType.Q8_0), dtype=np.uint8)

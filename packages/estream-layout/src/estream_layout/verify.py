@@ -1,0 +1,248 @@
+"""Verify and inspect packed models.
+
+`verify_pack` re-reads every byte of `experts.bin` (sizes, one crc32 per record) and, given the
+source GGUF, unpacks every tile back to GGML blocks and compares them with the source bit for
+bit (re-quantized experts and converted dense tensors are compared with a fresh conversion).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from .gguf_model import EXPERT_PROJECTIONS, ModelSpec, TensorReader, dequantize_rows
+from .manifest import PAGE, Manifest
+from .pack import _QUANT_PASSTHROUGH, dense_format
+from .tiles import quantize_q4_0, quantize_q8_0, unpack_tiles
+
+__all__ = ["VerifyReport", "format_inspect", "inspect_pack", "verify_pack"]
+
+
+@attrs.frozen
+class VerifyReport:
+    """Outcome of `verify_pack`: `ok` is true when `problems` is empty."""
+
+    path: str
+    checked_records: int
+    checked_bytes: int
+    compared_with_source: bool
+    compared_tensors: int
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        d = attrs.asdict(self)
+        d["ok"] = self.ok
+        d["problems"] = list(self.problems)
+        return d
+
+
+def _check_structure(m: Manifest, problems: list[str]) -> None:
+    for name in ("model.gguf", m.dense_file, m.experts_file):
+        if not (m.root / name).is_file():
+            problems.append(f"missing file {name}")
+    if m.experts_path.is_file() and m.experts_path.stat().st_size != m.experts_bytes:
+        problems.append(
+            f"{m.experts_file} has {m.experts_path.stat().st_size} bytes, manifest says "
+            f"{m.experts_bytes} (truncated or altered)"
+        )
+    if m.dense_path.is_file():
+        size = m.dense_path.stat().st_size
+        for t in m.dense.values():
+            if t.offset % PAGE:
+                problems.append(f"dense tensor {t.name} at offset {t.offset}, not 4096-aligned")
+            if t.offset + t.bytes > size:
+                problems.append(f"dense tensor {t.name} extends past the end of {m.dense_file}")
+    end = 0
+    for layer in m.layers:
+        if layer.offset % PAGE or layer.record_bytes % PAGE:
+            problems.append(f"layer {layer.index}: offset/record size not 4096-aligned")
+        if sorted(layer.order) != list(range(layer.n_experts)):
+            problems.append(f"layer {layer.index}: order is not a permutation")
+        if len(layer.checksums) != layer.n_experts:
+            problems.append(f"layer {layer.index}: {len(layer.checksums)} checksums")
+        off = 0
+        for j in EXPERT_PROJECTIONS:
+            p = layer.projections.get(j)
+            if p is None:
+                problems.append(f"layer {layer.index}: no {j} projection")
+                continue
+            if p.offset_in_record != off or p.padded_bytes % PAGE or p.bytes > p.padded_bytes:
+                problems.append(f"layer {layer.index}: {j} projection placement is inconsistent")
+            off += p.padded_bytes
+        if off != layer.record_bytes:
+            problems.append(f"layer {layer.index}: projections do not add up to record_bytes")
+        if layer.offset < end:
+            problems.append(f"layer {layer.index} overlaps the previous layer")
+        end = layer.offset + layer.nbytes
+    if end > m.experts_bytes:
+        problems.append("layers extend past the end of experts.bin")
+
+
+def verify_pack(
+    path: str | os.PathLike[str], against: str | os.PathLike[str] | None = None
+) -> VerifyReport:
+    """Check a packed model: structure, sizes, every record checksum, and (with `against`,
+    the source GGUF) that every packed tile unpacks to the source's blocks bit for bit."""
+    m = Manifest.from_path(path)
+    problems: list[str] = []
+    _check_structure(m, problems)
+    n_records = 0
+    n_bytes = 0
+    if m.experts_path.is_file() and not any("experts.bin has" in p for p in problems):
+        with open(m.experts_path, "rb") as fh:
+            for layer in m.layers:
+                fh.seek(layer.offset)
+                for pos in range(layer.n_experts):
+                    rec = fh.read(layer.record_bytes)
+                    if len(rec) != layer.record_bytes:
+                        problems.append(f"layer {layer.index}: record {pos} is short")
+                        break
+                    if zlib.crc32(rec) != layer.checksums[pos]:
+                        problems.append(
+                            f"layer {layer.index}: checksum mismatch at storage position {pos} "
+                            f"(expert {layer.order[pos]}); experts.bin is corrupt, repack"
+                        )
+                    n_records += 1
+                    n_bytes += len(rec)
+    compared = 0
+    if against is not None and not problems:
+        compared = _compare_with_source(m, Path(against), problems)
+    return VerifyReport(
+        path=str(m.root),
+        checked_records=n_records,
+        checked_bytes=n_bytes,
+        compared_with_source=against is not None,
+        compared_tensors=compared,
+        problems=tuple(problems),
+    )
+
+
+def _compare_with_source(m: Manifest, src: Path, problems: list[str]) -> int:
+    spec = ModelSpec.from_gguf(src)
+    if spec.file_bytes != m.source.get("bytes"):
+        problems.append(
+            f"{src} has {spec.file_bytes} bytes but the pack was made from a "
+            f"{m.source.get('bytes')}-byte file"
+        )
+        return 0
+    compared = 0
+    experts = np.memmap(m.experts_path, dtype=np.uint8, mode="r") if m.experts_bytes else None
+    dense = np.memmap(m.dense_path, dtype=np.uint8, mode="r")
+    with TensorReader(src) as reader:
+        for layer in m.layers:
+            for j in EXPERT_PROJECTIONS:
+                info = spec.expert_tensor(layer.index, j)
+                p = layer.projections[j]
+                for pos, expert in enumerate(layer.order):
+                    start = layer.record_offset(pos) + p.offset_in_record
+                    assert experts is not None
+                    got = unpack_tiles(experts[start : start + p.bytes], p.rows, p.cols)
+                    raw = reader.expert(info, expert)
+                    want = (
+                        raw
+                        if spec.expert_type == "Q4_0"
+                        else quantize_q4_0(dequantize_rows(raw, info))
+                    )
+                    if not np.array_equal(got, want):
+                        problems.append(
+                            f"layer {layer.index} expert {expert} {j}: packed blocks differ from "
+                            "the source"
+                        )
+                compared += 1
+        for name, t in m.dense.items():
+            info = spec.tensors.get(name)
+            if info is None:
+                problems.append(f"dense tensor {name} is not in {src}")
+                continue
+            if dense_format(info) != t.format:
+                problems.append(
+                    f"dense tensor {name}: format {t.format}, expected {dense_format(info)}"
+                )
+                continue
+            raw = reader.rows(info, 0, info.n_rows).reshape(*info.shape[:-1], info.row_bytes)
+            buf = dense[t.offset : t.offset + t.bytes]
+            if t.format == "f32":
+                want = dequantize_rows(raw.reshape(-1, info.row_bytes), info).reshape(-1)
+                ok = np.array_equal(buf.view(np.float32), want.astype(np.float32))
+            else:
+                got = unpack_tiles(buf, info.shape[-2], info.shape[-1], t.format)
+                if _QUANT_PASSTHROUGH.get(info.qtype) == t.format:
+                    want = raw
+                else:
+                    want = quantize_q8_0(dequantize_rows(raw, info))
+                ok = np.array_equal(got.reshape(want.shape), want)
+            if not ok:
+                problems.append(f"dense tensor {name} differs from the source")
+            compared += 1
+    return compared
+
+
+def inspect_pack(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A JSON-able summary of a packed model (what `estream-pack --inspect --json` prints)."""
+    m = Manifest.from_path(path)
+    formats: dict[str, dict[str, int]] = {}
+    for t in m.dense.values():
+        f = formats.setdefault(t.format, {"tensors": 0, "bytes": 0})
+        f["tensors"] += 1
+        f["bytes"] += t.bytes
+    dense_size = m.dense_path.stat().st_size if m.dense_path.is_file() else 0
+    spec = m.spec
+    first = m.layers[0] if m.layers else None
+    return {
+        "path": str(m.root),
+        "format": m.format,
+        "version": m.version,
+        "arch": m.arch,
+        "family": spec.get("family"),
+        "name": spec.get("name"),
+        "source": dict(m.source),
+        "n_layers": spec.get("n_layers"),
+        "moe_layers": list(m.moe_layers),
+        "n_experts": spec.get("n_experts"),
+        "n_experts_used": spec.get("n_experts_used"),
+        "n_embd": spec.get("n_embd"),
+        "n_ff_exp": spec.get("n_ff_exp"),
+        "n_vocab": spec.get("n_vocab"),
+        "experts_bytes": m.experts_bytes,
+        "dense_bytes": dense_size,
+        "record_bytes": first.record_bytes if first else 0,
+        "projections": {j: attrs.asdict(p) for j, p in first.projections.items()} if first else {},
+        "dense_formats": formats,
+        "reordered_layers": [la.index for la in m.layers if list(la.order) != sorted(la.order)],
+        "config": m.config,
+    }
+
+
+def format_inspect(info: dict[str, Any]) -> str:
+    """Human-readable rendering of `inspect_pack`'s dict."""
+    mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+    lines = [
+        f"{info['path']}",
+        f"  {info['format']} v{info['version']}  arch={info['arch']} ({info['family']})  "
+        f"name={info['name']!r}",
+        f"  source: {info['source'].get('file')} ({mib(info['source'].get('bytes', 0))}), "
+        f"experts {info['source'].get('expert_type')}"
+        + ("  [RE-QUANTIZED]" if info["source"].get("requantized") else ""),
+        f"  layers: {info['n_layers']} ({len(info['moe_layers'])} MoE: {info['moe_layers']})",
+        f"  experts: {info['n_experts']} per layer, top-{info['n_experts_used']}, "
+        f"d={info['n_embd']}, ff={info['n_ff_exp']}, vocab={info['n_vocab']}",
+        f"  experts.bin: {mib(info['experts_bytes'])}, record {info['record_bytes']:,} B "
+        + " ".join(
+            f"{j}={p['rows']}x{p['cols']}@{p['offset_in_record']}"
+            for j, p in info["projections"].items()
+        ),
+        f"  dense.bin: {mib(info['dense_bytes'])} "
+        + ", ".join(f"{k}: {v['tensors']} tensors" for k, v in info["dense_formats"].items()),
+        f"  storage order: {'profiled in layers ' + str(info['reordered_layers']) if info['reordered_layers'] else 'identity'}",
+        f"  config: {info['config'] if info['config'] else 'not configured'}",
+    ]
+    return "\n".join(lines)
