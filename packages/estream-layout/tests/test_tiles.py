@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from estream_layout import dequantize_tiles, pack_tiles, tile_nbytes, unpack_tiles
-from estream_layout.testing import block_matrices, q4_0_blocks, q8_0_blocks
+from estream_layout.testing import block_matrices, q4_0_blocks
 from estream_layout.tiles import dequantize_blocks, pad_rows, quantize_q4_0, quantize_q8_0
 
 FMTS = {"q4_0-t32r4": (18, 4, 576, 0x88), "q8_0-t32r4": (34, 8, 1088, 0x00)}

@@ -24,7 +24,9 @@ from .gguf_model import (
     dequantize_tensor,
     tensor_memmap,
 )
-from .synth import ARCHES, PRESETS, synth_model
+from .manifest import DenseEntry, LayerEntry, Manifest, ProjectionEntry
+from .pack import dense_format, load_routing_profile, pack_model, storage_order
+from .synth import ARCHES, PRESETS, SynthDims, synth_dims, synth_model
 from .tiles import (
     dequantize_blocks,
     dequantize_tiles,
@@ -34,6 +36,7 @@ from .tiles import (
     tile_nbytes,
     unpack_tiles,
 )
+from .verify import VerifyReport, inspect_pack, verify_pack
 
 __version__ = "0.1.0"
 
@@ -42,29 +45,42 @@ __all__ = [
     "EXPERT_PROJECTIONS",
     "PRESETS",
     "ChecksumError",
+    "DenseEntry",
     "DenseModelError",
     "InvalidGGUFError",
+    "LayerEntry",
     "LayoutError",
+    "Manifest",
     "ModelSpec",
     "NotGGUFError",
     "PackExistsError",
     "PackFormatError",
     "ProfileError",
+    "ProjectionEntry",
+    "SynthDims",
     "TensorInfo",
     "TensorReader",
     "TruncatedGGUFError",
     "UnalignedReductionError",
     "UnsupportedArchitectureError",
     "UnsupportedTensorTypeError",
+    "VerifyReport",
     "__version__",
+    "dense_format",
     "dequantize_blocks",
     "dequantize_tensor",
     "dequantize_tiles",
+    "inspect_pack",
+    "load_routing_profile",
+    "pack_model",
     "pack_tiles",
     "quantize_q4_0",
     "quantize_q8_0",
+    "storage_order",
+    "synth_dims",
     "synth_model",
     "tensor_memmap",
     "tile_nbytes",
     "unpack_tiles",
+    "verify_pack",
 ]

@@ -484,9 +484,9 @@ def _tensor_data(t: _T, rng: np.random.Generator, hot: np.ndarray | None) -> np.
         return w.astype(np.float32)
     if t.qtype in (Q4_0, Q8_0):
         return _random_blocks(rng, t, rows, t.qtype)
-    w = rng.standard_normal(t.shape).astype(np.float32) * (t.gain / np.sqrt(k))
-    if t.kind == "embed":
-        w *= np.sqrt(k)  # embeddings have O(1) entries
+    # same RMS as the Q4_0 path (gain/sqrt(K)); embeddings too, since every consumer of an
+    # embedding row normalises it first, and lfm2moe reuses token_embd as its output matrix
+    w = (rng.standard_normal(t.shape) * (t.gain / np.sqrt(k))).astype(np.float32)
     if t.qtype == F16:
         return w.astype(np.float16)
     if t.qtype == F32:
@@ -507,6 +507,7 @@ def synth_model(
     dense_type: str = "Q4_0",
     output_type: str = "Q8_0",
     dims: Mapping[str, int] | None = None,
+    **overrides: int,
 ) -> Path:
     """Write a synthetic GGUF MoE model of `arch` at `preset` size to `path`; returns the path.
 
@@ -514,11 +515,15 @@ def synth_model(
     family (shared/data/vocab) for the small and olmoe-1b-7b presets, and a generated GPT-2-style
     BPE vocabulary for tiny or when no file is found. `expert_type`/`dense_type`/`output_type`
     are GGML type names (e.g. "F16", "Q8_0" experts to exercise re-quantization); `dims`
-    overrides preset dimensions (tests use it for awkward shapes).
+    (a mapping) and keyword `overrides` (any `SynthDims` field, e.g. `n_layers=12`) change preset dimensions.
     """
     d = synth_dims(arch, preset)
-    if dims:
-        d = attrs.evolve(d, **dims)
+    changes = {**(dims or {}), **overrides}
+    if changes:
+        unknown = set(changes) - {a.name for a in attrs.fields(SynthDims)}
+        if unknown:
+            raise TypeError(f"unknown synth dimension(s) {sorted(unknown)}")
+        d = attrs.evolve(d, **changes)
     vocab_path: Path | None
     if vocab is not None:
         vocab_path = Path(vocab) if Path(vocab).is_file() else None
