@@ -7,6 +7,7 @@ from ._model import Schedule, pipeline_schedule, pipeline_time
 from .configure import BudgetError, Choice, Row, choose_q0, configure, format_bytes, sweep
 from .metrics import bubble_rate, busy_time, overlap, pareto_frontier, union
 from .profile import SCHEMA_VERSION, LayerProfile, Profile, ProfileError, n_groups
+from .simulate import RequestSchedule, SimulationError, simulate, simulate_layers
 from .synthetic import SyntheticSpec, synthetic_profile
 from .trace import TraceEvent, chrome_trace, schedule_events, write_chrome_trace
 
@@ -22,8 +23,10 @@ __all__ = [
     "LayerProfile",
     "Profile",
     "ProfileError",
+    "RequestSchedule",
     "Row",
     "Schedule",
+    "SimulationError",
     "SyntheticSpec",
     "TraceEvent",
     "__version__",
@@ -39,6 +42,8 @@ __all__ = [
     "pipeline_schedule",
     "pipeline_time",
     "schedule_events",
+    "simulate",
+    "simulate_layers",
     "sweep",
     "synthetic_profile",
     "union",

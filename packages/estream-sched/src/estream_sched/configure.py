@@ -70,7 +70,10 @@ def choose_q0(
     groups: list[int] | None = None,
 ) -> int:
     """Smallest queue depth reaching ``threshold`` of the peak grouped-read bandwidth, for
-    EVERY group size: ``Q0 = min{q : min_g BW(g,q) / max_q' BW(g,q') >= threshold}``."""
+    EVERY group size: ``Q0 = min{q : min_g BW(g,q) / max_q' BW(g,q') >= threshold}``.
+
+    Only depths measured for every ``g`` are considered. If none reaches the threshold, the
+    depth maximising ``min_g BW(g,q) / max_q' BW(g,q')`` is returned (the shallowest on ties)."""
     gs = sorted(bandwidth) if groups is None else sorted(groups)
     if not gs:
         raise ValueError("bandwidth table is empty")
@@ -78,11 +81,13 @@ def choose_q0(
     qs = sorted(set.intersection(*qsets))
     if not qs:
         raise ValueError("no queue depth was measured for every g")
+    ratio = {q: min(bandwidth[g][q] / max(bandwidth[g].values()) for g in gs) for q in qs}
     for q in qs:
-        if all(bandwidth[g][q] >= threshold * max(bandwidth[g].values()) for g in gs):
+        if ratio[q] >= threshold:
             return int(q)
-    # Unreachable when the peak's q is shared by all g; the deepest common q is the best guess.
-    return int(qs[-1])
+    # No depth reaches the threshold for every g at once (the peaks sit at different q): take
+    # the depth with the best worst-case ratio, the shallowest on ties.
+    return int(max(qs, key=lambda q: (ratio[q], -q)))
 
 
 @attrs.frozen
@@ -170,15 +175,10 @@ def model_arrays(
         elif read_model == "measured":
             L = reads * scale
         else:
+            # Pooled over the routed groups of every layer: seconds per byte at q_measured.
             sel_bytes = float(nbytes[routed].sum())
-            sel_time = float(reads[routed].sum())
-            if sel_bytes <= 0 or sel_time <= 0:
-                raise ProfileError(
-                    f"candidates.{g}",
-                    "no routed group with a measured read time; cannot calibrate reads "
-                    "(use read_model='bandwidth')",
-                )
-            L = nbytes * (sel_time / sel_bytes) * scale
+            lam = float(reads[routed].sum()) / sel_bytes if sel_bytes > 0 else 0.0
+            L = nbytes * lam * scale
         W = routes.shape[0]
         counts = routed.sum(axis=1)
         k_max = int(counts.max()) if W else 0
