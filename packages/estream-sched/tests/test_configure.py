@@ -107,7 +107,7 @@ def test_zero_regret_against_exhaustive_sweep(p: Profile, frac: float, read_mode
     best = min(sweep.values())
     mine = sweep[(choice.G, choice.B)]  # evaluated by the test's own model, not the configurator's
     assert mine <= best * (1 + 1e-12)
-    assert choice.Q == q0
+    assert q0 == choice.Q
     assert choice.memory_bytes <= budget
     assert choice.memory_bytes == p.m_other[choice.G] + choice.B * choice.G * p.expert_bytes
     assert choice.per_layer_s == pytest.approx(mine, rel=1e-12, abs=0)

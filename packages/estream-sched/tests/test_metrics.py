@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -69,7 +71,7 @@ def test_pareto_frontier_brute_force(pts: list[tuple[int, int]]) -> None:
     assert sorted(idx) == [i for i in range(len(pts)) if not dominated(i)]
     mems = [pts[i][0] for i in idx]
     lats = [pts[i][1] for i in idx]
-    assert mems == sorted(mems) and all(a > b for a, b in zip(lats, lats[1:]))
+    assert mems == sorted(mems) and all(a > b for a, b in itertools.pairwise(lats))
 
 
 def test_pareto_frontier_shape_check() -> None:

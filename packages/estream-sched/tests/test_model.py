@@ -3,6 +3,8 @@ lower bounds, broadcasting, and the configurator's bank-sweep fast path."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -67,7 +69,7 @@ def test_non_increasing_in_banks(inst: PipelineInstance, extra: int) -> None:
 @given(pipeline_instances(profile_shaped=True, max_q=8, max_b=8))
 def test_non_increasing_in_queue_depth_up_to_b(inst: PipelineInstance) -> None:
     times = [f_K(inst, q=q) for q in range(1, inst.b + 1)]
-    assert all(x >= y for x, y in zip(times, times[1:])), times
+    assert all(x >= y for x, y in itertools.pairwise(times)), times
 
 
 def test_queue_depth_monotonicity_needs_ordered_completions() -> None:

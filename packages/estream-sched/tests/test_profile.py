@@ -150,7 +150,7 @@ def test_empty_candidates(doc: dict[str, Any]) -> None:
     d["candidates"] = {}
     d["m_other"] = {}
     d["bandwidth"] = {}
-    with pytest.raises(ProfileError, match="^candidates: no candidate group sizes$"):
+    with pytest.raises(ProfileError, match=r"^candidates: no candidate group sizes$"):
         Profile.from_dict(d)
 
 

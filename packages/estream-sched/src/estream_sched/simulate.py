@@ -234,9 +234,13 @@ class _Sim:
                 self.exec_busy = False
                 self.next_exec = x + 1
             # A layer ends when its last group (or, with none, its non-expert work) is done.
-            if not self.exec_busy and self.ne_done and self.layer_done(self.layer):
-                if self.layer + 1 < len(self.layers):
-                    self.start_layer(self.layer + 1, t)
+            if (
+                not self.exec_busy
+                and self.ne_done
+                and self.layer_done(self.layer)
+                and self.layer + 1 < len(self.layers)
+            ):
+                self.start_layer(self.layer + 1, t)
             self.dispatch_exec(t)
             self.dispatch_reads(t)
             self.dispatch_exec(t)
@@ -269,7 +273,7 @@ def _layer(L: ArrayLike, X: ArrayLike, t_ne: float) -> tuple[np.ndarray, np.ndar
         raise ValueError(f"L and X must be 1-D of equal length, got {L_.shape} and {X_.shape}")
     if not (np.all(np.isfinite(L_)) and np.all(np.isfinite(X_)) and np.isfinite(t_ne)):
         raise ValueError("times must be finite")
-    if L_.size and (L_.min() < 0 or X_.min() < 0) or t_ne < 0:
+    if (L_.size and (L_.min() < 0 or X_.min() < 0)) or t_ne < 0:
         raise ValueError("times must be >= 0")
     return L_, X_, float(t_ne)
 
