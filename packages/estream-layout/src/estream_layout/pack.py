@@ -184,7 +184,15 @@ def _resolve_orders(
     if isinstance(order, Mapping) and "layers" not in order:
         out = dict(identity)
         for k, v in order.items():
-            out[int(k)] = [int(x) for x in v]
+            try:
+                layer, ids = int(k), [int(x) for x in v]
+            except (TypeError, ValueError):
+                raise ProfileError(
+                    'an order must be a routing profile {"layers": ...} or {layer: [expert ids]}'
+                ) from None
+            if layer not in identity:
+                raise ProfileError(f"order given for layer {layer}, which is not a MoE layer")
+            out[layer] = ids
         summary = {"source": "explicit"}
     else:
         prof = load_routing_profile(order)

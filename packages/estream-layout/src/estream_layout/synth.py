@@ -461,7 +461,53 @@ def _random_blocks(
     return blocks.reshape(rows, -1)
 
 
-def _tensor_data(t: _T, rng: np.random.Generator, hot: np.ndarray | None) -> np.ndarray:
+def _embedding(t: _T, rng: np.random.Generator, u: np.ndarray) -> np.ndarray:
+    """Token embeddings `(z + u) / sqrt(K)`: random rows sharing one common direction `u`.
+
+    Trained models' hidden states share a few large directions; here `u` plays that role, and
+    the routers' hot experts point along it (see `_router`), which is what makes routing skewed
+    for real inputs. Generated and quantized in row chunks to bound memory.
+    """
+    n, k = t.shape
+    block, size = GGML_QUANT_SIZES[t.qtype]
+    out = np.empty((n, k // block * size), dtype=np.uint8)
+    step = max(1, (8 << 20) // k)
+    for r0 in range(0, n, step):
+        rows = min(step, n - r0)
+        w = ((rng.standard_normal((rows, k)) + u) / np.sqrt(k)).astype(np.float32)
+        if t.qtype == F32:
+            out[r0 : r0 + rows] = w.view(np.uint8)
+        elif t.qtype == F16:
+            out[r0 : r0 + rows] = w.astype(np.float16).view(np.uint8)
+        else:
+            from gguf import quants as gguf_quants
+
+            out[r0 : r0 + rows] = gguf_quants.quantize(w, t.qtype)
+    if t.qtype == F32:
+        return out.view(np.float32)
+    if t.qtype == F16:
+        return out.view(np.float16)
+    return out
+
+
+def _router(t: _T, rng: np.random.Generator, hot: np.ndarray | None, u: np.ndarray) -> np.ndarray:
+    """Skewed router `[E, d]`: random rows (norm ~2, log-normal spread), plus, for the hot
+    experts, a component along the common hidden direction `u` that lifts their logits by
+    about 1.5 standard deviations for typical inputs, so they win the top-k most of the time."""
+    e, k = t.shape
+    scale = np.exp(0.25 * rng.standard_normal(e))
+    w = rng.standard_normal(t.shape) * (2.0 / np.sqrt(k)) * scale[:, None]
+    if hot is not None:
+        u_hat = u / np.linalg.norm(u)
+        # a normalised embedding row has a u-component of ~sqrt(k/2)
+        for rank, h in enumerate(hot):
+            w[h] += (3.0 - 0.5 * rank) / np.sqrt(k / 2) * u_hat
+    return w.astype(np.float32)
+
+
+def _tensor_data(
+    t: _T, rng: np.random.Generator, hot: np.ndarray | None, u: np.ndarray
+) -> np.ndarray:
     rows = int(np.prod(t.shape[:-1], dtype=np.int64)) if len(t.shape) > 1 else 1
     k = t.shape[-1]
     if t.kind == "norm":
@@ -474,18 +520,11 @@ def _tensor_data(t: _T, rng: np.random.Generator, hot: np.ndarray | None) -> np.
     if t.kind == "conv":
         return (rng.standard_normal(t.shape) / np.sqrt(t.shape[-1])).astype(np.float32)
     if t.kind == "router":
-        # Skewed routing: the hot experts' rows are 3x longer, so their logits have 3x the
-        # spread and they win the top-k for most tokens; the rest vary log-normally.
-        e = t.shape[0]
-        scale = np.exp(0.25 * rng.standard_normal(e))
-        if hot is not None:
-            scale[hot] *= 3.0
-        w = rng.standard_normal(t.shape) * (2.0 / np.sqrt(k)) * scale[:, None]
-        return w.astype(np.float32)
+        return _router(t, rng, hot, u)
+    if t.kind == "embed":
+        return _embedding(t, rng, u)
     if t.qtype in (Q4_0, Q8_0):
         return _random_blocks(rng, t, rows, t.qtype)
-    # same RMS as the Q4_0 path (gain/sqrt(K)); embeddings too, since every consumer of an
-    # embedding row normalises it first, and lfm2moe reuses token_embd as its output matrix
     w = (rng.standard_normal(t.shape) * (t.gain / np.sqrt(k))).astype(np.float32)
     if t.qtype == F16:
         return w.astype(np.float16)
@@ -581,13 +620,16 @@ def synth_model(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        # the common hidden-state direction shared by the embeddings and the hot router rows
+        u = np.random.default_rng([seed, 3]).standard_normal(d.n_embd)
+        u *= np.sqrt(d.n_embd) / np.linalg.norm(u)
         for i, t in enumerate(plan):
             rng = np.random.default_rng([seed, 100 + i])
             hot = None
             if t.kind in ("router", "bias"):  # same hot experts for a layer's router and bias
                 layer_rng = np.random.default_rng([seed, 2, _layer_of(t.name)])
-                hot = layer_rng.permutation(d.n_experts)[: max(1, d.n_experts // 8)]
-            data = _tensor_data(t, rng, hot)
+                hot = layer_rng.permutation(d.n_experts)[: min(4, max(1, d.n_experts // 8))]
+            data = _tensor_data(t, rng, hot, u)
             assert data.nbytes == t.nbytes, (t.name, data.nbytes, t.nbytes)
             writer.write_tensor_data(np.ascontiguousarray(data))
             del data

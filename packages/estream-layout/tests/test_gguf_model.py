@@ -1,0 +1,181 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from estream_layout import (
+    DenseModelError,
+    InvalidGGUFError,
+    ModelSpec,
+    NotGGUFError,
+    TruncatedGGUFError,
+    UnalignedReductionError,
+    UnsupportedArchitectureError,
+    dequantize_tensor,
+    synth_model,
+    tensor_memmap,
+)
+from estream_layout.gguf_model import TensorReader
+
+ARCH_ENUM = {
+    "olmoe": gguf.MODEL_ARCH.OLMOE,
+    "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "mixtral": gguf.MODEL_ARCH.LLAMA,
+    "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2,
+    "lfm2moe": gguf.MODEL_ARCH.LFM2MOE,
+}
+
+
+def _known_names(arch: str, n_layers: int) -> set[str]:
+    names = set()
+    for t in gguf.MODEL_TENSORS[ARCH_ENUM[arch]]:
+        base = gguf.TENSOR_NAMES[t]
+        for bid in range(n_layers):
+            for suffix in ("weight", "bias"):
+                names.add(base.format(bid=bid) + "." + suffix)
+    return names
+
+
+@pytest.mark.parametrize("arch", list(ARCH_ENUM))
+def test_tensor_names_are_llama_cpp_names(arch: str, tiny_models: dict[str, Path]) -> None:
+    spec = ModelSpec.from_gguf(tiny_models[arch])
+    unknown = set(spec.tensors) - _known_names(arch, spec.n_layers)
+    assert not unknown, f"tensors unknown to gguf's {arch} table: {sorted(unknown)}"
+
+
+def test_spec_olmoe(tiny_models: dict[str, Path]) -> None:
+    s = ModelSpec.from_gguf(tiny_models["olmoe"])
+    assert (s.arch, s.family, s.n_layers, s.n_embd, s.n_ff_exp) == ("olmoe", "olmoe", 2, 64, 64)
+    assert (s.n_experts, s.n_experts_used, s.moe_layers) == (8, 2, (0, 1))
+    assert s.n_head_kv == (4, 4) and s.head_dim_k == 16 and s.n_vocab == 301
+    assert s.expert_weights_norm is False and s.expert_gating_func == "softmax"
+    assert s.tensors["blk.0.attn_q_norm.weight"].shape == (64,)  # full width
+    assert s.tensors["blk.1.ffn_down_exps.weight"].shape == (8, 64, 64)
+    assert s.tensors["token_embd.weight"].shape == (301, 64)
+    assert s.expert_type == "Q4_0" and s.n_shared_experts == 0
+
+
+def test_spec_qwen3moe_per_head_norms(tiny_models: dict[str, Path]) -> None:
+    s = ModelSpec.from_gguf(tiny_models["qwen3moe"])
+    assert s.head_dim_k == 32 and s.n_head == 4 and s.n_head_kv == (2, 2)
+    assert s.tensors["blk.0.attn_q_norm.weight"].shape == (32,)
+    assert s.tensors["blk.0.attn_q.weight"].shape == (128, 64)  # n_head*head_dim != n_embd
+    assert s.expert_weights_norm is True and s.rms_eps == pytest.approx(1e-6)
+
+
+def test_spec_mixtral_is_llama_with_experts(tiny_models: dict[str, Path]) -> None:
+    s = ModelSpec.from_gguf(tiny_models["mixtral"])
+    assert s.arch == "llama" and s.family == "mixtral"
+    assert not any("q_norm" in n for n in s.tensors)
+    assert s.rope_freq_base == 1e6
+
+
+def test_spec_deepseek2(tiny_models: dict[str, Path]) -> None:
+    s = ModelSpec.from_gguf(tiny_models["deepseek2"])
+    assert s.n_leading_dense == 1 and s.moe_layers == (1, 2) and s.n_shared_experts == 1
+    assert s.kv_lora_rank == 32 and s.q_lora_rank == 32 and s.head_dim_k_mla == 48
+    assert "blk.0.ffn_gate.weight" in s.tensors and "blk.0.ffn_gate_exps.weight" not in s.tensors
+    assert s.tensors["blk.1.ffn_gate_shexp.weight"].shape == (64, 64)
+    assert s.tensors["blk.1.attn_k_b.weight"].shape == (4, 32, 32)
+    assert s.n_head_kv == (1, 1, 1)
+
+
+def test_spec_lfm2moe_hybrid(tiny_models: dict[str, Path]) -> None:
+    s = ModelSpec.from_gguf(tiny_models["lfm2moe"])
+    assert s.attention_layers == (1, 3) and s.n_head_kv == (0, 2, 0, 2)
+    assert s.moe_layers == (1, 2, 3) and s.n_leading_dense == 1
+    assert s.expert_gating_func == "sigmoid" and s.shortconv_l_cache == 3
+    assert s.tensors["blk.0.shortconv.conv.weight"].shape == (64, 3)
+    assert s.tensors["blk.2.exp_probs_b.bias"].shape == (8,)
+    assert "output.weight" not in s.tensors
+
+
+def test_summary_is_json_able(tiny_models: dict[str, Path]) -> None:
+    import json
+
+    d = ModelSpec.from_gguf(tiny_models["deepseek2"]).summary()
+    assert "tensors" not in d and json.loads(json.dumps(d))["moe_layers"] == [1, 2]
+
+
+def test_tensor_access_paths_agree(tiny_models: dict[str, Path]) -> None:
+    spec = ModelSpec.from_gguf(tiny_models["olmoe"])
+    reader = gguf.GGUFReader(tiny_models["olmoe"])
+    ref = {t.name: t for t in reader.tensors}
+    info = spec.expert_tensor(1, "up")
+    mm = tensor_memmap(spec, info.name)
+    assert mm.shape == (8, 64, 36)
+    assert np.array_equal(np.asarray(mm).reshape(-1), np.asarray(ref[info.name].data).reshape(-1))
+    with TensorReader(spec.path) as rd:
+        assert np.array_equal(rd.expert(info, 5), np.asarray(mm[5]))
+    f = dequantize_tensor(spec, info.name)
+    want = gguf.quants.dequantize(np.asarray(ref[info.name].data), gguf.GGMLQuantizationType.Q4_0)
+    assert f.shape == (8, 64, 64) and np.array_equal(f, want)
+
+
+# ----------------------------------------------------------------------------- bad inputs
+def test_not_gguf(tmp_path: Path) -> None:
+    p = tmp_path / "model.gguf"
+    p.write_bytes(b"PK\x03\x04 this is a zip")
+    with pytest.raises(NotGGUFError, match="not a GGUF file"):
+        ModelSpec.from_gguf(p)
+    with pytest.raises(InvalidGGUFError, match="no such file"):
+        ModelSpec.from_gguf(tmp_path / "missing.gguf")
+    with pytest.raises(InvalidGGUFError, match="directory"):
+        ModelSpec.from_gguf(tmp_path)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.99, 20])
+def test_truncated(tmp_path: Path, tiny_models: dict[str, Path], keep: float) -> None:
+    data = tiny_models["olmoe"].read_bytes()
+    n = int(len(data) * keep) if keep < 1 else int(keep)
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(data[:n])
+    with pytest.raises(TruncatedGGUFError, match="truncated"):
+        ModelSpec.from_gguf(p)
+
+
+def _write_gguf(path: Path, arch: str, kv: dict[str, int], tensors: dict[str, np.ndarray]) -> Path:
+    w = gguf.GGUFWriter(path, arch)
+    for k, v in kv.items():
+        w.add_uint32(k, v)
+    for name, t in tensors.items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_dense_model(tmp_path: Path) -> None:
+    p = _write_gguf(
+        tmp_path / "dense.gguf",
+        "llama",
+        {"llama.block_count": 1, "llama.embedding_length": 32},
+        {"blk.0.ffn_up.weight": np.zeros((64, 32), np.float32)},
+    )
+    with pytest.raises(DenseModelError, match="no experts"):
+        ModelSpec.from_gguf(p)
+
+
+def test_unsupported_arch(tmp_path: Path) -> None:
+    p = _write_gguf(tmp_path / "gpt2.gguf", "gpt2", {"gpt2.block_count": 1}, {})
+    with pytest.raises(UnsupportedArchitectureError, match="'gpt2' is not supported"):
+        ModelSpec.from_gguf(p)
+
+
+def test_unaligned_reduction_dim(tmp_path: Path) -> None:
+    p = synth_model(
+        "mixtral",
+        "tiny",
+        tmp_path / "k48.gguf",
+        expert_type="F16",
+        dense_type="F16",
+        output_type="F16",
+        n_embd=48,
+    )
+    with pytest.raises(UnalignedReductionError, match="reduction dimension 48"):
+        ModelSpec.from_gguf(p)

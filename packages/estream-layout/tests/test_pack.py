@@ -1,0 +1,319 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from estream_layout import (
+    ARCHES,
+    Manifest,
+    PackExistsError,
+    PackFormatError,
+    ProfileError,
+    pack_model,
+    storage_order,
+    synth_model,
+    verify_pack,
+)
+from estream_layout import pack as pack_mod
+from estream_layout.tiles import dequantize_blocks, unpack_tiles
+
+PAGE = 4096
+
+
+def ref_tiles(rows: np.ndarray, bs: int, n_groups: int, pad: int) -> bytes:
+    """Tile-major bytes of one matrix of GGML blocks, per tile (independent of tiles.py)."""
+    n, rb = rows.shape
+    kb = rb // bs
+    n_pad = -(-n // 32) * 32
+    full = np.zeros((n_pad, kb, bs), np.uint8)
+    full[:, :, 2:] = pad
+    full[:n] = rows.reshape(n, kb, bs)
+    out = []
+    for i in range(n_pad // 32):
+        for j in range(kb):
+            tile = full[32 * i : 32 * i + 32, j]  # [32 rows, bs]
+            q = tile[:, 2:].reshape(32, n_groups, 4).transpose(1, 0, 2)
+            out.append(tile[:, :2].tobytes() + q.tobytes())
+    return b"".join(out)
+
+
+@pytest.fixture(scope="module")
+def packed(
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("packed")
+    return {
+        arch: pack_model(src, d / f"{arch}.estream", progress=False).root
+        for arch, src in tiny_models.items()
+    }
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_verify_against_source(
+    arch: str, packed: dict[str, Path], tiny_models: dict[str, Path]
+) -> None:
+    report = verify_pack(packed[arch], against=tiny_models[arch])
+    assert report.ok, report.problems
+    assert report.compared_with_source and report.compared_tensors > 0
+    assert report.checked_records == sum(
+        la.n_experts for la in Manifest.from_path(packed[arch]).layers
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_layout_read_independently(
+    arch: str, packed: dict[str, Path], tiny_models: dict[str, Path]
+) -> None:
+    """Read experts.bin / dense.bin with the raw manifest JSON and gguf's own reader only."""
+    root = packed[arch]
+    doc = json.loads((root / "manifest.json").read_text())
+    assert doc["format"] == "estream-pack" and doc["version"] == 1
+    assert doc["tile_format"] == "q4_0-t32r4" and doc["config"] is None and doc["profile"] is None
+    assert doc["experts"]["checksum"] == "crc32" and doc["experts"]["file"] == "experts.bin"
+    src_bytes = tiny_models[arch].read_bytes()
+    assert doc["source"]["bytes"] == len(src_bytes)
+    import hashlib
+
+    assert doc["source"]["sha256"] == hashlib.sha256(src_bytes).hexdigest()
+    reader = gguf.GGUFReader(tiny_models[arch])
+    src = {t.name: np.asarray(t.data) for t in reader.tensors}
+    experts = (root / "experts.bin").read_bytes()
+    assert len(experts) == doc["experts"]["bytes"]
+    for layer in doc["layers"]:
+        i = layer["index"]
+        assert layer["offset"] % PAGE == 0 and layer["record_bytes"] % PAGE == 0
+        gate = src[f"blk.{i}.ffn_gate_exps.weight"]
+        d, ff = gate.shape[2] // 18 * 32, gate.shape[1]
+        want_proj = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+        off = 0
+        for j in ("gate", "up", "down"):
+            p = layer["projections"][j]
+            assert (p["rows"], p["cols"]) == want_proj[j]
+            assert p["offset_in_record"] == off and p["padded_bytes"] % PAGE == 0
+            assert p["bytes"] == -(-p["rows"] // 32) * (p["cols"] // 32) * 576
+            off += p["padded_bytes"]
+        assert off == layer["record_bytes"]
+        for pos, e in enumerate(layer["order"]):
+            start = layer["offset"] + pos * layer["record_bytes"]
+            rec = experts[start : start + layer["record_bytes"]]
+            assert zlib.crc32(rec) == layer["checksums"][pos]
+            for j in ("gate", "up", "down"):
+                p = layer["projections"][j]
+                blocks = src[f"blk.{i}.ffn_{j}_exps.weight"][e]
+                body = rec[p["offset_in_record"] : p["offset_in_record"] + p["bytes"]]
+                assert body == ref_tiles(blocks, 18, 4, 0x88)
+                pad = rec[
+                    p["offset_in_record"] + p["bytes"] : p["offset_in_record"] + p["padded_bytes"]
+                ]
+                assert pad == b"\0" * len(pad)
+    dense = (root / "dense.bin").read_bytes()
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    for name, t in doc["dense"]["tensors"].items():
+        assert t["offset"] % PAGE == 0
+        body = dense[t["offset"] : t["offset"] + t["bytes"]]
+        data = src[name]
+        if t["format"] == "f32":
+            want = np.asarray(data, np.float32).reshape(-1)
+            assert np.array_equal(np.frombuffer(body, np.float32), want)
+        elif t["format"] == "q4_0-t32r4":
+            assert types[name] == gguf.GGMLQuantizationType.Q4_0
+            rows = data.reshape(-1, *data.shape[-2:]) if data.ndim == 3 else data[None]
+            assert body == b"".join(ref_tiles(m, 18, 4, 0x88) for m in rows)
+            assert t["shape"] == [*data.shape[:-1], data.shape[-1] // 18 * 32]
+        else:
+            assert t["format"] == "q8_0-t32r4" and types[name] == gguf.GGMLQuantizationType.Q8_0
+            assert body == ref_tiles(data, 34, 8, 0)
+    # every tensor of the source is in exactly one place
+    expert_names = {n for n in src if "_exps." in n}
+    assert set(doc["dense"]["tensors"]) == set(src) - expert_names
+
+
+def test_padded_vocab_rows(packed: dict[str, Path], tiny_models: dict[str, Path]) -> None:
+    m = Manifest.from_path(packed["olmoe"])
+    t = m.dense["token_embd.weight"]
+    assert t.shape == (301, 64) and t.bytes == 10 * 2 * 576  # 301 rows -> 10 row tiles
+    reader = gguf.GGUFReader(tiny_models["olmoe"])
+    src = next(np.asarray(x.data) for x in reader.tensors if x.name == "token_embd.weight")
+    body = np.fromfile(m.dense_path, np.uint8, count=t.bytes, offset=t.offset)
+    assert np.array_equal(unpack_tiles(body, 301, 64), src)
+
+
+def test_model_gguf_has_metadata_only(
+    packed: dict[str, Path], tiny_models: dict[str, Path]
+) -> None:
+    meta = gguf.GGUFReader(packed["qwen3moe"] / "model.gguf")
+    src = gguf.GGUFReader(tiny_models["qwen3moe"])
+    assert len(meta.tensors) == 0
+    keys = lambda r: {k for k in r.fields if not k.startswith("GGUF.")}  # noqa: E731
+    assert keys(meta) == keys(src)
+    for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "qwen3moe.expert_count"):
+        assert meta.fields[k].contents() == src.fields[k].contents()
+
+
+def test_profile_order(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    counts = [5, 90, 1, 40, 40, 0, 7, 3]
+    co = np.zeros((8, 8))
+    co[1, 6] = co[6, 1] = 50  # 6 fires with the hottest expert
+    prof = {
+        "layers": {"1": {"counts": counts, "coactivation": co.tolist()}, "0": {"counts": counts}}
+    }
+    pf = tmp_path / "profile.json"
+    pf.write_text(json.dumps(prof))
+    src = tiny_models["olmoe"]
+    m = pack_model(src, tmp_path / "o.estream", order=pf, progress=False)
+    assert m.layer(0).order == (1, 3, 4, 6, 0, 7, 2, 5)  # hottest first, ties by id
+    assert m.layer(1).order[:2] == (1, 6)  # co-activated partner next
+    assert sorted(m.layer(1).order) == list(range(8))
+    assert verify_pack(m.root, against=src).ok
+    # the record at position p holds expert order[p]
+    reader = gguf.GGUFReader(src)
+    gate = next(
+        np.asarray(t.data) for t in reader.tensors if t.name == "blk.0.ffn_gate_exps.weight"
+    )
+    la = m.layer(0)
+    body = np.fromfile(
+        m.experts_path, np.uint8, count=la.projections["gate"].bytes, offset=la.record_offset(2)
+    )
+    assert np.array_equal(unpack_tiles(body, 64, 64), gate[4])
+
+
+def test_storage_order_properties() -> None:
+    assert storage_order([1, 3, 2]) == [1, 2, 0]
+    rng = np.random.default_rng(0)
+    c = rng.integers(0, 100, 16)
+    co = rng.integers(0, 10, (16, 16))
+    co = co + co.T
+    o = storage_order(c, co)
+    assert sorted(o) == list(range(16)) and o[0] == int(np.argmax(c))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"nolayers": 1},
+        {"layers": {"0": {"counts": [1, 2]}}},
+        {"layers": {"0": {}}},
+        {"layers": {"7": {"counts": [1] * 8}}},
+    ],
+)
+def test_bad_profiles(bad: dict, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(ProfileError):
+        pack_model(tiny_models["olmoe"], tmp_path / "x.estream", order=bad, progress=False)
+    assert not list(tmp_path.iterdir())
+
+
+def test_refuses_overwrite_then_force(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    dst = tmp_path / "m.estream"
+    pack_model(tiny_models["mixtral"], dst, progress=False)
+    before = (dst / "manifest.json").read_text()
+    with pytest.raises(PackExistsError, match="--force"):
+        pack_model(tiny_models["olmoe"], dst, progress=False)
+    assert (dst / "manifest.json").read_text() == before
+    m = pack_model(tiny_models["olmoe"], dst, force=True, progress=False)
+    assert m.arch == "olmoe" and sorted(p.name for p in tmp_path.iterdir()) == ["m.estream"]
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("disk on fire"), KeyboardInterrupt()])
+def test_failing_pack_leaves_nothing(
+    exc: BaseException,
+    tiny_models: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = []
+
+    def boom(*a: object, **k: object) -> None:
+        calls.append(1)
+        raise exc
+
+    monkeypatch.setattr(pack_mod, "_write_layer", boom)
+    with pytest.raises(type(exc)):
+        pack_model(tiny_models["olmoe"], tmp_path / "m.estream", progress=False)
+    assert calls and list(tmp_path.iterdir()) == []
+
+
+def test_killed_pack_leaves_no_target(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """A process killed mid-pack (no cleanup runs) leaves no NAME.estream, only a temp dir."""
+    code = (
+        "import os, sys\n"
+        "from estream_layout import pack as p\n"
+        "orig = p._write_layer\n"
+        "def die(*a, **k):\n"
+        "    orig(*a, **k)\n"
+        "    os._exit(9)\n"
+        "p._write_layer = die\n"
+        "p.pack_model(sys.argv[1], sys.argv[2], progress=False)\n"
+    )
+    dst = tmp_path / "m.estream"
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_models["olmoe"]), str(dst)], check=False
+    )
+    assert r.returncode == 9
+    assert not dst.exists()
+    left = [p.name for p in tmp_path.iterdir()]
+    assert all(n.startswith("m.estream.tmp-") for n in left)
+    with pytest.raises(PackFormatError, match=r"no manifest\.json"):
+        Manifest.from_path(tmp_path / left[0])
+
+
+@pytest.mark.parametrize("etype", ["Q8_0", "F16"])
+def test_requantized_experts_warn_loudly(
+    etype: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    src = synth_model("qwen3moe", "tiny", tmp_path / "m.gguf", expert_type=etype)
+    m = pack_model(src, tmp_path / "m.estream", progress=False)
+    err = capfd.readouterr().err
+    assert "RE-QUANTIZED" in err and etype in err and "double quantization" in err
+    assert m.source["requantized"] is True and m.source["expert_type"] == etype
+    assert verify_pack(m.root, against=src).ok
+    # the packed Q4_0 experts approximate the source weights
+    reader = gguf.GGUFReader(src)
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_up_exps.weight")
+    w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)[3]
+    la = m.layer(0)
+    p = la.projections["up"]
+    body = np.fromfile(
+        m.experts_path, np.uint8, count=p.bytes, offset=la.record_offset(3) + p.offset_in_record
+    )
+    got = dequantize_blocks(unpack_tiles(body, p.rows, p.cols)).astype(np.float64)
+    amax = np.abs(w.reshape(-1, 32)).max(axis=1).reshape(p.rows, -1).repeat(32, axis=1)
+    assert (np.abs(got - w) <= amax / 8 * 1.01 + 1e-7).all()
+    assert np.abs(got - w).max() > 0  # really re-quantized
+
+
+def test_q4_experts_pack_silently(
+    tiny_models: dict[str, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    pack_model(tiny_models["olmoe"], tmp_path / "m.estream", progress=False)
+    assert "RE-QUANTIZED" not in capfd.readouterr().err
+
+
+def test_verify_detects_corruption(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    m = pack_model(tiny_models["olmoe"], tmp_path / "m.estream", progress=False)
+    la = m.layers[1]
+    with open(m.experts_path, "r+b") as fh:
+        fh.seek(la.record_offset(5) + 100)
+        b = fh.read(1)
+        fh.seek(la.record_offset(5) + 100)
+        fh.write(bytes([b[0] ^ 0x01]))
+    r = verify_pack(m.root)
+    assert not r.ok and any("storage position 5" in p for p in r.problems)
+    os.truncate(m.experts_path, m.experts_bytes - 4096)
+    r = verify_pack(m.root)
+    assert not r.ok and any("truncated" in p for p in r.problems)
+
+
+def test_verify_detects_wrong_source(
+    packed: dict[str, Path], tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    other = synth_model("olmoe", "tiny", tmp_path / "other.gguf", seed=99)
+    r = verify_pack(packed["olmoe"], against=other)
+    assert not r.ok and any("differ" in p for p in r.problems)

@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from estream_layout import ARCHES, ModelSpec, dequantize_tensor, synth_model
+from estream_layout.synth import generate_bpe_vocab
+
+
+def test_deterministic_per_seed(tmp_path: Path) -> None:
+    a = synth_model("olmoe", "tiny", tmp_path / "a.gguf", seed=5).read_bytes()
+    b = synth_model("olmoe", "tiny", tmp_path / "b.gguf", seed=5).read_bytes()
+    c = synth_model("olmoe", "tiny", tmp_path / "c.gguf", seed=6).read_bytes()
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_routing_is_skewed(arch: str, tiny_models: dict[str, Path]) -> None:
+    spec = ModelSpec.from_gguf(tiny_models[arch])
+    # hidden states as the first layer sees them: RMS-normalised token embeddings
+    x = dequantize_tensor(spec, "token_embd.weight").astype(np.float64)
+    x /= np.sqrt((x**2).mean(axis=1, keepdims=True))
+    for layer in spec.moe_layers:
+        w = dequantize_tensor(spec, f"blk.{layer}.ffn_gate_inp.weight").astype(np.float64)
+        logits = x @ w.T
+        if f"blk.{layer}.exp_probs_b.bias" in spec.tensors:  # lfm2moe: selection bias
+            logits = 1 / (1 + np.exp(-logits)) + dequantize_tensor(
+                spec, f"blk.{layer}.exp_probs_b.bias"
+            )
+        top = np.argsort(-logits, axis=1)[:, : spec.n_experts_used]
+        share = np.bincount(top.ravel(), minlength=spec.n_experts) / top.size
+        assert share.max() > 2.0 / spec.n_experts, share  # a hot expert: > 2x its fair share
+        assert (share > 0).sum() >= spec.n_experts // 2  # but routing still spreads
+
+
+def test_weights_keep_activations_order_one(tiny_models: dict[str, Path]) -> None:
+    spec = ModelSpec.from_gguf(tiny_models["qwen3moe"])
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((256, spec.n_embd))
+    for name in ("blk.0.ffn_gate_exps.weight", "blk.1.attn_q.weight", "output.weight"):
+        w = dequantize_tensor(spec, name).astype(np.float64)
+        w = w[0] if w.ndim == 3 else w
+        y = x @ w.T
+        assert 0.3 < y.std() < 3.0, (name, y.std())
+    norm = dequantize_tensor(spec, "blk.0.attn_norm.weight")
+    assert np.abs(norm - 1).max() < 0.2
+
+
+def test_generated_vocab_is_valid_bpe() -> None:
+    v = generate_bpe_vocab(301, seed=1)
+    tokens = v["tokenizer.ggml.tokens"]
+    assert len(tokens) == 301 and len(set(tokens)) == 301
+    have = set(tokens[:256])
+    for m in v["tokenizer.ggml.merges"]:
+        left, right = m.split(" ")
+        assert left in have and right in have
+        have.add(left + right)
+    assert set(tokens[:-2]) == have
+    assert v["tokenizer.ggml.token_type"][-2:] == [3, 3]
+    assert v["tokenizer.ggml.eos_token_id"] == 299
+
+
+def test_vocab_copied_from_file(tmp_path: Path) -> None:
+    w = gguf.GGUFWriter(tmp_path / "vocab.gguf", "gpt2")
+    toks = [chr(0x100 + i) for i in range(40)] + ["ab", "abc"]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(toks)
+    w.add_token_types([1] * len(toks))
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(3)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    p = synth_model("mixtral", "tiny", tmp_path / "m.gguf", vocab=tmp_path / "vocab.gguf")
+    r = gguf.GGUFReader(p)
+    assert r.fields["tokenizer.ggml.tokens"].contents() == toks
+    assert r.fields["tokenizer.ggml.bos_token_id"].contents() == 3
+    spec = ModelSpec.from_gguf(p)
+    assert spec.n_vocab == 42 and spec.tensors["token_embd.weight"].shape == (42, 64)
+    # a vocab path that does not exist falls back to a generated vocabulary
+    p2 = synth_model("mixtral", "tiny", tmp_path / "m2.gguf", vocab=tmp_path / "missing.gguf")
+    assert ModelSpec.from_gguf(p2).n_vocab == 301
+
+
+def test_overrides_and_types(tmp_path: Path) -> None:
+    p = synth_model(
+        "olmoe", "tiny", tmp_path / "m.gguf", n_layers=5, expert_type="Q8_0", output_type="Q4_0"
+    )
+    s = ModelSpec.from_gguf(p)
+    assert s.n_layers == 5 and s.moe_layers == (0, 1, 2, 3, 4) and s.expert_type == "Q8_0"
+    assert s.tensors["output.weight"].ggml_type == "Q4_0"
+    with pytest.raises(TypeError, match="unknown synth dimension"):
+        synth_model("olmoe", "tiny", tmp_path / "x.gguf", n_layer=5)
+    with pytest.raises(ValueError, match="unknown preset"):
+        synth_model("olmoe", "huge", tmp_path / "x.gguf")
