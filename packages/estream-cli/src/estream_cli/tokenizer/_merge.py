@@ -41,6 +41,8 @@ def bpe_merge_heap(word: str, ranks: Mapping[tuple[str, str], int]) -> list[str]
     """BPE with a priority queue of candidate pairs: O(n log n), for long words."""
     text: list[str] = list(word)
     n = len(text)
+    if n < 2:
+        return text
     nxt = [*range(1, n), -1]
     prv = list(range(-1, n - 1))
     get = ranks.get

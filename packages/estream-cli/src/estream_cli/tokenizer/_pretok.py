@@ -33,8 +33,8 @@ _CATEGORY_CLASS = {
     "Lo": u.COLLAPSED_LETTER + "A-Za-z",
     "P": u.COLLAPSED_PUNCT + "!-#%-*,-/:;?@\\[-\\]_{}",
     "M": u.COLLAPSED_MARK,
-    # llama.cpp's ASCII symbol list lacks '~' (a Unicode Sm): kept so splits stay identical.
-    "S": u.COLLAPSED_SYMBOL + "$+<->^`|",
+    # '~' as in llama.cpp of llama-cpp-python 0.3.36 (some llama.cpp versions omit it)
+    "S": u.COLLAPSED_SYMBOL + "$+<->^`|~",
 }
 _CATEGORY = re.compile(r"\\p\{(\w+)\}")
 

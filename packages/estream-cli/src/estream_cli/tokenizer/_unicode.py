@@ -5,7 +5,7 @@ punctuation, symbol, mark, separator, control, undefined) plus the ``White_Space
 runs its pre-tokenizer regexes on a *collapsed* copy of the text where each non-ASCII code point
 is replaced by one byte standing for its class. Reproducing that collapse (rather than running a
 Unicode-aware regex engine on the raw text) is what makes our splits identical to llama.cpp's,
-including its quirks (e.g. ``\\p{S}`` does not match ASCII ``~``).
+including its quirks (e.g. ``\\p{N}`` matches only ``0-9`` among ASCII characters).
 
 The category data come from Python's :mod:`unicodedata`; llama.cpp ships its own tables built
 from a (possibly newer) UnicodeData.txt, so code points assigned after Python's Unicode version

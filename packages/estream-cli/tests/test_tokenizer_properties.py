@@ -1,0 +1,101 @@
+"""Property tests of the tokenizer's parts: merge loops, pre-tokenizers, round trips."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from estream_cli.tokenizer import Tokenizer, supported_pre_tokenizers
+from estream_cli.tokenizer._merge import bpe_merge_heap, bpe_merge_scan
+from estream_cli.tokenizer._pretok import pre_tokenizer_for
+from estream_cli.tokenizer._unicode import collapse, is_whitespace
+from estream_cli.tokenizer.testing import find_vocab_dir
+
+VOCAB_DIR = find_vocab_dir()
+
+# Characters that exercise every class the pre-tokenizers distinguish.
+TRICKY = (
+    " \t\n\r\x0b\x0c\x1c\x85\xa0\u2000\u3000'sStTmMdDlLrReEvV"
+    'aZz09½²٣!"#$%&()*+,-./:;<=>?@[\\]^_`{|}~我工가힣нещоéÄửµ\u0301\u200d\ufe0f'
+    "🚀😁🦙～！、。‘…۔\ue000\u0378øö"
+)
+texts = st.text(alphabet=st.sampled_from(TRICKY), max_size=40) | st.text(max_size=40)
+
+
+@functools.cache
+def load(name: str) -> Tokenizer:
+    if VOCAB_DIR is None:
+        pytest.fail("llama.cpp vocabulary vectors not found (set ESTREAM_SHARED)")
+    return Tokenizer.from_gguf(VOCAB_DIR / f"ggml-vocab-{name}.gguf")
+
+
+@st.composite
+def words_and_ranks(draw: st.DrawFn) -> tuple[str, dict[tuple[str, str], int]]:
+    """A word over a tiny alphabet and a random merge table closed over its pieces."""
+    word = draw(st.text(alphabet="abc", min_size=0, max_size=60))
+    pieces = ["a", "b", "c"]
+    ranks: dict[tuple[str, str], int] = {}
+    for rank in range(draw(st.integers(0, 25))):
+        left = draw(st.sampled_from(pieces))
+        right = draw(st.sampled_from(pieces))
+        if (left, right) not in ranks:
+            ranks[(left, right)] = rank
+            pieces.append(left + right)
+    return word, ranks
+
+
+@given(words_and_ranks())
+def test_bpe_heap_matches_rescan(case: tuple[str, dict[tuple[str, str], int]]) -> None:
+    word, ranks = case
+    scan = bpe_merge_scan(word, ranks)
+    assert bpe_merge_heap(word, ranks) == scan
+    assert "".join(scan) == word
+    # no adjacent pair left that could still merge
+    assert all((a, b) not in ranks for a, b in itertools.pairwise(scan))
+
+
+@pytest.mark.parametrize("name", supported_pre_tokenizers())
+@given(text=texts)
+def test_pre_tokenizer_covers_text(name: str, text: str) -> None:
+    words = pre_tokenizer_for(name).split(text)
+    assert "".join(words) == text
+    assert all(words)
+
+
+def test_pre_tokenizer_examples() -> None:
+    # hand-derived from the regexes: GPT-2 keeps the space before a word, leaves a space run
+    # minus one, splits contractions; Llama-3 groups digits by three; Qwen2 digit by digit
+    gpt2 = pre_tokenizer_for("gpt-2").split
+    assert gpt2("Hello  world's 123!!") == ["Hello", " ", " world", "'s", " 123", "!!"]
+    assert pre_tokenizer_for("llama3").split("12345 ab") == ["123", "45", " ab"]
+    assert pre_tokenizer_for("qwen2").split("x12") == ["x", "1", "2"]
+    # \x1c is not White_Space for llama.cpp (Python's isspace() says it is)
+    assert gpt2("a\x1cb") == ["a", "\x1c", "b"]
+    assert pre_tokenizer_for("deepseek-llm").split("ab  ") == ["ab", "  "]
+
+
+def test_collapse_classes() -> None:
+    assert collapse("aé1½ \u3000~\u0301") == "a\xd21\xd1 \x0b~\xd4"
+    assert is_whitespace(0x85) and is_whitespace(0x3000) and not is_whitespace(0x1C)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "deepseek-llm", "llama-spm"])
+@given(text=texts)
+def test_round_trip(name: str, text: str) -> None:
+    tok = load(name)
+    ids = tok.encode(text)
+    assert all(0 <= i < tok.n_vocab for i in ids)
+    assert tok.decode(ids) == text
+
+
+@given(text=texts)
+def test_round_trip_with_cleanup(text: str) -> None:
+    tok = load("mpt")  # clean_spaces: only texts the clean-up leaves alone round-trip
+    if re.search(r" [?!.,]| ' | '(s|m|re|ve)", text):
+        return
+    assert tok.decode(tok.encode(text)) == text
