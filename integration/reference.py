@@ -416,6 +416,13 @@ class ReferenceModel:
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         return np.asarray(values, dtype=np.float64).reshape(shape)
 
+    def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` of a 2-D tensor, dequantizing only those rows (embedding lookup)."""
+        t = self._tensors[name]
+        picked = np.asarray(t.data)[np.asarray(ids)]
+        values = dequantize(picked, t.tensor_type)
+        return np.asarray(values, dtype=np.float64).reshape(len(ids), int(t.shape[0]))
+
     def opt(self, name: str) -> np.ndarray | None:
         return self.tensor(name) if self.has(name) else None
 
@@ -435,7 +442,7 @@ class ReferenceModel:
         if ids.min() < 0 or ids.max() >= cfg.n_vocab:
             raise ValueError(f"token ids must lie in [0, {cfg.n_vocab})")
         positions = np.arange(ids.size)
-        x = self.tensor("token_embd.weight")[ids]
+        x = self.rows("token_embd.weight", ids)
         for il in range(cfg.n_layer):
             x = self._layer(il, x, positions)
         norm_name = "token_embd_norm.weight" if cfg.arch == "lfm2moe" else "output_norm.weight"

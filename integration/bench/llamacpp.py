@@ -103,6 +103,7 @@ llm = llama_cpp.Llama(
     model_path=spec["model"], n_ctx=max(n, 64), n_batch=n, n_ubatch=n,
     n_threads=spec["threads"], n_threads_batch=spec["threads"], logits_all=True,
     embedding=False, verbose=True, use_mmap=True, seed=0,
+    **({"type_k": 0, "type_v": 0} if spec["kv_f32"] else {}),  # 0 = GGML_TYPE_F32
 )
 llm.eval(tokens)
 np.save(spec["out"], np.asarray(llm.scores[:n], dtype=np.float32))
@@ -114,12 +115,14 @@ def llama_logits(
     tokens: Sequence[int],
     *,
     n_threads: int = 2,
+    kv_f32: bool = False,
     python: str = sys.executable,
     timeout: float = 1800.0,
 ) -> np.ndarray:
     """All-position logits ``[T, n_vocab]`` (float32) llama.cpp computes for ``tokens``.
 
-    Raises :class:`LlamaCppError` with the tail of llama.cpp's log if it refuses the model.
+    ``kv_f32`` keeps the KV cache in F32 instead of llama.cpp's default F16. Raises
+    :class:`LlamaCppError` with the tail of llama.cpp's log if it refuses the model.
     """
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.npy"
@@ -127,6 +130,7 @@ def llama_logits(
             "model": os.fspath(gguf_path),
             "tokens": [int(t) for t in tokens],
             "threads": n_threads,
+            "kv_f32": kv_f32,
             "out": str(out),
         }
         done = subprocess.run(

@@ -1,0 +1,251 @@
+"""Parity: llama.cpp vs the float64 reference (vs the engine) on synthetic GGUF MoE models.
+
+For each architecture, a synthetic model (``estream_layout.synth_model``, ``small`` preset) is
+evaluated on the same random token ids by
+
+* the float64 numpy reference (``integration/reference.py``, reading the original GGUF),
+* llama.cpp through llama-cpp-python (built once, wheel cached in ``.cache/wheels``),
+* the EStream engine (``estream.load(packed).prefill(tokens, all_logits=True)``), when it
+  is installed and the model packs,
+
+and all-position logits are compared pairwise: relative L2 error ``|a-b|/|b|`` and top-1
+agreement. Two weight variants: ``q4_0``, the synthetic model as llama.cpp runs it by default
+(F16 KV cache; its CPU Q4_0 matmuls quantize activations to Q8_0, so ~1e-2 differences are
+llama.cpp's own rounding), and ``f32``, the same model with every tensor dequantized to F32 and
+an F32 KV cache, on which llama.cpp computes in float32 — that run isolates the *conventions*
+(RoPE style, norms, routing, MLA) and should agree with the reference to ~1e-6.
+
+Usage: ``nox -s parity [-- --archs olmoe,qwen3moe,mixtral --preset small --tokens 256]``.
+Writes ``bench-results/parity.json``. If llama.cpp refuses a synthetic GGUF, its exact message
+is printed, stored in the JSON and appended to ``/work/notes/synth-issues.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from llamacpp import LlamaCppError, ensure_llama_cpp, llama_cpp_version, llama_logits  # noqa: E402
+from reference import ReferenceModel  # noqa: E402
+
+NOTES = Path("/work/notes/synth-issues.md")
+TARGET_REL_L2 = 1e-2
+TARGET_TOP1 = 0.99
+
+
+def compare(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
+    """``a`` measured against ``b`` (the yardstick)."""
+    a64, b64 = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    per_pos = np.linalg.norm(a64 - b64, axis=1) / np.linalg.norm(b64, axis=1)
+    return {
+        "rel_l2": float(np.linalg.norm(a64 - b64) / np.linalg.norm(b64)),
+        "rel_l2_max_pos": float(per_pos.max()),
+        "top1": float(np.mean(a64.argmax(axis=1) == b64.argmax(axis=1))),
+        "max_abs": float(np.abs(a64 - b64).max()),
+    }
+
+
+def note_issue(arch: str, preset: str, variant: str, message: str) -> None:
+    try:
+        NOTES.parent.mkdir(parents=True, exist_ok=True)
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        with NOTES.open("a") as f:
+            f.write(
+                f"\n## {stamp} — llama.cpp ({llama_cpp_version()}) refuses synthetic "
+                f"`{arch}` `{preset}` ({variant})\n\n```\n{message.strip()}\n```\n"
+                f"(reported by integration/bench/parity.py)\n"
+            )
+    except OSError as exc:  # notes are a convenience; never fail the benchmark on them
+        print(f"  (could not append to {NOTES}: {exc})")
+
+
+def f32_copy(src: Path, dst: Path) -> Path:
+    """The same model with every tensor dequantized to F32 (metadata and tokenizer kept)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(str(dst), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or not field.types:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub)
+    for t in reader.tensors:
+        values = dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
+        writer.add_tensor(t.name, values.reshape(tuple(int(n) for n in reversed(t.shape.tolist()))))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def engine_logits(gguf: Path, work: Path, tokens: list[int]) -> tuple[np.ndarray | None, str]:
+    """The engine's all-position logits, or ``(None, reason)`` when it is not available."""
+    try:
+        import estream
+    except ImportError as exc:
+        return None, f"estream not importable ({exc})"
+    packed = work / (gguf.stem + ".estream")
+    if not packed.exists():
+        done = subprocess.run(
+            ["estream", "pack", str(gguf), "-o", str(packed)], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            return None, f"estream pack failed: {(done.stderr or done.stdout).strip()[-800:]}"
+    try:
+        engine = estream.load(packed, mode="resident")
+        try:
+            result = engine.prefill(tokens, all_logits=True)
+        finally:
+            engine.close()
+    except Exception as exc:
+        return None, f"engine failed: {type(exc).__name__}: {exc}"
+    return np.asarray(result.logits, dtype=np.float64), ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--archs", default="olmoe,qwen3moe,mixtral")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--tokens", type=int, default=256, help="prompt length T")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--variants", default="q4_0,f32", help="q4_0: the synthetic model; f32: it dequantized"
+    )
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "bench-results" / "parity.json"))
+    args = ap.parse_args(argv)
+
+    from estream_layout import synth_model
+
+    ensure_llama_cpp()
+    version = llama_cpp_version()
+    archs = [a.strip() for a in args.archs.split(",") if a.strip()]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    rows: list[dict[str, Any]] = []
+    work = Path(tempfile.mkdtemp(prefix="parity-"))
+    print(f"llama-cpp-python {version}; preset {args.preset}; T={args.tokens}; work dir {work}")
+
+    for arch in archs:
+        for variant in variants:
+            row: dict[str, Any] = {"arch": arch, "preset": args.preset, "variant": variant}
+            rows.append(row)
+            base = work / f"{arch}-{args.preset}.gguf"
+            gguf = base if variant == "q4_0" else work / f"{arch}-{args.preset}-f32.gguf"
+            try:
+                if not base.exists():
+                    synth_model(arch, args.preset, base, seed=args.seed)
+                if variant == "f32":
+                    f32_copy(base, gguf)
+            except Exception as exc:
+                row["error"] = f"synth failed: {type(exc).__name__}: {exc}"
+                print(f"{arch}/{variant}: {row['error']}")
+                continue
+            rng = np.random.default_rng(args.seed)
+            t0 = time.perf_counter()
+            try:
+                model = ReferenceModel(gguf)
+                tokens = rng.integers(0, model.config.n_vocab, size=args.tokens).tolist()
+                ref = model.forward(tokens)
+            except Exception as exc:
+                row["error"] = f"reference failed: {type(exc).__name__}: {exc}"
+                traceback.print_exc()
+                continue
+            row["t_reference_s"] = time.perf_counter() - t0
+            row["n_vocab"] = int(ref.shape[1])
+            t0 = time.perf_counter()
+            try:
+                lcpp = llama_logits(gguf, tokens, n_threads=args.threads, kv_f32=variant == "f32")
+                row["t_llamacpp_s"] = time.perf_counter() - t0
+                row["llamacpp_vs_ref"] = compare(lcpp, ref)
+            except LlamaCppError as exc:
+                lcpp = None
+                row["llamacpp_error"] = str(exc)
+                print(f"\n{arch}/{variant}: llama.cpp refused the model:\n{exc}\n")
+                note_issue(arch, args.preset, variant, str(exc))
+            if variant == "q4_0" and not args.no_engine:
+                t0 = time.perf_counter()
+                eng, why = engine_logits(gguf, work, tokens)
+                if eng is None:
+                    row["engine_note"] = why
+                    print(f"{arch}/{variant}: engine column skipped: {why}")
+                else:
+                    row["t_engine_s"] = time.perf_counter() - t0
+                    row["engine_vs_ref"] = compare(eng, ref)
+                    if lcpp is not None:
+                        row["engine_vs_llamacpp"] = compare(eng, lcpp)
+
+    _print_table(rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": "parity",
+        "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "llama_cpp_python": version,
+        "tokens": args.tokens,
+        "seed": args.seed,
+        "targets": {"rel_l2": TARGET_REL_L2, "top1": TARGET_TOP1},
+        "rows": rows,
+    }
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def _fmt(cmp: dict[str, float] | None) -> str:
+    if not cmp:
+        return f"{'-':>9} {'-':>7}"
+    return f"{cmp['rel_l2']:9.2e} {cmp['top1']:7.3f}"
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    print()
+    head = (
+        f"{'arch':<9} {'weights':<7} | {'llama.cpp vs ref':^17} | {'engine vs ref':^17} | "
+        f"{'engine vs llama':^17} | {'t_ref':>6} {'t_lcpp':>6}"
+    )
+    print(head)
+    print(
+        f"{'':<17} | {'relL2':>9} {'top1':>7} | {'relL2':>9} {'top1':>7} | {'relL2':>9} {'top1':>7} |"
+    )
+    print("-" * len(head))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['arch']:<9} {r['variant']:<7} | {r['error']}")
+            continue
+        print(
+            f"{r['arch']:<9} {r['variant']:<7} | {_fmt(r.get('llamacpp_vs_ref'))} | "
+            f"{_fmt(r.get('engine_vs_ref'))} | {_fmt(r.get('engine_vs_llamacpp'))} | "
+            f"{r.get('t_reference_s', float('nan')):6.1f} {r.get('t_llamacpp_s', float('nan')):6.1f}"
+        )
+        if "llamacpp_error" in r:
+            print(f"{'':<17} | llama.cpp error: {r['llamacpp_error'].splitlines()[0][:120]}")
+        if "engine_note" in r:
+            print(f"{'':<17} | engine: {r['engine_note'][:120]}")
+    print(f"targets (engine vs reference): rel L2 <= {TARGET_REL_L2:g}, top-1 >= {TARGET_TOP1:.0%}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
