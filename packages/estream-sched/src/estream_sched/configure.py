@@ -179,15 +179,14 @@ def model_arrays(
             sel_bytes = float(nbytes[routed].sum())
             lam = float(reads[routed].sum()) / sel_bytes if sel_bytes > 0 else 0.0
             L = nbytes * lam * scale
+        # Compact each layer's routed groups to the front (stable), zero the tail.
         W = routes.shape[0]
         counts = routed.sum(axis=1)
         k_max = int(counts.max()) if W else 0
-        Lp = np.zeros((W, k_max))
-        Xp = np.zeros((W, k_max))
-        for w in range(W):
-            m = routed[w]
-            Lp[w, : counts[w]] = L[w, m]
-            Xp[w, : counts[w]] = execs[w, m]
+        order = np.argsort(~routed, axis=1, kind="stable")[:, :k_max]
+        live = np.arange(k_max)[None, :] < counts[:, None]
+        Lp = np.where(live, np.take_along_axis(L, order, axis=1), 0.0)
+        Xp = np.where(live, np.take_along_axis(execs, order, axis=1), 0.0)
         out[g] = _GroupModel(L=Lp, X=Xp, t_ne=t_ne, k_max=k_max)
     profile._cache[key] = out
     return out
