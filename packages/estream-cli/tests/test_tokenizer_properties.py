@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from estream_cli.tokenizer import Tokenizer, supported_pre_tokenizers
+from estream_cli.tokenizer import Tokenizer, read_tokenizer_metadata, supported_pre_tokenizers
 from estream_cli.tokenizer._merge import bpe_merge_heap, bpe_merge_scan
 from estream_cli.tokenizer._pretok import pre_tokenizer_for
 from estream_cli.tokenizer._unicode import collapse, is_whitespace
@@ -99,3 +99,23 @@ def test_round_trip_with_cleanup(text: str) -> None:
     if re.search(r" [?!.,]| ' | '(s|m|re|ve)", text):
         return
     assert tok.decode(tok.encode(text)) == text
+
+
+@given(text=texts)
+def test_spm_per_word_equals_whole_fragment(text: str) -> None:
+    tok = load("llama-spm")
+    assert tok._spm_words  # the llama vocabulary allows per-word merging
+    per_word = tok.encode(text)
+    tok._spm_words = False
+    try:
+        whole = tok.encode(text)
+    finally:
+        tok._spm_words = True
+    assert per_word == whole
+
+
+def test_spm_inner_space_token_disables_per_word() -> None:
+    meta = read_tokenizer_metadata(VOCAB_DIR / "ggml-vocab-llama-spm.gguf")  # type: ignore[operator]
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    tokens[31999] = "a\u2581b"
+    assert not Tokenizer.from_metadata({**meta, "tokenizer.ggml.tokens": tokens})._spm_words

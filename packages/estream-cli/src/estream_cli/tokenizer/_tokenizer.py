@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,8 @@ _BYTE_TO_CHAR = _byte_level_alphabet()
 _BYTE_ENCODE = {b: c for b, c in enumerate(_BYTE_TO_CHAR)}  # str.translate over latin-1
 _CHAR_TO_BYTE = {c: b for b, c in enumerate(_BYTE_TO_CHAR)}
 _WORD_CACHE_LIMIT = 1 << 17
+_SPM_WORD = re.compile(f"{_SPM_SPACE}*[^{_SPM_SPACE}]+|{_SPM_SPACE}+")
+_SPM_INNER_SPACE = re.compile(f"[^{_SPM_SPACE}]{_SPM_SPACE}")
 
 
 def _meta_int(meta: Mapping[str, Any], key: str) -> int | None:
@@ -194,6 +197,10 @@ class Tokenizer:
         self._apply_strip_rules(attrs, str(meta.get("general.name", "")).lower())
         self._attrs = attrs
         self._piece_cache: dict[int, bytes] = {}
+        # SPM merges run over a whole text fragment. When no token has a "▁" right after
+        # another character, no merge can cross the start of a "▁..." word, so every word
+        # merges on its own exactly as inside the fragment: tokenize per word, with a cache.
+        self._spm_words = model == "llama" and not any(_SPM_INNER_SPACE.search(t) for t in texts)
         self._word_cache: dict[str, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ construction
@@ -367,6 +374,22 @@ class Tokenizer:
         return tuple(ids)
 
     def _spm_tokenize(self, text: str, out: list[int]) -> None:
+        if not self._spm_words:
+            self._spm_pieces(text, out)
+            return
+        cache = self._word_cache
+        for word in _SPM_WORD.findall(text):
+            ids = cache.get(word)
+            if ids is None:
+                buf: list[int] = []
+                self._spm_pieces(word, buf)
+                ids = tuple(buf)
+                if len(cache) >= _WORD_CACHE_LIMIT:
+                    cache.clear()
+                cache[word] = ids
+            out.extend(ids)
+
+    def _spm_pieces(self, text: str, out: list[int]) -> None:
         t2i = self._token_to_id
         for piece in spm_merge(text, t2i.get, self._scores):
             tid = t2i.get(piece)
