@@ -17,8 +17,10 @@ Writes bench-results/bench_sched.json (and frontier.png, chrome trace of the cho
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
+import os
 import platform
 import sys
 import tempfile
@@ -35,14 +37,25 @@ ROOT = HERE.parents[2]
 SPEC = HERE / "synthetic_64e_48l.json"
 
 
-def stats(ts: list[float]) -> dict[str, float]:
-    a = np.asarray(ts) * 1e3
+def stats(ts: list[tuple[float, float]]) -> dict[str, float]:
+    """Wall-clock and on-CPU (thread) time; the machine is shared, so CPU time is the stabler
+    measure of the algorithm and wall time what a caller waits."""
+    w = np.asarray([t[0] for t in ts]) * 1e3
+    c = np.asarray([t[1] for t in ts]) * 1e3
     return {
-        "n": len(a),
-        "median_ms": float(np.median(a)),
-        "p99_ms": float(np.percentile(a, 99)),
-        "min_ms": float(a.min()),
+        "n": len(w),
+        "median_ms": float(np.median(w)),
+        "p99_ms": float(np.percentile(w, 99)),
+        "min_ms": float(w.min()),
+        "cpu_median_ms": float(np.median(c)),
+        "cpu_p99_ms": float(np.percentile(c, 99)),
     }
+
+
+def timed(fn, *a, **kw):  # type: ignore[no-untyped-def]
+    c0, t0 = time.thread_time(), time.perf_counter()
+    out = fn(*a, **kw)
+    return out, (time.perf_counter() - t0, time.thread_time() - c0)
 
 
 def baseline_select(profile: es.Profile, budget: int, q0: int) -> tuple[int, int]:
@@ -106,26 +119,19 @@ def main() -> int:
     rng = np.random.default_rng(0)
     draws = rng.integers(minimum, top + 1, size=args.runs)
     es.configure(profile, int(draws[0]))  # warm caches / code paths
-    warm = []
-    for bud in draws:
-        t0 = time.perf_counter()
-        es.configure(profile, int(bud))
-        warm.append(time.perf_counter() - t0)
+    warm = [timed(es.configure, profile, int(bud))[1] for bud in draws]
     doc = profile.to_dict()
     cold = []
     for bud in draws[: max(args.runs // 8, 20)]:
         fresh = es.Profile.from_dict(doc)
-        t0 = time.perf_counter()
-        es.configure(fresh, int(bud))
-        cold.append(time.perf_counter() - t0)
+        gc.collect()  # the parse's garbage is the parse's cost, not the selection's
+        cold.append(timed(es.configure, fresh, int(bud))[1])
     base, paired = [], []
     for bud in draws[: max(args.runs // 8, 20)]:
-        t0 = time.perf_counter()
-        gb = baseline_select(profile, int(bud), q0)
-        base.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        c = es.configure(profile, int(bud))
-        paired.append(time.perf_counter() - t0)
+        gb, t = timed(baseline_select, profile, int(bud), q0)
+        base.append(t)
+        c, t = timed(es.configure, profile, int(bud))
+        paired.append(t)
         assert gb == (c.G, c.B), (gb, c)
 
     # -- regret of the Q0 rule against sweeping q too --------------------------------------------
@@ -173,7 +179,10 @@ def main() -> int:
         "selection_warm": sel_warm,
         "selection_cold": sel_cold,
         "baseline_one_candidate_at_a_time": sel_base,
-        "speedup_vs_baseline": float(np.median(np.asarray(base) / np.asarray(paired))),
+        "speedup_vs_baseline": float(
+            np.median(np.asarray([t[1] for t in base]) / np.asarray([t[1] for t in paired]))
+        ),
+        "load_average": list(os.getloadavg()),
         "profiling_plus_selection_ms": {
             "synthesize (stands in for calibration)": t_synth * 1e3,
             "save json": t_save * 1e3,
@@ -190,7 +199,8 @@ def main() -> int:
     )
     print()
     print(
-        f"  {'selection for a new budget':<40} {'median ms':>10} {'p99 ms':>9} {'min ms':>8} {'n':>5}"
+        f"  {'selection for a new budget':<36} {'median ms':>10} {'p99 ms':>8} {'min ms':>7} "
+        f"{'CPU med':>8} {'CPU p99':>8} {'n':>5}"
     )
     for name, s in (
         ("configure (warm profile)", sel_warm),
@@ -198,12 +208,18 @@ def main() -> int:
         ("baseline: one (g, b) at a time", sel_base),
     ):
         print(
-            f"  {name:<40} {s['median_ms']:>10.3f} {s['p99_ms']:>9.3f} {s['min_ms']:>8.3f} {s['n']:>5}"
+            f"  {name:<36} {s['median_ms']:>10.3f} {s['p99_ms']:>8.3f} {s['min_ms']:>7.3f} "
+            f"{s['cpu_median_ms']:>8.3f} {s['cpu_p99_ms']:>8.3f} {s['n']:>5}"
         )
     print(
         f"  speed-up over baseline (median of paired ratios, same budgets): "
-        f"{result['speedup_vs_baseline']:.1f}x; "
-        f"target <= 3 ms: {'met' if sel_warm['median_ms'] <= 3 else 'MISSED'} (median)"
+        f"{result['speedup_vs_baseline']:.1f}x (CPU time)"
+    )
+    print(
+        f"  target <= 3 ms: wall median {'met' if sel_warm['median_ms'] <= 3 else 'MISSED'}, "
+        f"CPU median {'met' if sel_warm['cpu_median_ms'] <= 3 else 'MISSED'}, "
+        f"CPU p99 {'met' if sel_warm['cpu_p99_ms'] <= 3 else 'MISSED'}; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
     print()
     print(f"  {'profiling + selection (stored profile)':<40} {'ms':>10}")
@@ -234,12 +250,10 @@ def main() -> int:
     es.write_chrome_trace(args.out / "sched_trace.json", es.schedule_events(sched, q=c.Q, layer=0))
     if not args.no_plot:
         try:
-            from estream_sched.plot import plot_frontier
-
-            plot_frontier(
+            es.plot_frontier(
                 choices[0].table,
-                choices,
                 args.out / "frontier.png",
+                chosen=choices,
                 title=f"{profile.model}: predicted latency vs memory at Q0={q0}",
             )
             result["plot"] = "bench-results/frontier.png"

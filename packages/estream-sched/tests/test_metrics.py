@@ -15,8 +15,11 @@ from estream_sched import (
     overlap,
     pareto_frontier,
     pipeline_schedule,
+    schedule_metrics,
+    simulate_layers,
     union,
 )
+from estream_sched.testing import PipelineInstance, pipeline_instances
 
 intervals = st.lists(
     st.tuples(st.integers(0, 40), st.integers(0, 40)).map(lambda t: (min(t), max(t))), max_size=12
@@ -78,3 +81,34 @@ def test_pareto_frontier_shape_check() -> None:
     assert pareto_frontier([]).size == 0
     with pytest.raises(ValueError):
         pareto_frontier(np.zeros((3, 3)))
+
+
+def test_schedule_metrics_hand_example() -> None:
+    # reads 0-2, 3-5, 6-8; executor 0-1 (non-expert), 2-3, 5-6, 8-9
+    s = pipeline_schedule([2.0, 2.0, 2.0], [1.0, 1.0, 1.0], 1.0, 1, 1)
+    m = schedule_metrics(s)
+    assert m == {
+        "t_io": 6.0,
+        "t_exec": 4.0,
+        "t_total": 9.0,
+        "bubble_rate": pytest.approx(1 - 6 / 9),
+        "overlap": pytest.approx(1 / 6),  # only 0-1 of read time runs under compute
+    }
+
+
+@given(pipeline_instances(min_groups=1))
+def test_schedule_metrics_ranges(inst: PipelineInstance) -> None:
+    s = pipeline_schedule(inst.L, inst.X, inst.t_ne, inst.q, inst.b)
+    m = schedule_metrics(s)
+    assert m["t_exec"] == pytest.approx(inst.t_ne + inst.X.sum())
+    if m["t_total"] > 0:
+        assert -1e-12 <= m["bubble_rate"] <= 1
+    assert 0 <= m["overlap"] <= 1 + 1e-12
+
+
+def test_schedule_metrics_with_layer_offset() -> None:
+    layer = ([2.0, 2.0, 2.0], [1.0, 1.0, 1.0], 1.0)
+    res = simulate_layers([layer, layer], 1, 1)
+    first = schedule_metrics(res.layers[0], start_s=res.starts[0])
+    second = schedule_metrics(res.layers[1], start_s=res.starts[1])
+    assert first == second

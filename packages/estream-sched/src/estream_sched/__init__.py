@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from ._model import Schedule, pipeline_schedule, pipeline_time
 from .configure import BudgetError, Choice, Row, choose_q0, configure, format_bytes, sweep
-from .metrics import bubble_rate, busy_time, overlap, pareto_frontier, union
+from .metrics import (
+    bubble_rate,
+    busy_time,
+    overlap,
+    pareto_frontier,
+    schedule_metrics,
+    union,
+)
+from .plot import plot_frontier
 from .profile import SCHEMA_VERSION, LayerProfile, Profile, ProfileError, n_groups
 from .simulate import RequestSchedule, SimulationError, simulate, simulate_layers
 from .synthetic import SyntheticSpec, synthetic_profile
@@ -41,7 +49,9 @@ __all__ = [
     "pareto_frontier",
     "pipeline_schedule",
     "pipeline_time",
+    "plot_frontier",
     "schedule_events",
+    "schedule_metrics",
     "simulate",
     "simulate_layers",
     "sweep",

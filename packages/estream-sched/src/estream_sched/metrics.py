@@ -7,7 +7,16 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-__all__ = ["bubble_rate", "busy_time", "overlap", "pareto_frontier", "union"]
+from ._model import Schedule
+
+__all__ = [
+    "bubble_rate",
+    "busy_time",
+    "overlap",
+    "pareto_frontier",
+    "schedule_metrics",
+    "union",
+]
 
 Interval = tuple[float, float]
 
@@ -87,3 +96,27 @@ def pareto_frontier(points: ArrayLike | Sequence[Sequence[float]]) -> NDArray[np
             keep.append(int(i))
             best = P[i, 1]
     return np.asarray(keep, dtype=np.int64)
+
+
+def schedule_metrics(schedule: Schedule, *, start_s: float = 0.0) -> dict[str, float]:
+    """``t_io``, ``t_exec``, ``t_total``, ``bubble_rate`` and ``overlap`` of a one-layer schedule.
+
+    The executor is busy with non-expert work over ``[start_s, t_ne)`` and with group ``k`` over
+    ``[s_k, f_k)``; the loader over the union of ``[a_k, d_k)``. ``start_s`` is the layer start
+    (non-zero for the absolute-time schedules of ``simulate_layers``).
+    """
+    if schedule.f.ndim != 1:
+        raise ValueError("schedule_metrics needs a single-candidate schedule (1-D arrays)")
+    t_ne = float(schedule.t_ne)
+    reads = list(zip(schedule.a.tolist(), schedule.d.tolist()))
+    execs = [(start_s, t_ne), *zip(schedule.s.tolist(), schedule.f.tolist())]
+    t_io = busy_time(reads)
+    t_exec = busy_time(execs)
+    t_total = float(schedule.total) - start_s
+    return {
+        "t_io": t_io,
+        "t_exec": t_exec,
+        "t_total": t_total,
+        "bubble_rate": bubble_rate(t_io, t_exec, t_total) if t_total > 0 else 0.0,
+        "overlap": overlap(reads, execs),
+    }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+import attrs
 import numpy as np
 
 from .configure import Choice, Row
@@ -15,13 +16,23 @@ __all__ = ["plot_frontier"]
 
 def plot_frontier(
     table: Sequence[Row],
-    choices: Sequence[Choice],
     path: str | os.PathLike[str],
     *,
+    chosen: Choice | Sequence[Choice] = (),
+    budget: int | None = None,
     title: str = "",
 ) -> None:
     """Latency–memory plot: every ``(g, b)`` of ``table`` (one colour per ``g``), the Pareto
-    frontier, and for each choice its budget (dotted line) and the chosen point (star)."""
+    frontier, and for each chosen configuration its budget (dotted line) and point (star).
+
+    ``chosen``: one :class:`Choice` or several (e.g. one per budget); ``budget`` overrides the
+    budget line of a single choice.
+    """
+    choices = [chosen] if isinstance(chosen, Choice) else list(chosen)
+    if budget is not None and len(choices) == 1:
+        choices = [attrs.evolve(choices[0], budget_bytes=int(budget))]
+    if not table:
+        raise ValueError("empty table: nothing to plot")
     try:
         import matplotlib
 
