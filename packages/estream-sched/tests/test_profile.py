@@ -201,3 +201,14 @@ def test_layer_profile_arrays_are_read_only() -> None:
     with pytest.raises(ValueError):
         lp.read_times[0] = 1.0
     assert lp.routes.dtype == np.int64
+
+
+def test_readme_example_is_a_valid_profile() -> None:
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    block = (
+        text.split("## Profile JSON (version 1)", 1)[1].split("```json", 1)[1].split("```", 1)[0]
+    )
+    p = Profile.from_dict(json.loads(block))
+    assert p.groups == [1, 4] and p.n_calibration_layers == 1
+    assert p.candidates[4][0].group_bytes.tolist() == [4 * 3538944, 3538944]
