@@ -145,6 +145,30 @@ def build_corpus(vocab_dir: Path, kib: int, seed: int = 0) -> str:
     return "".join(parts)
 
 
+def build_unique_corpus(kib: int, seed: int = 1) -> str:
+    """Mostly never-repeating words (random syllables, some Cyrillic/CJK/digits): what a word
+    cache cannot help with."""
+    rng = random.Random(seed)
+    syll = ["ka", "lo", "mi", "nu", "pre", "str", "ex", "qua", "zo", "th", "ing", "ed", "ion"]
+    extra = ["нещо", "Български", "我想在", "工作", "Cửa", "Việt", "Äpfel"]
+    out: list[str] = []
+    size, target = 0, kib * 1024
+    while size < target:
+        r = rng.random()
+        if r < 0.06:
+            word = rng.choice(extra) + rng.choice(syll)
+        elif r < 0.12:
+            word = str(rng.randint(0, 10**8))
+        else:
+            word = "".join(rng.choice(syll) for _ in range(rng.randint(2, 5)))
+            if rng.random() < 0.2:
+                word = word.capitalize()
+        word += rng.choice([" ", " ", " ", " ", ", ", ". ", "\n", "  "])
+        out.append(word)
+        size += len(word.encode())
+    return "".join(out)
+
+
 def best_of(repeat: int, fn: Any) -> tuple[float, Any]:
     best, out = float("inf"), None
     for _ in range(repeat):
@@ -232,6 +256,49 @@ def llama_cpp_tokenize(path: Path) -> Any:
     return tokenize
 
 
+def measure(
+    name: str,
+    cname: str,
+    corpus: str,
+    tok: Tokenizer,
+    t_load: float,
+    hf: Any,
+    lcpp: Any,
+    repeat: int,
+) -> dict[str, Any]:
+    """One table row: every tokenizer on one text."""
+
+    def cold() -> list[int]:
+        tok.clear_caches()
+        return tok.encode(corpus)
+
+    t_cold, ids = best_of(repeat, cold)
+    t_warm, _ = best_of(repeat, lambda: tok.encode(corpus))
+    row: dict[str, Any] = {
+        "vocab": name,
+        "corpus": cname,
+        "model": tok.model,
+        "pre": tok.pre,
+        "text_bytes": len(corpus.encode()),
+        "tokens": len(ids),
+        "load_s": t_load,
+        "estream_cold_tok_s": len(ids) / t_cold,
+        "estream_warm_tok_s": len(ids) / t_warm,
+    }
+    if hf is not None:
+        t_hf, enc = best_of(repeat, lambda: hf.encode(corpus, add_special_tokens=False))
+        row["hf_tok_s"] = len(enc.ids) / t_hf
+        row["hf_agrees"] = enc.ids == ids
+        row["hf_first_diff"] = first_diff(enc.ids, ids)
+        row["estream_cold_vs_hf"] = row["estream_cold_tok_s"] / row["hf_tok_s"]
+    if lcpp is not None:
+        t_l, lids = best_of(repeat, lambda: lcpp(corpus))
+        row["llama_cpp_tok_s"] = len(lids) / t_l
+        row["llama_cpp_agrees"] = lids == ids
+        row["estream_cold_vs_llama_cpp"] = row["estream_cold_tok_s"] / row["llama_cpp_tok_s"]
+    return row
+
+
 def first_diff(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -250,7 +317,10 @@ def main() -> int:
     if vocab_dir is None:
         print("vocabulary dir not found: set ESTREAM_SHARED", file=sys.stderr)
         return 2
-    corpus = build_corpus(vocab_dir, args.kb)
+    corpora = {
+        "mixed": build_corpus(vocab_dir, args.kb),
+        "unique": build_unique_corpus(args.kb),
+    }
     try:
         import tokenizers
 
@@ -263,39 +333,10 @@ def main() -> int:
     for path in vocab_files(vocab_dir):
         name = path.name.removeprefix("ggml-vocab-").removesuffix(".gguf")
         t_load, tok = best_of(1, lambda p=path: Tokenizer.from_gguf(p))
-
-        def cold(tok: Tokenizer = tok) -> list[int]:
-            tok._word_cache.clear()
-            return tok.encode(corpus)
-
-        t_cold, ids = best_of(args.repeat, cold)
-        t_warm, _ = best_of(args.repeat, lambda tok=tok: tok.encode(corpus))
-        row: dict[str, Any] = {
-            "vocab": name,
-            "model": tok.model,
-            "pre": tok.pre,
-            "text_bytes": len(corpus.encode()),
-            "tokens": len(ids),
-            "load_s": t_load,
-            "estream_cold_tok_s": len(ids) / t_cold,
-            "estream_warm_tok_s": len(ids) / t_warm,
-        }
-        if hf_version is not None:
-            hf = hf_tokenizer(path, tok)
-            t_hf, enc = best_of(
-                args.repeat, lambda hf=hf: hf.encode(corpus, add_special_tokens=False)
-            )
-            row["hf_tok_s"] = len(enc.ids) / t_hf
-            row["hf_agrees"] = enc.ids == ids
-            row["hf_first_diff"] = first_diff(enc.ids, ids)
-            row["estream_cold_vs_hf"] = row["estream_cold_tok_s"] / row["hf_tok_s"]
+        hf = hf_tokenizer(path, tok) if hf_version is not None else None
         lcpp = llama_cpp_tokenize(path)
-        if lcpp is not None:
-            t_l, lids = best_of(args.repeat, lambda f=lcpp: f(corpus))
-            row["llama_cpp_tok_s"] = len(lids) / t_l
-            row["llama_cpp_agrees"] = lids == ids
-            row["estream_cold_vs_llama_cpp"] = row["estream_cold_tok_s"] / row["llama_cpp_tok_s"]
-        rows.append(row)
+        for cname, corpus in corpora.items():
+            rows.append(measure(name, cname, corpus, tok, t_load, hf, lcpp, args.repeat))
 
     def fmt(v: Any, spec: str) -> str:
         if isinstance(v, bool):
@@ -303,15 +344,15 @@ def main() -> int:
         return "-" if v is None else format(v, spec)
 
     head = (
-        f"{'vocab':<13} {'tokens':>7} {'est cold':>10} {'est warm':>10} {'hf':>10} "
+        f"{'vocab':<13} {'text':<7} {'tokens':>7} {'est cold':>10} {'est warm':>10} {'hf':>10} "
         f"{'llama.cpp':>10} {'cold/hf':>7} {'cold/l.cpp':>10} {'hf=':>4} {'l.cpp=':>6}"
     )
-    print(f"text: {len(corpus.encode()) / 1024:.0f} KiB; tokens/s, best of {args.repeat}")
+    print(f"texts: {args.kb} KiB each; tokens/s, best of {args.repeat}")
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
-            f"{r['vocab']:<13} {r['tokens']:>7} {r['estream_cold_tok_s']:>10,.0f} "
+            f"{r['vocab']:<13} {r['corpus']:<7} {r['tokens']:>7} {r['estream_cold_tok_s']:>10,.0f} "
             f"{r['estream_warm_tok_s']:>10,.0f} {fmt(r.get('hf_tok_s'), '>10,.0f')} "
             f"{fmt(r.get('llama_cpp_tok_s'), '>10,.0f')} "
             f"{fmt(r.get('estream_cold_vs_hf'), '>7.3f')} "

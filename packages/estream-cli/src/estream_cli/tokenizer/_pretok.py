@@ -37,6 +37,7 @@ _CATEGORY_CLASS = {
     "S": u.COLLAPSED_SYMBOL + "$+<->^`|~",
 }
 _CATEGORY = re.compile(r"\\p\{(\w+)\}")
+_MEMO_LIMIT = 1 << 16
 
 
 def _to_collapsed(pattern: str) -> str:
@@ -89,29 +90,53 @@ class PreTokenizer:
     ignore_merges: bool = False  # a word that is itself a token skips BPE
     add_bos: bool = False  # default of add_bos when the GGUF does not say
 
+    # per stage (from the second on): piece -> its words; bounded, filled lazily
+    _memo: tuple[dict[str, list[str]], ...] = attrs.field(
+        init=False,
+        eq=False,
+        repr=False,
+        default=attrs.Factory(lambda self: tuple({} for _ in self.regexes), takes_self=True),
+    )
+
+    def clear_memo(self) -> None:
+        """Forget memoised piece splits."""
+        for memo in self._memo:
+            memo.clear()
+
     def split(self, text: str) -> list[str]:
         """The words of ``text``, in order; their concatenation is ``text``."""
-        spans = [(0, len(text))]
-        views: dict[bool, str] = {}
-        for rx in self.regexes:
-            view = views.get(rx.collapsed)
-            if view is None:
-                view = u.collapse(text) if rx.collapsed else u.widen(text)
-                views[rx.collapsed] = view
-            finditer = rx.compiled.finditer
-            pieces: list[tuple[int, int]] = []
-            for start, end in spans:
-                pos = start
-                for m in finditer(view, start, end):
-                    a, b = m.span()
-                    if a > pos:
-                        pieces.append((pos, a))
-                    pieces.append((a, b))
-                    pos = b
-                if pos < end:
-                    pieces.append((pos, end))
-            spans = pieces
-        return [text[a:b] for a, b in spans if b > a]
+        return self._split(text, 0)
+
+    def _split(self, text: str, stage: int) -> list[str]:
+        rx = self.regexes[stage]
+        view = u.collapse(text) if rx.collapsed else u.widen(text)
+        spans: list[tuple[int, int]] = []
+        pos = 0
+        for m in rx.compiled.finditer(view):
+            a, b = m.span()
+            if a > pos:
+                spans.append((pos, a))
+            if b > a:
+                spans.append((a, b))
+            pos = b
+        if pos < len(text):
+            spans.append((pos, len(text)))
+        if stage + 1 == len(self.regexes):
+            return [text[a:b] for a, b in spans]
+        # Later regexes only see one piece at a time, so a piece's words can be memoised:
+        # text repeats at the word level, which makes multi-regex splitting cheap.
+        memo = self._memo[stage + 1]
+        out: list[str] = []
+        for a, b in spans:
+            piece = text[a:b]
+            words = memo.get(piece)
+            if words is None:
+                words = self._split(piece, stage + 1)
+                if len(memo) >= _MEMO_LIMIT:
+                    memo.clear()
+                memo[piece] = words
+            out.extend(words)
+        return out
 
 
 # --- the regexes, as llama.cpp (after the models' tokenizer.json) defines them ---------------

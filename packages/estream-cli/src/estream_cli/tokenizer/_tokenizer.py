@@ -241,6 +241,12 @@ class Tokenizer:
         elif "modern-bert" in model_name and "[MASK]" in t2i:
             attrs[t2i["[MASK]"]] |= TokenAttr.LSTRIP
 
+    def clear_caches(self) -> None:
+        """Forget memoised words (BPE/SPM results and pre-tokenizer splits); for benchmarks."""
+        self._word_cache.clear()
+        if self._pretok is not None:
+            self._pretok.clear_memo()
+
     # ------------------------------------------------------------------ properties
 
     @property
