@@ -29,6 +29,13 @@ class LoaderClosedError(ArenaError):
     """The loader (or its arena) was closed while, or before, the call was made."""
 
 
+def _restore(cls: type[BaseException], args: tuple[object, ...], state: dict[str, object]):
+    obj = cls.__new__(cls)
+    BaseException.__init__(obj, *args)
+    obj.__dict__.update(state)
+    return obj
+
+
 class ReadError(ArenaError):
     """Reading a group's extent failed; ``layer``, ``group``, ``offset`` say which extent.
 
@@ -57,6 +64,9 @@ class ReadError(ArenaError):
         self.nbytes = nbytes
         self.path = path
         self.errno = errno
+
+    def __reduce__(self):  # keyword-only __init__: pickle/copy through the instance dict
+        return (_restore, (type(self), self.args, dict(self.__dict__)))
 
 
 class ShortReadError(ReadError):

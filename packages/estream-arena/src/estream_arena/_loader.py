@@ -166,8 +166,9 @@ class GroupLoader:
             return os.open(self._path, flags), False
         if os.fstat(fd).st_size >= ALIGN:  # some filesystems accept the flag but refuse reads
             probe = mmap.mmap(-1, ALIGN)
+            view = memoryview(probe)
             try:
-                self._reader(fd, [memoryview(probe)], 0)
+                self._reader(fd, [view], 0)
             except OSError as e:
                 if e.errno != _errno.EINVAL:
                     pass  # not a refusal of O_DIRECT; real reads will report it per group
@@ -180,6 +181,7 @@ class GroupLoader:
                         ) from e
                     return os.open(self._path, flags), False
             finally:
+                view.release()
                 probe.close()
         return fd, True
 
@@ -241,7 +243,7 @@ class GroupLoader:
                     n_sys = self._read_group(req, bank, scratch, ctx)
                 except ReadError as e:
                     err = e
-                except Exception as e:  # a bug or an odd reader: still end this group cleanly
+                except BaseException as e:  # a bug, an odd reader, an interrupt: end the group
                     err = ReadError(f"unexpected failure: {e!r}", **ctx)
                     err.__cause__ = e
                 t_end = time.perf_counter()

@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import pytest
+
+from estream_arena import ALIGN, Arena, ArenaError, RecordLayout
+
+OLMOE = RecordLayout.contiguous(1_179_648, 1_179_648, 1_179_648)
+
+
+def test_contiguous_layout_matches_contract() -> None:
+    assert OLMOE.record_bytes == 3_538_944
+    assert OLMOE.planes == ((0, 1_179_648), (1_179_648, 1_179_648), (2_359_296, 1_179_648))
+    assert OLMOE.padding_bytes == 0
+    assert [j for _, _, j in OLMOE.segments()] == [0, 1, 2]
+
+
+def test_layout_segments_cover_record_in_order() -> None:
+    lay = RecordLayout(10 * ALIGN, ((5 * ALIGN, ALIGN), (ALIGN, 2 * ALIGN), (7 * ALIGN, ALIGN)))
+    segs = lay.segments()
+    assert segs == [
+        (0, ALIGN, -1),
+        (ALIGN, 2 * ALIGN, 1),
+        (3 * ALIGN, 2 * ALIGN, -1),
+        (5 * ALIGN, ALIGN, 0),
+        (6 * ALIGN, ALIGN, -1),
+        (7 * ALIGN, ALIGN, 2),
+        (8 * ALIGN, 2 * ALIGN, -1),
+    ]
+    assert sum(n for _, n, _ in segs) == lay.record_bytes
+    assert lay.padding_bytes == 6 * ALIGN
+
+
+@pytest.mark.parametrize(
+    ("record_bytes", "planes", "match"),
+    [
+        (3 * ALIGN + 1, ((0, ALIGN), (ALIGN, ALIGN), (2 * ALIGN, ALIGN)), "record_bytes"),
+        (3 * ALIGN, ((0, ALIGN), (ALIGN, ALIGN)), "3 planes"),
+        (3 * ALIGN, ((0, ALIGN), (100, ALIGN), (2 * ALIGN, ALIGN)), "multiples"),
+        (3 * ALIGN, ((0, ALIGN), (ALIGN, 2000), (2 * ALIGN, ALIGN)), "multiples"),
+        (3 * ALIGN, ((0, 2 * ALIGN), (ALIGN, ALIGN), (2 * ALIGN, ALIGN)), "overlap"),
+        (3 * ALIGN, ((0, ALIGN), (ALIGN, ALIGN), (2 * ALIGN, 2 * ALIGN)), "does not fit"),
+        (3 * ALIGN, ((0, ALIGN), (ALIGN, 0), (2 * ALIGN, ALIGN)), "size"),
+    ],
+)
+def test_layout_rejects_bad_geometry(record_bytes, planes, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        RecordLayout(record_bytes, planes)
+
+
+@pytest.mark.parametrize(("B", "G"), [(1, 1), (3, 4), (5, 2)])
+def test_arena_addresses_and_views(B: int, G: int) -> None:
+    lay = RecordLayout(7 * ALIGN, ((0, 2 * ALIGN), (3 * ALIGN, ALIGN), (4 * ALIGN, 3 * ALIGN)))
+    with Arena(lay, B, G) as arena:
+        assert arena.n_slots == B * G and arena.n_banks == B and arena.group_size == G
+        assert arena.total_bytes == B * G * (2 + 1 + 3) * ALIGN
+        for j, stride in enumerate(arena.slot_bytes):
+            base = arena.plane_address(j)
+            assert base % mmap.PAGESIZE == 0
+            plane = arena.plane_view(j)
+            assert plane.dtype == np.uint8 and plane.nbytes == B * G * stride
+            assert plane.ctypes.data == base
+            for s in range(arena.n_slots):
+                assert arena.slot_address(j, s) == base + s * stride
+                v = arena.slot_view(j, s)
+                assert v.ctypes.data == base + s * stride and v.nbytes == stride
+                v[:] = (j * 31 + s) % 251  # writable, no overlap between slots
+            for s in range(arena.n_slots):
+                assert np.all(arena.slot_view(j, s) == (j * 31 + s) % 251)
+        assert arena.bank_slots(B - 1) == range((B - 1) * G, B * G)
+        with pytest.raises(IndexError):
+            arena.slot_address(0, B * G)
+        with pytest.raises(IndexError):
+            arena.plane_view(3)
+
+
+def test_arena_planes_are_shareable_memfds() -> None:
+    """A second mapping of the memfd (as another process would make) sees the same bytes."""
+    lay = RecordLayout.contiguous(ALIGN, ALIGN, 2 * ALIGN)
+    with Arena(lay, 2, 2) as arena:
+        arena.slot_view(2, 3)[:] = 0xA5
+        fd = os.dup(arena.fd(2))
+        try:
+            other = mmap.mmap(fd, 4 * 2 * ALIGN, mmap.MAP_SHARED, mmap.PROT_READ)
+            assert other[3 * 2 * ALIGN : 4 * 2 * ALIGN] == b"\xa5" * (2 * ALIGN)
+            other.close()
+        finally:
+            os.close(fd)
+
+
+def test_arena_close_is_idempotent_and_final() -> None:
+    lay = RecordLayout.contiguous(ALIGN, ALIGN, ALIGN)
+    arena = Arena(lay, 2, 1)
+    view = arena.slot_view(0, 1)
+    arena.close()
+    arena.close()
+    assert arena.closed
+    with pytest.raises(ArenaError, match="closed"):
+        arena.plane_address(0)
+    view[:] = 1  # a view held across close stays valid memory, never dangling
+    assert view.sum() == ALIGN
+
+
+def test_arena_rejects_empty() -> None:
+    with pytest.raises(ValueError):
+        Arena(RecordLayout.contiguous(ALIGN, ALIGN, ALIGN), 0, 4)

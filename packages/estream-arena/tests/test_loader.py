@@ -1,0 +1,302 @@
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+import time
+
+import pytest
+
+from estream_arena import (
+    ALIGN,
+    Arena,
+    ArenaError,
+    GroupLoader,
+    GroupRequest,
+    LoaderClosedError,
+    ProtocolError,
+    RecordLayout,
+)
+from estream_arena.testing import RecordFile, write_record_file
+
+# Planes out of record order, with padding before, between and after them.
+PADDED = RecordLayout(9 * ALIGN, ((4 * ALIGN, 2 * ALIGN), (ALIGN, ALIGN), (6 * ALIGN, 2 * ALIGN)))
+DENSE = RecordLayout.contiguous(ALIGN, 2 * ALIGN, ALIGN)
+
+
+@pytest.fixture(params=[PADDED, DENSE], ids=["padded", "dense"])
+def rfile(request, workdir) -> RecordFile:
+    return write_record_file(workdir / "experts.bin", request.param, 23, seed=7)
+
+
+def groups_of(rf: RecordFile, G: int) -> list[GroupRequest]:
+    return [
+        rf.request(k, k * G, min(G, rf.n_records - k * G)) for k in range(-(-rf.n_records // G))
+    ]
+
+
+def check_bank(arena: Arena, rf: RecordFile, bank, G: int) -> None:
+    for i, slot in enumerate(bank.slots):
+        for j in range(3):
+            got = bytes(arena.slot_view(j, slot))
+            assert got == rf.projection(bank.group * G + i, j), (bank, i, j)
+
+
+class Recorder:
+    """os.preadv that logs (offset, n_buffers, sizes) and the peak number of concurrent calls."""
+
+    def __init__(self, delay: float = 0.0, gate: threading.Event | None = None) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+        self.lock = threading.Lock()
+        self.active = 0
+        self.peak = 0
+        self.delay = delay
+        self.gate = gate
+
+    def __call__(self, fd, buffers, offset):
+        with self.lock:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        try:
+            if self.gate is not None:
+                self.gate.wait(10)
+            time.sleep(self.delay)
+            n = os.preadv(fd, buffers, offset)
+            with self.lock:
+                self.calls.append((offset, len(buffers), sum(len(memoryview(b)) for b in buffers)))
+            return n
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
+@pytest.mark.parametrize("direct", [None, True, False])
+@pytest.mark.parametrize(("B", "G", "Q"), [(1, 1, 1), (3, 4, 2), (4, 3, 4), (2, 5, 1)])
+def test_every_group_lands_in_its_bank(rfile, B, G, Q, direct) -> None:
+    with (
+        Arena(rfile.layout, B, G) as arena,
+        GroupLoader(arena, rfile.path, Q, direct=direct, verify=True) as ld,
+    ):
+        assert ld.direct is (direct is not False)  # ext4/tmp accept O_DIRECT
+        for layer in range(2):
+            ld.begin_layer(layer)
+            reqs = groups_of(rfile, G)
+            ld.submit(reqs)
+            for r in reqs:
+                bank = ld.acquire(r.group, timeout=10)
+                assert bank.layer == layer and bank.group == r.group
+                assert bank.n_records == r.n_records
+                assert bank.slots == range(bank.index * G, bank.index * G + r.n_records)
+                vis = ld.residency()
+                for i, slot in enumerate(bank.slots):
+                    assert vis[r.group * G + i] == slot
+                check_bank(arena, rfile, bank, G)
+                ld.release(bank)
+                ld.check_valid()
+            ld.end_layer()
+        st = ld.stats
+        assert st.n_reads == 2 * len(reqs)
+        assert st.bytes_read == 2 * rfile.n_records * rfile.layout.record_bytes
+        assert len(st.events) == st.n_reads
+        for ev in st.events:
+            assert ev.t_submit <= ev.t_start <= ev.t_end and ev.outcome == "published"
+
+
+def test_one_vectored_syscall_per_group(rfile) -> None:
+    G = 4
+    rec = Recorder()
+    with Arena(rfile.layout, 2, G) as arena, GroupLoader(arena, rfile.path, 2, reader=rec) as ld:
+        ld.begin_layer(0)
+        reqs = groups_of(rfile, G)
+        ld.submit(reqs)
+        for r in reqs:
+            ld.release(ld.acquire(r.group, timeout=10))
+        ld.end_layer()
+        assert ld.stats.n_syscalls == len(reqs)
+    n_segments = len(rfile.layout.segments())
+    by_offset = {
+        off: (nbuf, nbytes) for off, nbuf, nbytes in rec.calls if off != 0 or nbytes != ALIGN
+    }
+    for r in reqs:
+        assert by_offset[r.offset] == (
+            n_segments * r.n_records,
+            r.n_records * rfile.layout.record_bytes,
+        )
+
+
+def test_huge_group_is_split_at_iov_max(workdir) -> None:
+    lay = RecordLayout.contiguous(ALIGN, ALIGN, ALIGN)
+    rf = write_record_file(workdir / "big.bin", lay, 700)
+    with Arena(lay, 1, 700) as arena, GroupLoader(arena, rf.path, 1, verify=True) as ld:
+        ld.begin_layer(0)
+        ld.submit([rf.request(0, 0, 700)])
+        bank = ld.acquire(0, timeout=20)
+        check_bank(arena, rf, bank, 700)
+        ld.release(bank)
+        ld.end_layer()
+        assert ld.stats.n_syscalls == 3  # 1024 // 3 = 341 records per preadv
+
+
+@pytest.mark.parametrize("Q", [1, 2, 3])
+def test_at_most_q_reads_in_flight(rfile, Q) -> None:
+    rec = Recorder(delay=0.01)
+    G = 1
+    with Arena(rfile.layout, 6, G) as arena, GroupLoader(arena, rfile.path, Q, reader=rec) as ld:
+        rec.peak = 0
+        ld.begin_layer(0)
+        reqs = groups_of(rfile, G)
+        ld.submit(reqs)
+        for r in reqs:
+            ld.release(ld.acquire(r.group, timeout=10))
+        ld.end_layer()
+    assert rec.peak == Q
+
+
+def test_reads_follow_submit_order(rfile) -> None:
+    rec = Recorder()
+    with Arena(rfile.layout, 1, 1) as arena, GroupLoader(arena, rfile.path, 1, reader=rec) as ld:
+        rec.calls.clear()
+        ld.begin_layer(0)
+        order = [5, 1, 9, 0, 3]
+        ld.submit([rfile.request(g, g, 1) for g in order])
+        for g in order:
+            ld.release(ld.acquire(g, timeout=10))
+        ld.end_layer()
+    assert [off // rfile.layout.record_bytes for off, _, _ in rec.calls] == order
+
+
+def test_drop_queued_ready_and_filling(rfile) -> None:
+    gate = threading.Event()
+    rec = Recorder(gate=gate)
+    gate.set()
+    rb = rfile.layout.record_bytes
+    with Arena(rfile.layout, 2, 1) as arena, GroupLoader(arena, rfile.path, 1, reader=rec) as ld:
+        rec.calls.clear()
+        ld.begin_layer(0)
+        ld.submit([rfile.request(g, g, 1) for g in range(2)])
+        b0 = ld.acquire(0, timeout=10)
+        deadline = time.monotonic() + 10
+        while 1 not in {p // 1 for p in ld.residency()} and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert ld.residency() == {0: b0.slots[0], 1: 1 - b0.index}  # 1 is Ready, not InUse
+        ld.drop([1])  # Ready → Available at once
+        assert ld.residency() == {0: b0.slots[0]}
+        gate.clear()  # the next read blocks inside the reader: Filling
+        ld.submit([rfile.request(g, g, 1) for g in (2, 3, 4)])
+        while not rec.active and time.monotonic() < deadline:
+            time.sleep(0.001)
+        ld.drop([2, 4])  # 2 is Filling (in the reader), 4 is queued
+        with pytest.raises(ProtocolError, match="Dropped"):
+            ld.acquire(2)
+        gate.set()
+        b3 = ld.acquire(3, timeout=10)
+        check_bank(arena, rfile, b3, 1)
+        ld.release(b3)
+        ld.release(b0)
+        ld.end_layer()
+        offsets = [off for off, _, _ in rec.calls]
+        assert 4 * rb not in offsets, "a dropped queued group was read"
+        assert 2 * rb in offsets
+        outcomes = {ev.group: ev.outcome for ev in ld.stats.events}
+        assert outcomes[2] == "retired" and outcomes[3] == "published"
+
+
+def test_protocol_misuse_raises(rfile) -> None:
+    with Arena(rfile.layout, 1, 2) as arena, GroupLoader(arena, rfile.path, 1) as ld:
+        with pytest.raises(ProtocolError, match="begin_layer"):
+            ld.submit([rfile.request(0, 0, 2)])
+        ld.begin_layer(0)
+        with pytest.raises(ProtocolError, match="still open"):
+            ld.begin_layer(1)
+        with pytest.raises(ProtocolError, match="never submitted"):
+            ld.acquire(0, timeout=1)
+        ld.submit([rfile.request(0, 0, 2), rfile.request(1, 2, 2)])
+        with pytest.raises(ProtocolError, match="already submitted"):
+            ld.submit([rfile.request(0, 0, 2)])
+        with pytest.raises(ProtocolError, match="twice"):
+            ld.submit([rfile.request(5, 0, 1), rfile.request(5, 0, 1)])
+        with pytest.raises(ProtocolError, match="records"):
+            ld.submit([rfile.request(6, 0, 3)])
+        with pytest.raises(ArenaError, match="multiple of 4096"):
+            ld.submit([GroupRequest(7, 100, 1)])
+        with pytest.raises(ProtocolError, match="neither released nor dropped"):
+            ld.end_layer()
+        bank = ld.acquire(0, timeout=10)
+        with pytest.raises(ProtocolError, match="InUse"):
+            ld.drop([0])
+        with pytest.raises(ProtocolError, match="InUse"):
+            ld.acquire(0)
+        # Only one bank, held: group 1 cannot become Ready.
+        with pytest.raises(TimeoutError, match="group 1 of layer 0"):
+            ld.acquire(1, timeout=0.1)
+        ld.release(bank)
+        with pytest.raises(ProtocolError, match="not held"):
+            ld.release(bank)
+        ld.drop([1])
+        ld.end_layer()
+        with pytest.raises(ProtocolError, match="no layer"):
+            ld.end_layer()
+
+
+def test_close_wakes_waiters_and_is_idempotent(rfile) -> None:
+    gate = threading.Event()
+    with Arena(rfile.layout, 1, 1) as arena:
+        ld = GroupLoader(arena, rfile.path, 1, direct=False, reader=Recorder(gate=gate))
+        ld.begin_layer(0)
+        ld.submit([rfile.request(0, 0, 1)])
+        got: list[BaseException] = []
+
+        def consumer() -> None:
+            try:
+                ld.acquire(0)
+            except BaseException as e:
+                got.append(e)
+
+        t = threading.Thread(target=consumer)
+        t.start()
+        time.sleep(0.05)
+        closer = threading.Thread(target=ld.close)
+        closer.start()
+        time.sleep(0.05)
+        gate.set()  # let the in-flight read finish so that close can join its thread
+        closer.join(10)
+        t.join(10)
+        assert not t.is_alive() and not closer.is_alive()
+        assert len(got) == 1 and isinstance(got[0], LoaderClosedError)
+        ld.close()
+        with pytest.raises(LoaderClosedError):
+            ld.begin_layer(1)
+
+
+def test_closing_the_arena_closes_its_loaders(rfile) -> None:
+    arena = Arena(rfile.layout, 2, 2)
+    ld = GroupLoader(arena, rfile.path, 2)
+    ld.begin_layer(0)
+    ld.submit(groups_of(rfile, 2))
+    arena.close()
+    assert ld.closed
+    with pytest.raises(LoaderClosedError):
+        ld.acquire(0)
+
+
+def _refuse_direct(fd, buffers, offset):
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+        raise OSError(errno.EINVAL, "Invalid argument")
+    return os.preadv(fd, buffers, offset)
+
+
+def test_falls_back_to_buffered_when_o_direct_is_refused(rfile) -> None:
+    with Arena(rfile.layout, 2, 3) as arena:
+        with GroupLoader(arena, rfile.path, 2, reader=_refuse_direct, verify=True) as ld:
+            assert ld.direct is False
+            ld.begin_layer(0)
+            reqs = groups_of(rfile, 3)
+            ld.submit(reqs)
+            for r in reqs:
+                b = ld.acquire(r.group, timeout=10)
+                check_bank(arena, rfile, b, 3)
+                ld.release(b)
+            ld.end_layer()
+        with pytest.raises(ArenaError, match="refuses O_DIRECT"):
+            GroupLoader(arena, rfile.path, 1, direct=True, reader=_refuse_direct)
