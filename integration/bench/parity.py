@@ -26,7 +26,6 @@ import argparse
 import datetime as dt
 import json
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -99,21 +98,24 @@ def f32_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def engine_logits(gguf: Path, work: Path, tokens: list[int]) -> tuple[np.ndarray | None, str]:
+def engine_logits(
+    gguf: Path, work: Path, tokens: list[int], mode: str = "stream"
+) -> tuple[np.ndarray | None, str]:
     """The engine's all-position logits, or ``(None, reason)`` when it is not available."""
     try:
         import estream
     except ImportError as exc:
         return None, f"estream not importable ({exc})"
     packed = work / (gguf.stem + ".estream")
-    if not packed.exists():
-        done = subprocess.run(
-            ["estream", "pack", str(gguf), "-o", str(packed)], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            return None, f"estream pack failed: {(done.stderr or done.stdout).strip()[-800:]}"
     try:
-        engine = estream.load(packed, mode="resident")
+        from estream_layout import pack_model
+
+        if not packed.exists():
+            pack_model(gguf, packed, progress=False)
+    except Exception as exc:
+        return None, f"packing failed: {type(exc).__name__}: {exc}"
+    try:
+        engine = estream.load(packed, mode=mode)
         try:
             result = engine.prefill(tokens, all_logits=True)
         finally:
@@ -134,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--engine-mode", default="stream", help="stream | resident | naive | layer")
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "parity.json"))
     args = ap.parse_args(argv)
 
@@ -184,9 +187,16 @@ def main(argv: list[str] | None = None) -> int:
                 row["llamacpp_error"] = str(exc)
                 print(f"\n{arch}/{variant}: llama.cpp refused the model:\n{exc}\n")
                 note_issue(arch, args.preset, variant, str(exc))
+            if "llamacpp_vs_ref" in row:
+                c = row["llamacpp_vs_ref"]
+                print(
+                    f"{arch}/{variant}: llama.cpp vs reference rel L2 {c['rel_l2']:.2e}, "
+                    f"top-1 {c['top1']:.3f}",
+                    flush=True,
+                )
             if variant == "q4_0" and not args.no_engine:
                 t0 = time.perf_counter()
-                eng, why = engine_logits(gguf, work, tokens)
+                eng, why = engine_logits(gguf, work, tokens, args.engine_mode)
                 if eng is None:
                     row["engine_note"] = why
                     print(f"{arch}/{variant}: engine column skipped: {why}")
