@@ -193,12 +193,16 @@ class _Naive:
         dk = int(self.md("attention.key_length_mla"))
         d_nope = dk - d_rope
         wq = self.w(p + "attn_q.weight")
+        if wq is None:  # low-rank q: q = W_qb · rmsnorm(W_qa · h)
+            wqa, wqb = self.w(p + "attn_q_a.weight"), self.w(p + "attn_q_b.weight")
+            qa_norm = self.w(p + "attn_q_a_norm.weight")
         wkv_a = self.w(p + "attn_kv_a_mqa.weight")
         k_b = self.w(p + "attn_k_b.weight")  # [H, rank, d_nope]
         v_b = self.w(p + "attn_v_b.weight")  # [H, dv, rank]
         qs, ks, vs = [], [], []
         for pos, h in enumerate(hs):
-            q = (wq @ h).reshape(n_head, dk)
+            q = wq @ h if wq is not None else wqb @ self.rmsnorm(wqa @ h, qa_norm, eps)
+            q = q.reshape(n_head, dk)
             a = wkv_a @ h
             lat = self.rmsnorm(a[:rank], self.w(p + "attn_kv_a_norm.weight"), eps)
             k_pe = self.rope(a[rank:], pos, d_rope, neox=False)
@@ -244,6 +248,22 @@ def test_reference_matches_loop_implementation(tiny_gguf, arch: str, qtype) -> N
     got = reference_forward(path, tokens)
     want = _Naive(path).forward(tokens)
     assert got.shape == want.shape == (len(tokens), 96)
+    assert rel_l2(got, want) < 1e-12
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe"])
+def test_reference_matches_loop_implementation_on_synthetic_models(
+    tmp_path: Path, arch: str
+) -> None:
+    """The layout package's synthetic GGUFs (tiny preset, Q4_0): same two implementations."""
+    from estream_layout import synth_model
+
+    path = synth_model(arch, "tiny", tmp_path / f"{arch}.gguf", seed=7)
+    model = ReferenceModel(path)
+    tokens = np.random.default_rng(1).integers(0, model.config.n_vocab, 7).tolist()
+    got = model.forward(tokens)
+    want = _Naive(path).forward(tokens)
+    assert got.shape == want.shape == (7, model.config.n_vocab)
     assert rel_l2(got, want) < 1e-12
 
 
