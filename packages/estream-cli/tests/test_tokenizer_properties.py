@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from estream_cli.tokenizer import Tokenizer, read_tokenizer_metadata, supported_pre_tokenizers
-from estream_cli.tokenizer._merge import bpe_merge_heap, bpe_merge_scan
+from estream_cli.tokenizer._merge import bpe_merge_heap, bpe_merge_scan, spm_merge, spm_merge_heap
 from estream_cli.tokenizer._pretok import pre_tokenizer_for
 from estream_cli.tokenizer._unicode import collapse, is_whitespace
 from estream_cli.tokenizer.testing import find_vocab_dir
@@ -57,6 +57,22 @@ def test_bpe_heap_matches_rescan(case: tuple[str, dict[tuple[str, str], int]]) -
     assert "".join(scan) == word
     # no adjacent pair left that could still merge
     assert all((a, b) not in ranks for a, b in itertools.pairwise(scan))
+
+
+@given(
+    text=st.text(alphabet="abc", max_size=60),
+    table=st.dictionaries(
+        st.text(alphabet="abc", min_size=2, max_size=4), st.integers(-3, 3), max_size=30
+    ),
+)
+def test_spm_scan_matches_heap(text: str, table: dict[str, int]) -> None:
+    # small integer scores: many ties, which must go to the leftmost pair
+    ids = {piece: i for i, piece in enumerate(table)}
+    scores = [float(table[piece]) for piece in ids]
+    scan = spm_merge(text, ids.get, scores)
+    assert spm_merge_heap(text, ids.get, scores) == scan
+    assert "".join(scan) == text
+    assert all(a + b not in ids for a, b in itertools.pairwise(scan))
 
 
 @pytest.mark.parametrize("name", supported_pre_tokenizers())

@@ -8,32 +8,38 @@ pair whose concatenation is a vocabulary token with the highest score, the leftm
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable, Mapping
 
-__all__ = ["bpe_merge", "bpe_merge_heap", "bpe_merge_scan", "spm_merge"]
+__all__ = ["bpe_merge", "bpe_merge_heap", "bpe_merge_scan", "spm_merge", "spm_merge_heap"]
 
-# Below this many symbols a plain rescan beats the heap's bookkeeping.
-_SCAN_LIMIT = 24
+# Up to this many symbols the rank-list scan beats the heap's bookkeeping.
+_SCAN_LIMIT = 256
+_NO_RANK = 1 << 62
+_NO_SCORE = float("-inf")
 
 
 def bpe_merge_scan(word: str, ranks: Mapping[tuple[str, str], int]) -> list[str]:
-    """BPE by rescanning all pairs after each merge: O(n^2), fast for short words."""
+    """BPE keeping a list of pair ranks, updated around each merge; the lowest (leftmost on
+    ties) is found with C-level ``min``/``index``: O(n^2) but fast for ordinary words."""
     syms = list(word)
+    if len(syms) < 2:
+        return syms
     get = ranks.get
-    while len(syms) > 1:
-        best_rank = -1
-        best = -1
-        prev = syms[0]
-        for i in range(1, len(syms)):
-            cur = syms[i]
-            r = get((prev, cur))
-            if r is not None and (best < 0 or r < best_rank):
-                best_rank = r
-                best = i - 1
-            prev = cur
-        if best < 0:
+    none = _NO_RANK
+    pair_ranks = [get(pair, none) for pair in itertools.pairwise(syms)]
+    while pair_ranks:
+        best = min(pair_ranks)
+        if best == none:
             break
-        syms[best : best + 2] = [syms[best] + syms[best + 1]]
+        i = pair_ranks.index(best)
+        merged = syms[i] + syms[i + 1]
+        syms[i : i + 2] = [merged]
+        del pair_ranks[i]
+        if i < len(pair_ranks):
+            pair_ranks[i] = get((merged, syms[i + 1]), none)
+        if i > 0:
+            pair_ranks[i - 1] = get((syms[i - 1], merged), none)
     return syms
 
 
@@ -92,8 +98,40 @@ def spm_merge(text: str, lookup: Callable[[str], int | None], scores: list[float
     """SentencePiece merges over the code points of ``text``; returns the final pieces.
 
     ``lookup`` maps a string to its token id (or None). A pair is a candidate when its
-    concatenation is a token; the highest score wins, the leftmost on ties.
+    concatenation is a token; the highest score wins, the leftmost on ties. ``scores`` must
+    be finite (-inf marks "no candidate" in the scan); see :func:`spm_merge_heap`.
     """
+    if len(text) > _SCAN_LIMIT:
+        return spm_merge_heap(text, lookup, scores)
+    syms = list(text)
+    if len(syms) < 2:
+        return syms
+    none = _NO_SCORE
+
+    def score(pair: str) -> float:
+        tid = lookup(pair)
+        return none if tid is None else scores[tid]
+
+    pair_scores = [score(a + b) for a, b in itertools.pairwise(syms)]
+    while pair_scores:
+        best = max(pair_scores)
+        if best == none:
+            break
+        i = pair_scores.index(best)
+        merged = syms[i] + syms[i + 1]
+        syms[i : i + 2] = [merged]
+        del pair_scores[i]
+        if i < len(pair_scores):
+            pair_scores[i] = score(merged + syms[i + 1])
+        if i > 0:
+            pair_scores[i - 1] = score(syms[i - 1] + merged)
+    return syms
+
+
+def spm_merge_heap(
+    text: str, lookup: Callable[[str], int | None], scores: list[float]
+) -> list[str]:
+    """:func:`spm_merge` with a priority queue (llama.cpp's way): O(n log n), any scores."""
     sym: list[str] = list(text)
     n = len(sym)
     if n == 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 
 from ._errors import TokenIdError, UnsupportedTokenizerError, VocabularyError
 from ._gguf import read_tokenizer_metadata
-from ._merge import bpe_merge, spm_merge
+from ._merge import bpe_merge, spm_merge, spm_merge_heap
 from ._pretok import PreTokenizer, pre_tokenizer_for
 
 __all__ = ["TokenAttr", "Tokenizer"]
@@ -124,6 +125,7 @@ class Tokenizer:
         self._scores: list[float] = [0.0] * n if scores is None else [float(s) for s in scores]
         if len(self._scores) < n:
             raise VocabularyError(f"{source}: {len(self._scores)} scores for {n} tokens")
+        self._finite_scores = all(math.isfinite(x) for x in self._scores)
         types = meta.get("tokenizer.ggml.token_type")
         if types is None:
             attrs = [TokenAttr.NORMAL] * n
@@ -397,7 +399,8 @@ class Tokenizer:
 
     def _spm_pieces(self, text: str, out: list[int]) -> None:
         t2i = self._token_to_id
-        for piece in spm_merge(text, t2i.get, self._scores):
+        merge = spm_merge if self._finite_scores else spm_merge_heap
+        for piece in merge(text, t2i.get, self._scores):
             tid = t2i.get(piece)
             if tid is not None:
                 out.append(tid)
