@@ -322,7 +322,7 @@ class Engine:
     def _reads_so_far(self) -> list[Any]:
         if self.config is None:
             return []
-        return list(self.experts.loader.stats.reads)
+        return list(self.experts.loader.stats.events)
 
     def _describe(self, T: int) -> dict[str, Any]:
         c = self.config

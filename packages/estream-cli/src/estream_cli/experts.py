@@ -9,6 +9,7 @@ are recycled as soon as their group has run.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,7 @@ from .packed import ExpertLayer, PackedModel
 __all__ = ["SCHEDULES", "GroupRecord", "ResidentExperts", "StreamedExperts", "flatten_routes"]
 
 SCHEDULES = ("early", "after-routing", "ondemand")
-ACQUIRE_TIMEOUT_S = 300.0
+ACQUIRE_TIMEOUT_S = float(os.environ.get("ESTREAM_ACQUIRE_TIMEOUT", "300"))
 
 
 @attrs.define

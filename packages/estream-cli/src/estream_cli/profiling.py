@@ -100,6 +100,7 @@ def profile_model(
     model = PackedModel(path)
     hp = model.hparams
     gs = sorted({int(g) for g in candidates if 1 <= int(g) <= hp.n_experts})
+    queue_depths = sorted({1, *(int(q) for q in queue_depths)})  # reads are timed at q = 1
     if not gs:
         raise PackError(f"no candidate group size fits {hp.n_experts} experts")
     T = max(1, min(int(n_tokens), hp.n_ctx))
@@ -126,7 +127,6 @@ def profile_model(
             + f" GB/s  ({time.perf_counter() - t0:.1f} s)"
         )
     return es.Profile(
-        version=es.Profile.VERSION if hasattr(es.Profile, "VERSION") else 1,
         model=str(model.manifest.get("source", {}).get("file", model.path.name)),
         device=_device_name(),
         n_experts=hp.n_experts,
@@ -140,25 +140,32 @@ def profile_model(
 
 
 def _layer_profiles(res: Any, model: PackedModel, g: int) -> list[Any]:
-    """Per MoE layer of the calibration request: T_ne, group bytes, routes, read and exec times."""
+    """Per MoE layer of the calibration request: T_ne, and per group (all ``ceil(E/g)`` groups in
+    storage order) its bytes, routes (0 = unrouted, dropped), read and execution times."""
     reads = {(r.layer, r.group): r for r in res.reads}
     out = []
     for i, lay in enumerate(sorted(model.layers.values(), key=lambda x: x.index)):
-        recs = [r for r in res.records if r.layer == lay.index]
-        routed = sorted(recs, key=lambda r: r.group)  # the pipeline schedules routed groups only
-        group_bytes, read_t = [], []
-        for r in routed:
-            n = min(g, lay.n_experts - r.group * g)
-            group_bytes.append(n * lay.record_bytes)
-            ev = reads.get((lay.index, r.group))
-            read_t.append(float(ev.t_end - ev.t_start) if ev is not None else 0.0)
+        n_groups = -(-lay.n_experts // g)
+        group_bytes = [min(g, lay.n_experts - k * g) * lay.record_bytes for k in range(n_groups)]
+        routes = [0] * n_groups
+        exec_t = [0.0] * n_groups
+        read_t = [0.0] * n_groups
+        for r in res.records:
+            if r.layer == lay.index:
+                routes[r.group] = int(r.n_routes)
+                exec_t[r.group] = float(r.t_end - r.t_start)
+        for k in range(n_groups):
+            ev = reads.get((lay.index, k))
+            if ev is not None:
+                read_t[k] = float(ev.t_end - ev.t_start)
         out.append(
             es.LayerProfile(
                 t_ne=float(res.metrics["layer_t_ne_s"][i]),
                 group_bytes=group_bytes,
-                routes=[int(r.n_routes) for r in routed],
+                routes=routes,
                 read_times=read_t,
-                exec_times=[float(r.t_end - r.t_start) for r in routed],
+                exec_times=exec_t,
+                layer=i,
             )
         )
     return out

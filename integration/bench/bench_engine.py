@@ -1,0 +1,291 @@
+"""End-to-end prefill benchmark: engine `stream` vs engine `resident` vs llama.cpp CPU.
+
+On the synthetic `olmoe-1b-7b` preset (OLMoE-1B-7B's real shapes, Q4_0, ≈ 4 GB), prompts of
+256/1024/4096 tokens, cold page cache before every run, 2 threads, one fresh process per run:
+
+* engine `stream` under the configurator's choice for a 1.5 GiB budget,
+* engine `resident` (all experts in memory, same kernels),
+* llama.cpp CPU through llama-cpp-python (same GGUF, same tokens, same threads),
+
+and then the same inside a 1.5 GiB memory cgroup (v1 or v2), where llama.cpp pages or is
+OOM-killed. Prints a table and writes bench-results/bench_engine.json.
+
+    nox -s bench_engine -- [--lengths 256,1024,4096] [--budget 1.5GiB] [--no-llama] [--no-cgroup]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+from estream_cli.bench import drop_page_cache  # noqa: E402
+from estream_cli.memory import format_bytes, parse_bytes  # noqa: E402
+
+CACHE = ROOT / ".cache" / "models"
+RESULTS = ROOT / "bench-results"
+
+_LLAMA_CHILD = r"""
+import json, os, sys, time
+spec = json.loads(sys.argv[1])
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+def avail():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+a0 = avail()
+import llama_cpp
+t0 = time.perf_counter()
+tokens = spec["tokens"]
+n = len(tokens)
+llm = llama_cpp.Llama(model_path=spec["model"], n_ctx=n + 8, n_batch=min(n, 2048), n_ubatch=512,
+                      n_threads=spec["threads"], n_threads_batch=spec["threads"], logits_all=False,
+                      verbose=False, use_mmap=True, seed=0)
+t1 = time.perf_counter()
+llm.eval(tokens)
+t2 = time.perf_counter()
+import resource
+ru = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"ttft_s": t2 - t1, "end_to_end_s": t2 - t0, "peak_rss_bytes": status("VmHWM"),
+                  "mem_available_drop_bytes": max(0, a0 - avail()), "major_faults": ru.ru_majflt}))
+"""
+
+
+class Cgroup:
+    """A memory-capped cgroup (v2 if mounted as such, else v1) for child processes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.path: Path | None = None
+        name = f"estream-bench-{os.getpid()}"
+        v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+        v1 = Path("/sys/fs/cgroup/memory")
+        try:
+            if v2.exists():
+                self.path = Path("/sys/fs/cgroup") / name
+                self.path.mkdir()
+                (self.path / "memory.max").write_text(str(limit))
+                (self.path / "memory.swap.max").write_text("0")
+            elif v1.is_dir():
+                self.path = v1 / name
+                self.path.mkdir()
+                (self.path / "memory.limit_in_bytes").write_text(str(limit))
+        except OSError as exc:
+            self.error = str(exc)
+            self.path = None
+        else:
+            self.error = None
+
+    def preexec(self) -> Any:
+        path = self.path
+
+        def enter() -> None:
+            assert path is not None
+            (path / "cgroup.procs").write_text(str(os.getpid()))
+
+        return enter
+
+    def close(self) -> None:
+        if self.path is not None:
+            try:
+                self.path.rmdir()
+            except OSError:
+                pass
+
+
+def _run(cmd: list[str], *, cgroup: Cgroup | None = None, timeout: float = 3600) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=cgroup.preexec() if cgroup else None,
+    )
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        killed = proc.returncode in (-9, 137)
+        return {
+            "error": "OOM-killed" if killed else f"exit {proc.returncode}",
+            "stderr": proc.stderr.strip()[-400:],
+            "wall_s": wall,
+        }
+    out = proc.stdout.strip().splitlines()
+    doc = json.loads("\n".join(out[out.index("{") :]) if "{" in out else out[-1])
+    m = doc.get("metrics", doc)
+    m["wall_s"] = wall
+    m["peak_memory_bytes"] = max(
+        int(m.get("peak_rss_bytes", 0)), int(m.get("mem_available_drop_bytes", 0))
+    )
+    return m
+
+
+def engine_cmd(model: Path, tokens: np.ndarray, mode: str, threads: int) -> list[str]:
+    return [
+        sys.executable, "-m", "estream_cli.main", "prefill", str(model), "--mode", mode,
+        "--tokens", ",".join(str(int(t)) for t in tokens), "--json", "--threads", str(threads),
+    ]  # fmt: skip
+
+
+def llama_cmd(gguf: Path, tokens: np.ndarray, threads: int) -> list[str]:
+    spec = {"model": str(gguf), "tokens": [int(t) for t in tokens], "threads": threads}
+    return [sys.executable, "-c", _LLAMA_CHILD, json.dumps(spec)]
+
+
+def prepare(preset: str, budget: int, seed: int = 0) -> tuple[Path, Path]:
+    from estream_cli.packed import PackedModel
+    from estream_cli.profiling import (
+        configure_for_budget,
+        profile_model,
+        store_config,
+        store_profile,
+    )
+    from estream_layout import pack_model, synth_model
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    src = CACHE / f"olmoe-{preset}-s{seed}.gguf"
+    dst = CACHE / f"olmoe-{preset}-s{seed}.estream"
+    if not src.exists():
+        print(f"synthesizing {src} …", flush=True)
+        t0 = time.perf_counter()
+        synth_model("olmoe", preset, src, seed=seed)
+        print(f"  {format_bytes(src.stat().st_size)} in {time.perf_counter() - t0:.1f} s")
+    if not (dst / "manifest.json").exists():
+        print(f"packing {dst} …", flush=True)
+        pack_model(src, dst, force=True, progress=True)
+    model = PackedModel(dst)
+    if not model.manifest.get("profile"):
+        print("profiling (one calibration request per g) …", flush=True)
+        prof = profile_model(dst, log=print)
+        store_profile(model, prof)
+        model = PackedModel(dst)
+    choice = configure_for_budget(model, budget)
+    store_config(model, choice, budget)
+    print(
+        f"config for {format_bytes(budget)}: G={choice.G} Q={choice.Q} B={choice.B} "
+        f"(predicted memory {format_bytes(choice.memory_bytes)})",
+        flush=True,
+    )
+    return src, dst
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="256,1024,4096")
+    ap.add_argument("--budget", default="1.5GiB")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--preset", default="olmoe-1b-7b")
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--no-cgroup", action="store_true")
+    args = ap.parse_args()
+    budget = parse_bytes(args.budget)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    src, dst = prepare(args.preset, budget)
+    from estream_cli.packed import PackedModel
+
+    hp = PackedModel(dst).hparams
+    llama_ok = False
+    if not args.no_llama:
+        try:
+            from llamacpp import ensure_llama_cpp
+
+            ensure_llama_cpp()
+            llama_ok = True
+        except Exception as exc:  # report, do not hide: the table says why the column is empty
+            print(f"llama.cpp unavailable: {exc}", flush=True)
+    files = [src, dst / "experts.bin", dst / "dense.bin"]
+    rows: list[dict[str, Any]] = []
+    systems = ["stream", "resident"] + (["llama.cpp"] if llama_ok else [])
+
+    def one(system: str, T: int, cg: Cgroup | None) -> dict[str, Any]:
+        tokens = np.random.default_rng(T).integers(0, hp.n_vocab, size=T)
+        how = drop_page_cache(files)
+        if system == "llama.cpp":
+            cmd = llama_cmd(src, tokens, args.threads)
+        else:
+            cmd = engine_cmd(dst, tokens, system, args.threads)
+        m = _run(cmd, cgroup=cg)
+        m.update({"system": system, "length": T, "cache": how, "cgroup": bool(cg)})
+        ttft = f"{m['ttft_s']:8.2f} s" if "ttft_s" in m else f"{m.get('error', '?'):>10s}"
+        peak = format_bytes(m["peak_memory_bytes"]) if "peak_memory_bytes" in m else "-"
+        cap = f" [cgroup {format_bytes(cg.limit)}]" if cg else ""
+        print(f"T={T:<5d} {system:<10s} TTFT {ttft}  peak {peak:>11s}{cap}", flush=True)
+        return m
+
+    for T in lengths:
+        for system in systems:
+            rows.append(one(system, T, None))
+    cg_note = None
+    if not args.no_cgroup:
+        cg = Cgroup(budget)
+        if cg.path is None:
+            cg_note = f"no memory cgroup: {cg.error}"
+            print(cg_note)
+        else:
+            try:
+                for T in lengths:
+                    for system in ["stream"] + (["llama.cpp"] if llama_ok else []):
+                        rows.append(one(system, T, cg))
+            finally:
+                cg.close()
+
+    def get(system: str, T: int, cg: bool, key: str) -> float | None:
+        for r in rows:
+            if r["system"] == system and r["length"] == T and r["cgroup"] == cg and key in r:
+                return float(r[key])
+        return None
+
+    print("\nratios (same run):")
+    summary = []
+    for T in lengths:
+        s, r, lc = (get(x, T, False, "ttft_s") for x in ("stream", "resident", "llama.cpp"))
+        sm, rm, lm = (
+            get(x, T, False, "peak_memory_bytes") for x in ("stream", "resident", "llama.cpp")
+        )
+        row = {"length": T}
+        if s and r:
+            row["stream_over_resident_ttft"] = s / r
+            row["stream_over_resident_peak"] = sm / rm if sm and rm else None
+        if s and lc:
+            row["stream_over_llama_ttft"] = s / lc
+            row["stream_over_llama_peak"] = sm / lm if sm and lm else None
+        summary.append(row)
+        print(
+            "  "
+            + "  ".join(
+                f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+            )
+        )
+    RESULTS.mkdir(exist_ok=True)
+    doc = {
+        "model": str(dst),
+        "budget_bytes": budget,
+        "threads": args.threads,
+        "runs": rows,
+        "summary": summary,
+        "cgroup_note": cg_note,
+    }
+    (RESULTS / "bench_engine.json").write_text(json.dumps(doc, indent=1))
+    print(f"wrote {RESULTS / 'bench_engine.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

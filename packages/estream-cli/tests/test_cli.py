@@ -1,0 +1,167 @@
+"""The `estream` command: outputs, files it writes, and the errors a user can hit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from estream_cli.main import main
+from estream_layout import pack_model, synth_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    src = d / "m.gguf"
+    synth_model("olmoe", "tiny", src, seed=3)
+    dst = d / "m.estream"
+    pack_model(src, dst, progress=False)
+    return dst
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_prefill_json_reports_topk_and_metrics(model, capsys):
+    rc, out, _ = run(capsys, "prefill", str(model), "--tokens", "1,2,3,4,5", "--json", "-G", "2")
+    assert rc == 0
+    doc = json.loads(out)
+    assert len(doc["top_k"]) == 5
+    probs = [t["prob"] for t in doc["top_k"]]
+    assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1.0 + 1e-6
+    m = doc["metrics"]
+    for key in ("ttft_s", "peak_memory_bytes", "bytes_read", "io_compute_overlap", "bubble_rate"):
+        assert key in m
+    assert m["tokens"] == 5 and m["G"] == 2
+
+
+def test_all_logits_and_trace_files(model, capsys, tmp_path):
+    npy = tmp_path / "logits.npy"
+    trace = tmp_path / "trace.json"
+    rc, out, _ = run(
+        capsys,
+        "prefill",
+        str(model),
+        "--tokens",
+        "7,8,9",
+        "--all-logits",
+        str(npy),
+        "--trace",
+        str(trace),
+        "--top-k",
+        "3",
+    )
+    assert rc == 0
+    logits = np.load(npy)
+    assert logits.dtype == np.float32 and logits.shape[0] == 3
+    top = int(out.split("\n")[1].split()[0])
+    assert top == int(np.argmax(logits[-1]))
+    doc = json.loads(trace.read_text())
+    names = {e["name"] for e in doc["traceEvents"]}
+    assert any(n.startswith("read L") for n in names)
+    assert any(n.startswith("experts L") for n in names)
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle", "code"),
+    [
+        (["--tokens", "1,999999"], "out of the vocabulary", 2),
+        (["--tokens", "1,x"], "integer ids", 2),
+        (["--tokens", "1", "--mode", "resident", "--budget", "1KiB"], None, None),
+        (["--tokens", "1", "--budget", "lots"], "cannot read memory size", 2),
+        (["--tokens", "1", "--budget", "1KiB"], "no profile stored", 1),
+    ],
+)
+def test_bad_requests(model, capsys, argv, needle, code):
+    rc, _, err = run(capsys, "prefill", str(model), *argv)
+    if needle is None:
+        assert rc == 0  # a budget does not constrain resident mode
+        return
+    assert rc == code
+    assert needle in err
+    assert "Traceback" not in err
+
+
+def test_prompt_longer_than_context(model, capsys):
+    from estream_cli.packed import PackedModel
+
+    n_ctx = PackedModel(model).hparams.n_ctx
+    toks = ",".join(["1"] * (n_ctx + 1))
+    rc, _, err = run(capsys, "prefill", str(model), "--tokens", toks)
+    assert rc == 2 and "longer than the model context" in err
+
+
+def test_missing_and_corrupt_pack(model, capsys, tmp_path):
+    rc, _, err = run(capsys, "prefill", str(tmp_path / "nope.estream"), "--tokens", "1")
+    assert rc == 1 and "no such packed model" in err
+    bad = tmp_path / "bad.estream"
+    shutil.copytree(model, bad)
+    (bad / "manifest.json").unlink()
+    rc, _, err = run(capsys, "prefill", str(bad), "--tokens", "1")
+    assert rc == 1 and "manifest.json is missing" in err
+    bad2 = tmp_path / "bad2.estream"
+    shutil.copytree(model, bad2)
+    with open(bad2 / "experts.bin", "r+b") as f:
+        f.truncate(4096)
+    rc, _, err = run(capsys, "prefill", str(bad2), "--tokens", "1")
+    assert rc == 1 and "corrupt" in err
+
+
+def test_profile_config_then_budget(model, capsys, tmp_path):
+    m = tmp_path / "p.estream"
+    shutil.copytree(model, m)
+    rc, _, _ = run(
+        capsys,
+        "profile",
+        str(m),
+        "--candidates",
+        "1,2,4",
+        "--queue-depths",
+        "1,2",
+        "--tokens",
+        "16",
+    )
+    assert rc == 0
+    man = json.loads((m / "manifest.json").read_text())
+    assert man["profile"] is not None and man["config"] is None
+    rc, _, err = run(capsys, "config", str(m), "--budget", "1KiB")
+    assert rc == 1 and "below the minimum" in err
+    rc, out, _ = run(capsys, "config", str(m), "--budget", "4GiB", "--json")
+    assert rc == 0
+    cfg = json.loads(out)["config"]
+    man = json.loads((m / "manifest.json").read_text())
+    assert man["config"]["G"] == cfg["G"] and cfg["memory_bytes"] <= 4 << 30
+    rc, out, _ = run(capsys, "prefill", str(m), "--tokens", "1,2,3", "--json")
+    assert rc == 0
+    got = json.loads(out)["metrics"]
+    assert (got["G"], got["Q"], got["B"]) == (cfg["G"], cfg["Q"], cfg["B"])
+    assert got["config_source"] == "manifest"
+
+
+def test_engine_releases_threads_on_error(model):
+    import estream
+
+    before = threading.active_count()
+    with pytest.raises(estream.BadRequestError), estream.load(model, G=1, Q=2, B=2) as eng:
+        eng.prefill([10**9])
+    assert threading.active_count() <= before
+
+
+def test_console_script_exit_code(model):
+    proc = subprocess.run(
+        [sys.executable, "-m", "estream_cli.main", "prefill", str(model), "--tokens", "-1"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert "out of the vocabulary" in proc.stderr
