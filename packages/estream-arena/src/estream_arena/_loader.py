@@ -7,6 +7,7 @@ requests in the device queue, which is all a sequential grouped read needs.
 
 from __future__ import annotations
 
+import contextlib
 import errno as _errno
 import mmap
 import os
@@ -91,6 +92,17 @@ def _advance(iovs: list[memoryview], n: int) -> list[memoryview]:
         out.append(buf[n:] if n else buf)
         n = 0
     return out
+
+
+def _detach(err: BaseException) -> None:
+    """Drop the tracebacks of an error kept for a consumer: their frames hold views of the arena
+    (which would keep it mapped after close); the message already names the failed extent."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
 
 
 class GroupLoader:
@@ -247,6 +259,8 @@ class GroupLoader:
                     err = ReadError(f"unexpected failure: {e!r}", **ctx)
                     err.__cause__ = e
                 t_end = time.perf_counter()
+                if err is not None:
+                    _detach(err)
                 with self._cond:
                     self._inflight -= 1
                     st = self._stats
@@ -271,11 +285,14 @@ class GroupLoader:
                     self._cond.notify_all()
         finally:
             if scratch is not None:
-                scratch.close()
+                with contextlib.suppress(BufferError):  # a caller still holds a view: GC frees it
+                    scratch.close()
 
     def _read_group(
         self, req: GroupRequest, bank: int, scratch: mmap.mmap | None, ctx: dict[str, Any]
     ) -> int:
+        """Read one group; returns the number of preadv calls. One call per group unless the
+        group exceeds IOV_MAX iovecs or 2 GiB, or the kernel returns a partial read."""
         rb = self._layout.record_bytes
         G = self._G
         pad = self._pad_per_record
@@ -283,7 +300,6 @@ class GroupLoader:
         per_chunk = max(
             1, min(_IOV_MAX // len(self._segments), _MAX_SYSCALL_BYTES // rb, req.n_records)
         )
-        n_sys = 0
         records: list[list[memoryview]] = []
         for i in range(req.n_records):
             slot = bank * G + i
@@ -298,6 +314,24 @@ class GroupLoader:
                     s = self._slot_bytes[j]
                     parts.append(self._planes[j][slot * s : slot * s + s])
             records.append(parts)
+        try:
+            return self._read_records(req, records, per_chunk, ctx)
+        finally:
+            for parts in records:
+                for buf in parts:
+                    buf.release()
+            if smv is not None:
+                smv.release()
+
+    def _read_records(
+        self,
+        req: GroupRequest,
+        records: list[list[memoryview]],
+        per_chunk: int,
+        ctx: dict[str, Any],
+    ) -> int:
+        rb = self._layout.record_bytes
+        n_sys = 0
         for first in range(0, req.n_records, per_chunk):
             last = min(req.n_records, first + per_chunk)
             iovs = [buf for rec in records[first:last] for buf in rec]
@@ -444,13 +478,22 @@ class GroupLoader:
                     )
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(
-                        f"group {group} of layer {self._res.layer} not Ready after {timeout} s "
-                        f"(it is {st.value}; {self._inflight} reads in flight, "
-                        f"{self._res.n_available} of {self._res.n_banks} banks Available — "
-                        "are all banks held by consumers that never release?)"
-                    )
+                    raise TimeoutError(self._stall_message(group, st, timeout))
                 self._cond.wait(remaining)
+
+    def _stall_message(self, group: int, st: GroupState, timeout: float | None) -> str:
+        res = self._res
+        msg = (
+            f"group {group} of layer {res.layer} not Ready after {timeout} s: it is {st.value}, "
+            f"{self._inflight} reads in flight, {res.n_available} of {res.n_banks} banks Available"
+        )
+        if st is GroupState.PENDING and not res.n_available:
+            held = {res.bank_owner(b): res.bank_state(b).value for b in range(res.n_banks)}
+            msg += (
+                f"; every bank is held by groups {held}: acquire+release or drop those first "
+                "(or give the arena more banks)"
+            )
+        return msg
 
     def release(self, bank: Bank) -> None:
         """The consumer is done with ``bank``: InUse → Available, refilled at once."""
