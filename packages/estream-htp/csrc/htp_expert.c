@@ -1,0 +1,245 @@
+/* The fused routed-expert op.
+ *
+ * Per pass of at most `capacity` routes: resolve each route's slot, count routes per slot,
+ * prefix-sum into offsets, scatter route records by slot (stable, empty slots skipped), then in
+ * one parallel region:
+ *   (a) gather (and in Q8 mode quantize) the routed token rows, partitioned by record;
+ *   (b) gate and up GEMMs + SwiGLU for every non-empty slot, partitioned by d_ff tile;
+ *   (c) down GEMM + scatter-add weight*y, partitioned by d_model tile.
+ * Every output element is produced by one thread in slot order, so results are bit-identical
+ * for any thread count. */
+#include "htp_internal.h"
+
+#define SUB 128 /* routes per GEMM call inside a slot (bounds per-thread scratch) */
+
+struct htp_expert_graph {
+    htp_expert_graph_desc desc;
+    int32_t *rec_route; /* [C] route index (within the pass) of each record, sorted by slot */
+    int32_t *route_slot;
+    int32_t *seg_slot, *seg_begin, *seg_len; /* [C] non-empty slots */
+    uint32_t *counts;
+    uint32_t counts_cap;
+    float *xg;                 /* f32 mode: [C][d] */
+    float *h;                  /* f32 mode: [C][ff] */
+    int8_t *xq, *hq;           /* q8 mode */
+    float *xd, *hd;
+    int32_t *xs, *hs;
+};
+
+typedef struct run_ctx {
+    htp_expert_graph *g;
+    const htp_expert_run_desc *desc;
+    const float *x;
+    const int32_t *tokens;
+    const float *weights;
+    float *y;
+    uint32_t r0, nr, nseg;
+    int q8;
+} run_ctx;
+
+void htp_expert_graph_free(htp_expert_graph *g) {
+    if (!g) return;
+    free(g->rec_route);
+    free(g->route_slot);
+    free(g->seg_slot);
+    free(g->seg_begin);
+    free(g->seg_len);
+    free(g->counts);
+    free(g->xg);
+    free(g->h);
+    free(g->xq);
+    free(g->hq);
+    free(g->xd);
+    free(g->hd);
+    free(g->xs);
+    free(g->hs);
+    free(g);
+}
+
+htp_status htp_expert_graph_init(const htp_expert_graph_desc *desc, htp_expert_graph **out) {
+    htp_ensure_init();
+    if (!desc || !out) return HTP_E_INVALID;
+    *out = NULL;
+    const uint32_t d = desc->d_model, ff = desc->d_ff;
+    const size_t c = desc->capacity;
+    if (d == 0 || ff == 0 || d % 32 || ff % 32 || c == 0 || desc->t_max == 0) return HTP_E_INVALID;
+    htp_expert_graph *g = (htp_expert_graph *)calloc(1, sizeof(*g));
+    if (!g) return HTP_E_NOMEM;
+    g->desc = *desc;
+    g->rec_route = malloc(c * 4);
+    g->route_slot = malloc(c * 4);
+    g->seg_slot = malloc(c * 4);
+    g->seg_begin = malloc(c * 4);
+    g->seg_len = malloc(c * 4);
+    g->xg = malloc(c * d * 4);
+    g->h = malloc(c * ff * 4);
+    g->xq = malloc(c * d);
+    g->hq = malloc(c * ff);
+    g->xd = malloc(c * d / 32 * 4);
+    g->hd = malloc(c * ff / 32 * 4);
+    g->xs = malloc(c * d / 32 * 4);
+    g->hs = malloc(c * ff / 32 * 4);
+    if (!g->rec_route || !g->route_slot || !g->seg_slot || !g->seg_begin || !g->seg_len || !g->xg ||
+        !g->h || !g->xq || !g->hq || !g->xd || !g->hd || !g->xs || !g->hs) {
+        htp_expert_graph_free(g);
+        return HTP_E_NOMEM;
+    }
+    *out = g;
+    return HTP_OK;
+}
+
+static inline float silu_f(float v) { return v / (1.0f + expf(-v)); }
+
+static void run_task(void *arg, uint32_t ith, uint32_t nth) {
+    run_ctx *c = (run_ctx *)arg;
+    htp_expert_graph *g = c->g;
+    const uint32_t d = g->desc.d_model, ff = g->desc.d_ff, db = d / 32, fb = ff / 32;
+    const htp_expert_run_desc *rd = c->desc;
+    uint32_t b, e;
+
+    /* (a) gather */
+    htp_split(c->nr, ith, nth, &b, &e);
+    for (uint32_t i = b; i < e; i++) {
+        const int32_t tok = c->tokens[c->r0 + (uint32_t)g->rec_route[i]];
+        const float *src = c->x + (size_t)tok * d;
+        if (c->q8)
+            htp_k.quantize_row_q8(src, d, g->xq + (size_t)i * d, g->xd + (size_t)i * db, g->xs + (size_t)i * db);
+        else
+            memcpy(g->xg + (size_t)i * d, src, (size_t)d * 4);
+    }
+    htp_barrier();
+
+    float *tmp = (float *)htp_scratch(ith, 2, 0);
+    float *panel = (float *)htp_scratch(ith, 0, 0);
+
+    /* (b) gate, up, SwiGLU over this thread's d_ff tiles */
+    htp_split(fb, ith, nth, &b, &e);
+    const uint32_t ncol = (e - b) * 32;
+    if (ncol) {
+        for (uint32_t s = 0; s < c->nseg; s++) {
+            const uint64_t slot = (uint64_t)g->seg_slot[s];
+            const uint8_t *wg = (const uint8_t *)(uintptr_t)(rd->plane_base[0] + slot * rd->slot_stride[0]);
+            const uint8_t *wu = (const uint8_t *)(uintptr_t)(rd->plane_base[1] + slot * rd->slot_stride[1]);
+            for (uint32_t r0 = 0; r0 < (uint32_t)g->seg_len[s]; r0 += SUB) {
+                const uint32_t rec = (uint32_t)g->seg_begin[s] + r0;
+                const uint32_t n = HTP_MIN(SUB, (uint32_t)g->seg_len[s] - r0);
+                float *tg = tmp, *tu = tmp + (size_t)SUB * ncol;
+                if (c->q8) {
+                    htp_act_q8 a = {g->xq + (size_t)rec * d, g->xd + (size_t)rec * db, g->xs + (size_t)rec * db};
+                    htp_k.gemm_q8(wg, HTP_FMT_Q4_0_T32R4, ff, d, b, e, &a, n, tg, ncol);
+                    htp_k.gemm_q8(wu, HTP_FMT_Q4_0_T32R4, ff, d, b, e, &a, n, tu, ncol);
+                } else {
+                    htp_act_f32 a = {g->xg + (size_t)rec * d, d};
+                    htp_k.gemm_f32(wg, HTP_FMT_Q4_0_T32R4, ff, d, b, e, &a, n, tg, ncol, panel);
+                    htp_k.gemm_f32(wu, HTP_FMT_Q4_0_T32R4, ff, d, b, e, &a, n, tu, ncol, panel);
+                }
+                for (uint32_t i = 0; i < n; i++) {
+                    float *gi = tg + (size_t)i * ncol;
+                    const float *ui = tu + (size_t)i * ncol;
+                    for (uint32_t col = 0; col < ncol; col++) gi[col] = silu_f(gi[col]) * ui[col];
+                    if (c->q8) {
+                        for (uint32_t blk = 0; blk < e - b; blk++) {
+                            const size_t o = (size_t)(rec + i) * fb + b + blk;
+                            htp_k.quantize_row_q8(gi + blk * 32, 32, g->hq + o * 32, g->hd + o, g->hs + o);
+                        }
+                    } else {
+                        memcpy(g->h + (size_t)(rec + i) * ff + (size_t)b * 32, gi, (size_t)ncol * 4);
+                    }
+                }
+            }
+        }
+    }
+    htp_barrier();
+
+    /* (c) down + scatter-add over this thread's d_model tiles */
+    htp_split(db, ith, nth, &b, &e);
+    const uint32_t dcol = (e - b) * 32;
+    if (!dcol) return;
+    for (uint32_t s = 0; s < c->nseg; s++) {
+        const uint64_t slot = (uint64_t)g->seg_slot[s];
+        const uint8_t *wd = (const uint8_t *)(uintptr_t)(rd->plane_base[2] + slot * rd->slot_stride[2]);
+        for (uint32_t r0 = 0; r0 < (uint32_t)g->seg_len[s]; r0 += SUB) {
+            const uint32_t rec = (uint32_t)g->seg_begin[s] + r0;
+            const uint32_t n = HTP_MIN(SUB, (uint32_t)g->seg_len[s] - r0);
+            if (c->q8) {
+                htp_act_q8 a = {g->hq + (size_t)rec * ff, g->hd + (size_t)rec * fb, g->hs + (size_t)rec * fb};
+                htp_k.gemm_q8(wd, HTP_FMT_Q4_0_T32R4, d, ff, b, e, &a, n, tmp, dcol);
+            } else {
+                htp_act_f32 a = {g->h + (size_t)rec * ff, ff};
+                htp_k.gemm_f32(wd, HTP_FMT_Q4_0_T32R4, d, ff, b, e, &a, n, tmp, dcol, panel);
+            }
+            for (uint32_t i = 0; i < n; i++) {
+                const uint32_t route = c->r0 + (uint32_t)g->rec_route[rec + i];
+                const float wgt = c->weights[route];
+                float *yr = c->y + (size_t)c->tokens[route] * d + (size_t)b * 32;
+                const float *src = tmp + (size_t)i * dcol;
+                for (uint32_t col = 0; col < dcol; col++) yr[col] += wgt * src[col];
+            }
+        }
+    }
+}
+
+htp_status htp_expert_graph_run(htp_expert_graph *g, const htp_expert_run_desc *rd, const float *x,
+                                const int32_t *tokens, const int32_t *experts,
+                                const float *weights, const int32_t *slot_of_expert, float *y) {
+    htp_ensure_init();
+    if (!g || !rd || !x || !y || !slot_of_expert) return HTP_E_INVALID;
+    if (rd->n_routes && (!tokens || !experts || !weights)) return HTP_E_INVALID;
+    if (rd->format != HTP_FMT_Q4_0_T32R4) return HTP_E_UNSUPPORTED;
+    if (rd->n_tokens > g->desc.t_max) return HTP_E_CAPACITY;
+    const uint32_t d = g->desc.d_model, ff = g->desc.d_ff;
+    const uint64_t need[3] = {htp_matrix_bytes(HTP_FMT_Q4_0_T32R4, ff, d),
+                              htp_matrix_bytes(HTP_FMT_Q4_0_T32R4, ff, d),
+                              htp_matrix_bytes(HTP_FMT_Q4_0_T32R4, d, ff)};
+    int32_t max_slot = -1;
+    for (uint32_t r = 0; r < rd->n_routes; r++) {
+        if (tokens[r] < 0 || (uint32_t)tokens[r] >= rd->n_tokens) return HTP_E_INVALID;
+        if (experts[r] < 0 || (uint32_t)experts[r] >= rd->n_experts) return HTP_E_INVALID;
+        const int32_t s = slot_of_expert[experts[r]];
+        if (s < 0) return HTP_E_NOT_RESIDENT;
+        max_slot = s > max_slot ? s : max_slot;
+    }
+    if (rd->n_routes == 0) return HTP_OK;
+    for (int j = 0; j < 3; j++) {
+        if (rd->plane_base[j] == 0) return HTP_E_INVALID;
+        if (max_slot > 0 && rd->slot_stride[j] < need[j]) return HTP_E_INVALID;
+    }
+    if ((uint32_t)max_slot + 1 > g->counts_cap) {
+        uint32_t *p = (uint32_t *)realloc(g->counts, ((size_t)max_slot + 1) * 4);
+        if (!p) return HTP_E_NOMEM;
+        g->counts = p;
+        g->counts_cap = (uint32_t)max_slot + 1;
+    }
+    /* per-thread scratch: GEMM panel (f32 mode) and gate/up/down staging */
+    const uint32_t nth = htp_nth();
+    const size_t kmax = HTP_MAX(d, ff);
+    const size_t stage = (size_t)2 * SUB * HTP_MAX(d, 2 * ff) * 4 + 256;
+    for (uint32_t i = 0; i < nth; i++)
+        if (!htp_scratch(i, 0, kmax * 32 * 4) || !htp_scratch(i, 2, stage)) return HTP_E_NOMEM;
+
+    const uint32_t P = (uint32_t)max_slot + 1;
+    for (uint32_t r0 = 0; r0 < rd->n_routes; r0 += g->desc.capacity) {
+        const uint32_t nr = HTP_MIN(g->desc.capacity, rd->n_routes - r0);
+        memset(g->counts, 0, (size_t)P * 4);
+        for (uint32_t i = 0; i < nr; i++) {
+            const int32_t s = slot_of_expert[experts[r0 + i]];
+            g->route_slot[i] = s;
+            g->counts[s]++;
+        }
+        uint32_t nseg = 0, off = 0;
+        for (uint32_t s = 0; s < P; s++) {
+            const uint32_t cnt = g->counts[s];
+            if (!cnt) continue;
+            g->seg_slot[nseg] = (int32_t)s;
+            g->seg_begin[nseg] = (int32_t)off;
+            g->seg_len[nseg] = (int32_t)cnt;
+            g->counts[s] = off; /* becomes the scatter cursor */
+            off += cnt;
+            nseg++;
+        }
+        for (uint32_t i = 0; i < nr; i++) g->rec_route[g->counts[g->route_slot[i]]++] = (int32_t)i;
+        run_ctx c = {g, rd, x, tokens, weights, y, r0, nr, nseg, htp_act_get() == HTP_ACT_Q8};
+        htp_parallel(run_task, &c);
+    }
+    return HTP_OK;
+}

@@ -1,0 +1,205 @@
+/* x86-64 kernel sets. Each function carries its own target attribute, so this file compiles
+ * with plain `gcc -O2` (no -march) and the library picks a set by cpuid at run time. */
+#include "htp_internal.h"
+
+#ifdef HTP_X86
+#include "htp_attn_body.h"
+#include "htp_gemm_body.h"
+
+#include <immintrin.h>
+#include <time.h>
+
+/* ---- generic bodies, vectorised by the compiler under each target ---- */
+#define HTP_INSTANTIATE(SUFFIX, TARGET)                                                          \
+    TARGET static void gemm_f32_##SUFFIX(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k, \
+                                         uint32_t tb, uint32_t te, const htp_act_f32 *a,         \
+                                         uint32_t t, float *out, uint32_t ldo, float *panel) {   \
+        htp_gemm_f32_body(w, fmt, n, k, tb, te, a, t, out, ldo, panel);                          \
+    }                                                                                            \
+    TARGET static void gemm_q8_generic_##SUFFIX(const uint8_t *w, uint32_t fmt, uint32_t n,      \
+                                                uint32_t k, uint32_t tb, uint32_t te,            \
+                                                const htp_act_q8 *a, uint32_t t, float *out,     \
+                                                uint32_t ldo) {                                  \
+        htp_gemm_q8_body(w, fmt, n, k, tb, te, a, t, out, ldo);                                  \
+    }                                                                                            \
+    TARGET static void quantize_q8_##SUFFIX(const float *x, uint32_t k, int8_t *q, float *d,     \
+                                            int32_t *s) {                                        \
+        htp_quantize_row_q8_body(x, k, q, d, s);                                                 \
+    }                                                                                            \
+    TARGET static void attn_##SUFFIX(const htp_attn_ctx *c, uint32_t task, float *scratch) {     \
+        htp_attn_task_body(c, task, scratch);                                                    \
+    }
+
+HTP_INSTANTIATE(avx2, HTP_T_AVX2)
+HTP_INSTANTIATE(avx512, HTP_T_AVX512)
+
+/* ---- Q4_0 x Q8 tile kernel, AVX-512 ----
+ * A 128-byte group of a tile is two zmm registers whose 32-bit lanes are rows 0..15 and
+ * 16..31; each lane holds 4 bytes = 8 nibbles: low nibbles are columns 4g..4g+3, high nibbles
+ * columns 16+4g..16+4g+3. Broadcasting the matching 4 activation bytes makes one vpdpbusd
+ * (u8 weights x s8 activations) add a 4-term dot product to 16 rows at once. Weights are
+ * stored +8, so each block subtracts 8*sum(activation block) before scaling. */
+#define Q4_KERNEL(SUFFIX, TARGET, DOT)                                                           \
+    TARGET static inline __attribute__((always_inline)) void q4q8_block_##SUFFIX(                \
+        const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s,    \
+        uint32_t k, float *out, uint32_t ldo, uint32_t rows, const int NT) {                     \
+        const __m512i m4 = _mm512_set1_epi8(0x0f);                                               \
+        __m512 acc[4][2];                                                                        \
+        for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();                \
+        for (uint32_t j = 0; j < kb; j++) {                                                      \
+            const uint8_t *tile = strip + (size_t)j * HTP_Q4_TILE_BYTES;                        \
+            __m512i ia[4][2];                                                                    \
+            for (int u = 0; u < NT; u++) ia[u][0] = ia[u][1] = _mm512_setzero_si512();           \
+            for (int g = 0; g < 4; g++) {                                                        \
+                const __m512i v0 = _mm512_loadu_si512((const void *)(tile + 64 + 128 * g));     \
+                const __m512i v1 = _mm512_loadu_si512((const void *)(tile + 128 + 128 * g));    \
+                const __m512i l0 = _mm512_and_si512(v0, m4);                                     \
+                const __m512i l1 = _mm512_and_si512(v1, m4);                                     \
+                const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);               \
+                const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);               \
+                for (int u = 0; u < NT; u++) {                                                   \
+                    const int8_t *qa = q + (size_t)u * k + 32 * j + 4 * g;                       \
+                    int32_t alo, ahi;                                                            \
+                    memcpy(&alo, qa, 4);                                                         \
+                    memcpy(&ahi, qa + 16, 4);                                                    \
+                    const __m512i bl = _mm512_set1_epi32(alo), bh = _mm512_set1_epi32(ahi);      \
+                    ia[u][0] = DOT(ia[u][0], l0, bl);                                            \
+                    ia[u][0] = DOT(ia[u][0], h0, bh);                                            \
+                    ia[u][1] = DOT(ia[u][1], l1, bl);                                            \
+                    ia[u][1] = DOT(ia[u][1], h1, bh);                                            \
+                }                                                                                \
+            }                                                                                    \
+            const __m512 dw0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile));       \
+            const __m512 dw1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 32)));\
+            for (int u = 0; u < NT; u++) {                                                       \
+                const __m512 da = _mm512_set1_ps(d[(size_t)u * kb + j]);                         \
+                const __m512i s8 = _mm512_set1_epi32(8 * s[(size_t)u * kb + j]);                 \
+                const __m512 f0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(ia[u][0], s8));            \
+                const __m512 f1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(ia[u][1], s8));            \
+                acc[u][0] = _mm512_fmadd_ps(f0, _mm512_mul_ps(dw0, da), acc[u][0]);              \
+                acc[u][1] = _mm512_fmadd_ps(f1, _mm512_mul_ps(dw1, da), acc[u][1]);              \
+            }                                                                                    \
+        }                                                                                        \
+        const __mmask16 k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);    \
+        const __mmask16 k1 = rows >= 32 ? (__mmask16)0xffff                                      \
+                             : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1u)                \
+                                         : (__mmask16)0;                                        \
+        for (int u = 0; u < NT; u++) {                                                           \
+            _mm512_mask_storeu_ps(out + (size_t)u * ldo, k0, acc[u][0]);                         \
+            _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);                    \
+        }                                                                                        \
+    }                                                                                            \
+    TARGET static void gemm_q8_##SUFFIX(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,  \
+                                        uint32_t tb, uint32_t te, const htp_act_q8 *a,           \
+                                        uint32_t t, float *out, uint32_t ldo) {                  \
+        if (fmt != HTP_FMT_Q4_0_T32R4) {                                                         \
+            gemm_q8_generic_avx512(w, fmt, n, k, tb, te, a, t, out, ldo);                        \
+            return;                                                                              \
+        }                                                                                        \
+        const uint32_t kb = k / 32;                                                              \
+        for (uint32_t it = tb; it < te; it++) {                                                  \
+            const uint8_t *strip = w + (size_t)it * kb * HTP_Q4_TILE_BYTES;                      \
+            const uint32_t rows = HTP_MIN(32u, n - it * 32);                                     \
+            float *o = out + (size_t)(it - tb) * 32;                                             \
+            uint32_t t0 = 0;                                                                     \
+            for (; t0 + 4 <= t; t0 += 4)                                                         \
+                q4q8_block_##SUFFIX(strip, kb, a->q + (size_t)t0 * k, a->d + (size_t)t0 * kb,    \
+                                    a->s + (size_t)t0 * kb, k, o + (size_t)t0 * ldo, ldo, rows, 4); \
+            const int rem = (int)(t - t0);                                                       \
+            const int8_t *q = a->q + (size_t)t0 * k;                                             \
+            const float *dd = a->d + (size_t)t0 * kb;                                            \
+            const int32_t *ss = a->s + (size_t)t0 * kb;                                          \
+            float *ot = o + (size_t)t0 * ldo;                                                    \
+            if (rem == 3) q4q8_block_##SUFFIX(strip, kb, q, dd, ss, k, ot, ldo, rows, 3);        \
+            if (rem == 2) q4q8_block_##SUFFIX(strip, kb, q, dd, ss, k, ot, ldo, rows, 2);        \
+            if (rem == 1) q4q8_block_##SUFFIX(strip, kb, q, dd, ss, k, ot, ldo, rows, 1);        \
+        }                                                                                        \
+    }
+
+#define DOT_VNNI(acc, w, a) _mm512_dpbusd_epi32((acc), (w), (a))
+#define DOT_BW(acc, w, a) \
+    _mm512_add_epi32((acc), _mm512_madd_epi16(_mm512_maddubs_epi16((w), (a)), _mm512_set1_epi16(1)))
+
+Q4_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)
+Q4_KERNEL(bw, HTP_T_AVX512, DOT_BW)
+
+void htp_kernels_avx2(htp_kernels *k) {
+    k->gemm_f32 = gemm_f32_avx2;
+    k->gemm_q8 = gemm_q8_generic_avx2;
+    k->quantize_row_q8 = quantize_q8_avx2;
+    k->attention_task = attn_avx2;
+}
+
+void htp_kernels_avx512(htp_kernels *k) {
+    k->gemm_f32 = gemm_f32_avx512;
+    k->gemm_q8 = gemm_q8_bw;
+    k->quantize_row_q8 = quantize_q8_avx512;
+    k->attention_task = attn_avx512;
+}
+
+void htp_kernels_avx512vnni(htp_kernels *k) {
+    htp_kernels_avx512(k);
+    k->gemm_q8 = gemm_q8_vnni;
+}
+
+/* ---- instruction-mix peak: 12 independent vpdpbusd chains per thread ---- */
+typedef struct peak_ctx {
+    uint64_t iters;
+    int vnni;
+    volatile int32_t sink[64];
+} peak_ctx;
+
+HTP_T_VNNI static int32_t peak_vnni(uint64_t iters) {
+    __m512i acc[12];
+    const __m512i a = _mm512_set1_epi32(0x01020304), b = _mm512_set1_epi32(0x05060708);
+    for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_epi32(i);
+    for (uint64_t it = 0; it < iters; it++) {
+        for (int i = 0; i < 12; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+        __asm__ volatile("" ::: "memory");
+    }
+    __m512i r = acc[0];
+    for (int i = 1; i < 12; i++) r = _mm512_add_epi32(r, acc[i]);
+    return _mm512_reduce_add_epi32(r);
+}
+
+HTP_T_AVX512 static int32_t peak_bw(uint64_t iters) {
+    __m512i acc[12];
+    const __m512i a = _mm512_set1_epi32(0x01020304), b = _mm512_set1_epi32(0x05060708);
+    for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_epi32(i);
+    for (uint64_t it = 0; it < iters; it++) {
+        for (int i = 0; i < 12; i++) acc[i] = DOT_BW(acc[i], a, b);
+        __asm__ volatile("" ::: "memory");
+    }
+    __m512i r = acc[0];
+    for (int i = 1; i < 12; i++) r = _mm512_add_epi32(r, acc[i]);
+    return _mm512_reduce_add_epi32(r);
+}
+
+static void peak_task(void *arg, uint32_t ith, uint32_t nth) {
+    (void)nth;
+    peak_ctx *c = (peak_ctx *)arg;
+    c->sink[ith % 64] = c->vnni ? peak_vnni(c->iters) : peak_bw(c->iters);
+}
+
+htp_status htp_bench_dot_peak(uint64_t iters, double *macs_per_s) {
+    htp_ensure_init();
+    if (!macs_per_s || iters == 0) return HTP_E_INVALID;
+    const uint32_t lvl = htp_simd_get();
+    if (lvl != HTP_SIMD_AVX512 && lvl != HTP_SIMD_AVX512VNNI) return HTP_E_UNSUPPORTED;
+    peak_ctx c = {.iters = iters, .vnni = lvl == HTP_SIMD_AVX512VNNI};
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    htp_parallel(peak_task, &c);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    const double sec = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    *macs_per_s = (double)iters * 12.0 * 64.0 * htp_nth() / sec;
+    return HTP_OK;
+}
+
+#else
+htp_status htp_bench_dot_peak(uint64_t iters, double *macs_per_s) {
+    (void)iters;
+    (void)macs_per_s;
+    return HTP_E_UNSUPPORTED;
+}
+#endif

@@ -1,0 +1,684 @@
+"""Typed NumPy layer over the C ABI: validates before crossing into C, owns no hidden copies,
+turns status codes into exceptions."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from estream_htp._ffi import ffi, lib
+from estream_htp._formats import TILE_FORMATS, matrix_nbytes
+
+__all__ = [
+    "CapacityError",
+    "ExpertGraph",
+    "ExpertNotResidentError",
+    "HTPError",
+    "HTPInputError",
+    "HTPUnsupportedError",
+    "attention",
+    "gemm",
+    "get_activation_format",
+    "get_num_threads",
+    "get_rows",
+    "moe_ffn",
+    "rms_norm",
+    "rms_norm_heads",
+    "rope",
+    "router_topk",
+    "set_activation_format",
+    "set_num_threads",
+    "silu",
+    "simd_level",
+    "swiglu",
+]
+
+F32 = npt.NDArray[np.float32]
+I32 = npt.NDArray[np.int32]
+
+SIMD_LEVELS = {
+    "portable": lib.HTP_SIMD_PORTABLE,
+    "avx2": lib.HTP_SIMD_AVX2,
+    "avx512": lib.HTP_SIMD_AVX512,
+    "avx512vnni": lib.HTP_SIMD_AVX512VNNI,
+    "neon": lib.HTP_SIMD_NEON,
+}
+_SIMD_NAMES = {v: k for k, v in SIMD_LEVELS.items()}
+_ACT = {"f32": lib.HTP_ACT_F32, "q8": lib.HTP_ACT_Q8}
+_ACT_NAMES = {v: k for k, v in _ACT.items()}
+_FMT = {
+    "q4_0-t32r4": lib.HTP_FMT_Q4_0_T32R4,
+    "q8_0-t32r4": lib.HTP_FMT_Q8_0_T32R4,
+    "f16": lib.HTP_FMT_F16,
+    "f32": lib.HTP_FMT_F32,
+}
+_U32 = 2**32
+
+
+class HTPError(RuntimeError):
+    """The kernel library reported an error."""
+
+
+class HTPInputError(HTPError, ValueError):
+    """An argument has the wrong shape, dtype, layout or value (checked before calling C)."""
+
+
+class HTPUnsupportedError(HTPError):
+    """The requested SIMD level or format is not available on this CPU/build."""
+
+
+class ExpertNotResidentError(HTPError, LookupError):
+    """A route names an expert whose slot is -1 (not resident)."""
+
+
+class CapacityError(HTPError):
+    """More tokens than the object was sized for."""
+
+
+def _check(status: int, what: str) -> None:
+    if status == lib.HTP_OK:
+        return
+    if status == lib.HTP_E_INVALID:
+        raise HTPInputError(f"{what}: the kernel rejected an argument (index or size out of range)")
+    if status == lib.HTP_E_NOMEM:
+        raise MemoryError(f"{what}: out of memory")
+    if status == lib.HTP_E_UNSUPPORTED:
+        raise HTPUnsupportedError(f"{what}: not supported on this CPU or build")
+    if status == lib.HTP_E_NOT_RESIDENT:
+        raise ExpertNotResidentError(f"{what}: a routed expert has slot -1 (not resident)")
+    if status == lib.HTP_E_CAPACITY:
+        raise CapacityError(f"{what}: more tokens than t_max")
+    raise HTPError(f"{what}: status {status}")
+
+
+# ---------------------------------------------------------------- validation helpers
+def _arr(a: Any, name: str, dtype: Any, ndim: int | None = None) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise HTPInputError(
+            f"{name} must be a numpy array of {np.dtype(dtype)}, got {type(a).__name__}"
+        )
+    if a.dtype != dtype:
+        raise HTPInputError(
+            f"{name} must have dtype {np.dtype(dtype)}, got {a.dtype} (convert with .astype)"
+        )
+    if ndim is not None and a.ndim != ndim:
+        raise HTPInputError(f"{name} must be {ndim}-D, got shape {a.shape}")
+    if not a.flags.c_contiguous:
+        raise HTPInputError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
+    return a
+
+
+def _u32(v: int, name: str, minimum: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise HTPInputError(f"{name} must be an int, got {type(v).__name__}")
+    if not minimum <= int(v) < _U32:
+        raise HTPInputError(f"{name} must be in [{minimum}, 2**32), got {v}")
+    return int(v)
+
+
+def _out(out: Any, shape: tuple[int, ...], name: str = "out") -> F32:
+    if out is None:
+        return np.empty(shape, dtype=np.float32)
+    o = _arr(out, name, np.float32)
+    if o.shape != shape:
+        raise HTPInputError(f"{name} must have shape {shape}, got {o.shape}")
+    if not o.flags.writeable:
+        raise HTPInputError(f"{name} must be writeable")
+    return o
+
+
+def _bytes(buf: Any, name: str) -> np.ndarray:
+    """Any contiguous buffer viewed as flat uint8 (no copy)."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise HTPInputError(f"{name} must be C-contiguous")
+        return buf.reshape(-1).view(np.uint8)
+    try:
+        return np.frombuffer(buf, dtype=np.uint8)
+    except TypeError as e:
+        raise HTPInputError(
+            f"{name} must be a buffer (numpy array, bytes, mmap), got {type(buf).__name__}"
+        ) from e
+
+
+def _fp(a: np.ndarray, ctype: str) -> Any:
+    return ffi.cast(ctype, ffi.from_buffer(a, require_writable=False)) if a.size else ffi.NULL
+
+
+def _fpw(a: np.ndarray, ctype: str) -> Any:
+    return ffi.cast(ctype, ffi.from_buffer(a, require_writable=True)) if a.size else ffi.NULL
+
+
+# ---------------------------------------------------------------- library state
+def set_num_threads(n: int) -> None:
+    """Size the persistent thread pool inside the library (the caller is thread 0)."""
+    _check(lib.htp_set_num_threads(_u32(n, "n", 1)), "set_num_threads")
+
+
+def get_num_threads() -> int:
+    return int(lib.htp_get_num_threads())
+
+
+def simd_level() -> str:
+    """The kernel set in use: "portable", "avx2", "avx512", "avx512vnni" or "neon"."""
+    return _SIMD_NAMES[int(lib.htp_simd_get())]
+
+
+def best_simd_level() -> str:
+    return _SIMD_NAMES[int(lib.htp_simd_best())]
+
+
+def _set_simd_level(name: str) -> None:
+    """Re-dispatch to a SIMD level (tests and benchmarks; ``ESTREAM_HTP_SIMD`` at import)."""
+    if name not in SIMD_LEVELS:
+        raise HTPInputError(f"unknown SIMD level {name!r}; expected one of {sorted(SIMD_LEVELS)}")
+    if lib.htp_simd_set(SIMD_LEVELS[name]) != lib.HTP_OK:
+        raise HTPUnsupportedError(
+            f"SIMD level {name!r} is not supported by this CPU/build (best is {best_simd_level()!r})"
+        )
+
+
+def set_activation_format(fmt: Literal["q8", "f32"]) -> None:
+    """How activations meet quantized weights in gemm and the expert op.
+
+    "q8": int8 per 32-block with an fp32 scale (fast path, rel. L2 error ~3e-3, see README);
+    "f32": weights dequantized, fp32 products (rel. L2 ~1e-7)."""
+    if fmt not in _ACT:
+        raise HTPInputError(f"activation format must be one of {sorted(_ACT)}, got {fmt!r}")
+    _check(lib.htp_act_set(_ACT[fmt]), "set_activation_format")
+
+
+def get_activation_format() -> str:
+    return _ACT_NAMES[int(lib.htp_act_get())]
+
+
+def _init_from_env() -> None:
+    simd = os.environ.get("ESTREAM_HTP_SIMD", "").strip().lower()
+    if simd:
+        _set_simd_level(simd)
+    act = os.environ.get("ESTREAM_HTP_ACT", "").strip().lower()
+    if act:
+        set_activation_format(act)  # type: ignore[arg-type]
+    threads = os.environ.get("ESTREAM_HTP_THREADS", "").strip()
+    if threads:
+        set_num_threads(int(threads))
+    else:
+        try:
+            n = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - non-Linux
+            n = os.cpu_count() or 1
+        set_num_threads(max(1, min(n, 64)))
+
+
+# ---------------------------------------------------------------- GEMM
+def gemm(
+    x: F32,
+    w: Any,
+    n: int,
+    fmt: str = "q4_0-t32r4",
+    out: F32 | None = None,
+) -> F32:
+    """``Y[T, N] = X[T, K] · Wᵀ`` with ``W[N][K]`` in a tile format (flat uint8 buffer)."""
+    x = _arr(x, "x", np.float32, 2)
+    t, k = x.shape
+    n = _u32(n, "n", 1)
+    if fmt not in TILE_FORMATS:
+        raise HTPInputError(f"fmt must be one of {sorted(TILE_FORMATS)}, got {fmt!r}")
+    if k == 0 or k % 32:
+        raise HTPInputError(f"x.shape[1] (K) must be a positive multiple of 32, got {k}")
+    wb = _bytes(w, "w")
+    need = matrix_nbytes(fmt, n, k)
+    if wb.size < need:
+        raise HTPInputError(f"w holds {wb.size} bytes but {fmt} W[{n}][{k}] needs {need}")
+    y = _out(out, (t, n))
+    desc = ffi.new("htp_matrix_desc *", {"format": _FMT[fmt], "n": n, "k": k, "nbytes": wb.size})
+    if t:
+        _check(
+            lib.htp_gemm(desc, _fp(wb, "void *"), _fp(x, "float *"), t, k, _fpw(y, "float *"), n),
+            "gemm",
+        )
+    return y
+
+
+# ---------------------------------------------------------------- expert op
+class ExpertGraph:
+    """Working buffers of the fused routed-expert op, allocated once for ``capacity`` routes per
+    pass and ``t_max`` tokens, reused for every expert and layer. Not thread-safe."""
+
+    def __init__(self, d_model: int, d_ff: int, capacity: int, t_max: int) -> None:
+        for v, nm in ((d_model, "d_model"), (d_ff, "d_ff")):
+            if _u32(v, nm, 1) % 32:
+                raise HTPInputError(f"{nm} must be a multiple of 32, got {v}")
+        self.d_model, self.d_ff = int(d_model), int(d_ff)
+        self.capacity, self.t_max = _u32(capacity, "capacity", 1), _u32(t_max, "t_max", 1)
+        desc = ffi.new(
+            "htp_expert_graph_desc *",
+            {
+                "d_model": self.d_model,
+                "d_ff": self.d_ff,
+                "capacity": self.capacity,
+                "t_max": self.t_max,
+            },
+        )
+        pp = ffi.new("htp_expert_graph **")
+        _check(lib.htp_expert_graph_init(desc, pp), "ExpertGraph")
+        self._g: Any = pp[0]
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        g, self._g = getattr(self, "_g", None), None
+        if g is not None:
+            lib.htp_expert_graph_free(g)
+
+    def __enter__(self) -> ExpertGraph:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def run(
+        self,
+        x: F32,
+        tokens: I32,
+        experts: I32,
+        weights: F32,
+        slot_of_expert: I32,
+        planes: Sequence[int],
+        strides: Sequence[int],
+        y: F32,
+    ) -> None:
+        """``y[t] += w · down(silu(gate(x[t])) * up(x[t]))`` for every route ``(t, e, w)``.
+
+        ``planes``: base addresses of slot 0 of the gate/up/down planes; ``strides``: bytes
+        between slots of each plane; expert ``e`` lives in slot ``slot_of_expert[e]``."""
+        if self._g is None:
+            raise HTPInputError("ExpertGraph is closed")
+        x = _arr(x, "x", np.float32, 2)
+        t, d = x.shape
+        if d != self.d_model:
+            raise HTPInputError(f"x.shape[1] must be d_model={self.d_model}, got {d}")
+        if t > self.t_max:
+            raise CapacityError(f"x has {t} tokens but the graph was sized for t_max={self.t_max}")
+        tokens = _arr(tokens, "tokens", np.int32, 1)
+        experts = _arr(experts, "experts", np.int32, 1)
+        weights = _arr(weights, "weights", np.float32, 1)
+        slot_of_expert = _arr(slot_of_expert, "slot_of_expert", np.int32, 1)
+        r = tokens.shape[0]
+        if experts.shape != (r,) or weights.shape != (r,):
+            raise HTPInputError(
+                f"tokens, experts, weights must have the same length, got {r}, {experts.shape[0]}, {weights.shape[0]}"
+            )
+        y = _arr(y, "y", np.float32, 2)
+        if y.shape != (t, d):
+            raise HTPInputError(f"y must have shape {(t, d)}, got {y.shape}")
+        if not y.flags.writeable:
+            raise HTPInputError("y must be writeable")
+        e = slot_of_expert.shape[0]
+        if r:
+            if tokens.min() < 0 or tokens.max() >= t:
+                raise HTPInputError(
+                    f"tokens must be in [0, {t}), got range [{tokens.min()}, {tokens.max()}]"
+                )
+            if experts.min() < 0 or experts.max() >= e:
+                raise HTPInputError(
+                    f"experts must be in [0, {e}), got range [{experts.min()}, {experts.max()}]"
+                )
+            missing = experts[slot_of_expert[experts] < 0]
+            if missing.size:
+                raise ExpertNotResidentError(
+                    f"expert {int(missing[0])} is routed but not resident (slot_of_expert = -1)"
+                )
+        if len(planes) != 3 or len(strides) != 3:
+            raise HTPInputError("planes and strides must each hold 3 ints (gate, up, down)")
+        planes_i = [int(p) for p in planes]
+        strides_i = [int(s) for s in strides]
+        if any(p <= 0 for p in planes_i) or any(s < 0 for s in strides_i):
+            raise HTPInputError(
+                f"plane addresses must be > 0 and strides >= 0, got {planes_i}, {strides_i}"
+            )
+        desc = ffi.new(
+            "htp_expert_run_desc *",
+            {
+                "plane_base": planes_i,
+                "slot_stride": strides_i,
+                "n_tokens": t,
+                "n_routes": r,
+                "n_experts": e,
+                "format": lib.HTP_FMT_Q4_0_T32R4,
+            },
+        )
+        with self._lock:
+            _check(
+                lib.htp_expert_graph_run(
+                    self._g,
+                    desc,
+                    _fp(x, "float *"),
+                    _fp(tokens, "int32_t *"),
+                    _fp(experts, "int32_t *"),
+                    _fp(weights, "float *"),
+                    _fp(slot_of_expert, "int32_t *"),
+                    _fpw(y, "float *"),
+                ),
+                "ExpertGraph.run",
+            )
+
+
+def moe_ffn(
+    x: F32,
+    gate: npt.NDArray[np.uint8],
+    up: npt.NDArray[np.uint8],
+    down: npt.NDArray[np.uint8],
+    topk_ids: I32,
+    topk_weights: F32,
+    ff: int | None = None,
+) -> F32:
+    """Routed SwiGLU experts over packed ``q4_0-t32r4`` byte arrays ``[E, nbytes]``.
+
+    Returns ``Y[T, d] = Σ_k w[t,k] · down_e(silu(gate_e(x[t])) * up_e(x[t]))`` with
+    ``e = topk_ids[t, k]``. ``ff`` is inferred from the gate byte count when not given."""
+    x = _arr(x, "x", np.float32, 2)
+    t, d = x.shape
+    if d == 0 or d % 32:
+        raise HTPInputError(f"x.shape[1] (d_model) must be a positive multiple of 32, got {d}")
+    planes = []
+    for name, p in (("gate", gate), ("up", up), ("down", down)):
+        p = _arr(p, name, np.uint8, 2)
+        planes.append(p)
+    e = planes[0].shape[0]
+    if any(p.shape[0] != e for p in planes):
+        raise HTPInputError(
+            f"gate, up, down must have the same number of experts, got {[p.shape[0] for p in planes]}"
+        )
+    row_bytes = (d // 32) * TILE_FORMATS["q4_0-t32r4"]
+    if ff is None:
+        ff = (planes[0].shape[1] // row_bytes) * 32
+        if ff == 0:
+            raise HTPInputError(
+                f"gate rows hold {planes[0].shape[1]} bytes, less than one tile row ({row_bytes})"
+            )
+    ff = _u32(ff, "ff", 1)
+    if ff % 32:
+        raise HTPInputError(f"ff must be a multiple of 32, got {ff}")
+    need = [matrix_nbytes("q4_0-t32r4", ff, d)] * 2 + [matrix_nbytes("q4_0-t32r4", d, ff)]
+    for name, p, nb in zip(("gate", "up", "down"), planes, need):
+        if p.shape[1] < nb:
+            raise HTPInputError(
+                f"{name} rows hold {p.shape[1]} bytes, need {nb} for d={d}, ff={ff}"
+            )
+    topk_ids = _arr(topk_ids, "topk_ids", np.int32, 2)
+    topk_weights = _arr(topk_weights, "topk_weights", np.float32, 2)
+    if topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
+        raise HTPInputError(
+            f"topk_ids and topk_weights must both be [T={t}, k], got {topk_ids.shape}, {topk_weights.shape}"
+        )
+    y = np.zeros((t, d), dtype=np.float32)
+    k = topk_ids.shape[1]
+    if t == 0 or k == 0 or e == 0:
+        return y
+    tokens = np.repeat(np.arange(t, dtype=np.int32), k)
+    with ExpertGraph(d, ff, capacity=min(t * k, 8192), t_max=t) as g:
+        g.run(
+            x,
+            tokens,
+            np.ascontiguousarray(topk_ids.reshape(-1)),
+            np.ascontiguousarray(topk_weights.reshape(-1)),
+            np.arange(e, dtype=np.int32),
+            [p.ctypes.data for p in planes],
+            [p.strides[0] for p in planes],
+            y,
+        )
+    return y
+
+
+# ---------------------------------------------------------------- small ops
+def rms_norm(x: F32, w: F32 | None, eps: float, out: F32 | None = None) -> F32:
+    """``x / sqrt(mean(x²) + eps) * w`` over the last axis of ``x[T, D]``."""
+    x = _arr(x, "x", np.float32, 2)
+    t, dd = x.shape
+    return _rms(x, w, eps, out, t, 1, dd, "rms_norm")
+
+
+def rms_norm_heads(x: F32, w: F32, n_heads: int, eps: float, out: F32 | None = None) -> F32:
+    """Per-head RMSNorm of ``x[T, H*Dh]`` with a shared ``w[Dh]`` (qwen3 q/k-norm)."""
+    x = _arr(x, "x", np.float32, 2)
+    h = _u32(n_heads, "n_heads", 1)
+    t, width = x.shape
+    if width % h:
+        raise HTPInputError(f"x.shape[1]={width} is not a multiple of n_heads={h}")
+    return _rms(x, w, eps, out, t, h, width // h, "rms_norm_heads")
+
+
+def _rms(
+    x: F32, w: F32 | None, eps: float, out: F32 | None, t: int, h: int, dh: int, what: str
+) -> F32:
+    if w is not None:
+        w = _arr(w, "w", np.float32, 1)
+        if w.shape[0] != dh:
+            raise HTPInputError(f"w must have shape ({dh},), got {w.shape}")
+    if not (isinstance(eps, (float, int)) and eps >= 0):
+        raise HTPInputError(f"eps must be a float >= 0, got {eps!r}")
+    if dh == 0:
+        raise HTPInputError("rows must not be empty")
+    o = _out(out, x.shape)
+    if t:
+        _check(
+            lib.htp_rms_norm(
+                _fp(x, "float *"),
+                ffi.NULL if w is None else _fp(w, "float *"),
+                t,
+                h,
+                dh,
+                float(eps),
+                _fpw(o, "float *"),
+            ),
+            what,
+        )
+    return o
+
+
+def rope(
+    x: F32,
+    positions: I32,
+    n_rot: int,
+    freq_base: float,
+    freq_scale: float,
+    mode: Literal["normal", "neox"],
+) -> None:
+    """Rotary embedding, in place, of the first ``n_rot`` dims of each head of ``x[T, H, Dh]``.
+
+    "normal" rotates pairs (2i, 2i+1), "neox" pairs (i, i + n_rot/2); angle
+    ``pos * freq_scale * freq_base^(-2i/n_rot)``."""
+    x = _arr(x, "x", np.float32, 3)
+    if not x.flags.writeable:
+        raise HTPInputError("x must be writeable (rope works in place)")
+    t, h, dh = x.shape
+    positions = _arr(positions, "positions", np.int32, 1)
+    if positions.shape[0] != t:
+        raise HTPInputError(f"positions must have shape ({t},), got {positions.shape}")
+    n_rot = _u32(n_rot, "n_rot")
+    if n_rot > dh or n_rot % 2:
+        raise HTPInputError(f"n_rot must be even and <= head dim {dh}, got {n_rot}")
+    if mode not in ("normal", "neox"):
+        raise HTPInputError(f"mode must be 'normal' or 'neox', got {mode!r}")
+    if not freq_base > 0:
+        raise HTPInputError(f"freq_base must be > 0, got {freq_base}")
+    m = lib.HTP_ROPE_NORMAL if mode == "normal" else lib.HTP_ROPE_NEOX
+    if t and h and n_rot:
+        _check(
+            lib.htp_rope(
+                _fpw(x, "float *"),
+                _fp(positions, "int32_t *"),
+                t,
+                h,
+                dh,
+                n_rot,
+                float(freq_base),
+                float(freq_scale),
+                m,
+            ),
+            "rope",
+        )
+
+
+def attention(
+    q: F32,
+    k: F32,
+    v: F32,
+    scale: float,
+    causal: bool = True,
+    out: F32 | None = None,
+) -> F32:
+    """Softmax attention with grouped KV heads (query head ``h`` reads KV head
+    ``h // (Hq // Hkv)``), tiled with an online softmax: memory O(T·d)."""
+    q = _arr(q, "q", np.float32, 3)
+    k = _arr(k, "k", np.float32, 3)
+    v = _arr(v, "v", np.float32, 3)
+    t, hq, dk = q.shape
+    if k.shape[0] != t or v.shape[0] != t or k.shape[1] != v.shape[1]:
+        raise HTPInputError(f"k, v must be [T={t}, Hkv, D], got {k.shape}, {v.shape}")
+    hkv = k.shape[1]
+    if k.shape[2] != dk:
+        raise HTPInputError(f"k head dim {k.shape[2]} != q head dim {dk}")
+    if hkv == 0 or hq % hkv:
+        raise HTPInputError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    dv = v.shape[2]
+    if dk == 0 or dv == 0:
+        raise HTPInputError("head dims must be > 0")
+    o = _out(out, (t, hq, dv))
+    if t and hq:
+        _check(
+            lib.htp_attention(
+                _fp(q, "float *"),
+                _fp(k, "float *"),
+                _fp(v, "float *"),
+                t,
+                hq,
+                hkv,
+                dk,
+                dv,
+                float(scale),
+                1 if causal else 0,
+                _fpw(o, "float *"),
+            ),
+            "attention",
+        )
+    return o
+
+
+def silu(x: F32, out: F32 | None = None) -> F32:
+    """``x * sigmoid(x)`` element-wise."""
+    x = _arr(x, "x", np.float32)
+    o = _out(out, x.shape)
+    _check(lib.htp_silu(_fp(x, "float *"), x.size, _fpw(o, "float *")), "silu")
+    return o
+
+
+def swiglu(g: F32, u: F32, out: F32 | None = None) -> F32:
+    """``silu(g) * u`` element-wise."""
+    g = _arr(g, "g", np.float32)
+    u = _arr(u, "u", np.float32)
+    if g.shape != u.shape:
+        raise HTPInputError(f"g and u must have the same shape, got {g.shape}, {u.shape}")
+    o = _out(out, g.shape)
+    _check(
+        lib.htp_swiglu(_fp(g, "float *"), _fp(u, "float *"), g.size, _fpw(o, "float *")), "swiglu"
+    )
+    return o
+
+
+def router_topk(
+    logits: F32,
+    k: int,
+    gating: Literal["softmax", "sigmoid"] = "softmax",
+    norm: bool = False,
+    scale: float = 1.0,
+    bias: F32 | None = None,
+) -> tuple[I32, F32]:
+    """Top-k routing. softmax: ``p = softmax(logits)``, top-k of ``p`` (ties → lower id),
+    ``w = p[top]``; sigmoid: ``p = sigmoid(logits)``, top-k of ``p + bias``, ``w = p[top]``.
+    Then ``w /= sum(w)`` if ``norm``, and ``w *= scale``."""
+    logits = _arr(logits, "logits", np.float32, 2)
+    t, e = logits.shape
+    k = _u32(k, "k", 1)
+    if k > e:
+        raise HTPInputError(f"k={k} exceeds the number of experts {e}")
+    if gating not in ("softmax", "sigmoid"):
+        raise HTPInputError(f"gating must be 'softmax' or 'sigmoid', got {gating!r}")
+    if bias is not None:
+        bias = _arr(bias, "bias", np.float32, 1)
+        if bias.shape[0] != e:
+            raise HTPInputError(f"bias must have shape ({e},), got {bias.shape}")
+    ids = np.empty((t, k), dtype=np.int32)
+    w = np.empty((t, k), dtype=np.float32)
+    if t:
+        _check(
+            lib.htp_router_topk(
+                _fp(logits, "float *"),
+                t,
+                e,
+                k,
+                lib.HTP_GATING_SOFTMAX if gating == "softmax" else lib.HTP_GATING_SIGMOID,
+                1 if norm else 0,
+                float(scale),
+                ffi.NULL if bias is None else _fp(bias, "float *"),
+                _fpw(ids, "int32_t *"),
+                _fpw(w, "float *"),
+            ),
+            "router_topk",
+        )
+    return ids, w
+
+
+def get_rows(table: Any, fmt: str, n_rows: int, n_cols: int, ids: I32) -> F32:
+    """Embedding lookup: rows ``ids`` of a ``[n_rows, n_cols]`` table in ``fmt``
+    ("q4_0-t32r4", "q8_0-t32r4", "f16", "f32"), as float32 ``[T, n_cols]``."""
+    if fmt not in _FMT:
+        raise HTPInputError(f"fmt must be one of {sorted(_FMT)}, got {fmt!r}")
+    n_rows = _u32(n_rows, "n_rows", 1)
+    n_cols = _u32(n_cols, "n_cols", 1)
+    tb = _bytes(table, "table")
+    if fmt in TILE_FORMATS:
+        need = matrix_nbytes(fmt, n_rows, n_cols)
+    else:
+        need = n_rows * n_cols * (2 if fmt == "f16" else 4)
+    if tb.size < need:
+        raise HTPInputError(
+            f"table holds {tb.size} bytes but {fmt} [{n_rows}, {n_cols}] needs {need}"
+        )
+    ids = _arr(ids, "ids", np.int32, 1)
+    if ids.size and (ids.min() < 0 or ids.max() >= n_rows):
+        raise HTPInputError(f"ids must be in [0, {n_rows}), got range [{ids.min()}, {ids.max()}]")
+    out = np.empty((ids.shape[0], n_cols), dtype=np.float32)
+    if ids.size:
+        _check(
+            lib.htp_get_rows(
+                _fp(tb, "void *"),
+                _FMT[fmt],
+                tb.size,
+                n_rows,
+                n_cols,
+                _fp(ids, "int32_t *"),
+                ids.shape[0],
+                _fpw(out, "float *"),
+            ),
+            "get_rows",
+        )
+    return out
+
+
+def _dot_peak(iters: int = 20_000_000) -> float:
+    """Measured int8 dot-product peak of the current SIMD level on all pool threads (MAC/s)."""
+    p = ffi.new("double *")
+    _check(lib.htp_bench_dot_peak(_u32(iters, "iters", 1), p), "dot_peak")
+    return float(p[0])

@@ -1,0 +1,226 @@
+"""Test helpers for users of estream-htp: weight packers/quantizers (independent of
+estream-layout), float64 reference implementations of every op, and Hypothesis strategies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from estream_htp._formats import (
+    dequantize_q4_0,
+    dequantize_q8_0,
+    dequantize_tiles,
+    matrix_nbytes,
+    pack_q4_0_t32r4,
+    pack_q8_0_t32r4,
+    quantize_q4_0,
+    quantize_q8_0,
+    unpack_q4_0_t32r4,
+    unpack_q8_0_t32r4,
+)
+
+__all__ = [
+    "dequantize_q4_0",
+    "dequantize_q8_0",
+    "dequantize_tiles",
+    "matrix_nbytes",
+    "pack_q4_0_t32r4",
+    "pack_q8_0_t32r4",
+    "quantize_q4_0",
+    "quantize_q8_0",
+    "random_experts",
+    "random_q4_0_blocks",
+    "ref_attention",
+    "ref_expert_op",
+    "ref_gemm",
+    "ref_gemm_magnitude",
+    "ref_q8_activations",
+    "ref_rms_norm",
+    "ref_rope",
+    "ref_router_topk",
+    "rel_l2",
+    "rel_l2_floored",
+    "unpack_q4_0_t32r4",
+    "unpack_q8_0_t32r4",
+]
+
+F64 = npt.NDArray[np.float64]
+
+
+def rel_l2(got: npt.ArrayLike, ref: npt.ArrayLike) -> float:
+    """``‖got − ref‖₂ / ‖ref‖₂`` in float64 (NaN anywhere in ``got`` gives NaN)."""
+    g = np.asarray(got, dtype=np.float64)
+    r = np.asarray(ref, dtype=np.float64)
+    den = np.linalg.norm(r)
+    return float(np.linalg.norm(g - r) / (den if den > 0 else 1.0))
+
+
+def rel_l2_floored(
+    got: npt.ArrayLike, ref: npt.ArrayLike, magnitude: npt.ArrayLike, n_terms: int
+) -> float:
+    """Relative L2 error whose reference norm is floored at the rounding scale of the sums.
+
+    A float32 sum of ``n`` terms carries rounding error ~ ``eps · ‖Σ|terms|‖ / √n`` whatever the
+    result; when the terms cancel (one output of a tiny GEMM) ``‖ref‖`` alone would demand more
+    than any fp32 kernel can give. ``magnitude`` is the same computation on absolute values."""
+    g = np.asarray(got, dtype=np.float64)
+    r = np.asarray(ref, dtype=np.float64)
+    den = max(
+        float(np.linalg.norm(r)),
+        float(np.linalg.norm(np.asarray(magnitude, dtype=np.float64))) / np.sqrt(max(1, n_terms)),
+    )
+    return float(np.linalg.norm(g - r) / (den if den > 0 else 1.0))
+
+
+def ref_gemm_magnitude(x: npt.ArrayLike, w: Any, n: int, fmt: str = "q4_0-t32r4") -> F64:
+    """``|X| · |W|ᵀ`` (float64): the scale of the rounding error of ``X · Wᵀ``."""
+    xx = np.abs(np.asarray(x, dtype=np.float64))
+    wd = np.abs(dequantize_tiles(w, fmt, n, xx.shape[1]).astype(np.float64))
+    return xx @ wd.T
+
+
+def random_q4_0_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[np.uint8]:
+    """Random valid Q4_0 blocks ``uint8[n, k/32, 18]`` (finite fp16 scales, any nibbles)."""
+    b = np.empty((n, k // 32, 18), dtype=np.uint8)
+    d = (rng.standard_normal((n, k // 32)) * 0.05).astype(np.float16)
+    b[..., :2] = d[..., None].view(np.uint8)
+    b[..., 2:] = rng.integers(0, 256, size=(n, k // 32, 16), dtype=np.uint8)
+    return b
+
+
+def random_experts(
+    rng: np.random.Generator, n_experts: int, d: int, ff: int
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], npt.NDArray[np.uint8]]:
+    """Packed ``q4_0-t32r4`` gate/up/down planes ``uint8[E, nbytes]`` of random experts."""
+    gate = np.stack([pack_q4_0_t32r4(random_q4_0_blocks(rng, ff, d)) for _ in range(n_experts)])
+    up = np.stack([pack_q4_0_t32r4(random_q4_0_blocks(rng, ff, d)) for _ in range(n_experts)])
+    down = np.stack([pack_q4_0_t32r4(random_q4_0_blocks(rng, d, ff)) for _ in range(n_experts)])
+    return gate, up, down
+
+
+def ref_gemm(x: npt.ArrayLike, w: Any, n: int, fmt: str = "q4_0-t32r4") -> F64:
+    """float64 ``X · Wᵀ`` on the dequantized weights."""
+    xx = np.asarray(x, dtype=np.float64)
+    wd = dequantize_tiles(w, fmt, n, xx.shape[1]).astype(np.float64)
+    return xx @ wd.T
+
+
+def ref_q8_activations(x: npt.ArrayLike) -> npt.NDArray[np.float32]:
+    """The activations as the int8 path sees them: per 32-block ``d = amax/127``,
+    ``q = rint(x / d)`` (float32 arithmetic, as in C), returned dequantized ``q * d``."""
+    a = np.asarray(x, dtype=np.float32)
+    b = a.reshape(*a.shape[:-1], a.shape[-1] // 32, 32)
+    amax = np.max(np.abs(b), axis=-1, keepdims=True)
+    d = amax / np.float32(127.0)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
+    q = np.rint(b * inv)
+    return (q * d).reshape(a.shape).astype(np.float32)
+
+
+def ref_rms_norm(x: npt.ArrayLike, w: npt.ArrayLike | None, eps: float, n_heads: int = 1) -> F64:
+    xx = np.asarray(x, dtype=np.float64)
+    t, width = xx.shape
+    h = xx.reshape(t, n_heads, width // n_heads)
+    y = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps)
+    if w is not None:
+        y = y * np.asarray(w, dtype=np.float64)
+    return y.reshape(t, width)
+
+
+def ref_rope(
+    x: npt.ArrayLike, pos: npt.ArrayLike, n_rot: int, base: float, scale: float, mode: str
+) -> F64:
+    xx = np.array(x, dtype=np.float64)
+    half = n_rot // 2
+    j = np.arange(half, dtype=np.float64)
+    theta = np.asarray(pos, dtype=np.float64)[:, None] * scale * base ** (-2.0 * j / n_rot)
+    c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    if mode == "normal":
+        a, b = xx[..., 0:n_rot:2].copy(), xx[..., 1:n_rot:2].copy()
+        xx[..., 0:n_rot:2] = a * c - b * s
+        xx[..., 1:n_rot:2] = a * s + b * c
+    else:
+        a, b = xx[..., :half].copy(), xx[..., half:n_rot].copy()
+        xx[..., :half] = a * c - b * s
+        xx[..., half:n_rot] = a * s + b * c
+    return xx
+
+
+def ref_attention(
+    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, scale: float, causal: bool = True
+) -> F64:
+    qq = np.asarray(q, dtype=np.float64)
+    kk = np.asarray(k, dtype=np.float64)
+    vv = np.asarray(v, dtype=np.float64)
+    t, hq, _ = qq.shape
+    rep = hq // kk.shape[1]
+    kk = np.repeat(kk, rep, axis=1)
+    vv = np.repeat(vv, rep, axis=1)
+    s = np.einsum("thd,shd->hts", qq, kk) * scale
+    if causal:
+        s = s + np.triu(np.full((t, t), -np.inf), 1)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("hts,shd->thd", p, vv)
+
+
+def ref_router_topk(
+    logits: npt.ArrayLike,
+    k: int,
+    gating: str = "softmax",
+    norm: bool = False,
+    scale: float = 1.0,
+    bias: npt.ArrayLike | None = None,
+) -> tuple[npt.NDArray[np.int64], F64]:
+    lg = np.asarray(logits, dtype=np.float64)
+    if gating == "softmax":
+        p = np.exp(lg - lg.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        key = p
+    else:
+        p = 1.0 / (1.0 + np.exp(-lg))
+        key = p + (0.0 if bias is None else np.asarray(bias, dtype=np.float64))
+    ids = np.argsort(-key, axis=1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, ids, axis=1)
+    if norm:
+        w = w / w.sum(axis=1, keepdims=True)
+    return ids, w * scale
+
+
+def ref_expert_op(
+    x: npt.ArrayLike,
+    tokens: npt.ArrayLike,
+    experts: npt.ArrayLike,
+    weights: npt.ArrayLike,
+    gate: npt.NDArray[np.uint8],
+    up: npt.NDArray[np.uint8],
+    down: npt.NDArray[np.uint8],
+    ff: int,
+    magnitude: bool = False,
+) -> F64:
+    """float64 ``Σ_r w_r · down_e(silu(gate_e(x_t)) * up_e(x_t))`` (planes ``[E, nbytes]``).
+
+    ``magnitude=True`` returns ``Σ_r |w_r| · |down_e| · |h_r|`` instead (the rounding scale)."""
+    xx = np.asarray(x, dtype=np.float64)
+    t, d = xx.shape
+    y = np.zeros((t, d))
+    cache: dict[int, tuple[F64, F64, F64]] = {}
+    for tok, e, w in zip(np.asarray(tokens), np.asarray(experts), np.asarray(weights)):
+        e = int(e)
+        if e not in cache:
+            cache[e] = (
+                dequantize_tiles(gate[e], "q4_0-t32r4", ff, d).astype(np.float64),
+                dequantize_tiles(up[e], "q4_0-t32r4", ff, d).astype(np.float64),
+                dequantize_tiles(down[e], "q4_0-t32r4", d, ff).astype(np.float64),
+            )
+        wg, wu, wd = cache[e]
+        g = wg @ xx[tok]
+        h = g / (1.0 + np.exp(-g)) * (wu @ xx[tok])
+        if magnitude:
+            y[tok] += abs(float(w)) * (np.abs(wd) @ np.abs(h))
+        else:
+            y[tok] += float(w) * (wd @ h)
+    return y

@@ -1,0 +1,177 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import LEVELS, mode
+from hypothesis import given
+from hypothesis import strategies as st
+
+import estream_htp as htp
+from estream_htp import testing as T
+
+F32_TOL = 1e-5
+# int8 path: x and the SwiGLU output h are both Q8-rounded (two ~0.4%-per-element roundings);
+# measured ~5e-3 on these random experts.
+Q8_TOL = 3e-2
+
+
+@st.composite
+def scenarios(draw):
+    d = 32 * draw(st.integers(1, 3))
+    ff = 32 * draw(st.integers(1, 3))
+    n_exp = draw(st.integers(1, 6))
+    t = draw(st.integers(1, 19))
+    kind = draw(st.sampled_from(["random", "one_route", "one_expert", "empty", "big"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if kind == "one_route":
+        r = 1
+    elif kind == "empty":
+        r = 0
+    elif kind == "big":
+        r = draw(st.integers(20, 60))
+    else:
+        r = draw(st.integers(1, 30))
+    tokens = rng.integers(0, t, r).astype(np.int32)
+    routed = rng.choice(n_exp, size=draw(st.integers(1, n_exp)), replace=False)
+    experts = (np.full(r, routed[0]) if kind == "one_expert" else rng.choice(routed, r)).astype(
+        np.int32
+    )
+    weights = rng.uniform(-1, 1, r).astype(np.float32)
+    capacity = draw(st.integers(1, max(1, r + 3)))
+    return d, ff, n_exp, t, tokens, experts, weights, capacity, routed, rng
+
+
+def _planes(rng, n_exp, d, ff, routed):
+    """Experts placed at scattered slots of 3 planes (unrouted experts may be non-resident)."""
+    gate, up, down = T.random_experts(rng, n_exp, d, ff)
+    n_slots = n_exp + 3
+    slots = rng.permutation(n_slots)[:n_exp].astype(np.int32)
+    for e in range(n_exp):
+        if e not in routed and rng.random() < 0.5:
+            slots[e] = -1
+    pad = lambda nb: -(-nb // 4096) * 4096  # noqa: E731 - contract: projections padded to 4 KiB
+    planes = []
+    for p in (gate, up, down):
+        plane = np.zeros((n_slots, pad(p.shape[1])), dtype=np.uint8)
+        for e in range(n_exp):
+            if slots[e] >= 0:
+                plane[slots[e], : p.shape[1]] = p[e]
+        planes.append(plane)
+    return (gate, up, down), planes, slots
+
+
+def _run(g, x, tokens, experts, weights, slots, planes, y):
+    g.run(
+        x,
+        tokens,
+        experts,
+        weights,
+        slots,
+        [p.ctypes.data for p in planes],
+        [p.strides[0] for p in planes],
+        y,
+    )
+
+
+@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("act", ["f32", "q8"])
+@given(sc=scenarios())
+def test_expert_op_matches_float64(simd: str, act: str, sc) -> None:
+    d, ff, n_exp, t, tokens, experts, weights, capacity, routed, rng = sc
+    (gate, up, down), planes, slots = _planes(rng, n_exp, d, ff, routed)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    y0 = rng.standard_normal((t, d)).astype(np.float32)  # the op accumulates into y
+    ref = y0 + T.ref_expert_op(x, tokens, experts, weights, gate, up, down, ff)
+    y = y0.copy()
+    with mode(simd=simd, act=act), htp.ExpertGraph(d, ff, capacity, t_max=t + 2) as g:
+        _run(g, x, tokens, experts, weights, slots, planes, y)
+    tol = F32_TOL if act == "f32" else Q8_TOL
+    if len(tokens):
+        mag = T.ref_expert_op(x, tokens, experts, weights, gate, up, down, ff, magnitude=True)
+        assert T.rel_l2_floored(y - y0, ref - y0, mag, ff) <= tol
+    else:
+        assert np.array_equal(y, y0)
+
+
+@pytest.mark.parametrize("act", ["f32", "q8"])
+def test_expert_op_threads_bit_identical_and_paths_agree(act: str) -> None:
+    rng = np.random.default_rng(5)
+    d, ff, n_exp, t, r = 128, 96, 5, 41, 150
+    tokens = rng.integers(0, t, r).astype(np.int32)
+    experts = rng.integers(0, n_exp - 1, r).astype(np.int32)  # last expert gets no route
+    weights = rng.uniform(0, 1, r).astype(np.float32)
+    (gate, up, down), planes, slots = _planes(rng, n_exp, d, ff, list(range(n_exp)))
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    ref = T.ref_expert_op(x, tokens, experts, weights, gate, up, down, ff)
+    outs = {}
+    for simd in LEVELS:
+        for th in (1, 2):
+            y = np.zeros((t, d), np.float32)
+            with mode(simd=simd, act=act, threads=th), htp.ExpertGraph(d, ff, 64, t) as g:
+                _run(g, x, tokens, experts, weights, slots, planes, y)
+            outs[simd, th] = y
+        assert np.array_equal(outs[simd, 1], outs[simd, 2]), simd
+        assert T.rel_l2(y, ref) <= (F32_TOL if act == "f32" else Q8_TOL), simd
+        tol = 1e-6 if act == "f32" else 1e-3  # q8: h re-quantization may round differently
+        assert T.rel_l2(outs[simd, 1], outs["portable", 1]) <= tol, simd
+
+
+def test_moe_ffn_matches_float64() -> None:
+    rng = np.random.default_rng(11)
+    d, ff, n_exp, t, k = 64, 96, 6, 13, 3
+    gate, up, down = T.random_experts(rng, n_exp, d, ff)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    logits = rng.standard_normal((t, n_exp)).astype(np.float32)
+    ids, w = htp.router_topk(logits, k, norm=True)
+    ref = T.ref_expert_op(
+        x, np.repeat(np.arange(t), k), ids.reshape(-1), w.reshape(-1), gate, up, down, ff
+    )
+    with mode(act="f32"):
+        assert T.rel_l2(htp.moe_ffn(x, gate, up, down, ids, w), ref) <= F32_TOL
+        assert T.rel_l2(htp.moe_ffn(x, gate, up, down, ids, w, ff=ff), ref) <= F32_TOL
+
+
+def test_expert_op_errors() -> None:
+    rng = np.random.default_rng(3)
+    d, ff = 64, 64
+    _, planes, _ = _planes(rng, 2, d, ff, [0, 1])
+    x = np.zeros((4, d), np.float32)
+    y = np.zeros((4, d), np.float32)
+    tok = np.array([0, 1], np.int32)
+    exp = np.array([0, 1], np.int32)
+    w = np.ones(2, np.float32)
+    with htp.ExpertGraph(d, ff, 8, 4) as g:
+        with pytest.raises(htp.ExpertNotResidentError, match="expert 1"):
+            _run(g, x, tok, exp, w, np.array([0, -1], np.int32), planes, y)
+        with pytest.raises(htp.HTPInputError, match="tokens must be in"):
+            _run(g, x, np.array([0, 4], np.int32), exp, w, np.array([0, 1], np.int32), planes, y)
+        with pytest.raises(htp.HTPInputError, match="experts must be in"):
+            _run(g, x, tok, np.array([0, 2], np.int32), w, np.array([0, 1], np.int32), planes, y)
+        with pytest.raises(htp.CapacityError, match="t_max"):
+            _run(
+                g,
+                np.zeros((5, d), np.float32),
+                tok,
+                exp,
+                w,
+                np.array([0, 1], np.int32),
+                planes,
+                np.zeros((5, d), np.float32),
+            )
+        with pytest.raises(htp.HTPInputError, match="same length"):
+            _run(g, x, tok, exp[:1], w, np.array([0, 1], np.int32), planes, y)
+        with pytest.raises(htp.HTPInputError, match="rejected"):  # stride smaller than a matrix
+            g.run(
+                x,
+                tok,
+                exp,
+                w,
+                np.array([0, 1], np.int32),
+                [p.ctypes.data for p in planes],
+                [64, 64, 64],
+                y,
+            )
+    with pytest.raises(htp.HTPInputError, match="closed"):
+        _run(g, x, tok, exp, w, np.array([0, 1], np.int32), planes, y)
+    with pytest.raises(htp.HTPInputError, match="multiple of 32"):
+        htp.ExpertGraph(48, 64, 8, 4)

@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import LEVELS, mode
+from hypothesis import given
+from hypothesis import strategies as st
+
+import estream_htp as htp
+from estream_htp import testing as T
+
+# Tolerances (relative L2 vs float64 on the dequantized weights; the reference norm is floored at
+# the fp32 rounding scale ‖|X||W|ᵀ‖/√K so that outputs that cancel to ~0 stay testable):
+F32_TOL = 1e-5  # fp32 activations: only fp32 rounding of products/sums
+Q8_EXACT_TOL = 1e-5  # int8 path vs a reference fed the same int8-rounded activations
+Q8_TOL = 2e-2  # int8 path vs exact activations: Q8 rounding of x (measured ~6e-3 on Gaussian x)
+
+shapes = st.tuples(
+    st.integers(1, 23), st.integers(1, 97), st.integers(1, 6), st.integers(0, 2**32 - 1)
+)
+
+
+def _case(t: int, n: int, kb: int, seed: int, fmt: str):
+    rng = np.random.default_rng(seed)
+    k = 32 * kb
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    buf = T.pack_q4_0_t32r4(w) if fmt == "q4_0-t32r4" else T.pack_q8_0_t32r4(w)
+    x = (rng.standard_normal((t, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    return x, buf
+
+
+@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("fmt", ["q4_0-t32r4", "q8_0-t32r4"])
+@given(shape=shapes)
+def test_gemm_f32_matches_float64(simd: str, fmt: str, shape) -> None:
+    t, n, kb, seed = shape
+    x, buf = _case(t, n, kb, seed, fmt)
+    out = np.full((t, n), np.nan, dtype=np.float32)
+    with mode(simd=simd, act="f32"):
+        y = htp.gemm(x, buf, n, fmt, out=out)
+    assert y is out
+    mag = T.ref_gemm_magnitude(x, buf, n, fmt)
+    assert T.rel_l2_floored(y, T.ref_gemm(x, buf, n, fmt), mag, x.shape[1]) <= F32_TOL
+
+
+@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("fmt", ["q4_0-t32r4", "q8_0-t32r4"])
+@given(shape=shapes)
+def test_gemm_q8_matches_float64(simd: str, fmt: str, shape) -> None:
+    t, n, kb, seed = shape
+    x, buf = _case(t, n, kb, seed, fmt)
+    out = np.full((t, n), np.nan, dtype=np.float32)
+    with mode(simd=simd, act="q8"):
+        y = htp.gemm(x, buf, n, fmt, out=out)
+    xq = T.ref_q8_activations(x)
+    mag = T.ref_gemm_magnitude(xq, buf, n, fmt)
+    assert T.rel_l2_floored(y, T.ref_gemm(xq, buf, n, fmt), mag, x.shape[1]) <= Q8_EXACT_TOL
+    assert T.rel_l2_floored(y, T.ref_gemm(x, buf, n, fmt), mag, x.shape[1]) <= Q8_TOL
+
+
+@pytest.mark.parametrize("act", ["f32", "q8"])
+def test_gemm_paths_and_thread_counts_agree(act: str) -> None:
+    x, buf = _case(37, 133, 8, 7, "q4_0-t32r4")
+    with mode(simd="portable", act=act, threads=1):
+        base = htp.gemm(x, buf, 133)
+    for simd in LEVELS:
+        ys = []
+        for th in (1, 2):
+            with mode(simd=simd, act=act, threads=th):
+                ys.append(htp.gemm(x, buf, 133))
+        assert np.array_equal(ys[0], ys[1]), simd  # partitioned outputs: bit-identical
+        assert T.rel_l2(ys[0], base) <= 1e-6, simd
+
+
+def test_gemm_rejects_bad_inputs() -> None:
+    x, buf = _case(4, 40, 2, 0, "q4_0-t32r4")
+    with pytest.raises(htp.HTPInputError, match="dtype float32"):
+        htp.gemm(x.astype(np.float64), buf, 40)
+    with pytest.raises(htp.HTPInputError, match="needs"):
+        htp.gemm(x, buf[:-1], 40)
+    with pytest.raises(htp.HTPInputError, match="multiple of 32"):
+        htp.gemm(np.zeros((4, 48), np.float32), buf, 40)
+    with pytest.raises(htp.HTPInputError, match="shape"):
+        htp.gemm(x, buf, 40, out=np.empty((4, 41), np.float32))
+    with pytest.raises(htp.HTPInputError, match="C-contiguous"):
+        htp.gemm(np.asfortranarray(np.zeros((4, 64), np.float32)), buf, 40)
+    with pytest.raises(htp.HTPInputError, match="fmt"):
+        htp.gemm(x, buf, 40, fmt="q4_k")

@@ -1,0 +1,181 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import LEVELS, mode
+from hypothesis import given
+from hypothesis import strategies as st
+
+import estream_htp as htp
+from estream_htp import testing as T
+
+TOL = 1e-5  # fp32 ops vs float64 references
+
+
+@given(
+    t=st.integers(1, 9),
+    h=st.integers(1, 4),
+    dh=st.integers(1, 70),
+    seed=st.integers(0, 2**32 - 1),
+    with_w=st.booleans(),
+)
+def test_rms_norm(t: int, h: int, dh: int, seed: int, with_w: bool) -> None:
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((t, h * dh)) * 3).astype(np.float32)
+    wd = rng.standard_normal(dh).astype(np.float32)
+    out = np.full_like(x, np.nan)
+    if h == 1:
+        y = htp.rms_norm(x, wd if with_w else None, 1e-6, out=out)
+    else:
+        y = htp.rms_norm_heads(x, wd, h, 1e-6, out=out)
+        with_w = True
+    assert T.rel_l2(y, T.ref_rms_norm(x, wd if with_w else None, 1e-6, h)) <= TOL
+
+
+@given(
+    t=st.integers(1, 9),
+    h=st.integers(1, 3),
+    half=st.integers(1, 20),
+    extra=st.integers(0, 6),
+    mode_=st.sampled_from(["normal", "neox"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_rope(t: int, h: int, half: int, extra: int, mode_: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n_rot = 2 * half
+    x = rng.standard_normal((t, h, n_rot + extra)).astype(np.float32)
+    pos = rng.integers(0, 5000, t).astype(np.int32)
+    ref = T.ref_rope(x, pos, n_rot, 10000.0, 0.5, mode_)
+    htp.rope(x, pos, n_rot, 10000.0, 0.5, mode_)  # type: ignore[arg-type]
+    assert T.rel_l2(x, ref) <= TOL
+
+
+@pytest.mark.parametrize("simd", LEVELS)
+@given(
+    t=st.integers(1, 100),
+    hkv=st.integers(1, 3),
+    rep=st.integers(1, 3),
+    dk=st.integers(1, 40),
+    dv=st.integers(1, 40),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_attention(
+    simd: str, t: int, hkv: int, rep: int, dk: int, dv: int, causal: bool, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((t, hkv * rep, dk)).astype(np.float32)
+    k = rng.standard_normal((t, hkv, dk)).astype(np.float32)
+    v = rng.standard_normal((t, hkv, dv)).astype(np.float32)
+    out = np.full((t, hkv * rep, dv), np.nan, np.float32)
+    with mode(simd=simd):
+        y = htp.attention(q, k, v, 1.0 / np.sqrt(dk), causal, out=out)
+    assert T.rel_l2(y, T.ref_attention(q, k, v, 1.0 / np.sqrt(dk), causal)) <= TOL
+
+
+def test_attention_long_sequence_threads_agree() -> None:
+    rng = np.random.default_rng(0)
+    t = 1030  # several key blocks, not a multiple of any tile
+    q = rng.standard_normal((t, 4, 64)).astype(np.float32)
+    k = rng.standard_normal((t, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((t, 2, 64)).astype(np.float32)
+    with mode(threads=1):
+        a = htp.attention(q, k, v, 0.125)
+    with mode(threads=2):
+        b = htp.attention(q, k, v, 0.125)
+    assert np.array_equal(a, b)
+    assert T.rel_l2(a, T.ref_attention(q, k, v, 0.125)) <= TOL
+
+
+@given(n=st.integers(0, 300), seed=st.integers(0, 2**32 - 1))
+def test_silu_swiglu(n: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    g = (rng.standard_normal(n) * 5).astype(np.float32)
+    u = rng.standard_normal(n).astype(np.float32)
+    g64, u64 = g.astype(np.float64), u.astype(np.float64)
+    s = g64 / (1 + np.exp(-g64))
+    assert T.rel_l2(htp.silu(g, out=np.full_like(g, np.nan)), s) <= TOL
+    assert T.rel_l2(htp.swiglu(g, u), s * u64) <= TOL
+
+
+@given(
+    t=st.integers(1, 12),
+    e=st.integers(1, 40),
+    data=st.data(),
+    gating=st.sampled_from(["softmax", "sigmoid"]),
+    norm=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+    ties=st.booleans(),
+    use_bias=st.booleans(),
+)
+def test_router_topk(t, e, data, gating, norm, seed, ties, use_bias) -> None:
+    rng = np.random.default_rng(seed)
+    k = data.draw(st.integers(1, e))
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    if ties:
+        logits = np.round(logits).astype(np.float32)  # many equal values: lower id must win
+    bias = rng.standard_normal(e).astype(np.float32) if use_bias and gating == "sigmoid" else None
+    ids, w = htp.router_topk(logits, k, gating, norm, 2.5, bias)
+    rids, rw = T.ref_router_topk(logits, k, gating, norm, 2.5, bias)
+    assert np.array_equal(ids, rids)
+    assert T.rel_l2(w, rw) <= TOL
+
+
+def test_router_mixtral_equivalence() -> None:
+    # softmax + norm over top-k equals softmax over the top-k logits
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((5, 8)).astype(np.float32)
+    ids, w = htp.router_topk(logits, 2, norm=True)
+    top = np.take_along_axis(logits.astype(np.float64), ids, 1)
+    sm = np.exp(top - top.max(1, keepdims=True))
+    assert T.rel_l2(w, sm / sm.sum(1, keepdims=True)) <= TOL
+
+
+@pytest.mark.parametrize("fmt", ["q4_0-t32r4", "q8_0-t32r4", "f16", "f32"])
+@given(
+    n=st.integers(1, 70), kb=st.integers(1, 4), t=st.integers(1, 10), seed=st.integers(0, 2**32 - 1)
+)
+def test_get_rows(fmt: str, n: int, kb: int, t: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    k = 32 * kb
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    if fmt == "q4_0-t32r4":
+        table, dense = T.pack_q4_0_t32r4(w), None
+    elif fmt == "q8_0-t32r4":
+        table, dense = T.pack_q8_0_t32r4(w), None
+    elif fmt == "f16":
+        table = w.astype(np.float16)
+        dense = table.astype(np.float32)
+    else:
+        table, dense = w, w
+    if dense is None:
+        dense = T.dequantize_tiles(table, fmt, n, k)
+    ids = rng.integers(0, n, t).astype(np.int32)
+    assert np.array_equal(htp.get_rows(table, fmt, n, k, ids), dense[ids])
+
+
+def test_small_ops_reject_bad_input() -> None:
+    x = np.zeros((3, 8), np.float32)
+    with pytest.raises(htp.HTPInputError, match="shape"):
+        htp.rms_norm(x, np.ones(7, np.float32), 1e-6)
+    with pytest.raises(htp.HTPInputError, match="multiple of n_heads"):
+        htp.rms_norm_heads(x, np.ones(3, np.float32), 3, 1e-6)
+    with pytest.raises(htp.HTPInputError, match="n_rot"):
+        htp.rope(np.zeros((2, 1, 8), np.float32), np.zeros(2, np.int32), 9, 1e4, 1.0, "normal")
+    with pytest.raises(htp.HTPInputError, match="mode"):
+        htp.rope(np.zeros((2, 1, 8), np.float32), np.zeros(2, np.int32), 8, 1e4, 1.0, "glm")  # type: ignore[arg-type]
+    with pytest.raises(htp.HTPInputError, match="multiple of KV heads"):
+        htp.attention(
+            np.zeros((2, 3, 4), np.float32),
+            np.zeros((2, 2, 4), np.float32),
+            np.zeros((2, 2, 4), np.float32),
+            1.0,
+        )
+    with pytest.raises(htp.HTPInputError, match="exceeds"):
+        htp.router_topk(np.zeros((2, 4), np.float32), 5)
+    with pytest.raises(htp.HTPInputError, match="ids must be in"):
+        htp.get_rows(np.zeros((4, 32), np.float32), "f32", 4, 32, np.array([4], np.int32))
+    with pytest.raises(htp.HTPInputError, match="needs"):
+        htp.get_rows(np.zeros((4, 32), np.float32), "f32", 5, 32, np.array([0], np.int32))
+    with pytest.raises(htp.HTPInputError, match="int32"):
+        htp.get_rows(np.zeros((4, 32), np.float32), "f32", 4, 32, np.array([0], np.int64))

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import LEVELS
+
+import estream_htp as htp
+from estream_htp import _buildcfg, _core
+
+
+def _child(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    e = {**os.environ, **env}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_env_forces_simd_level(level: str) -> None:
+    r = _child("import estream_htp as h; print(h.simd_level())", ESTREAM_HTP_SIMD=level)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == level
+
+
+def test_env_unsupported_level_is_an_error() -> None:
+    missing = [lvl for lvl in _core.SIMD_LEVELS if lvl not in LEVELS]
+    r = _child("import estream_htp", ESTREAM_HTP_SIMD=missing[0] if missing else "nosuch")
+    assert r.returncode != 0
+    assert "SIMD level" in r.stderr
+
+
+def test_env_threads_and_activation_format() -> None:
+    r = _child(
+        "import estream_htp as h; print(h.get_num_threads(), h.get_activation_format())",
+        ESTREAM_HTP_THREADS="3",
+        ESTREAM_HTP_ACT="f32",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["3", "f32"]
+
+
+def test_thread_count_setter() -> None:
+    old = htp.get_num_threads()
+    try:
+        htp.set_num_threads(1)
+        assert htp.get_num_threads() == 1
+        with pytest.raises(htp.HTPInputError):
+            htp.set_num_threads(0)
+    finally:
+        htp.set_num_threads(old)
+
+
+def test_build_switches() -> None:
+    c, ld = _buildcfg.compile_flags({})
+    assert "-O3" in c and not any("sanitize" in f for f in c + ld)
+    assert "-march=native" not in c
+    c, ld = _buildcfg.compile_flags(
+        {"ESTREAM_HTP_SANITIZE": "1", "ESTREAM_HTP_NO_SIMD": "yes", "ESTREAM_HTP_CFLAGS": "-DX=1"}
+    )
+    assert "-fsanitize=address,undefined" in c and "-fsanitize=address,undefined" in ld
+    assert "-DHTP_NO_SIMD" in c and c[-1] == "-DX=1"
+
+
+def test_abi_descriptor_sizes() -> None:
+    ffi = _core.ffi
+    assert ffi.sizeof("htp_matrix_desc") == 24
+    assert ffi.sizeof("htp_expert_graph_desc") == 16
+    assert ffi.sizeof("htp_expert_run_desc") == 64
+    assert _core.lib.htp_abi_version() == _core.lib.HTP_ABI_VERSION == 1
