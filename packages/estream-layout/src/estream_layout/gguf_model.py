@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import attrs
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, Keys
+from gguf import GGMLQuantizationType, Keys
 from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES
 
@@ -29,6 +29,7 @@ from .errors import (
     UnsupportedArchitectureError,
     UnsupportedTensorTypeError,
 )
+from .gguf_header import GGUFHeader, read_header
 
 __all__ = [
     "EXPERT_PROJECTIONS",
@@ -39,7 +40,6 @@ __all__ = [
     "dequantize_tensor",
     "expert_tensor_name",
     "parse_expert_tensor_name",
-    "read_fields",
     "tensor_memmap",
 ]
 
@@ -108,23 +108,7 @@ class TensorInfo:
         return int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
 
 
-def read_fields(reader: GGUFReader) -> dict[str, Any]:
-    """All KV metadata of a GGUF as plain Python values (strings, ints, floats, lists)."""
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            val = field.contents()
-        except Exception:  # pragma: no cover - exotic field types
-            continue
-        if isinstance(val, np.generic):
-            val = val.item()
-        out[key] = val
-    return out
-
-
-def _open_reader(path: Path) -> GGUFReader:
+def _open_header(path: Path) -> GGUFHeader:
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -141,19 +125,43 @@ def _open_reader(path: Path) -> GGUFReader:
             "convert the model with llama.cpp's convert_hf_to_gguf.py first"
         )
     try:
-        reader = GGUFReader(path, "r")
-    except Exception as e:  # gguf raises ValueError/IndexError/... on short or corrupt headers
+        header = read_header(path)
+    except EOFError as e:
         raise TruncatedGGUFError(
-            f"{path} ({size} bytes) has a GGUF magic but its header cannot be parsed "
-            f"({type(e).__name__}: {e}); the file is truncated or corrupt, copy it again"
+            f"{path} ({size} bytes) is truncated inside its header ({e}); the download or "
+            "copy was interrupted, fetch it again"
         ) from None
-    end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    except (ValueError, UnicodeDecodeError, OverflowError, MemoryError) as e:
+        raise InvalidGGUFError(f"{path}: corrupt GGUF header ({e})") from None
+    return header
+
+
+def _tensor_infos(path: Path, header: GGUFHeader) -> dict[str, TensorInfo]:
+    out: dict[str, TensorInfo] = {}
+    for t in header.tensors:
+        try:
+            qtype = GGMLQuantizationType(t.ggml_type)
+            block, size = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise InvalidGGUFError(
+                f"{path}: tensor {t.name} has unknown GGML type {t.ggml_type}"
+            ) from None
+        rows = int(np.prod(t.ne[1:], dtype=np.int64)) if len(t.ne) > 1 else 1
+        out[t.name] = TensorInfo(
+            name=t.name,
+            ggml_type=qtype.name,
+            shape=tuple(int(x) for x in reversed(t.ne)),
+            offset=t.offset,
+            nbytes=rows * (t.ne[0] // block) * size if t.ne else 0,
+        )
+    size = path.stat().st_size
+    end = max((i.offset + i.nbytes for i in out.values()), default=0)
     if end > size:
         raise TruncatedGGUFError(
             f"{path} is truncated: its tensors need {end} bytes but the file has {size}; "
             "the download or copy was interrupted, fetch it again"
         )
-    return reader
+    return out
 
 
 def _get(fields: Mapping[str, Any], key: str, arch: str, default: Any = None) -> Any:
@@ -223,18 +231,9 @@ class ModelSpec:
         UnsupportedArchitectureError, DenseModelError (no experts), UnalignedReductionError.
         """
         p = Path(path)
-        reader = _open_reader(p)
-        fields = read_fields(reader)
-        tensors = {
-            t.name: TensorInfo(
-                name=t.name,
-                ggml_type=GGMLQuantizationType(int(t.tensor_type)).name,
-                shape=tuple(int(x) for x in reversed(t.shape.tolist())),
-                offset=int(t.data_offset),
-                nbytes=int(t.n_bytes),
-            )
-            for t in reader.tensors
-        }
+        header = _open_header(p)
+        tensors = _tensor_infos(p, header)
+        fields = header.kv
         return cls._from_fields(p, fields, tensors)
 
     @classmethod
@@ -490,11 +489,3 @@ def iter_tensor_chunks(
     total = info.n_rows
     for start in range(0, total, step):
         yield start, reader.rows(info, start, min(step, total - start))
-
-
-def value_type_of(field: Any) -> tuple[GGUFValueType, GGUFValueType | None]:
-    """(type, array sub-type) of a GGUFReader field, for copying it with GGUFWriter."""
-    types = list(field.types)
-    if types[0] == GGUFValueType.ARRAY:
-        return GGUFValueType.ARRAY, types[-1]
-    return types[0], None

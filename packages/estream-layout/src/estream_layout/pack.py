@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import shutil
+import struct
 import sys
 import tempfile
 import threading
@@ -22,16 +24,16 @@ from pathlib import Path
 from typing import IO, Any, Final
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType
 
 from .errors import PackExistsError, ProfileError, UnalignedReductionError
+from .gguf_header import read_header
 from .gguf_model import (
     EXPERT_PROJECTIONS,
     ModelSpec,
     TensorInfo,
     TensorReader,
     dequantize_rows,
-    value_type_of,
 )
 from .manifest import (
     MANIFEST_NAME,
@@ -254,26 +256,19 @@ class _Progress:
 
 # ------------------------------------------------------------------------------ writers
 def write_metadata_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-    """Copy every KV pair of `src` (tokenizer included) into a tensor-less GGUF at `dst`."""
-    reader = GGUFReader(src, "r")
-    arch = reader.fields["general.architecture"].contents()
-    writer = GGUFWriter(dst, arch)
-    try:
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF.") or key == "general.architecture":
-                continue
-            vtype, sub = value_type_of(field)
-            if vtype == GGUFValueType.ARRAY and sub == GGUFValueType.ARRAY:
-                continue  # nested arrays are not used by any supported architecture
-            val = field.contents()
-            if key == "general.alignment":
-                writer.data_alignment = int(val)
-            writer.add_key_value(key, val, vtype, sub)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-    finally:
-        writer.close()
+    """Write a tensor-less GGUF at `dst` holding every KV pair of `src` (tokenizer included).
+
+    The KV section is copied byte for byte, so types and values are exactly the source's; the
+    header says 0 tensors. Any GGUF reader (llama.cpp's, gguf-py's) opens it.
+    """
+    header = read_header(src)
+    start, end = header.kv_span
+    with open(src, "rb") as fh:
+        fh.seek(start)
+        kv = fh.read(end - start)
+    with open(dst, "wb") as out:
+        out.write(struct.pack("<IIQQ", 0x46554747, header.version, 0, header.n_kv))
+        out.write(kv)
 
 
 def _pad_file(fh: IO[bytes], to: int = PAGE) -> int:
@@ -347,7 +342,7 @@ def pack_model(
     order: Any = None,
     force: bool = False,
     progress: bool = True,
-    chunk_bytes: int = 64 << 20,
+    chunk_bytes: int = 32 << 20,
 ) -> Manifest:
     """Pack the GGUF MoE model `src` into the directory `dst` (conventionally `NAME.estream`).
 
@@ -392,11 +387,18 @@ def pack_model(
                     bar.update(nbytes)
                 _pad_file(fh)
             with open(tmp / EXPERTS_FILE, "wb") as fh:
-                layers = [
-                    _write_layer(reader, spec, layer, orders[layer], fh, chunk_bytes, bar, requant)
-                    for layer in spec.moe_layers
-                ]
+                writer = _ChunkWriter(fh)
+                try:
+                    layers = [
+                        _write_layer(
+                            reader, spec, layer, orders[layer], writer, chunk_bytes, bar, requant
+                        )
+                        for layer in spec.moe_layers
+                    ]
+                finally:
+                    writer.close()
                 experts_bytes = fh.tell()
+                assert experts_bytes == writer.position
         bar.close()
         hasher.join()
         manifest = Manifest(
@@ -436,12 +438,72 @@ def pack_model(
     return Manifest.from_path(dst_path)
 
 
+class _ChunkWriter:
+    """Appends buffers to a file from a background thread, so that converting the next chunk
+    overlaps writing the previous one (`write` releases the GIL). Buffers come from a pool of
+    three: the one being filled, the one queued, the one being written."""
+
+    def __init__(self, fh: IO[bytes]) -> None:
+        self.fh = fh
+        self.position = fh.tell()
+        self._queue: queue.Queue[memoryview | None] = queue.Queue(maxsize=1)
+        self._error: BaseException | None = None
+        self._pool: list[np.ndarray] = []
+        self._next = 0
+        self._thread = threading.Thread(target=self._run, name="estream-pack-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self._error is None:
+                try:
+                    self.fh.write(item)
+                except BaseException as e:  # reported by the next submit()/close()
+                    self._error = e
+
+    def buffer(self, n_rows: int, row_bytes: int) -> np.ndarray:
+        """A zeroed-once `[n_rows, row_bytes]` buffer that no pending write is using."""
+        if not self._pool or self._pool[0].shape != (n_rows, row_bytes):
+            self.drain()
+            self._pool = [np.zeros((n_rows, row_bytes), dtype=np.uint8) for _ in range(3)]
+            self._next = 0
+        buf = self._pool[self._next]
+        self._next = (self._next + 1) % len(self._pool)
+        return buf
+
+    def submit(self, data: np.ndarray) -> None:
+        if self._error is not None:
+            raise self._error
+        view = memoryview(np.ascontiguousarray(data)).cast("B")
+        self._queue.put(view)
+        self.position += view.nbytes
+
+    def drain(self) -> None:
+        """Wait until everything submitted is written."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        self._thread = threading.Thread(target=self._run, name="estream-pack-writer", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 def _write_layer(
     reader: TensorReader,
     spec: ModelSpec,
     layer: int,
     order: list[int],
-    fh: IO[bytes],
+    out: _ChunkWriter,
     chunk_bytes: int,
     bar: _Progress,
     requant: bool,
@@ -456,10 +518,9 @@ def _write_layer(
         projections[j] = ProjectionEntry(rows, cols, off, nbytes, padded)
         off += padded
     record_bytes = off
-    layer_offset = fh.tell()
+    layer_offset = out.position
     assert layer_offset % PAGE == 0
     n_chunk = max(1, min(len(order), chunk_bytes // record_bytes))
-    records = np.zeros((n_chunk, record_bytes), dtype=np.uint8)  # padding stays zero
     q4_row_bytes = {j: infos[j].shape[-1] // TILE * 18 for j in EXPERT_PROJECTIONS}
     src_bufs = {
         j: np.empty((infos[j].shape[1], infos[j].row_bytes), dtype=np.uint8)
@@ -469,6 +530,7 @@ def _write_layer(
     src_bytes_per_expert = sum(infos[j].nbytes for j in EXPERT_PROJECTIONS) // spec.n_experts
     for c0 in range(0, len(order), n_chunk):
         ids = order[c0 : c0 + n_chunk]
+        records = out.buffer(n_chunk, record_bytes)  # padding bytes are zero and stay zero
         for c, expert in enumerate(ids):
             for j in EXPERT_PROJECTIONS:
                 p = projections[j]
@@ -482,7 +544,7 @@ def _write_layer(
                     blocks, out=records[c, p.offset_in_record : p.offset_in_record + p.bytes]
                 )
             checksums.append(zlib.crc32(records[c]))
-        fh.write(memoryview(records[: len(ids)]).cast("B"))
+        out.submit(records[: len(ids)])
         bar.update(len(ids) * src_bytes_per_expert)
     return LayerEntry(
         index=layer,

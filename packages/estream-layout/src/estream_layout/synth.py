@@ -19,7 +19,6 @@ import attrs
 import numpy as np
 from gguf import (
     GGMLQuantizationType,
-    GGUFReader,
     GGUFValueType,
     GGUFWriter,
     Keys,
@@ -27,7 +26,7 @@ from gguf import (
 )
 from gguf.constants import GGML_QUANT_SIZES
 
-from .gguf_model import value_type_of
+from .gguf_header import read_header
 
 __all__ = [
     "ARCHES",
@@ -237,15 +236,12 @@ def find_vocab(arch: str) -> Path | None:
 
 
 def _read_vocab(path: Path) -> list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
-    reader = GGUFReader(path, "r")
-    out = []
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer.ggml."):
-            continue
-        vtype, sub = value_type_of(field)
-        val = field.contents()
-        out.append((key, val, vtype, sub))
-    return out
+    header = read_header(path)
+    return [
+        (key, val, *header.kv_types[key])
+        for key, val in header.kv.items()
+        if key.startswith("tokenizer.ggml.")
+    ]
 
 
 # ---------------------------------------------------------------------------------- tensors
