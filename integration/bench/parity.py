@@ -52,11 +52,22 @@ def compare(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
     """``a`` measured against ``b`` (the yardstick)."""
     a64, b64 = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     per_pos = np.linalg.norm(a64 - b64, axis=1) / np.linalg.norm(b64, axis=1)
+    agree = a64.argmax(axis=1) == b64.argmax(axis=1)
+    # Diagnostic: a top-1 whose margin over the runner-up is below the size of the logit
+    # error itself can flip on rounding alone; agreement on the other ("decisive") positions
+    # tells a rounding-level difference from a real one.
+    top2 = np.sort(b64, axis=1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    rms_err = np.sqrt(np.mean((a64 - b64) ** 2, axis=1))
+    decisive = margin > 4.0 * rms_err
     return {
         "rel_l2": float(np.linalg.norm(a64 - b64) / np.linalg.norm(b64)),
         "rel_l2_max_pos": float(per_pos.max()),
-        "top1": float(np.mean(a64.argmax(axis=1) == b64.argmax(axis=1))),
+        "top1": float(np.mean(agree)),
         "max_abs": float(np.abs(a64 - b64).max()),
+        "n_decisive": int(decisive.sum()),
+        "top1_decisive": float(np.mean(agree[decisive])) if decisive.any() else float("nan"),
+        "top1_margin_median": float(np.median(margin)),
     }
 
 
@@ -255,6 +266,15 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         if "engine_note" in r:
             print(f"{'':<17} | engine: {r['engine_note'][:120]}")
     print(f"targets (engine vs reference): rel L2 <= {TARGET_REL_L2:g}, top-1 >= {TARGET_TOP1:.0%}")
+    print("top-1 on decisive positions (reference margin > 4x the RMS logit error):")
+    for r in rows:
+        for key in ("llamacpp_vs_ref", "engine_vs_ref"):
+            c = r.get(key)
+            if c:
+                print(
+                    f"  {r['arch']:<9} {r['variant']:<5} {key:<16} {c['top1_decisive']:.3f} "
+                    f"of {c['n_decisive']} positions"
+                )
 
 
 if __name__ == "__main__":
