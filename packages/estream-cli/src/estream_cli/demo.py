@@ -17,7 +17,20 @@ import numpy as np
 
 from . import memory
 
-__all__ = ["run_demo"]
+__all__ = ["DEMO_DIMS", "run_demo"]
+
+# The default demo model: the `small` preset widened so that its experts (≈ 226 MiB) are worth
+# streaming, yet it synthesizes, packs and runs in seconds.
+DEMO_DIMS = {
+    "n_layers": 8,
+    "n_embd": 1024,
+    "n_ff_exp": 512,
+    "n_experts": 32,
+    "n_experts_used": 4,
+    "n_head": 8,
+    "n_head_kv": 8,
+    "head_dim": 128,
+}
 
 
 def _step(msg: str) -> None:
@@ -41,7 +54,10 @@ def run_demo(args: argparse.Namespace) -> int:
         dst = work / f"{args.arch}-{args.preset}.estream"
         _step(f"synthesizing a {args.preset} {args.arch} model → {src}")
         t0 = time.perf_counter()
-        synth_model(args.arch, args.preset, src, seed=0)
+        if args.preset == "demo":
+            synth_model(args.arch, "small", src, seed=0, **DEMO_DIMS)
+        else:
+            synth_model(args.arch, args.preset, src, seed=0)
         print(f"    {memory.format_bytes(src.stat().st_size)} in {time.perf_counter() - t0:.1f} s")
         _step(f"packing → {dst}")
         t0 = time.perf_counter()
@@ -67,7 +83,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"    done in {time.perf_counter() - t0:.1f} s")
         model = PackedModel(dst)
         m_other = max(int(v) for v in prof.to_dict()["m_other"].values())
-        budget = m_other + experts // 3
+        budget = m_other + experts // 4
         _step(
             f"configuring for a {memory.format_bytes(budget)} budget (experts alone: "
             f"{memory.format_bytes(experts)})"

@@ -26,9 +26,12 @@ from .errors import BadRequestError, PackError
 from .experts import SCHEDULES, GroupRecord, ResidentExperts, StreamedExperts
 from .packed import PackedModel
 
-__all__ = ["MODES", "Engine", "PrefillResult", "StreamConfig", "load"]
+__all__ = ["ACTS", "MODES", "Engine", "PrefillResult", "StreamConfig", "load"]
 
 MODES = ("stream", "resident", "naive", "layer")
+# How activations meet the Q4_0/Q8_0 weights: "q8" (int8 per 32-block, like GGML's Q8_0: fast)
+# or "f32" (dequantized weights, fp32 products: matches a float64 reference to ~1e-6).
+ACTS = ("q8", "f32")
 DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
 
 
@@ -117,7 +120,11 @@ class Engine:
         verify: bool = False,
         direct: bool | None = None,
         progress: bool = False,
+        act: str = "q8",
     ) -> None:
+        if act not in ACTS:
+            raise BadRequestError(f"act must be one of {', '.join(ACTS)}, got {act!r}")
+        self.act = act
         if mode not in MODES:
             raise BadRequestError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if schedule not in SCHEDULES:
@@ -245,6 +252,7 @@ class Engine:
         if self._closed:
             raise RuntimeError("engine is closed")
         ids = self._check_tokens(tokens)
+        htp.set_activation_format(self.act)  # type: ignore[arg-type]
         hp = self.hp
         T = int(ids.size)
         memory.reset_peak()
@@ -333,6 +341,7 @@ class Engine:
             "arch": self.hp.arch,
             "threads": htp.get_num_threads(),
             "simd": htp.simd_level(),
+            "act": self.act,
             "load_s": self.load_s,
             "expert_memory_bytes": int(self.experts.memory_bytes),
             "dense_bytes": int(self.model.dense_bytes),

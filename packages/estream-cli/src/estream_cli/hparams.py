@@ -29,22 +29,15 @@ _ARCHS: dict[str, dict[str, Any]] = {
 
 
 def read_gguf_kv(path: str | Path) -> dict[str, Any]:
-    """All key/value metadata of a GGUF file as plain Python values."""
-    import gguf
+    """All key/value metadata of a GGUF file as plain Python values (header only: fast)."""
+    from estream_layout.gguf_header import read_header
 
     try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as exc:  # gguf raises ValueError / struct errors on bad files
+        return dict(read_header(path).kv)
+    except FileNotFoundError:
+        raise PackError(f"{path}: no such file") from None
+    except Exception as exc:  # truncated / corrupt header
         raise PackError(f"{path}: not a readable GGUF file ({exc})") from exc
-    out: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        try:
-            out[name] = field.contents()
-        except Exception:  # pragma: no cover - exotic field types we never need
-            continue
-    return out
 
 
 @attrs.frozen

@@ -90,7 +90,8 @@ def print_metrics(m: dict[str, Any], out: Any = sys.stdout) -> None:
     if "G" in m:
         cfg += f" G={m['G']} Q={m['Q']} B={m['B']} ({m.get('config_source')}) schedule={m.get('schedule')}"
     print(
-        f"  {cfg}  tokens={m.get('tokens')}  threads={m.get('threads')}  simd={m.get('simd')}",
+        f"  {cfg}  tokens={m.get('tokens')}  threads={m.get('threads')}  simd={m.get('simd')}"
+        f"  act={m.get('act')}",
         file=out,
     )
     for key, label, fmt in _METRIC_ROWS:
@@ -147,6 +148,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         B=args.B,
         n_threads=args.threads,
         verify=args.verify,
+        act=args.act,
         progress=not args.json,
     ) as engine:
         res = engine.prefill(ids, all_logits=bool(args.all_logits))
@@ -327,6 +329,12 @@ def _add_engine_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("-B", type=int, help="banks in the arena")
     p.add_argument("--threads", type=int, help="compute threads (default: all cores, ≤ 8)")
     p.add_argument("--verify", action="store_true", help="check each record's checksum as it loads")
+    p.add_argument(
+        "--act",
+        choices=("q8", "f32"),
+        default="q8",
+        help="activations: q8 (int8 per 32-block, fast; default) or f32 (exact)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -383,7 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the main job: synth → pack → profile → config → prefill")
     p.add_argument("--arch", default="olmoe")
-    p.add_argument("--preset", default="small")
+    p.add_argument(
+        "--preset", default="demo", help="demo (default: ≈ 230 MiB of experts), tiny, small, …"
+    )
     p.add_argument("--dir", help="work directory (default: a temporary one, removed at the end)")
     p.add_argument("--tokens", type=int, default=256, help="prompt length")
     p.set_defaults(func=cmd_demo)

@@ -196,6 +196,7 @@ class Tokenizer:
         self._special_ids = sorted(
             (i for i in range(n) if attrs[i] & special), key=lambda i: (-len(texts[i]), i)
         )
+        self._special_chars = [frozenset(texts[i]) for i in self._special_ids]
         self._apply_strip_rules(attrs, str(meta.get("general.name", "")).lower())
         self._attrs = attrs
         self._piece_cache: dict[int, bytes] = {}
@@ -321,9 +322,12 @@ class Tokenizer:
         fragments: list[str | int] = [text]
         skip = TokenAttr.CONTROL | TokenAttr.UNKNOWN
         texts, attrs = self._texts, self._attrs
-        for tid in self._special_ids:
+        present = set(text)  # cheap filter: a token with a character not in the text is absent
+        for tid, chars in zip(self._special_ids, self._special_chars):
             attr = attrs[tid]
             if not parse_special and attr & skip:
+                continue
+            if not chars <= present:
                 continue
             tok = texts[tid]
             if tok not in text:
