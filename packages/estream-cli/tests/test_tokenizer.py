@@ -190,6 +190,37 @@ def test_spm_special_tokens_and_space_prefix() -> None:
     assert tok.decode(ids) == "\U0001f999"
 
 
+def test_forced_control_and_strip_rules() -> None:
+    meta = read_tokenizer_metadata(vocab_path("mpt"))
+    types = meta["tokenizer.ggml.token_type"].copy()
+    types[0] = 1  # declare "<|endoftext|>" NORMAL: llama.cpp still treats it as CONTROL
+    tok = Tokenizer.from_metadata({**meta, "tokenizer.ggml.token_type": types})
+    assert tok.token_text(0) == "<|endoftext|>"
+    assert tok.token_attr(0) & TokenAttr.CONTROL
+    assert 0 not in tok.encode("a<|endoftext|>b")
+    assert tok.encode("a<|endoftext|>b", parse_special=True) == [
+        *tok.encode("a"),
+        0,
+        *tok.encode("b"),
+    ]
+    # phi-3: special tokens swallow the whitespace after them (RSTRIP), except <s>/<unk>
+    spm = read_tokenizer_metadata(vocab_path("llama-spm"))
+    phi = Tokenizer.from_metadata({**spm, "general.name": "Phi-3 mini"})
+    assert phi.token_attr(2) & TokenAttr.RSTRIP and not phi.token_attr(1) & TokenAttr.RSTRIP
+    assert phi.encode("a</s> \t b", parse_special=True) == [*phi.encode("a"), 2, *phi.encode("b")]
+    plain = load("llama-spm")
+    assert plain.encode("a</s> b", parse_special=True) == [
+        *plain.encode("a"),
+        2,
+        *plain.encode(" b"),
+    ]
+
+
+def test_encode_rejects_bytes() -> None:
+    with pytest.raises(TypeError, match="str"):
+        load("mpt").encode(b"bytes")  # type: ignore[arg-type]
+
+
 def test_add_special_follows_metadata() -> None:
     meta = read_tokenizer_metadata(vocab_path("mpt"))
     base = Tokenizer.from_metadata(meta)

@@ -288,6 +288,8 @@ class Tokenizer:
         ``parse_special`` lets control tokens written in the text (``<|im_start|>``) become
         those tokens. User-defined tokens are always matched as whole strings.
         """
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes text as str, not {type(text).__name__}")
         fragments = self._partition(text, parse_special) if text else []
         out: list[int] = []
         if self.model == "llama":
