@@ -59,12 +59,14 @@ __all__ = [
     "SUPPORTED_ARCHS",
     "ReferenceConfig",
     "ReferenceModel",
+    "RopeParams",
     "UnsupportedModelError",
     "moe_ffn",
     "reference_forward",
     "rms_norm",
     "rope",
     "route",
+    "yarn_corr_dims",
 ]
 
 SUPPORTED_ARCHS = ("olmoe", "qwen3moe", "llama", "deepseek2", "lfm2moe")
@@ -112,39 +114,80 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return z / np.sum(z, axis=axis, keepdims=True)
 
 
+@attrs.frozen
+class RopeParams:
+    """Everything ``ggml_rope_ext`` needs besides the input and positions.
+
+    ``ext_factor`` is 1 under YaRN (0 otherwise), ``corr_dims`` are YaRN's ramp limits (pair
+    indices), ``mscale`` multiplies cos and sin (llama.cpp's ``attn_factor`` argument).
+    """
+
+    n_rot: int
+    style: str
+    freq_base: float = 10000.0
+    freq_scale: float = 1.0
+    ext_factor: float = 0.0
+    corr_dims: tuple[float, float] = (0.0, 0.0)
+    mscale: float = 1.0
+
+
+def yarn_corr_dims(
+    n_rot: int, n_ctx_orig: int, freq_base: float, beta_fast: float = 32.0, beta_slow: float = 1.0
+) -> tuple[float, float]:
+    """YaRN's ramp limits: the pair indices whose wavelength spans ``n_ctx_orig / beta``."""
+
+    def dim(beta: float) -> float:
+        return n_rot * math.log(n_ctx_orig / (beta * 2 * math.pi)) / (2 * math.log(freq_base))
+
+    return max(0.0, math.floor(dim(beta_fast))), min(n_rot - 1.0, math.ceil(dim(beta_slow)))
+
+
 def rope(
     x: np.ndarray,
     positions: np.ndarray,
+    params: RopeParams | None = None,
     *,
-    n_rot: int,
-    style: str,
-    freq_base: float,
-    freq_scale: float = 1.0,
     freq_factors: np.ndarray | None = None,
+    **kw: Any,
 ) -> np.ndarray:
-    """Rotary embedding of ``x[T, H, D]`` on its first ``n_rot`` dims (llama.cpp semantics)."""
+    """Rotary embedding of ``x[T, H, D]`` on its first ``n_rot`` dims (llama.cpp semantics).
+
+    Pair ``i`` turns by ``pos * base^(-2i/n_rot)`` (divided by ``freq_factors[i]``), scaled by
+    ``freq_scale``; under YaRN the scaled and unscaled angles are mixed by a linear ramp over
+    ``corr_dims`` (unscaled below, scaled above). ``params`` or its fields as keywords.
+    """
+    p = params if params is not None else RopeParams(**kw)
+    n_rot = p.n_rot
     if n_rot % 2 or n_rot > x.shape[-1]:
         raise UnsupportedModelError(f"n_rot={n_rot} must be even and <= head dim {x.shape[-1]}")
     half = n_rot // 2
-    inv_freq = freq_base ** (-2.0 * np.arange(half, dtype=np.float64) / n_rot)
+    pair = np.arange(half, dtype=np.float64)
+    inv_freq = p.freq_base ** (-2.0 * pair / n_rot)
     if freq_factors is not None:
         inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)[:half]
-    theta = np.asarray(positions, dtype=np.float64)[:, None] * freq_scale * inv_freq  # [T, half]
-    cos = np.cos(theta)[:, None, :]
-    sin = np.sin(theta)[:, None, :]
+    extrap = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq  # [T, half]
+    theta = p.freq_scale * extrap
+    mscale = p.mscale
+    if p.ext_factor != 0.0:
+        low, high = p.corr_dims
+        ramp = (1.0 - np.clip((pair - low) / max(0.001, high - low), 0.0, 1.0)) * p.ext_factor
+        theta = theta * (1.0 - ramp) + extrap * ramp
+        mscale *= 1.0 + 0.1 * math.log(1.0 / p.freq_scale)
+    cos = (np.cos(theta) * mscale)[:, None, :]
+    sin = (np.sin(theta) * mscale)[:, None, :]
     out = np.array(x, dtype=np.float64, copy=True)
-    if style == ROPE_NORM:
+    if p.style == ROPE_NORM:
         a = x[..., 0:n_rot:2]
         b = x[..., 1:n_rot:2]
         out[..., 0:n_rot:2] = a * cos - b * sin
         out[..., 1:n_rot:2] = a * sin + b * cos
-    elif style == ROPE_NEOX:
+    elif p.style == ROPE_NEOX:
         a = x[..., :half]
         b = x[..., half:n_rot]
         out[..., :half] = a * cos - b * sin
         out[..., half:n_rot] = a * sin + b * cos
     else:
-        raise UnsupportedModelError(f"unknown RoPE style {style!r}")
+        raise UnsupportedModelError(f"unknown RoPE style {p.style!r}")
     return out
 
 
@@ -299,6 +342,50 @@ class ReferenceConfig:
     kv_lora_rank: int = 0
     head_dim_k_mla: int = 0
     head_dim_v_mla: int = 0
+    # RoPE scaling: "none" | "linear" | "yarn"
+    rope_scaling: str = "linear"
+    n_ctx_orig: int = 0
+    rope_attn_factor: float = 1.0
+    yarn_log_mul: float = 0.0  # DeepSeek-2 only, already divided by 0.1 as llama.cpp does
+
+    @property
+    def attn_factor(self) -> float:
+        """llama.cpp's ``cparams.yarn_attn_factor`` (``llama_context`` constructor)."""
+        factor = 1.0
+        if self.rope_scaling == "yarn":
+            scale = 1.0 / self.freq_scale
+
+            def get_mscale(m: float) -> float:
+                return 1.0 if scale <= 1.0 else 0.1 * m * math.log(scale) + 1.0
+
+            if self.yarn_log_mul != 0.0:
+                m = self.yarn_log_mul if self.arch == "deepseek2" else 1.0
+                factor = get_mscale(m) / get_mscale(self.yarn_log_mul)
+            else:
+                factor = get_mscale(1.0)
+            factor /= 1.0 + 0.1 * math.log(scale)
+        return factor * self.rope_attn_factor
+
+    def rope_params(self, n_rot: int | None = None) -> RopeParams:
+        n_rot = self.n_rot if n_rot is None else n_rot
+        yarn = self.rope_scaling == "yarn"
+        return RopeParams(
+            n_rot=n_rot,
+            style=self.rope_style,
+            freq_base=self.freq_base,
+            freq_scale=self.freq_scale,
+            ext_factor=1.0 if yarn else 0.0,
+            corr_dims=yarn_corr_dims(n_rot, self.n_ctx_orig, self.freq_base) if yarn else (0, 0),
+            mscale=self.attn_factor,
+        )
+
+    @property
+    def mla_kq_scale(self) -> float:
+        """DeepSeek-2's attention scale: YaRN mscale² / sqrt(key_length_mla)."""
+        log_inv = math.log(1.0 / self.freq_scale)
+        attn_org = self.attn_factor * (1.0 + 0.1 * log_inv)
+        mscale = attn_org * (1.0 + 0.1 * self.yarn_log_mul * log_inv)
+        return mscale * mscale / math.sqrt(self.head_dim_k_mla)
 
     @classmethod
     def from_reader(cls, reader: GGUFReader) -> ReferenceConfig:
@@ -337,11 +424,12 @@ class ReferenceConfig:
         n_rot = int(get("rope.dimension_count", head_dim_k))
         scaling_type = str(get("rope.scaling.type", "linear"))
         factor = float(get("rope.scaling.factor", 0.0))
-        if scaling_type not in ("none", "linear"):
+        if scaling_type not in ("none", "linear", "yarn"):
             raise UnsupportedModelError(
                 f"RoPE scaling {scaling_type!r} is not implemented in the reference"
             )
-        freq_scale = 1.0 if factor == 0.0 else 1.0 / factor
+        # llama.cpp: scale = 1/factor, and never any scaling when the type is "none".
+        freq_scale = 1.0 if factor == 0.0 or scaling_type == "none" else 1.0 / factor
 
         tensor_names = {t.name for t in reader.tensors}
         if "token_embd.weight" not in tensor_names:
@@ -366,6 +454,7 @@ class ReferenceConfig:
             v_mla = int(get("attention.value_length_mla", 0))
             extra["head_dim_k_mla"] = k_mla or head_dim_k
             extra["head_dim_v_mla"] = v_mla or head_dim_v
+            extra["yarn_log_mul"] = float(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
         return cls(
             arch=arch,
             n_vocab=n_vocab,
@@ -388,6 +477,10 @@ class ReferenceConfig:
             n_layer_dense_lead=int(get("leading_dense_block_count", 0)),
             n_expert_groups=int(get("expert_group_count", 0)),
             n_group_used=int(get("expert_group_used_count", 0)),
+            rope_scaling=scaling_type,
+            n_ctx_orig=int(get("rope.scaling.original_context_length", 0))
+            or int(get("context_length")),
+            rope_attn_factor=float(get("rope.scaling.attn_factor", 1.0)),
             **extra,
         )
 
@@ -484,15 +577,10 @@ class ReferenceModel:
             q = h @ self.tensor(p + "attn_q.weight").T
             k = h @ self.tensor(p + "attn_k.weight").T
             v = h @ self.tensor(p + "attn_v.weight").T
-        for name, bias in (("q", "attn_q.bias"), ("k", "attn_k.bias"), ("v", "attn_v.bias")):
-            b = self.opt(p + bias)
-            if b is not None:
-                if name == "q":
-                    q = q + b
-                elif name == "k":
-                    k = k + b
-                else:
-                    v = v + b
+        q, k, v = (
+            x if (b := self.opt(p + f"attn_{n}.bias")) is None else x + b
+            for n, x in (("q", q), ("k", k), ("v", v))
+        )
         q_norm = self.opt(p + "attn_q_norm.weight")
         k_norm = self.opt(p + "attn_k_norm.weight")
         if cfg.arch == "olmoe":
@@ -506,15 +594,9 @@ class ReferenceModel:
             # Per-head RMSNorm over head_dim.
             q = rms_norm(q, q_norm, cfg.rms_eps)
             k = rms_norm(k, k_norm, cfg.rms_eps)
-        rope_kw = dict(
-            n_rot=cfg.n_rot,
-            style=cfg.rope_style,
-            freq_base=cfg.freq_base,
-            freq_scale=cfg.freq_scale,
-            freq_factors=self._freq_factors,
-        )
-        q = rope(q, positions, **rope_kw)
-        k = rope(k, positions, **rope_kw)
+        rp = cfg.rope_params()
+        q = rope(q, positions, rp, freq_factors=self._freq_factors)
+        k = rope(k, positions, rp, freq_factors=self._freq_factors)
         attn = causal_attention(q, k, v, 1.0 / math.sqrt(dk))
         out = attn @ self.tensor(p + "attn_output.weight").T
         bias = self.opt(p + "attn_output.bias")
@@ -543,11 +625,9 @@ class ReferenceModel:
         q = q.reshape(t, n_head, dk)
         kv_a = h @ self.tensor(p + "attn_kv_a_mqa.weight").T  # [T, rank + d_rope]
         latent = rms_norm(kv_a[:, :rank], self.tensor(p + "attn_kv_a_norm.weight"), cfg.rms_eps)
-        rope_kw = dict(
-            n_rot=d_rope, style=cfg.rope_style, freq_base=cfg.freq_base, freq_scale=cfg.freq_scale
-        )
-        k_pe = rope(kv_a[:, None, rank:], positions, **rope_kw)  # [T, 1, d_rope]
-        q_pe = rope(q[:, :, d_nope:], positions, **rope_kw)
+        rp = cfg.rope_params(d_rope)
+        k_pe = rope(kv_a[:, None, rank:], positions, rp)  # [T, 1, d_rope]
+        q_pe = rope(q[:, :, d_nope:], positions, rp)
         if self.has(p + "attn_kv_b.weight"):
             kv = (latent @ self.tensor(p + "attn_kv_b.weight").T).reshape(t, n_head, d_nope + dv)
             k_nope, v = kv[..., :d_nope], kv[..., d_nope:]
@@ -559,7 +639,7 @@ class ReferenceModel:
             v = np.einsum("tr,hvr->thv", latent, wv)
         qf = np.concatenate([q[..., :d_nope], q_pe], axis=-1)
         kf = np.concatenate([k_nope, np.broadcast_to(k_pe, (t, n_head, d_rope))], axis=-1)
-        attn = causal_attention(qf, kf, v, 1.0 / math.sqrt(dk))
+        attn = causal_attention(qf, kf, v, cfg.mla_kq_scale)
         return attn @ self.tensor(p + "attn_output.weight").T
 
     def _short_conv(self, il: int, h: np.ndarray) -> np.ndarray:

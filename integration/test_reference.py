@@ -28,6 +28,7 @@ from reference import (
     reference_forward,
     rope,
     route,
+    yarn_corr_dims,
 )
 
 ARCHS = ["olmoe", "qwen3moe", "llama", "deepseek2", "lfm2moe"]
@@ -478,6 +479,30 @@ def test_norm_rope_is_neox_rope_on_interleaved_dims(half, pos, seed) -> None:  #
         assert not np.allclose(rope(x, np.array([pos]), style="neox", **kw), normal)
 
 
+@given(
+    half=st.integers(4, 32),
+    factor=st.sampled_from([2.0, 4.0, 40.0]),
+    pos=st.integers(1, 5000),
+    seed=st.integers(0, 2**16),
+)
+def test_yarn_keeps_fast_pairs_and_interpolates_slow_pairs(half, factor, pos, seed) -> None:  # type: ignore[no-untyped-def]
+    """YaRN: pairs below the ramp turn by the unscaled angle, pairs above by angle/factor."""
+    n_rot = 2 * half
+    low, high = yarn_corr_dims(n_rot, 64, 10000.0)
+    kw = dict(n_rot=n_rot, style="neox", freq_base=10000.0, freq_scale=1 / factor)
+    x = np.random.default_rng(seed).standard_normal((1, 1, n_rot))
+    mscale = 1.0 + 0.1 * math.log(factor)
+    yarn = rope(x, np.array([pos]), ext_factor=1.0, corr_dims=(low, high), **kw) / mscale
+    plain = rope(x, np.array([pos]), **{**kw, "freq_scale": 1.0})
+    scaled = rope(x, np.array([pos]), **kw)
+    for i in range(half):
+        pair = [i, i + half]
+        if i <= low:
+            np.testing.assert_allclose(yarn[..., pair], plain[..., pair], rtol=1e-9, atol=1e-9)
+        elif i >= high:
+            np.testing.assert_allclose(yarn[..., pair], scaled[..., pair], rtol=1e-9, atol=1e-9)
+
+
 # ------------------------------------------------------------------------------------------
 # Reading the GGUF
 # ------------------------------------------------------------------------------------------
@@ -508,9 +533,9 @@ def test_quantized_model_is_close_to_but_not_the_float_model(tiny_gguf) -> None:
 
 def test_refuses_what_it_does_not_implement(tiny_model, tiny_gguf_dir: Path) -> None:  # type: ignore[no-untyped-def]
     m = tiny_model("qwen3moe", seed=1)
-    m.metadata["qwen3moe.rope.scaling.type"] = "yarn"
-    with pytest.raises(UnsupportedModelError, match="yarn"):
-        ReferenceModel(m.write(tiny_gguf_dir / "yarn.gguf"))
+    m.metadata["qwen3moe.rope.scaling.type"] = "longrope"
+    with pytest.raises(UnsupportedModelError, match="longrope"):
+        ReferenceModel(m.write(tiny_gguf_dir / "longrope.gguf"))
     model = ReferenceModel(tiny_model("olmoe").write(tiny_gguf_dir / "ok.gguf"))
     with pytest.raises(ValueError, match="token ids"):
         model.forward([0, 96])
