@@ -119,7 +119,7 @@ class _Cursor:
                         self.off = off
                         self._need(ln)
                     if keep:
-                        out.append(bytes(buf[off : off + ln]).decode("utf-8", "surrogateescape"))
+                        out.append(str(buf[off : off + ln], "utf-8", "surrogateescape"))
                     off += ln
                 self.off = off
                 return out if keep else None

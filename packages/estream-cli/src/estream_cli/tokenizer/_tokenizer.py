@@ -33,16 +33,12 @@ class TokenAttr(enum.IntFlag):
     SINGLE_WORD = 1 << 9
 
 
-# tokenizer.ggml.token_type values -> attributes
-_TYPE_TO_ATTR = {
-    0: TokenAttr.UNDEFINED,
-    1: TokenAttr.NORMAL,
-    2: TokenAttr.UNKNOWN,
-    3: TokenAttr.CONTROL,
-    4: TokenAttr.USER_DEFINED,
-    5: TokenAttr.UNUSED,
-    6: TokenAttr.BYTE,
-}
+# plain ints for the hot paths (IntFlag arithmetic is slow over 150k tokens)
+_UNKNOWN, _UNUSED, _NORMAL = int(TokenAttr.UNKNOWN), int(TokenAttr.UNUSED), int(TokenAttr.NORMAL)
+_CONTROL, _USER_DEFINED = int(TokenAttr.CONTROL), int(TokenAttr.USER_DEFINED)
+_BYTE = int(TokenAttr.BYTE)
+# tokenizer.ggml.token_type values -> attributes (other values: UNDEFINED, 0)
+_TYPE_TO_ATTR = {1: _NORMAL, 2: _UNKNOWN, 3: _CONTROL, 4: _USER_DEFINED, 5: _UNUSED, 6: _BYTE}
 
 # Texts llama.cpp recognises as end-of-turn / end-of-generation / fill-in-the-middle markers
 # and forces to CONTROL whatever their declared type (so they only match with parse_special).
@@ -89,6 +85,11 @@ _SPM_WORD = re.compile(f"{_SPM_SPACE}*[^{_SPM_SPACE}]+|{_SPM_SPACE}+")
 _SPM_INNER_SPACE = re.compile(f"[^{_SPM_SPACE}]{_SPM_SPACE}")
 
 
+def _split_merge(merge: str) -> tuple[str, str]:
+    cut = merge.find(" ", 1)
+    return (merge[:cut], merge[cut + 1 :]) if cut >= 0 else ("", "")
+
+
 def _meta_int(meta: Mapping[str, Any], key: str) -> int | None:
     value = meta.get(key)
     return None if value is None else int(value)
@@ -113,12 +114,14 @@ class Tokenizer:
         texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(meta["tokenizer.ggml.tokens"])]
         n = len(texts)
         self._texts = texts
-        token_to_id: dict[str, int] = {}
-        for i, t in enumerate(texts):
-            if token_to_id.setdefault(t, i) != i:
-                raise VocabularyError(
-                    f"{source}: duplicate token {t!r} in vocabulary (ids {token_to_id[t]} and {i})"
-                )
+        token_to_id = dict(zip(texts, range(n)))
+        if len(token_to_id) != n:
+            seen: dict[str, int] = {}
+            for i, t in enumerate(texts):
+                if seen.setdefault(t, i) != i:
+                    raise VocabularyError(
+                        f"{source}: duplicate token {t!r} in vocabulary (ids {seen[t]} and {i})"
+                    )
         self._token_to_id = token_to_id
 
         scores = meta.get("tokenizer.ggml.scores")
@@ -128,11 +131,12 @@ class Tokenizer:
         self._finite_scores = all(math.isfinite(x) for x in self._scores)
         types = meta.get("tokenizer.ggml.token_type")
         if types is None:
-            attrs = [TokenAttr.NORMAL] * n
+            attrs = [_NORMAL] * n
         else:
             if len(types) < n:
                 raise VocabularyError(f"{source}: {len(types)} token types for {n} tokens")
-            attrs = [_TYPE_TO_ATTR.get(int(t), TokenAttr.UNDEFINED) for t in types[:n]]
+            type_list = types.tolist() if hasattr(types, "tolist") else list(types)
+            attrs = [_TYPE_TO_ATTR.get(t, 0) for t in type_list[:n]]
 
         # model-specific defaults, then the GGUF keys (as llama.cpp's loader does)
         if model == "llama":
@@ -152,11 +156,10 @@ class Tokenizer:
             merges = meta.get("tokenizer.ggml.merges")
             if merges is None:
                 raise VocabularyError(f"{source}: BPE vocabulary without 'tokenizer.ggml.merges'")
-            ranks: dict[tuple[str, str], int] = {}
-            for rank, merge in enumerate(merges):
-                cut = merge.find(" ", 1)
-                pair = (merge[:cut], merge[cut + 1 :]) if cut >= 0 else ("", "")
-                ranks.setdefault(pair, rank)
+            # "left right", split at the first space after the first character; the first
+            # occurrence of a pair keeps its rank (llama.cpp's map emplace)
+            pairs = [_split_merge(m) for m in merges]
+            ranks = dict(zip(reversed(pairs), range(len(pairs) - 1, -1, -1)))
             self._ranks = ranks
         ids = {"bos": bos, "eos": eos, "unk": unk}
         for name in ids:
@@ -191,14 +194,14 @@ class Tokenizer:
             if tid is not None:
                 attrs[tid] = TokenAttr.USER_DEFINED
         self._fix_harmony_end(attrs)
-        special = TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN
+        special = _CONTROL | _USER_DEFINED | _UNKNOWN
         # longest first; equal lengths by id (llama.cpp's order among those is unspecified)
         self._special_ids = sorted(
             (i for i in range(n) if attrs[i] & special), key=lambda i: (-len(texts[i]), i)
         )
         self._special_chars = [frozenset(texts[i]) for i in self._special_ids]
         self._apply_strip_rules(attrs, str(meta.get("general.name", "")).lower())
-        self._attrs = attrs
+        self._attrs: list[int] = attrs
         self._piece_cache: dict[int, bytes] = {}
         # SPM merges run over a whole text fragment. When no token has a "▁" right after
         # another character, no merge can cross the start of a "▁..." word, so every word
@@ -218,7 +221,7 @@ class Tokenizer:
         """Build from already-read ``tokenizer.ggml.*`` metadata (a mapping of key -> value)."""
         return cls(meta)
 
-    def _fix_harmony_end(self, attrs: list[TokenAttr]) -> None:
+    def _fix_harmony_end(self, attrs: list[int]) -> None:
         # o200k_harmony / solar-open: "<|end|>" is not end-of-generation, and is rendered
         has = self._token_to_id.__contains__
         if has("<|end|>") and (
@@ -226,7 +229,7 @@ class Tokenizer:
         ):
             attrs[self._token_to_id["<|end|>"]] = TokenAttr.USER_DEFINED
 
-    def _apply_strip_rules(self, attrs: list[TokenAttr], model_name: str) -> None:
+    def _apply_strip_rules(self, attrs: list[int], model_name: str) -> None:
         """Per-model whitespace stripping around special tokens (llama.cpp sets it by name)."""
         pre = self.pre
         t2i = self._token_to_id
@@ -265,7 +268,7 @@ class Tokenizer:
     def token_attr(self, token_id: int) -> TokenAttr:
         """The attributes llama.cpp gives the token (type, plus forced CONTROL etc.)."""
         self._check_id(token_id)
-        return self._attrs[token_id]
+        return TokenAttr(self._attrs[token_id])
 
     def text_to_id(self, text: str) -> int | None:
         """The id of the token whose vocabulary text is exactly ``text``, or None."""
@@ -436,14 +439,14 @@ class Tokenizer:
         self._check_id(token_id)
         attr = self._attrs[token_id]
         text = self._texts[token_id]
-        if attr & (TokenAttr.UNKNOWN | TokenAttr.CONTROL | TokenAttr.USER_DEFINED):
+        if attr & (_UNKNOWN | _CONTROL | _USER_DEFINED):
             piece = text.encode("utf-8", "surrogateescape")
-        elif attr & TokenAttr.NORMAL:
+        elif attr & _NORMAL:
             if self.model == "llama":
                 piece = text.replace(_SPM_SPACE, " ").encode("utf-8", "surrogateescape")
             else:
                 piece = self._byte_level_decode(text)
-        elif attr & TokenAttr.BYTE:
+        elif attr & _BYTE:
             piece = bytes([int(text[3:5], 16)])
         else:  # UNUSED / UNDEFINED render as nothing
             piece = b""
@@ -465,7 +468,7 @@ class Tokenizer:
     def token_to_bytes(self, token_id: int, *, special: bool = True) -> bytes:
         """The bytes of one token; with ``special=False`` control/unknown tokens give b""."""
         piece = self._piece(token_id)
-        if not special and self._attrs[token_id] & (TokenAttr.UNKNOWN | TokenAttr.CONTROL):
+        if not special and self._attrs[token_id] & (_UNKNOWN | _CONTROL):
             return b""
         return piece
 
@@ -486,7 +489,7 @@ class Tokenizer:
             ids = ids[1:]
         if skip_special and self.add_eos and ids and ids[-1] == self.eos_id:
             ids = ids[:-1]
-        hidden = TokenAttr.UNKNOWN | TokenAttr.CONTROL
+        hidden = _UNKNOWN | _CONTROL
         chunks: list[bytes] = []
         for tid in ids:
             piece = self._piece(int(tid))
