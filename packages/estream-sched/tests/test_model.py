@@ -106,6 +106,12 @@ def test_lower_bounds(inst: PipelineInstance) -> None:
         assert t >= inst.L[0] + inst.X[-1] * 0  # reads start at 0
 
 
+def test_empty_candidate_axis() -> None:
+    out = pipeline_time(np.zeros((0, 3)), np.zeros((0, 3)), 1.0, 2, 2)
+    assert out.shape == (0,)
+    assert pipeline_schedule(np.zeros((2, 0, 3)), np.zeros((0, 3)), 1.0, 2, 2).f.shape == (2, 0, 3)
+
+
 def test_no_groups() -> None:
     assert pipeline_time([], [], 3.5, 2, 2) == 3.5
     out = pipeline_time(np.zeros((4, 0)), np.zeros((4, 0)), np.arange(4.0), 1, [1, 2, 3, 4])

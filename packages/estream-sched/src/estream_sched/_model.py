@@ -125,9 +125,12 @@ def _run(
     Fh = np.zeros((2 * K, N))
     A = np.empty((K, N)) if keep else None
     S = np.empty((K, N)) if keep else None
+    if N == 0:  # an empty candidate axis: nothing to evaluate
+        empty = np.zeros((*batch, K))
+        return tf.reshape(batch).copy() if not keep else (empty, empty, empty, empty)
     cols = np.arange(N)
-    q_scalar = bool(N == 0 or np.all(qf == qf[0]))
-    b_scalar = bool(N == 0 or np.all(bf == bf[0]))
+    q_scalar = bool(np.all(qf == qf[0]))
+    b_scalar = bool(np.all(bf == bf[0]))
     qe = np.minimum(qf, K)
     be = np.minimum(bf, K)
     a = np.empty(N)
