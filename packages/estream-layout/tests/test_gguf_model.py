@@ -64,13 +64,14 @@ def test_spec_qwen3moe_per_head_norms(tiny_models: dict[str, Path]) -> None:
     assert s.tensors["blk.0.attn_q_norm.weight"].shape == (32,)
     assert s.tensors["blk.0.attn_q.weight"].shape == (128, 64)  # n_head*head_dim != n_embd
     assert s.expert_weights_norm is True and s.rms_eps == pytest.approx(1e-6)
+    assert s.rope_type == "neox"
 
 
 def test_spec_mixtral_is_llama_with_experts(tiny_models: dict[str, Path]) -> None:
     s = ModelSpec.from_gguf(tiny_models["mixtral"])
     assert s.arch == "llama" and s.family == "mixtral"
     assert not any("q_norm" in n for n in s.tensors)
-    assert s.rope_freq_base == 1e6
+    assert s.rope_freq_base == 1e6 and s.rope_type == "norm"
 
 
 def test_spec_deepseek2(tiny_models: dict[str, Path]) -> None:

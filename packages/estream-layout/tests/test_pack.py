@@ -317,3 +317,16 @@ def test_verify_detects_wrong_source(
     other = synth_model("olmoe", "tiny", tmp_path / "other.gguf", seed=99)
     r = verify_pack(packed["olmoe"], against=other)
     assert not r.ok and any("differ" in p for p in r.problems)
+
+
+def test_direct_and_buffered_writes_agree(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = pack_model(tiny_models["deepseek2"], tmp_path / "a.estream", progress=False)
+    monkeypatch.setenv("ESTREAM_PACK_NO_DIRECT", "1")
+    b = pack_model(tiny_models["deepseek2"], tmp_path / "b.estream", progress=False)
+    assert a.experts_path.read_bytes() == b.experts_path.read_bytes()
+    assert a.dense_path.read_bytes() == b.dense_path.read_bytes()
+    w = pack_mod._ChunkWriter(tmp_path / "probe.bin")
+    assert w.direct is False  # the environment switch is honoured
+    w.close()

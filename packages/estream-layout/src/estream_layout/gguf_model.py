@@ -61,6 +61,17 @@ FAMILIES: Final = {
 # from `{arch}.expert_weights_norm` (default false) instead.
 _NORM_TOPK: Final = {"olmoe": False, "qwen3moe": True, "mixtral": True, "lfm2moe": True}
 
+# llama.cpp's rope type per family (llama_model_rope_type): "norm" rotates adjacent pairs
+# (x[2i], x[2i+1]) -- llama GGUFs have their Q/K rows permuted by the converter for this --, "neox"
+# rotates (x[i], x[i + n_rot/2]).
+_ROPE_TYPE: Final = {
+    "olmoe": "neox",
+    "qwen3moe": "neox",
+    "mixtral": "norm",
+    "deepseek2": "norm",
+    "lfm2moe": "neox",
+}
+
 _EXPERT_RE: Final = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 
@@ -220,6 +231,7 @@ class ModelSpec:
     head_dim_k_mla: int = 0
     head_dim_v_mla: int = 0
     shortconv_l_cache: int = 0
+    rope_type: str = "neox"  # "norm" | "neox", as llama.cpp applies RoPE for this family
     tensors: Mapping[str, TensorInfo] = attrs.field(factory=dict, repr=False)
 
     # ------------------------------------------------------------------ construction
@@ -358,6 +370,7 @@ class ModelSpec:
             head_dim_k_mla=_first_int(g(Keys.Attention.KEY_LENGTH_MLA)),
             head_dim_v_mla=_first_int(g(Keys.Attention.VALUE_LENGTH_MLA)),
             shortconv_l_cache=_first_int(g(Keys.ShortConv.L_CACHE)),
+            rope_type=_ROPE_TYPE[family],
             tensors=dict(tensors),
         )
 

@@ -8,8 +8,11 @@ manifest (written last) is on disk: an interrupted pack never leaves a `NAME.est
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
+import mmap
 import os
 import queue
 import shutil
@@ -386,19 +389,18 @@ def pack_model(
                     )
                     bar.update(nbytes)
                 _pad_file(fh)
-            with open(tmp / EXPERTS_FILE, "wb") as fh:
-                writer = _ChunkWriter(fh)
-                try:
-                    layers = [
-                        _write_layer(
-                            reader, spec, layer, orders[layer], writer, chunk_bytes, bar, requant
-                        )
-                        for layer in spec.moe_layers
-                    ]
-                finally:
-                    writer.close()
-                experts_bytes = fh.tell()
-                assert experts_bytes == writer.position
+            writer = _ChunkWriter(tmp / EXPERTS_FILE)
+            try:
+                layers = [
+                    _write_layer(
+                        reader, spec, layer, orders[layer], writer, chunk_bytes, bar, requant
+                    )
+                    for layer in spec.moe_layers
+                ]
+            finally:
+                writer.close()
+            experts_bytes = writer.position
+            assert experts_bytes == (tmp / EXPERTS_FILE).stat().st_size
         bar.close()
         hasher.join()
         manifest = Manifest(
@@ -421,7 +423,7 @@ def pack_model(
             checksum="crc32",
             layers=tuple(layers),
         )
-        for name in (DENSE_FILE, EXPERTS_FILE, MODEL_GGUF):
+        for name in (DENSE_FILE, MODEL_GGUF):
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
         manifest.write(tmp / MANIFEST_NAME)  # last: a pack without it is never valid
@@ -439,19 +441,58 @@ def pack_model(
 
 
 class _ChunkWriter:
-    """Appends buffers to a file from a background thread, so that converting the next chunk
-    overlaps writing the previous one (`write` releases the GIL). Buffers come from a pool of
-    three: the one being filled, the one queued, the one being written."""
+    """Writes experts.bin from a background thread, so converting the next chunk overlaps writing
+    the previous one (`os.write` releases the GIL).
 
-    def __init__(self, fh: IO[bytes]) -> None:
-        self.fh = fh
-        self.position = fh.tell()
+    Writes use O_DIRECT where the filesystem allows it: every chunk is whole 4096-byte records
+    from page-aligned buffers, so the data goes to the device without a kernel copy or a pile of
+    dirty page-cache pages (which would otherwise throttle the writer and count against the
+    machine's memory). Falls back to buffered writes (e.g. tmpfs). Buffers come from a pool of
+    three: the one being filled, the one queued, the one being written.
+    """
+
+    def __init__(self, path: Path, *, direct: bool | None = None) -> None:
+        if direct is None:  # ESTREAM_PACK_NO_DIRECT=1 forces buffered writes
+            direct = os.environ.get("ESTREAM_PACK_NO_DIRECT", "") in ("", "0")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.direct = False
+        self._fd = -1
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self._fd = os.open(path, flags | os.O_DIRECT, 0o644)
+                self.direct = True
+            except OSError:
+                self._fd = -1
+        if self._fd < 0:
+            self._fd = os.open(path, flags, 0o644)
+        self.position = 0
         self._queue: queue.Queue[memoryview | None] = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self._pool: list[np.ndarray] = []
         self._next = 0
-        self._thread = threading.Thread(target=self._run, name="estream-pack-writer", daemon=True)
-        self._thread.start()
+        self._thread = self._start()
+
+    def _start(self) -> threading.Thread:
+        t = threading.Thread(target=self._run, name="estream-pack-writer", daemon=True)
+        t.start()
+        return t
+
+    def _write_all(self, view: memoryview) -> None:
+        done = 0
+        while done < view.nbytes:
+            try:
+                n = os.write(self._fd, view[done:])
+            except OSError as e:
+                if not self.direct or e.errno != errno.EINVAL:
+                    raise
+                # the filesystem refused O_DIRECT after all: continue buffered
+                fl = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, fl & ~os.O_DIRECT)
+                self.direct = False
+                continue
+            if n <= 0:
+                raise OSError(errno.EIO, "short write to experts.bin")
+            done += n
 
     def _run(self) -> None:
         while True:
@@ -460,15 +501,20 @@ class _ChunkWriter:
                 return
             if self._error is None:
                 try:
-                    self.fh.write(item)
+                    self._write_all(item)
                 except BaseException as e:  # reported by the next submit()/close()
                     self._error = e
 
     def buffer(self, n_rows: int, row_bytes: int) -> np.ndarray:
-        """A zeroed-once `[n_rows, row_bytes]` buffer that no pending write is using."""
+        """A zeroed-once, page-aligned `[n_rows, row_bytes]` buffer no pending write is using."""
         if not self._pool or self._pool[0].shape != (n_rows, row_bytes):
             self.drain()
-            self._pool = [np.zeros((n_rows, row_bytes), dtype=np.uint8) for _ in range(3)]
+            self._pool = [
+                np.frombuffer(mmap.mmap(-1, n_rows * row_bytes), dtype=np.uint8).reshape(
+                    n_rows, row_bytes
+                )
+                for _ in range(3)
+            ]
             self._next = 0
         buf = self._pool[self._next]
         self._next = (self._next + 1) % len(self._pool)
@@ -477,25 +523,29 @@ class _ChunkWriter:
     def submit(self, data: np.ndarray) -> None:
         if self._error is not None:
             raise self._error
-        view = memoryview(np.ascontiguousarray(data)).cast("B")
+        view = memoryview(data).cast("B")
         self._queue.put(view)
         self.position += view.nbytes
 
     def drain(self) -> None:
         """Wait until everything submitted is written."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-        if self._error is not None:
-            raise self._error
-        self._thread = threading.Thread(target=self._run, name="estream-pack-writer", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
         if self._error is not None:
             raise self._error
+        self._thread = self._start()
+
+    def close(self) -> None:
+        """Finish all writes, fsync and close; re-raises a write error."""
+        try:
+            self._queue.put(None)
+            self._thread.join()
+            if self._error is not None:
+                raise self._error
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._pool = []
 
 
 def _write_layer(
