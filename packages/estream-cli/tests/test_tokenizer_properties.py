@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -16,7 +17,7 @@ from estream_cli.tokenizer._pretok import pre_tokenizer_for
 from estream_cli.tokenizer._unicode import collapse, is_whitespace
 from estream_cli.tokenizer.testing import find_vocab_dir
 
-VOCAB_DIR = find_vocab_dir()
+VOCAB_DIR = find_vocab_dir(Path(__file__))
 
 # Characters that exercise every class the pre-tokenizers distinguish.
 TRICKY = (
@@ -27,11 +28,15 @@ TRICKY = (
 texts = st.text(alphabet=st.sampled_from(TRICKY), max_size=40) | st.text(max_size=40)
 
 
-@functools.cache
-def load(name: str) -> Tokenizer:
+def vocab_path(name: str) -> Path:
     if VOCAB_DIR is None:
         pytest.fail("llama.cpp vocabulary vectors not found (set ESTREAM_SHARED)")
-    return Tokenizer.from_gguf(VOCAB_DIR / f"ggml-vocab-{name}.gguf")
+    return VOCAB_DIR / f"ggml-vocab-{name}.gguf"
+
+
+@functools.cache
+def load(name: str) -> Tokenizer:
+    return Tokenizer.from_gguf(vocab_path(name))
 
 
 @st.composite
@@ -131,7 +136,7 @@ def test_spm_per_word_equals_whole_fragment(text: str) -> None:
 
 
 def test_spm_inner_space_token_disables_per_word() -> None:
-    meta = read_tokenizer_metadata(VOCAB_DIR / "ggml-vocab-llama-spm.gguf")  # type: ignore[operator]
+    meta = read_tokenizer_metadata(vocab_path("llama-spm"))
     tokens = list(meta["tokenizer.ggml.tokens"])
     tokens[31999] = "a\u2581b"
     assert not Tokenizer.from_metadata({**meta, "tokenizer.ggml.tokens": tokens})._spm_words
