@@ -300,3 +300,34 @@ def test_falls_back_to_buffered_when_o_direct_is_refused(rfile) -> None:
             ld.end_layer()
         with pytest.raises(ArenaError, match="refuses O_DIRECT"):
             GroupLoader(arena, rfile.path, 1, direct=True, reader=_refuse_direct)
+
+
+def test_acquire_any_takes_groups_in_completion_order(rfile) -> None:
+    rb = rfile.layout.record_bytes
+    slow = {2 * rb}
+
+    def reader(fd, buffers, offset):
+        if offset in slow:
+            time.sleep(0.2)
+        return os.preadv(fd, buffers, offset)
+
+    with (
+        Arena(rfile.layout, 4, 1) as arena,
+        GroupLoader(arena, rfile.path, 4, direct=False, reader=reader) as ld,
+    ):
+        ld.begin_layer(0)
+        ld.submit([rfile.request(g, g, 1) for g in (2, 3, 4)])
+        got = []
+        left = [2, 3, 4]
+        while left:
+            bank = ld.acquire_any(left, timeout=10)
+            check_bank(arena, rfile, bank, 1)
+            got.append(bank.group)
+            left.remove(bank.group)
+            ld.release(bank)
+        assert got[-1] == 2 and sorted(got) == [2, 3, 4]
+        with pytest.raises(ProtocolError, match="Released"):
+            ld.acquire_any([3], timeout=1)
+        with pytest.raises(ProtocolError, match="never submitted"):
+            ld.acquire_any([9], timeout=1)
+        ld.end_layer()

@@ -481,6 +481,41 @@ class GroupLoader:
                     raise TimeoutError(self._stall_message(group, st, timeout))
                 self._cond.wait(remaining)
 
+    def acquire_any(self, groups: Iterable[int], timeout: float | None = None) -> Bank:
+        """Acquire whichever of ``groups`` becomes Ready first (lowest index among those Ready
+        at once), for executors that run groups in completion order. Errors as :meth:`acquire`;
+        a failed group among them raises its read error."""
+        wanted = list(dict.fromkeys(groups))
+        if not wanted:
+            raise ProtocolError("acquire_any needs at least one group")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiting = (GroupState.PENDING, GroupState.FILLING, GroupState.FILLED)
+        with self._cond:
+            while True:
+                self._check_open()
+                if self._res.layer is None:
+                    raise ProtocolError("no layer is open: call begin_layer first")
+                states = {}
+                for g in wanted:
+                    if not self._res.has_group(g):
+                        raise ProtocolError(
+                            f"group {g} was never submitted in layer {self._res.layer}"
+                        )
+                    states[g] = self._res.group_state(g)
+                for g in wanted:
+                    if states[g] in (GroupState.READY, GroupState.FAILED):
+                        return self._res.acquire(g)
+                for g in wanted:
+                    if states[g] not in waiting:
+                        raise ProtocolError(
+                            f"cannot acquire group {g} of layer {self._res.layer}: "
+                            f"it is {states[g].value}"
+                        )
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(self._stall_message(wanted[0], states[wanted[0]], timeout))
+                self._cond.wait(remaining)
+
     def _stall_message(self, group: int, st: GroupState, timeout: float | None) -> str:
         res = self._res
         msg = (

@@ -258,14 +258,6 @@ class Residency:
             rec.error = error
         self._free_bank(bank)
 
-    def fail_pending(self, group: int, error: BaseException) -> None:
-        """A PENDING group that will never be read (loader closing): FAILED with ``error``."""
-        rec = self._need(group)
-        if rec.state is not GroupState.PENDING:
-            raise ProtocolError(f"group {group} is {rec.state.value}, not Pending")
-        rec.state = GroupState.FAILED
-        rec.error = error
-
     def acquire(self, group: int) -> Bank:
         """READY → IN_USE; a FAILED group raises its read error instead."""
         rec = self._need(group)
