@@ -26,7 +26,7 @@ from .errors import BadRequestError, PackError
 from .experts import SCHEDULES, GroupRecord, ResidentExperts, StreamedExperts
 from .packed import PackedModel
 
-__all__ = ["ACTS", "MODES", "Engine", "PrefillResult", "StreamConfig", "load"]
+__all__ = ["ACTS", "MODES", "BranchResult", "Engine", "PrefillResult", "StreamConfig", "load"]
 
 MODES = ("stream", "resident", "naive", "layer")
 # How activations meet the Q4_0/Q8_0 weights: "q8" (int8 per 32-block, like GGML's Q8_0: fast)
@@ -65,6 +65,31 @@ class PrefillResult:
         p /= p.sum()
         idx = np.argsort(-p, kind="stable")[:k]
         return [(int(i), float(p[i])) for i in idx]
+
+
+@attrs.frozen
+class BranchResult:
+    """Logits of a shared-prefix, many-continuation pass (see `Engine.prefill_branches`).
+
+    ``prefix_logits``: next-token logits after the prefix (they predict each branch's first
+    token); ``branch_logits[i][j]``: logits after token ``j`` of branch ``i``."""
+
+    prefix_logits: np.ndarray  # [n_vocab]
+    branch_logits: list[np.ndarray]  # [n_i, n_vocab] each
+    hidden: np.ndarray | None  # [P + Σ n_i, d] final-normed, packed order, when asked for
+    segments: list[tuple[int, int]]  # (start, length) of each branch in the packed order
+    metrics: dict[str, Any]
+
+    def continuation_logprobs(self, branches: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """log P(token j of branch i | prefix, earlier tokens of branch i), float64."""
+        out = []
+        for i, toks in enumerate(branches):
+            lg = np.vstack([self.prefix_logits[None, :], self.branch_logits[i][:-1]])
+            lg = lg.astype(np.float64)
+            lg -= lg.max(axis=1, keepdims=True)
+            lse = np.log(np.exp(lg).sum(axis=1))
+            out.append(lg[np.arange(len(toks)), np.asarray(toks)] - lse)
+        return out
 
 
 def _resolve_config(
@@ -203,7 +228,13 @@ class Engine:
             return x @ w.f32().T
         return htp.gemm(x, w.data, w.shape[0], w.fmt)
 
-    def _attention(self, b: dict[str, Any], h: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def _attention(
+        self,
+        b: dict[str, Any],
+        h: np.ndarray,
+        pos: np.ndarray,
+        branches: tuple[int, list[tuple[int, int]]] | None = None,
+    ) -> np.ndarray:
         hp = self.hp
         t = h.shape[0]
         q = self._matmul(h, b["wq"])
@@ -220,8 +251,43 @@ class Engine:
         v = np.ascontiguousarray(v.reshape(t, hp.n_head_kv, -1))
         htp.rope(q, pos, hp.n_rot, hp.rope_base, hp.rope_scale, hp.rope)
         htp.rope(k, pos, hp.n_rot, hp.rope_base, hp.rope_scale, hp.rope)
-        a = htp.attention(q, k, v, hp.attn_scale, causal=True)
+        if branches is None:
+            a = htp.attention(q, k, v, hp.attn_scale, causal=True)
+        else:
+            a = self._branch_attention(q, k, v, *branches)
         return self._matmul(np.ascontiguousarray(a.reshape(t, -1)), b["wo"])
+
+    def _branch_attention(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        n_prefix: int,
+        segments: list[tuple[int, int]],
+    ) -> np.ndarray:
+        """Shared prefix (causal) + branches that each see the prefix and themselves (causal).
+
+        The prefix goes through the tiled kernel; each branch is short and attends to
+        ``n_prefix + len`` keys, done with BLAS (float32) per branch."""
+        hp = self.hp
+        out = np.empty((q.shape[0], hp.n_head, v.shape[2]), dtype=np.float32)
+        P = n_prefix
+        out[:P] = htp.attention(q[:P], k[:P], v[:P], hp.attn_scale, causal=True)
+        rep = hp.n_head // hp.n_head_kv
+        for s, n in segments:
+            kk = np.concatenate((k[:P], k[s : s + n]))  # [P+n, Hkv, D]
+            vv = np.concatenate((v[:P], v[s : s + n]))
+            kk = np.repeat(kk, rep, axis=1).transpose(1, 2, 0)  # [H, D, P+n]
+            vv = np.repeat(vv, rep, axis=1).transpose(1, 0, 2)  # [H, P+n, Dv]
+            qq = q[s : s + n].transpose(1, 0, 2)  # [H, n, D]
+            sc = np.matmul(qq, kk) * np.float32(hp.attn_scale)  # [H, n, P+n]
+            mask = np.triu(np.ones((n, n), dtype=bool), k=1)
+            sc[:, :, P:][:, mask] = -np.inf
+            sc -= sc.max(axis=-1, keepdims=True)
+            np.exp(sc, out=sc)
+            sc /= sc.sum(axis=-1, keepdims=True)
+            out[s : s + n] = np.matmul(sc, vv).transpose(1, 0, 2)
+        return out
 
     # -- the forward pass ------------------------------------------------------------------
     def _check_tokens(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -248,10 +314,75 @@ class Engine:
         all_logits: bool = False,
         return_hidden: bool = False,
     ) -> PrefillResult:
-        """Run one causal forward pass; return next-token logits (or all positions')."""
+        """Run one causal forward pass; return next-token logits (or all positions').
+
+        ``return_hidden`` adds the final-normed hidden state of every position ``[T, d]``."""
+        ids = self._check_tokens(tokens)
+        T = int(ids.size)
+        pos = np.arange(T, dtype=np.int32)
+        rows = None if all_logits else np.array([T - 1])
+        return self._forward(ids, pos, None, rows, return_hidden, single=not all_logits)
+
+    def prefill_branches(
+        self,
+        prefix: Sequence[int] | np.ndarray,
+        branches: Sequence[Sequence[int] | np.ndarray],
+        *,
+        return_hidden: bool = False,
+    ) -> BranchResult:
+        """One forward pass over a shared prefix and several continuations ("branches").
+
+        Each branch attends to the whole prefix and causally to itself, at positions
+        ``len(prefix) ..``, exactly as if ``prefix + branch`` were prefilled alone — but the
+        prefix is computed once and the experts are streamed once for all branches."""
+        pre = self._check_tokens(prefix)
+        P = int(pre.size)
+        brs = [self._check_tokens(b) for b in branches]
+        if not brs:
+            raise BadRequestError("need at least one continuation")
+        longest = max(int(b.size) for b in brs)
+        if P + longest > self.hp.n_ctx:
+            raise BadRequestError(
+                f"prefix of {P} tokens plus a continuation of {longest} is longer than the "
+                f"model context ({self.hp.n_ctx})"
+            )
+        ids = np.concatenate([pre, *brs]).astype(np.int32)
+        pos_parts = [np.arange(P, dtype=np.int32)]
+        segments: list[tuple[int, int]] = []
+        start = P
+        for b in brs:
+            n = int(b.size)
+            pos_parts.append(np.arange(P, P + n, dtype=np.int32))
+            segments.append((start, n))
+            start += n
+        pos = np.concatenate(pos_parts)
+        rows = np.concatenate([[P - 1], np.arange(P, ids.size)])
+        res = self._forward(ids, pos, (P, segments), rows, return_hidden, single=False)
+        branch_logits = []
+        off = 1
+        for _, n in segments:
+            branch_logits.append(res.logits[off : off + n])
+            off += n
+        return BranchResult(
+            prefix_logits=res.logits[0],
+            branch_logits=branch_logits,
+            hidden=res.hidden,
+            segments=segments,
+            metrics=res.metrics,
+        )
+
+    def _forward(
+        self,
+        ids: np.ndarray,
+        pos: np.ndarray,
+        branches: tuple[int, list[tuple[int, int]]] | None,
+        rows: np.ndarray | None,
+        return_hidden: bool,
+        *,
+        single: bool,
+    ) -> PrefillResult:
         if self._closed:
             raise RuntimeError("engine is closed")
-        ids = self._check_tokens(tokens)
         htp.set_activation_format(self.act)  # type: ignore[arg-type]
         hp = self.hp
         T = int(ids.size)
@@ -262,7 +393,6 @@ class Engine:
         spans: list[tuple[str, int, float, float]] = []
         t_start = time.perf_counter()
         x = htp.get_rows(self.tok_embd.data, self.tok_embd.fmt, hp.n_vocab, hp.n_embd, ids)
-        pos = np.arange(T, dtype=np.int32)
         y = np.empty((T, hp.n_embd), dtype=np.float32)
         show = self.progress and sys.stderr.isatty()
         for i, b in enumerate(self.blocks):
@@ -270,7 +400,7 @@ class Engine:
             t0 = time.perf_counter()
             self.experts.begin_layer(layer)
             h = htp.rms_norm(x, b["attn_norm"], hp.rms_eps)
-            x += self._attention(b, h, pos)
+            x += self._attention(b, h, pos, branches)
             h = htp.rms_norm(x, b["ffn_norm"], hp.rms_eps)
             logits = h @ b["router_t"]
             top_ids, top_w = htp.router_topk(
@@ -292,12 +422,12 @@ class Engine:
         if show:
             print("\r" + " " * 24 + "\r", end="", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        xs = x if all_logits else x[-1:]
+        xs = x if rows is None else x[rows]
         hn = htp.rms_norm(np.ascontiguousarray(xs), self.output_norm, hp.rms_eps)
         out = self._matmul(hn, self.output)[:, : hp.n_vocab]
         hidden = None
         if return_hidden:
-            hidden = htp.rms_norm(x, self.output_norm, hp.rms_eps) if not all_logits else hn
+            hidden = hn if rows is None else htp.rms_norm(x, self.output_norm, hp.rms_eps)
         t_end = time.perf_counter()
         spans.append(("output", -1, t0, t_end))
         records = self.experts.records[n_rec0:]
@@ -317,9 +447,8 @@ class Engine:
         metrics.update(self._describe(T))
         metrics["layer_t_ne_s"] = [t1 - t0 for name, _, t0, t1 in spans if name == "non-expert"]
         events = build_events(t_start, spans, records, reads)
-        logits_out = out if all_logits else out[0]
         return PrefillResult(
-            logits=logits_out,
+            logits=out[0] if single else out,
             hidden=hidden,
             metrics=metrics,
             events=events,

@@ -412,6 +412,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-special", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_detokenize)
+
+    from .task_commands import add_task_commands
+
+    add_task_commands(sub, _add_engine_opts)
     return ap
 
 

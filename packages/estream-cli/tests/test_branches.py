@@ -1,0 +1,54 @@
+"""Shared-prefix scoring: one pass over a prefix and many continuations equals separate passes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import estream
+from estream_layout import pack_model, synth_model
+
+
+@pytest.fixture(scope="module", params=["qwen3moe", "mixtral"])
+def model(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp("br")
+    src = d / "m.gguf"
+    synth_model(request.param, "tiny", src, seed=5)
+    dst = d / "m.estream"
+    pack_model(src, dst, progress=False)
+    return dst
+
+
+def _logsoftmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+@pytest.mark.parametrize("act", ["f32", "q8"])
+def test_branches_equal_separate_prefills(model, act):
+    rng = np.random.default_rng(0)
+    with estream.load(model, G=2, Q=2, B=2, act=act) as eng:
+        V = eng.hp.n_vocab
+        prefix = rng.integers(0, V, 11)
+        branches = [rng.integers(0, V, n) for n in (1, 4, 7)]
+        res = eng.prefill_branches(prefix, branches, return_hidden=True)
+        lps = res.continuation_logprobs(branches)
+        for i, br in enumerate(branches):
+            full = eng.prefill(np.concatenate([prefix, br]), all_logits=True).logits
+            got = np.vstack([res.prefix_logits[None], res.branch_logits[i]])
+            want = full[len(prefix) - 1 :]
+            # q8 quantizes each row's activations alone, so rows are independent of their batch
+            tol = 1e-5
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) <= tol
+            # the log-likelihood summed by hand from the separate pass
+            lp = _logsoftmax(full[len(prefix) - 1 : -1])[np.arange(len(br)), br]
+            np.testing.assert_allclose(lps[i], lp, rtol=1e-4, atol=1e-4)
+    assert res.hidden is not None and res.hidden.shape[0] == len(prefix) + sum(map(len, branches))
+
+
+def test_branches_reject_bad_input(model):
+    with estream.load(model, G=2, Q=2, B=2) as eng, pytest.raises(estream.BadRequestError):
+        eng.prefill_branches([1, 2], [])
+    with estream.load(model, G=2, Q=2, B=2) as eng, pytest.raises(estream.BadRequestError):
+        eng.prefill_branches([1, 2], [[eng.hp.n_vocab]])
