@@ -85,8 +85,11 @@ def note_issue(arch: str, preset: str, variant: str, message: str) -> None:
         print(f"  (could not append to {NOTES}: {exc})")
 
 
-def f32_copy(src: Path, dst: Path) -> Path:
-    """The same model with every tensor dequantized to F32 (metadata and tokenizer kept)."""
+def f32_copy(src: Path, dst: Path, overrides: dict[str, Any] | None = None) -> Path:
+    """The same model with every tensor dequantized to F32 (metadata and tokenizer kept).
+
+    ``overrides``: metadata to add or replace, ``{key: (value, GGUFValueType)}``.
+    """
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import dequantize
 
@@ -98,7 +101,10 @@ def f32_copy(src: Path, dst: Path) -> Path:
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), vtype, sub)
+        if key not in (overrides or {}):
+            writer.add_key_value(key, field.contents(), vtype, sub)
+    for key, (value, vtype) in (overrides or {}).items():
+        writer.add_key_value(key, value, vtype)
     for t in reader.tensors:
         values = dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
         writer.add_tensor(t.name, values.reshape(tuple(int(n) for n in reversed(t.shape.tolist()))))
@@ -107,6 +113,22 @@ def f32_copy(src: Path, dst: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def yarn_overrides(arch: str) -> dict[str, Any]:
+    """YaRN RoPE metadata as DeepSeek-V2-Lite's GGUF has it, with a short original context so
+    that the prompt runs past it (factor 40; log multiplier 0.1 * mscale_all_dim 0.707)."""
+    from gguf import GGUFValueType as V
+
+    a = "llama" if arch == "mixtral" else arch
+    out: dict[str, Any] = {
+        f"{a}.rope.scaling.type": ("yarn", V.STRING),
+        f"{a}.rope.scaling.factor": (40.0, V.FLOAT32),
+        f"{a}.rope.scaling.original_context_length": (64, V.UINT32),
+    }
+    if a == "deepseek2":
+        out[f"{a}.rope.scaling.yarn_log_multiplier"] = (0.0707, V.FLOAT32)
+    return out
 
 
 def engine_logits(
@@ -143,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=256, help="prompt length T")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--variants", default="q4_0,f32", help="q4_0: the synthetic model; f32: it dequantized"
+        "--variants",
+        default="q4_0,f32",
+        help="q4_0: the synthetic model; f32: it dequantized; yarn: f32 with YaRN RoPE",
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-engine", action="store_true")
@@ -166,12 +190,14 @@ def main(argv: list[str] | None = None) -> int:
             row: dict[str, Any] = {"arch": arch, "preset": args.preset, "variant": variant}
             rows.append(row)
             base = work / f"{arch}-{args.preset}.gguf"
-            gguf = base if variant == "q4_0" else work / f"{arch}-{args.preset}-f32.gguf"
+            gguf = base if variant == "q4_0" else work / f"{arch}-{args.preset}-{variant}.gguf"
             try:
                 if not base.exists():
                     synth_model(arch, args.preset, base, seed=args.seed)
                 if variant == "f32":
                     f32_copy(base, gguf)
+                elif variant == "yarn":
+                    f32_copy(base, gguf, yarn_overrides(arch))
             except Exception as exc:
                 row["error"] = f"synth failed: {type(exc).__name__}: {exc}"
                 print(f"{arch}/{variant}: {row['error']}")
@@ -190,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             row["n_vocab"] = int(ref.shape[1])
             t0 = time.perf_counter()
             try:
-                lcpp = llama_logits(gguf, tokens, n_threads=args.threads, kv_f32=variant == "f32")
+                lcpp = llama_logits(gguf, tokens, n_threads=args.threads, kv_f32=variant != "q4_0")
                 row["t_llamacpp_s"] = time.perf_counter() - t0
                 row["llamacpp_vs_ref"] = compare(lcpp, ref)
             except LlamaCppError as exc:
