@@ -83,3 +83,19 @@ def test_bad_event() -> None:
         TraceEvent("x", "t", 2.0, 1.0)
     with pytest.raises(ValueError, match="single-candidate"):
         schedule_events(pipeline_schedule([[1.0]], [[1.0]], 0.0, 1, 1))
+
+
+def test_plot_frontier_writes_png_or_names_the_extra(tmp_path: Path) -> None:
+    import estream_sched as es
+
+    p = es.synthetic_profile(es.SyntheticSpec(n_experts=16, n_layers=2, groups=(1, 2, 4)))
+    choices = [es.configure(p, m) for m in (900 * 2**20, 1000 * 2**20)]
+    out = tmp_path / "f.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"estream-sched\[plot\]"):
+            es.plot_frontier(choices[0].table, out, chosen=choices)
+        return
+    es.plot_frontier(choices[0].table, out, chosen=choices[0], budget=950 * 2**20)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -66,14 +66,14 @@ def plot_frontier(
     for c in choices:
         ax.axvline(c.budget_bytes / mib, color="0.6", ls=":", lw=0.8)
         chosen.setdefault((c.G, c.B), c)
-    for (g, b), c in chosen.items():
+    for i, ((g, b), c) in enumerate(chosen.items()):
         n = sum(1 for o in choices if (g, b) == (o.G, o.B))
         ax.plot(c.memory_bytes / mib, c.predicted_s, "*", color="crimson", ms=13, mec="k")
         ax.annotate(
             f"G={g} B={b}" + (f" ({n} budgets)" if n > 1 else ""),
             (c.memory_bytes / mib, c.predicted_s),
             textcoords="offset points",
-            xytext=(4, 8),
+            xytext=(4, 8 + 11 * (i % 3)),  # staggered: neighbouring choices stay legible
             fontsize=7,
         )
     ax.plot([], [], "*", color="crimson", mec="k", ms=10, label="chosen (per budget, dotted)")
