@@ -14,6 +14,7 @@ from estream_sched import (
     BudgetError,
     Choice,
     Profile,
+    ProfileError,
     SyntheticSpec,
     choose_q0,
     configure,
@@ -175,5 +176,5 @@ def test_realistic_profile_choice_and_manifest_entry() -> None:
 def test_no_group_size_can_hold_q0_banks() -> None:
     spec = SyntheticSpec(n_experts=4, n_layers=1, groups=(4,), queue_depths=(1, 2))
     p = synthetic_profile(spec)
-    with pytest.raises(Exception, match="ceil"):
+    with pytest.raises(ProfileError, match=r"at least Q0=2 groups"):
         configure(p, 2**40, q0=2)

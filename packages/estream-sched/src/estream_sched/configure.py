@@ -246,7 +246,9 @@ def configure(
     if not sw:
         raise ProfileError(
             "candidates",
-            f"no group size has ceil(n_experts/g) >= Q0={Q} banks' worth of groups",
+            f"no candidate group size g splits the {profile.n_experts} experts into at least "
+            f"Q0={Q} groups (ceil(n_experts/g) >= Q0 is needed to keep Q0 reads in flight); "
+            "profile a smaller g or pass a smaller q0",
         )
     W_e = profile.expert_bytes
     nl = profile.n_layers
