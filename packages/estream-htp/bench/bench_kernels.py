@@ -1,0 +1,219 @@
+"""Kernel GFLOP/s on OLMoE-1B-7B shapes vs numpy/BLAS float32 on the same dequantized weights.
+
+Run with `nox -s bench_kernels`. The BLAS baseline must get this machine's best kernel, so the
+script re-executes itself with OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE removed from its own
+environment (nothing else is touched). Both sides use 2 threads. Writes
+bench-results/bench_kernels.json.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+_SCRUB = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+THREADS = int(os.environ.get("BENCH_THREADS", "2"))
+if any(k in os.environ for k in _SCRUB) or os.environ.get("OPENBLAS_NUM_THREADS") != str(THREADS):
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
+    env["OPENBLAS_NUM_THREADS"] = str(THREADS)
+    os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], env)
+
+import numpy as np  # noqa: E402
+
+import estream_htp as htp  # noqa: E402
+from estream_htp import _core  # noqa: E402
+from estream_htp import testing as T  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+D, FF, E, K = 2048, 1024, 64, 8
+QUICK = "--quick" in sys.argv
+
+
+def best_of(fn, reps: int = 3, min_time: float = 0.0) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def blas_info() -> dict:
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return {"threadpoolctl": "not installed"}
+    return {
+        "threadpoolctl": [
+            {k: i.get(k) for k in ("internal_api", "num_threads", "architecture", "version")}
+            for i in threadpool_info()
+            if i.get("user_api") == "blas"
+        ]
+    }
+
+
+def silu(v: np.ndarray) -> np.ndarray:
+    return v / (1.0 + np.exp(-v))
+
+
+def bench_gemm(rng: np.random.Generator, row, n: int, k: int, t: int) -> None:
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.02
+    buf = T.pack_q4_0_t32r4(w)
+    wd = T.dequantize_tiles(buf, "q4_0-t32r4", n, k)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    out = np.empty((t, n), np.float32)
+    t_blas = best_of(lambda: np.matmul(x, wd.T, out=out))
+    for act in ("q8", "f32"):
+        htp.set_activation_format(act)
+        t_h = best_of(lambda: htp.gemm(x, buf, n, out=out))
+        row(f"gemm q4_0 {n}x{k} T={t} act={act}", 2.0 * t * n * k, t_h, t_blas)
+
+
+def blas_moe(x, tokens, experts, weights, deq) -> np.ndarray:
+    """The same routed SwiGLU experts with numpy float32 matmuls (BLAS) per expert."""
+    yb = np.zeros_like(x)
+    order = np.argsort(experts, kind="stable")
+    bounds = np.searchsorted(experts[order], np.arange(len(deq) + 1))
+    for e, (wg, wu, wdn) in enumerate(deq):
+        sel = order[bounds[e] : bounds[e + 1]]
+        if sel.size == 0:
+            continue
+        tok = tokens[sel]
+        xg = x[tok]
+        h = silu(xg @ wg.T) * (xg @ wu.T)
+        np.add.at(yb, tok, weights[sel, None] * (h @ wdn.T))
+    return yb
+
+
+def bench_experts(rng: np.random.Generator, row) -> None:
+    gate, up, down = T.random_experts(rng, E, D, FF)
+    shapes = ((gate, (FF, D)), (up, (FF, D)), (down, (D, FF)))
+    deq = [
+        tuple(T.dequantize_tiles(p[e], "q4_0-t32r4", *shape) for p, shape in shapes)
+        for e in range(E)
+    ]
+    planes = [p.ctypes.data for p in (gate, up, down)]
+    strides = [p.strides[0] for p in (gate, up, down)]
+    slots = np.arange(E, dtype=np.int32)
+    for t in (256, 1024, 4096):
+        if QUICK and t > 1024:
+            continue
+        x = rng.standard_normal((t, D)).astype(np.float32)
+        ids, wts = htp.router_topk(rng.standard_normal((t, E)).astype(np.float32), K)
+        tokens = np.repeat(np.arange(t, dtype=np.int32), K)
+        experts, weights = ids.reshape(-1), wts.reshape(-1)
+        flops = 2.0 * 3 * D * FF * tokens.size
+        y = np.zeros((t, D), np.float32)
+        t_blas = best_of(functools.partial(blas_moe, x, tokens, experts, weights, deq), reps=2)
+        ref = blas_moe(x, tokens, experts, weights, deq)
+        with htp.ExpertGraph(D, FF, capacity=tokens.size, t_max=t) as g:
+            for act in ("q8", "f32"):
+                htp.set_activation_format(act)
+
+                def run(g=g, x=x, tokens=tokens, experts=experts, weights=weights, y=y) -> None:
+                    y[:] = 0
+                    g.run(x, tokens, experts, weights, slots, planes, strides, y)
+
+                t_h = best_of(run, reps=2)
+                row(
+                    f"expert op OLMoE T={t} (R={tokens.size}) act={act}",
+                    flops,
+                    t_h,
+                    t_blas,
+                    {"rel_l2_vs_blas_f32": T.rel_l2(y, ref)},
+                )
+
+
+def blas_attention(q, k, v, scale: float, bq: int = 512) -> np.ndarray:
+    """Causal softmax(QKᵀ)V per head in query blocks of bq rows, skipping future key blocks."""
+    t, hq, _ = q.shape
+    out = np.empty((t, hq, v.shape[2]), np.float32)
+    for h in range(hq):
+        qh, kh, vh = q[:, h], k[:, h], v[:, h]
+        for i0 in range(0, t, bq):
+            i1 = min(t, i0 + bq)
+            s = (qh[i0:i1] @ kh[:i1].T) * np.float32(scale)
+            s[np.arange(i1 - i0)[:, None] + i0 < np.arange(i1)[None, :]] = -np.inf
+            s -= s.max(axis=1, keepdims=True)
+            np.exp(s, out=s)
+            s /= s.sum(axis=1, keepdims=True)
+            out[i0:i1, h] = s @ vh[:i1]
+    return out
+
+
+def bench_attention(rng: np.random.Generator, row) -> None:
+    t, hq, dh = (4096, 16, 128) if not QUICK else (1024, 16, 128)
+    q = rng.standard_normal((t, hq, dh)).astype(np.float32)
+    k = rng.standard_normal((t, hq, dh)).astype(np.float32)
+    v = rng.standard_normal((t, hq, dh)).astype(np.float32)
+    scale = 1.0 / np.sqrt(dh)
+    t_blas = best_of(lambda: blas_attention(q, k, v, scale), reps=2)
+    ref = blas_attention(q, k, v, scale)
+    o = np.empty_like(q)
+    t_h = best_of(lambda: htp.attention(q, k, v, scale, True, out=o), reps=2)
+    flops = 4.0 * hq * dh * t * (t + 1) / 2  # causal QKᵀ and PV
+    row(
+        f"attention causal T={t} H={hq} Dh={dh}",
+        flops,
+        t_h,
+        t_blas,
+        {"rel_l2_vs_blas": T.rel_l2(o, ref)},
+    )
+
+
+def main() -> None:
+    htp.set_num_threads(THREADS)
+    rng = np.random.default_rng(0)
+    results: dict = {
+        "machine": {
+            "simd": htp.simd_level(),
+            "threads": THREADS,
+            "blas": blas_info(),
+            "env_scrubbed": [k for k in _SCRUB],
+        },
+        "rows": [],
+    }
+    rows = results["rows"]
+
+    def row(
+        name: str, flops: float, t_htp: float, t_blas: float | None, extra: dict | None = None
+    ) -> None:
+        r = {"op": name, "gflop": flops / 1e9, "htp_s": t_htp, "htp_gflops": flops / t_htp / 1e9}
+        if t_blas is not None:
+            r.update(blas_s=t_blas, blas_gflops=flops / t_blas / 1e9, speedup=t_blas / t_htp)
+        r.update(extra or {})
+        rows.append(r)
+        b = f"{r['blas_gflops']:9.1f} {r['speedup']:7.2f}x" if t_blas is not None else " " * 18
+        print(f"{name:44s} {r['gflop']:8.1f} {r['htp_gflops']:9.1f} {b}", flush=True)
+
+    # ---- instruction-mix peak
+    try:
+        macs = max(_core._dot_peak(5_000_000) for _ in range(5))
+        results["peak_int8_gops"] = 2 * macs / 1e9
+    except htp.HTPError:
+        results["peak_int8_gops"] = None
+    print(
+        f"SIMD {htp.simd_level()}, {THREADS} threads; measured vpdpbusd peak: "
+        f"{results['peak_int8_gops'] or 0:.0f} GOP/s (int8 mul+add); BLAS: {results['machine']['blas']}"
+    )
+    print(f"{'op':44s} {'GFLOP':>8s} {'htp GF/s':>9s} {'BLAS GF/s':>9s} {'ratio':>8s}")
+
+    for n, k, t in ((2048, 2048, 256), (50304, 2048, 256)):
+        if not (QUICK and n > 4096):
+            bench_gemm(rng, row, n, k, t)
+    bench_experts(rng, row)
+    bench_attention(rng, row)
+
+    out_dir = ROOT / "bench-results"
+    out_dir.mkdir(exist_ok=True)
+    (out_dir / "bench_kernels.json").write_text(json.dumps(results, indent=2))
+    print(f"wrote {out_dir / 'bench_kernels.json'}")
+
+
+if __name__ == "__main__":
+    main()
