@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from estream_arena import ALIGN, Arena, ArenaError, RecordLayout
 
@@ -32,6 +35,34 @@ def test_layout_segments_cover_record_in_order() -> None:
     ]
     assert sum(n for _, n, _ in segs) == lay.record_bytes
     assert lay.padding_bytes == 6 * ALIGN
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> tuple[RecordLayout, list[int]]:
+    sizes = [draw(st.integers(1, 4)) * ALIGN for _ in range(3)]
+    gaps = [draw(st.integers(0, 2)) * ALIGN for _ in range(4)]
+    order = draw(st.permutations(range(3)))
+    planes = [(0, 0)] * 3
+    pos = gaps[0]
+    for k, j in enumerate(order):
+        planes[j] = (pos, sizes[j])
+        pos += sizes[j] + gaps[k + 1]
+    return RecordLayout(pos, tuple(planes)), list(order)
+
+
+@given(layouts())
+def test_segments_tile_the_record(case) -> None:
+    lay, order = case
+    segs = lay.segments()
+    pos = 0
+    for off, n, _ in segs:
+        assert off == pos and n > 0 and off % ALIGN == 0 and n % ALIGN == 0
+        pos += n
+    assert pos == lay.record_bytes
+    assert [j for _, _, j in segs if j >= 0] == order
+    assert {(o, n) for o, n, j in segs if j >= 0} == set(lay.planes)
+    assert sum(n for _, n, j in segs if j < 0) == lay.padding_bytes
+    assert all(a[2] >= 0 or b[2] >= 0 for a, b in itertools.pairwise(segs))  # gaps merged
 
 
 @pytest.mark.parametrize(

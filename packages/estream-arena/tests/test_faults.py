@@ -74,6 +74,23 @@ def test_eio_names_the_group(rf, direct) -> None:
         assert ld.stats.n_failed == 1
 
 
+def test_kept_errors_do_not_pin_the_arena(rf) -> None:
+    """After an error was raised and is still referenced, closing unmaps every plane."""
+    reader = FailingReader(0, RB, errno.EIO)
+    arena = Arena(LAYOUT, 2, G)
+    maps = list(arena._maps)
+    with GroupLoader(arena, rf.path, 2, reader=reader) as ld:
+        ld.begin_layer(0)
+        ld.submit(reqs(rf, [0, 1]))
+        with pytest.raises(ReadError) as info:
+            ld.acquire(0, timeout=10)
+        ld.release(ld.acquire(1, timeout=10))
+        ld.end_layer()
+    arena.close()
+    assert info.value.group == 0
+    assert all(mm.closed for mm in maps), "a plane is still mapped"
+
+
 def test_failed_group_must_be_acquired_or_dropped(rf) -> None:
     reader = FailingReader(0, RB, errno.EIO)
     with Arena(LAYOUT, 2, G) as arena, GroupLoader(arena, rf.path, 1, reader=reader) as ld:

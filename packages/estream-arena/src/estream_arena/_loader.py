@@ -128,7 +128,7 @@ class GroupLoader:
         self._arena = arena
         self._layout = arena.layout
         self._G = arena.group_size
-        self._path = os.fspath(path)
+        self._path = os.path.abspath(os.fspath(path))  # re-stat'ed after every read
         self.queue_depth = int(queue_depth)
         self.verify = bool(verify)
         self._reader: Reader = reader if reader is not None else os.preadv
