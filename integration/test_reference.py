@@ -515,6 +515,15 @@ def test_tensors_are_read_in_numpy_order(tiny_model, tiny_gguf_dir: Path) -> Non
         np.testing.assert_array_equal(model.tensor(name), m.tensors[name].astype(np.float64))
 
 
+@pytest.mark.parametrize("chunk_rows", [1, 7, 95, 96, 4096])
+def test_output_head_in_row_blocks_is_the_full_product(tiny_gguf, chunk_rows: int) -> None:  # type: ignore[no-untyped-def]
+    model = ReferenceModel(tiny_gguf("olmoe", Q4_0, seed=6))
+    hidden = np.random.default_rng(0).standard_normal((5, 64))
+    want = hidden @ model.tensor("output.weight").T
+    got = model._head(hidden, "output.weight", chunk_rows=chunk_rows)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_tied_head_uses_token_embd(tiny_gguf) -> None:  # type: ignore[no-untyped-def]
     path = tiny_gguf("llama", Q4_0, seed=2)
     model = ReferenceModel(path)
