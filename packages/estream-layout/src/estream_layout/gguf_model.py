@@ -424,6 +424,12 @@ class TensorReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def prefetch(self, info: TensorInfo) -> None:
+        """Ask the kernel to start reading a tensor now (asynchronously), so a later `rows` or
+        `expert` call finds it in the page cache: overlaps disk reads with conversion."""
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd, info.offset, info.nbytes, os.POSIX_FADV_WILLNEED)
+
     def read_into(self, offset: int, out: np.ndarray) -> np.ndarray:
         """Fill the contiguous uint8 buffer `out` from the file at `offset`."""
         view = memoryview(out.reshape(-1).view(np.uint8))

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Final
 
+import attrs
 import numpy as np
 from gguf import GGMLQuantizationType
 
@@ -37,6 +38,7 @@ from .gguf_model import (
     TensorInfo,
     TensorReader,
     dequantize_rows,
+    parse_expert_tensor_name,
 )
 from .manifest import (
     MANIFEST_NAME,
@@ -282,22 +284,76 @@ def _pad_file(fh: IO[bytes], to: int = PAGE) -> int:
     return pos + pad
 
 
+class _SourcePass:
+    """Reads the source GGUF exactly once, front to back, hashing every byte on the way.
+
+    Tensors are visited in file order; gaps (header, alignment padding) are read and hashed too,
+    so `sha256()` at the end is the digest of the whole file without a second read of it. The
+    hashing runs on a background thread (hashlib releases the GIL) over the buffers just read,
+    which the packer never modifies.
+    """
+
+    def __init__(self, reader: TensorReader, size: int) -> None:
+        self.reader = reader
+        self.size = size
+        self.pos = 0
+        self._hash = hashlib.sha256()
+        self._queue: queue.Queue[memoryview | None] = queue.Queue(maxsize=3)
+        self._thread = threading.Thread(target=self._run, name="estream-pack-sha256", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._hash.update(item)
+
+    def _skip_to(self, offset: int) -> None:
+        if offset < self.pos:
+            raise AssertionError(f"source read out of order: {offset} < {self.pos}")
+        while self.pos < offset:
+            n = min(offset - self.pos, 8 << 20)
+            part = self.reader.read_into(self.pos, np.empty(n, dtype=np.uint8))
+            self._queue.put(memoryview(part))
+            self.pos += n
+
+    def read(self, offset: int, out: np.ndarray) -> np.ndarray:
+        """Fill `out` from `offset` (which must not be before the previous read's end)."""
+        self._skip_to(offset)
+        self.reader.read_into(offset, out)
+        self._queue.put(memoryview(out.reshape(-1)))
+        self.pos = offset + out.nbytes
+        return out
+
+    def rows(self, info: TensorInfo, start: int, count: int) -> np.ndarray:
+        out = np.empty((count, info.row_bytes), dtype=np.uint8)
+        return self.read(info.offset + start * info.row_bytes, out)
+
+    def sha256(self) -> str:
+        self._skip_to(self.size)
+        self.close()
+        return self._hash.hexdigest()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
 def _write_dense_tensor(
-    reader: TensorReader, info: TensorInfo, fmt: str, fh: IO[bytes], chunk_bytes: int
+    src: _SourcePass, info: TensorInfo, fmt: str, fh: IO[bytes], chunk_bytes: int
 ) -> None:
     """Convert one tensor chunk by chunk (row chunks of whole 32-row tiles) and append it."""
-    rows_per_mat = info.shape[-2] if len(info.shape) >= 2 else 1
-    n_mats = info.n_rows // rows_per_mat if len(info.shape) >= 2 else 1
     if len(info.shape) == 1:
-        raw = reader.rows(info, 0, 1)
+        raw = src.rows(info, 0, 1)
         fh.write(dequantize_rows(raw, info).astype(np.float32).tobytes())
         return
+    rows_per_mat = info.shape[-2]
+    n_mats = info.n_rows // rows_per_mat
     rb = max(info.row_bytes, 1)
     step = max(TILE, (chunk_bytes // rb) // TILE * TILE)
     for m in range(n_mats):
         for start in range(0, rows_per_mat, step):
             count = min(step, rows_per_mat - start)
-            raw = reader.rows(info, m * rows_per_mat + start, count)
+            raw = src.rows(info, m * rows_per_mat + start, count)
             if fmt == "f32":
                 fh.write(np.ascontiguousarray(dequantize_rows(raw, info), np.float32).tobytes())
                 continue
@@ -307,22 +363,6 @@ def _write_dense_tensor(
             else:
                 blocks = quantize_q8_0(dequantize_rows(raw, info))
             fh.write(pack_tiles(blocks, fmt).data)
-
-
-def _hash_file(path: str, out: dict[str, str]) -> None:
-    h = hashlib.sha256()
-    buf = bytearray(8 << 20)
-    view = memoryview(buf)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        while True:
-            n = os.readv(fd, [view])
-            if n <= 0:
-                break
-            h.update(view[:n])
-    finally:
-        os.close(fd)
-    out["sha256"] = h.hexdigest()
 
 
 def _warn_requant(spec: ModelSpec) -> None:
@@ -368,41 +408,57 @@ def pack_model(
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)
-    hasher_out: dict[str, str] = {}
-    hasher = threading.Thread(target=_hash_file, args=(spec.path, hasher_out), daemon=True)
     try:
-        hasher.start()
         write_metadata_gguf(spec.path, tmp / MODEL_GGUF)
         dense_total = sum(_dense_nbytes(i, f) for i, f in dense_plan)
-        expert_total = spec.expert_bytes
-        bar = _Progress(dense_total + expert_total, f"packing {Path(spec.path).name}", progress)
+        bar = _Progress(
+            dense_total + spec.expert_bytes, f"packing {Path(spec.path).name}", progress
+        )
+        formats = dict((info.name, fmt) for info, fmt in dense_plan)
+        in_file_order = sorted(spec.tensors.values(), key=lambda t: t.offset)
         dense_entries: dict[str, DenseEntry] = {}
-        with TensorReader(spec.path) as reader:
-            with open(tmp / DENSE_FILE, "wb") as fh:
-                for info, fmt in dense_plan:
-                    offset = _pad_file(fh)
-                    _write_dense_tensor(reader, info, fmt, fh, chunk_bytes)
-                    nbytes = fh.tell() - offset
-                    assert nbytes == _dense_nbytes(info, fmt), info.name
-                    dense_entries[info.name] = DenseEntry(
-                        info.name, offset, nbytes, fmt, info.shape
-                    )
-                    bar.update(nbytes)
-                _pad_file(fh)
+        pending: dict[int, dict[str, np.ndarray]] = {}  # MoE layer -> projection -> [E, rows, rb]
+        layers: list[LayerEntry] = []
+        with TensorReader(spec.path) as reader, open(tmp / DENSE_FILE, "wb") as fh:
+            source = _SourcePass(reader, spec.file_bytes)
             writer = _ChunkWriter(tmp / EXPERTS_FILE)
             try:
-                layers = [
-                    _write_layer(
-                        reader, spec, layer, orders[layer], writer, chunk_bytes, bar, requant
-                    )
-                    for layer in spec.moe_layers
-                ]
+                for k, info in enumerate(in_file_order):
+                    for ahead in in_file_order[k + 1 : k + 3]:  # overlap disk reads with work
+                        reader.prefetch(ahead)
+                    parsed = parse_expert_tensor_name(info.name)
+                    if parsed is None:
+                        fmt = formats[info.name]
+                        offset = _pad_file(fh)
+                        _write_dense_tensor(source, info, fmt, fh, chunk_bytes)
+                        nbytes = fh.tell() - offset
+                        assert nbytes == _dense_nbytes(info, fmt), info.name
+                        dense_entries[info.name] = DenseEntry(
+                            info.name, offset, nbytes, fmt, info.shape
+                        )
+                        bar.update(nbytes)
+                        continue
+                    layer, proj = parsed
+                    buf = np.empty((*info.shape[:-1], info.row_bytes), dtype=np.uint8)
+                    pending.setdefault(layer, {})[proj] = source.read(info.offset, buf)
+                    if len(pending[layer]) == len(EXPERT_PROJECTIONS):
+                        layers.append(
+                            _write_layer(
+                                pending.pop(layer), spec, layer, orders[layer], writer,
+                                chunk_bytes, bar, requant,
+                            )
+                        )  # fmt: skip
+                _pad_file(fh)
+                sha256 = source.sha256()
             finally:
                 writer.close()
+                source.close()
             experts_bytes = writer.position
             assert experts_bytes == (tmp / EXPERTS_FILE).stat().st_size
+            assert not pending and len(layers) == len(spec.moe_layers)
+            layers = [attrs.evolve(la, checksums=tuple(la.checksums)) for la in layers]
+            assert all(len(la.checksums) == la.n_experts for la in layers)
         bar.close()
-        hasher.join()
         manifest = Manifest(
             root=tmp,
             arch=spec.arch,
@@ -410,7 +466,7 @@ def pack_model(
             source={
                 "file": Path(spec.path).name,
                 "bytes": spec.file_bytes,
-                "sha256": hasher_out.get("sha256", ""),
+                "sha256": sha256,
                 "expert_type": spec.expert_type,
                 "requantized": requant,
                 "order": order_summary,
@@ -466,7 +522,7 @@ class _ChunkWriter:
         if self._fd < 0:
             self._fd = os.open(path, flags, 0o644)
         self.position = 0
-        self._queue: queue.Queue[memoryview | None] = queue.Queue(maxsize=1)
+        self._queue: queue.Queue[tuple[memoryview, list[int], int] | None] = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self._pool: list[np.ndarray] = []
         self._next = 0
@@ -500,8 +556,11 @@ class _ChunkWriter:
             if item is None:
                 return
             if self._error is None:
+                view, checksums, record_bytes = item
                 try:
-                    self._write_all(item)
+                    for start in range(0, view.nbytes, record_bytes):
+                        checksums.append(zlib.crc32(view[start : start + record_bytes]))
+                    self._write_all(view)
                 except BaseException as e:  # reported by the next submit()/close()
                     self._error = e
 
@@ -520,11 +579,13 @@ class _ChunkWriter:
         self._next = (self._next + 1) % len(self._pool)
         return buf
 
-    def submit(self, data: np.ndarray) -> None:
+    def submit(self, records: np.ndarray, checksums: list[int]) -> None:
+        """Queue `[n, record_bytes]` records: the writer thread appends each record's crc32 to
+        `checksums` (in order), then writes them."""
         if self._error is not None:
             raise self._error
-        view = memoryview(data).cast("B")
-        self._queue.put(view)
+        view = memoryview(records).cast("B")
+        self._queue.put((view, checksums, records.shape[1]))
         self.position += view.nbytes
 
     def drain(self) -> None:
@@ -549,7 +610,7 @@ class _ChunkWriter:
 
 
 def _write_layer(
-    reader: TensorReader,
+    sources: dict[str, np.ndarray],
     spec: ModelSpec,
     layer: int,
     order: list[int],
@@ -558,6 +619,8 @@ def _write_layer(
     bar: _Progress,
     requant: bool,
 ) -> LayerEntry:
+    """Write one MoE layer's records from its three stacked expert tensors (raw source rows
+    `[E, rows, row_bytes]` in memory): in storage order, a chunk of records at a time."""
     infos = {j: spec.expert_tensor(layer, j) for j in EXPERT_PROJECTIONS}
     projections: dict[str, ProjectionEntry] = {}
     off = 0
@@ -571,11 +634,6 @@ def _write_layer(
     layer_offset = out.position
     assert layer_offset % PAGE == 0
     n_chunk = max(1, min(len(order), chunk_bytes // record_bytes))
-    q4_row_bytes = {j: infos[j].shape[-1] // TILE * 18 for j in EXPERT_PROJECTIONS}
-    src_bufs = {
-        j: np.empty((infos[j].shape[1], infos[j].row_bytes), dtype=np.uint8)
-        for j in EXPERT_PROJECTIONS
-    }
     checksums: list[int] = []
     src_bytes_per_expert = sum(infos[j].nbytes for j in EXPERT_PROJECTIONS) // spec.n_experts
     for c0 in range(0, len(order), n_chunk):
@@ -584,17 +642,15 @@ def _write_layer(
         for c, expert in enumerate(ids):
             for j in EXPERT_PROJECTIONS:
                 p = projections[j]
-                raw = reader.expert(infos[j], expert, out=src_bufs[j])
+                raw = sources[j][expert]
                 if requant:
                     blocks = quantize_q4_0(dequantize_rows(raw, infos[j]))
-                    assert blocks.shape[-1] == q4_row_bytes[j]
                 else:
                     blocks = raw
                 pack_tiles(
                     blocks, out=records[c, p.offset_in_record : p.offset_in_record + p.bytes]
                 )
-            checksums.append(zlib.crc32(records[c]))
-        out.submit(records[: len(ids)])
+        out.submit(records[: len(ids)], checksums)
         bar.update(len(ids) * src_bytes_per_expert)
     return LayerEntry(
         index=layer,
@@ -602,6 +658,6 @@ def _write_layer(
         order=tuple(order),
         offset=layer_offset,
         record_bytes=record_bytes,
-        checksums=tuple(checksums),
+        checksums=checksums,  # type: ignore[arg-type]  # filled by the writer; frozen later
         projections=projections,
     )
