@@ -331,3 +331,23 @@ def test_acquire_any_takes_groups_in_completion_order(rfile) -> None:
         with pytest.raises(ProtocolError, match="never submitted"):
             ld.acquire_any([9], timeout=1)
         ld.end_layer()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no tmpfs at /dev/shm on this host")
+def test_tmpfs_file_with_auto_direct() -> None:
+    """tmpfs refuses O_DIRECT on older kernels and accepts it on newer ones: auto mode works on
+    both and reports which one it used."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        rf = write_record_file(os.path.join(d, "experts.bin"), PADDED, 9, seed=1)
+        with Arena(PADDED, 2, 3) as arena, GroupLoader(arena, rf.path, 2, verify=True) as ld:
+            assert isinstance(ld.direct, bool)
+            ld.begin_layer(0)
+            reqs = groups_of(rf, 3)
+            ld.submit(reqs)
+            for r in reqs:
+                b = ld.acquire(r.group, timeout=10)
+                check_bank(arena, rf, b, 3)
+                ld.release(b)
+            ld.end_layer()

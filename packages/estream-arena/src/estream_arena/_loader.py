@@ -135,7 +135,6 @@ class GroupLoader:
         self._cond = threading.Condition()
         self._res = Residency(arena.n_banks, arena.group_size)
         self._queue: deque[tuple[GroupRequest, float]] = deque()
-        self._requests: dict[int, GroupRequest] = {}
         self._closed = False
         self._inflight = 0
         self._stats = LoaderStats()
@@ -398,7 +397,6 @@ class GroupLoader:
         with self._cond:
             self._check_open()
             self._res.begin_layer(layer)
-            self._requests = {}
 
     def submit(self, requests: Sequence[GroupRequest]) -> None:
         """Queue group reads, read in this order, each into the next Available bank."""
@@ -433,7 +431,6 @@ class GroupLoader:
                     )
             for r in requests:
                 self._res.submit(r.group, r.n_records)
-                self._requests[r.group] = r
                 self._queue.append((r, now))
             self._cond.notify_all()
 
@@ -563,7 +560,6 @@ class GroupLoader:
                 self._cond.wait()
             self._res.end_layer()
             self._queue.clear()
-            self._requests = {}
 
     def residency(self) -> dict[int, int]:
         """Visible bindings of the current layer: record position (group·G + i) → slot."""
