@@ -330,3 +330,17 @@ def test_direct_and_buffered_writes_agree(
     w = pack_mod._ChunkWriter(tmp_path / "probe.bin")
     assert w.direct is False  # the environment switch is honoured
     w.close()
+
+
+def test_streaming_mode_for_big_layers_is_identical(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Layers larger than the buffer budget are read expert by expert: same bytes, same digest."""
+    src = tiny_models["lfm2moe"]
+    a = pack_model(src, tmp_path / "a.estream", progress=False)
+    b = pack_model(src, tmp_path / "b.estream", progress=False, layer_buffer_bytes=0)
+    assert a.experts_path.read_bytes() == b.experts_path.read_bytes()
+    assert a.dense_path.read_bytes() == b.dense_path.read_bytes()
+    assert a.source["sha256"] == b.source["sha256"]
+    assert [la.checksums for la in a.layers] == [la.checksums for la in b.layers]
+    assert verify_pack(b.root, against=src).ok

@@ -285,26 +285,39 @@ def _pad_file(fh: IO[bytes], to: int = PAGE) -> int:
 
 
 class _SourcePass:
-    """Reads the source GGUF exactly once, front to back, hashing every byte on the way.
+    """Reads the source GGUF and computes its sha256.
 
-    Tensors are visited in file order; gaps (header, alignment padding) are read and hashed too,
-    so `sha256()` at the end is the digest of the whole file without a second read of it. The
-    hashing runs on a background thread (hashlib releases the GIL) over the buffers just read,
-    which the packer never modifies.
+    Normally (`sequential=True`) the file is read exactly once, front to back: tensors in file
+    order, gaps (header, alignment padding) too, and every buffer read is hashed on a background
+    thread (hashlib releases the GIL; the packer never modifies those buffers). When the packer
+    must read out of order (layers too big to buffer), a separate thread hashes the file with its
+    own sequential reads instead.
     """
 
-    def __init__(self, reader: TensorReader, size: int) -> None:
+    def __init__(self, reader: TensorReader, size: int, *, sequential: bool = True) -> None:
         self.reader = reader
         self.size = size
+        self.sequential = sequential
         self.pos = 0
         self._hash = hashlib.sha256()
         self._queue: queue.Queue[memoryview | None] = queue.Queue(maxsize=3)
-        self._thread = threading.Thread(target=self._run, name="estream-pack-sha256", daemon=True)
+        target = self._run if sequential else self._hash_whole_file
+        self._thread = threading.Thread(target=target, name="estream-pack-sha256", daemon=True)
+        self._stop = False
         self._thread.start()
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             self._hash.update(item)
+
+    def _hash_whole_file(self) -> None:
+        buf = np.empty(8 << 20, dtype=np.uint8)
+        with TensorReader(self.reader.path) as own:
+            for pos in range(0, self.size, buf.size):
+                if self._stop:
+                    return
+                n = min(buf.size, self.size - pos)
+                self._hash.update(own.read_into(pos, buf[:n]))
 
     def _skip_to(self, offset: int) -> None:
         if offset < self.pos:
@@ -316,7 +329,9 @@ class _SourcePass:
             self.pos += n
 
     def read(self, offset: int, out: np.ndarray) -> np.ndarray:
-        """Fill `out` from `offset` (which must not be before the previous read's end)."""
+        """Fill `out` from `offset` (in sequential mode: not before the previous read's end)."""
+        if not self.sequential:
+            return self.reader.read_into(offset, out)
         self._skip_to(offset)
         self.reader.read_into(offset, out)
         self._queue.put(memoryview(out.reshape(-1)))
@@ -328,13 +343,17 @@ class _SourcePass:
         return self.read(info.offset + start * info.row_bytes, out)
 
     def sha256(self) -> str:
-        self._skip_to(self.size)
-        self.close()
+        if self.sequential:
+            self._skip_to(self.size)
+            self._queue.put(None)
+        self._thread.join()
         return self._hash.hexdigest()
 
     def close(self) -> None:
+        self._stop = True
         if self._thread.is_alive():
-            self._queue.put(None)
+            if self.sequential:
+                self._queue.put(None)
             self._thread.join()
 
 
@@ -386,12 +405,17 @@ def pack_model(
     force: bool = False,
     progress: bool = True,
     chunk_bytes: int = 32 << 20,
+    layer_buffer_bytes: int = 384 << 20,
 ) -> Manifest:
     """Pack the GGUF MoE model `src` into the directory `dst` (conventionally `NAME.estream`).
 
     `order`: None (identity storage order), a routing-profile JSON path or dict (hot and
     co-activated experts first, see `load_routing_profile`), or `{layer: [expert ids]}`.
     Refuses to replace an existing `dst` unless `force`. Returns the written manifest.
+
+    Memory: a MoE layer's three expert tensors are read whole (one sequential pass over the
+    source) when they fit in `layer_buffer_bytes`; bigger layers (e.g. Mixtral-8x7B's ~800 MB)
+    are read one expert at a time instead, so peak memory stays bounded either way.
     """
     spec = ModelSpec.from_gguf(src)
     dst_path = Path(dst).absolute()
@@ -417,10 +441,15 @@ def pack_model(
         formats = dict((info.name, fmt) for info, fmt in dense_plan)
         in_file_order = sorted(spec.tensors.values(), key=lambda t: t.offset)
         dense_entries: dict[str, DenseEntry] = {}
-        pending: dict[int, dict[str, np.ndarray]] = {}  # MoE layer -> projection -> [E, rows, rb]
+        pending: dict[int, dict[str, Any]] = {}  # MoE layer -> projection -> [E, rows, rb]
         layers: list[LayerEntry] = []
         with TensorReader(spec.path) as reader, open(tmp / DENSE_FILE, "wb") as fh:
-            source = _SourcePass(reader, spec.file_bytes)
+            layer_bytes = max(
+                sum(spec.expert_tensor(la, j).nbytes for j in EXPERT_PROJECTIONS)
+                for la in spec.moe_layers
+            )
+            buffer_layers = layer_bytes <= layer_buffer_bytes
+            source = _SourcePass(reader, spec.file_bytes, sequential=buffer_layers)
             writer = _ChunkWriter(tmp / EXPERTS_FILE)
             try:
                 for k, info in enumerate(in_file_order):
@@ -439,8 +468,11 @@ def pack_model(
                         bar.update(nbytes)
                         continue
                     layer, proj = parsed
-                    buf = np.empty((*info.shape[:-1], info.row_bytes), dtype=np.uint8)
-                    pending.setdefault(layer, {})[proj] = source.read(info.offset, buf)
+                    if buffer_layers:  # the whole stacked tensor, read once, in file order
+                        buf = np.empty((*info.shape[:-1], info.row_bytes), dtype=np.uint8)
+                        pending.setdefault(layer, {})[proj] = source.read(info.offset, buf)
+                    else:  # one expert at a time, when its record is assembled
+                        pending.setdefault(layer, {})[proj] = _ExpertRows(reader, info)
                     if len(pending[layer]) == len(EXPERT_PROJECTIONS):
                         layers.append(
                             _write_layer(
@@ -609,8 +641,20 @@ class _ChunkWriter:
             self._pool = []
 
 
+class _ExpertRows:
+    """`rows[e]` reads expert `e` of a stacked tensor on demand into a reused buffer."""
+
+    def __init__(self, reader: TensorReader, info: TensorInfo) -> None:
+        self.reader = reader
+        self.info = info
+        self.buf = np.empty((info.shape[1], info.row_bytes), dtype=np.uint8)
+
+    def __getitem__(self, expert: int) -> np.ndarray:
+        return self.reader.expert(self.info, expert, out=self.buf)
+
+
 def _write_layer(
-    sources: dict[str, np.ndarray],
+    sources: dict[str, Any],
     spec: ModelSpec,
     layer: int,
     order: list[int],
