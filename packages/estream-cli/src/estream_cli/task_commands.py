@@ -1,14 +1,402 @@
-"""Task commands (classify, score, rerank, embed): registered into the `estream` parser."""
+"""Task commands (classify, score, rerank, embed): registered into the `estream` parser.
+
+Every command answers one request given by options, or a batch: ``--input FILE.jsonl`` (``-``
+for stdin), one JSON object per line whose fields are the options' (missing fields fall back
+to the options), one JSON result per line on stdout, ``id`` carried over. The whole input is
+read and checked before the model is loaded, so a bad line fails fast and names its line.
+"""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
-__all__ = ["add_task_commands"]
+import attrs
+
+from . import tasks
+from .errors import BadRequestError
+
+__all__ = ["add_task_commands", "read_docs_file", "read_jsonl", "read_lines_file"]
+
+
+# -- input files -------------------------------------------------------------------------------
+def _read_text(path: str, what: str) -> tuple[str, str]:
+    if path == "-":
+        return sys.stdin.read(), "<stdin>"
+    try:
+        return Path(path).read_text(encoding="utf-8"), path
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadRequestError(f"cannot read {what} {path}: {exc}") from None
+
+
+def read_jsonl(path: str) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) of every non-blank line of a JSON Lines file (``-``: stdin)."""
+    text, name = _read_text(path, "input file")
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BadRequestError(
+                f"{name}:{n}: not valid JSON ({exc.msg} at column {exc.colno})"
+            ) from None
+        if not isinstance(obj, dict):
+            raise BadRequestError(f"{name}:{n}: expected a JSON object, got {type(obj).__name__}")
+        out.append((n, obj))
+    if not out:
+        raise BadRequestError(f"{name} has no requests (it is empty)")
+    return out
+
+
+def read_lines_file(path: str, what: str) -> list[str]:
+    """One item per line; blank lines are skipped; an empty file is an error."""
+    text, name = _read_text(path, what)
+    items = [line for line in text.splitlines() if line.strip()]
+    if not items:
+        raise BadRequestError(f"{what} {name} is empty: give one per line")
+    return items
+
+
+def read_docs_file(path: str) -> list[Any]:
+    """Documents, one per line: ``{"id": …, "text": …}``, a JSON string, or plain text."""
+    text, name = _read_text(path, "docs file")
+    docs: list[Any] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        s = line.strip()
+        if s.startswith("{"):
+            try:
+                obj = json.loads(s)
+            except json.JSONDecodeError as exc:
+                raise BadRequestError(
+                    f"{name}:{n}: not valid JSON ({exc.msg} at column {exc.colno})"
+                ) from None
+            if not isinstance(obj.get("text"), str):
+                raise BadRequestError(f"{name}:{n}: a document object needs a 'text' string")
+            docs.append(obj)
+        elif s.startswith('"'):
+            try:
+                val = json.loads(s)
+            except json.JSONDecodeError:
+                val = line
+            docs.append(val if isinstance(val, str) else line)
+        else:
+            docs.append(line)
+    if not docs:
+        raise BadRequestError(f"docs file {name} is empty: give one document per line")
+    return docs
+
+
+# -- request checking --------------------------------------------------------------------------
+def _labels(value: Any, where: str) -> list[str]:
+    if isinstance(value, str):
+        labels = [s.strip() for s in value.split(",")]
+        labels = [s for s in labels if s]
+    elif isinstance(value, list) and all(isinstance(s, str) for s in value):
+        labels = list(value)
+    else:
+        raise BadRequestError(f"{where}: 'labels' must be a list of strings or 'a,b,c'")
+    if not labels:
+        raise BadRequestError(f"{where}: no labels: give --labels yes,no or a 'labels' field")
+    return labels
+
+
+def _text_list(value: Any, field: str, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise BadRequestError(f"{where}: '{field}' must be a list of strings")
+    if not value:
+        raise BadRequestError(f"{where}: '{field}' is empty")
+    return value
+
+
+def _string(obj: dict[str, Any], field: str, default: Any, where: str, hint: str) -> str:
+    v = obj.get(field, default)
+    if v is None:
+        raise BadRequestError(f"{where}: no {field}: {hint}")
+    if not isinstance(v, str):
+        raise BadRequestError(f"{where}: '{field}' must be a string, not {type(v).__name__}")
+    return v
+
+
+def _check_fields(obj: dict[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    for k in obj:
+        if k not in allowed:
+            raise BadRequestError(f"{where}: unknown field {k!r} (expected: {', '.join(allowed)})")
+
+
+@attrs.frozen
+class _Task:
+    name: str
+    fields: tuple[str, ...]
+    check: Callable[[dict[str, Any], argparse.Namespace, str], dict[str, Any]]
+    run: Callable[..., Any]
+    show: Callable[[Any, dict[str, Any]], None]
+
+
+def _check_classify(obj: dict[str, Any], args: argparse.Namespace, where: str) -> dict[str, Any]:
+    prompt = _string(obj, "prompt", args.prompt, where, "give --prompt TEXT or a 'prompt' field")
+    raw = obj.get("labels", args.labels)
+    if raw is None:
+        raise BadRequestError(f"{where}: no labels: give --labels yes,no or a 'labels' field")
+    method = obj.get("method", args.method)
+    if method not in tasks.CLASSIFY_METHODS:
+        raise BadRequestError(
+            f"{where}: method must be one of {', '.join(tasks.CLASSIFY_METHODS)}, got {method!r}"
+        )
+    return {"prompt": prompt, "labels": _labels(raw, where), "method": method}
+
+
+def _check_score(obj: dict[str, Any], args: argparse.Namespace, where: str) -> dict[str, Any]:
+    context = _string(
+        obj, "context", args.context, where, "give --context TEXT or a 'context' field"
+    )
+    if "choices" in obj:
+        choices = _text_list(obj["choices"], "choices", where)
+    elif args.choices is not None:
+        choices = args.choices
+    else:
+        raise BadRequestError(
+            f"{where}: no choices: give --choices-file FILE, --choice TEXT or a 'choices' field"
+        )
+    return {"context": context, "choices": choices}
+
+
+def _check_rerank(obj: dict[str, Any], args: argparse.Namespace, where: str) -> dict[str, Any]:
+    query = _string(obj, "query", args.query, where, "give --query TEXT or a 'query' field")
+    docs = obj.get("docs", args.docs)
+    if docs is None:
+        raise BadRequestError(f"{where}: no documents: give --docs-file FILE or a 'docs' field")
+    if not isinstance(docs, list) or not docs:
+        raise BadRequestError(f"{where}: 'docs' must be a non-empty list")
+    for i, d in enumerate(docs):
+        ok = isinstance(d, str) or (isinstance(d, dict) and isinstance(d.get("text"), str))
+        if not ok:
+            raise BadRequestError(
+                f"{where}: document {i + 1} must be a string or an object with a 'text' string"
+            )
+    return {"query": query, "docs": docs}
+
+
+def _check_embed(obj: dict[str, Any], args: argparse.Namespace, where: str) -> dict[str, Any]:
+    prompt = _string(obj, "prompt", args.prompt, where, "give --prompt TEXT or a 'prompt' field")
+    pool = obj.get("pool", args.pool)
+    if pool not in tasks.POOLS:
+        raise BadRequestError(
+            f"{where}: pool must be one of {', '.join(tasks.POOLS)}, got {pool!r}"
+        )
+    normalize = obj.get("normalize", args.normalize)
+    if not isinstance(normalize, bool):
+        raise BadRequestError(f"{where}: 'normalize' must be true or false")
+    return {"prompt": prompt, "pool": pool, "normalize": normalize}
+
+
+# -- human-readable output ---------------------------------------------------------------------
+def _show_classify(res: tasks.ClassifyResult, req: dict[str, Any]) -> None:
+    width = max(5, *(len(s.label) for s in res.labels))
+    print(f"{len(res.labels)} labels after {res.prompt_tokens} prompt tokens ({res.method}):")
+    print(f"  {'label':<{width}s}  {'prob':>8s}  {'log P':>10s}  {'tokens':>6s}")
+    for s in res.labels:
+        mark = "  *" if s.label == res.best else ""
+        print(
+            f"  {s.label:<{width}s}  {s.prob:8.4f}  {s.logprob:10.4f}  {len(s.token_ids):6d}{mark}"
+        )
+
+
+def _show_score(res: tasks.ScoreResult, req: dict[str, Any]) -> None:
+    print(f"{len(res.choices)} choices after {res.context_tokens} context tokens:")
+    print(f"  {'#':>3s}  {'log P':>10s}  {'/token':>8s}  {'/char':>8s}  {'tokens':>6s}  choice")
+    for i, c in enumerate(res.choices):
+        mark = ("*" if i == res.best else " ") + ("n" if i == res.best_norm else " ")
+        text = c.text if len(c.text) <= 50 else c.text[:47] + "..."
+        print(
+            f"  {i:3d}  {c.logprob:10.4f}  {c.logprob_per_token:8.4f}  {c.logprob_per_char:8.4f}"
+            f"  {c.n_tokens:6d} {mark} {text}"
+        )
+    print("  * best by summed log P (acc), n best per character (acc_norm)")
+
+
+def _show_rerank(res: tasks.RerankResult, req: dict[str, Any]) -> None:
+    texts = [d if isinstance(d, str) else d["text"] for d in req["docs"]]
+    print(f"{len(res.docs)} documents, by log P(yes) - log P(no):")
+    print(f"  {'rank':>4s}  {'score':>9s}  {'id':>8s}  document")
+    for r, d in enumerate(res.docs, 1):
+        t = texts[d.index].replace("\n", " ")
+        t = t if len(t) <= 60 else t[:57] + "..."
+        print(f"  {r:4d}  {d.score:9.4f}  {d.id!s:>8s}  {t}")
+
+
+def _show_embed(res: tasks.EmbedResult, req: dict[str, Any]) -> None:
+    print(json.dumps(res.to_dict()))
+
+
+# -- running -----------------------------------------------------------------------------------
+def _progress(i: int, n: int, name: str, t0: float) -> None:
+    width = 30
+    done = width * i // n
+    rate = i / max(time.perf_counter() - t0, 1e-9)
+    bar = "#" * done + "." * (width - done)
+    print(f"\r  {name} [{bar}] {i}/{n}  {rate:.1f}/s", end="", file=sys.stderr, flush=True)
+
+
+def _requests(args: argparse.Namespace, task: _Task) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """(id, checked request) pairs: from --input, or the one request given by the options."""
+    if args.input is None:
+        yield None, task.check({}, args, "request")
+        return
+    name = "<stdin>" if args.input == "-" else args.input
+    for n, obj in read_jsonl(args.input):
+        where = f"{name}:{n}"
+        _check_fields(obj, ("id", *task.fields), where)
+        yield obj.get("id", n), task.check(obj, args, where)
+
+
+def _run(args: argparse.Namespace, task: _Task) -> int:
+    from .engine import load
+    from .tokenizer import Tokenizer
+
+    t0 = time.perf_counter()
+    reqs = list(_requests(args, task))  # all checked before the model loads
+    batch = args.input is not None
+    tok = Tokenizer.from_gguf(args.model)
+    template = tasks.chat_template(args.model, tok) if args.template else None
+    show = batch and sys.stderr.isatty()
+    with load(
+        args.model,
+        mode=args.mode,
+        schedule=args.schedule,
+        budget=args.budget,
+        G=args.G,
+        Q=args.Q,
+        B=args.B,
+        n_threads=args.threads,
+        verify=args.verify,
+        act=args.act,
+        progress=not (batch or args.json),
+    ) as engine:
+        t1 = time.perf_counter()
+        for i, (rid, req) in enumerate(reqs):
+            res = task.run(engine, tok, template=template, **req)
+            if batch:
+                key = "id" if rid is not None else "line"
+                print(json.dumps({key: rid, **res.to_dict()}), flush=True)
+                if show:
+                    _progress(i + 1, len(reqs), task.name, t1)
+            elif args.json:
+                print(json.dumps(res.to_dict(), indent=1))
+            else:
+                task.show(res, req)
+    if batch:
+        if show:
+            print(file=sys.stderr)
+        dt = time.perf_counter() - t1
+        print(
+            f"estream {task.name}: {len(reqs)} requests in {dt:.2f} s "
+            f"({len(reqs) / max(dt, 1e-9):.1f}/s; load {t1 - t0:.2f} s)",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _run_classify(engine: Any, tok: Any, **kw: Any) -> Any:
+    return tasks.classify(engine, tok, kw.pop("prompt"), kw.pop("labels"), **kw)
+
+
+def _run_score(engine: Any, tok: Any, **kw: Any) -> Any:
+    return tasks.score(engine, tok, kw.pop("context"), kw.pop("choices"), **kw)
+
+
+def _run_rerank(engine: Any, tok: Any, **kw: Any) -> Any:
+    return tasks.rerank(engine, tok, kw.pop("query"), kw.pop("docs"), **kw)
+
+
+def _run_embed(engine: Any, tok: Any, **kw: Any) -> Any:
+    return tasks.embed(engine, tok, kw.pop("prompt"), **kw)
+
+
+_TASKS = {
+    "classify": _Task(
+        "classify", ("prompt", "labels", "method"), _check_classify, _run_classify, _show_classify
+    ),
+    "score": _Task("score", ("context", "choices"), _check_score, _run_score, _show_score),
+    "rerank": _Task("rerank", ("query", "docs"), _check_rerank, _run_rerank, _show_rerank),
+    "embed": _Task("embed", ("prompt", "pool", "normalize"), _check_embed, _run_embed, _show_embed),
+}
+
+
+def _command(name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        if name == "score":
+            choices = list(args.choice or [])
+            if args.choices_file:
+                choices += read_lines_file(args.choices_file, "choices file")
+            args.choices = choices or None
+        if name == "rerank":
+            args.docs = read_docs_file(args.docs_file) if args.docs_file else None
+        return _run(args, _TASKS[name])
+
+    return run
+
+
+def _common(p: argparse.ArgumentParser, add_engine_opts: Callable[..., None]) -> None:
+    p.add_argument(
+        "--input",
+        metavar="FILE.jsonl",
+        help="batch: one JSON request per line ('-': stdin); one JSON result per line",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--template",
+        action="store_true",
+        help="wrap the text as a user turn with the model's chat template (GGUF)",
+    )
+    add_engine_opts(p)
 
 
 def add_task_commands(sub: Any, add_engine_opts: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add the prefill-only task sub-commands to `sub` (an argparse subparsers object)."""
-    return None
+    p = sub.add_parser("classify", help="label probabilities for a prompt")
+    p.add_argument("model")
+    p.add_argument("--prompt", help="the text to classify (the labels continue it)")
+    p.add_argument("--labels", help="comma-separated labels, e.g. yes,no,maybe")
+    p.add_argument(
+        "--method",
+        choices=tasks.CLASSIFY_METHODS,
+        default="auto",
+        help="first-token: next-token logits of each label's first token; sequence: whole "
+        "label log-likelihood; auto (default): first-token if every label is one token",
+    )
+    _common(p, add_engine_opts)
+    p.set_defaults(func=_command("classify"))
+
+    p = sub.add_parser("score", help="log-likelihood of each continuation (multiple choice)")
+    p.add_argument("model")
+    p.add_argument("--context", help="the shared context")
+    p.add_argument("--choices-file", help="one continuation per line")
+    p.add_argument("--choice", action="append", help="a continuation (repeatable)")
+    _common(p, add_engine_opts)
+    p.set_defaults(func=_command("score"))
+
+    p = sub.add_parser("rerank", help="sort documents by relevance to a query (yes/no log-odds)")
+    p.add_argument("model")
+    p.add_argument("--query", help="the query")
+    p.add_argument(
+        "--docs-file", help='one document per line: {"id": …, "text": …}, a JSON string or text'
+    )
+    _common(p, add_engine_opts)
+    p.set_defaults(func=_command("rerank"))
+
+    p = sub.add_parser("embed", help="final hidden state of a prompt (JSON)")
+    p.add_argument("model")
+    p.add_argument("--prompt", help="the text to embed")
+    p.add_argument("--pool", choices=tasks.POOLS, default="last", help="last token or mean")
+    p.add_argument("--normalize", action="store_true", help="L2-normalise the vector")
+    _common(p, add_engine_opts)
+    p.set_defaults(func=_command("embed"))
