@@ -351,3 +351,16 @@ def test_tmpfs_file_with_auto_direct() -> None:
                 check_bank(arena, rf, b, 3)
                 ld.release(b)
             ld.end_layer()
+
+
+def test_constructor_failures_leave_nothing_behind(rfile, workdir) -> None:
+    arena = Arena(rfile.layout, 2, 2)
+    maps = list(arena._maps)
+    with pytest.raises(FileNotFoundError):
+        GroupLoader(arena, workdir / "missing.bin", 2)
+    with pytest.raises(ValueError, match="queue_depth"):
+        GroupLoader(arena, rfile.path, 0)
+    arena.close()
+    assert all(mm.closed for mm in maps)
+    with pytest.raises(LoaderClosedError, match="arena is closed"):
+        GroupLoader(arena, rfile.path, 1)

@@ -142,10 +142,13 @@ class GroupLoader:
         self._fd = -1
         self._segments = self._layout.segments()
         self._pad_per_record = self._layout.padding_bytes
-        self._planes = [memoryview(arena.plane_view(j)) for j in range(3)]
+        self._planes: list[memoryview] = []
         self._slot_bytes = arena.slot_bytes
+        if arena.closed:
+            raise LoaderClosedError("the arena is closed")
         self._fd, self.direct = self._open(direct)
         try:
+            self._planes = [memoryview(arena.plane_view(j)) for j in range(3)]
             st = os.fstat(self._fd)
             self._ident = (st.st_dev, st.st_ino)
             self._size = st.st_size
