@@ -483,8 +483,10 @@ def pack_model(
                 _pad_file(fh)
                 sha256 = source.sha256()
             finally:
-                writer.close()
-                source.close()
+                try:
+                    writer.close()
+                finally:
+                    source.close()
             experts_bytes = writer.position
             assert experts_bytes == (tmp / EXPERTS_FILE).stat().st_size
             assert not pending and len(layers) == len(spec.moe_layers)

@@ -295,7 +295,7 @@ def _tensor_plan(arch: str, d: SynthDims, n_vocab: int, expert_type: GGMLQuantiz
                 M(p + "attn_q.weight", nh * hd, ne),
                 M(p + "attn_k.weight", nkv * hd, ne),
                 M(p + "attn_v.weight", nkv * hd, ne),
-                M(p + "attn_output.weight", ne, nh * hd, 0.5),
+                M(p + "attn_output.weight", ne, nh * hd, 0.25),
             ]
             if arch == "olmoe":  # full-width q/k norms (llama.cpp: {n_embd})
                 ts += [N(p + "attn_q_norm.weight", ne), N(p + "attn_k_norm.weight", ne)]
@@ -452,13 +452,17 @@ def _random_blocks(
     blocks = raw.reshape(nb, size)
     q_rms = 4.64 if qtype == Q4_0 else 73.9  # RMS of a uniform random nibble-8 / int8
     d = t.gain / (q_rms * np.sqrt(k))
-    scales = (d * rng.uniform(0.75, 1.25, size=nb)).astype(np.float16)
+    # Signed scales, as llama.cpp's quantizer writes them (d = max / -8 takes the sign of the
+    # largest-magnitude element): random nibbles have mean -0.5, and all-positive scales would
+    # give every row the same offset, i.e. a rank-one component shared by all tokens.
+    sign = rng.integers(0, 2, size=nb) * 2.0 - 1.0
+    scales = (d * rng.uniform(0.75, 1.25, size=nb) * sign).astype(np.float16)
     blocks[:, :2] = scales.view(np.uint8).reshape(nb, 2)
     return blocks.reshape(rows, -1)
 
 
 def _embedding(t: _T, rng: np.random.Generator, u: np.ndarray) -> np.ndarray:
-    """Token embeddings `(z + u) / sqrt(K)`: random rows sharing one common direction `u`.
+    """Token embeddings `(z + u/2) / 2`: random rows sharing one common direction `u`.
 
     Trained models' hidden states share a few large directions; here `u` plays that role, and
     the routers' hot experts point along it (see `_router`), which is what makes routing skewed
@@ -470,7 +474,9 @@ def _embedding(t: _T, rng: np.random.Generator, u: np.ndarray) -> np.ndarray:
     step = max(1, (8 << 20) // k)
     for r0 in range(0, n, step):
         rows = min(step, n - r0)
-        w = ((rng.standard_normal((rows, k)) + u) / np.sqrt(k)).astype(np.float32)
+        # RMS ~0.5 per element: the residual stream starts at the scale the attention and
+        # expert outputs add to it, so tokens stay distinguishable through the layers.
+        w = (0.5 * (rng.standard_normal((rows, k)) + 0.5 * u)).astype(np.float32)
         if t.qtype == F32:
             out[r0 : r0 + rows] = w.view(np.uint8)
         elif t.qtype == F16:
@@ -489,15 +495,20 @@ def _embedding(t: _T, rng: np.random.Generator, u: np.ndarray) -> np.ndarray:
 def _router(t: _T, rng: np.random.Generator, hot: np.ndarray | None, u: np.ndarray) -> np.ndarray:
     """Skewed router `[E, d]`: random rows (norm ~2, log-normal spread), plus, for the hot
     experts, a component along the common hidden direction `u` that lifts their logits by
-    about 1.5 standard deviations for typical inputs, so they win the top-k most of the time."""
+    about half a standard deviation for typical inputs: they win the top-k more often than the
+    others (a few times the mean load), while a prompt of a few hundred tokens still reaches
+    nearly every expert — as in trained, load-balanced MoE models."""
     e, k = t.shape
     scale = np.exp(0.25 * rng.standard_normal(e))
     w = rng.standard_normal(t.shape) * (2.0 / np.sqrt(k)) * scale[:, None]
+    u_hat = u / np.linalg.norm(u)
+    # Rows orthogonal to the shared direction: otherwise every expert gets a large fixed offset
+    # (w·u) and a handful of experts takes almost every route, unlike load-balanced models.
+    w -= np.outer(w @ u_hat, u_hat)
     if hot is not None:
-        u_hat = u / np.linalg.norm(u)
-        # a normalised embedding row has a u-component of ~sqrt(k/2)
+        # the normalised hidden state has a u-component of order sqrt(k/2)
         for rank, h in enumerate(hot):
-            w[h] += (3.0 - 0.5 * rank) / np.sqrt(k / 2) * u_hat
+            w[h] += (1.0 - 0.15 * rank) / np.sqrt(k / 2) * u_hat
     return w.astype(np.float32)
 
 
