@@ -153,6 +153,12 @@ def bench_sched(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_tokenizer(session: nox.Session) -> None:
+    """Tokenization speed (tokens/s) next to HF tokenizers and llama.cpp when installed."""
+    _bench(session, PKG / "estream-cli" / "bench" / "bench_tokenizer.py", all_pkgs=True)
+
+
+@nox.session
 def bench_engine(session: nox.Session) -> None:
     """End-to-end prefill: stream vs resident (vs llama.cpp when available)."""
     _bench(session, ROOT / "integration" / "bench" / "bench_engine.py", all_pkgs=True)

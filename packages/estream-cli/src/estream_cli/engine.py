@@ -387,9 +387,10 @@ class Engine:
         hp = self.hp
         T = int(ids.size)
         memory.reset_peak()
-        n_rec0 = len(self.experts.records)
-        read0 = self._reads_so_far()
-        bytes0 = self.experts.bytes_read if self.config is not None else 0
+        # Per-request bookkeeping only: a long-lived engine must not grow without bound.
+        self.experts.records.clear()
+        if self.config is not None:
+            self.experts.loader.reset_stats()
         spans: list[tuple[str, int, float, float]] = []
         t_start = time.perf_counter()
         x = htp.get_rows(self.tok_embd.data, self.tok_embd.fmt, hp.n_vocab, hp.n_embd, ids)
@@ -430,9 +431,9 @@ class Engine:
             hidden = hn if rows is None else htp.rms_norm(x, self.output_norm, hp.rms_eps)
         t_end = time.perf_counter()
         spans.append(("output", -1, t0, t_end))
-        records = self.experts.records[n_rec0:]
-        reads = self._reads_so_far()[len(read0) :]
-        bytes_read = (self.experts.bytes_read - bytes0) if self.config is not None else 0
+        records = list(self.experts.records)
+        reads = self._reads_so_far()
+        bytes_read = self.experts.bytes_read if self.config is not None else 0
         from .metrics import build_events, run_metrics
 
         metrics = run_metrics(
