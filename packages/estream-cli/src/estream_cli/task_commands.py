@@ -246,16 +246,20 @@ def _progress(i: int, n: int, name: str, t0: float) -> None:
     print(f"\r  {name} [{bar}] {i}/{n}  {rate:.1f}/s", end="", file=sys.stderr, flush=True)
 
 
-def _requests(args: argparse.Namespace, task: _Task) -> Iterator[tuple[Any, dict[str, Any]]]:
-    """(id, checked request) pairs: from --input, or the one request given by the options."""
+def _requests(
+    args: argparse.Namespace, task: _Task
+) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """(key, checked request) pairs, the key being ``{"id": …}`` when the request has an id,
+    else ``{"line": n}``: from --input, or the one request given by the options."""
     if args.input is None:
-        yield None, task.check({}, args, "request")
+        yield {}, task.check({}, args, "request")
         return
     name = "<stdin>" if args.input == "-" else args.input
     for n, obj in read_jsonl(args.input):
         where = f"{name}:{n}"
         _check_fields(obj, ("id", *task.fields), where)
-        yield obj.get("id", n), task.check(obj, args, where)
+        key = {"id": obj["id"]} if "id" in obj else {"line": n}
+        yield key, task.check(obj, args, where)
 
 
 def _run(args: argparse.Namespace, task: _Task) -> int:
@@ -282,11 +286,10 @@ def _run(args: argparse.Namespace, task: _Task) -> int:
         progress=not (batch or args.json),
     ) as engine:
         t1 = time.perf_counter()
-        for i, (rid, req) in enumerate(reqs):
+        for i, (key, req) in enumerate(reqs):
             res = task.run(engine, tok, template=template, **req)
             if batch:
-                key = "id" if rid is not None else "line"
-                print(json.dumps({key: rid, **res.to_dict()}), flush=True)
+                print(json.dumps({**key, **res.to_dict()}), flush=True)
                 if show:
                     _progress(i + 1, len(reqs), task.name, t1)
             elif args.json:
