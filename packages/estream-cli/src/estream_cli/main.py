@@ -242,20 +242,22 @@ def _print_choice(choice: Any, budget: int, dt: float) -> None:
         f"memory {memory.format_bytes(choice.memory_bytes)} (selected in {dt * 1e3:.2f} ms)"
     )
     rows = _table_rows(choice)
-    if rows:
-        keys = list(rows[0].keys())
-        print("  " + "  ".join(f"{k:>12s}" for k in keys))
-        for r in rows:
-            cells = []
-            for k in keys:
-                v = r[k]
-                if isinstance(v, float):
-                    cells.append(f"{v * 1e3:12.2f}" if k.endswith("_s") else f"{v:12.4g}")
-                elif isinstance(v, int) and k.endswith("bytes"):
-                    cells.append(f"{memory.format_bytes(v):>12s}")
-                else:
-                    cells.append(f"{v!s:>12s}")
-            print("  " + "  ".join(cells))
+    if not rows:
+        return
+    # One line per candidate group size: its best feasible bank count B*(g).
+    print(f"  {'g':>4s} {'B*(g)':>6s} {'B_max':>6s} {'predicted':>12s} {'memory':>12s}")
+    for g in sorted({int(r["g"]) for r in rows}):
+        mine = [r for r in rows if int(r["g"]) == g]
+        feas = [r for r in mine if r["feasible"]]
+        if not feas:
+            print(f"  {g:>4d} {'-':>6s} {'-':>6s} {'infeasible':>12s} {'':>12s}")
+            continue
+        best = min(feas, key=lambda r: (r["predicted_s"], r["memory_bytes"]))
+        mark = " *" if (g, int(best["b"])) == (choice.G, choice.B) else ""
+        print(
+            f"  {g:>4d} {int(best['b']):>6d} {max(int(r['b']) for r in feas):>6d} "
+            f"{best['predicted_s'] * 1e3:>9.1f} ms {memory.format_bytes(best['memory_bytes']):>12s}{mark}"
+        )
 
 
 def _plot(model: Any, choice: Any, budget: int, out: str) -> None:

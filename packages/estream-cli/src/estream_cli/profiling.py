@@ -22,7 +22,6 @@ import estream_arena as ea
 import estream_sched as es
 
 from .errors import BudgetTooSmallError, PackError
-from .memory import format_bytes
 from .packed import PackedModel, save_manifest
 
 __all__ = ["DEFAULT_CANDIDATES", "configure_for_budget", "measure_bandwidth", "profile_model"]
@@ -117,7 +116,8 @@ def profile_model(
             eng.prefill(tokens[: min(T, 8)])  # warm-up: dense weights paged in, pool started
             res = eng.prefill(tokens)
             arena_bytes = eng.experts.memory_bytes
-        m_other[g] = max(0, int(res.metrics["peak_memory_bytes"]) - int(arena_bytes))
+        # process-owned memory only: MemAvailable also moves with other processes on the machine
+        m_other[g] = max(0, int(res.metrics["peak_rss_bytes"]) - int(arena_bytes))
         cand[g] = _layer_profiles(res, model, g)
         bandwidth[g] = {int(q): measure_bandwidth(model, g, int(q)) for q in queue_depths}
         say(
@@ -197,11 +197,7 @@ def configure_for_budget(model: PackedModel, budget: int) -> Any:
     try:
         return es.configure(profile, int(budget))
     except es.BudgetError as exc:
-        raise BudgetTooSmallError(
-            f"budget {format_bytes(budget)} is below the minimum {format_bytes(exc.minimum_bytes)} "
-            f"for this model ({exc})",
-            exc.minimum_bytes,
-        ) from None
+        raise BudgetTooSmallError(str(exc), exc.minimum_bytes) from None
 
 
 def store_profile(model: PackedModel, profile: Any) -> None:
