@@ -11,10 +11,28 @@ void htp_attn_task_portable(const htp_attn_ctx *c, uint32_t task, float *scratch
     htp_attn_task_body(c, task, scratch);
 }
 
+void htp_swiglu_portable(const float *g, const float *u, uint64_t n, float *out) {
+    htp_swiglu_body(g, u, n, out);
+}
+
 static void attn_worker(void *arg, uint32_t ith, uint32_t nth) {
     const htp_attn_ctx *c = (const htp_attn_ctx *)arg;
     float *scratch = (float *)htp_scratch(ith, 1, 0);
     const uint32_t n_tasks = c->hq * c->n_qblk;
+    if (c->kt) {
+        /* transpose K once: rows (kv head, dim) split over threads */
+        uint32_t b, e;
+        htp_split(c->hkv * c->dk, ith, nth, &b, &e);
+        for (uint32_t rr = b; rr < e; rr++) {
+            const uint32_t hk = rr / c->dk, d = rr % c->dk;
+            float *dst = c->kt + (size_t)rr * c->kt_ld;
+            const float *src = c->k + (size_t)hk * c->dk + d;
+            const size_t ks = (size_t)c->hkv * c->dk;
+            for (uint32_t j = 0; j < c->t; j++) dst[j] = src[(size_t)j * ks];
+            for (size_t j = c->t; j < c->kt_ld; j++) dst[j] = 0.0f;
+        }
+        htp_barrier();
+    }
     /* Heavy (late) causal blocks first, dealt round-robin. */
     for (uint32_t i = ith; i < n_tasks; i += nth) {
         const uint32_t h = i % c->hq, qb = c->n_qblk - 1 - i / c->hq;
@@ -31,10 +49,17 @@ htp_status htp_attention(const float *q, const float *k, const float *v, uint32_
         return HTP_E_INVALID;
     if (t == 0) return HTP_OK;
     htp_attn_ctx c = {q, k, v, out, t, n_q_heads, n_kv_heads, dk, dv, causal ? 1u : 0u,
-                      (t + HTP_ATTN_BQ - 1) / HTP_ATTN_BQ, scale};
+                      (t + HTP_ATTN_BQ - 1) / HTP_ATTN_BQ, scale, NULL, 0};
     const size_t need = htp_attn_scratch_floats(&c) * sizeof(float);
     for (uint32_t i = 0; i < htp_nth(); i++)
         if (!htp_scratch(i, 1, need)) return HTP_E_NOMEM;
+    const uint32_t lvl = htp_simd_get();
+    if ((lvl == HTP_SIMD_AVX512 || lvl == HTP_SIMD_AVX512VNNI) && dk % 16 == 0 && dv % 16 == 0) {
+        c.kt_ld = ((size_t)t + HTP_ATTN_BK - 1) / HTP_ATTN_BK * HTP_ATTN_BK;
+        c.kt = (float *)malloc(sizeof(float) * c.kt_ld * n_kv_heads * dk);
+        if (!c.kt) return HTP_E_NOMEM;
+    }
     htp_parallel(attn_worker, &c);
+    free(c.kt);
     return HTP_OK;
 }

@@ -27,6 +27,16 @@ HTP_INLINE float htp_exp_neg(float x) {
     return p * s;
 }
 
+/* out[i] = silu(g[i]) * (u ? u[i] : 1), vectorisable (sigmoid via exp(-|x|), no overflow). */
+HTP_INLINE void htp_swiglu_body(const float *g, const float *u, uint64_t n, float *out) {
+    for (uint64_t i = 0; i < n; i++) {
+        const float x = g[i];
+        const float e = htp_exp_neg(-fabsf(x));
+        const float sig = (x >= 0.0f ? 1.0f : e) / (1.0f + e);
+        out[i] = u ? x * sig * u[i] : x * sig;
+    }
+}
+
 HTP_INLINE void htp_attn_task_body(const htp_attn_ctx *c, uint32_t task, float *scratch) {
     const uint32_t BQ = HTP_ATTN_BQ, BK = HTP_ATTN_BK;
     const uint32_t h = task / c->n_qblk, qb = task % c->n_qblk;

@@ -27,6 +27,7 @@ void htp_kernels_portable(htp_kernels *k) {
     k->gemm_q8 = gemm_q8_portable;
     k->quantize_row_q8 = quantize_q8_portable;
     k->attention_task = htp_attn_task_portable;
+    k->swiglu = htp_swiglu_portable;
 }
 
 void htp_quantize_row_q8(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s) {
@@ -287,13 +288,15 @@ htp_status htp_rope(float *x, const int32_t *pos, uint32_t t, uint32_t n_heads, 
 
 /* ---- SiLU / SwiGLU ---- */
 htp_status htp_silu(const float *x, uint64_t n, float *out) {
+    htp_ensure_init();
     if ((!x || !out) && n) return HTP_E_INVALID;
-    for (uint64_t i = 0; i < n; i++) out[i] = x[i] / (1.0f + expf(-x[i]));
+    htp_k.swiglu(x, NULL, n, out);
     return HTP_OK;
 }
 htp_status htp_swiglu(const float *g, const float *u, uint64_t n, float *out) {
+    htp_ensure_init();
     if ((!g || !u || !out) && n) return HTP_E_INVALID;
-    for (uint64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    htp_k.swiglu(g, u, n, out);
     return HTP_OK;
 }
 

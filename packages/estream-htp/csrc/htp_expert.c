@@ -88,8 +88,6 @@ htp_status htp_expert_graph_init(const htp_expert_graph_desc *desc, htp_expert_g
     return HTP_OK;
 }
 
-static inline float silu_f(float v) { return v / (1.0f + expf(-v)); }
-
 static void run_task(void *arg, uint32_t ith, uint32_t nth) {
     run_ctx *c = (run_ctx *)arg;
     htp_expert_graph *g = c->g;
@@ -136,7 +134,7 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
                 for (uint32_t i = 0; i < n; i++) {
                     float *gi = tg + (size_t)i * ncol;
                     const float *ui = tu + (size_t)i * ncol;
-                    for (uint32_t col = 0; col < ncol; col++) gi[col] = silu_f(gi[col]) * ui[col];
+                    htp_k.swiglu(gi, ui, ncol, gi);
                     if (c->q8) {
                         for (uint32_t blk = 0; blk < e - b; blk++) {
                             const size_t o = (size_t)(rec + i) * fb + b + blk;

@@ -96,6 +96,8 @@ typedef struct htp_attn_ctx {
     float *out;
     uint32_t t, hq, hkv, dk, dv, causal, n_qblk;
     float scale;
+    float *kt;    /* optional: K transposed per KV head, [hkv][dk][kt_ld] (zero padded) */
+    size_t kt_ld; /* multiple of HTP_ATTN_BK, >= t */
 } htp_attn_ctx;
 size_t htp_attn_scratch_floats(const htp_attn_ctx *c);
 
@@ -104,6 +106,7 @@ typedef struct htp_kernels {
     htp_gemm_q8_fn gemm_q8;
     void (*quantize_row_q8)(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s);
     void (*attention_task)(const struct htp_attn_ctx *c, uint32_t task, float *scratch);
+    void (*swiglu)(const float *g, const float *u, uint64_t n, float *out); /* u may be NULL */
 } htp_kernels;
 
 extern htp_kernels htp_k;
@@ -111,10 +114,12 @@ extern htp_kernels htp_k;
 /* Kernel sets, filled by each level's translation unit. */
 void htp_kernels_portable(htp_kernels *k);
 void htp_attn_task_portable(const htp_attn_ctx *c, uint32_t task, float *scratch);
+void htp_swiglu_portable(const float *g, const float *u, uint64_t n, float *out);
 #ifdef HTP_X86
 void htp_kernels_avx2(htp_kernels *k);
 void htp_kernels_avx512(htp_kernels *k);
 void htp_kernels_avx512vnni(htp_kernels *k);
+void htp_attn_task_avx512(const htp_attn_ctx *c, uint32_t task, float *scratch);
 #endif
 
 /* Dequantize one 32x32 tile (tile_bytes at p) into panel[col][32 rows] (column-major strip). */

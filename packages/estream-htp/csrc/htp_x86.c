@@ -28,6 +28,9 @@
     }                                                                                            \
     TARGET static void attn_##SUFFIX(const htp_attn_ctx *c, uint32_t task, float *scratch) {     \
         htp_attn_task_body(c, task, scratch);                                                    \
+    }                                                                                            \
+    TARGET static void swiglu_##SUFFIX(const float *g, const float *u, uint64_t n, float *out) { \
+        htp_swiglu_body(g, u, n, out);                                                           \
     }
 
 HTP_INSTANTIATE(avx2, HTP_T_AVX2)
@@ -128,13 +131,15 @@ void htp_kernels_avx2(htp_kernels *k) {
     k->gemm_q8 = gemm_q8_generic_avx2;
     k->quantize_row_q8 = quantize_q8_avx2;
     k->attention_task = attn_avx2;
+    k->swiglu = swiglu_avx2;
 }
 
 void htp_kernels_avx512(htp_kernels *k) {
     k->gemm_f32 = gemm_f32_avx512;
     k->gemm_q8 = gemm_q8_bw;
     k->quantize_row_q8 = quantize_q8_avx512;
-    k->attention_task = attn_avx512;
+    k->attention_task = htp_attn_task_avx512;
+    k->swiglu = swiglu_avx512;
 }
 
 void htp_kernels_avx512vnni(htp_kernels *k) {
@@ -155,7 +160,6 @@ HTP_T_VNNI static int32_t peak_vnni(uint64_t iters) {
     for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_epi32(i);
     for (uint64_t it = 0; it < iters; it++) {
         for (int i = 0; i < 12; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
-        __asm__ volatile("" ::: "memory");
     }
     __m512i r = acc[0];
     for (int i = 1; i < 12; i++) r = _mm512_add_epi32(r, acc[i]);
@@ -168,7 +172,6 @@ HTP_T_AVX512 static int32_t peak_bw(uint64_t iters) {
     for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_epi32(i);
     for (uint64_t it = 0; it < iters; it++) {
         for (int i = 0; i < 12; i++) acc[i] = DOT_BW(acc[i], a, b);
-        __asm__ volatile("" ::: "memory");
     }
     __m512i r = acc[0];
     for (int i = 1; i < 12; i++) r = _mm512_add_epi32(r, acc[i]);
