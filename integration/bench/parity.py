@@ -132,7 +132,7 @@ def yarn_overrides(arch: str) -> dict[str, Any]:
 
 
 def engine_logits(
-    gguf: Path, work: Path, tokens: list[int], mode: str = "stream"
+    gguf: Path, work: Path, tokens: list[int], mode: str = "stream", act: str = ""
 ) -> tuple[np.ndarray | None, str]:
     """The engine's all-position logits, or ``(None, reason)`` when it is not available."""
     try:
@@ -148,7 +148,7 @@ def engine_logits(
     except Exception as exc:
         return None, f"packing failed: {type(exc).__name__}: {exc}"
     try:
-        engine = estream.load(packed, mode=mode)
+        engine = estream.load(packed, mode=mode, **({"act": act} if act else {}))
         try:
             result = engine.prefill(tokens, all_logits=True)
         finally:
@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-engine", action="store_true")
     ap.add_argument("--engine-mode", default="stream", help="stream | resident | naive | layer")
+    ap.add_argument(
+        "--engine-acts", default="q8,f32", help="engine activation formats to run (act=...)"
+    )
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "parity.json"))
     args = ap.parse_args(argv)
 
@@ -232,16 +235,28 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
             if variant == "q4_0" and not args.no_engine:
-                t0 = time.perf_counter()
-                eng, why = engine_logits(gguf, work, tokens, args.engine_mode)
-                if eng is None:
-                    row["engine_note"] = why
-                    print(f"{arch}/{variant}: engine column skipped: {why}")
-                else:
+                acts = [a.strip() for a in args.engine_acts.split(",") if a.strip()] or [""]
+                for n, act in enumerate(acts):
+                    if n:  # one row per engine activation format
+                        row = {k: v for k, v in row.items() if not k.startswith("engine")}
+                        rows.append(row)
+                    row["engine_act"] = act
+                    t0 = time.perf_counter()
+                    eng, why = engine_logits(gguf, work, tokens, args.engine_mode, act)
+                    if eng is None:
+                        row["engine_note"] = why
+                        print(f"{arch}/{variant}: engine ({act}) skipped: {why}", flush=True)
+                        continue
                     row["t_engine_s"] = time.perf_counter() - t0
                     row["engine_vs_ref"] = compare(eng, ref)
                     if lcpp is not None:
                         row["engine_vs_llamacpp"] = compare(eng, lcpp)
+                    c = row["engine_vs_ref"]
+                    print(
+                        f"{arch}/{variant}: engine ({act}) vs reference rel L2 "
+                        f"{c['rel_l2']:.2e}, top-1 {c['top1']:.3f}",
+                        flush=True,
+                    )
 
     _print_table(rows)
     out = Path(args.out)
@@ -252,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
         "llama_cpp_python": version,
         "tokens": args.tokens,
+        "engine_mode": args.engine_mode,
         "seed": args.seed,
         "targets": {"rel_l2": TARGET_REL_L2, "top1": TARGET_TOP1},
         "rows": rows,
@@ -270,35 +286,43 @@ def _fmt(cmp: dict[str, float] | None) -> str:
 def _print_table(rows: list[dict[str, Any]]) -> None:
     print()
     head = (
-        f"{'arch':<9} {'weights':<7} | {'llama.cpp vs ref':^17} | {'engine vs ref':^17} | "
+        f"{'arch':<9} {'weights':<10} | {'llama.cpp vs ref':^17} | {'engine vs ref':^17} | "
         f"{'engine vs llama':^17} | {'t_ref':>6} {'t_lcpp':>6}"
     )
     print(head)
     print(
-        f"{'':<17} | {'relL2':>9} {'top1':>7} | {'relL2':>9} {'top1':>7} | {'relL2':>9} {'top1':>7} |"
+        f"{'':<20} | {'relL2':>9} {'top1':>7} | {'relL2':>9} {'top1':>7} | {'relL2':>9} {'top1':>7} |"
     )
     print("-" * len(head))
     for r in rows:
         if "error" in r:
-            print(f"{r['arch']:<9} {r['variant']:<7} | {r['error']}")
+            print(f"{r['arch']:<9} {r['variant']:<10} | {r['error']}")
             continue
+        label = r["variant"] + (f"/{r['engine_act']}" if r.get("engine_act") else "")
         print(
-            f"{r['arch']:<9} {r['variant']:<7} | {_fmt(r.get('llamacpp_vs_ref'))} | "
+            f"{r['arch']:<9} {label:<10} | {_fmt(r.get('llamacpp_vs_ref'))} | "
             f"{_fmt(r.get('engine_vs_ref'))} | {_fmt(r.get('engine_vs_llamacpp'))} | "
             f"{r.get('t_reference_s', float('nan')):6.1f} {r.get('t_llamacpp_s', float('nan')):6.1f}"
         )
         if "llamacpp_error" in r:
-            print(f"{'':<17} | llama.cpp error: {r['llamacpp_error'].splitlines()[0][:120]}")
+            print(f"{'':<20} | llama.cpp error: {r['llamacpp_error'].splitlines()[0][:120]}")
         if "engine_note" in r:
-            print(f"{'':<17} | engine: {r['engine_note'][:120]}")
+            print(f"{'':<20} | engine: {r['engine_note'][:120]}")
     print(f"targets (engine vs reference): rel L2 <= {TARGET_REL_L2:g}, top-1 >= {TARGET_TOP1:.0%}")
+    print("weights/act: the engine's activation format (q8: int8 blocks, f32: float)")
     print("top-1 on decisive positions (reference margin > 4x the RMS logit error):")
+    seen: set[tuple[str, str]] = set()
     for r in rows:
         for key in ("llamacpp_vs_ref", "engine_vs_ref"):
             c = r.get(key)
+            if key == "llamacpp_vs_ref":
+                if (r["arch"], r["variant"]) in seen:
+                    continue
+                seen.add((r["arch"], r["variant"]))
             if c:
+                label = r["variant"] + (f"/{r['engine_act']}" if "engine" in key else "")
                 print(
-                    f"  {r['arch']:<9} {r['variant']:<5} {key:<16} {c['top1_decisive']:.3f} "
+                    f"  {r['arch']:<9} {label:<10} {key:<16} {c['top1_decisive']:.3f} "
                     f"of {c['n_decisive']} positions"
                 )
 
