@@ -436,6 +436,8 @@ class ReferenceConfig:
             )
         # llama.cpp: scale = 1/factor, and never any scaling when the type is "none".
         freq_scale = 1.0 if factor == 0.0 or scaling_type == "none" else 1.0 / factor
+        if f"{arch}.attention.sliding_window" in fields:
+            raise UnsupportedModelError("sliding-window attention is not implemented")
 
         tensor_names = {t.name for t in reader.tensors}
         if "token_embd.weight" not in tensor_names:

@@ -545,6 +545,10 @@ def test_refuses_what_it_does_not_implement(tiny_model, tiny_gguf_dir: Path) -> 
     m.metadata["qwen3moe.rope.scaling.type"] = "longrope"
     with pytest.raises(UnsupportedModelError, match="longrope"):
         ReferenceModel(m.write(tiny_gguf_dir / "longrope.gguf"))
+    m = tiny_model("lfm2moe", seed=1)
+    m.metadata["lfm2moe.attention.sliding_window"] = 16
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        ReferenceModel(m.write(tiny_gguf_dir / "swa.gguf"))
     model = ReferenceModel(tiny_model("olmoe").write(tiny_gguf_dir / "ok.gguf"))
     with pytest.raises(ValueError, match="token ids"):
         model.forward([0, 96])
