@@ -344,3 +344,31 @@ def test_streaming_mode_for_big_layers_is_identical(
     assert a.source["sha256"] == b.source["sha256"]
     assert [la.checksums for la in a.layers] == [la.checksums for la in b.layers]
     assert verify_pack(b.root, against=src).ok
+
+
+def test_k_quant_dense_matrices_become_q8_tiles(tmp_path: Path) -> None:
+    """Dense matrices of a type the kernels do not consume (Q4_K) are converted to q8_0-t32r4:
+    one rounding step away from the source values."""
+    src = synth_model(
+        "qwen3moe", "tiny", tmp_path / "k.gguf", dense_type="Q4_K", n_embd=256, head_dim=64
+    )
+    m = pack_model(src, tmp_path / "k.estream", progress=False)
+    reader = gguf.GGUFReader(src)
+    n_checked = 0
+    for t in reader.tensors:
+        if t.tensor_type != gguf.GGMLQuantizationType.Q4_K:
+            continue
+        e = m.dense[t.name]
+        assert e.format == "q8_0-t32r4"
+        want = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float64)
+        body = np.fromfile(m.dense_path, np.uint8, count=e.bytes, offset=e.offset)
+        got = dequantize_blocks(unpack_tiles(body, *e.shape, "q8_0-t32r4"), "q8_0-t32r4")
+        amax = (
+            np.abs(want.reshape(-1, 32)).max(axis=1).reshape(want.shape[0], -1).repeat(32, axis=1)
+        )
+        # round to nearest (d/2) + fp16 rounding of d (127 steps x 2^-11 relative), and for
+        # tiny blocks whose d is an fp16 subnormal (spacing 2^-24): 127 x 2^-25 absolute
+        assert (np.abs(got - want) <= amax / 127 * 0.57 + 127 * 2.0**-25).all(), t.name
+        n_checked += 1
+    assert n_checked >= 4
+    assert verify_pack(m.root, against=src).ok

@@ -60,6 +60,7 @@ Q4_0: Final = GGMLQuantizationType.Q4_0
 Q8_0: Final = GGMLQuantizationType.Q8_0
 F32: Final = GGMLQuantizationType.F32
 F16: Final = GGMLQuantizationType.F16
+Q4_K: Final = GGMLQuantizationType.Q4_K
 
 
 @attrs.frozen
@@ -512,6 +513,20 @@ def _router(t: _T, rng: np.random.Generator, hot: np.ndarray | None, u: np.ndarr
     return w.astype(np.float32)
 
 
+def _random_q4_k(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
+    """Random Q4_K super-blocks (256 elements, 144 B: fp16 d, fp16 dmin, 12 B of 6-bit scales
+    and mins, 128 B of nibbles) with d/dmin chosen for an element RMS of ~gain/sqrt(K)."""
+    k = t.shape[-1]
+    nb = rows * (k // 256)
+    raw = rng.integers(0, 256, size=(nb, 144), dtype=np.uint8)
+    # value = d * scale * q - dmin * min, scale/min in 0..63, q in 0..15: RMS ~ 300 d
+    d = (t.gain / (300.0 * np.sqrt(k)) * rng.uniform(0.75, 1.25, size=nb)).astype(np.float16)
+    dmin = (d.astype(np.float32) * 0.5).astype(np.float16)
+    raw[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+    raw[:, 2:4] = dmin.view(np.uint8).reshape(nb, 2)
+    return raw.reshape(rows, -1)
+
+
 def _tensor_data(
     t: _T, rng: np.random.Generator, hot: np.ndarray | None, u: np.ndarray
 ) -> np.ndarray:
@@ -528,10 +543,12 @@ def _tensor_data(
         return (rng.standard_normal(t.shape) / np.sqrt(t.shape[-1])).astype(np.float32)
     if t.kind == "router":
         return _router(t, rng, hot, u)
-    if t.kind == "embed":
+    if t.kind == "embed" and t.qtype != Q4_K:  # gguf cannot quantize K-quants: random below
         return _embedding(t, rng, u)
     if t.qtype in (Q4_0, Q8_0):
         return _random_blocks(rng, t, rows, t.qtype)
+    if t.qtype == Q4_K:
+        return _random_q4_k(rng, t, rows)
     w = (rng.standard_normal(t.shape) * (t.gain / np.sqrt(k))).astype(np.float32)
     if t.qtype == F16:
         return w.astype(np.float16)
@@ -593,6 +610,13 @@ def synth_model(
 
     qt = {n: GGMLQuantizationType[n] for n in {expert_type, dense_type, output_type}}
     plan = _tensor_plan(arch, d, n_vocab, qt[expert_type], qt[dense_type], qt[output_type])
+    for t in plan:
+        block = GGML_QUANT_SIZES[t.qtype][0]
+        if t.shape[-1] % block:
+            raise ValueError(
+                f"{t.name}: row length {t.shape[-1]} is not a multiple of the {t.qtype.name} "
+                f"block size {block}; choose other dimensions or types"
+            )
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = GGUFWriter(out, GGUF_ARCH[arch])
