@@ -93,3 +93,42 @@ def test_console_scripts(tmp_path: Path) -> None:
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_order_profile_option(
+    tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"layers": [{"index": 1, "counts": [0, 0, 0, 0, 0, 0, 0, 9]}]}))
+    dst = tmp_path / "o.estream"
+    assert (
+        pack_main(
+            [
+                str(tiny_models["olmoe"]),
+                "-o",
+                str(dst),
+                "--order-profile",
+                str(prof),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    m = Manifest.from_path(dst)
+    assert m.layer(1).order[0] == 7 and m.layer(0).order == tuple(range(8))
+    assert pack_main(["--inspect", str(dst)]) == 0
+    assert "profiled in layers [1]" in capsys.readouterr().out
+    prof.write_text("{not json")
+    assert (
+        pack_main(
+            [
+                str(tiny_models["olmoe"]),
+                "-o",
+                str(tmp_path / "x.estream"),
+                "--order-profile",
+                str(prof),
+            ]
+        )
+        == 2
+    )
+    assert "routing profile" in _one_error_line(capsys.readouterr().err, "estream-pack")

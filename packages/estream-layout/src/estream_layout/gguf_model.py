@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -497,14 +497,3 @@ def dequantize_tensor(spec: ModelSpec, name: str) -> np.ndarray:
         raw = raw.reshape(1, -1)
         return dequantize_rows(raw, info).reshape(info.shape)
     return dequantize_rows(raw, info).reshape(info.shape)
-
-
-def iter_tensor_chunks(
-    reader: TensorReader, info: TensorInfo, max_bytes: int = 32 << 20
-) -> Iterator[tuple[int, np.ndarray]]:
-    """Yield `(first_row, rows)` chunks of a tensor, at most `max_bytes` each, in row order."""
-    rb = max(info.row_bytes, 1)
-    step = max(32, (max_bytes // rb) // 32 * 32)
-    total = info.n_rows
-    for start in range(0, total, step):
-        yield start, reader.rows(info, start, min(step, total - start))
