@@ -69,7 +69,7 @@ def test_generated_vocab_is_valid_bpe() -> None:
     assert v["tokenizer.ggml.eos_token_id"] == 299
 
 
-def test_vocab_copied_from_file(tmp_path: Path) -> None:
+def test_vocab_copied_from_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     w = gguf.GGUFWriter(tmp_path / "vocab.gguf", "gpt2")
     toks = [chr(0x100 + i) for i in range(40)] + ["ab", "abc"]
     w.add_tokenizer_model("gpt2")
@@ -90,6 +90,7 @@ def test_vocab_copied_from_file(tmp_path: Path) -> None:
     # a vocab path that does not exist falls back to a generated vocabulary
     p2 = synth_model("mixtral", "tiny", tmp_path / "m2.gguf", vocab=tmp_path / "missing.gguf")
     assert ModelSpec.from_gguf(p2).n_vocab == 301
+    assert "not found" in capsys.readouterr().err
 
 
 def test_overrides_and_types(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ real models. Tensor data is generated and written one tensor at a time, so the 4
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -590,6 +591,11 @@ def synth_model(
     vocab_path: Path | None
     if vocab is not None:
         vocab_path = Path(vocab) if Path(vocab).is_file() else None
+        if vocab_path is None:
+            sys.stderr.write(
+                f"estream-synth: vocabulary {vocab} not found; using a generated "
+                f"{d.n_vocab}-token BPE vocabulary\n"
+            )
     else:
         vocab_path = find_vocab(arch) if preset != "tiny" else None
     if vocab_path is not None:
