@@ -14,6 +14,7 @@ import pytest
 from estream_layout import (
     ARCHES,
     Manifest,
+    ModelSpec,
     PackExistsError,
     PackFormatError,
     ProfileError,
@@ -372,3 +373,60 @@ def test_k_quant_dense_matrices_become_q8_tiles(tmp_path: Path) -> None:
         n_checked += 1
     assert n_checked >= 4
     assert verify_pack(m.root, against=src).ok
+
+
+def test_mixed_expert_types_requantize_only_non_q4(
+    tiny_models: dict[str, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Quantizer mixes (e.g. Q4_K_M) give some expert tensors another type: only those are
+    re-quantized; Q4_0 ones stay bit-exact."""
+    src = tiny_models["olmoe"]
+    reader = gguf.GGUFReader(src)
+    mixed = tmp_path / "mixed.gguf"
+    w = gguf.GGUFWriter(mixed, "olmoe")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), vtype, sub)
+    changed = "blk.1.ffn_down_exps.weight"
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        if t.name == changed:
+            f = gguf.quants.dequantize(data, t.tensor_type)
+            q8 = gguf.quants.quantize(f, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(t.name, q8, raw_shape=q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    spec = ModelSpec.from_gguf(mixed)
+    assert spec.expert_type == "mixed:Q4_0,Q8_0"
+    m = pack_model(mixed, tmp_path / "mixed.estream", progress=False)
+    err = capfd.readouterr().err
+    assert "1 of the 6 expert tensors" in err and "RE-QUANTIZED" in err
+    assert m.source["requantized_tensors"] == [changed]
+    assert verify_pack(m.root, against=mixed).ok
+    # the Q4_0 tensors of the mixed model pack exactly as in the all-Q4_0 original
+    ref = pack_model(src, tmp_path / "ref.estream", progress=False)
+    for la, lb in zip(ref.layers, m.layers):
+        for j in ("gate", "up", "down"):
+            if (la.index, j) == (1, "down"):
+                continue
+            p = la.projections[j]
+            a = np.fromfile(
+                ref.experts_path,
+                np.uint8,
+                count=p.bytes,
+                offset=la.record_offset(3) + p.offset_in_record,
+            )
+            b = np.fromfile(
+                m.experts_path,
+                np.uint8,
+                count=p.bytes,
+                offset=lb.record_offset(3) + p.offset_in_record,
+            )
+            assert np.array_equal(a, b)

@@ -225,7 +225,7 @@ class ModelSpec:
     expert_gating_func: str  # "softmax" | "sigmoid"
     moe_layers: tuple[int, ...]
     attention_layers: tuple[int, ...]
-    expert_type: str  # GGML type of the source expert tensors
+    expert_type: str  # GGML type of the source expert tensors ("mixed:Q4_0,Q6_K" if several)
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     head_dim_k_mla: int = 0
@@ -333,7 +333,8 @@ class ModelSpec:
             attention_layers = tuple(i for i in range(n_layers) if n_head_kv[i] > 0)
         else:
             attention_layers = tuple(range(n_layers))
-        expert_type = gate0.ggml_type
+        types = sorted({experts[la][j].ggml_type for la in moe_layers for j in EXPERT_PROJECTIONS})
+        expert_type = types[0] if len(types) == 1 else "mixed:" + ",".join(types)
         return cls(
             path=str(p),
             file_bytes=p.stat().st_size,

@@ -384,11 +384,24 @@ def _write_dense_tensor(
             fh.write(pack_tiles(blocks, fmt).data)
 
 
-def _warn_requant(spec: ModelSpec) -> None:
+def _requant_tensors(spec: ModelSpec) -> list[TensorInfo]:
+    """Expert tensors that are not Q4_0 (they get dequantized and re-quantized)."""
+    return [
+        spec.expert_tensor(layer, j)
+        for layer in spec.moe_layers
+        for j in EXPERT_PROJECTIONS
+        if spec.expert_tensor(layer, j).ggml_type != "Q4_0"
+    ]
+
+
+def _warn_requant(spec: ModelSpec, tensors: list[TensorInfo]) -> None:
     bar = "!" * 78
+    types = sorted({t.ggml_type for t in tensors})
+    n_all = len(spec.moe_layers) * len(EXPERT_PROJECTIONS)
     sys.stderr.write(
-        f"{bar}\nWARNING: the experts of {Path(spec.path).name} are {spec.expert_type}, not Q4_0.\n"
-        "They will be dequantized and RE-QUANTIZED to Q4_0 (double quantization): the packed\n"
+        f"{bar}\nWARNING: {len(tensors)} of the {n_all} expert tensors of "
+        f"{Path(spec.path).name} are {', '.join(types)}, not Q4_0.\n"
+        "They will be dequantized and RE-QUANTIZED to Q4_0 (double quantization): those packed\n"
         "experts are NOT bit-identical to the source and lose accuracy. For best quality pack\n"
         "a GGUF quantized to Q4_0 from the original weights (llama-quantize ... Q4_0).\n"
         f"{bar}\n"
@@ -423,9 +436,10 @@ def pack_model(
         raise PackExistsError(f"{dst_path} already exists; pass --force (force=True) to replace it")
     orders, order_summary = _resolve_orders(spec, order)
     dense_plan = [(spec.tensors[n], dense_format(spec.tensors[n])) for n in spec.dense_tensor_names]
-    requant = spec.expert_type != "Q4_0"
+    requant_tensors = _requant_tensors(spec)
+    requant = bool(requant_tensors)
     if requant:
-        _warn_requant(spec)
+        _warn_requant(spec, requant_tensors)
 
     dst_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dst_path.name + ".tmp-", dir=dst_path.parent))
@@ -477,7 +491,7 @@ def pack_model(
                         layers.append(
                             _write_layer(
                                 pending.pop(layer), spec, layer, orders[layer], writer,
-                                chunk_bytes, bar, requant,
+                                chunk_bytes, bar,
                             )
                         )  # fmt: skip
                 _pad_file(fh)
@@ -503,6 +517,7 @@ def pack_model(
                 "sha256": sha256,
                 "expert_type": spec.expert_type,
                 "requantized": requant,
+                "requantized_tensors": [t.name for t in requant_tensors],
                 "order": order_summary,
             },
             spec=spec.summary(),
@@ -663,7 +678,6 @@ def _write_layer(
     out: _ChunkWriter,
     chunk_bytes: int,
     bar: _Progress,
-    requant: bool,
 ) -> LayerEntry:
     """Write one MoE layer's records from its three stacked expert tensors (raw source rows
     `[E, rows, row_bytes]` in memory): in storage order, a chunk of records at a time."""
@@ -689,7 +703,7 @@ def _write_layer(
             for j in EXPERT_PROJECTIONS:
                 p = projections[j]
                 raw = sources[j][expert]
-                if requant:
+                if infos[j].ggml_type != "Q4_0":  # re-quantize (warned about up front)
                     blocks = quantize_q4_0(dequantize_rows(raw, infos[j]))
                 else:
                     blocks = raw

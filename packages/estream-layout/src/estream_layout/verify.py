@@ -149,7 +149,7 @@ def _compare_with_source(m: Manifest, src: Path, problems: list[str]) -> int:
                     raw = reader.expert(info, expert)
                     want = (
                         raw
-                        if spec.expert_type == "Q4_0"
+                        if info.ggml_type == "Q4_0"
                         else quantize_q4_0(dequantize_rows(raw, info))
                     )
                     if not np.array_equal(got, want):
