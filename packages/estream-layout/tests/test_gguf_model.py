@@ -180,3 +180,18 @@ def test_unaligned_reduction_dim(tmp_path: Path) -> None:
     )
     with pytest.raises(UnalignedReductionError, match="reduction dimension 48"):
         ModelSpec.from_gguf(p)
+
+
+def test_legacy_per_expert_tensors(tmp_path: Path) -> None:
+    p = _write_gguf(
+        tmp_path / "old-mixtral.gguf",
+        "llama",
+        {"llama.block_count": 1, "llama.expert_count": 2},
+        {
+            f"blk.0.ffn_{j}.{e}.weight": np.zeros((32, 32), np.float32)
+            for j in ("gate", "up", "down")
+            for e in range(2)
+        },
+    )
+    with pytest.raises(UnsupportedArchitectureError, match="per-expert tensors"):
+        ModelSpec.from_gguf(p)

@@ -73,6 +73,7 @@ _ROPE_TYPE: Final = {
 }
 
 _EXPERT_RE: Final = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_LEGACY_EXPERT_RE: Final = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
 
 def expert_tensor_name(layer: int, projection: str) -> str:
@@ -269,6 +270,13 @@ class ModelSpec:
             parsed = parse_expert_tensor_name(name)
             if parsed:
                 experts.setdefault(parsed[0], {})[parsed[1]] = info
+        legacy = [n for n in tensors if _LEGACY_EXPERT_RE.match(n)]
+        if legacy and not experts:
+            raise UnsupportedArchitectureError(
+                f"{p}: experts are stored as separate per-expert tensors ({legacy[0]}, ...), the "
+                "pre-2024 GGUF layout; convert the model again with a current llama.cpp "
+                "(convert_hf_to_gguf.py), which stacks them as blk.N.ffn_*_exps.weight"
+            )
         if n_experts == 0 or not experts:
             raise DenseModelError(
                 f"{p}: {arch!r} model has no experts ({arch}.expert_count="
