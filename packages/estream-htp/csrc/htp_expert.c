@@ -71,20 +71,42 @@ htp_status htp_expert_graph_init(const htp_expert_graph_desc *desc, htp_expert_g
     g->seg_slot = malloc(c * 4);
     g->seg_begin = malloc(c * 4);
     g->seg_len = malloc(c * 4);
-    g->xg = malloc(c * d * 4);
-    g->h = malloc(c * ff * 4);
-    g->xq = malloc(c * d);
-    g->hq = malloc(c * ff);
-    g->xd = malloc(c * d / 32 * 4);
-    g->hd = malloc(c * ff / 32 * 4);
-    g->xs = malloc(c * d / 32 * 4);
-    g->hs = malloc(c * ff / 32 * 4);
-    if (!g->rec_route || !g->route_slot || !g->seg_slot || !g->seg_begin || !g->seg_len || !g->xg ||
-        !g->h || !g->xq || !g->hq || !g->xd || !g->hd || !g->xs || !g->hs) {
+    if (!g->rec_route || !g->route_slot || !g->seg_slot || !g->seg_begin || !g->seg_len) {
         htp_expert_graph_free(g);
         return HTP_E_NOMEM;
     }
     *out = g;
+    return HTP_OK;
+}
+
+/* Activation buffers are allocated for the activation format in use, on first need:
+ * q8 needs C*(d+ff)*(1+8/32) bytes, f32 C*(d+ff)*4. */
+static htp_status ensure_buffers(htp_expert_graph *g, int q8) {
+    const size_t c = g->desc.capacity, d = g->desc.d_model, ff = g->desc.d_ff;
+    if (q8 && !g->xq) {
+        g->xq = malloc(c * d);
+        g->hq = malloc(c * ff);
+        g->xd = malloc(c * d / 32 * 4);
+        g->hd = malloc(c * ff / 32 * 4);
+        g->xs = malloc(c * d / 32 * 4);
+        g->hs = malloc(c * ff / 32 * 4);
+        if (!g->xq || !g->hq || !g->xd || !g->hd || !g->xs || !g->hs) {
+            free(g->xq), free(g->hq), free(g->xd), free(g->hd), free(g->xs), free(g->hs);
+            g->xq = g->hq = NULL;
+            g->xd = g->hd = NULL;
+            g->xs = g->hs = NULL;
+            return HTP_E_NOMEM;
+        }
+    }
+    if (!q8 && !g->xg) {
+        g->xg = malloc(c * d * 4);
+        g->h = malloc(c * ff * 4);
+        if (!g->xg || !g->h) {
+            free(g->xg), free(g->h);
+            g->xg = g->h = NULL;
+            return HTP_E_NOMEM;
+        }
+    }
     return HTP_OK;
 }
 
@@ -215,6 +237,8 @@ htp_status htp_expert_graph_run(htp_expert_graph *g, const htp_expert_run_desc *
     for (uint32_t i = 0; i < nth; i++)
         if (!htp_scratch(i, 0, kmax * 32 * 4) || !htp_scratch(i, 2, stage)) return HTP_E_NOMEM;
 
+    const int q8 = htp_act_get() == HTP_ACT_Q8;
+    if (ensure_buffers(g, q8) != HTP_OK) return HTP_E_NOMEM;
     const uint32_t P = (uint32_t)max_slot + 1;
     for (uint32_t r0 = 0; r0 < rd->n_routes; r0 += g->desc.capacity) {
         const uint32_t nr = HTP_MIN(g->desc.capacity, rd->n_routes - r0);
@@ -236,7 +260,7 @@ htp_status htp_expert_graph_run(htp_expert_graph *g, const htp_expert_run_desc *
             nseg++;
         }
         for (uint32_t i = 0; i < nr; i++) g->rec_route[g->counts[g->route_slot[i]]++] = (int32_t)i;
-        run_ctx c = {g, rd, x, tokens, weights, y, r0, nr, nseg, htp_act_get() == HTP_ACT_Q8};
+        run_ctx c = {g, rd, x, tokens, weights, y, r0, nr, nseg, q8};
         htp_parallel(run_task, &c);
     }
     return HTP_OK;
