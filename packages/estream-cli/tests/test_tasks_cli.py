@@ -341,3 +341,35 @@ def test_template_is_sandboxed_and_errors_are_clear():
     rewrites = ChatTemplate.compile("{{ messages[0]['content'] | replace('\\x00', '') }}")
     with pytest.raises(TemplateRenderError, match="rewrites"):
         rewrites.split("a", "b")
+
+
+def test_batch_request_the_model_cannot_answer_gets_an_error_line(models, tmp_path, capsys):
+    reqs = [
+        {"id": "ok", "prompt": "fine"},
+        {"id": "dup", "prompt": "x", "labels": ["a", "a"]},  # passes the check, fails to run
+        {"id": "ok2", "prompt": "also fine"},
+    ]
+    f = jsonl(tmp_path / "mixed.jsonl", reqs)
+    rc, out, err = run(capsys, "classify", models[0], "--labels", "y,n", "--input", f, *ENGINE)
+    assert rc == 2
+    docs = [json.loads(x) for x in out.splitlines()]
+    assert [d["id"] for d in docs] == ["ok", "dup", "ok2"]
+    assert "labels" in docs[0] and "labels" in docs[2]
+    assert docs[1]["error"].startswith(f"{f}:2: ") and "twice" in docs[1]["error"]
+    assert "3 requests" in err and "1 failed" in err
+
+
+class _TTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_only_on_a_terminal(models, tmp_path, monkeypatch):
+    f = jsonl(tmp_path / "p.jsonl", [{"prompt": f"p{i}"} for i in range(4)])
+    out, err = io.StringIO(), _TTY()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    assert main(["embed", str(models[0]), "--input", f, *ENGINE]) == 0
+    assert len(out.getvalue().splitlines()) == 4
+    bar = err.getvalue()
+    assert "\r" in bar and "4/4" in bar and "1/4" in bar and "4 requests" in bar

@@ -248,21 +248,25 @@ def _progress(i: int, n: int, name: str, t0: float) -> None:
 
 def _requests(
     args: argparse.Namespace, task: _Task
-) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-    """(key, checked request) pairs, the key being ``{"id": …}`` when the request has an id,
-    else ``{"line": n}``: from --input, or the one request given by the options."""
+) -> Iterator[tuple[dict[str, Any], str, dict[str, Any]]]:
+    """(key, where, checked request): the key is ``{"id": …}`` when the request has an id,
+    else ``{"line": n}``; from --input, or the one request given by the options."""
     if args.input is None:
-        yield {}, task.check({}, args, "request")
+        yield {}, "request", task.check({}, args, "request")
         return
     name = "<stdin>" if args.input == "-" else args.input
     for n, obj in read_jsonl(args.input):
         where = f"{name}:{n}"
         _check_fields(obj, ("id", *task.fields), where)
         key = {"id": obj["id"]} if "id" in obj else {"line": n}
-        yield key, task.check(obj, args, where)
+        yield key, where, task.check(obj, args, where)
 
 
 def _run(args: argparse.Namespace, task: _Task) -> int:
+    """Check every request, load the model once, answer each request in order.
+
+    In a batch, a request the model cannot answer (e.g. longer than the context) gets a result
+    line ``{"id": …, "error": "…"}`` and the others go on; the exit code is then 2."""
     from .engine import load
     from .tokenizer import Tokenizer
 
@@ -272,6 +276,7 @@ def _run(args: argparse.Namespace, task: _Task) -> int:
     tok = Tokenizer.from_gguf(args.model)
     template = tasks.chat_template(args.model, tok) if args.template else None
     show = batch and sys.stderr.isatty()
+    failed = 0
     with load(
         args.model,
         mode=args.mode,
@@ -286,26 +291,34 @@ def _run(args: argparse.Namespace, task: _Task) -> int:
         progress=not (batch or args.json),
     ) as engine:
         t1 = time.perf_counter()
-        for i, (key, req) in enumerate(reqs):
-            res = task.run(engine, tok, template=template, **req)
-            if batch:
-                print(json.dumps({**key, **res.to_dict()}), flush=True)
-                if show:
-                    _progress(i + 1, len(reqs), task.name, t1)
-            elif args.json:
-                print(json.dumps(res.to_dict(), indent=1))
+        for i, (key, where, req) in enumerate(reqs):
+            try:
+                res = task.run(engine, tok, template=template, **req)
+            except BadRequestError as exc:
+                if not batch:
+                    raise
+                failed += 1
+                print(json.dumps({**key, "error": f"{where}: {exc}"}), flush=True)
             else:
-                task.show(res, req)
+                if batch:
+                    print(json.dumps({**key, **res.to_dict()}), flush=True)
+                elif args.json:
+                    print(json.dumps(res.to_dict(), indent=1))
+                else:
+                    task.show(res, req)
+            if show:
+                _progress(i + 1, len(reqs), task.name, t1)
     if batch:
         if show:
             print(file=sys.stderr)
         dt = time.perf_counter() - t1
+        fails = f", {failed} failed (see their 'error' field)" if failed else ""
         print(
             f"estream {task.name}: {len(reqs)} requests in {dt:.2f} s "
-            f"({len(reqs) / max(dt, 1e-9):.1f}/s; load {t1 - t0:.2f} s)",
+            f"({len(reqs) / max(dt, 1e-9):.1f}/s; load {t1 - t0:.2f} s){fails}",
             file=sys.stderr,
         )
-    return 0
+    return 2 if failed else 0
 
 
 def _run_classify(engine: Any, tok: Any, **kw: Any) -> Any:

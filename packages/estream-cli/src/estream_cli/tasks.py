@@ -35,6 +35,7 @@ from .template import ChatTemplate
 
 __all__ = [
     "CLASSIFY_METHODS",
+    "LOGITS_BUDGET_BYTES",
     "POOLS",
     "RERANK_PROMPT",
     "ChoiceScore",
@@ -153,6 +154,29 @@ class _Branch:
     last_logprobs: np.ndarray | None  # log-softmax after the branch's last token
 
 
+#: Upper bound on the float32 logits one shared-prefix pass may return (every branch position
+#: gets a full vocabulary row): 512 MiB is ~880 tokens per pass for a 152k vocabulary.
+LOGITS_BUDGET_BYTES = 512 << 20
+
+
+def _pass_tokens(engine: Any, max_tokens: int | None) -> int:
+    if max_tokens is not None:
+        return int(max_tokens)
+    by_memory = LOGITS_BUDGET_BYTES // (4 * int(engine.hp.n_vocab))
+    return max(64, min(int(engine.hp.n_ctx), by_memory))
+
+
+def _row_logprobs(rows: np.ndarray, toks: np.ndarray, chunk: int = 64) -> np.ndarray:
+    """log-softmax(rows)[k, toks[k]] without a float64 copy of the whole [n, V] block."""
+    out = np.empty(len(toks), dtype=np.float64)
+    for a in range(0, len(toks), chunk):
+        z = rows[a : a + chunk].astype(np.float64)
+        m = z.max(axis=1)
+        lse = m + np.log(np.exp(z - m[:, None]).sum(axis=1))
+        out[a : a + chunk] = z[np.arange(len(z)), toks[a : a + chunk]] - lse
+    return out
+
+
 def _run_branches(
     engine: Any,
     prefix: Sequence[int],
@@ -161,11 +185,13 @@ def _run_branches(
     want_last: bool = False,
     max_tokens: int | None = None,
 ) -> tuple[list[_Branch], list[dict[str, Any]]]:
-    """Shared-prefix passes, as few as fit in ``max_tokens`` (default: the model context)."""
+    """Shared-prefix passes over ``branches``, as few as fit in ``max_tokens`` tokens each
+    (default: the model context, capped so the returned logits stay within
+    `LOGITS_BUDGET_BYTES`); a branch longer than that still gets its own pass."""
     for i, b in enumerate(branches):
         if not b:
             raise BadRequestError(f"continuation {i + 1} tokenizes to nothing")
-    limit = int(max_tokens or engine.hp.n_ctx)
+    limit = _pass_tokens(engine, max_tokens)
     groups: list[list[int]] = []
     total = len(prefix)
     for i, b in enumerate(branches):
@@ -181,13 +207,14 @@ def _run_branches(
         res = engine.prefill_branches(prefix, [branches[i] for i in group])
         metrics.append(res.metrics)
         for j, i in enumerate(group):
-            toks = np.asarray(branches[i])
-            rows = np.vstack([res.prefix_logits[None, :], res.branch_logits[j]])
-            lp = _log_softmax(rows)
+            toks = np.asarray(branches[i], dtype=np.int64)
             n = len(toks)
-            tok_lp = lp[np.arange(n), toks]
-            greedy = lp[:n].argmax(axis=1) == toks
-            out[i] = _Branch(tok_lp, greedy, lp[n] if want_last else None)
+            bl = res.branch_logits[j]
+            rows = np.vstack([res.prefix_logits[None, :], bl[: n - 1]])  # rows predicting toks
+            greedy = rows.argmax(axis=1) == toks
+            last = _log_softmax(bl[n - 1]) if want_last else None
+            out[i] = _Branch(_row_logprobs(rows, toks), greedy, last)
+        del res
     return [b for b in out if b is not None], metrics
 
 
