@@ -16,6 +16,7 @@ OOM-killed. Prints a table and writes bench-results/bench_engine.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -104,10 +105,8 @@ class Cgroup:
 
     def close(self) -> None:
         if self.path is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self.path.rmdir()
-            except OSError:
-                pass
 
 
 def _run(cmd: list[str], *, cgroup: Cgroup | None = None, timeout: float = 3600) -> dict[str, Any]:
@@ -225,8 +224,13 @@ def main() -> int:
         m.update({"system": system, "length": T, "cache": how, "cgroup": bool(cg)})
         ttft = f"{m['ttft_s']:8.2f} s" if "ttft_s" in m else f"{m.get('error', '?'):>10s}"
         peak = format_bytes(m["peak_memory_bytes"]) if "peak_memory_bytes" in m else "-"
+        rss = format_bytes(m["peak_rss_bytes"]) if "peak_rss_bytes" in m else "-"
         cap = f" [cgroup {format_bytes(cg.limit)}]" if cg else ""
-        print(f"T={T:<5d} {system:<10s} TTFT {ttft}  peak {peak:>11s}{cap}", flush=True)
+        extra = f"  majflt {m['major_faults']}" if "major_faults" in m else ""
+        print(
+            f"T={T:<5d} {system:<10s} TTFT {ttft}  peak {peak:>11s} (RSS {rss:>11s}){cap}{extra}",
+            flush=True,
+        )
         return m
 
     for T in lengths:
