@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import estream
 from estream_cli import tasks
@@ -315,3 +317,40 @@ def test_real_vocab_rerank_single_token_answers(real):
         np.testing.assert_allclose(
             [s.logprob_yes, s.logprob_no], [last[ans[0]], last[ans[1]]], **TOL
         )
+
+
+# -- properties --------------------------------------------------------------------------------
+WORDS = ["yes", "no", "maybe", "a b", "zz", "x", "tea", "coffee"]
+
+
+@settings(max_examples=25)
+@given(data=st.data())
+def test_classify_is_invariant_to_label_order(tiny, data):
+    """Probabilities sum to 1 and follow their labels under any permutation and subset."""
+    eng, tok = tiny
+    pool = WORDS + one_token_letters(tok)[:4]
+    labels = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=5, unique=True))
+    perm = data.draw(st.permutations(labels))
+    prompt = data.draw(st.sampled_from(["Answer:", "Answer: ", "Choose one of them"]))
+    a = tasks.classify(eng, tok, prompt, labels)
+    b = tasks.classify(eng, tok, prompt, perm)
+    assert abs(sum(s.prob for s in a.labels) - 1.0) < 1e-9
+    pa = {s.label: s.logprob for s in a.labels}
+    pb = {s.label: s.logprob for s in b.labels}
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        np.testing.assert_allclose(pa[k], pb[k], **TOL)
+    if len(labels) == len({round(v, 3) for v in pa.values()}):  # no near-ties
+        assert a.best == b.best
+
+
+@settings(max_examples=15)
+@given(max_tokens=st.integers(1, 60))
+def test_score_any_pass_split_gives_the_same_answer(tiny, max_tokens):
+    eng, tok = tiny
+    one = tasks.score(eng, tok, "Once upon a time", CHOICES)
+    split = tasks.score(eng, tok, "Once upon a time", CHOICES, max_tokens=max_tokens)
+    np.testing.assert_allclose(
+        [c.logprob for c in split.choices], [c.logprob for c in one.choices], **TOL
+    )
+    assert [c.greedy for c in split.choices] == [c.greedy for c in one.choices]
