@@ -195,3 +195,35 @@ def test_legacy_per_expert_tensors(tmp_path: Path) -> None:
     )
     with pytest.raises(UnsupportedArchitectureError, match="per-expert tensors"):
         ModelSpec.from_gguf(p)
+
+
+def _with_extra_kv(src: Path, dst: Path, extra: dict[str, float]) -> Path:
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(dst, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), vtype, sub)
+    for key, val in extra.items():
+        w.add_key_value(key, val, gguf.GGUFValueType.FLOAT32)
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_rope_scaling_factor(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    assert ModelSpec.from_gguf(tiny_models["olmoe"]).rope_freq_scale == 1.0
+    p = _with_extra_kv(
+        tiny_models["olmoe"], tmp_path / "s.gguf", {"olmoe.rope.scaling.factor": 4.0}
+    )
+    assert ModelSpec.from_gguf(p).rope_freq_scale == 0.25
+    p = _with_extra_kv(tiny_models["olmoe"], tmp_path / "l.gguf", {"olmoe.rope.scale_linear": 2.0})
+    assert ModelSpec.from_gguf(p).rope_freq_scale == 0.5

@@ -330,8 +330,11 @@ class ModelSpec:
             len(tokens) if tokens is not None else (emb.shape[0] if emb else 0),
         )
         scaling_type = str(g(Keys.Rope.SCALING_TYPE, "none"))
-        factor = float(g(Keys.Rope.SCALING_FACTOR, 0.0) or 0.0)
-        freq_scale = 1.0 / factor if (factor and scaling_type != "none") else 1.0
+        # llama.cpp: rope_freq_scale = 1 / rope.scaling.factor (or the legacy rope.scale_linear)
+        factor = float(
+            g(Keys.Rope.SCALING_FACTOR, 0.0) or g("{arch}.rope.scale_linear", 0.0) or 0.0
+        )
+        freq_scale = 1.0 / factor if factor else 1.0
         if family == "deepseek2":
             norm_w = bool(g(Keys.LLM.EXPERT_WEIGHTS_NORM, False))
         else:
