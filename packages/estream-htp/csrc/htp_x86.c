@@ -126,9 +126,85 @@ HTP_INSTANTIATE(avx512, HTP_T_AVX512)
 Q4_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)
 Q4_KERNEL(bw, HTP_T_AVX512, DOT_BW)
 
+/* ---- Q4_0 x Q8 tile kernel, AVX2: same scheme with 8-row registers, 2 tokens x 16 rows per
+ * pass (16 ymm registers), vpmaddubsw + vpmaddwd for the 4-term dot products. */
+HTP_T_AVX2 static inline __attribute__((always_inline)) void q4q8_half_avx2(
+    const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s, uint32_t k,
+    float *out, uint32_t ldo, uint32_t rows, int half, const int NT) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[2][2];
+    for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm256_setzero_ps();
+    for (uint32_t j = 0; j < kb; j++) {
+        const uint8_t *tile = strip + (size_t)j * HTP_Q4_TILE_BYTES;
+        __m256i ia[2][2];
+        for (int u = 0; u < NT; u++) ia[u][0] = ia[u][1] = _mm256_setzero_si256();
+        for (int g = 0; g < 4; g++) {
+            const uint8_t *gp = tile + 64 + 128 * g + 64 * half;
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)gp);
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(gp + 32));
+            const __m256i l0 = _mm256_and_si256(v0, m4), l1 = _mm256_and_si256(v1, m4);
+            const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+            const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+            for (int u = 0; u < NT; u++) {
+                const int8_t *qa = q + (size_t)u * k + 32 * j + 4 * g;
+                int32_t alo, ahi;
+                memcpy(&alo, qa, 4);
+                memcpy(&ahi, qa + 16, 4);
+                const __m256i bl = _mm256_set1_epi32(alo), bh = _mm256_set1_epi32(ahi);
+                const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(l0, bl), _mm256_maddubs_epi16(h0, bh));
+                const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(l1, bl), _mm256_maddubs_epi16(h1, bh));
+                ia[u][0] = _mm256_add_epi32(ia[u][0], _mm256_madd_epi16(p0, ones));
+                ia[u][1] = _mm256_add_epi32(ia[u][1], _mm256_madd_epi16(p1, ones));
+            }
+        }
+        const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 32 * half)));
+        const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 32 * half + 16)));
+        for (int u = 0; u < NT; u++) {
+            const __m256 da = _mm256_set1_ps(d[(size_t)u * kb + j]);
+            const __m256i s8 = _mm256_set1_epi32(8 * s[(size_t)u * kb + j]);
+            const __m256 f0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(ia[u][0], s8));
+            const __m256 f1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(ia[u][1], s8));
+            acc[u][0] = _mm256_fmadd_ps(f0, _mm256_mul_ps(dw0, da), acc[u][0]);
+            acc[u][1] = _mm256_fmadd_ps(f1, _mm256_mul_ps(dw1, da), acc[u][1]);
+        }
+    }
+    for (int u = 0; u < NT; u++) {
+        float tmp[16];
+        _mm256_storeu_ps(tmp, acc[u][0]);
+        _mm256_storeu_ps(tmp + 8, acc[u][1]);
+        const uint32_t r0 = 16u * (uint32_t)half;
+        for (uint32_t r = 0; r < 16 && r0 + r < rows; r++) out[(size_t)u * ldo + r0 + r] = tmp[r];
+    }
+}
+
+HTP_T_AVX2 static void gemm_q8_avx2(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,
+                                    uint32_t tb, uint32_t te, const htp_act_q8 *a, uint32_t t,
+                                    float *out, uint32_t ldo) {
+    if (fmt != HTP_FMT_Q4_0_T32R4) {
+        gemm_q8_generic_avx2(w, fmt, n, k, tb, te, a, t, out, ldo);
+        return;
+    }
+    const uint32_t kb = k / 32;
+    for (uint32_t it = tb; it < te; it++) {
+        const uint8_t *strip = w + (size_t)it * kb * HTP_Q4_TILE_BYTES;
+        const uint32_t rows = HTP_MIN(32u, n - it * 32);
+        float *o = out + (size_t)(it - tb) * 32;
+        for (int half = 0; half < (rows > 16 ? 2 : 1); half++) {
+            uint32_t t0 = 0;
+            for (; t0 + 2 <= t; t0 += 2)
+                q4q8_half_avx2(strip, kb, a->q + (size_t)t0 * k, a->d + (size_t)t0 * kb, a->s + (size_t)t0 * kb,
+                               k, o + (size_t)t0 * ldo, ldo, rows, half, 2);
+            if (t0 < t)
+                q4q8_half_avx2(strip, kb, a->q + (size_t)t0 * k, a->d + (size_t)t0 * kb, a->s + (size_t)t0 * kb,
+                               k, o + (size_t)t0 * ldo, ldo, rows, half, 1);
+        }
+    }
+}
+
 void htp_kernels_avx2(htp_kernels *k) {
     k->gemm_f32 = gemm_f32_avx2;
-    k->gemm_q8 = gemm_q8_generic_avx2;
+    k->gemm_q8 = gemm_q8_avx2;
     k->quantize_row_q8 = quantize_q8_avx2;
     k->attention_task = attn_avx2;
     k->swiglu = swiglu_avx2;
