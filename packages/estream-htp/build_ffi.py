@@ -75,7 +75,15 @@ htp_status htp_expert_graph_run(htp_expert_graph *graph, const htp_expert_run_de
 htp_status htp_bench_dot_peak(uint64_t iters, double *macs_per_s);
 """
 
-SOURCES = ["htp_pool.c", "htp_core.c", "htp_attention.c", "htp_expert.c", "htp_x86.c", "htp_attn_avx512.c"]
+SOURCES = [
+    "htp_pool.c",
+    "htp_core.c",
+    "htp_attention.c",
+    "htp_expert.c",
+    "htp_x86.c",
+    "htp_attn_avx512.c",
+    "htp_neon.c",
+]
 
 cflags, ldflags = _cfg.compile_flags(os.environ)
 

@@ -14,7 +14,7 @@ static void gemm_f32_portable(const uint8_t *w, uint32_t fmt, uint32_t n, uint32
                               uint32_t ldo, float *panel) {
     htp_gemm_f32_body(w, fmt, n, k, tb, te, a, t, out, ldo, panel);
 }
-static void gemm_q8_portable(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k, uint32_t tb,
+void htp_gemm_q8_portable(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k, uint32_t tb,
                              uint32_t te, const htp_act_q8 *a, uint32_t t, float *out,
                              uint32_t ldo) {
     htp_gemm_q8_body(w, fmt, n, k, tb, te, a, t, out, ldo);
@@ -24,7 +24,7 @@ static void quantize_q8_portable(const float *x, uint32_t k, int8_t *q, float *d
 }
 void htp_kernels_portable(htp_kernels *k) {
     k->gemm_f32 = gemm_f32_portable;
-    k->gemm_q8 = gemm_q8_portable;
+    k->gemm_q8 = htp_gemm_q8_portable;
     k->quantize_row_q8 = quantize_q8_portable;
     k->attention_task = htp_attn_task_portable;
     k->swiglu = htp_swiglu_portable;
@@ -52,6 +52,9 @@ static int cpu_supports(uint32_t level) {
     case HTP_SIMD_AVX512VNNI:
         return __builtin_cpu_supports("avx512vnni") && cpu_supports(HTP_SIMD_AVX512);
 #endif
+#ifdef HTP_ARM64
+    case HTP_SIMD_NEON: return htp_neon_dotprod_supported();
+#endif
     default: return 0;
     }
 }
@@ -63,6 +66,9 @@ static void fill_kernels(uint32_t level) {
     if (level == HTP_SIMD_AVX2) htp_kernels_avx2(&k);
     if (level == HTP_SIMD_AVX512) htp_kernels_avx512(&k);
     if (level == HTP_SIMD_AVX512VNNI) htp_kernels_avx512vnni(&k);
+#endif
+#ifdef HTP_ARM64
+    if (level == HTP_SIMD_NEON) htp_kernels_neon(&k);
 #endif
     htp_k = k;
 }

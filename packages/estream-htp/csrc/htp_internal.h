@@ -115,6 +115,13 @@ extern htp_kernels htp_k;
 void htp_kernels_portable(htp_kernels *k);
 void htp_attn_task_portable(const htp_attn_ctx *c, uint32_t task, float *scratch);
 void htp_swiglu_portable(const float *g, const float *u, uint64_t n, float *out);
+#if defined(__aarch64__) && !defined(HTP_NO_SIMD)
+#define HTP_ARM64 1
+int htp_neon_dotprod_supported(void);
+void htp_kernels_neon(htp_kernels *k);
+#endif
+void htp_gemm_q8_portable(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k, uint32_t tb,
+                          uint32_t te, const htp_act_q8 *a, uint32_t t, float *out, uint32_t ldo);
 #ifdef HTP_X86
 void htp_kernels_avx2(htp_kernels *k);
 void htp_kernels_avx512(htp_kernels *k);

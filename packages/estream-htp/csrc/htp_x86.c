@@ -202,6 +202,58 @@ HTP_T_AVX2 static void gemm_q8_avx2(const uint8_t *w, uint32_t fmt, uint32_t n, 
     }
 }
 
+/* ---- fp32-activation GEMM, AVX-512: the strip is dequantized once into a [k][32] panel,
+ * then 8 tokens x 32 rows of accumulators (16 zmm) take 2 panel loads + 8 broadcasts per column. */
+HTP_T_AVX512 static inline __attribute__((always_inline)) void f32_block_avx512(
+    const float *panel, uint32_t k, const float *x, uint32_t ldx, float *out, uint32_t ldo,
+    uint32_t rows, const int NT) {
+    __m512 acc[8][2];
+    for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();
+    for (uint32_t c = 0; c < k; c++) {
+        const __m512 p0 = _mm512_loadu_ps(panel + (size_t)c * 32);
+        const __m512 p1 = _mm512_loadu_ps(panel + (size_t)c * 32 + 16);
+        for (int u = 0; u < NT; u++) {
+            const __m512 b = _mm512_set1_ps(x[(size_t)u * ldx + c]);
+            acc[u][0] = _mm512_fmadd_ps(b, p0, acc[u][0]);
+            acc[u][1] = _mm512_fmadd_ps(b, p1, acc[u][1]);
+        }
+    }
+    const __mmask16 k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);
+    const __mmask16 k1 = rows >= 32 ? (__mmask16)0xffff : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1u) : (__mmask16)0;
+    for (int u = 0; u < NT; u++) {
+        _mm512_mask_storeu_ps(out + (size_t)u * ldo, k0, acc[u][0]);
+        _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);
+    }
+}
+
+HTP_T_AVX512 static void gemm_f32_fast_avx512(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,
+                                              uint32_t tb, uint32_t te, const htp_act_f32 *a,
+                                              uint32_t t, float *out, uint32_t ldo, float *panel) {
+    const uint32_t kb = k / 32;
+    const size_t tbytes = fmt == HTP_FMT_Q4_0_T32R4 ? HTP_Q4_TILE_BYTES : HTP_Q8_TILE_BYTES;
+    for (uint32_t it = tb; it < te; it++) {
+        const uint8_t *strip = w + (size_t)it * kb * tbytes;
+        for (uint32_t j = 0; j < kb; j++) htp_dequant_tile_body(strip + j * tbytes, fmt, panel + (size_t)j * 1024);
+        const uint32_t rows = HTP_MIN(32u, n - it * 32);
+        float *o = out + (size_t)(it - tb) * 32;
+        uint32_t t0 = 0;
+        for (; t0 + 8 <= t; t0 += 8)
+            f32_block_avx512(panel, k, a->x + (size_t)t0 * a->ldx, a->ldx, o + (size_t)t0 * ldo, ldo, rows, 8);
+        const float *xr = a->x + (size_t)t0 * a->ldx;
+        float *orow = o + (size_t)t0 * ldo;
+        switch (t - t0) {
+        case 7: f32_block_avx512(panel, k, xr, a->ldx, orow, ldo, rows, 7); break;
+        case 6: f32_block_avx512(panel, k, xr, a->ldx, orow, ldo, rows, 6); break;
+        case 5: f32_block_avx512(panel, k, xr, a->ldx, orow, ldo, rows, 5); break;
+        case 4: f32_block_avx512(panel, k, xr, a->ldx, orow, ldo, rows, 4); break;
+        case 3: f32_block_avx512(panel, k, xr, a->ldx, orow, ldo, rows, 3); break;
+        case 2: f32_block_avx512(panel, k, xr, a->ldx, orow, ldo, rows, 2); break;
+        case 1: f32_block_avx512(panel, k, xr, a->ldx, orow, ldo, rows, 1); break;
+        default: break;
+        }
+    }
+}
+
 void htp_kernels_avx2(htp_kernels *k) {
     k->gemm_f32 = gemm_f32_avx2;
     k->gemm_q8 = gemm_q8_avx2;
@@ -211,7 +263,7 @@ void htp_kernels_avx2(htp_kernels *k) {
 }
 
 void htp_kernels_avx512(htp_kernels *k) {
-    k->gemm_f32 = gemm_f32_avx512;
+    k->gemm_f32 = gemm_f32_fast_avx512;
     k->gemm_q8 = gemm_q8_bw;
     k->quantize_row_q8 = quantize_q8_avx512;
     k->attention_task = htp_attn_task_avx512;
