@@ -252,16 +252,21 @@ def test_real_sigint_while_waiting(rf) -> None:
         gate.set()
 
     assert threading.current_thread() is threading.main_thread()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # A runner started in the background (nohup, `cmd &`) inherits SIGINT ignored: install
+    # Python's own handler for this test, as an interactive process has it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     t = threading.Thread(target=interrupt)
-    with (
-        pytest.raises(KeyboardInterrupt),
-        Arena(LAYOUT, 2, G) as arena,
-        GroupLoader(arena, rf.path, 2, direct=False, reader=reader) as ld,
-    ):
-        ld.begin_layer(0)
-        ld.submit(reqs(rf))
-        t.start()
-        ld.acquire(0)  # no timeout: only the signal ends this wait
-    t.join(10)
+    try:
+        with (
+            pytest.raises(KeyboardInterrupt),
+            Arena(LAYOUT, 2, G) as arena,
+            GroupLoader(arena, rf.path, 2, direct=False, reader=reader) as ld,
+        ):
+            ld.begin_layer(0)
+            ld.submit(reqs(rf))
+            t.start()
+            ld.acquire(0)  # no timeout: only the signal ends this wait
+        t.join(10)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert ld.closed

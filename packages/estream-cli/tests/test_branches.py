@@ -38,12 +38,15 @@ def test_branches_equal_separate_prefills(model, act):
             full = eng.prefill(np.concatenate([prefix, br]), all_logits=True).logits
             got = np.vstack([res.prefix_logits[None], res.branch_logits[i]])
             want = full[len(prefix) - 1 :]
-            # q8 quantizes each row's activations alone, so rows are independent of their batch
-            tol = 1e-5
+            # f32: the same arithmetic up to summation order. q8: the branch attention (BLAS)
+            # and the tiled kernel differ in the last bits, and int8 rounding of the next
+            # projection's input is discontinuous, so an occasional flipped rounding (1/254 of a
+            # block's range) propagates: measured ~1e-3 on the chaotic tiny models.
+            tol, lp_tol = (1e-5, 1e-4) if act == "f32" else (1e-2, 5e-2)
             assert np.linalg.norm(got - want) / np.linalg.norm(want) <= tol
             # the log-likelihood summed by hand from the separate pass
             lp = _logsoftmax(full[len(prefix) - 1 : -1])[np.arange(len(br)), br]
-            np.testing.assert_allclose(lps[i], lp, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(lps[i], lp, rtol=lp_tol, atol=lp_tol)
     assert res.hidden is not None and res.hidden.shape[0] == len(prefix) + sum(map(len, branches))
 
 
