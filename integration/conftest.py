@@ -178,7 +178,7 @@ def make_tiny_model(
             gqa_attention(p, None)
             experts(p)
         elif arch == "deepseek2":
-            _deepseek2_layer(t, p, rng, mat, norm, n_embd, n_head, mla_split)
+            _deepseek2_layer(t, p, mat, norm, n_embd, n_head, mla_split)
             if il == 0:
                 dense_ffn(p, 2 * n_ff_exp)
             else:
@@ -249,7 +249,16 @@ def make_tiny_model(
 _MLA = (32, 16, 8, 16)
 
 
-def _deepseek2_layer(t, p, rng, mat, norm, n_embd, n_head, mla_split):  # type: ignore[no-untyped-def]
+def _deepseek2_layer(
+    t: dict[str, np.ndarray],
+    p: str,
+    mat: Callable[[int, int], np.ndarray],
+    norm: Callable[[int], np.ndarray],
+    n_embd: int,
+    n_head: int,
+    mla_split: bool,
+) -> None:
+    """MLA attention tensors of one DeepSeek-2 layer (q without low rank, as V2-Lite)."""
     rank, d_nope, d_rope, dv = _MLA
     t[p + "attn_q.weight"] = mat(n_head * (d_nope + d_rope), n_embd)
     t[p + "attn_kv_a_mqa.weight"] = mat(rank + d_rope, n_embd)
