@@ -2,15 +2,17 @@
 
 1. synthesize the OLMoE-1B-7B-shaped GGUF (~3.9 GB) into a scratch directory on the repo's disk
    (never a tmpfs: the point is real files);
-2. baselines, each in a child process: writing as many bytes as the experts from memory (+fsync:
-   the disk's rate, which bounds any packer), and `shutil.copyfile` of the source;
+2. baselines, each in a child process: writing as many bytes as the experts from memory, the way
+   pack writes them (32 MiB O_DIRECT writes, fsync: the disk's rate, which bounds any packer),
+   and `shutil.copyfile` of the source (buffered, not fsync'ed);
 3. conversion alone: pread + tile + crc32 of every expert, nothing written (the CPU path);
 4. pack it with `pack_model` in a child process; throughput = expert bytes / wall time, peak RSS
    from the child's `ru_maxrss` (`RUSAGE_CHILDREN`);
 5. verify the pack (all record checksums) in a child process.
 
-Prints a table, writes bench-results/bench_layout.json, deletes the big files. Both the copy and
-the pack read a source that is in the page cache (it was just written).
+Prints a table, writes bench-results/bench_layout.json, deletes the big files. Every step starts
+after `os.sync()` (nobody pays for another step's write-back); the source was just written, so it
+may still be in the page cache (this VM reclaims cold pages on its own; caches are not dropped).
 """
 
 from __future__ import annotations
@@ -38,19 +40,26 @@ t0 = time.perf_counter()
 out = {}
 if what == "copy":
     shutil.copyfile(src, dst)
-elif what == "write":  # write as many bytes as the experts, from memory: the disk's rate
+elif what == "write":  # as many bytes as the experts, from memory, the way pack writes them
+    import mmap
     from estream_layout import ModelSpec
     n = ModelSpec.from_gguf(src).expert_bytes
-    buf = np.random.default_rng(0).integers(0, 256, 32 << 20, dtype=np.uint8)
+    buf = np.frombuffer(mmap.mmap(-1, 32 << 20), dtype=np.uint8)  # page-aligned
+    buf[:] = np.random.default_rng(0).integers(0, 256, buf.size, dtype=np.uint8)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(dst, flags | os.O_DIRECT, 0o644)
+        out["o_direct"] = True
+    except OSError:
+        fd = os.open(dst, flags, 0o644)
+        out["o_direct"] = False
     t0 = time.perf_counter()
-    with open(dst, "wb") as fh:
-        left = n
-        while left > 0:
-            k = min(left, buf.size)
-            fh.write(memoryview(buf[:k]))
-            left -= k
-        fh.flush()
-        os.fsync(fh.fileno())
+    left = n
+    while left > 0:
+        k = min(left, buf.size)
+        left -= os.write(fd, memoryview(buf[:k]))
+    os.fsync(fd)
+    os.close(fd)
     out["bytes"] = n
 elif what == "convert":  # pread + tile + crc32 of every expert, nothing written: the CPU path
     from estream_layout import EXPERT_PROJECTIONS, ModelSpec, TensorReader, pack_tiles, tile_nbytes
@@ -92,6 +101,7 @@ def _fs_type(path: Path) -> str:
 
 
 def _child(what: str, src: Path, dst: Path) -> dict[str, float]:
+    os.sync()  # no step pays for writing back the previous step's dirty pages
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     r = subprocess.run(
         [sys.executable, "-c", CHILD, what, str(src), str(dst)],
@@ -201,7 +211,7 @@ def main() -> int:
         "verify_ok": verify["ok"],
         "targets": {"pack_expert_mb_per_s": 300, "pack_peak_rss_mib": 1024},
         "met": bool(pack_mbs >= 300 and rss_mib < 1024),
-        "page_cache": "warm (source just written)",
+        "page_cache": "source written just before, os.sync() before each step; not dropped",
     }
     out = RESULTS / "bench_layout.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
