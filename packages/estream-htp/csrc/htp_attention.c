@@ -20,16 +20,27 @@ static void attn_worker(void *arg, uint32_t ith, uint32_t nth) {
     float *scratch = (float *)htp_scratch(ith, 1, 0);
     const uint32_t n_tasks = c->hq * c->n_qblk;
     if (c->kt) {
-        /* transpose K once: rows (kv head, dim) split over threads */
+        /* Re-lay K and V once per call so that the blocks a task streams are contiguous (the
+         * natural [t][h][d] strides put every row of a block in the same L1 set). */
+        const uint32_t BK = HTP_ATTN_BK;
+        const size_t ks = (size_t)c->hkv * c->dk, vs = (size_t)c->hkv * c->dv;
         uint32_t b, e;
         htp_split(c->hkv * c->dk, ith, nth, &b, &e);
         for (uint32_t rr = b; rr < e; rr++) {
             const uint32_t hk = rr / c->dk, d = rr % c->dk;
-            float *dst = c->kt + (size_t)rr * c->kt_ld;
             const float *src = c->k + (size_t)hk * c->dk + d;
-            const size_t ks = (size_t)c->hkv * c->dk;
-            for (uint32_t j = 0; j < c->t; j++) dst[j] = src[(size_t)j * ks];
-            for (size_t j = c->t; j < c->kt_ld; j++) dst[j] = 0.0f;
+            for (size_t kb = 0; kb < c->kt_ld; kb++) {
+                float *dst = c->kt + (((size_t)hk * c->kt_ld + kb) * c->dk + d) * BK;
+                for (uint32_t jj = 0; jj < BK; jj++) {
+                    const size_t j = kb * BK + jj;
+                    dst[jj] = j < c->t ? src[j * ks] : 0.0f;
+                }
+            }
+        }
+        htp_split(c->hkv * c->t, ith, nth, &b, &e);
+        for (uint32_t rr = b; rr < e; rr++) {
+            const uint32_t hk = rr / c->t, j = rr % c->t;
+            memcpy(c->vp + (size_t)rr * c->dv, c->v + (size_t)j * vs + (size_t)hk * c->dv, sizeof(float) * c->dv);
         }
         htp_barrier();
     }
@@ -49,17 +60,23 @@ htp_status htp_attention(const float *q, const float *k, const float *v, uint32_
         return HTP_E_INVALID;
     if (t == 0) return HTP_OK;
     htp_attn_ctx c = {q, k, v, out, t, n_q_heads, n_kv_heads, dk, dv, causal ? 1u : 0u,
-                      (t + HTP_ATTN_BQ - 1) / HTP_ATTN_BQ, scale, NULL, 0};
+                      (t + HTP_ATTN_BQ - 1) / HTP_ATTN_BQ, scale, NULL, NULL, 0};
     const size_t need = htp_attn_scratch_floats(&c) * sizeof(float);
     for (uint32_t i = 0; i < htp_nth(); i++)
         if (!htp_scratch(i, 1, need)) return HTP_E_NOMEM;
     const uint32_t lvl = htp_simd_get();
     if ((lvl == HTP_SIMD_AVX512 || lvl == HTP_SIMD_AVX512VNNI) && dk % 16 == 0 && dv % 16 == 0) {
-        c.kt_ld = ((size_t)t + HTP_ATTN_BK - 1) / HTP_ATTN_BK * HTP_ATTN_BK;
-        c.kt = (float *)malloc(sizeof(float) * c.kt_ld * n_kv_heads * dk);
-        if (!c.kt) return HTP_E_NOMEM;
+        c.kt_ld = ((size_t)t + HTP_ATTN_BK - 1) / HTP_ATTN_BK;
+        c.kt = (float *)malloc(sizeof(float) * c.kt_ld * HTP_ATTN_BK * n_kv_heads * dk);
+        c.vp = (float *)malloc(sizeof(float) * (size_t)t * n_kv_heads * dv);
+        if (!c.kt || !c.vp) {
+            free(c.kt);
+            free(c.vp);
+            return HTP_E_NOMEM;
+        }
     }
     htp_parallel(attn_worker, &c);
     free(c.kt);
+    free(c.vp);
     return HTP_OK;
 }

@@ -77,9 +77,9 @@ HTP_T_AVX512 void htp_attn_task_avx512(const htp_attn_ctx *c, uint32_t task, flo
     const uint32_t hk = h / (c->hq / c->hkv);
     const uint32_t dk = c->dk, dv = c->dv, t = c->t;
     const uint32_t i0 = qb * BQ, ni = HTP_MIN(BQ, t - i0);
-    const size_t qstride = (size_t)c->hq * dk, vstride = (size_t)c->hkv * dv, ostride = (size_t)c->hq * dv;
-    const size_t ldk = c->kt_ld;
-    const float *kt = c->kt + (size_t)hk * dk * ldk; /* [dk][ldk] for this KV head */
+    const size_t qstride = (size_t)c->hq * dk, vstride = dv, ostride = (size_t)c->hq * dv;
+    const size_t ldk = BK;
+    const float *kt_head = c->kt + (size_t)hk * c->kt_ld * dk * BK; /* [kblk][dk][BK] */
     float *s = scratch;                    /* [BQ][64] */
     float *o = s + (size_t)BQ * BK;        /* [BQ][dv] */
     float *qs = o + (size_t)BQ * dv;       /* [BQ][dk] */
@@ -98,7 +98,7 @@ HTP_T_AVX512 void htp_attn_task_avx512(const htp_attn_ctx *c, uint32_t task, flo
         const uint32_t nj = HTP_MIN(BK, kend - j0);
         for (uint32_t i = 0; i < ni; i += 4) {
             const int nr = (int)HTP_MIN(4u, ni - i);
-            qk_4x64(qs + (size_t)i * dk, dk, kt + j0, ldk, s + (size_t)i * BK, nr);
+            qk_4x64(qs + (size_t)i * dk, dk, kt_head + (size_t)(j0 / BK) * dk * BK, ldk, s + (size_t)i * BK, nr);
         }
         for (uint32_t i = 0; i < ni; i++) {
             const uint32_t lim = c->causal ? HTP_MIN(nj, (i0 + i + 1 > j0) ? i0 + i + 1 - j0 : 0) : nj;
@@ -125,7 +125,7 @@ HTP_T_AVX512 void htp_attn_task_avx512(const htp_attn_ctx *c, uint32_t task, flo
                 for (uint32_t d = 0; d < dv; d += 16) _mm512_storeu_ps(oi + d, _mm512_mul_ps(_mm512_loadu_ps(oi + d), vc));
             }
         }
-        const float *vb = c->v + (size_t)j0 * vstride + (size_t)hk * dv;
+        const float *vb = c->vp + ((size_t)hk * t + j0) * dv;
         for (uint32_t i = 0; i < ni; i += 4) {
             const int nr = (int)HTP_MIN(4u, ni - i);
             for (uint32_t d0 = 0; d0 < dv; d0 += 64)

@@ -96,8 +96,9 @@ typedef struct htp_attn_ctx {
     float *out;
     uint32_t t, hq, hkv, dk, dv, causal, n_qblk;
     float scale;
-    float *kt;    /* optional: K transposed per KV head, [hkv][dk][kt_ld] (zero padded) */
-    size_t kt_ld; /* multiple of HTP_ATTN_BK, >= t */
+    float *kt;    /* optional: K per KV head in transposed key blocks [hkv][kblk][dk][BK] */
+    float *vp;    /* optional: V per KV head, contiguous rows [hkv][t][dv] */
+    size_t kt_ld; /* number of key blocks (ceil(t / BK)) */
 } htp_attn_ctx;
 size_t htp_attn_scratch_floats(const htp_attn_ctx *c);
 
