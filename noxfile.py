@@ -8,6 +8,7 @@ the main job. Benchmarks are `bench_*` sessions and are never part of the defaul
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import nox
@@ -28,6 +29,12 @@ def pkg(name: str, extra: str | None = None) -> str:
     return f"{path}[{extra}]" if extra else path
 
 
+def _clean_htp_build() -> None:
+    """setuptools reuses up-to-date objects in the in-tree build/ whatever the flags: a
+    sanitizer build must never leak into a normal one (or the reverse)."""
+    shutil.rmtree(PKG / "estream-htp" / "build", ignore_errors=True)
+
+
 def _pytest(session: nox.Session, where: Path, *extra: str) -> None:
     args = session.posargs or []
     session.run(
@@ -38,6 +45,8 @@ def _pytest(session: nox.Session, where: Path, *extra: str) -> None:
 
 def _package_session(session: nox.Session, name: str) -> None:
     # Install (build) this package alone, plus its test extra; reinstall so edits are seen.
+    if name == "htp":
+        _clean_htp_build()
     session.install("--force-reinstall", "--no-deps", pkg(name))
     session.install(pkg(name, "test"))
     _pytest(session, PKG / f"estream-{name}" / "tests")
@@ -68,6 +77,7 @@ def htp(session: nox.Session) -> None:
 
 
 def _install_all(session: nox.Session, *extras: str) -> None:
+    _clean_htp_build()
     session.install("--force-reinstall", "--no-deps", *[pkg(n) for n in ALL])
     session.install(*[pkg(n) for n in LOWER], pkg("cli", ",".join(extras) if extras else None))
 
@@ -112,8 +122,12 @@ def demo(session: nox.Session) -> None:
 def sanitize(session: nox.Session) -> None:
     """estream-htp built with -fsanitize=address,undefined, running the op tests."""
     session.env["ESTREAM_HTP_SANITIZE"] = "1"
-    session.install("--force-reinstall", "--no-deps", "--no-cache-dir", pkg("htp"))
-    session.install(pkg("htp", "test"))
+    _clean_htp_build()
+    try:
+        session.install("--force-reinstall", "--no-deps", "--no-cache-dir", pkg("htp"))
+        session.install(pkg("htp", "test"))
+    finally:
+        _clean_htp_build()
     script = PKG / "estream-htp" / "tools" / "run_sanitized.py"
     session.run("python", str(script), *session.posargs)
 
@@ -122,6 +136,8 @@ def _bench(session: nox.Session, script: Path, *, all_pkgs: bool = False, name: 
     if all_pkgs:
         _install_all(session, "bench")
     else:
+        if name == "htp":
+            _clean_htp_build()
         session.install("--force-reinstall", "--no-deps", pkg(name))
         session.install(pkg(name, "bench"))
     (ROOT / "bench-results").mkdir(exist_ok=True)
