@@ -38,7 +38,15 @@ def _clean_htp_build() -> None:
 def _pytest(session: nox.Session, where: Path, *extra: str) -> None:
     args = session.posargs or []
     session.run(
-        "python", "-m", "pytest", str(where), "-q", "-p", "no:cacheprovider", *extra, *args,
+        "python",
+        "-m",
+        "pytest",
+        str(where),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *extra,
+        *args,
         env={"HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")},
     )
 
