@@ -430,3 +430,46 @@ def test_mixed_expert_types_requantize_only_non_q4(
                 offset=lb.record_offset(3) + p.offset_in_record,
             )
             assert np.array_equal(a, b)
+
+
+def test_o_direct_refused_midway_falls_back(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem that accepts O_DIRECT at open but refuses the write (EINVAL): the writer
+    switches to buffered writes and the pack is identical."""
+    import errno
+
+    ref = pack_model(tiny_models["olmoe"], tmp_path / "ref.estream", progress=False)
+    real_write = os.write
+    refused = []
+
+    def flaky_write(fd: int, data: object) -> int:
+        import fcntl
+
+        if hasattr(os, "O_DIRECT") and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(pack_mod.os, "write", flaky_write)
+    m = pack_model(tiny_models["olmoe"], tmp_path / "m.estream", progress=False)
+    monkeypatch.undo()
+    assert m.experts_path.read_bytes() == ref.experts_path.read_bytes()
+    assert verify_pack(m.root).ok
+    assert refused or not hasattr(os, "O_DIRECT")
+
+
+def test_write_error_cleans_up(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk error in the writer thread (e.g. ENOSPC) surfaces as OSError; nothing is left."""
+    import errno
+
+    def full_disk(fd: int, data: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pack_mod.os, "write", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        pack_model(tiny_models["olmoe"], tmp_path / "m.estream", progress=False)
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
