@@ -62,8 +62,12 @@ htp_status htp_attention(const float *q, const float *k, const float *v, uint32_
     htp_attn_ctx c = {q, k, v, out, t, n_q_heads, n_kv_heads, dk, dv, causal ? 1u : 0u,
                       (t + HTP_ATTN_BQ - 1) / HTP_ATTN_BQ, scale, NULL, NULL, 0};
     const size_t need = htp_attn_scratch_floats(&c) * sizeof(float);
+    htp_api_lock();
     for (uint32_t i = 0; i < htp_nth(); i++)
-        if (!htp_scratch(i, 1, need)) return HTP_E_NOMEM;
+        if (!htp_scratch(i, 1, need)) {
+            htp_api_unlock();
+            return HTP_E_NOMEM;
+        }
     const uint32_t lvl = htp_simd_get();
     if ((lvl == HTP_SIMD_AVX512 || lvl == HTP_SIMD_AVX512VNNI) && dk % 16 == 0 && dv % 16 == 0) {
         c.kt_ld = ((size_t)t + HTP_ATTN_BK - 1) / HTP_ATTN_BK;
@@ -72,10 +76,12 @@ htp_status htp_attention(const float *q, const float *k, const float *v, uint32_
         if (!c.kt || !c.vp) {
             free(c.kt);
             free(c.vp);
+            htp_api_unlock();
             return HTP_E_NOMEM;
         }
     }
     htp_parallel(attn_worker, &c);
+    htp_api_unlock();
     free(c.kt);
     free(c.vp);
     return HTP_OK;

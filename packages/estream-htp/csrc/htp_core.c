@@ -168,17 +168,23 @@ htp_status htp_gemm(const htp_matrix_desc *wd, const void *w, const float *x, ui
     gemm_ctx c = {(const uint8_t *)w, wd->format, wd->n, wd->k, t, ldx, ldy, x, y, NULL, NULL, NULL, 0};
     c.use_q8 = g_act == HTP_ACT_Q8;
     void *buf = NULL;
+    htp_api_lock();
     if (c.use_q8) {
         const size_t kb = wd->k / 32;
         buf = malloc((size_t)t * wd->k + (size_t)t * kb * 8 + 64);
-        if (!buf) return HTP_E_NOMEM;
+        if (!buf) {
+            htp_api_unlock();
+            return HTP_E_NOMEM;
+        }
         c.qd = (float *)buf;
         c.qs = (int32_t *)(c.qd + (size_t)t * kb);
         c.q = (int8_t *)(c.qs + (size_t)t * kb);
     } else if (reserve_panels(wd->k) != HTP_OK) {
+        htp_api_unlock();
         return HTP_E_NOMEM;
     }
     htp_parallel(gemm_task, &c);
+    htp_api_unlock();
     free(buf);
     return HTP_OK;
 }

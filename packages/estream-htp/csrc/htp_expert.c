@@ -199,6 +199,11 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
     }
 }
 
+static htp_status run_locked(htp_expert_graph *g, const htp_expert_run_desc *rd, const float *x,
+                             const int32_t *tokens, const int32_t *experts, const float *weights,
+                             const int32_t *slot_of_expert, float *y, int32_t max_slot,
+                             size_t kmax, size_t stage);
+
 htp_status htp_expert_graph_run(htp_expert_graph *g, const htp_expert_run_desc *rd, const float *x,
                                 const int32_t *tokens, const int32_t *experts,
                                 const float *weights, const int32_t *slot_of_expert, float *y) {
@@ -231,10 +236,19 @@ htp_status htp_expert_graph_run(htp_expert_graph *g, const htp_expert_run_desc *
         g->counts_cap = (uint32_t)max_slot + 1;
     }
     /* per-thread scratch: GEMM panel (f32 mode) and gate/up/down staging */
-    const uint32_t nth = htp_nth();
     const size_t kmax = HTP_MAX(d, ff);
     const size_t stage = (size_t)2 * SUB * HTP_MAX(d, 2 * ff) * 4 + 256;
-    for (uint32_t i = 0; i < nth; i++)
+    htp_api_lock();
+    const htp_status st = run_locked(g, rd, x, tokens, experts, weights, slot_of_expert, y, max_slot, kmax, stage);
+    htp_api_unlock();
+    return st;
+}
+
+static htp_status run_locked(htp_expert_graph *g, const htp_expert_run_desc *rd, const float *x,
+                             const int32_t *tokens, const int32_t *experts, const float *weights,
+                             const int32_t *slot_of_expert, float *y, int32_t max_slot,
+                             size_t kmax, size_t stage) {
+    for (uint32_t i = 0; i < htp_nth(); i++)
         if (!htp_scratch(i, 0, kmax * 32 * 4) || !htp_scratch(i, 2, stage)) return HTP_E_NOMEM;
 
     const int q8 = htp_act_get() == HTP_ACT_Q8;

@@ -29,6 +29,9 @@ void htp_parallel(htp_task_fn fn, void *ctx);
 /* Wait until every thread of the running parallel region arrived (call from all of them). */
 void htp_barrier(void);
 uint32_t htp_nth(void);
+/* Held by every op entry point around scratch reservation and its parallel region. */
+void htp_api_lock(void);
+void htp_api_unlock(void);
 
 /* Even split of [0, n) into nth contiguous parts: part ith is [*b, *e). */
 static inline void htp_split(uint32_t n, uint32_t ith, uint32_t nth, uint32_t *b, uint32_t *e) {

@@ -41,6 +41,12 @@ static struct {
     .nth = 1,
 };
 
+/* Serialises whole ops (scratch reservation + parallel region) against each other and against
+ * set_num_threads: cffi releases the GIL, so Python threads may call in concurrently. */
+static pthread_mutex_t api_lock = PTHREAD_MUTEX_INITIALIZER;
+void htp_api_lock(void) { pthread_mutex_lock(&api_lock); }
+void htp_api_unlock(void) { pthread_mutex_unlock(&api_lock); }
+
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
@@ -134,6 +140,7 @@ static void stop_workers(void) {
 htp_status htp_set_num_threads(uint32_t n) {
     if (n < 1 || n > HTP_MAX_THREADS) return HTP_E_INVALID;
     htp_ensure_init();
+    htp_api_lock();
     pthread_mutex_lock(&pool.call_lock);
     stop_workers();
     for (uint32_t i = 1; i < n; i++) {
@@ -142,12 +149,14 @@ htp_status htp_set_num_threads(uint32_t n) {
         if (pthread_create(&pool.workers[i].th, NULL, worker_main, &pool.workers[i]) != 0) {
             pool.nth = i;
             pthread_mutex_unlock(&pool.call_lock);
+            htp_api_unlock();
             return HTP_E_NOMEM;
         }
         pool.nth = i + 1;
     }
     pool.nth = n;
     pthread_mutex_unlock(&pool.call_lock);
+    htp_api_unlock();
     return HTP_OK;
 }
 
