@@ -56,6 +56,12 @@ def blas_best_of(fn, reps: int = 3) -> tuple[float, float | None]:
     return t_n, t_1
 
 
+def measure_peak() -> float:
+    """vpdpbusd throughput (int8 GOP/s, 2 ops per multiply-add), best of several short runs on
+    the pool's threads; this VM's 2 vCPUs are shared, so it is measured at start and end."""
+    return max(_core._dot_peak(5_000_000) for _ in range(7)) * 2 / 1e9
+
+
 def blas_info() -> dict:
     try:
         from threadpoolctl import threadpool_info
@@ -230,8 +236,7 @@ def main() -> None:
 
     # ---- instruction-mix peak
     try:
-        macs = max(_core._dot_peak(5_000_000) for _ in range(5))
-        results["peak_int8_gops"] = 2 * macs / 1e9
+        results["peak_int8_gops"] = measure_peak()
     except htp.HTPError:
         results["peak_int8_gops"] = None
     print(
@@ -248,6 +253,11 @@ def main() -> None:
     bench_experts(rng, row)
     bench_attention(rng, row)
 
+    if results["peak_int8_gops"] is not None:
+        end_peak = measure_peak()
+        results["peak_int8_gops_start_end"] = [results["peak_int8_gops"], end_peak]
+        results["peak_int8_gops"] = max(results["peak_int8_gops"], end_peak)
+        print(f"vpdpbusd peak (max of start/end): {results['peak_int8_gops']:.0f} GOP/s")
     out_dir = ROOT / "bench-results"
     out_dir.mkdir(exist_ok=True)
     (out_dir / "bench_kernels.json").write_text(json.dumps(results, indent=2))
