@@ -193,6 +193,12 @@ def main() -> int:
     ap.add_argument("--preset", default="olmoe-1b-7b")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--no-cgroup", action="store_true")
+    ap.add_argument("--skip-free", action="store_true", help="only the memory-capped runs")
+    ap.add_argument("--cgroup-lengths", help="lengths for the capped runs (default: --lengths)")
+    ap.add_argument(
+        "--cgroup-timeout", type=float, default=900.0, help="seconds before a capped run is cut"
+    )
+    ap.add_argument("--out", default="bench_engine.json")
     args = ap.parse_args()
     budget = parse_bytes(args.budget)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -214,13 +220,17 @@ def main() -> int:
     systems = ["stream", "resident"] + (["llama.cpp"] if llama_ok else [])
 
     def one(system: str, T: int, cg: Cgroup | None) -> dict[str, Any]:
+        timeout = args.cgroup_timeout if cg else 3600.0
         tokens = np.random.default_rng(T).integers(0, hp.n_vocab, size=T)
         how = drop_page_cache(files)
         if system == "llama.cpp":
             cmd = llama_cmd(src, tokens, args.threads)
         else:
             cmd = engine_cmd(dst, tokens, system, args.threads)
-        m = _run(cmd, cgroup=cg)
+        try:
+            m = _run(cmd, cgroup=cg, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            m = {"error": f"timed out after {timeout:.0f} s (paging)"}
         m.update({"system": system, "length": T, "cache": how, "cgroup": bool(cg)})
         ttft = f"{m['ttft_s']:8.2f} s" if "ttft_s" in m else f"{m.get('error', '?'):>10s}"
         peak = format_bytes(m["peak_memory_bytes"]) if "peak_memory_bytes" in m else "-"
@@ -233,9 +243,11 @@ def main() -> int:
         )
         return m
 
-    for T in lengths:
-        for system in systems:
-            rows.append(one(system, T, None))
+    if not args.skip_free:
+        for T in lengths:
+            for system in systems:
+                rows.append(one(system, T, None))
+    cg_lengths = [int(x) for x in (args.cgroup_lengths or args.lengths).split(",")]
     cg_note = None
     if not args.no_cgroup:
         cg = Cgroup(budget)
@@ -244,7 +256,7 @@ def main() -> int:
             print(cg_note)
         else:
             try:
-                for T in lengths:
+                for T in cg_lengths:
                     for system in ["stream"] + (["llama.cpp"] if llama_ok else []):
                         rows.append(one(system, T, cg))
             finally:
@@ -286,8 +298,8 @@ def main() -> int:
         "summary": summary,
         "cgroup_note": cg_note,
     }
-    (RESULTS / "bench_engine.json").write_text(json.dumps(doc, indent=1))
-    print(f"wrote {RESULTS / 'bench_engine.json'}")
+    (RESULTS / args.out).write_text(json.dumps(doc, indent=1))
+    print(f"wrote {RESULTS / args.out}")
     return 0
 
 
