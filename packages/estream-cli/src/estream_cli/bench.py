@@ -32,14 +32,7 @@ def drop_page_cache(paths: list[Path]) -> str:
         return "drop_caches"
     except OSError:
         for p in paths:
-            try:
-                fd = os.open(p, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass
+            memory.drop_file_cache(p)
         return "fadvise"
 
 

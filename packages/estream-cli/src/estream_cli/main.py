@@ -133,12 +133,11 @@ def write_trace(path: str | Path, events: list[dict[str, Any]], meta: dict[str, 
 
 
 # -- commands ---------------------------------------------------------------------------------
-def cmd_prefill(args: argparse.Namespace) -> int:
+def engine_from_args(args: argparse.Namespace, *, progress: bool) -> Any:
+    """Load the engine with the options `_add_engine_opts` added to a sub-command."""
     from .engine import load
 
-    t0 = time.perf_counter()
-    ids, tok = _tokens_from_args(args)
-    with load(
+    return load(
         args.model,
         mode=args.mode,
         schedule=args.schedule,
@@ -149,8 +148,14 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         n_threads=args.threads,
         verify=args.verify,
         act=args.act,
-        progress=not args.json,
-    ) as engine:
+        progress=progress,
+    )
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    ids, tok = _tokens_from_args(args)
+    with engine_from_args(args, progress=not args.json) as engine:
         res = engine.prefill(ids, all_logits=bool(args.all_logits))
     m = dict(res.metrics)
     m["end_to_end_s"] = time.perf_counter() - t0

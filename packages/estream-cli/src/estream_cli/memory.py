@@ -6,11 +6,20 @@ engine started loading). The second term catches memory a process causes but doe
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 
 from .errors import BadRequestError
 
-__all__ = ["format_bytes", "mem_available", "parse_bytes", "peak_rss", "reset_peak"]
+__all__ = [
+    "drop_file_cache",
+    "format_bytes",
+    "mem_available",
+    "parse_bytes",
+    "peak_rss",
+    "reset_peak",
+]
 
 _UNITS = {
     "": 1,
@@ -93,3 +102,13 @@ def mem_available() -> int:
     except OSError:
         pass
     return 0
+
+
+def drop_file_cache(path: str | os.PathLike[str]) -> None:
+    """Evict a file's cached pages (posix_fadvise DONTNEED); best effort."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

@@ -22,23 +22,13 @@ import estream_arena as ea
 import estream_sched as es
 
 from .errors import BudgetTooSmallError, PackError
+from .memory import drop_file_cache
 from .packed import PackedModel, save_manifest
 
 __all__ = ["DEFAULT_CANDIDATES", "configure_for_budget", "measure_bandwidth", "profile_model"]
 
 DEFAULT_CANDIDATES = (1, 2, 4, 8, 16)
 DEFAULT_QS = (1, 2, 4, 8)
-
-
-def _drop_cache(path: os.PathLike[str] | str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
 
 
 def measure_bandwidth(
@@ -63,7 +53,7 @@ def measure_bandwidth(
         if total >= max_bytes:
             break
     layout = ea.RecordLayout(record_bytes=model.record_bytes, planes=model.plane_extents)
-    _drop_cache(model.experts_path)
+    drop_file_cache(model.experts_path)
     with (
         ea.Arena(layout, n_banks=q + 1, group_size=g) as arena,
         ea.GroupLoader(arena, model.experts_path, q) as loader,

@@ -267,7 +267,7 @@ def _run(args: argparse.Namespace, task: _Task) -> int:
 
     In a batch, a request the model cannot answer (e.g. longer than the context) gets a result
     line ``{"id": …, "error": "…"}`` and the others go on; the exit code is then 2."""
-    from .engine import load
+    from .main import engine_from_args
     from .tokenizer import Tokenizer
 
     t0 = time.perf_counter()
@@ -277,19 +277,7 @@ def _run(args: argparse.Namespace, task: _Task) -> int:
     template = tasks.chat_template(args.model, tok) if args.template else None
     show = batch and sys.stderr.isatty()
     failed = 0
-    with load(
-        args.model,
-        mode=args.mode,
-        schedule=args.schedule,
-        budget=args.budget,
-        G=args.G,
-        Q=args.Q,
-        B=args.B,
-        n_threads=args.threads,
-        verify=args.verify,
-        act=args.act,
-        progress=not (batch or args.json),
-    ) as engine:
+    with engine_from_args(args, progress=not (batch or args.json)) as engine:
         t1 = time.perf_counter()
         for i, (key, where, req) in enumerate(reqs):
             try:
