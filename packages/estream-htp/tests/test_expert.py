@@ -171,6 +171,22 @@ def test_expert_op_errors() -> None:
                 [64, 64, 64],
                 y,
             )
+        # no routes at all (also with zero tokens): y untouched, no error
+        y1 = np.ones((4, d), np.float32)
+        empty_i = np.zeros(0, np.int32)
+        g.run(
+            x,
+            empty_i,
+            empty_i,
+            np.zeros(0, np.float32),
+            np.zeros(0, np.int32),
+            [1, 1, 1],
+            [0, 0, 0],
+            y1,
+        )
+        assert np.all(y1 == 1)
+        g.run(np.zeros((0, d), np.float32), empty_i, empty_i, np.zeros(0, np.float32), np.array([0, 1], np.int32),
+              [p.ctypes.data for p in planes], [p.strides[0] for p in planes], np.zeros((0, d), np.float32))  # fmt: skip
     with pytest.raises(htp.HTPInputError, match="closed"):
         _run(g, x, tok, exp, w, np.array([0, 1], np.int32), planes, y)
     with pytest.raises(htp.HTPInputError, match="multiple of 32"):

@@ -339,6 +339,8 @@ class ExpertGraph:
                 raise ExpertNotResidentError(
                     f"expert {int(missing[0])} is routed but not resident (slot_of_expert = -1)"
                 )
+        if r == 0:
+            return  # nothing routed: y is left as it is
         if len(planes) != 3 or len(strides) != 3:
             raise HTPInputError("planes and strides must each hold 3 ints (gate, up, down)")
         planes_i = [int(p) for p in planes]
