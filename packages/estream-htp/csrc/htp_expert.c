@@ -16,6 +16,7 @@ struct htp_expert_graph {
     htp_expert_graph_desc desc;
     int32_t *rec_route; /* [C] route index (within the pass) of each record, sorted by slot */
     int32_t *route_slot;
+    int32_t *stage; /* [C] route ids selected for the current pass, before sorting */
     int32_t *seg_slot, *seg_begin, *seg_len; /* [C] non-empty slots */
     uint32_t *counts;
     uint32_t counts_cap;
@@ -41,6 +42,7 @@ void htp_expert_graph_free(htp_expert_graph *g) {
     if (!g) return;
     free(g->rec_route);
     free(g->route_slot);
+    free(g->stage);
     free(g->seg_slot);
     free(g->seg_begin);
     free(g->seg_len);
@@ -68,10 +70,11 @@ htp_status htp_expert_graph_init(const htp_expert_graph_desc *desc, htp_expert_g
     g->desc = *desc;
     g->rec_route = malloc(c * 4);
     g->route_slot = malloc(c * 4);
+    g->stage = malloc(c * 4);
     g->seg_slot = malloc(c * 4);
     g->seg_begin = malloc(c * 4);
     g->seg_len = malloc(c * 4);
-    if (!g->rec_route || !g->route_slot || !g->seg_slot || !g->seg_begin || !g->seg_len) {
+    if (!g->rec_route || !g->route_slot || !g->stage || !g->seg_slot || !g->seg_begin || !g->seg_len) {
         htp_expert_graph_free(g);
         return HTP_E_NOMEM;
     }
@@ -230,7 +233,7 @@ htp_status htp_expert_graph_run(htp_expert_graph *g, const htp_expert_run_desc *
         if (max_slot > 0 && rd->slot_stride[j] < need[j]) return HTP_E_INVALID;
     }
     if ((uint32_t)max_slot + 1 > g->counts_cap) {
-        uint32_t *p = (uint32_t *)realloc(g->counts, ((size_t)max_slot + 1) * 4);
+        uint32_t *p = (uint32_t *)realloc(g->counts, ((size_t)max_slot + 1) * 8);
         if (!p) return HTP_E_NOMEM;
         g->counts = p;
         g->counts_cap = (uint32_t)max_slot + 1;
@@ -254,28 +257,58 @@ static htp_status run_locked(htp_expert_graph *g, const htp_expert_run_desc *rd,
     const int q8 = htp_act_get() == HTP_ACT_Q8;
     if (ensure_buffers(g, q8) != HTP_OK) return HTP_E_NOMEM;
     const uint32_t P = (uint32_t)max_slot + 1;
-    for (uint32_t r0 = 0; r0 < rd->n_routes; r0 += g->desc.capacity) {
-        const uint32_t nr = HTP_MIN(g->desc.capacity, rd->n_routes - r0);
-        memset(g->counts, 0, (size_t)P * 4);
-        for (uint32_t i = 0; i < nr; i++) {
-            const int32_t s = slot_of_expert[experts[r0 + i]];
-            g->route_slot[i] = s;
-            g->counts[s]++;
+    /* Passes are runs of consecutive slots holding at most `capacity` routes (a slot with more
+     * routes is cut into capacity-sized pieces of its routes in route order), so each pass
+     * meets every expert it touches once, with as many routes as possible. The order in which
+     * contributions reach y (slot ascending, then route order) does not depend on capacity. */
+    const uint32_t C = g->desc.capacity, R = rd->n_routes;
+    uint32_t *total = g->counts + P;
+    memset(total, 0, (size_t)P * 4);
+    for (uint32_t r = 0; r < R; r++) total[slot_of_expert[experts[r]]]++;
+    uint32_t sa = 0;
+    while (sa < P) {
+        if (total[sa] == 0) {
+            sa++;
+            continue;
         }
-        uint32_t nseg = 0, off = 0;
-        for (uint32_t s = 0; s < P; s++) {
-            const uint32_t cnt = g->counts[s];
-            if (!cnt) continue;
-            g->seg_slot[nseg] = (int32_t)s;
-            g->seg_begin[nseg] = (int32_t)off;
-            g->seg_len[nseg] = (int32_t)cnt;
-            g->counts[s] = off; /* becomes the scatter cursor */
-            off += cnt;
-            nseg++;
+        uint32_t sb = sa, sum = 0;
+        while (sb < P && sum + total[sb] <= C) sum += total[sb++];
+        const int big = sb == sa; /* slot sa alone exceeds capacity */
+        const uint32_t pieces = big ? (total[sa] + C - 1) / C : 1;
+        if (big) sb = sa + 1;
+        for (uint32_t piece = 0; piece < pieces; piece++) {
+            /* select the pass's routes */
+            uint32_t nr = 0, ordinal = 0;
+            for (uint32_t r = 0; r < R; r++) {
+                const uint32_t sl = (uint32_t)slot_of_expert[experts[r]];
+                if (sl < sa || sl >= sb) continue;
+                if (big) {
+                    const uint32_t o = ordinal++;
+                    if (o < piece * C || o >= (piece + 1) * C) continue;
+                }
+                g->stage[nr] = (int32_t)r; /* staged, then sorted by slot below */
+                g->route_slot[nr] = (int32_t)sl;
+                nr++;
+            }
+            /* counting sort of the staged routes by slot (stable) */
+            memset(g->counts + sa, 0, (size_t)(sb - sa) * 4);
+            for (uint32_t i = 0; i < nr; i++) g->counts[g->route_slot[i]]++;
+            uint32_t nseg = 0, off = 0;
+            for (uint32_t sl = sa; sl < sb; sl++) {
+                const uint32_t cnt = g->counts[sl];
+                if (!cnt) continue;
+                g->seg_slot[nseg] = (int32_t)sl;
+                g->seg_begin[nseg] = (int32_t)off;
+                g->seg_len[nseg] = (int32_t)cnt;
+                g->counts[sl] = off;
+                off += cnt;
+                nseg++;
+            }
+            for (uint32_t i = 0; i < nr; i++) g->rec_route[g->counts[g->route_slot[i]]++] = g->stage[i];
+            run_ctx c = {g, rd, x, tokens, weights, y, 0, nr, nseg, q8};
+            htp_parallel(run_task, &c);
         }
-        for (uint32_t i = 0; i < nr; i++) g->rec_route[g->counts[g->route_slot[i]]++] = (int32_t)i;
-        run_ctx c = {g, rd, x, tokens, weights, y, r0, nr, nseg, q8};
-        htp_parallel(run_task, &c);
+        sa = sb;
     }
     return HTP_OK;
 }

@@ -116,6 +116,27 @@ def test_expert_op_threads_bit_identical_and_paths_agree(act: str) -> None:
         assert T.rel_l2(outs[simd, 1], outs["portable", 1]) <= tol, simd
 
 
+@pytest.mark.parametrize("act", ["f32", "q8"])
+def test_expert_op_result_does_not_depend_on_capacity(act: str) -> None:
+    # passes are cut along slots, and y receives contributions slot by slot in route order
+    rng = np.random.default_rng(8)
+    d, ff, n_exp, t, r = 64, 64, 4, 23, 90
+    tokens = rng.integers(0, t, r).astype(np.int32)
+    experts = rng.integers(0, n_exp, r).astype(np.int32)
+    experts[:40] = 2  # one slot larger than the small capacities
+    weights = rng.uniform(-1, 1, r).astype(np.float32)
+    _, planes, slots = _planes(rng, n_exp, d, ff, list(range(n_exp)))
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    outs = []
+    for cap in (1, 7, 33, r, r + 5):
+        y = np.zeros((t, d), np.float32)
+        with mode(act=act), htp.ExpertGraph(d, ff, cap, t) as g:
+            _run(g, x, tokens, experts, weights, slots, planes, y)
+        outs.append(y)
+    for y in outs[1:]:
+        assert np.array_equal(y, outs[0])
+
+
 def test_moe_ffn_matches_float64() -> None:
     rng = np.random.default_rng(11)
     d, ff, n_exp, t, k = 64, 96, 6, 13, 3
