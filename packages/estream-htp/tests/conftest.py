@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "ci",
-    max_examples=25,
+    max_examples=100,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],

@@ -10,8 +10,12 @@ import estream_htp as htp
 from estream_htp import testing as T
 
 F32_TOL = 1e-5
-# int8 path: x and the SwiGLU output h are both Q8-rounded (two ~0.4%-per-element roundings);
-# measured ~5e-3 on these random experts.
+# int8 path against a float64 reference that applies the same Q8 rounding to x and to the SwiGLU
+# output h: what remains are h elements that land on the other side of a rounding boundary
+# because C computes h in fp32 (max 1.2e-3 measured over 300 random cases).
+Q8_EMU_TOL = 5e-3
+# int8 path against exact float64, for realistic widths (d=128): two Q8 roundings (x and h);
+# 1.0e-2 measured at OLMoE shapes. Tiny widths (one 32-block) can exceed it by cancellation.
 Q8_TOL = 3e-2
 
 
@@ -85,10 +89,13 @@ def test_expert_op_matches_float64(simd: str, act: str, sc) -> None:
     y = y0.copy()
     with mode(simd=simd, act=act), htp.ExpertGraph(d, ff, capacity, t_max=t + 2) as g:
         _run(g, x, tokens, experts, weights, slots, planes, y)
-    tol = F32_TOL if act == "f32" else Q8_TOL
     if len(tokens):
         mag = T.ref_expert_op(x, tokens, experts, weights, gate, up, down, ff, magnitude=True)
-        assert T.rel_l2_floored(y - y0, ref - y0, mag, ff) <= tol
+        if act == "f32":
+            assert T.rel_l2_floored(y - y0, ref - y0, mag, ff) <= F32_TOL
+        else:
+            emu = T.ref_expert_op(x, tokens, experts, weights, gate, up, down, ff, q8=True)
+            assert T.rel_l2_floored(y - y0, emu, mag, ff) <= Q8_EMU_TOL
     else:
         assert np.array_equal(y, y0)
 

@@ -200,11 +200,13 @@ def ref_expert_op(
     down: npt.NDArray[np.uint8],
     ff: int,
     magnitude: bool = False,
+    q8: bool = False,
 ) -> F64:
     """float64 ``Σ_r w_r · down_e(silu(gate_e(x_t)) * up_e(x_t))`` (planes ``[E, nbytes]``).
 
-    ``magnitude=True`` returns ``Σ_r |w_r| · |down_e| · |h_r|`` instead (the rounding scale)."""
-    xx = np.asarray(x, dtype=np.float64)
+    ``magnitude=True`` returns ``Σ_r |w_r| · |down_e| · |h_r|`` instead (the rounding scale);
+    ``q8=True`` feeds x and h through the int8 activation rounding as the q8 path does."""
+    xx = np.asarray(ref_q8_activations(x) if q8 else x, dtype=np.float64)
     t, d = xx.shape
     y = np.zeros((t, d))
     cache: dict[int, tuple[F64, F64, F64]] = {}
@@ -219,6 +221,8 @@ def ref_expert_op(
         wg, wu, wd = cache[e]
         g = wg @ xx[tok]
         h = g / (1.0 + np.exp(-g)) * (wu @ xx[tok])
+        if q8:
+            h = ref_q8_activations(h.astype(np.float32)).astype(np.float64)
         if magnitude:
             y[tok] += abs(float(w)) * (np.abs(wd) @ np.abs(h))
         else:
