@@ -85,6 +85,7 @@ static void init_once(void) {
 #endif
     g_simd = htp_simd_best();
     fill_kernels(g_simd);
+    htp_pool_register_atfork();
 }
 
 void htp_ensure_init(void) { pthread_once(&g_once, init_once); }

@@ -32,6 +32,7 @@ uint32_t htp_nth(void);
 /* Held by every op entry point around scratch reservation and its parallel region. */
 void htp_api_lock(void);
 void htp_api_unlock(void);
+void htp_pool_register_atfork(void);
 
 /* Even split of [0, n) into nth contiguous parts: part ith is [*b, *e). */
 static inline void htp_split(uint32_t n, uint32_t ith, uint32_t nth, uint32_t *b, uint32_t *e) {

@@ -126,6 +126,25 @@ void htp_barrier(void) {
     }
 }
 
+/* fork(): the child has no worker threads; it restarts single-threaded (set_num_threads to
+ * grow again). Locks are taken around fork so the child never inherits one held mid-op. */
+static void atfork_prepare(void) {
+    pthread_mutex_lock(&api_lock);
+    pthread_mutex_lock(&pool.call_lock);
+}
+static void atfork_parent(void) {
+    pthread_mutex_unlock(&pool.call_lock);
+    pthread_mutex_unlock(&api_lock);
+}
+static void atfork_child(void) {
+    pool.nth = 1;
+    atomic_store(&pool.quit, 0);
+    atomic_store(&pool.pending, 0);
+    pthread_mutex_unlock(&pool.call_lock);
+    pthread_mutex_unlock(&api_lock);
+}
+void htp_pool_register_atfork(void) { pthread_atfork(atfork_prepare, atfork_parent, atfork_child); }
+
 static void stop_workers(void) {
     if (pool.nth <= 1) return;
     pthread_mutex_lock(&pool.lock);

@@ -70,3 +70,28 @@ def test_abi_descriptor_sizes() -> None:
     assert ffi.sizeof("htp_expert_graph_desc") == 16
     assert ffi.sizeof("htp_expert_run_desc") == 64
     assert _core.lib.htp_abi_version() == _core.lib.HTP_ABI_VERSION == 1
+
+
+def test_forked_child_runs_single_threaded() -> None:
+    # a child forked while the pool has workers must not wait for threads it does not have
+    import multiprocessing as mp
+
+    import numpy as np
+
+    htp.set_num_threads(2)
+    htp.gemm(np.ones((4, 64), np.float32), htp.pack_q4_0_t32r4(np.ones((8, 64), np.float32)), 8)
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as p:
+        got = p.apply_async(_child_gemm).get(timeout=60)
+    assert got == (1, True)
+
+
+def _child_gemm() -> tuple[int, bool]:
+    import numpy as np
+
+    x = np.ones((4, 64), np.float32)
+    y = htp.gemm(x, htp.pack_q4_0_t32r4(np.ones((8, 64), np.float32)), 8)
+    n1 = htp.get_num_threads()
+    htp.set_num_threads(2)  # and it can grow its own pool again
+    y2 = htp.gemm(x, htp.pack_q4_0_t32r4(np.ones((8, 64), np.float32)), 8)
+    return n1, bool(np.array_equal(y, y2))
