@@ -53,7 +53,7 @@ class PrefillResult:
     logits: np.ndarray  # [n_vocab] or [T, n_vocab]
     hidden: np.ndarray | None  # final-normed hidden state [T, d] when asked for
     metrics: dict[str, Any]
-    events: list[dict[str, Any]] = attrs.field(repr=False)
+    events: list[Any] = attrs.field(repr=False)  # estream_sched.TraceEvent
     records: list[GroupRecord] = attrs.field(repr=False, factory=list)
     reads: list[Any] = attrs.field(repr=False, factory=list)
 

@@ -103,26 +103,12 @@ def _public_metrics(m: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in m.items() if k not in ("layer_t_ne_s",)}
 
 
-def write_trace(path: str | Path, events: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+def write_trace(path: str | Path, events: list[Any], meta: dict[str, Any]) -> None:
     """Chrome trace-event JSON (Perfetto / chrome://tracing), written atomically."""
-    tracks: dict[str, int] = {}
-    out: list[dict[str, Any]] = []
-    for ev in events:
-        tid = tracks.setdefault(ev["track"], len(tracks) + 1)
-        out.append(
-            {
-                "name": ev["name"],
-                "ph": "X",
-                "pid": 1,
-                "tid": tid,
-                "ts": ev["start"] * 1e6,
-                "dur": max(0.0, ev["end"] - ev["start"]) * 1e6,
-                "args": ev.get("args", {}),
-            }
-        )
-    for name, tid in tracks.items():
-        out.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}})
-    doc = {"traceEvents": out, "displayTimeUnit": "ms", "otherData": meta}
+    import estream_sched as es
+
+    doc = es.chrome_trace(events)
+    doc["otherData"] = meta
     p = Path(path)
     tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
     try:

@@ -1,4 +1,4 @@
-"""Metrics and timeline events of one prefill.
+"""Metrics and timeline events of one prefill, computed with estream-sched's definitions.
 
 * TTFT: tokens in → logits out, model already loaded.
 * I/O–compute overlap: the fraction of read time during which some compute ran.
@@ -10,28 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import estream_sched as es
+
 from . import memory
 
-__all__ = ["build_events", "run_metrics", "union_length"]
-
-
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
-
-
-def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Length of (∪a) ∩ (∪b)."""
-    return union_length(a) + union_length(b) - union_length(a + b)
+__all__ = ["build_events", "run_metrics"]
 
 
 def _compute_intervals(spans: list, records: list) -> list[tuple[float, float]]:
@@ -53,9 +36,8 @@ def run_metrics(
     total = t_end - t_start
     comp = _compute_intervals(spans, records)
     io = [(r.t_start, r.t_end) for r in reads]
-    t_exec = union_length(comp)
-    t_io = union_length(io)
-    hidden = _intersection(io, comp)
+    t_exec = es.busy_time(comp)
+    t_io = es.busy_time(io)
     stall = sum(max(0.0, r.t_start - r.t_wait) for r in records)
     peak = memory.peak_rss()
     drop = max(0, mem_before - memory.mem_available()) if mem_before else 0
@@ -65,8 +47,8 @@ def run_metrics(
         "t_io_s": t_io,
         "expert_stall_s": stall,
         "bytes_read": int(bytes_read),
-        "io_compute_overlap": (hidden / t_io) if t_io > 0 else 1.0,
-        "bubble_rate": (1.0 - max(t_io, t_exec) / total) if total > 0 else 0.0,
+        "io_compute_overlap": es.overlap(io, comp),
+        "bubble_rate": es.bubble_rate(t_io, t_exec, total) if total > 0 else 0.0,
         "peak_rss_bytes": int(peak),
         "mem_available_drop_bytes": int(drop),
         "peak_memory_bytes": int(max(peak, drop)),
@@ -74,49 +56,34 @@ def run_metrics(
     }
 
 
-def build_events(t0: float, spans: list, records: list, reads: list) -> list[dict[str, Any]]:
+def build_events(t0: float, spans: list, records: list, reads: list) -> list[es.TraceEvent]:
     """Timeline events (seconds from the start of the prefill) for Chrome trace export."""
-    ev: list[dict[str, Any]] = []
+    ev: list[es.TraceEvent] = []
     for name, layer, s, e in spans:
         if name == "layer":
             continue
-        ev.append(
-            {
-                "name": name if layer < 0 else f"{name} L{layer}",
-                "track": "compute",
-                "start": s - t0,
-                "end": e - t0,
-                "args": {"layer": layer},
-            }
-        )
+        label = name if layer < 0 else f"{name} L{layer}"
+        ev.append(es.TraceEvent(label, "compute", s - t0, e - t0, name, args={"layer": layer}))
     for r in records:
+        args = {"layer": r.layer, "group": r.group, "routes": r.n_routes}
         ev.append(
-            {
-                "name": f"experts L{r.layer} g{r.group}",
-                "track": "compute",
-                "start": r.t_start - t0,
-                "end": r.t_end - t0,
-                "args": {"layer": r.layer, "group": r.group, "routes": r.n_routes},
-            }
-        )
+            es.TraceEvent(
+                f"experts L{r.layer} g{r.group}", "compute", r.t_start - t0, r.t_end - t0,
+                "expert", args=args,
+            )
+        )  # fmt: skip
         if r.t_start - r.t_wait > 1e-6:
             ev.append(
-                {
-                    "name": "wait",
-                    "track": "stall",
-                    "start": r.t_wait - t0,
-                    "end": r.t_start - t0,
-                    "args": {"layer": r.layer, "group": r.group},
-                }
-            )
+                es.TraceEvent(
+                    "wait", "stall", r.t_wait - t0, r.t_start - t0, "stall",
+                    args={"layer": r.layer, "group": r.group},
+                )
+            )  # fmt: skip
     for r in reads:
         ev.append(
-            {
-                "name": f"read L{r.layer} g{r.group}",
-                "track": f"bank {r.bank}",
-                "start": r.t_start - t0,
-                "end": r.t_end - t0,
-                "args": {"layer": r.layer, "group": r.group, "bytes": r.nbytes},
-            }
-        )
+            es.TraceEvent(
+                f"read L{r.layer} g{r.group}", f"bank {r.bank}", r.t_start - t0, r.t_end - t0,
+                "read", args={"layer": r.layer, "group": r.group, "bytes": r.nbytes},
+            )
+        )  # fmt: skip
     return ev
