@@ -15,6 +15,9 @@ from typing import Any
 import attrs
 import numpy as np
 
+from estream_layout import LayoutError, Manifest
+from estream_layout.manifest import write_json_atomic
+
 from .errors import PackError
 from .hparams import HParams, read_gguf_kv
 
@@ -53,34 +56,30 @@ class ExpertLayer:
         )
 
 
-def _load_manifest(path: Path) -> dict[str, Any]:
-    mpath = path / "manifest.json"
+def _load_manifest(path: Path) -> tuple[dict[str, Any], Manifest]:
+    """The manifest as a document (for config/profile updates) and parsed by estream-layout."""
     if not path.is_dir():
         raise PackError(f"{path}: no such packed model (expected a NAME.estream directory)")
+    mpath = path / "manifest.json"
     if not mpath.is_file():
         raise PackError(
             f"{path}: manifest.json is missing — the pack did not finish; pack the model again"
         )
     try:
-        manifest = json.loads(mpath.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        doc = json.loads(mpath.read_text())
+        parsed = Manifest.from_dict(doc, path)
+    except (OSError, ValueError) as exc:
         raise PackError(f"{mpath}: unreadable manifest ({exc})") from exc
-    if manifest.get("format") != "estream-pack":
-        raise PackError(f"{mpath}: not an EStream pack (format={manifest.get('format')!r})")
-    if manifest.get("tile_format") != "q4_0-t32r4":
-        raise PackError(f"{mpath}: unsupported tile format {manifest.get('tile_format')!r}")
-    return manifest
+    except LayoutError as exc:
+        raise PackError(f"{mpath}: {exc}") from exc
+    if parsed.tile_format != "q4_0-t32r4":
+        raise PackError(f"{mpath}: unsupported tile format {parsed.tile_format!r}")
+    return doc, parsed
 
 
-def save_manifest(path: str | Path, manifest: dict[str, Any]) -> None:
-    """Atomically replace manifest.json (temporary file + rename)."""
-    mpath = Path(path) / "manifest.json"
-    tmp = mpath.with_name(f".manifest.json.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(manifest, indent=1))
-        os.replace(tmp, mpath)
-    finally:
-        tmp.unlink(missing_ok=True)
+def save_manifest(path: str | os.PathLike[str], manifest: dict[str, Any]) -> None:
+    """Atomically replace manifest.json (temporary file + fsync + rename)."""
+    write_json_atomic(Path(path) / "manifest.json", manifest)
 
 
 class PackedModel:
@@ -88,38 +87,42 @@ class PackedModel:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self.manifest = _load_manifest(self.path)
+        self.manifest, parsed = _load_manifest(self.path)
         kv = read_gguf_kv(self.path / "model.gguf")
         self.kv = kv
         self.hparams = HParams.from_kv(kv)
-        self.experts_path = self.path / self.manifest["experts"]["file"]
+        self.experts_path = parsed.experts_path
         if not self.experts_path.is_file():
             raise PackError(f"{self.experts_path}: missing expert pool file")
-        want = int(self.manifest["experts"]["bytes"])
         have = self.experts_path.stat().st_size
-        if have != want:
+        if have != parsed.experts_bytes:
             raise PackError(
-                f"{self.experts_path}: {have} bytes, manifest says {want}: the pack is corrupt"
+                f"{self.experts_path}: {have} bytes, manifest says {parsed.experts_bytes}: "
+                "the pack is corrupt"
             )
         self.layers: dict[int, ExpertLayer] = {}
-        for rec in self.manifest["layers"]:
-            order = np.asarray(rec["order"], dtype=np.int32)
+        for rec in parsed.layers:
+            order = np.asarray(rec.order, dtype=np.int32)
             position = np.empty_like(order)
             position[order] = np.arange(order.size, dtype=np.int32)
-            self.layers[int(rec["index"])] = ExpertLayer(
-                index=int(rec["index"]),
-                n_experts=int(rec["n_experts"]),
+            self.layers[rec.index] = ExpertLayer(
+                index=rec.index,
+                n_experts=rec.n_experts,
                 order=order,
                 position=position,
-                offset=int(rec["offset"]),
-                record_bytes=int(rec["record_bytes"]),
-                proj={k: dict(v) for k, v in rec["projections"].items()},
-                checksums=tuple(int(c) for c in rec["checksums"]) if rec.get("checksums") else None,
+                offset=rec.offset,
+                record_bytes=rec.record_bytes,
+                proj={
+                    k: {"offset_in_record": p.offset_in_record, "padded_bytes": p.padded_bytes}
+                    for k, p in rec.projections.items()
+                },
+                checksums=tuple(rec.checksums) or None,
             )
         shapes = {(lay.record_bytes, lay.plane_extents) for lay in self.layers.values()}
         if len(shapes) > 1:
             raise PackError("MoE layers with different expert shapes are not supported yet")
-        self._dense_index = self.manifest["dense"]["tensors"]
+        self._dense_index = parsed.dense
+        self._dense_path = parsed.dense_path
         self._dense_blob: np.ndarray | None = None
 
     # -- dense weights ---------------------------------------------------------------------
@@ -127,14 +130,12 @@ class PackedModel:
         """Read dense.bin into memory once (resident for the engine's lifetime)."""
         if self._dense_blob is not None:
             return
-        dpath = self.path / self.manifest["dense"]["file"]
+        dpath = self._dense_path
         try:
             blob = np.fromfile(dpath, dtype=np.uint8)
         except OSError as exc:
             raise PackError(f"{dpath}: cannot read dense weights ({exc})") from exc
-        end = max(
-            (int(t["offset"]) + int(t["bytes"]) for t in self._dense_index.values()), default=0
-        )
+        end = max((t.offset + t.bytes for t in self._dense_index.values()), default=0)
         if blob.size < end:
             raise PackError(f"{dpath}: truncated ({blob.size} bytes, need {end})")
         self._dense_blob = blob
@@ -149,12 +150,11 @@ class PackedModel:
             t = self._dense_index[name]
         except KeyError:
             raise PackError(f"{self.path}: dense tensor {name!r} is missing") from None
-        off, nb = int(t["offset"]), int(t["bytes"])
         return DenseTensor(
             name=name,
-            fmt=str(t["format"]),
-            shape=tuple(int(s) for s in t["shape"]),
-            data=self._dense_blob[off : off + nb],
+            fmt=t.format,
+            shape=tuple(t.shape),
+            data=self._dense_blob[t.offset : t.offset + t.bytes],
         )
 
     @property
