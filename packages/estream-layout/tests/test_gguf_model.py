@@ -101,6 +101,49 @@ def test_summary_is_json_able(tiny_models: dict[str, Path]) -> None:
     assert "tensors" not in d and json.loads(json.dumps(d))["moe_layers"] == [1, 2]
 
 
+@pytest.mark.parametrize(
+    ("arch", "qk_norm", "gating", "rope"),
+    [
+        ("olmoe", "full", "softmax", "neox"),
+        ("qwen3moe", "head", "softmax", "neox"),
+        ("mixtral", "none", "softmax", "norm"),
+        ("deepseek2", "none", "softmax", "norm"),
+        ("lfm2moe", "head", "sigmoid", "neox"),
+    ],
+)
+def test_architecture_facts_follow_llama_cpp(
+    arch: str, qk_norm: str, gating: str, rope: str, tiny_models: dict[str, Path]
+) -> None:
+    s = ModelSpec.from_gguf(tiny_models[arch])
+    assert (s.qk_norm, s.expert_gating_func, s.rope_type) == (qk_norm, gating, rope)
+
+
+@pytest.mark.parametrize("arch", list(ARCH_ENUM))
+def test_from_dict_restores_the_summary(arch: str, tiny_models: dict[str, Path]) -> None:
+    import json
+
+    s = ModelSpec.from_gguf(tiny_models[arch])
+    back = ModelSpec.from_dict(json.loads(json.dumps(s.summary())))
+    assert back.summary() == s.summary()
+    assert back.tensors == {} and back.n_head_kv == s.n_head_kv
+    assert isinstance(back.moe_layers, tuple)
+
+
+def test_from_dict_rejects_an_old_or_damaged_spec(tiny_models: dict[str, Path]) -> None:
+    from estream_layout import PackFormatError
+
+    d = ModelSpec.from_gguf(tiny_models["olmoe"]).summary()
+    old = {k: v for k, v in d.items() if k != "qk_norm"}
+    with pytest.raises(PackFormatError, match="qk_norm.*pack it again"):
+        ModelSpec.from_dict(old)
+    with pytest.raises(PackFormatError, match="'qk_norm' is 'per-head'"):
+        ModelSpec.from_dict({**d, "qk_norm": "per-head"})
+    with pytest.raises(PackFormatError, match="'n_layers'.*integer"):
+        ModelSpec.from_dict({**d, "n_layers": 2.5})
+    with pytest.raises(PackFormatError, match="'moe_layers'.*list"):
+        ModelSpec.from_dict({**d, "moe_layers": 3})
+
+
 def test_tensor_access_paths_agree(tiny_models: dict[str, Path]) -> None:
     spec = ModelSpec.from_gguf(tiny_models["olmoe"])
     reader = gguf.GGUFReader(tiny_models["olmoe"])

@@ -24,6 +24,7 @@ from .errors import (
     DenseModelError,
     InvalidGGUFError,
     NotGGUFError,
+    PackFormatError,
     TruncatedGGUFError,
     UnalignedReductionError,
     UnsupportedArchitectureError,
@@ -34,6 +35,7 @@ from .gguf_header import GGUFHeader, read_header
 __all__ = [
     "EXPERT_PROJECTIONS",
     "FAMILIES",
+    "QK_NORM",
     "ModelSpec",
     "TensorInfo",
     "TensorReader",
@@ -71,6 +73,24 @@ _ROPE_TYPE: Final = {
     "deepseek2": "norm",
     "lfm2moe": "neox",
 }
+
+# Where llama.cpp normalises q and k before RoPE, per family: "full" = one RMSNorm over the whole
+# projected q/k (olmoe: attn_q_norm has n_head*head_dim weights, applied before the per-head
+# reshape), "head" = per head (qwen3moe, lfm2moe: head_dim weights), "none" = no q/k norm.
+QK_NORM: Final = {
+    "olmoe": "full",
+    "qwen3moe": "head",
+    "mixtral": "none",
+    "deepseek2": "none",
+    "lfm2moe": "head",
+}
+
+# Router gating per family. llama.cpp's olmoe / qwen3moe / llama graphs pass softmax to
+# build_moe_ffn whatever the file says; deepseek2 reads `{arch}.expert_gating_func` (absent in
+# the first DeepSeek-V2 GGUFs: softmax), lfm2moe requires it (its converter writes sigmoid).
+_GATING_KEY: Final = {"deepseek2": "optional", "lfm2moe": "required"}
+# llama_expert_gating_func_type values (src/llama-hparams.h).
+_GATING_FUNCS: Final = {1: "softmax", 2: "sigmoid"}
 
 _EXPERT_RE: Final = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 _LEGACY_EXPERT_RE: Final = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
@@ -188,6 +208,39 @@ def _first_int(v: Any, default: int = 0) -> int:
     return int(v)
 
 
+def _gating(path: Path, family: str, value: Any) -> str:
+    rule = _GATING_KEY.get(family)
+    if rule is None:
+        return "softmax"
+    if value is None:
+        if rule == "required":
+            raise InvalidGGUFError(f"{path}: {family} needs {family}.expert_gating_func")
+        return "softmax"
+    func = _GATING_FUNCS.get(_first_int(value))
+    if func is None:
+        raise InvalidGGUFError(
+            f"{path}: expert_gating_func {value!r} is not one llama.cpp defines for {family} "
+            "(1 = softmax, 2 = sigmoid)"
+        )
+    return func
+
+
+def _check_qk_norm(
+    path: Path, kind: str, tensors: Mapping[str, TensorInfo], full: int, head: int
+) -> None:
+    """The family's q/k-norm kind must match the norm tensors in the file (the shapes llama.cpp
+    creates them with), so that a converter change shows as an error, not as wrong numbers."""
+    want = {"full": (full,), "head": (head,)}.get(kind)
+    for name, info in tensors.items():
+        if not name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):
+            continue
+        if want is None or info.shape != want:
+            raise InvalidGGUFError(
+                f"{path}: {name} has shape {info.shape}, but this architecture's q/k norm is "
+                f"{kind!r}" + (f" (expected {want})" if want else "")
+            )
+
+
 @attrs.frozen(eq=False)
 class ModelSpec:
     """What the packer and the engine need to know about a GGUF MoE model.
@@ -233,6 +286,7 @@ class ModelSpec:
     head_dim_v_mla: int = 0
     shortconv_l_cache: int = 0
     rope_type: str = "neox"  # "norm" | "neox", as llama.cpp applies RoPE for this family
+    qk_norm: str = "none"  # "none" | "full" | "head": q/k RMSNorm before RoPE (see QK_NORM)
     tensors: Mapping[str, TensorInfo] = attrs.field(factory=dict, repr=False)
 
     # ------------------------------------------------------------------ construction
@@ -339,7 +393,9 @@ class ModelSpec:
             norm_w = bool(g(Keys.LLM.EXPERT_WEIGHTS_NORM, False))
         else:
             norm_w = _NORM_TOPK[family]
-        gating = _first_int(g(Keys.LLM.EXPERT_GATING_FUNC), 1)
+        gating = _gating(p, family, g(Keys.LLM.EXPERT_GATING_FUNC))
+        qk_norm = QK_NORM[family]
+        _check_qk_norm(p, qk_norm, tensors, n_head * head_dim_k, head_dim_k)
         if family == "lfm2moe":
             attention_layers = tuple(i for i in range(n_layers) if n_head_kv[i] > 0)
         else:
@@ -373,7 +429,7 @@ class ModelSpec:
             n_leading_dense=_first_int(g(Keys.LLM.LEADING_DENSE_BLOCK_COUNT)),
             expert_weights_norm=norm_w,
             expert_weights_scale=float(g(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0) or 1.0),
-            expert_gating_func="sigmoid" if gating == 2 else "softmax",
+            expert_gating_func=gating,
             moe_layers=moe_layers,
             attention_layers=attention_layers,
             expert_type=expert_type,
@@ -383,8 +439,61 @@ class ModelSpec:
             head_dim_v_mla=_first_int(g(Keys.Attention.VALUE_LENGTH_MLA)),
             shortconv_l_cache=_first_int(g(Keys.ShortConv.L_CACHE)),
             rope_type=_ROPE_TYPE[family],
+            qk_norm=qk_norm,
             tensors=dict(tensors),
         )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelSpec:
+        """The spec as `summary()` wrote it (a packed model's `manifest.json` "spec"), without the
+        tensor index: what the engine reads instead of deriving architecture facts again.
+
+        Raises PackFormatError when a field is missing (a pack made by an older estream-layout:
+        pack the model again) or has the wrong kind of value."""
+        fields = attrs.fields(cls)
+        names = [f.name for f in fields if f.name not in ("path", "tensors")]
+        missing = [n for n in names if n not in d]
+        if missing:
+            raise PackFormatError(
+                f"model spec lacks {', '.join(missing)}: the model was packed by an older "
+                "estream-layout; pack it again"
+            )
+        kw: dict[str, Any] = {}
+        for f in fields:
+            if f.name in ("path", "tensors"):
+                continue
+            v = d[f.name]
+            try:
+                if f.type in ("tuple[int, ...]",):
+                    if not isinstance(v, list | tuple):
+                        raise TypeError(f"expected a list, got {type(v).__name__}")
+                    v = tuple(int(x) for x in v)
+                elif f.type == "int":
+                    if isinstance(v, bool) or int(v) != v:
+                        raise TypeError(f"expected an integer, got {v!r}")
+                    v = int(v)
+                elif f.type == "float":
+                    v = float(v)
+                elif f.type == "bool":
+                    if not isinstance(v, bool):
+                        raise TypeError(f"expected true/false, got {v!r}")
+                elif f.type == "str" and not isinstance(v, str):
+                    raise TypeError(f"expected a string, got {v!r}")
+            except (TypeError, ValueError) as e:
+                raise PackFormatError(f"model spec field {f.name!r}: {e}") from None
+            kw[f.name] = v
+        for name, allowed in (
+            ("rope_type", ("norm", "neox")),
+            ("qk_norm", ("none", "full", "head")),
+            ("expert_gating_func", tuple(_GATING_FUNCS.values())),
+        ):
+            if kw[name] not in allowed:
+                raise PackFormatError(
+                    f"model spec field {name!r} is {kw[name]!r}, expected one of {allowed}"
+                )
+        if kw["family"] not in FAMILIES.values():
+            raise PackFormatError(f"model spec family {kw['family']!r} is unknown")
+        return cls(path="", tensors={}, **kw)
 
     # ------------------------------------------------------------------ queries
     def expert_tensor(self, layer: int, projection: str) -> TensorInfo:

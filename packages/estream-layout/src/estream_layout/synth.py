@@ -28,6 +28,7 @@ from gguf import (
 from gguf.constants import GGML_QUANT_SIZES
 
 from .gguf_header import read_header
+from .gguf_model import QK_NORM
 
 __all__ = [
     "ARCHES",
@@ -299,10 +300,9 @@ def _tensor_plan(arch: str, d: SynthDims, n_vocab: int, expert_type: GGMLQuantiz
                 M(p + "attn_v.weight", nkv * hd, ne),
                 M(p + "attn_output.weight", ne, nh * hd, 0.25),
             ]
-            if arch == "olmoe":  # full-width q/k norms (llama.cpp: {n_embd})
-                ts += [N(p + "attn_q_norm.weight", ne), N(p + "attn_k_norm.weight", ne)]
-            elif arch == "qwen3moe":  # per-head q/k norms (llama.cpp: {n_embd_head_k})
-                ts += [N(p + "attn_q_norm.weight", hd), N(p + "attn_k_norm.weight", hd)]
+            if QK_NORM[arch] != "none":  # full width (llama.cpp: {n_embd}) or per head
+                width = ne if QK_NORM[arch] == "full" else hd
+                ts += [N(p + "attn_q_norm.weight", width), N(p + "attn_k_norm.weight", width)]
             ts.append(N(p + "ffn_norm.weight", ne))
             ts += experts(i)
         elif arch == "deepseek2":
