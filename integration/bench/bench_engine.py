@@ -149,13 +149,9 @@ def llama_cmd(gguf: Path, tokens: np.ndarray, threads: int) -> list[str]:
 
 
 def prepare(preset: str, budget: int, seed: int = 0) -> tuple[Path, Path]:
+    from estream_cli.config import configure_for_budget, store_config, store_profile
     from estream_cli.packed import PackedModel
-    from estream_cli.profiling import (
-        configure_for_budget,
-        profile_model,
-        store_config,
-        store_profile,
-    )
+    from estream_cli.profiling import profile_model
     from estream_layout import pack_model, synth_model
 
     CACHE.mkdir(parents=True, exist_ok=True)

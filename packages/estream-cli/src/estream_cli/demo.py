@@ -40,10 +40,11 @@ def _step(msg: str) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     from estream_layout import pack_model, synth_model
 
+    from .config import configure_for_budget, store_config, store_profile
     from .engine import load
-    from .main import print_metrics
     from .packed import PackedModel
-    from .profiling import configure_for_budget, profile_model, store_config, store_profile
+    from .profiling import profile_model
+    from .report import print_metrics
 
     t_all = time.perf_counter()
     own = args.dir is None

@@ -1,9 +1,10 @@
 """The streamed prefill engine: one causal forward pass over a prompt, experts through the arena.
 
-Model graphs follow llama.cpp's conventions per architecture (see `hparams.py`): token embedding,
-per layer RMSNorm → attention (q/k-norm where the model has it, RoPE, grouped-KV causal
-attention) → residual → RMSNorm → router softmax/top-k → routed experts → residual; final norm
-and output head. Dense weights are resident; experts come from an `ExpertSource`.
+The forward pass of each architecture is its own module in `estream_cli.models` (llama.cpp's
+`src/models/<arch>.cpp`), written over the shared blocks of `models.ops`. This module holds the
+generic loop around it: embedding, for each layer "tell the expert source the layer starts, run
+the layer", final norm and output head; and all the bookkeeping (spans, metrics, progress) that
+the layer functions leave out. Dense weights are resident; experts come from an `ExpertSource`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,17 @@ from typing import Any
 import attrs
 import numpy as np
 
+import estream_arena as ea
 import estream_htp as htp
+import estream_sched as es
 
 from . import memory
-from .errors import BadRequestError, PackError
-from .experts import SCHEDULES, GroupRecord, ResidentExperts, StreamedExperts
+from .config import StreamConfig, resolve_config
+from .errors import BadRequestError
+from .experts import SCHEDULES, ExpertSource, GroupRecord, ResidentExperts, StreamedExperts
+from .metrics import build_events, run_metrics
+from .models import architecture
+from .models.ops import Branches, Ops
 from .packed import PackedModel
 
 __all__ = ["ACTS", "MODES", "BranchResult", "Engine", "PrefillResult", "StreamConfig", "load"]
@@ -36,26 +43,15 @@ DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
 
 
 @attrs.frozen
-class StreamConfig:
-    G: int
-    Q: int
-    B: int
-    source: str  # where it came from: explicit | manifest | budget | mode | default
-
-    def arena_bytes(self, model: PackedModel) -> int:
-        return self.B * self.G * sum(size for _, size in model.plane_extents)
-
-
-@attrs.frozen
 class PrefillResult:
     """Logits (last position, or all positions), optional hidden state, and the run's metrics."""
 
     logits: np.ndarray  # [n_vocab] or [T, n_vocab]
     hidden: np.ndarray | None  # final-normed hidden state [T, d] when asked for
     metrics: dict[str, Any]
-    events: list[Any] = attrs.field(repr=False)  # estream_sched.TraceEvent
+    events: list[es.TraceEvent] = attrs.field(repr=False)
     records: list[GroupRecord] = attrs.field(repr=False, factory=list)
-    reads: list[Any] = attrs.field(repr=False, factory=list)
+    reads: list[ea.ReadEvent] = attrs.field(repr=False, factory=list)
 
     def top_k(self, k: int = 5) -> list[tuple[int, float]]:
         """Next-token top-k (token id, probability) from the last position's logits."""
@@ -90,38 +86,6 @@ class BranchResult:
             lse = np.log(np.exp(lg).sum(axis=1))
             out.append(lg[np.arange(len(toks)), np.asarray(toks)] - lse)
         return out
-
-
-def _resolve_config(
-    model: PackedModel,
-    mode: str,
-    budget: int | None,
-    G: int | None,
-    Q: int | None,
-    B: int | None,
-) -> StreamConfig | None:
-    hp = model.hparams
-    if mode == "resident":
-        return None
-    if mode == "naive":
-        return StreamConfig(1, 1, 3, "mode")
-    if mode == "layer":
-        return StreamConfig(hp.n_experts, 2, 2, "mode")
-    if G or Q or B:
-        g = G or 4
-        q = Q or 2
-        b = B or max(q, 2)
-        return StreamConfig(min(g, hp.n_experts), q, b, "explicit")
-    if budget is not None:
-        from .profiling import configure_for_budget
-
-        choice = configure_for_budget(model, budget)
-        return StreamConfig(int(choice.G), int(choice.Q), int(choice.B), "budget")
-    cfg = model.manifest.get("config")
-    if cfg:
-        return StreamConfig(int(cfg["G"]), int(cfg["Q"]), int(cfg["B"]), "manifest")
-    g = min(4, hp.n_experts)
-    return StreamConfig(g, 2, 4, "default")
 
 
 class Engine:
@@ -164,20 +128,20 @@ class Engine:
         self.model = PackedModel(path)
         self.hp = self.model.hparams
         self.budget = memory.parse_bytes(budget) if budget is not None else None
-        self.config = _resolve_config(self.model, mode, self.budget, G, Q, B)
+        self.config = resolve_config(self.model, mode, self.budget, G, Q, B)
+        self.arch = architecture(self.hp)
         htp.set_num_threads(int(n_threads or DEFAULT_THREADS))
         self.model.load_dense()
-        self._bind_weights()
+        self.weights = self.arch.bind(self.model)
         hp = self.hp
         self._capacity = 4096
         self.graph = htp.ExpertGraph(hp.n_embd, hp.n_ff_exp, self._capacity, hp.n_ctx)
         try:
+            self.experts: ExpertSource
             if self.config is None:
-                self.experts: Any = ResidentExperts(self.model, self.graph)
+                self.experts = ResidentExperts(self.model, self.graph)
             else:
                 c = self.config
-                if c.G < 1 or c.Q < 1 or c.B < 1:
-                    raise BadRequestError(f"G, Q and B must be ≥ 1 (got G={c.G}, Q={c.Q}, B={c.B})")
                 self.experts = StreamedExperts(
                     self.model,
                     self.graph,
@@ -192,102 +156,6 @@ class Engine:
             self.graph.close()
             raise
         self.load_s = time.perf_counter() - t0
-
-    # -- weights ---------------------------------------------------------------------------
-    def _bind_weights(self) -> None:
-        m = self.model
-        hp = self.hp
-        self.tok_embd = m.dense("token_embd.weight")
-        self.output_norm = m.dense("output_norm.weight").f32()
-        self.output = m.dense("output.weight") if m.has("output.weight") else self.tok_embd
-        self.blocks: list[dict[str, Any]] = []
-        for i in range(hp.n_layers):
-            p = f"blk.{i}."
-            b: dict[str, Any] = {
-                "attn_norm": m.dense(p + "attn_norm.weight").f32(),
-                "wq": m.dense(p + "attn_q.weight"),
-                "wk": m.dense(p + "attn_k.weight"),
-                "wv": m.dense(p + "attn_v.weight"),
-                "wo": m.dense(p + "attn_output.weight"),
-                "ffn_norm": m.dense(p + "ffn_norm.weight").f32(),
-            }
-            if hp.qk_norm:
-                b["q_norm"] = m.dense(p + "attn_q_norm.weight").f32()
-                b["k_norm"] = m.dense(p + "attn_k_norm.weight").f32()
-            if i in m.layers:
-                router = m.dense(p + "ffn_gate_inp.weight").f32()
-                b["router_t"] = np.ascontiguousarray(router.T)  # [d, E] for x @ W
-            else:
-                raise PackError(f"layer {i} has no experts: dense FFN layers are not supported yet")
-            self.blocks.append(b)
-
-    # -- ops -------------------------------------------------------------------------------
-    @staticmethod
-    def _matmul(x: np.ndarray, w: Any) -> np.ndarray:
-        if w.fmt == "f32":
-            return x @ w.f32().T
-        return htp.gemm(x, w.data, w.shape[0], w.fmt)
-
-    def _attention(
-        self,
-        b: dict[str, Any],
-        h: np.ndarray,
-        pos: np.ndarray,
-        branches: tuple[int, list[tuple[int, int]]] | None = None,
-    ) -> np.ndarray:
-        hp = self.hp
-        t = h.shape[0]
-        q = self._matmul(h, b["wq"])
-        k = self._matmul(h, b["wk"])
-        v = self._matmul(h, b["wv"])
-        if hp.qk_norm == "full":
-            q = htp.rms_norm(q, b["q_norm"], hp.rms_eps)
-            k = htp.rms_norm(k, b["k_norm"], hp.rms_eps)
-        elif hp.qk_norm == "head":
-            q = htp.rms_norm_heads(q, b["q_norm"], hp.n_head, hp.rms_eps)
-            k = htp.rms_norm_heads(k, b["k_norm"], hp.n_head_kv, hp.rms_eps)
-        q = np.ascontiguousarray(q.reshape(t, hp.n_head, hp.head_dim))
-        k = np.ascontiguousarray(k.reshape(t, hp.n_head_kv, hp.head_dim))
-        v = np.ascontiguousarray(v.reshape(t, hp.n_head_kv, -1))
-        htp.rope(q, pos, hp.n_rot, hp.rope_base, hp.rope_scale, hp.rope)
-        htp.rope(k, pos, hp.n_rot, hp.rope_base, hp.rope_scale, hp.rope)
-        if branches is None:
-            a = htp.attention(q, k, v, hp.attn_scale, causal=True)
-        else:
-            a = self._branch_attention(q, k, v, *branches)
-        return self._matmul(np.ascontiguousarray(a.reshape(t, -1)), b["wo"])
-
-    def _branch_attention(
-        self,
-        q: np.ndarray,
-        k: np.ndarray,
-        v: np.ndarray,
-        n_prefix: int,
-        segments: list[tuple[int, int]],
-    ) -> np.ndarray:
-        """Shared prefix (causal) + branches that each see the prefix and themselves (causal).
-
-        The prefix goes through the tiled kernel; each branch is short and attends to
-        ``n_prefix + len`` keys, done with BLAS (float32) per branch."""
-        hp = self.hp
-        out = np.empty((q.shape[0], hp.n_head, v.shape[2]), dtype=np.float32)
-        P = n_prefix
-        out[:P] = htp.attention(q[:P], k[:P], v[:P], hp.attn_scale, causal=True)
-        rep = hp.n_head // hp.n_head_kv
-        for s, n in segments:
-            kk = np.concatenate((k[:P], k[s : s + n]))  # [P+n, Hkv, D]
-            vv = np.concatenate((v[:P], v[s : s + n]))
-            kk = np.repeat(kk, rep, axis=1).transpose(1, 2, 0)  # [H, D, P+n]
-            vv = np.repeat(vv, rep, axis=1).transpose(1, 0, 2)  # [H, P+n, Dv]
-            qq = q[s : s + n].transpose(1, 0, 2)  # [H, n, D]
-            sc = np.matmul(qq, kk) * np.float32(hp.attn_scale)  # [H, n, P+n]
-            mask = np.triu(np.ones((n, n), dtype=bool), k=1)
-            sc[:, :, P:][:, mask] = -np.inf
-            sc -= sc.max(axis=-1, keepdims=True)
-            np.exp(sc, out=sc)
-            sc /= sc.sum(axis=-1, keepdims=True)
-            out[s : s + n] = np.matmul(sc, vv).transpose(1, 0, 2)
-        return out
 
     # -- the forward pass ------------------------------------------------------------------
     def _check_tokens(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -375,7 +243,7 @@ class Engine:
         self,
         ids: np.ndarray,
         pos: np.ndarray,
-        branches: tuple[int, list[tuple[int, int]]] | None,
+        branches: Branches | None,
         rows: np.ndarray | None,
         return_hidden: bool,
         *,
@@ -388,79 +256,64 @@ class Engine:
         T = int(ids.size)
         memory.reset_peak()
         # Per-request bookkeeping only: a long-lived engine must not grow without bound.
-        self.experts.records.clear()
-        if self.config is not None:
-            self.experts.loader.reset_stats()
+        self.experts.reset()
+        ops = Ops(hp, self.experts, branches)
         spans: list[tuple[str, int, float, float]] = []
-        t_start = time.perf_counter()
-        x = htp.get_rows(self.tok_embd.data, self.tok_embd.fmt, hp.n_vocab, hp.n_embd, ids)
-        y = np.empty((T, hp.n_embd), dtype=np.float32)
         show = self.progress and sys.stderr.isatty()
-        for i, b in enumerate(self.blocks):
-            layer = self.model.layers[i]
+        t_start = time.perf_counter()
+        x = ops.embed(self.weights.head, ids)
+        for i, w in enumerate(self.weights.layers):
+            experts = self.model.layers.get(i)
             t0 = time.perf_counter()
-            self.experts.begin_layer(layer)
-            h = htp.rms_norm(x, b["attn_norm"], hp.rms_eps)
-            x += self._attention(b, h, pos, branches)
-            h = htp.rms_norm(x, b["ffn_norm"], hp.rms_eps)
-            logits = h @ b["router_t"]
-            top_ids, top_w = htp.router_topk(
-                logits,
-                hp.n_experts_used,
-                gating="softmax",
-                norm=hp.norm_topk,
-                scale=hp.expert_weights_scale,
-            )
+            if experts is not None:
+                self.experts.begin_layer(experts)  # reads start before attention
+            x = self.arch.layer(ops, hp, w, x, pos)
+            if experts is not None:
+                self.experts.end_layer()
             t1 = time.perf_counter()
-            spans.append(("non-expert", i, t0, t1))
-            y.fill(0.0)
-            self.experts.run_layer(layer, h, top_ids, top_w, y)
-            self.experts.end_layer()
-            x += y
-            spans.append(("layer", i, t0, time.perf_counter()))
+            spans += _non_expert_spans(i, t0, t1, ops.expert_phases)
+            ops.expert_phases.clear()
+            spans.append(("layer", i, t0, t1))
             if show:
                 print(f"\r  layer {i + 1}/{hp.n_layers}", end="", file=sys.stderr, flush=True)
         if show:
             print("\r" + " " * 24 + "\r", end="", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        xs = x if rows is None else x[rows]
-        hn = htp.rms_norm(np.ascontiguousarray(xs), self.output_norm, hp.rms_eps)
-        out = self._matmul(hn, self.output)[:, : hp.n_vocab]
+        head = self.weights.head
+        hn = ops.rms_norm(np.ascontiguousarray(x if rows is None else x[rows]), head.norm)
+        out = ops.output(head, hn)
         hidden = None
         if return_hidden:
-            hidden = hn if rows is None else htp.rms_norm(x, self.output_norm, hp.rms_eps)
+            hidden = hn if rows is None else ops.rms_norm(x, head.norm)
         t_end = time.perf_counter()
         spans.append(("output", -1, t0, t_end))
         records = list(self.experts.records)
-        reads = self._reads_so_far()
-        bytes_read = self.experts.bytes_read if self.config is not None else 0
-        from .metrics import build_events, run_metrics
-
+        reads = self.experts.reads()
         metrics = run_metrics(
             t_start=t_start,
             t_end=t_end,
             spans=spans,
             records=records,
             reads=reads,
-            bytes_read=bytes_read,
+            bytes_read=self.experts.bytes_read,
             mem_before=self._mem0,
         )
         metrics.update(self._describe(T))
-        metrics["layer_t_ne_s"] = [t1 - t0 for name, _, t0, t1 in spans if name == "non-expert"]
+        # Non-expert time of every layer, indexed by layer (dense layers included).
+        t_ne = [0.0] * hp.n_layers
+        for name, layer, s0, s1 in spans:
+            if name == "non-expert":
+                t_ne[layer] += s1 - s0
+        metrics["layer_t_ne_s"] = t_ne
         events = build_events(t_start, spans, records, reads)
         return PrefillResult(
             logits=out[0] if single else out,
             hidden=hidden,
             metrics=metrics,
             events=events,
-            records=list(records),
+            records=records,
             reads=list(reads),
         )
-
-    def _reads_so_far(self) -> list[Any]:
-        if self.config is None:
-            return []
-        return list(self.experts.loader.stats.events)
 
     def _describe(self, T: int) -> dict[str, Any]:
         c = self.config
@@ -468,7 +321,7 @@ class Engine:
             "tokens": T,
             "mode": self.mode,
             "schedule": self.schedule if c is not None else None,
-            "arch": self.hp.arch,
+            "arch": self.hp.family,
             "threads": htp.get_num_threads(),
             "simd": htp.simd_level(),
             "act": self.act,
@@ -501,6 +354,19 @@ class Engine:
     def __del__(self) -> None:  # pragma: no cover - best effort
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _non_expert_spans(
+    layer: int, t0: float, t1: float, expert_phases: list[tuple[float, float]]
+) -> list[tuple[str, int, float, float]]:
+    """The parts of a layer's time `[t0, t1]` outside its routed-expert phases."""
+    out = []
+    start = t0
+    for p0, p1 in expert_phases:
+        out.append(("non-expert", layer, start, p0))
+        start = p1
+    out.append(("non-expert", layer, start, t1))
+    return out
 
 
 def load(path: str | Path, **kwargs: Any) -> Engine:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import attrs
 import numpy as np
@@ -22,7 +22,14 @@ import estream_htp as htp
 
 from .packed import ExpertLayer, PackedModel
 
-__all__ = ["SCHEDULES", "GroupRecord", "ResidentExperts", "StreamedExperts", "flatten_routes"]
+__all__ = [
+    "SCHEDULES",
+    "ExpertSource",
+    "GroupRecord",
+    "ResidentExperts",
+    "StreamedExperts",
+    "flatten_routes",
+]
 
 SCHEDULES = ("early", "after-routing", "ondemand")
 ACQUIRE_TIMEOUT_S = float(os.environ.get("ESTREAM_ACQUIRE_TIMEOUT", "300"))
@@ -51,37 +58,72 @@ def flatten_routes(ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, ..
     )
 
 
-class _Base:
+class ExpertSource(Protocol):
+    """Where the routed experts of a forward pass come from (resident memory or the arena).
+
+    Per request: `reset`, then for each MoE layer `begin_layer` (at layer start, before
+    attention: a streaming source starts its reads there), `run_layer` once routing is known,
+    `end_layer`. `records`, `reads()` and `bytes_read` describe the current request."""
+
+    records: list[GroupRecord]
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes the experts occupy in memory (the whole pool, or the arena)."""
+        ...
+
+    @property
+    def bytes_read(self) -> int:
+        """Expert bytes read from storage during the current request."""
+        ...
+
+    def reads(self) -> list[ea.ReadEvent]:
+        """The reads of the current request, in completion order (none when resident)."""
+        ...
+
+    def reset(self) -> None:
+        """Start a request: forget the previous request's records and reads."""
+        ...
+
+    def begin_layer(self, layer: ExpertLayer) -> None: ...
+
+    def run_layer(
+        self, layer: ExpertLayer, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, y: np.ndarray
+    ) -> None:
+        """Add ``Σ_k weights[t, k] · expert_{ids[t, k]}(x[t])`` to ``y[t]`` for every token."""
+        ...
+
+    def end_layer(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ResidentExperts:
+    """All experts read into memory once: the I/O-free reference point (same kernels)."""
+
     def __init__(self, model: PackedModel, graph: htp.ExpertGraph) -> None:
         self.model = model
         self.graph = graph
         self.records: list[GroupRecord] = []
-        n_e = max(lay.n_experts for lay in model.layers.values())
-        self._slot_of_expert = np.full(n_e, -1, dtype=np.int32)
-
-    def begin_layer(self, layer: ExpertLayer) -> None:  # pragma: no cover - overridden
-        pass
-
-    def close(self) -> None:
-        pass
-
-    @property
-    def memory_bytes(self) -> int:
-        raise NotImplementedError
-
-
-class ResidentExperts(_Base):
-    """All experts read into memory once: the I/O-free reference point (same kernels)."""
-
-    def __init__(self, model: PackedModel, graph: htp.ExpertGraph) -> None:
-        super().__init__(model, graph)
         self.pool = np.fromfile(model.experts_path, dtype=np.uint8)
         self._base = self.pool.ctypes.data
-        self.bytes_read = int(self.pool.nbytes)
 
     @property
     def memory_bytes(self) -> int:
         return int(self.pool.nbytes)
+
+    @property
+    def bytes_read(self) -> int:
+        return 0  # the pool was read once, at load
+
+    def reads(self) -> list[ea.ReadEvent]:
+        return []
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def begin_layer(self, layer: ExpertLayer) -> None:
+        pass
 
     def run_layer(
         self, layer: ExpertLayer, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, y: np.ndarray
@@ -98,8 +140,11 @@ class ResidentExperts(_Base):
     def end_layer(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
 
-class StreamedExperts(_Base):
+
+class StreamedExperts:
     """Experts streamed group by group through a fixed arena of `B` banks of `G` slots."""
 
     def __init__(
@@ -115,7 +160,11 @@ class StreamedExperts(_Base):
         direct: bool | None = None,
         on_group: Callable[[GroupRecord], None] | None = None,
     ) -> None:
-        super().__init__(model, graph)
+        self.model = model
+        self.graph = graph
+        self.records: list[GroupRecord] = []
+        n_e = max(lay.n_experts for lay in model.layers.values())
+        self._slot_of_expert = np.full(n_e, -1, dtype=np.int32)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         self.G, self.Q, self.B = int(group_size), int(queue_depth), int(n_banks)
@@ -142,10 +191,17 @@ class StreamedExperts(_Base):
     def bytes_read(self) -> int:
         return int(self.loader.stats.bytes_read)
 
+    def reads(self) -> list[ea.ReadEvent]:
+        return list(self.loader.stats.events)
+
+    def reset(self) -> None:
+        self.records.clear()
+        self.loader.reset_stats()
+
     def _n_groups(self, layer: ExpertLayer) -> int:
         return -(-layer.n_experts // self.G)
 
-    def _request(self, layer: ExpertLayer, k: int) -> Any:
+    def _request(self, layer: ExpertLayer, k: int) -> ea.GroupRequest:
         first = k * self.G
         n = min(self.G, layer.n_experts - first)
         sums = layer.checksums[first : first + n] if layer.checksums else None

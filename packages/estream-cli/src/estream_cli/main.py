@@ -14,6 +14,8 @@ import numpy as np
 
 from . import memory
 from .errors import BadRequestError, EStreamError
+from .options import add_engine_opts, engine_from_args
+from .report import print_metrics, public_metrics, write_trace
 
 __all__ = ["main"]
 
@@ -71,73 +73,7 @@ def _piece(tok: Any, i: int) -> str:
         return ""
 
 
-# -- reporting --------------------------------------------------------------------------------
-_METRIC_ROWS = [
-    ("ttft_s", "pure-prefill TTFT", lambda v: f"{v * 1e3:.1f} ms"),
-    ("end_to_end_s", "end-to-end (load + prefill)", lambda v: f"{v * 1e3:.1f} ms"),
-    ("peak_memory_bytes", "peak memory", memory.format_bytes),
-    ("expert_memory_bytes", "expert memory (arena)", memory.format_bytes),
-    ("dense_bytes", "dense weights (resident)", memory.format_bytes),
-    ("bytes_read", "expert bytes read", memory.format_bytes),
-    ("io_compute_overlap", "I/O–compute overlap", lambda v: f"{v * 100:.1f} %"),
-    ("bubble_rate", "bubble rate", lambda v: f"{v * 100:.1f} %"),
-    ("expert_stall_s", "executor waited for reads", lambda v: f"{v * 1e3:.1f} ms"),
-]
-
-
-def print_metrics(m: dict[str, Any], out: Any = sys.stdout) -> None:
-    cfg = f"mode={m.get('mode')}"
-    if "G" in m:
-        cfg += f" G={m['G']} Q={m['Q']} B={m['B']} ({m.get('config_source')}) schedule={m.get('schedule')}"
-    print(
-        f"  {cfg}  tokens={m.get('tokens')}  threads={m.get('threads')}  simd={m.get('simd')}"
-        f"  act={m.get('act')}",
-        file=out,
-    )
-    for key, label, fmt in _METRIC_ROWS:
-        if key in m and m[key] is not None:
-            print(f"  {label:<30s} {fmt(m[key])}", file=out)
-
-
-def _public_metrics(m: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in m.items() if k not in ("layer_t_ne_s",)}
-
-
-def write_trace(path: str | Path, events: list[Any], meta: dict[str, Any]) -> None:
-    """Chrome trace-event JSON (Perfetto / chrome://tracing), written atomically."""
-    import estream_sched as es
-
-    doc = es.chrome_trace(events)
-    doc["otherData"] = meta
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, p)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 # -- commands ---------------------------------------------------------------------------------
-def engine_from_args(args: argparse.Namespace, *, progress: bool) -> Any:
-    """Load the engine with the options `_add_engine_opts` added to a sub-command."""
-    from .engine import load
-
-    return load(
-        args.model,
-        mode=args.mode,
-        schedule=args.schedule,
-        budget=args.budget,
-        G=args.G,
-        Q=args.Q,
-        B=args.B,
-        n_threads=args.threads,
-        verify=args.verify,
-        act=args.act,
-        progress=progress,
-    )
-
-
 def cmd_prefill(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     ids, tok = _tokens_from_args(args)
@@ -149,12 +85,12 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     if args.all_logits:
         _save_npy(args.all_logits, res.logits.astype(np.float32))
     if args.trace:
-        write_trace(args.trace, res.events, _public_metrics(m))
+        write_trace(args.trace, res.events, public_metrics(m))
     if args.json:
         doc = {
             "tokens": len(ids),
             "top_k": [{"id": i, "prob": p, "piece": _piece(tok, i)} for i, p in top],
-            "metrics": _public_metrics(m),
+            "metrics": public_metrics(m),
         }
         print(json.dumps(doc, indent=1))
     else:
@@ -178,8 +114,9 @@ def _save_npy(path: str, arr: np.ndarray) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from .config import store_profile
     from .packed import PackedModel
-    from .profiling import profile_model, store_profile
+    from .profiling import profile_model
 
     cands = tuple(int(x) for x in args.candidates.split(","))
     qs = tuple(int(x) for x in args.queue_depths.split(","))
@@ -194,8 +131,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    from .config import configure_for_budget, store_config
     from .packed import PackedModel
-    from .profiling import configure_for_budget, store_config
 
     model = PackedModel(args.model)
     budget = memory.parse_bytes(args.budget)
@@ -308,28 +245,6 @@ def cmd_detokenize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_engine_opts(p: argparse.ArgumentParser) -> None:
-    from .engine import MODES
-    from .experts import SCHEDULES
-
-    p.add_argument(
-        "--mode", choices=MODES, default="stream", help="expert placement (default stream)"
-    )
-    p.add_argument("--schedule", choices=SCHEDULES, default="early", help="when reads start")
-    p.add_argument("--budget", help="memory budget, e.g. 1.5GiB (needs a stored profile)")
-    p.add_argument("-G", type=int, help="group size (overrides the configuration)")
-    p.add_argument("-Q", type=int, help="reads in flight")
-    p.add_argument("-B", type=int, help="banks in the arena")
-    p.add_argument("--threads", type=int, help="compute threads (default: all cores, ≤ 8)")
-    p.add_argument("--verify", action="store_true", help="check each record's checksum as it loads")
-    p.add_argument(
-        "--act",
-        choices=("q8", "f32"),
-        default="q8",
-        help="activations: q8 (int8 per 32-block, fast; default) or f32 (exact)",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="estream",
@@ -368,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all-logits", metavar="OUT.npy", help="save float32 logits [T, n_vocab]")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace-event timeline")
-    _add_engine_opts(p)
+    add_engine_opts(p)
     p.set_defaults(func=cmd_prefill)
 
     p = sub.add_parser("bench", help="TTFT / memory over prompt lengths and modes")
@@ -408,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .task_commands import add_task_commands
 
-    add_task_commands(sub, _add_engine_opts)
+    add_task_commands(sub)
     return ap
 
 

@@ -15,13 +15,24 @@ from typing import Any
 import attrs
 import numpy as np
 
-from estream_layout import LayoutError, Manifest
+from estream_layout import LayoutError, Manifest, ModelSpec
 from estream_layout.manifest import write_json_atomic
 
 from .errors import PackError
-from .hparams import HParams, read_gguf_kv
 
-__all__ = ["DenseTensor", "ExpertLayer", "PackedModel", "save_manifest"]
+__all__ = ["DenseTensor", "ExpertLayer", "PackedModel", "read_gguf_kv", "save_manifest"]
+
+
+def read_gguf_kv(path: str | Path) -> dict[str, Any]:
+    """All key/value metadata of a GGUF file as plain Python values (header only: fast)."""
+    from estream_layout.gguf_header import read_header
+
+    try:
+        return dict(read_header(path).kv)
+    except FileNotFoundError:
+        raise PackError(f"{path}: no such file") from None
+    except Exception as exc:  # truncated / corrupt header
+        raise PackError(f"{path}: not a readable GGUF file ({exc})") from exc
 
 
 @attrs.frozen
@@ -83,14 +94,20 @@ def save_manifest(path: str | os.PathLike[str], manifest: dict[str, Any]) -> Non
 
 
 class PackedModel:
-    """Manifest + hyper-parameters + resident dense weights of a packed model."""
+    """Manifest + architecture facts + resident dense weights of a packed model.
+
+    ``hparams`` is the `ModelSpec` that estream-layout derived from the source GGUF when it
+    packed the model (the manifest's "spec"): the one place architecture facts come from."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.manifest, parsed = _load_manifest(self.path)
-        kv = read_gguf_kv(self.path / "model.gguf")
-        self.kv = kv
-        self.hparams = HParams.from_kv(kv)
+        try:
+            self.hparams: ModelSpec = ModelSpec.from_dict(parsed.spec)
+        except LayoutError as exc:
+            raise PackError(f"{self.path / 'manifest.json'}: {exc}") from None
+        if self.hparams.n_ctx <= 0:
+            raise PackError(f"{self.path}: the model has no context length (context_length)")
         self.experts_path = parsed.experts_path
         if not self.experts_path.is_file():
             raise PackError(f"{self.experts_path}: missing expert pool file")

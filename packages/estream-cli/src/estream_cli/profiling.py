@@ -4,7 +4,7 @@ Profiling runs one calibration request per candidate group size `g` (DESIGN.md Â
 `T` tokens streamed with `Q = 1` and enough banks that reads never wait for a bank, so that each
 group's read time is its pure service time and each group's execution time is measured alone.
 Grouped-read bandwidth `BW(g, q)` is measured with the real loader on a cold file. The resulting
-`estream_sched.Profile` is stored in the manifest; `configure_for_budget` turns it into
+`estream_sched.Profile` is stored in the manifest; `config.configure_for_budget` turns it into
 `(G, Q, B)` for any memory budget in milliseconds.
 """
 
@@ -14,18 +14,18 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
 import estream_arena as ea
 import estream_sched as es
 
-from .errors import BudgetTooSmallError, PackError
+from .engine import Engine, PrefillResult
+from .errors import PackError
 from .memory import drop_file_cache
-from .packed import PackedModel, save_manifest
+from .packed import PackedModel
 
-__all__ = ["DEFAULT_CANDIDATES", "configure_for_budget", "measure_bandwidth", "profile_model"]
+__all__ = ["DEFAULT_CANDIDATES", "measure_bandwidth", "profile_model"]
 
 DEFAULT_CANDIDATES = (1, 2, 4, 8, 16)
 DEFAULT_QS = (1, 2, 4, 8)
@@ -81,10 +81,8 @@ def profile_model(
     seed: int = 0,
     n_threads: int | None = None,
     log: Callable[[str], None] | None = None,
-) -> Any:
+) -> es.Profile:
     """Calibrate: one request per candidate g, plus BW(g, q). Returns an `estream_sched.Profile`."""
-    from .engine import Engine
-
     say = log or (lambda s: None)
     model = PackedModel(path)
     hp = model.hparams
@@ -96,7 +94,7 @@ def profile_model(
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, hp.n_vocab, size=T)
     W_e = model.record_bytes
-    cand: dict[int, list[Any]] = {}
+    cand: dict[int, list[es.LayerProfile]] = {}
     m_other: dict[int, int] = {}
     bandwidth: dict[int, dict[int, float]] = {}
     for g in gs:
@@ -129,12 +127,26 @@ def profile_model(
     )
 
 
-def _layer_profiles(res: Any, model: PackedModel, g: int) -> list[Any]:
+def _layer_profiles(res: PrefillResult, model: PackedModel, g: int) -> list[es.LayerProfile]:
     """Per MoE layer of the calibration request: T_ne, and per group (all ``ceil(E/g)`` groups in
-    storage order) its bytes, routes (0 = unrouted, dropped), read and execution times."""
+    storage order) its bytes, routes (0 = unrouted, dropped), read and execution times.
+
+    ``layer_t_ne_s`` is indexed by model layer. A layer without experts (a leading dense layer)
+    has no profile of its own: its time is added to the T_ne of the next MoE layer, so that the
+    predicted request time still contains it."""
     reads = {(r.layer, r.group): r for r in res.reads}
+    t_ne_of_layer = res.metrics["layer_t_ne_s"]
     out = []
-    for i, lay in enumerate(sorted(model.layers.values(), key=lambda x: x.index)):
+    carried = 0.0
+    moe = sorted(model.layers.values(), key=lambda x: x.index)
+    dense_before = {lay.index: 0.0 for lay in moe}
+    for layer, t in enumerate(t_ne_of_layer):
+        if layer in dense_before:
+            dense_before[layer] = carried
+            carried = 0.0
+        else:
+            carried += float(t)
+    for i, lay in enumerate(moe):
         n_groups = -(-lay.n_experts // g)
         group_bytes = [min(g, lay.n_experts - k * g) * lay.record_bytes for k in range(n_groups)]
         routes = [0] * n_groups
@@ -150,7 +162,7 @@ def _layer_profiles(res: Any, model: PackedModel, g: int) -> list[Any]:
                 read_t[k] = float(ev.t_end - ev.t_start)
         out.append(
             es.LayerProfile(
-                t_ne=float(res.metrics["layer_t_ne_s"][i]),
+                t_ne=float(t_ne_of_layer[lay.index]) + dense_before[lay.index],
                 group_bytes=group_bytes,
                 routes=routes,
                 read_times=read_t,
@@ -170,45 +182,6 @@ def _device_name() -> str:
     except OSError:
         pass
     return os.uname().machine
-
-
-def stored_profile(model: PackedModel) -> Any:
-    prof = model.manifest.get("profile")
-    if not prof:
-        raise PackError(
-            f"{model.path}: no profile stored â€” run `estream profile {model.path}` first"
-        )
-    return es.Profile.from_dict(prof)
-
-
-def configure_for_budget(model: PackedModel, budget: int) -> Any:
-    """(G, Q, B) for a memory budget from the stored profile; clear error below the minimum."""
-    profile = stored_profile(model)
-    try:
-        return es.configure(profile, int(budget))
-    except es.BudgetError as exc:
-        raise BudgetTooSmallError(str(exc), exc.minimum_bytes) from None
-
-
-def store_profile(model: PackedModel, profile: Any) -> None:
-    manifest = dict(model.manifest)
-    manifest["profile"] = profile.to_dict()
-    save_manifest(model.path, manifest)
-
-
-def store_config(model: PackedModel, choice: Any, budget: int) -> dict[str, Any]:
-    cfg = {
-        "G": int(choice.G),
-        "Q": int(choice.Q),
-        "B": int(choice.B),
-        "budget_bytes": int(budget),
-        "predicted_s": float(choice.predicted_s),
-        "memory_bytes": int(choice.memory_bytes),
-    }
-    manifest = dict(model.manifest)
-    manifest["config"] = cfg
-    save_manifest(model.path, manifest)
-    return cfg
 
 
 if __name__ == "__main__":  # pragma: no cover

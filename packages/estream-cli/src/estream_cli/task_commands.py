@@ -20,6 +20,7 @@ import attrs
 
 from . import tasks
 from .errors import BadRequestError
+from .options import add_engine_opts, engine_from_args
 
 __all__ = ["add_task_commands", "read_docs_file", "read_jsonl", "read_lines_file"]
 
@@ -267,7 +268,6 @@ def _run(args: argparse.Namespace, task: _Task) -> int:
 
     In a batch, a request the model cannot answer (e.g. longer than the context) gets a result
     line ``{"id": …, "error": "…"}`` and the others go on; the exit code is then 2."""
-    from .main import engine_from_args
     from .tokenizer import Tokenizer
 
     t0 = time.perf_counter()
@@ -349,7 +349,7 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
-def _common(p: argparse.ArgumentParser, add_engine_opts: Callable[..., None]) -> None:
+def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--input",
         metavar="FILE.jsonl",
@@ -364,7 +364,7 @@ def _common(p: argparse.ArgumentParser, add_engine_opts: Callable[..., None]) ->
     add_engine_opts(p)
 
 
-def add_task_commands(sub: Any, add_engine_opts: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_task_commands(sub: Any) -> None:
     """Add the prefill-only task sub-commands to `sub` (an argparse subparsers object)."""
     p = sub.add_parser("classify", help="label probabilities for a prompt")
     p.add_argument("model")
@@ -377,7 +377,7 @@ def add_task_commands(sub: Any, add_engine_opts: Callable[[argparse.ArgumentPars
         help="first-token: next-token logits of each label's first token; sequence: whole "
         "label log-likelihood; auto (default): first-token if every label is one token",
     )
-    _common(p, add_engine_opts)
+    _common(p)
     p.set_defaults(func=_command("classify"))
 
     p = sub.add_parser("score", help="log-likelihood of each continuation (multiple choice)")
@@ -385,7 +385,7 @@ def add_task_commands(sub: Any, add_engine_opts: Callable[[argparse.ArgumentPars
     p.add_argument("--context", help="the shared context")
     p.add_argument("--choices-file", help="one continuation per line")
     p.add_argument("--choice", action="append", help="a continuation (repeatable)")
-    _common(p, add_engine_opts)
+    _common(p)
     p.set_defaults(func=_command("score"))
 
     p = sub.add_parser("rerank", help="sort documents by relevance to a query (yes/no log-odds)")
@@ -394,7 +394,7 @@ def add_task_commands(sub: Any, add_engine_opts: Callable[[argparse.ArgumentPars
     p.add_argument(
         "--docs-file", help='one document per line: {"id": …, "text": …}, a JSON string or text'
     )
-    _common(p, add_engine_opts)
+    _common(p)
     p.set_defaults(func=_command("rerank"))
 
     p = sub.add_parser("embed", help="final hidden state of a prompt (JSON)")
@@ -402,5 +402,5 @@ def add_task_commands(sub: Any, add_engine_opts: Callable[[argparse.ArgumentPars
     p.add_argument("--prompt", help="the text to embed")
     p.add_argument("--pool", choices=tasks.POOLS, default="last", help="last token or mean")
     p.add_argument("--normalize", action="store_true", help="L2-normalise the vector")
-    _common(p, add_engine_opts)
+    _common(p)
     p.set_defaults(func=_command("embed"))

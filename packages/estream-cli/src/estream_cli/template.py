@@ -73,7 +73,7 @@ class ChatTemplate:
         cls, path: str | Path, *, bos_token: str = "", eos_token: str = ""
     ) -> ChatTemplate:
         """Read the template of a GGUF file or of a packed model directory."""
-        from .hparams import read_gguf_kv
+        from .packed import read_gguf_kv
         from .tokenizer._gguf import resolve_gguf_path
 
         gguf = resolve_gguf_path(path)

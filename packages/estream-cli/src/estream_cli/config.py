@@ -1,0 +1,110 @@
+"""Which `(G, Q, B)` a run streams with, and the stored profile/configuration it comes from.
+
+`resolve_config` is the one place that turns a mode, explicit `-G/-Q/-B`, a memory budget (via
+the profile that `estream profile` stored in the manifest) or the manifest's stored configuration
+into a `StreamConfig`. Measuring the profile is `profiling`'s job; this module only reads and
+writes what is stored, so that the engine can use it without depending on the profiler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+import estream_sched as es
+
+from .errors import BadRequestError, BudgetTooSmallError, PackError
+from .packed import PackedModel, save_manifest
+
+__all__ = [
+    "StreamConfig",
+    "configure_for_budget",
+    "resolve_config",
+    "store_config",
+    "store_profile",
+    "stored_profile",
+]
+
+
+@attrs.frozen
+class StreamConfig:
+    G: int
+    Q: int
+    B: int
+    source: str  # where it came from: explicit | manifest | budget | mode | default
+
+    def arena_bytes(self, model: PackedModel) -> int:
+        return self.B * self.G * sum(size for _, size in model.plane_extents)
+
+
+def resolve_config(
+    model: PackedModel,
+    mode: str,
+    budget: int | None,
+    G: int | None,
+    Q: int | None,
+    B: int | None,
+) -> StreamConfig | None:
+    """`(G, Q, B)` for a stream-kind mode; None for ``resident`` (no arena)."""
+    hp = model.hparams
+    if mode == "resident":
+        return None
+    if mode == "naive":
+        cfg = StreamConfig(1, 1, 3, "mode")
+    elif mode == "layer":
+        cfg = StreamConfig(hp.n_experts, 2, 2, "mode")
+    elif G or Q or B:
+        g = G or 4
+        q = Q or 2
+        b = B or max(q, 2)
+        cfg = StreamConfig(min(g, hp.n_experts), q, b, "explicit")
+    elif budget is not None:
+        choice = configure_for_budget(model, budget)
+        cfg = StreamConfig(int(choice.G), int(choice.Q), int(choice.B), "budget")
+    elif stored := model.manifest.get("config"):
+        cfg = StreamConfig(int(stored["G"]), int(stored["Q"]), int(stored["B"]), "manifest")
+    else:
+        cfg = StreamConfig(min(4, hp.n_experts), 2, 4, "default")
+    if cfg.G < 1 or cfg.Q < 1 or cfg.B < 1:
+        raise BadRequestError(f"G, Q and B must be ≥ 1 (got G={cfg.G}, Q={cfg.Q}, B={cfg.B})")
+    return cfg
+
+
+def stored_profile(model: PackedModel) -> es.Profile:
+    prof = model.manifest.get("profile")
+    if not prof:
+        raise PackError(
+            f"{model.path}: no profile stored — run `estream profile {model.path}` first"
+        )
+    return es.Profile.from_dict(prof)
+
+
+def configure_for_budget(model: PackedModel, budget: int) -> es.Choice:
+    """(G, Q, B) for a memory budget from the stored profile; clear error below the minimum."""
+    profile = stored_profile(model)
+    try:
+        return es.configure(profile, int(budget))
+    except es.BudgetError as exc:
+        raise BudgetTooSmallError(str(exc), exc.minimum_bytes) from None
+
+
+def store_profile(model: PackedModel, profile: es.Profile) -> None:
+    manifest = dict(model.manifest)
+    manifest["profile"] = profile.to_dict()
+    save_manifest(model.path, manifest)
+
+
+def store_config(model: PackedModel, choice: es.Choice, budget: int) -> dict[str, Any]:
+    cfg = {
+        "G": int(choice.G),
+        "Q": int(choice.Q),
+        "B": int(choice.B),
+        "budget_bytes": int(budget),
+        "predicted_s": float(choice.predicted_s),
+        "memory_bytes": int(choice.memory_bytes),
+    }
+    manifest = dict(model.manifest)
+    manifest["config"] = cfg
+    save_manifest(model.path, manifest)
+    return cfg

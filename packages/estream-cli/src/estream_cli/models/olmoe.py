@@ -1,0 +1,40 @@
+"""OLMoE (llama.cpp `olmoe`): pre-norm transformer, full-width q/k RMSNorm, softmax top-k router
+without renormalisation, every layer a mixture of SwiGLU experts."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from estream_layout import ModelSpec
+
+from ..packed import PackedModel
+from .ops import Attention, MoE, Ops, Weights, bind_attention, bind_head, bind_moe
+
+__all__ = ["Layer", "bind", "layer"]
+
+
+@attrs.frozen
+class Layer:
+    attn_norm: np.ndarray = attrs.field(eq=False)
+    attn: Attention
+    ffn_norm: np.ndarray = attrs.field(eq=False)
+    moe: MoE
+
+
+def bind(model: PackedModel) -> Weights[Layer]:
+    layers = tuple(
+        Layer(
+            attn_norm=model.dense(f"blk.{i}.attn_norm.weight").f32(),
+            attn=bind_attention(model, i),
+            ffn_norm=model.dense(f"blk.{i}.ffn_norm.weight").f32(),
+            moe=bind_moe(model, i),
+        )
+        for i in range(model.hparams.n_layers)
+    )
+    return Weights(bind_head(model), layers)
+
+
+def layer(ops: Ops, hp: ModelSpec, w: Layer, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    x = x + ops.attention(w.attn, ops.rms_norm(x, w.attn_norm), pos)
+    return x + ops.moe(ops.rms_norm(x, w.ffn_norm), w.moe)

@@ -1,0 +1,328 @@
+"""Shared building blocks of the per-architecture forward passes.
+
+The role of llama.cpp's graph builders (`build_norm`, `build_attn`, `build_ffn`,
+`build_moe_ffn`): each architecture module (`olmoe.py`, `qwen3moe.py`, `llama.py`, …) binds its
+weights into the typed blocks below and writes its layer as a few calls on an `Ops`. Everything
+an architecture may vary is a parameter of a block, bound once from the model's `ModelSpec`
+(RoPE style and scaling, q/k-norm kind, gating function, top-k renormalisation, selection bias),
+never a flag the forward pass branches on per call.
+
+`Ops` also owns the one side effect a layer has: routed experts run through the engine's
+`ExpertSource`, and `Ops` notes when the expert phase of each layer ran so that the engine's loop,
+not the layer, can turn it into spans and metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Generic, TypeVar
+
+import attrs
+import numpy as np
+
+import estream_htp as htp
+from estream_layout import ModelSpec
+
+from ..errors import PackError, UnsupportedModelError
+from ..experts import ExpertSource
+from ..packed import DenseTensor, ExpertLayer, PackedModel
+
+__all__ = [
+    "FFN",
+    "Attention",
+    "Branches",
+    "Gating",
+    "Head",
+    "MoE",
+    "Ops",
+    "Rope",
+    "Weights",
+    "bind_attention",
+    "bind_ffn",
+    "bind_head",
+    "bind_moe",
+]
+
+L = TypeVar("L")
+
+# llama.cpp's rope type name -> the estream-htp kernel's name for the same rotation.
+_HTP_ROPE = {"norm": "normal", "neox": "neox"}
+
+# A shared prefix and its branches: (prefix length, [(start, length) of each branch]).
+Branches = tuple[int, list[tuple[int, int]]]
+
+
+# -- typed weights ------------------------------------------------------------------------------
+@attrs.frozen
+class Rope:
+    """Rotary position embedding as llama.cpp applies it for a family (`ggml_rope_ext`)."""
+
+    n_rot: int
+    freq_base: float
+    freq_scale: float
+    kind: str  # "normal" (adjacent pairs, LLAMA_ROPE_TYPE_NORM) | "neox" (split halves)
+
+    @classmethod
+    def from_spec(cls, hp: ModelSpec) -> Rope:
+        if hp.rope_scaling_type not in ("none", "linear"):
+            raise UnsupportedModelError(
+                f"RoPE scaling {hp.rope_scaling_type!r} is not implemented for {hp.arch!r} "
+                "(only none and linear)"
+            )
+        return cls(hp.rope_dims, hp.rope_freq_base, hp.rope_freq_scale, _HTP_ROPE[hp.rope_type])
+
+
+@attrs.frozen
+class Attention:
+    """Grouped-query self-attention with RoPE (and q/k RMSNorm where the family has it)."""
+
+    wq: DenseTensor
+    wk: DenseTensor
+    wv: DenseTensor
+    wo: DenseTensor
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    rope: Rope
+    qk_norm: str = "none"  # "none" | "full" (whole projection) | "head" (per head)
+    q_norm: np.ndarray | None = attrs.field(default=None, eq=False)
+    k_norm: np.ndarray | None = attrs.field(default=None, eq=False)
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+
+@attrs.frozen
+class FFN:
+    """A dense SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`."""
+
+    gate: DenseTensor
+    up: DenseTensor
+    down: DenseTensor
+
+
+@attrs.frozen
+class Gating:
+    """How the router turns logits into the top-k experts and their weights (`build_moe_ffn`).
+
+    ``func`` is llama.cpp's gating function (softmax, or sigmoid for DeepSeek-V3-style and LFM2
+    routers); ``norm`` renormalises the selected weights to sum to 1; ``scale`` multiplies
+    them afterwards."""
+
+    func: str  # "softmax" | "sigmoid"
+    n_used: int
+    norm: bool
+    scale: float
+
+    @classmethod
+    def from_spec(cls, hp: ModelSpec) -> Gating:
+        return cls(
+            hp.expert_gating_func,
+            hp.n_experts_used,
+            hp.expert_weights_norm,
+            hp.expert_weights_scale,
+        )
+
+
+@attrs.frozen
+class MoE:
+    """One layer's routed experts: the router, its gating, and where the experts are stored."""
+
+    experts: ExpertLayer
+    router: np.ndarray = attrs.field(eq=False)  # [d, E], transposed for x @ W
+    gating: Gating
+    bias: np.ndarray | None = attrs.field(default=None, eq=False)  # selection-only (exp_probs_b)
+
+
+@attrs.frozen
+class Head:
+    """Token embedding, final norm and output projection (tied to the embedding if absent)."""
+
+    tok_embd: DenseTensor
+    norm: np.ndarray = attrs.field(eq=False)
+    output: DenseTensor
+
+
+@attrs.frozen
+class Weights(Generic[L]):
+    """All resident weights of a model: the head and one typed block per layer."""
+
+    head: Head
+    layers: tuple[L, ...]
+
+
+# -- binding ------------------------------------------------------------------------------------
+def bind_head(model: PackedModel, norm: str = "output_norm.weight") -> Head:
+    tok_embd = model.dense("token_embd.weight")
+    output = model.dense("output.weight") if model.has("output.weight") else tok_embd
+    return Head(tok_embd, model.dense(norm).f32(), output)
+
+
+def bind_attention(model: PackedModel, i: int) -> Attention:
+    """Layer `i`'s `attn_q/k/v/output` (and q/k norms when the spec says the family has them)."""
+    hp = model.hparams
+    p = f"blk.{i}."
+    q_norm = k_norm = None
+    if hp.qk_norm != "none":
+        q_norm = model.dense(p + "attn_q_norm.weight").f32()
+        k_norm = model.dense(p + "attn_k_norm.weight").f32()
+    return Attention(
+        wq=model.dense(p + "attn_q.weight"),
+        wk=model.dense(p + "attn_k.weight"),
+        wv=model.dense(p + "attn_v.weight"),
+        wo=model.dense(p + "attn_output.weight"),
+        n_head=hp.n_head,
+        n_head_kv=hp.n_head_kv[i],
+        head_dim=hp.head_dim_k,
+        rope=Rope.from_spec(hp),
+        qk_norm=hp.qk_norm,
+        q_norm=q_norm,
+        k_norm=k_norm,
+    )
+
+
+def bind_ffn(model: PackedModel, i: int, tag: str = "") -> FFN:
+    """Layer `i`'s dense SwiGLU `ffn_{gate,up,down}{tag}` (tag "_shexp" for shared experts)."""
+    p = f"blk.{i}.ffn_"
+    return FFN(
+        model.dense(f"{p}gate{tag}.weight"),
+        model.dense(f"{p}up{tag}.weight"),
+        model.dense(f"{p}down{tag}.weight"),
+    )
+
+
+def bind_moe(model: PackedModel, i: int) -> MoE:
+    """Layer `i`'s router (`ffn_gate_inp`, optional `exp_probs_b`) and its packed experts."""
+    experts = model.layers.get(i)
+    if experts is None:
+        raise PackError(f"{model.path}: layer {i} should have experts, the pack has none")
+    router = model.dense(f"blk.{i}.ffn_gate_inp.weight").f32()
+    bias_name = f"blk.{i}.exp_probs_b.bias"
+    bias = model.dense(bias_name).f32() if model.has(bias_name) else None
+    return MoE(
+        experts=experts,
+        router=np.ascontiguousarray(router.T),
+        gating=Gating.from_spec(model.hparams),
+        bias=bias,
+    )
+
+
+# -- the operations a layer is written with -----------------------------------------------------
+class Ops:
+    """The operations of one forward pass: kernels, the attention mask, the expert source.
+
+    Made per request by the engine. ``branches`` switches attention from plain causal to a
+    shared prefix plus branches (see `Engine.prefill_branches`). ``expert_phases`` collects the
+    (start, end) time of every routed-expert phase, in order, for the engine's loop."""
+
+    def __init__(
+        self, hp: ModelSpec, experts: ExpertSource, branches: Branches | None = None
+    ) -> None:
+        self.hp = hp
+        self.experts = experts
+        self.branches = branches
+        self.expert_phases: list[tuple[float, float]] = []
+
+    # primitives
+    @staticmethod
+    def matmul(x: np.ndarray, w: DenseTensor) -> np.ndarray:
+        """`x @ w.T` for a resident matrix (tiled Q4_0/Q8_0 through the kernels, or f32)."""
+        if w.fmt == "f32":
+            return x @ w.f32().T
+        return htp.gemm(x, w.data, w.shape[0], w.fmt)
+
+    def rms_norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return htp.rms_norm(x, w, self.hp.rms_eps)
+
+    def embed(self, head: Head, ids: np.ndarray) -> np.ndarray:
+        e = head.tok_embd
+        return htp.get_rows(e.data, e.fmt, self.hp.n_vocab, self.hp.n_embd, ids)
+
+    def output(self, head: Head, h: np.ndarray) -> np.ndarray:
+        """Logits `[rows, n_vocab]` of final-normed hidden states `h`."""
+        return self.matmul(h, head.output)[:, : self.hp.n_vocab]
+
+    # blocks
+    def attention(self, w: Attention, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """q/k/v projections, q/k RMSNorm, RoPE, causal GQA attention, output projection."""
+        t = h.shape[0]
+        eps = self.hp.rms_eps
+        q = self.matmul(h, w.wq)
+        k = self.matmul(h, w.wk)
+        v = self.matmul(h, w.wv)
+        if w.qk_norm == "full":
+            q = htp.rms_norm(q, w.q_norm, eps)
+            k = htp.rms_norm(k, w.k_norm, eps)
+        elif w.qk_norm == "head":
+            assert w.q_norm is not None and w.k_norm is not None
+            q = htp.rms_norm_heads(q, w.q_norm, w.n_head, eps)
+            k = htp.rms_norm_heads(k, w.k_norm, w.n_head_kv, eps)
+        q = np.ascontiguousarray(q.reshape(t, w.n_head, w.head_dim))
+        k = np.ascontiguousarray(k.reshape(t, w.n_head_kv, w.head_dim))
+        v = np.ascontiguousarray(v.reshape(t, w.n_head_kv, -1))
+        r = w.rope
+        htp.rope(q, pos, r.n_rot, r.freq_base, r.freq_scale, r.kind)  # type: ignore[arg-type]
+        htp.rope(k, pos, r.n_rot, r.freq_base, r.freq_scale, r.kind)  # type: ignore[arg-type]
+        a = self.attend(q, k, v, w.scale)
+        return self.matmul(np.ascontiguousarray(a.reshape(t, -1)), w.wo)
+
+    def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+        """softmax(q kᵀ · scale) v under this request's mask: `q [T, H, D]`, `k, v [T, Hkv, ·]`."""
+        if self.branches is None:
+            return htp.attention(q, k, v, scale, causal=True)
+        return _branch_attention(q, k, v, scale, *self.branches)
+
+    def dense_ffn(self, h: np.ndarray, w: FFN) -> np.ndarray:
+        g = self.matmul(h, w.gate)
+        u = self.matmul(h, w.up)
+        return self.matmul(htp.swiglu(g, u), w.down)
+
+    def moe(self, h: np.ndarray, w: MoE) -> np.ndarray:
+        """Route each token to its top-k experts and sum their SwiGLU outputs, weighted.
+
+        The router runs here (resident); the experts run through the expert source, which the
+        engine's loop told at layer start to begin reading this layer's experts."""
+        g = w.gating
+        ids, weights = htp.router_topk(
+            h @ w.router, g.n_used, gating=g.func, norm=g.norm, scale=g.scale, bias=w.bias
+        )  # type: ignore[arg-type]
+        y = np.zeros((h.shape[0], self.hp.n_embd), dtype=np.float32)
+        t0 = time.perf_counter()
+        self.experts.run_layer(w.experts, h, ids, weights, y)
+        self.expert_phases.append((t0, time.perf_counter()))
+        return y
+
+
+def _branch_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    n_prefix: int,
+    segments: list[tuple[int, int]],
+) -> np.ndarray:
+    """Shared prefix (causal) + branches that each see the prefix and themselves (causal).
+
+    The prefix goes through the tiled kernel; each branch is short and attends to
+    ``n_prefix + len`` keys, done with BLAS (float32) per branch."""
+    n_head, n_head_kv = q.shape[1], k.shape[1]
+    out = np.empty((q.shape[0], n_head, v.shape[2]), dtype=np.float32)
+    P = n_prefix
+    out[:P] = htp.attention(q[:P], k[:P], v[:P], scale, causal=True)
+    rep = n_head // n_head_kv
+    for s, n in segments:
+        kk = np.concatenate((k[:P], k[s : s + n]))  # [P+n, Hkv, D]
+        vv = np.concatenate((v[:P], v[s : s + n]))
+        kk = np.repeat(kk, rep, axis=1).transpose(1, 2, 0)  # [H, D, P+n]
+        vv = np.repeat(vv, rep, axis=1).transpose(1, 0, 2)  # [H, P+n, Dv]
+        qq = q[s : s + n].transpose(1, 0, 2)  # [H, n, D]
+        sc = np.matmul(qq, kk) * np.float32(scale)  # [H, n, P+n]
+        mask = np.triu(np.ones((n, n), dtype=bool), k=1)
+        sc[:, :, P:][:, mask] = -np.inf
+        sc -= sc.max(axis=-1, keepdims=True)
+        np.exp(sc, out=sc)
+        sc /= sc.sum(axis=-1, keepdims=True)
+        out[s : s + n] = np.matmul(sc, vv).transpose(1, 0, 2)
+    return out

@@ -1,0 +1,46 @@
+"""The engine options that every model-running sub-command shares, and the engine they make."""
+
+from __future__ import annotations
+
+import argparse
+
+from .engine import ACTS, MODES, Engine, load
+from .experts import SCHEDULES
+
+__all__ = ["add_engine_opts", "engine_from_args"]
+
+
+def add_engine_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mode", choices=MODES, default="stream", help="expert placement (default stream)"
+    )
+    p.add_argument("--schedule", choices=SCHEDULES, default="early", help="when reads start")
+    p.add_argument("--budget", help="memory budget, e.g. 1.5GiB (needs a stored profile)")
+    p.add_argument("-G", type=int, help="group size (overrides the configuration)")
+    p.add_argument("-Q", type=int, help="reads in flight")
+    p.add_argument("-B", type=int, help="banks in the arena")
+    p.add_argument("--threads", type=int, help="compute threads (default: all cores, ≤ 8)")
+    p.add_argument("--verify", action="store_true", help="check each record's checksum as it loads")
+    p.add_argument(
+        "--act",
+        choices=ACTS,
+        default="q8",
+        help="activations: q8 (int8 per 32-block, fast; default) or f32 (exact)",
+    )
+
+
+def engine_from_args(args: argparse.Namespace, *, progress: bool) -> Engine:
+    """Load the engine with the options `add_engine_opts` added to a sub-command."""
+    return load(
+        args.model,
+        mode=args.mode,
+        schedule=args.schedule,
+        budget=args.budget,
+        G=args.G,
+        Q=args.Q,
+        B=args.B,
+        n_threads=args.threads,
+        verify=args.verify,
+        act=args.act,
+        progress=progress,
+    )

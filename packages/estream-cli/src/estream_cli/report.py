@@ -1,0 +1,61 @@
+"""Printing and saving what a run measured: the metrics table and the Chrome trace."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+import estream_sched as es
+
+from . import memory
+
+__all__ = ["print_metrics", "public_metrics", "write_trace"]
+
+_METRIC_ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
+    ("ttft_s", "pure-prefill TTFT", lambda v: f"{v * 1e3:.1f} ms"),
+    ("end_to_end_s", "end-to-end (load + prefill)", lambda v: f"{v * 1e3:.1f} ms"),
+    ("peak_memory_bytes", "peak memory", memory.format_bytes),
+    ("expert_memory_bytes", "expert memory (arena)", memory.format_bytes),
+    ("dense_bytes", "dense weights (resident)", memory.format_bytes),
+    ("bytes_read", "expert bytes read", memory.format_bytes),
+    ("io_compute_overlap", "I/O–compute overlap", lambda v: f"{v * 100:.1f} %"),
+    ("bubble_rate", "bubble rate", lambda v: f"{v * 100:.1f} %"),
+    ("expert_stall_s", "executor waited for reads", lambda v: f"{v * 1e3:.1f} ms"),
+]
+
+
+def print_metrics(m: dict[str, Any], out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    cfg = f"mode={m.get('mode')}"
+    if "G" in m:
+        cfg += f" G={m['G']} Q={m['Q']} B={m['B']} ({m.get('config_source')}) schedule={m.get('schedule')}"
+    print(
+        f"  {cfg}  tokens={m.get('tokens')}  threads={m.get('threads')}  simd={m.get('simd')}"
+        f"  act={m.get('act')}",
+        file=out,
+    )
+    for key, label, fmt in _METRIC_ROWS:
+        if key in m and m[key] is not None:
+            print(f"  {label:<30s} {fmt(m[key])}", file=out)
+
+
+def public_metrics(m: dict[str, Any]) -> dict[str, Any]:
+    """The metrics without the engine's internal per-layer figures."""
+    return {k: v for k, v in m.items() if k not in ("layer_t_ne_s",)}
+
+
+def write_trace(path: str | Path, events: list[es.TraceEvent], meta: dict[str, Any]) -> None:
+    """Chrome trace-event JSON (Perfetto / chrome://tracing), written atomically."""
+    doc = es.chrome_trace(events)
+    doc["otherData"] = meta
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, p)
+    finally:
+        tmp.unlink(missing_ok=True)
