@@ -134,13 +134,13 @@ def test_from_dict_rejects_an_old_or_damaged_spec(tiny_models: dict[str, Path]) 
 
     d = ModelSpec.from_gguf(tiny_models["olmoe"]).summary()
     old = {k: v for k, v in d.items() if k != "qk_norm"}
-    with pytest.raises(PackFormatError, match="qk_norm.*pack it again"):
+    with pytest.raises(PackFormatError, match=r"qk_norm.*pack it again"):
         ModelSpec.from_dict(old)
     with pytest.raises(PackFormatError, match="'qk_norm' is 'per-head'"):
         ModelSpec.from_dict({**d, "qk_norm": "per-head"})
-    with pytest.raises(PackFormatError, match="'n_layers'.*integer"):
+    with pytest.raises(PackFormatError, match=r"'n_layers'.*integer"):
         ModelSpec.from_dict({**d, "n_layers": 2.5})
-    with pytest.raises(PackFormatError, match="'moe_layers'.*list"):
+    with pytest.raises(PackFormatError, match=r"'moe_layers'.*list"):
         ModelSpec.from_dict({**d, "moe_layers": 3})
 
 
