@@ -53,14 +53,15 @@ def test_an_architecture_without_a_graph_is_a_clear_error() -> None:
 
 
 # -- a model whose first layer is dense ----------------------------------------------------------
-# deepseek2's tiny synthetic model has a leading dense layer and shared experts. Its attention
-# (MLA) is not what this test is about: this stand-in architecture runs only the FFN half of
-# each layer, which is enough to drive the engine's loop over a dense layer and MoE layers.
+# The tiny synthetic deepseek2 and lfm2moe models have a leading dense layer (and deepseek2
+# shared experts, lfm2moe a sigmoid router with a selection bias). Their mixers (MLA, short
+# convolutions) are not what this test is about: this stand-in architecture runs only the FFN
+# half of each layer, which is enough to drive the engine's loop over dense and MoE layers.
 @attrs.frozen
 class _FfnOnly:
     ffn_norm: np.ndarray = attrs.field(eq=False)
     moe: MoE | None
-    ffn: FFN  # the dense FFN, or the shared experts of an MoE layer
+    ffn: FFN | None  # the dense FFN, or the shared experts of an MoE layer (if any)
 
 
 class _FfnOnlyArchitecture:
@@ -70,30 +71,37 @@ class _FfnOnlyArchitecture:
         for i in range(model.hparams.n_layers):
             norm = model.dense(f"blk.{i}.ffn_norm.weight").f32()
             if i in model.layers:
-                layers.append(_FfnOnly(norm, bind_moe(model, i), bind_ffn(model, i, "_shexp")))
+                shexp = model.has(f"blk.{i}.ffn_gate_shexp.weight")
+                shared = bind_ffn(model, i, "_shexp") if shexp else None
+                layers.append(_FfnOnly(norm, bind_moe(model, i), shared))
             else:
                 layers.append(_FfnOnly(norm, None, bind_ffn(model, i)))
-        return Weights(bind_head(model), tuple(layers))
+        lfm2_norm = "token_embd_norm.weight"  # LFM2's final norm
+        norm = lfm2_norm if model.has(lfm2_norm) else "output_norm.weight"
+        return Weights(bind_head(model, norm), tuple(layers))
 
     @staticmethod
     def layer(ops: Ops, hp: ModelSpec, w: _FfnOnly, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         h = ops.rms_norm(x, w.ffn_norm)
         if w.moe is None:
+            assert w.ffn is not None
             return x + ops.dense_ffn(h, w.ffn)
+        if w.ffn is None:
+            return x + ops.moe(h, w.moe)
         return x + ops.moe(h, w.moe) + ops.dense_ffn(h, w.ffn)
 
 
-@pytest.fixture(scope="module")
-def dense_lead(tmp_path_factory):
+@pytest.fixture(scope="module", params=["deepseek2", "lfm2moe"])
+def dense_lead(request, tmp_path_factory):
     d = tmp_path_factory.mktemp("dense-lead")
-    synth_model("deepseek2", "tiny", d / "m.gguf", seed=5)
+    synth_model(request.param, "tiny", d / "m.gguf", seed=5)
     pack_model(d / "m.gguf", d / "m.estream", progress=False)
     return d / "m.estream"
 
 
 def test_a_dense_layer_reads_nothing_and_streams_like_resident(dense_lead, monkeypatch) -> None:
-    monkeypatch.setitem(ARCHITECTURES, "deepseek2", _FfnOnlyArchitecture())
     spec = PackedModel(dense_lead).hparams
+    monkeypatch.setitem(ARCHITECTURES, spec.arch, _FfnOnlyArchitecture())
     assert spec.n_leading_dense == 1 and 0 not in PackedModel(dense_lead).layers
     toks = np.random.default_rng(0).integers(0, spec.n_vocab, size=19)
     with load(dense_lead, mode="resident", act="f32") as eng:
@@ -108,7 +116,7 @@ def test_a_dense_layer_reads_nothing_and_streams_like_resident(dense_lead, monke
     t_ne = got.metrics["layer_t_ne_s"]
     assert len(t_ne) == spec.n_layers and all(t > 0 for t in t_ne)
     # The dense layer ran: skipping it changes the logits.
-    monkeypatch.setitem(ARCHITECTURES, "deepseek2", _SkipDense())
+    monkeypatch.setitem(ARCHITECTURES, spec.arch, _SkipDense())
     with load(dense_lead, mode="resident", act="f32") as eng:
         skipped = eng.prefill(toks, all_logits=True)
     assert np.linalg.norm(skipped.logits - ref.logits) > 1e-3 * np.linalg.norm(ref.logits)

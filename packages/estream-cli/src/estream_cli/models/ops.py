@@ -89,6 +89,12 @@ class Attention:
     q_norm: np.ndarray | None = attrs.field(default=None, eq=False)
     k_norm: np.ndarray | None = attrs.field(default=None, eq=False)
 
+    def __attrs_post_init__(self) -> None:
+        if self.qk_norm not in ("none", "full", "head"):
+            raise ValueError(f"qk_norm must be none, full or head, got {self.qk_norm!r}")
+        if self.qk_norm != "none" and (self.q_norm is None or self.k_norm is None):
+            raise ValueError(f"qk_norm {self.qk_norm!r} needs both q_norm and k_norm weights")
+
     @property
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
@@ -256,7 +262,7 @@ class Ops:
             q = htp.rms_norm(q, w.q_norm, eps)
             k = htp.rms_norm(k, w.k_norm, eps)
         elif w.qk_norm == "head":
-            assert w.q_norm is not None and w.k_norm is not None
+            assert w.q_norm is not None and w.k_norm is not None  # checked at construction
             q = htp.rms_norm_heads(q, w.q_norm, w.n_head, eps)
             k = htp.rms_norm_heads(k, w.k_norm, w.n_head_kv, eps)
         q = np.ascontiguousarray(q.reshape(t, w.n_head, w.head_dim))
