@@ -263,12 +263,12 @@ class Engine:
         t_start = time.perf_counter()
         x = ops.embed(self.weights.head, ids)
         for i, w in enumerate(self.weights.layers):
-            experts = self.model.layers.get(i)
+            moe_layer = self.model.layers.get(i)  # None: a dense layer, nothing to read
             t0 = time.perf_counter()
-            if experts is not None:
-                self.experts.begin_layer(experts)  # reads start before attention
+            if moe_layer is not None:
+                self.experts.begin_layer(moe_layer)  # reads start before attention
             x = self.arch.layer(ops, hp, w, x, pos)
-            if experts is not None:
+            if moe_layer is not None:
                 self.experts.end_layer()
             t1 = time.perf_counter()
             spans += _non_expert_spans(i, t0, t1, ops.expert_phases)
