@@ -22,7 +22,7 @@ import numpy as np
 import estream_htp as htp
 
 from . import memory
-from .errors import BadRequestError, PackError
+from .errors import BadRequestError, NonFiniteError, PackError
 from .experts import SCHEDULES, GroupRecord, ResidentExperts, StreamedExperts
 from .packed import PackedModel
 
@@ -156,6 +156,7 @@ class Engine:
             raise BadRequestError(
                 f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}"
             )
+        _check_counts(G=G, Q=Q, B=B, n_threads=n_threads)
         t0 = time.perf_counter()
         self._closed = False
         self._mem0 = memory.mem_available()
@@ -166,14 +167,14 @@ class Engine:
         self.budget = memory.parse_bytes(budget) if budget is not None else None
         self.config = _resolve_config(self.model, mode, self.budget, G, Q, B)
         htp.set_num_threads(int(n_threads or DEFAULT_THREADS))
-        self.model.load_dense()
+        self.model.load_dense(verify=verify)
         self._bind_weights()
         hp = self.hp
         self._capacity = 4096
         self.graph = htp.ExpertGraph(hp.n_embd, hp.n_ff_exp, self._capacity, hp.n_ctx)
         try:
             if self.config is None:
-                self.experts: Any = ResidentExperts(self.model, self.graph)
+                self.experts: Any = ResidentExperts(self.model, self.graph, verify=verify)
             else:
                 c = self.config
                 if c.G < 1 or c.Q < 1 or c.B < 1:
@@ -371,7 +372,18 @@ class Engine:
             metrics=res.metrics,
         )
 
-    def _forward(
+    def _forward(self, *args: Any, **kwargs: Any) -> PrefillResult:
+        """One request; if it fails half-way (read/checksum error, Ctrl-C, ...) the expert
+        source is reset so that no layer stays open and no read or thread is left behind: the
+        next request on this engine works."""
+        try:
+            return self._forward_pass(*args, **kwargs)
+        except BaseException:
+            if not self._closed:
+                self.experts.reset()
+            raise
+
+    def _forward_pass(
         self,
         ids: np.ndarray,
         pos: np.ndarray,
@@ -423,6 +435,7 @@ class Engine:
         if show:
             print("\r" + " " * 24 + "\r", end="", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
+        _check_finite(x)
         xs = x if rows is None else x[rows]
         hn = htp.rms_norm(np.ascontiguousarray(xs), self.output_norm, hp.rms_eps)
         out = self._matmul(hn, self.output)[:, : hp.n_vocab]
@@ -501,6 +514,27 @@ class Engine:
     def __del__(self) -> None:  # pragma: no cover - best effort
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _check_counts(**counts: Any) -> None:
+    """G, Q, B and the thread count are positive integers when given (never silently a
+    default: 0 is an error, and so is 2.5)."""
+    for name, v in counts.items():
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
+            raise BadRequestError(f"{name} must be a positive integer, got {v!r}")
+
+
+def _check_finite(x: np.ndarray) -> None:
+    """The residual stream after the last layer must be finite. NaN/Inf anywhere upstream stays
+    in it (the residual only adds), while int8 activations would turn it into finite garbage
+    logits: check once here (O(T·d), cheap) and fail instead of answering wrongly."""
+    if not np.isfinite(x).all():
+        raise NonFiniteError(
+            "the forward pass produced NaN or infinite activations; the model's weights are "
+            "corrupt or overflow in this model (try `estream-pack --verify`)"
+        )
 
 
 def load(path: str | Path, **kwargs: Any) -> Engine:

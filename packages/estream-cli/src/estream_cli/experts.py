@@ -19,7 +19,10 @@ import numpy as np
 
 import estream_arena as ea
 import estream_htp as htp
+from estream_layout import ChecksumError
+from estream_layout.verify import check_record_checksums
 
+from .errors import PackError
 from .packed import ExpertLayer, PackedModel
 
 __all__ = ["SCHEDULES", "GroupRecord", "ResidentExperts", "StreamedExperts", "flatten_routes"]
@@ -65,6 +68,10 @@ class _Base:
     def close(self) -> None:
         pass
 
+    def reset(self) -> None:
+        """Forget a request that failed half-way (nothing to undo for memory-resident experts)."""
+        self.records.clear()
+
     @property
     def memory_bytes(self) -> int:
         raise NotImplementedError
@@ -73,9 +80,19 @@ class _Base:
 class ResidentExperts(_Base):
     """All experts read into memory once: the I/O-free reference point (same kernels)."""
 
-    def __init__(self, model: PackedModel, graph: htp.ExpertGraph) -> None:
+    def __init__(self, model: PackedModel, graph: htp.ExpertGraph, *, verify: bool = False) -> None:
         super().__init__(model, graph)
         self.pool = np.fromfile(model.experts_path, dtype=np.uint8)
+        if self.pool.size != model.parsed.experts_bytes:  # the manifest was checked against the
+            raise PackError(  # file a moment ago: it changed since
+                f"{model.experts_path}: {self.pool.size} bytes, the manifest says "
+                f"{model.parsed.experts_bytes} (changed while loading?)"
+            )
+        if verify:  # the same crc32 per record the streamed loader checks with verify
+            problems = check_record_checksums(model.parsed, self.pool)
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise ChecksumError(f"{model.path}: {problems[0]}{more}")
         self._base = self.pool.ctypes.data
         self.bytes_read = int(self.pool.nbytes)
 
@@ -121,18 +138,36 @@ class StreamedExperts(_Base):
         self.G, self.Q, self.B = int(group_size), int(queue_depth), int(n_banks)
         self.schedule = schedule
         self.on_group = on_group
-        layout = ea.RecordLayout(record_bytes=model.record_bytes, planes=model.plane_extents)
+        self._direct, self._verify = direct, verify
+        self._strides = tuple(size for _, size in model.plane_extents)
+        self._open()
+
+    def _open(self) -> None:
+        layout = ea.RecordLayout(
+            record_bytes=self.model.record_bytes, planes=self.model.plane_extents
+        )
         self.arena = ea.Arena(layout, n_banks=self.B, group_size=self.G)
         try:
             self.loader = ea.GroupLoader(
-                self.arena, model.experts_path, self.Q, direct=direct, verify=verify
+                self.arena,
+                self.model.experts_path,
+                self.Q,
+                direct=self._direct,
+                verify=self._verify,
             )
         except BaseException:
             self.arena.close()
             raise
         self._planes = tuple(self.arena.plane_address(j) for j in range(3))
-        self._strides = tuple(size for _, size in model.plane_extents)
         self._layer: ExpertLayer | None = None
+
+    def reset(self) -> None:
+        """After a request failed half-way (a read or checksum error, Ctrl-C): stop its reads,
+        join the loader's threads, and start again with a fresh loader and arena, so the next
+        request finds no layer open and nothing leaked."""
+        super().reset()
+        self.close()
+        self._open()
 
     @property
     def memory_bytes(self) -> int:

@@ -7,16 +7,17 @@ read whole into memory (resident mode).
 
 from __future__ import annotations
 
-import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
-from estream_layout import LayoutError, Manifest
-from estream_layout.manifest import write_json_atomic
+from estream_layout import ChecksumError, LayoutError, Manifest, update_manifest
+from estream_layout.manifest import read_manifest_doc
+from estream_layout.verify import check_dense_checksums, nonfinite_dense
 
 from .errors import PackError
 from .hparams import HParams, read_gguf_kv
@@ -66,20 +67,50 @@ def _load_manifest(path: Path) -> tuple[dict[str, Any], Manifest]:
             f"{path}: manifest.json is missing — the pack did not finish; pack the model again"
         )
     try:
-        doc = json.loads(mpath.read_text())
+        # estream-layout's validator, the same one `estream-pack --verify` runs
+        doc = read_manifest_doc(mpath)
         parsed = Manifest.from_dict(doc, path)
-    except (OSError, ValueError) as exc:
-        raise PackError(f"{mpath}: unreadable manifest ({exc})") from exc
+    except ChecksumError:
+        raise
     except LayoutError as exc:
-        raise PackError(f"{mpath}: {exc}") from exc
-    if parsed.tile_format != "q4_0-t32r4":
-        raise PackError(f"{mpath}: unsupported tile format {parsed.tile_format!r}")
+        raise PackError(str(exc)) from None
     return doc, parsed
 
 
 def save_manifest(path: str | os.PathLike[str], manifest: dict[str, Any]) -> None:
-    """Atomically replace manifest.json (temporary file + fsync + rename)."""
-    write_json_atomic(Path(path) / "manifest.json", manifest)
+    """Replace `config` and `profile` of manifest.json with those of `manifest`, under the
+    manifest lock (read-modify-write: a concurrent writer's other changes are kept)."""
+
+    def change(doc: dict[str, Any]) -> None:
+        for key in ("config", "profile"):
+            if key in manifest:
+                doc[key] = manifest[key]
+
+    try:
+        update_manifest(path, change)
+    except LayoutError as exc:
+        raise PackError(str(exc)) from None
+
+
+def update_config(path: str | os.PathLike[str], key: str, value: Any) -> dict[str, Any]:
+    """Set `config` or `profile` of a pack's manifest (locked read-modify-write, atomic)."""
+    if key not in ("config", "profile"):
+        raise ValueError(f"only config and profile may change after packing, not {key!r}")
+    try:
+        return update_manifest(path, lambda doc: doc.__setitem__(key, value))
+    except LayoutError as exc:
+        raise PackError(str(exc)) from None
+
+
+# What model.gguf's hyper-parameters must agree on with the manifest: a model.gguf from another
+# model (same size by chance, or checksums not asked for) must not run with these experts.
+_SPEC_KEYS = (
+    ("n_layers", "n_layers"),
+    ("n_embd", "n_embd"),
+    ("n_experts", "n_experts"),
+    ("n_experts_used", "n_experts_used"),
+    ("n_ff_exp", "n_ff_exp"),
+)
 
 
 class PackedModel:
@@ -88,18 +119,21 @@ class PackedModel:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.manifest, parsed = _load_manifest(self.path)
+        self.parsed = parsed
         kv = read_gguf_kv(self.path / "model.gguf")
         self.kv = kv
-        self.hparams = HParams.from_kv(kv)
+        try:
+            self.hparams = HParams.from_kv(kv)
+        except (TypeError, ValueError, ZeroDivisionError, IndexError) as exc:
+            raise PackError(f"{self.path / 'model.gguf'}: nonsensical metadata ({exc})") from None
+        for hp_key, spec_key in _SPEC_KEYS:
+            have, want = getattr(self.hparams, hp_key), parsed.spec.get(spec_key)
+            if have != want:
+                raise PackError(
+                    f"{self.path / 'model.gguf'}: {hp_key} = {have}, the manifest says {want}: "
+                    "model.gguf is from another model; re-pack"
+                )
         self.experts_path = parsed.experts_path
-        if not self.experts_path.is_file():
-            raise PackError(f"{self.experts_path}: missing expert pool file")
-        have = self.experts_path.stat().st_size
-        if have != parsed.experts_bytes:
-            raise PackError(
-                f"{self.experts_path}: {have} bytes, manifest says {parsed.experts_bytes}: "
-                "the pack is corrupt"
-            )
         self.layers: dict[int, ExpertLayer] = {}
         for rec in parsed.layers:
             order = np.asarray(rec.order, dtype=np.int32)
@@ -126,8 +160,12 @@ class PackedModel:
         self._dense_blob: np.ndarray | None = None
 
     # -- dense weights ---------------------------------------------------------------------
-    def load_dense(self) -> None:
-        """Read dense.bin into memory once (resident for the engine's lifetime)."""
+    def load_dense(self, *, verify: bool = False) -> None:
+        """Read dense.bin into memory once (resident for the engine's lifetime).
+
+        Always checks that no weight is NaN/Inf (cheap: f32 tensors and tile scales); with
+        `verify`, also every tensor's crc32 and model.gguf's (one pass over bytes already in
+        memory)."""
         if self._dense_blob is not None:
             return
         dpath = self._dense_path
@@ -135,9 +173,22 @@ class PackedModel:
             blob = np.fromfile(dpath, dtype=np.uint8)
         except OSError as exc:
             raise PackError(f"{dpath}: cannot read dense weights ({exc})") from exc
-        end = max((t.offset + t.bytes for t in self._dense_index.values()), default=0)
-        if blob.size < end:
-            raise PackError(f"{dpath}: truncated ({blob.size} bytes, need {end})")
+        if blob.size != self.parsed.dense_bytes:
+            raise PackError(
+                f"{dpath}: {blob.size} bytes, the manifest says {self.parsed.dense_bytes} "
+                "(changed while loading?)"
+            )
+        if verify:
+            problems = check_dense_checksums(self.parsed, blob)
+            gguf = self.parsed.model_gguf_path.read_bytes()
+            if zlib.crc32(gguf) != self.parsed.model_gguf_crc32:
+                problems.insert(0, f"{self.parsed.model_gguf_path}: checksum mismatch")
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise ChecksumError(f"{self.path}: {problems[0]}{more}")
+        bad = nonfinite_dense(self.parsed, blob)
+        if bad:
+            raise PackError(f"{self.path}: {bad[0]}; the pack is corrupt, re-pack")
         self._dense_blob = blob
 
     def has(self, name: str) -> bool:

@@ -23,7 +23,7 @@ import estream_sched as es
 
 from .errors import BudgetTooSmallError, PackError
 from .memory import drop_file_cache
-from .packed import PackedModel, save_manifest
+from .packed import PackedModel, update_config
 
 __all__ = ["DEFAULT_CANDIDATES", "configure_for_budget", "measure_bandwidth", "profile_model"]
 
@@ -191,9 +191,8 @@ def configure_for_budget(model: PackedModel, budget: int) -> Any:
 
 
 def store_profile(model: PackedModel, profile: Any) -> None:
-    manifest = dict(model.manifest)
-    manifest["profile"] = profile.to_dict()
-    save_manifest(model.path, manifest)
+    """Store the profile in the manifest (locked read-modify-write: concurrent writers are safe)."""
+    model.manifest = update_config(model.path, "profile", profile.to_dict())
 
 
 def store_config(model: PackedModel, choice: Any, budget: int) -> dict[str, Any]:
@@ -205,9 +204,7 @@ def store_config(model: PackedModel, choice: Any, budget: int) -> dict[str, Any]
         "predicted_s": float(choice.predicted_s),
         "memory_bytes": int(choice.memory_bytes),
     }
-    manifest = dict(model.manifest)
-    manifest["config"] = cfg
-    save_manifest(model.path, manifest)
+    model.manifest = update_config(model.path, "config", cfg)
     return cfg
 
 
