@@ -252,7 +252,7 @@ class _Meta:
             raise self.fail(key, f"= {v!r} is not a number")
         f = float(v)
         if not math.isfinite(f) or (positive and f <= 0):
-            raise self.fail(key, f"= {f} must be a finite number > 0")
+            raise self.fail(key, f"= {f:.6g} must be a finite number > 0")
         return f
 
 

@@ -272,6 +272,10 @@ class Manifest:
                 f"{data.get('version')!r} is not supported (this estream-layout reads version "
                 f"{VERSION}); re-pack the model with `estream-pack SRC.gguf -o DIR --force`",
             )
+        m = _parse(r, data, root)
+        _validate(r, m)
+        # Field checks first (they name the field); the digest then catches any other edit,
+        # e.g. a permuted but valid `order`.
         integrity = r.obj(r.get(data, "integrity", "integrity"), "integrity")
         want = r.string(r.get(integrity, "sha256", "integrity.sha256"), "integrity.sha256")
         try:
@@ -283,8 +287,6 @@ class Manifest:
                 f"{root / MANIFEST_NAME}: integrity.sha256 does not match the manifest's content "
                 "(edited or corrupted); re-pack the model"
             )
-        m = _parse(r, data, root)
-        _validate(r, m)
         if check_files:
             _check_files(r, m)
         return m
@@ -364,6 +366,8 @@ def read_manifest_doc(mpath: Path) -> Any:
 def _parse(r: _Reader, data: Mapping[str, Any], root: Path) -> Manifest:
     g = r.get
     arch = r.string(g(data, "arch", "arch"), "arch")
+    if not re.fullmatch(r"[a-z0-9_]+", arch):
+        raise r.fail("arch", f"{arch!r} is not an architecture name")
     tile = r.string(g(data, "tile_format", "tile_format"), "tile_format")
     if tile != "q4_0-t32r4":
         raise r.fail("tile_format", f"{tile!r}, expected 'q4_0-t32r4'")
@@ -389,8 +393,9 @@ def _parse(r: _Reader, data: Mapping[str, Any], root: Path) -> Manifest:
         if fmt not in DENSE_FORMATS:
             raise r.fail(f + ".format", f"{fmt!r} is not one of {', '.join(DENSE_FORMATS)}")
         shape = r.ints(g(t, "shape", f + ".shape"), f + ".shape", 1, 1 << 31)
-        if not 1 <= len(shape) <= 3:
-            raise r.fail(f + ".shape", f"{list(shape)} must have 1 to 3 dimensions")
+        if not (1 if fmt == "f32" else 2) <= len(shape) <= 3:
+            raise r.fail(f + ".shape", f"{list(shape)}: a {fmt} tensor has 1 to 3 dimensions "
+                         "(2 or 3 when tiled)")  # fmt: skip
         dense[name] = DenseEntry(
             name=name,
             offset=r.integer(g(t, "offset", f + ".offset"), f + ".offset"),
@@ -553,15 +558,30 @@ def _validate(r: _Reader, m: Manifest) -> None:
         prev_end, prev = t.offset + t.bytes, t.name
     if prev_end > m.dense_bytes:
         raise r.fail("dense.bytes", f"{m.dense_bytes}, but {prev} ends at byte {prev_end}")
+    n_vocab = r.integer(spec.get("n_vocab"), "spec.n_vocab", 1, 1 << 24)
+    # Shapes every family shares (the rest differ per architecture and are checked by size).
+    fixed = {"output_norm.weight": (n_embd,)}
+    for name in m.dense:
+        if name.endswith(".ffn_gate_inp.weight"):
+            fixed[name] = (n_experts, n_embd)
+        elif name in ("token_embd.weight", "output.weight"):
+            fixed[name] = (n_vocab, n_embd)
+    for name, want in fixed.items():
+        t = m.dense.get(name)
+        if t is not None and t.shape != want:
+            f = f"dense.tensors[{name!r}].shape"
+            raise r.fail(f, f"{list(t.shape)}, expected {list(want)} from spec")
+    if m.config is not None and m.config["G"] > n_experts:
+        raise r.fail("config.G", f"{m.config['G']} exceeds n_experts = {n_experts}")
 
 
 def _check_files(r: _Reader, m: Manifest) -> None:
     """The files exist, are regular files inside the pack, and have the recorded sizes."""
     root = os.path.realpath(m.root)
-    for name, want in (
-        (MODEL_GGUF, m.model_gguf_bytes),
-        (m.dense_file, m.dense_bytes),
-        (m.experts_file, m.experts_bytes),
+    for name, want, field in (
+        (MODEL_GGUF, m.model_gguf_bytes, "model_gguf.bytes"),
+        (m.dense_file, m.dense_bytes, "dense.bytes"),
+        (m.experts_file, m.experts_bytes, "experts.bytes"),
     ):
         path = m.root / name
         real = os.path.realpath(path)
@@ -579,8 +599,8 @@ def _check_files(r: _Reader, m: Manifest) -> None:
             raise PackFormatError(f"{path}: not a regular file")
         if st.st_size != want:
             raise PackFormatError(
-                f"{path}: {st.st_size} bytes, the manifest says {want} (truncated, extended or "
-                "replaced); re-pack the model"
+                f"{path}: {st.st_size} bytes, the manifest says {want} ({field}); the file "
+                "was truncated, extended or replaced: re-pack the model"
             )
 
 

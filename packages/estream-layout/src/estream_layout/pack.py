@@ -712,7 +712,12 @@ def _place(tmp: Path, dst: Path, replacing: tuple[int, int] | None) -> None:
     try:
         if (st.st_dev, st.st_ino) != replacing:
             raise PackTargetError(f"{dst} was replaced while packing; left it alone")
-        _check_pack_dir(tmp)
+        try:  # the same inode may have been reused for a new directory
+            _check_pack_dir(tmp)
+        except PackTargetError:
+            raise PackTargetError(
+                f"{dst} was replaced while packing (it is no longer an EStream pack); left it alone"
+            ) from None
     except PackTargetError:
         with contextlib.suppress(OSError):
             _renameat2(tmp, dst, _RENAME_EXCHANGE)  # put it back
