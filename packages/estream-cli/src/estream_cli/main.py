@@ -451,8 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         _check_text_args(args)
         return int(args.func(args) or 0)
     except BrokenPipeError:
