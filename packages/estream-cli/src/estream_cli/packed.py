@@ -110,6 +110,7 @@ _SPEC_KEYS = (
     ("n_experts", "n_experts"),
     ("n_experts_used", "n_experts_used"),
     ("n_ff_exp", "n_ff_exp"),
+    ("n_vocab", "n_vocab"),
 )
 
 
