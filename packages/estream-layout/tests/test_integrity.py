@@ -297,8 +297,9 @@ def test_force_never_deletes_a_users_directory(pack: dict[str, Path], tmp_path: 
     (user / "2024").mkdir(parents=True)
     (user / "2024" / "cat.jpg").write_bytes(b"meow")
     before = _tree(user)
-    with pytest.raises(PackTargetError, match=r"not an EStream pack.*refusing"):
-        pack_model(pack["src"], user, force=True, progress=False)
+    for force in (True, False):  # without --force: no advice to use it
+        with pytest.raises(PackTargetError, match=r"not an EStream pack.*refusing"):
+            pack_model(pack["src"], user, force=force, progress=False)
     assert _tree(user) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["photos"]
 

@@ -670,9 +670,9 @@ def _check_target(dst: Path, src: Path, force: bool) -> tuple[int, int] | None:
         raise PackTargetError(
             f"{dst} exists and is not a directory; refusing to replace it: choose another -o"
         )
+    _check_pack_dir(dst)  # first: never suggest --force for something it would not replace
     if not force:
         raise PackExistsError(f"{dst} already exists; pass --force (force=True) to replace it")
-    _check_pack_dir(dst)
     return (st.st_dev, st.st_ino)
 
 
