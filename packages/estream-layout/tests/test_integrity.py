@@ -540,3 +540,26 @@ def test_pack_threads_do_not_outlive_a_failed_pack(pack: dict[str, Path], tmp_pa
     with pytest.raises(NonFiniteWeightsError):
         pack_model(bad, tmp_path / "x.estream", progress=False)
     assert threading.active_count() == before
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b"", "unreadable manifest"),
+        (b"[]", "document: expected an object"),
+        (b"null", "document: expected an object"),
+        (b"\xff\xfe\x00garbage", "unreadable manifest"),
+        (b"[" * 100000 + b"]" * 100000, "unreadable manifest"),
+        (b'{"format": "estream-pack", "version": 2}', "arch: missing"),
+        (b'{"format": "estream-pack", "version": 2.0}', "version: 2.0 is not supported"),
+        (b'{"format": "estream-pack", "version": true}', "version: True is not supported"),
+    ],
+)
+def test_garbage_manifests_are_one_clear_error(
+    pack: dict[str, Path], tmp_path: Path, content: bytes, needle: str
+) -> None:
+    root = _copy(pack, tmp_path)
+    (root / "manifest.json").write_bytes(content)
+    for check in (Manifest.from_path, verify_pack):
+        with pytest.raises(PackFormatError, match=re.escape(needle)):
+            check(root)

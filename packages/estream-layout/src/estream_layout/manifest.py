@@ -266,7 +266,8 @@ class Manifest:
         data = r.obj(data, "document")
         if data.get("format") != FORMAT:
             raise r.fail("format", f"{data.get('format')!r}, expected {FORMAT!r}")
-        if data.get("version") != VERSION:
+        version = data.get("version")
+        if type(version) is not int or version != VERSION:  # 2.0 and true are not 2
             raise r.fail(
                 "version",
                 f"{data.get('version')!r} is not supported (this estream-layout reads version "
