@@ -3,6 +3,7 @@ weights, metadata sanity, and a packer that never deletes what it did not create
 
 from __future__ import annotations
 
+import collections
 import json
 import multiprocessing
 import os
@@ -563,3 +564,47 @@ def test_garbage_manifests_are_one_clear_error(
     for check in (Manifest.from_path, verify_pack):
         with pytest.raises(PackFormatError, match=re.escape(needle)):
             check(root)
+
+
+def test_corrupted_source_gguf_bytes_give_one_clear_error_or_a_valid_pack(
+    pack: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Flip bytes all over the source's header (metadata, tensor index) and some in its data,
+    and truncate it at many points: `estream-pack` either refuses with one line (exit 2) or
+    writes a pack that verifies. Never a traceback, never a leftover temporary."""
+    from estream_layout.cli import pack_main
+
+    good = pack["src"].read_bytes()
+    header_end = read_header(pack["src"]).data_offset
+    rng = np.random.default_rng(5)
+    positions = sorted({*rng.integers(0, header_end, 120).tolist(), *range(0, 64)})
+    positions += rng.integers(header_end, len(good), 20).tolist()
+    cases = [("flip", p) for p in positions]
+    cases += [("truncate", int(n)) for n in rng.integers(0, len(good), 25)]
+    outcomes = collections.Counter()
+    for how, pos in cases:
+        src = tmp_path / "src.gguf"
+        data = bytearray(good)
+        if how == "flip":
+            data[pos] ^= 0xFF
+        else:
+            del data[pos:]
+        src.write_bytes(bytes(data))
+        dst = tmp_path / "out.estream"
+        rc = pack_main([str(src), "-o", str(dst), "--no-progress"])
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        if rc == 0:
+            assert verify_pack(dst).ok
+            shutil.rmtree(dst)
+            outcomes["packed"] += 1
+        else:
+            lines = err.strip().splitlines()
+            assert rc == 2 and len(lines) == 1 and lines[0].startswith("estream-pack: error: "), (
+                how,
+                pos,
+                err,
+            )
+            outcomes["refused"] += 1
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["src.gguf"], (how, pos)
+    assert outcomes["refused"] > 50, outcomes

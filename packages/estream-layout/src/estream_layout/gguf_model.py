@@ -173,7 +173,7 @@ def _tensor_infos(path: Path, header: GGUFHeader) -> dict[str, TensorInfo]:
             )
         if t.name in out:
             raise InvalidGGUFError(f"{path}: tensor {t.name} appears twice")
-        rows = int(np.prod(t.ne[1:], dtype=np.int64)) if len(t.ne) > 1 else 1
+        rows = math.prod(int(n) for n in t.ne[1:])  # exact: a corrupt ne must not wrap
         out[t.name] = TensorInfo(
             name=t.name,
             ggml_type=qtype.name,
