@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -217,7 +218,8 @@ def test_corrupted_files_through_every_reader(
 ) -> None:
     """Every file x {truncated, one flipped bit, swapped with another model's}: with --verify
     (streamed and — defect 5 — resident) and with `estream-pack --verify` it is an error naming
-    the file; without --verify a size change is still an error and nothing crashes."""
+    the file; without --verify a size change or any change of the small model.gguf is still an
+    error, and nothing crashes."""
     root = _copy(packs["a"], tmp_path)
     _corrupt(root, packs["b"], name, how)
     size_changed = (root / name).stat().st_size != (packs["a"] / name).stat().st_size
@@ -226,7 +228,7 @@ def test_corrupted_files_through_every_reader(
             rc, out, err = _run(
                 capsys, "prefill", str(root), "--tokens", "1,2,3", "-G", "2", "-B", "2", *argv
             )
-        if "--verify" in argv or size_changed:
+        if "--verify" in argv or size_changed or name == "model.gguf":  # its crc: every load
             line = _one_error(err)
             assert rc == 1 and name in line, (argv, line)
         else:
@@ -285,6 +287,11 @@ def test_model_gguf_of_another_model_is_refused(
     shutil.copyfile(tmp_path / "x.estream" / "model.gguf", o / "model.gguf")
     doc = json.loads((o / "manifest.json").read_text())
     doc["model_gguf"]["bytes"] = (o / "model.gguf").stat().st_size
+    (o / "manifest.json").write_text(json.dumps(reseal(doc)))
+    rc, _, err = _run(capsys, "prefill", str(o), "--tokens", "1,2")
+    assert rc == 1 and "model.gguf: checksum mismatch" in _one_error(err)
+    # even with its checksum forged too, its hyper-parameters must match the manifest's
+    doc["model_gguf"]["crc32"] = zlib.crc32((o / "model.gguf").read_bytes())
     (o / "manifest.json").write_text(json.dumps(reseal(doc)))
     rc, _, err = _run(capsys, "prefill", str(o), "--tokens", "1,2")
     assert rc == 1 and "n_layers = 3, the manifest says 2" in _one_error(err)

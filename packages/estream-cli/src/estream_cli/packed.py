@@ -121,6 +121,18 @@ class PackedModel:
         self.path = Path(path)
         self.manifest, parsed = _load_manifest(self.path)
         self.parsed = parsed
+        # model.gguf is small (metadata and tokenizer): its crc32 is checked on every load, so
+        # a flipped hyper-parameter (rms_eps, rope base, ...) never computes silently wrong.
+        try:
+            gguf_bytes = parsed.model_gguf_path.read_bytes()
+        except OSError as exc:
+            raise PackError(f"{parsed.model_gguf_path}: cannot read ({exc.strerror})") from None
+        if zlib.crc32(gguf_bytes) != parsed.model_gguf_crc32:
+            raise ChecksumError(
+                f"{parsed.model_gguf_path}: checksum mismatch; the metadata is corrupt or from "
+                "another model, re-pack"
+            )
+        del gguf_bytes
         kv = read_gguf_kv(self.path / "model.gguf")
         self.kv = kv
         try:
@@ -165,8 +177,7 @@ class PackedModel:
         """Read dense.bin into memory once (resident for the engine's lifetime).
 
         Always checks that no weight is NaN/Inf (cheap: f32 tensors and tile scales); with
-        `verify`, also every tensor's crc32 and model.gguf's (one pass over bytes already in
-        memory)."""
+        `verify`, also every tensor's crc32 (one pass over bytes already in memory)."""
         if self._dense_blob is not None:
             return
         dpath = self._dense_path
@@ -181,9 +192,6 @@ class PackedModel:
             )
         if verify:
             problems = check_dense_checksums(self.parsed, blob)
-            gguf = self.parsed.model_gguf_path.read_bytes()
-            if zlib.crc32(gguf) != self.parsed.model_gguf_crc32:
-                problems.insert(0, f"{self.parsed.model_gguf_path}: checksum mismatch")
             if problems:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 raise ChecksumError(f"{self.path}: {problems[0]}{more}")
