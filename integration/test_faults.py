@@ -557,3 +557,38 @@ def test_concurrent_config_writers_keep_the_manifest_valid(
     m = Manifest.from_path(root)
     assert m.config is not None and m.config["G"] in (1, 2, 4, 8)
     assert not [p.name for p in root.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_concurrent_estream_config_commands(packs: dict[str, Path], tmp_path: Path) -> None:
+    """Defect 2 through the command: `estream profile` and several `estream config` at once."""
+    root = _copy(packs["a"], tmp_path)
+    prof = (
+        "profile",
+        str(root),
+        "--tokens",
+        "32",
+        "--candidates",
+        "1,2,4",
+        "--queue-depths",
+        "1,2",
+    )
+    assert main(list(prof)) == 0
+    procs = [_cli("config", str(root), "--budget", b, "--json") for b in ("512MiB", "1GiB", "2GiB")]
+    procs.append(_cli(*prof))
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and b"Traceback" not in err, err
+    m = Manifest.from_path(root)
+    assert m.profile is not None and m.config is not None
+    assert m.config["budget_bytes"] in (512 << 20, 1 << 30, 2 << 30)
+    assert not [p.name for p in root.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_synth_and_pack_through_estream(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`estream synth --arch ...` lost its options to argparse's REMAINDER."""
+    g = tmp_path / "t.gguf"
+    assert main(["synth", "--arch", "olmoe", "--preset", "tiny", "-o", str(g)]) == 0
+    assert main(["pack", str(g), "-o", str(tmp_path / "t.estream"), "--no-progress"]) == 0
+    assert main(["pack", "--verify", str(tmp_path / "t.estream")]) == 0
+    assert main(["pack", str(g), "-o", str(g), "--force"]) == 2
+    assert "would replace the source" in _one_error(capsys.readouterr().err, "estream-pack")

@@ -451,6 +451,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("synth", "pack"):
+        # handed over whole: argparse's REMAINDER drops a sub-command's leading --options
+        from estream_layout import cli as lcli
+
+        return int((lcli.synth_main if argv[0] == "synth" else lcli.pack_main)(argv[1:]) or 0)
     try:
         args = build_parser().parse_args(argv)
         _check_text_args(args)
