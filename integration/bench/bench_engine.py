@@ -152,7 +152,7 @@ def prepare(preset: str, budget: int, seed: int = 0) -> tuple[Path, Path]:
     from estream_cli.config import configure_for_budget, store_config, store_profile
     from estream_cli.packed import PackedModel
     from estream_cli.profiling import profile_model
-    from estream_layout import pack_model, synth_model
+    from estream_layout import LayoutError, Manifest, pack_model, synth_model
 
     CACHE.mkdir(parents=True, exist_ok=True)
     src = CACHE / f"olmoe-{preset}-s{seed}.gguf"
@@ -162,7 +162,12 @@ def prepare(preset: str, budget: int, seed: int = 0) -> tuple[Path, Path]:
         t0 = time.perf_counter()
         synth_model("olmoe", preset, src, seed=seed)
         print(f"  {format_bytes(src.stat().st_size)} in {time.perf_counter() - t0:.1f} s")
-    if not (dst / "manifest.json").exists():
+    try:
+        Manifest.from_path(dst)  # also refuses a cached pack of an older format version
+        fresh = False
+    except LayoutError:
+        fresh = True
+    if fresh:
         print(f"packing {dst} …", flush=True)
         pack_model(src, dst, force=True, progress=True)
     model = PackedModel(dst)

@@ -95,3 +95,17 @@ def _child_gemm() -> tuple[int, bool]:
     htp.set_num_threads(2)  # and it can grow its own pool again
     y2 = htp.gemm(x, htp.pack_q4_0_t32r4(np.ones((8, 64), np.float32)), 8)
     return n1, bool(np.array_equal(y, y2))
+
+
+def test_expert_graph_del_swallows_an_interrupt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C landing while the interpreter collects an ExpertGraph at exit printed an
+    "Exception ignored in __del__ ... KeyboardInterrupt" traceback (issue 12)."""
+    g = htp.ExpertGraph(32, 32, 8, 8)
+    real_close = g.close
+
+    def interrupted() -> None:
+        real_close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(g, "close", interrupted)
+    g.__del__()  # must not raise

@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import pytest
 
-from estream_layout import ARCHES, ModelSpec, dequantize_tensor, synth_model
+from estream_layout import ARCHES, InvalidGGUFError, ModelSpec, dequantize_tensor, synth_model
 from estream_layout.synth import generate_bpe_vocab
 
 
@@ -87,10 +87,10 @@ def test_vocab_copied_from_file(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert r.fields["tokenizer.ggml.bos_token_id"].contents() == 3
     spec = ModelSpec.from_gguf(p)
     assert spec.n_vocab == 42 and spec.tensors["token_embd.weight"].shape == (42, 64)
-    # a vocab path that does not exist falls back to a generated vocabulary
-    p2 = synth_model("mixtral", "tiny", tmp_path / "m2.gguf", vocab=tmp_path / "missing.gguf")
-    assert ModelSpec.from_gguf(p2).n_vocab == 301
-    assert "not found" in capsys.readouterr().err
+    # a vocabulary asked for by name that does not exist is an error, not a silent substitute
+    with pytest.raises(InvalidGGUFError, match=r"missing\.gguf: no such file"):
+        synth_model("mixtral", "tiny", tmp_path / "m2.gguf", vocab=tmp_path / "missing.gguf")
+    assert not (tmp_path / "m2.gguf").exists()
 
 
 def test_overrides_and_types(tmp_path: Path) -> None:

@@ -158,8 +158,14 @@ class GroupLoader:
                 t = threading.Thread(
                     target=self._worker, name=f"estream-arena-loader-{i}", daemon=True
                 )
-                self._threads.append(t)
-                t.start()
+                try:
+                    t.start()
+                except RuntimeError as e:  # "can't start new thread": say so, not a join error
+                    raise ArenaError(
+                        f"cannot start loader thread {i + 1} of {self.queue_depth} ({e}); "
+                        "lower the queue depth or raise the process's thread limit"
+                    ) from None
+                self._threads.append(t)  # only started threads are joined by close()
         except BaseException:
             self.close()
             raise

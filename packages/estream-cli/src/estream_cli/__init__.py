@@ -10,6 +10,7 @@ from .errors import (
     BadRequestError,
     BudgetTooSmallError,
     EStreamError,
+    NonFiniteError,
     PackError,
     UnsupportedModelError,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "BudgetTooSmallError",
     "EStreamError",
     "Engine",
+    "NonFiniteError",
     "PackError",
     "PrefillResult",
     "StreamConfig",

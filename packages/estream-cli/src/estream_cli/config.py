@@ -15,7 +15,7 @@ import attrs
 import estream_sched as es
 
 from .errors import BadRequestError, BudgetTooSmallError, PackError
-from .packed import PackedModel, save_manifest
+from .packed import PackedModel, update_config
 
 __all__ = [
     "StreamConfig",
@@ -90,9 +90,8 @@ def configure_for_budget(model: PackedModel, budget: int) -> es.Choice:
 
 
 def store_profile(model: PackedModel, profile: es.Profile) -> None:
-    manifest = dict(model.manifest)
-    manifest["profile"] = profile.to_dict()
-    save_manifest(model.path, manifest)
+    """Store the profile in the manifest (locked read-modify-write: concurrent writers are safe)."""
+    model.manifest = update_config(model.path, "profile", profile.to_dict())
 
 
 def store_config(model: PackedModel, choice: es.Choice, budget: int) -> dict[str, Any]:
@@ -104,7 +103,5 @@ def store_config(model: PackedModel, choice: es.Choice, budget: int) -> dict[str
         "predicted_s": float(choice.predicted_s),
         "memory_bytes": int(choice.memory_bytes),
     }
-    manifest = dict(model.manifest)
-    manifest["config"] = cfg
-    save_manifest(model.path, manifest)
+    model.manifest = update_config(model.path, "config", cfg)
     return cfg

@@ -26,7 +26,7 @@ import estream_sched as es
 
 from . import memory
 from .config import StreamConfig, resolve_config
-from .errors import BadRequestError
+from .errors import BadRequestError, NonFiniteError
 from .experts import SCHEDULES, ExpertSource, GroupRecord, ResidentExperts, StreamedExperts
 from .metrics import build_events, run_metrics
 from .models import architecture
@@ -120,6 +120,7 @@ class Engine:
             raise BadRequestError(
                 f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}"
             )
+        _check_counts(G=G, Q=Q, B=B, n_threads=n_threads)
         t0 = time.perf_counter()
         self._closed = False
         self._mem0 = memory.mem_available()
@@ -131,7 +132,7 @@ class Engine:
         self.config = resolve_config(self.model, mode, self.budget, G, Q, B)
         self.arch = architecture(self.hp)
         htp.set_num_threads(int(n_threads or DEFAULT_THREADS))
-        self.model.load_dense()
+        self.model.load_dense(verify=verify)
         self.weights = self.arch.bind(self.model)
         hp = self.hp
         self._capacity = 4096
@@ -139,7 +140,7 @@ class Engine:
         try:
             self.experts: ExpertSource
             if self.config is None:
-                self.experts = ResidentExperts(self.model, self.graph)
+                self.experts = ResidentExperts(self.model, self.graph, verify=verify)
             else:
                 c = self.config
                 self.experts = StreamedExperts(
@@ -239,7 +240,18 @@ class Engine:
             metrics=res.metrics,
         )
 
-    def _forward(
+    def _forward(self, *args: Any, **kwargs: Any) -> PrefillResult:
+        """One request; if it fails half-way (read/checksum error, Ctrl-C, ...) the expert
+        source is reset so that no layer stays open and no read or thread is left behind: the
+        next request on this engine works."""
+        try:
+            return self._forward_pass(*args, **kwargs)
+        except BaseException:
+            if not self._closed:
+                self.experts.recover()
+            raise
+
+    def _forward_pass(
         self,
         ids: np.ndarray,
         pos: np.ndarray,
@@ -280,6 +292,7 @@ class Engine:
             print("\r" + " " * 24 + "\r", end="", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         head = self.weights.head
+        _check_finite(x)
         hn = ops.rms_norm(np.ascontiguousarray(x if rows is None else x[rows]), head.norm)
         out = ops.output(head, hn)
         hidden = None
@@ -367,6 +380,27 @@ def _non_expert_spans(
         start = p1
     out.append(("non-expert", layer, start, t1))
     return out
+
+
+def _check_counts(**counts: Any) -> None:
+    """G, Q, B and the thread count are positive integers when given (never silently a
+    default: 0 is an error, and so is 2.5)."""
+    for name, v in counts.items():
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
+            raise BadRequestError(f"{name} must be a positive integer, got {v!r}")
+
+
+def _check_finite(x: np.ndarray) -> None:
+    """The residual stream after the last layer must be finite. NaN/Inf anywhere upstream stays
+    in it (the residual only adds), while int8 activations would turn it into finite garbage
+    logits: check once here (O(T·d), cheap) and fail instead of answering wrongly."""
+    if not np.isfinite(x).all():
+        raise NonFiniteError(
+            "the forward pass produced NaN or infinite activations; the model's weights are "
+            "corrupt or overflow in this model (try `estream-pack --verify`)"
+        )
 
 
 def load(path: str | Path, **kwargs: Any) -> Engine:

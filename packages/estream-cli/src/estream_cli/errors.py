@@ -6,6 +6,7 @@ __all__ = [
     "BadRequestError",
     "BudgetTooSmallError",
     "EStreamError",
+    "NonFiniteError",
     "PackError",
     "UnsupportedModelError",
 ]
@@ -23,6 +24,10 @@ class PackError(EStreamError):
 
 class UnsupportedModelError(EStreamError):
     """The model's architecture has no engine graph."""
+
+
+class NonFiniteError(EStreamError):
+    """A forward pass produced NaN or infinite activations (corrupt weights or overflow)."""
 
 
 class BadRequestError(EStreamError):

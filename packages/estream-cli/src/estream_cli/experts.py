@@ -19,7 +19,10 @@ import numpy as np
 
 import estream_arena as ea
 import estream_htp as htp
+from estream_layout import ChecksumError
+from estream_layout.verify import check_record_checksums
 
+from .errors import PackError
 from .packed import ExpertLayer, PackedModel
 
 __all__ = [
@@ -85,6 +88,11 @@ class ExpertSource(Protocol):
         """Start a request: forget the previous request's records and reads."""
         ...
 
+    def recover(self) -> None:
+        """After a request failed half-way: close whatever it left open (layer, reads, threads)
+        so that the next request starts clean."""
+        ...
+
     def begin_layer(self, layer: ExpertLayer) -> None: ...
 
     def run_layer(
@@ -101,11 +109,21 @@ class ExpertSource(Protocol):
 class ResidentExperts:
     """All experts read into memory once: the I/O-free reference point (same kernels)."""
 
-    def __init__(self, model: PackedModel, graph: htp.ExpertGraph) -> None:
+    def __init__(self, model: PackedModel, graph: htp.ExpertGraph, *, verify: bool = False) -> None:
         self.model = model
         self.graph = graph
         self.records: list[GroupRecord] = []
         self.pool = np.fromfile(model.experts_path, dtype=np.uint8)
+        if self.pool.size != model.parsed.experts_bytes:  # the manifest was checked against the
+            raise PackError(  # file a moment ago: it changed since
+                f"{model.experts_path}: {self.pool.size} bytes, the manifest says "
+                f"{model.parsed.experts_bytes} (changed while loading?)"
+            )
+        if verify:  # the same crc32 per record the streamed loader checks with verify
+            problems = check_record_checksums(model.parsed, self.pool)
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise ChecksumError(f"{model.path}: {problems[0]}{more}")
         self._base = self.pool.ctypes.data
 
     @property
@@ -121,6 +139,9 @@ class ResidentExperts:
 
     def reset(self) -> None:
         self.records.clear()
+
+    def recover(self) -> None:
+        self.records.clear()  # nothing is open for memory-resident experts
 
     def begin_layer(self, layer: ExpertLayer) -> None:
         pass
@@ -170,18 +191,36 @@ class StreamedExperts:
         self.G, self.Q, self.B = int(group_size), int(queue_depth), int(n_banks)
         self.schedule = schedule
         self.on_group = on_group
-        layout = ea.RecordLayout(record_bytes=model.record_bytes, planes=model.plane_extents)
+        self._direct, self._verify = direct, verify
+        self._strides = tuple(size for _, size in model.plane_extents)
+        self._open()
+
+    def _open(self) -> None:
+        layout = ea.RecordLayout(
+            record_bytes=self.model.record_bytes, planes=self.model.plane_extents
+        )
         self.arena = ea.Arena(layout, n_banks=self.B, group_size=self.G)
         try:
             self.loader = ea.GroupLoader(
-                self.arena, model.experts_path, self.Q, direct=direct, verify=verify
+                self.arena,
+                self.model.experts_path,
+                self.Q,
+                direct=self._direct,
+                verify=self._verify,
             )
         except BaseException:
             self.arena.close()
             raise
         self._planes = tuple(self.arena.plane_address(j) for j in range(3))
-        self._strides = tuple(size for _, size in model.plane_extents)
         self._layer: ExpertLayer | None = None
+
+    def recover(self) -> None:
+        """After a request failed half-way (a read or checksum error, Ctrl-C): stop its reads,
+        join the loader's threads, and start again with a fresh loader and arena, so the next
+        request finds no layer open and nothing leaked."""
+        self.records.clear()
+        self.close()
+        self._open()
 
     @property
     def memory_bytes(self) -> int:

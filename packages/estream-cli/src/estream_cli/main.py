@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -14,7 +15,7 @@ import numpy as np
 
 from . import memory
 from .errors import BadRequestError, EStreamError
-from .options import add_engine_opts, engine_from_args
+from .options import add_engine_opts, engine_from_args, positive_int
 from .report import print_metrics, public_metrics, write_trace
 
 __all__ = ["main"]
@@ -29,14 +30,35 @@ def _log(msg: str) -> None:
 
 
 # -- token input ------------------------------------------------------------------------------
-def _parse_ids(text: str) -> list[int]:
+def _parse_ids(text: str, option: str = "--tokens") -> list[int]:
     parts = [p for p in text.replace(",", " ").split() if p]
     try:
         return [int(p) for p in parts]
     except ValueError:
         raise BadRequestError(
-            f"--tokens takes comma-separated integer ids, got {text[:40]!r}"
+            f"{option} takes comma-separated integer ids, got {text[:40]!r}"
         ) from None
+
+
+# Options whose value is text for the tokenizer (not a path): must be valid UTF-8.
+_TEXT_OPTIONS = ("prompt", "text", "labels", "context", "choice", "query", "tokens", "ids")
+
+
+def _check_text_args(args: argparse.Namespace) -> None:
+    """Arguments reach Python with undecodable bytes smuggled in as lone surrogates; text
+    that is not UTF-8 must be an error, not tokenized as garbage."""
+    for name in _TEXT_OPTIONS:
+        values = getattr(args, name, None)
+        for v in values if isinstance(values, list) else [values]:
+            if not isinstance(v, str):
+                continue
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                opt = name if name in ("text", "ids") else "--" + name.replace("_", "-")
+                raise BadRequestError(
+                    f"{opt} is not valid UTF-8 text (undecodable byte at position {exc.start})"
+                ) from None
 
 
 def _tokenizer(model: str | Path) -> Any:
@@ -54,9 +76,14 @@ def _tokens_from_args(args: argparse.Namespace) -> tuple[list[int], Any]:
         text = args.prompt
     elif getattr(args, "prompt_file", None):
         try:
-            text = Path(args.prompt_file).read_text()
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
         except OSError as exc:
             raise BadRequestError(f"cannot read prompt file {args.prompt_file}: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise BadRequestError(
+                f"prompt file {args.prompt_file} is not UTF-8 text ({exc.reason} at byte "
+                f"{exc.start})"
+            ) from None
     if text is None:
         raise BadRequestError("give the prompt as --tokens 1,2,3, --prompt TEXT or --prompt-file F")
     tok = _tokenizer(args.model)
@@ -236,7 +263,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 def cmd_detokenize(args: argparse.Namespace) -> int:
     tok = _tokenizer(args.model)
-    ids = _parse_ids(args.ids)
+    ids = _parse_ids(args.ids, "the ids argument")
     bad = [i for i in ids if not 0 <= i < tok.n_vocab]
     if bad:
         raise BadRequestError(f"token id {bad[0]} is out of the vocabulary (0..{tok.n_vocab - 1})")
@@ -263,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("--candidates", default="1,2,4,8,16", help="group sizes g to profile")
     p.add_argument("--queue-depths", default="1,2,4,8", help="queue depths q for BW(g, q)")
-    p.add_argument("--tokens", type=int, default=256, help="calibration prompt length")
+    p.add_argument("--tokens", type=positive_int, default=256, help="calibration prompt length")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("config", help="choose (G, Q, B) for a memory budget from the profile")
@@ -279,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--tokens", help="comma-separated token ids")
     src.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
     src.add_argument("--prompt-file", help="file with the prompt text")
-    p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--top-k", type=positive_int, default=5)
     p.add_argument("--all-logits", metavar="OUT.npy", help="save float32 logits [T, n_vocab]")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace-event timeline")
@@ -293,8 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cold", action="store_true", help="drop the page cache before each run")
     p.add_argument("--json", action="store_true")
     p.add_argument("--budget", help="memory budget for stream mode (needs a stored profile)")
-    p.add_argument("--threads", type=int)
-    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--threads", type=positive_int)
+    p.add_argument("--repeat", type=positive_int, default=1)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="the main job: synth → pack → profile → config → prefill")
@@ -303,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset", default="demo", help="demo (default: ≈ 230 MiB of experts), tiny, small, …"
     )
     p.add_argument("--dir", help="work directory (default: a temporary one, removed at the end)")
-    p.add_argument("--tokens", type=int, default=256, help="prompt length")
+    p.add_argument("--tokens", type=positive_int, default=256, help="prompt length")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("tokenize", help="text → token ids with the model's own tokenizer")
@@ -328,9 +355,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("synth", "pack"):
+        # handed over whole: argparse's REMAINDER drops a sub-command's leading --options
+        from estream_layout import cli as lcli
+
+        return int((lcli.synth_main if argv[0] == "synth" else lcli.pack_main)(argv[1:]) or 0)
     try:
+        args = build_parser().parse_args(argv)
+        _check_text_args(args)
         return int(args.func(args) or 0)
+    except BrokenPipeError:
+        # `estream ... | head`: the reader left; stop quietly (no traceback, nothing on
+        # stderr). Point stdout at /dev/null so the interpreter's final flush does not fail.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command killed by SIGPIPE
     except EStreamError as exc:
         _err(str(exc))
         return exc.exit_code

@@ -7,7 +7,18 @@ import argparse
 from .engine import ACTS, MODES, Engine, load
 from .experts import SCHEDULES
 
-__all__ = ["add_engine_opts", "engine_from_args"]
+__all__ = ["add_engine_opts", "engine_from_args", "positive_int"]
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (0 never silently means "the default")."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
 
 
 def add_engine_opts(p: argparse.ArgumentParser) -> None:
@@ -16,10 +27,10 @@ def add_engine_opts(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--schedule", choices=SCHEDULES, default="early", help="when reads start")
     p.add_argument("--budget", help="memory budget, e.g. 1.5GiB (needs a stored profile)")
-    p.add_argument("-G", type=int, help="group size (overrides the configuration)")
-    p.add_argument("-Q", type=int, help="reads in flight")
-    p.add_argument("-B", type=int, help="banks in the arena")
-    p.add_argument("--threads", type=int, help="compute threads (default: all cores, ≤ 8)")
+    p.add_argument("-G", type=positive_int, help="group size (overrides the configuration)")
+    p.add_argument("-Q", type=positive_int, help="reads in flight")
+    p.add_argument("-B", type=positive_int, help="banks in the arena")
+    p.add_argument("--threads", type=positive_int, help="compute threads (default: all cores, ≤ 8)")
     p.add_argument("--verify", action="store_true", help="check each record's checksum as it loads")
     p.add_argument(
         "--act",

@@ -7,16 +7,17 @@ read whole into memory (resident mode).
 
 from __future__ import annotations
 
-import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
-from estream_layout import LayoutError, Manifest, ModelSpec
-from estream_layout.manifest import write_json_atomic
+from estream_layout import ChecksumError, LayoutError, Manifest, ModelSpec, update_manifest
+from estream_layout.manifest import read_manifest_doc
+from estream_layout.verify import check_dense_checksums, nonfinite_dense
 
 from .errors import PackError
 
@@ -77,20 +78,74 @@ def _load_manifest(path: Path) -> tuple[dict[str, Any], Manifest]:
             f"{path}: manifest.json is missing — the pack did not finish; pack the model again"
         )
     try:
-        doc = json.loads(mpath.read_text())
+        # estream-layout's validator, the same one `estream-pack --verify` runs
+        doc = read_manifest_doc(mpath)
         parsed = Manifest.from_dict(doc, path)
-    except (OSError, ValueError) as exc:
-        raise PackError(f"{mpath}: unreadable manifest ({exc})") from exc
+    except ChecksumError:
+        raise
     except LayoutError as exc:
-        raise PackError(f"{mpath}: {exc}") from exc
-    if parsed.tile_format != "q4_0-t32r4":
-        raise PackError(f"{mpath}: unsupported tile format {parsed.tile_format!r}")
+        raise PackError(str(exc)) from None
     return doc, parsed
 
 
 def save_manifest(path: str | os.PathLike[str], manifest: dict[str, Any]) -> None:
-    """Atomically replace manifest.json (temporary file + fsync + rename)."""
-    write_json_atomic(Path(path) / "manifest.json", manifest)
+    """Replace `config` and `profile` of manifest.json with those of `manifest`, under the
+    manifest lock (read-modify-write: a concurrent writer's other changes are kept)."""
+
+    def change(doc: dict[str, Any]) -> None:
+        for key in ("config", "profile"):
+            if key in manifest:
+                doc[key] = manifest[key]
+
+    try:
+        update_manifest(path, change)
+    except LayoutError as exc:
+        raise PackError(str(exc)) from None
+
+
+def update_config(path: str | os.PathLike[str], key: str, value: Any) -> dict[str, Any]:
+    """Set `config` or `profile` of a pack's manifest (locked read-modify-write, atomic)."""
+    if key not in ("config", "profile"):
+        raise ValueError(f"only config and profile may change after packing, not {key!r}")
+    try:
+        return update_manifest(path, lambda doc: doc.__setitem__(key, value))
+    except LayoutError as exc:
+        raise PackError(str(exc)) from None
+
+
+# Spec fields that model.gguf (crc32-checked) states directly: a manifest whose spec disagrees
+# with its own model.gguf is refused even if its digest was rewritten to match.
+_GGUF_SPEC_KEYS = (
+    ("n_layers", "{arch}.block_count"),
+    ("n_embd", "{arch}.embedding_length"),
+    ("n_head", "{arch}.attention.head_count"),
+    ("n_head_kv", "{arch}.attention.head_count_kv"),
+    ("n_experts", "{arch}.expert_count"),
+    ("n_experts_used", "{arch}.expert_used_count"),
+    ("rms_eps", "{arch}.attention.layer_norm_rms_epsilon"),
+    ("rope_freq_base", "{arch}.rope.freq_base"),
+    ("rope_dims", "{arch}.rope.dimension_count"),
+    ("n_ctx", "{arch}.context_length"),
+)
+
+
+def _check_spec_against_gguf(spec: ModelSpec, kv: dict[str, Any], path: Path) -> None:
+    for field, key in _GGUF_SPEC_KEYS:
+        raw = kv.get(key.format(arch=spec.arch))
+        if raw is None:
+            continue
+        have = getattr(spec, field)
+        if isinstance(have, tuple):
+            want = tuple(int(x) for x in raw) if isinstance(raw, list | tuple) else (int(raw),)
+            if len(want) == 1:
+                want = want * len(have)
+        else:
+            want = type(have)(raw[0] if isinstance(raw, list | tuple) else raw)
+        if have != want:
+            raise PackError(
+                f"{path / 'manifest.json'}: spec.{field} = {have!r}, but model.gguf says "
+                f"{want!r}: the manifest and model.gguf disagree; re-pack"
+            )
 
 
 class PackedModel:
@@ -102,21 +157,27 @@ class PackedModel:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.manifest, parsed = _load_manifest(self.path)
+        self.parsed = parsed
+        # model.gguf is small (metadata and tokenizer): its crc32 is checked on every load, so
+        # a flipped hyper-parameter (rms_eps, rope base, ...) never computes silently wrong.
+        try:
+            gguf_bytes = parsed.model_gguf_path.read_bytes()
+        except OSError as exc:
+            raise PackError(f"{parsed.model_gguf_path}: cannot read ({exc.strerror})") from None
+        if zlib.crc32(gguf_bytes) != parsed.model_gguf_crc32:
+            raise ChecksumError(
+                f"{parsed.model_gguf_path}: checksum mismatch; the metadata is corrupt or from "
+                "another model, re-pack"
+            )
+        del gguf_bytes
         try:
             self.hparams: ModelSpec = ModelSpec.from_dict(parsed.spec)
         except LayoutError as exc:
             raise PackError(f"{self.path / 'manifest.json'}: {exc}") from None
+        _check_spec_against_gguf(self.hparams, read_gguf_kv(parsed.model_gguf_path), self.path)
         if self.hparams.n_ctx <= 0:
             raise PackError(f"{self.path}: the model has no context length (context_length)")
         self.experts_path = parsed.experts_path
-        if not self.experts_path.is_file():
-            raise PackError(f"{self.experts_path}: missing expert pool file")
-        have = self.experts_path.stat().st_size
-        if have != parsed.experts_bytes:
-            raise PackError(
-                f"{self.experts_path}: {have} bytes, manifest says {parsed.experts_bytes}: "
-                "the pack is corrupt"
-            )
         self.layers: dict[int, ExpertLayer] = {}
         for rec in parsed.layers:
             order = np.asarray(rec.order, dtype=np.int32)
@@ -143,8 +204,11 @@ class PackedModel:
         self._dense_blob: np.ndarray | None = None
 
     # -- dense weights ---------------------------------------------------------------------
-    def load_dense(self) -> None:
-        """Read dense.bin into memory once (resident for the engine's lifetime)."""
+    def load_dense(self, *, verify: bool = False) -> None:
+        """Read dense.bin into memory once (resident for the engine's lifetime).
+
+        Always checks that no weight is NaN/Inf (cheap: f32 tensors and tile scales); with
+        `verify`, also every tensor's crc32 (one pass over bytes already in memory)."""
         if self._dense_blob is not None:
             return
         dpath = self._dense_path
@@ -152,9 +216,19 @@ class PackedModel:
             blob = np.fromfile(dpath, dtype=np.uint8)
         except OSError as exc:
             raise PackError(f"{dpath}: cannot read dense weights ({exc})") from exc
-        end = max((t.offset + t.bytes for t in self._dense_index.values()), default=0)
-        if blob.size < end:
-            raise PackError(f"{dpath}: truncated ({blob.size} bytes, need {end})")
+        if blob.size != self.parsed.dense_bytes:
+            raise PackError(
+                f"{dpath}: {blob.size} bytes, the manifest says {self.parsed.dense_bytes} "
+                "(changed while loading?)"
+            )
+        if verify:
+            problems = check_dense_checksums(self.parsed, blob)
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise ChecksumError(f"{self.path}: {problems[0]}{more}")
+        bad = nonfinite_dense(self.parsed, blob)
+        if bad:
+            raise PackError(f"{self.path}: {bad[0]}; the pack is corrupt, re-pack")
         self._dense_blob = blob
 
     def has(self, name: str) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 from . import tasks
-from .errors import BadRequestError
+from .errors import BadRequestError, EStreamError
 from .options import add_engine_opts, engine_from_args
 
 __all__ = ["add_task_commands", "read_docs_file", "read_jsonl", "read_lines_file"]
@@ -267,7 +267,8 @@ def _run(args: argparse.Namespace, task: _Task) -> int:
     """Check every request, load the model once, answer each request in order.
 
     In a batch, a request the model cannot answer (e.g. longer than the context) gets a result
-    line ``{"id": …, "error": "…"}`` and the others go on; the exit code is then 2."""
+    line ``{"id": …, "error": "…"}`` and the others go on; the exit code is then 2 (1 when a
+    request failed for another reason than its content: a read or checksum error, NaN, ...)."""
     from .tokenizer import Tokenizer
 
     t0 = time.perf_counter()
@@ -276,17 +277,20 @@ def _run(args: argparse.Namespace, task: _Task) -> int:
     tok = Tokenizer.from_gguf(args.model)
     template = tasks.chat_template(args.model, tok) if args.template else None
     show = batch and sys.stderr.isatty()
-    failed = 0
+    failed = broken = 0
     with engine_from_args(args, progress=not (batch or args.json)) as engine:
         t1 = time.perf_counter()
         for i, (key, where, req) in enumerate(reqs):
             try:
                 res = task.run(engine, tok, template=template, **req)
-            except BadRequestError as exc:
-                if not batch:
+            except Exception as exc:  # one request's failure must not take the batch down:
+                if not batch:  # the engine resets itself after a failed request
                     raise
                 failed += 1
-                print(json.dumps({**key, "error": f"{where}: {exc}"}), flush=True)
+                if not isinstance(exc, BadRequestError):
+                    broken += 1
+                msg = str(exc) if isinstance(exc, EStreamError) else f"{type(exc).__name__}: {exc}"
+                print(json.dumps({**key, "error": f"{where}: {msg}"}), flush=True)
             else:
                 if batch:
                     print(json.dumps({**key, **res.to_dict()}), flush=True)
@@ -306,7 +310,7 @@ def _run(args: argparse.Namespace, task: _Task) -> int:
             f"({len(reqs) / max(dt, 1e-9):.1f}/s; load {t1 - t0:.2f} s){fails}",
             file=sys.stderr,
         )
-    return 2 if failed else 0
+    return 1 if broken else 2 if failed else 0
 
 
 def _run_classify(engine: Any, tok: Any, **kw: Any) -> Any:

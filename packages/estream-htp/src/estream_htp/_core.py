@@ -3,6 +3,7 @@ turns status codes into exceptions."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Sequence
@@ -285,7 +286,10 @@ class ExpertGraph:
         self.close()
 
     def __del__(self) -> None:
-        self.close()
+        # A Ctrl-C landing while the interpreter collects the graph at exit must not print an
+        # "Exception ignored in __del__" traceback; the memory is freed either way.
+        with contextlib.suppress(BaseException):
+            self.close()
 
     def run(
         self,

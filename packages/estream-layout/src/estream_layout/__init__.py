@@ -6,10 +6,13 @@ from .errors import (
     ChecksumError,
     DenseModelError,
     InvalidGGUFError,
+    InvalidMetadataError,
     LayoutError,
+    NonFiniteWeightsError,
     NotGGUFError,
     PackExistsError,
     PackFormatError,
+    PackTargetError,
     ProfileError,
     TruncatedGGUFError,
     UnalignedReductionError,
@@ -24,7 +27,14 @@ from .gguf_model import (
     dequantize_tensor,
     tensor_memmap,
 )
-from .manifest import DenseEntry, LayerEntry, Manifest, ProjectionEntry
+from .manifest import (
+    DenseEntry,
+    LayerEntry,
+    Manifest,
+    ProjectionEntry,
+    manifest_lock,
+    update_manifest,
+)
 from .pack import dense_format, load_routing_profile, pack_model, storage_order
 from .synth import ARCHES, PRESETS, SynthDims, synth_dims, synth_model
 from .tiles import (
@@ -36,7 +46,7 @@ from .tiles import (
     tile_nbytes,
     unpack_tiles,
 )
-from .verify import VerifyReport, inspect_pack, verify_pack
+from .verify import VerifyReport, inspect_pack, verify_checksums, verify_pack
 
 __version__ = "0.1.0"
 
@@ -48,13 +58,16 @@ __all__ = [
     "DenseEntry",
     "DenseModelError",
     "InvalidGGUFError",
+    "InvalidMetadataError",
     "LayerEntry",
     "LayoutError",
     "Manifest",
     "ModelSpec",
+    "NonFiniteWeightsError",
     "NotGGUFError",
     "PackExistsError",
     "PackFormatError",
+    "PackTargetError",
     "ProfileError",
     "ProjectionEntry",
     "SynthDims",
@@ -72,6 +85,7 @@ __all__ = [
     "dequantize_tiles",
     "inspect_pack",
     "load_routing_profile",
+    "manifest_lock",
     "pack_model",
     "pack_tiles",
     "quantize_q4_0",
@@ -82,5 +96,7 @@ __all__ = [
     "tensor_memmap",
     "tile_nbytes",
     "unpack_tiles",
+    "update_manifest",
+    "verify_checksums",
     "verify_pack",
 ]

@@ -7,9 +7,12 @@ stderr and exit status 2 (1 when a verification finds problems); never a traceba
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 from .errors import LayoutError
 from .synth import ARCHES, PRESETS
@@ -23,6 +26,24 @@ EXIT_ERROR = 2
 def _fail(prog: str, msg: str) -> int:
     sys.stderr.write(f"{prog}: error: {msg}\n")
     return EXIT_ERROR
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt while packing (main thread only), so the temporary
+    directory is removed instead of being left behind by a default-action termination."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def pack_main(argv: Sequence[str] | None = None) -> int:
@@ -70,13 +91,14 @@ def pack_main(argv: Sequence[str] | None = None) -> int:
             )
         from .pack import pack_model
 
-        m = pack_model(
-            args.src,
-            args.output,
-            order=args.order_profile,
-            force=args.force,
-            progress=not args.no_progress,
-        )
+        with _terminate_as_interrupt():  # `kill` cleans up the temporary pack like Ctrl-C
+            m = pack_model(
+                args.src,
+                args.output,
+                order=args.order_profile,
+                force=args.force,
+                progress=not args.no_progress,
+            )
         print(
             f"packed {args.src} -> {m.root} ({len(m.layers)} MoE layers, "
             f"{m.experts_bytes / 2**20:,.1f} MiB of experts)"

@@ -6,10 +6,13 @@ __all__ = [
     "ChecksumError",
     "DenseModelError",
     "InvalidGGUFError",
+    "InvalidMetadataError",
     "LayoutError",
+    "NonFiniteWeightsError",
     "NotGGUFError",
     "PackExistsError",
     "PackFormatError",
+    "PackTargetError",
     "ProfileError",
     "TruncatedGGUFError",
     "UnalignedReductionError",
@@ -64,3 +67,16 @@ class ChecksumError(PackFormatError):
 
 class ProfileError(LayoutError):
     """A routing-profile JSON file does not have the documented shape."""
+
+
+class PackTargetError(LayoutError):
+    """The output path is not something estream-pack may replace (a user's folder or file, the
+    source model, a symbolic link), or it changed while packing."""
+
+
+class NonFiniteWeightsError(LayoutError):
+    """The source model has NaN or infinite weights: it is corrupt and must not be packed."""
+
+
+class InvalidMetadataError(InvalidGGUFError):
+    """A GGUF metadata value is missing, of the wrong type or nonsensical (named in the message)."""

@@ -8,6 +8,7 @@ generated from the same tables as llama.cpp's `llama-arch.cpp`). Shapes here are
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from .errors import (
     DenseModelError,
     InvalidGGUFError,
+    InvalidMetadataError,
     NotGGUFError,
     PackFormatError,
     TruncatedGGUFError,
@@ -103,6 +105,12 @@ def expert_tensor_name(layer: int, projection: str) -> str:
     return f"blk.{layer}.ffn_{projection}_exps.weight"
 
 
+def _layer_index(name: str) -> int | None:
+    """`blk.3.attn_q.weight` -> 3; None for a tensor outside the blocks."""
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() else None
+
+
 def parse_expert_tensor_name(name: str) -> tuple[int, str] | None:
     """`blk.3.ffn_up_exps.weight` -> (3, "up"); None for any other tensor."""
     m = _EXPERT_RE.match(name)
@@ -178,7 +186,14 @@ def _tensor_infos(path: Path, header: GGUFHeader) -> dict[str, TensorInfo]:
             raise InvalidGGUFError(
                 f"{path}: tensor {t.name} has unknown GGML type {t.ggml_type}"
             ) from None
-        rows = int(np.prod(t.ne[1:], dtype=np.int64)) if len(t.ne) > 1 else 1
+        if not t.ne or any(int(n) < 1 for n in t.ne) or t.ne[0] % block:
+            raise InvalidGGUFError(
+                f"{path}: tensor {t.name} has shape ne={list(t.ne)}, impossible for "
+                f"{qtype.name} (blocks of {block})"
+            )
+        if t.name in out:
+            raise InvalidGGUFError(f"{path}: tensor {t.name} appears twice")
+        rows = math.prod(int(n) for n in t.ne[1:])  # exact: a corrupt ne must not wrap
         out[t.name] = TensorInfo(
             name=t.name,
             ggml_type=qtype.name,
@@ -187,6 +202,18 @@ def _tensor_infos(path: Path, header: GGUFHeader) -> dict[str, TensorInfo]:
             nbytes=rows * (t.ne[0] // block) * size if t.ne else 0,
         )
     size = path.stat().st_size
+    prev: TensorInfo | None = None
+    for info in sorted(out.values(), key=lambda i: i.offset):
+        if info.offset < header.data_offset:
+            raise InvalidGGUFError(
+                f"{path}: tensor {info.name} starts at byte {info.offset}, inside the header"
+            )
+        if prev is not None and info.offset < prev.offset + prev.nbytes:
+            raise InvalidGGUFError(
+                f"{path}: the data of tensors {prev.name} and {info.name} overlap; the file is "
+                "corrupt"
+            )
+        prev = info
     end = max((i.offset + i.nbytes for i in out.values()), default=0)
     if end > size:
         raise TruncatedGGUFError(
@@ -225,6 +252,37 @@ def _gating(path: Path, family: str, value: Any) -> str:
     return func
 
 
+def _check_spec_ranges(kw: Mapping[str, Any]) -> None:
+    """A spec read back from a manifest must describe a model the engine can run: positive
+    sizes, one entry per layer, layer indices inside the model (else an IndexError or a
+    division by zero deep in the forward pass instead of an error naming the field)."""
+
+    def bad(name: str, why: str) -> PackFormatError:
+        return PackFormatError(f"model spec field {name!r}: {kw[name]!r} {why}")
+
+    for name in ("n_layers", "n_embd", "n_head", "head_dim_k", "head_dim_v", "n_vocab"):
+        if kw[name] < 1:
+            raise bad(name, "must be >= 1")
+    for name in ("n_experts", "n_ff_exp", "rope_dims"):
+        if kw[name] < 1:
+            raise bad(name, "must be >= 1")
+    n = kw["n_layers"]
+    if len(kw["n_head_kv"]) != n:
+        raise bad("n_head_kv", f"must have one entry per layer ({n})")
+    if any(h < 0 or (h and kw["n_head"] % h) for h in kw["n_head_kv"]):
+        raise bad("n_head_kv", f"entries must divide n_head = {kw['n_head']}")
+    for name in ("moe_layers", "attention_layers"):
+        if any(not 0 <= i < n for i in kw[name]) or len(set(kw[name])) != len(kw[name]):
+            raise bad(name, f"must be distinct layer indices below n_layers = {n}")
+    if not 1 <= kw["n_experts_used"] <= kw["n_experts"]:
+        raise bad("n_experts_used", f"must be between 1 and n_experts = {kw['n_experts']}")
+    for name in ("rms_eps", "rope_freq_base", "rope_freq_scale"):
+        if not (math.isfinite(kw[name]) and kw[name] > 0):
+            raise bad(name, "must be a positive finite number")
+    if kw["rope_dims"] > kw["head_dim_k"] or kw["rope_dims"] % 2:
+        raise bad("rope_dims", f"must be even and at most head_dim_k = {kw['head_dim_k']}")
+
+
 def _check_qk_norm(
     path: Path, kind: str, tensors: Mapping[str, TensorInfo], full: int, head: int
 ) -> None:
@@ -239,6 +297,47 @@ def _check_qk_norm(
                 f"{path}: {name} has shape {info.shape}, but this architecture's q/k norm is "
                 f"{kind!r}" + (f" (expected {want})" if want else "")
             )
+
+
+class _Meta:
+    """Typed, named access to a GGUF's metadata: a missing, mistyped or nonsensical value is an
+    InvalidMetadataError naming the key (and never a ZeroDivisionError three layers later)."""
+
+    def __init__(self, path: Path, fields: Mapping[str, Any], arch: str) -> None:
+        self.path, self.fields, self.arch = path, fields, arch
+
+    def key(self, key: str) -> str:
+        return key.format(arch=self.arch)
+
+    def fail(self, key: str, msg: str) -> InvalidMetadataError:
+        return InvalidMetadataError(f"{self.path}: metadata {self.key(key)} {msg}")
+
+    def integer(self, key: str, default: int | None = None, lo: int = 0) -> int:
+        v = self.fields.get(self.key(key))
+        if v is None:
+            if default is None:
+                raise self.fail(key, "is missing")
+            return default
+        items = list(v) if isinstance(v, list | tuple) else [v]
+        if not items:
+            raise self.fail(key, "is an empty array")
+        for x in items:
+            if isinstance(x, bool | str) or not float(x).is_integer():
+                raise self.fail(key, f"= {v!r} is not an integer")
+            if int(x) < lo:
+                raise self.fail(key, f"= {int(x)} must be >= {lo}")
+        return int(max(items))
+
+    def number(self, key: str, default: float, *, positive: bool = True) -> float:
+        v = self.fields.get(self.key(key))
+        if v is None:
+            return default
+        if isinstance(v, bool | str | list | tuple):
+            raise self.fail(key, f"= {v!r} is not a number")
+        f = float(v)
+        if not math.isfinite(f) or (positive and f <= 0):
+            raise self.fail(key, f"= {f:.6g} must be a finite number > 0")
+        return f
 
 
 @attrs.frozen(eq=False)
@@ -317,8 +416,9 @@ class ModelSpec:
                 f"{', '.join(sorted(FAMILIES))} (llama only with experts, i.e. Mixtral)"
             )
         g = lambda key, default=None: _get(fields, key, arch, default)  # noqa: E731
+        meta = _Meta(p, fields, arch)
 
-        n_experts = _first_int(g(Keys.LLM.EXPERT_COUNT))
+        n_experts = meta.integer(Keys.LLM.EXPERT_COUNT, 0)
         experts: dict[int, dict[str, TensorInfo]] = {}
         for name, info in tensors.items():
             parsed = parse_expert_tensor_name(name)
@@ -366,17 +466,75 @@ class ModelSpec:
                         f"{info.shape[-1]}, not a multiple of 32; the tile format needs K % 32 == 0"
                     )
 
-        n_layers = _first_int(g(Keys.LLM.BLOCK_COUNT))
-        n_embd = _first_int(g(Keys.LLM.EMBEDDING_LENGTH), n_embd_t)
-        n_head = _first_int(g(Keys.Attention.HEAD_COUNT))
+        n_layers = meta.integer(Keys.LLM.BLOCK_COUNT, lo=1)
+        n_embd = meta.integer(Keys.LLM.EMBEDDING_LENGTH, lo=1)
+        if n_embd != n_embd_t:
+            raise meta.fail(
+                Keys.LLM.EMBEDDING_LENGTH,
+                f"= {n_embd}, but the expert tensors are {n_embd_t} wide",
+            )
+        n_head = meta.integer(Keys.Attention.HEAD_COUNT, lo=1)
+        meta.integer(Keys.Attention.HEAD_COUNT_KV, n_head)  # type check
         kv = g(Keys.Attention.HEAD_COUNT_KV, n_head)
         if isinstance(kv, list | tuple):
             n_head_kv = tuple(int(x) for x in kv)
+            if len(n_head_kv) != n_layers:
+                raise meta.fail(
+                    Keys.Attention.HEAD_COUNT_KV,
+                    f"has {len(n_head_kv)} entries for block_count={n_layers}",
+                )
         else:
             n_head_kv = (int(kv),) * n_layers
-        head_dim = n_embd // n_head if n_head else 0
-        head_dim_k = _first_int(g(Keys.Attention.KEY_LENGTH), head_dim)
-        head_dim_v = _first_int(g(Keys.Attention.VALUE_LENGTH), head_dim)
+        for h in n_head_kv:
+            if h > n_head or (h and n_head % h) or (h == 0 and family != "lfm2moe"):
+                raise meta.fail(
+                    Keys.Attention.HEAD_COUNT_KV,
+                    f"= {h} must divide head_count = {n_head}",
+                )
+        has_key_length = fields.get(meta.key(Keys.Attention.KEY_LENGTH)) is not None
+        if not has_key_length and n_embd % n_head:
+            raise meta.fail(
+                Keys.Attention.HEAD_COUNT,
+                f"= {n_head} does not divide embedding_length = {n_embd} (and there is no "
+                "attention.key_length)",
+            )
+        head_dim = n_embd // n_head
+        head_dim_k = meta.integer(Keys.Attention.KEY_LENGTH, head_dim, lo=1)
+        head_dim_v = meta.integer(Keys.Attention.VALUE_LENGTH, head_dim, lo=1)
+        if (n_head * head_dim_k) % 32 or head_dim_k % 2:
+            raise meta.fail(
+                Keys.Attention.KEY_LENGTH,
+                f"= {head_dim_k}: head_count x key_length = {n_head * head_dim_k} must be a "
+                "multiple of 32 (the tile) and key_length even (RoPE rotates pairs)",
+            )
+        n_experts_used = meta.integer(Keys.LLM.EXPERT_USED_COUNT, lo=1)
+        if n_experts_used > n_experts:
+            raise meta.fail(
+                Keys.LLM.EXPERT_USED_COUNT, f"= {n_experts_used} exceeds expert_count = {n_experts}"
+            )
+        rms_eps = meta.number(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6)
+        rope_base = meta.number(Keys.Rope.FREQ_BASE, 10000.0)
+        rope_dims = meta.integer(Keys.Rope.DIMENSION_COUNT, head_dim_k, lo=1)
+        if rope_dims > head_dim_k or rope_dims % 2:
+            raise meta.fail(
+                Keys.Rope.DIMENSION_COUNT,
+                f"= {rope_dims} must be even and at most key_length = {head_dim_k}",
+            )
+        n_ctx = meta.integer(Keys.LLM.CONTEXT_LENGTH, 0, lo=1)
+        blocks = {_layer_index(n) for n in tensors} - {None}
+        beyond = sorted(b for b in blocks if b is not None and b >= n_layers)
+        if beyond:
+            raise meta.fail(
+                Keys.LLM.BLOCK_COUNT,
+                f"= {n_layers}, but the file has tensors of layer {beyond[0]} (blk.{beyond[0]}.*); "
+                "the model would silently run fewer layers",
+            )
+        missing_blocks = sorted(set(range(n_layers)) - blocks)
+        if missing_blocks:
+            raise meta.fail(
+                Keys.LLM.BLOCK_COUNT,
+                f"= {n_layers}, but the file has no tensors for layer {missing_blocks[0]}",
+            )
         tokens = fields.get(Keys.Tokenizer.LIST)
         emb = tensors.get("token_embd.weight")
         n_vocab = _first_int(
@@ -417,18 +575,18 @@ class ModelSpec:
             head_dim_k=head_dim_k,
             head_dim_v=head_dim_v,
             n_vocab=n_vocab,
-            n_ctx=_first_int(g(Keys.LLM.CONTEXT_LENGTH)),
-            rope_dims=_first_int(g(Keys.Rope.DIMENSION_COUNT), head_dim_k),
-            rope_freq_base=float(g(Keys.Rope.FREQ_BASE, 10000.0)),
+            n_ctx=n_ctx,
+            rope_dims=rope_dims,
+            rope_freq_base=rope_base,
             rope_freq_scale=freq_scale,
             rope_scaling_type=scaling_type,
-            rms_eps=float(g(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6)),
+            rms_eps=rms_eps,
             n_experts=n_experts,
-            n_experts_used=_first_int(g(Keys.LLM.EXPERT_USED_COUNT)),
+            n_experts_used=n_experts_used,
             n_shared_experts=_first_int(g(Keys.LLM.EXPERT_SHARED_COUNT)),
             n_leading_dense=_first_int(g(Keys.LLM.LEADING_DENSE_BLOCK_COUNT)),
             expert_weights_norm=norm_w,
-            expert_weights_scale=float(g(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0) or 1.0),
+            expert_weights_scale=meta.number(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0),
             expert_gating_func=gating,
             moe_layers=moe_layers,
             attention_layers=attention_layers,
@@ -493,6 +651,7 @@ class ModelSpec:
                 )
         if kw["family"] not in FAMILIES.values():
             raise PackFormatError(f"model spec family {kw['family']!r} is unknown")
+        _check_spec_ranges(kw)
         return cls(path="", tensors={}, **kw)
 
     # ------------------------------------------------------------------ queries

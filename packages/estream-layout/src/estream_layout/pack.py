@@ -4,10 +4,16 @@ Streaming: tensors are read with `pread` into reused buffers, converted and appe
 output files, so memory stays bounded (a few chunk buffers) whatever the model size. The pack is
 built in `NAME.estream.tmp-XXXX` beside the target and renamed into place only after the
 manifest (written last) is on disk: an interrupted pack never leaves a `NAME.estream`.
+
+Only an existing EStream pack (recognised by its manifest, holding nothing but pack files) is
+ever replaced, and only with `force`; the swap is one atomic `renameat2` exchange that is undone
+if the target changed while packing. Source weights that are NaN or infinite are refused.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -16,6 +22,7 @@ import mmap
 import os
 import queue
 import shutil
+import stat
 import struct
 import sys
 import tempfile
@@ -30,7 +37,14 @@ import attrs
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from .errors import PackExistsError, ProfileError, UnalignedReductionError
+from .errors import (
+    LayoutError,
+    NonFiniteWeightsError,
+    PackExistsError,
+    PackTargetError,
+    ProfileError,
+    UnalignedReductionError,
+)
 from .gguf_header import read_header
 from .gguf_model import (
     EXPERT_PROJECTIONS,
@@ -41,6 +55,8 @@ from .gguf_model import (
     parse_expert_tensor_name,
 )
 from .manifest import (
+    FORMAT,
+    LOCK_NAME,
     MANIFEST_NAME,
     MODEL_GGUF,
     PAGE,
@@ -48,6 +64,8 @@ from .manifest import (
     LayerEntry,
     Manifest,
     ProjectionEntry,
+    dense_nbytes,
+    read_manifest_doc,
 )
 from .tiles import TILE, pack_tiles, quantize_q4_0, quantize_q8_0, tile_nbytes
 
@@ -104,10 +122,35 @@ def dense_format(info: TensorInfo) -> str:
 
 
 def _dense_nbytes(info: TensorInfo, fmt: str) -> int:
-    if fmt == "f32":
-        return int(np.prod(info.shape, dtype=np.int64)) * 4
-    n_mats = int(np.prod(info.shape[:-2], dtype=np.int64)) if len(info.shape) > 2 else 1
-    return n_mats * tile_nbytes(info.shape[-2], info.shape[-1], fmt)
+    return dense_nbytes(fmt, info.shape)
+
+
+# ------------------------------------------------------------------------------ finite weights
+_BLOCK_BYTES: Final = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q8_0: 34}
+
+
+def _check_finite(info: TensorInfo, what: str, values: Any = None, raw: Any = None) -> None:
+    """Refuse NaN/Inf source weights: a float tensor's values, or the fp16 block scales of raw
+    Q4_0/Q8_0 rows (their only floating-point part). A NaN weight would otherwise pack, load
+    and silently poison every activation that meets it."""
+    if values is not None:
+        bad = ~np.isfinite(values)
+    else:
+        bb = _BLOCK_BYTES[info.qtype]
+        scales = np.ascontiguousarray(raw.reshape(-1, bb)[:, :2]).view(np.float16)
+        bad = ~np.isfinite(scales)
+    if bad.any():
+        raise NonFiniteWeightsError(
+            f"{info.name}{what}: {int(bad.sum())} NaN or infinite "
+            f"{'values' if values is not None else 'block scales'} in the source model; it is "
+            "corrupt (re-download or re-convert it), refusing to pack"
+        )
+
+
+def _dequantize_checked(raw: np.ndarray, info: TensorInfo, what: str = "") -> np.ndarray:
+    values = dequantize_rows(raw, info)
+    _check_finite(info, what, values=values)
+    return values
 
 
 # ------------------------------------------------------------------------------ storage order
@@ -359,12 +402,20 @@ class _SourcePass:
 
 def _write_dense_tensor(
     src: _SourcePass, info: TensorInfo, fmt: str, fh: IO[bytes], chunk_bytes: int
-) -> None:
-    """Convert one tensor chunk by chunk (row chunks of whole 32-row tiles) and append it."""
+) -> int:
+    """Convert one tensor chunk by chunk (row chunks of whole 32-row tiles) and append it;
+    returns the crc32 of the bytes written."""
+    crc = 0
+
+    def write(data: Any) -> None:
+        nonlocal crc
+        crc = zlib.crc32(data, crc)
+        fh.write(data)
+
     if len(info.shape) == 1:
         raw = src.rows(info, 0, 1)
-        fh.write(dequantize_rows(raw, info).astype(np.float32).tobytes())
-        return
+        write(_dequantize_checked(raw, info).astype(np.float32).tobytes())
+        return crc
     rows_per_mat = info.shape[-2]
     n_mats = info.n_rows // rows_per_mat
     rb = max(info.row_bytes, 1)
@@ -374,14 +425,16 @@ def _write_dense_tensor(
             count = min(step, rows_per_mat - start)
             raw = src.rows(info, m * rows_per_mat + start, count)
             if fmt == "f32":
-                fh.write(np.ascontiguousarray(dequantize_rows(raw, info), np.float32).tobytes())
+                write(np.ascontiguousarray(_dequantize_checked(raw, info), np.float32).tobytes())
                 continue
             src_fmt = _QUANT_PASSTHROUGH.get(info.qtype)
             if src_fmt == fmt:
+                _check_finite(info, "", raw=raw)
                 blocks = raw
             else:
-                blocks = quantize_q8_0(dequantize_rows(raw, info))
-            fh.write(pack_tiles(blocks, fmt).data)
+                blocks = quantize_q8_0(_dequantize_checked(raw, info))
+            write(pack_tiles(blocks, fmt).data)
+    return crc
 
 
 def _requant_tensors(spec: ModelSpec) -> list[TensorInfo]:
@@ -432,8 +485,7 @@ def pack_model(
     """
     spec = ModelSpec.from_gguf(src)
     dst_path = Path(dst).absolute()
-    if dst_path.exists() and not force:
-        raise PackExistsError(f"{dst_path} already exists; pass --force (force=True) to replace it")
+    replacing = _check_target(dst_path, Path(spec.path), force)
     orders, order_summary = _resolve_orders(spec, order)
     dense_plan = [(spec.tensors[n], dense_format(spec.tensors[n])) for n in spec.dense_tensor_names]
     requant_tensors = _requant_tensors(spec)
@@ -473,11 +525,11 @@ def pack_model(
                     if parsed is None:
                         fmt = formats[info.name]
                         offset = _pad_file(fh)
-                        _write_dense_tensor(source, info, fmt, fh, chunk_bytes)
+                        crc = _write_dense_tensor(source, info, fmt, fh, chunk_bytes)
                         nbytes = fh.tell() - offset
                         assert nbytes == _dense_nbytes(info, fmt), info.name
                         dense_entries[info.name] = DenseEntry(
-                            info.name, offset, nbytes, fmt, info.shape
+                            info.name, offset, nbytes, fmt, info.shape, crc
                         )
                         bar.update(nbytes)
                         continue
@@ -494,7 +546,7 @@ def pack_model(
                                 chunk_bytes, bar,
                             )
                         )  # fmt: skip
-                _pad_file(fh)
+                dense_bytes = _pad_file(fh)
                 sha256 = source.sha256()
             finally:
                 try:
@@ -527,22 +579,151 @@ def pack_model(
             experts_bytes=experts_bytes,
             checksum="crc32",
             layers=tuple(layers),
+            dense_bytes=dense_bytes,
+            model_gguf_bytes=(tmp / MODEL_GGUF).stat().st_size,
+            model_gguf_crc32=zlib.crc32((tmp / MODEL_GGUF).read_bytes()),
         )
         for name in (DENSE_FILE, MODEL_GGUF):
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
         manifest.write(tmp / MANIFEST_NAME)  # last: a pack without it is never valid
-        if dst_path.exists():
-            old = Path(tempfile.mkdtemp(prefix=dst_path.name + ".old-", dir=dst_path.parent))
-            os.replace(dst_path, old / "x")
-            os.replace(tmp, dst_path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst_path)
+        Manifest.from_path(tmp)  # what every reader will check, before it becomes visible
+        _place(tmp, dst_path, replacing)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Manifest.from_path(dst_path)
+
+
+# ------------------------------------------------------------------------------ the target
+_RENAME_NOREPLACE: Final = 1
+_RENAME_EXCHANGE: Final = 2
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> None:
+    """Linux renameat2(2): atomic no-replace rename / exchange (OSError ENOSYS elsewhere)."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(dst))
+
+
+def _pack_files(path: Path) -> set[str]:
+    """Names a pack directory may hold (so replacing it deletes nothing of the user's)."""
+    names = {MANIFEST_NAME, MODEL_GGUF, LOCK_NAME, DENSE_FILE, EXPERTS_FILE}
+    try:
+        doc = read_manifest_doc(path / MANIFEST_NAME)
+        for key in ("dense", "experts"):
+            name = doc[key]["file"]
+            if isinstance(name, str) and "/" not in name:
+                names.add(name)
+    except (LayoutError, KeyError, TypeError):
+        pass
+    return names
+
+
+def _check_pack_dir(path: Path) -> None:
+    """Raise PackTargetError unless `path` is an EStream pack with nothing else in it."""
+    if not (path / MANIFEST_NAME).is_file():
+        raise PackTargetError(
+            f"{path} is a directory but not an EStream pack (no {MANIFEST_NAME}); refusing to "
+            "replace it: choose another -o"
+        )
+    try:
+        doc = read_manifest_doc(path / MANIFEST_NAME)
+    except LayoutError as e:
+        raise PackTargetError(f"{path}: refusing to replace it: {e}") from None
+    if not isinstance(doc, Mapping) or doc.get("format") != FORMAT:
+        raise PackTargetError(
+            f"{path}/{MANIFEST_NAME} is not an EStream manifest; refusing to replace {path}"
+        )
+    allowed = _pack_files(path)
+    extra = []
+    for entry in os.scandir(path):
+        is_tmp = entry.name.startswith(f".{MANIFEST_NAME}.") and entry.name.endswith(".tmp")
+        if (entry.name not in allowed and not is_tmp) or not entry.is_file(follow_symlinks=False):
+            extra.append(entry.name)
+    if extra:
+        raise PackTargetError(
+            f"{path} holds {', '.join(sorted(extra)[:3])}{' ...' if len(extra) > 3 else ''}, "
+            "which an EStream pack does not have; refusing to replace it (and delete them)"
+        )
+
+
+def _check_target(dst: Path, src: Path, force: bool) -> tuple[int, int] | None:
+    """What is at `dst` now: None (nothing), or the (device, inode) of an EStream pack that
+    `force` allows replacing. Anything else is refused before any work is done."""
+    src_real = os.path.realpath(src)
+    dst_real = os.path.realpath(dst)
+    if src_real == dst_real or src_real.startswith(dst_real.rstrip("/") + "/"):
+        raise PackTargetError(f"the output {dst} would replace the source {src}; choose another -o")
+    try:
+        st = os.lstat(dst)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise PackTargetError(f"{dst} is a symbolic link; refusing to replace it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise PackTargetError(
+            f"{dst} exists and is not a directory; refusing to replace it: choose another -o"
+        )
+    _check_pack_dir(dst)  # first: never suggest --force for something it would not replace
+    if not force:
+        raise PackExistsError(f"{dst} already exists; pass --force (force=True) to replace it")
+    return (st.st_dev, st.st_ino)
+
+
+def _place(tmp: Path, dst: Path, replacing: tuple[int, int] | None) -> None:
+    """Make the finished pack `tmp` visible at `dst` atomically.
+
+    A new target: rename without replacing (a target that appeared meanwhile, e.g. another
+    pack's, is left alone and reported). Replacing: exchange the two directories in one step,
+    then make sure what came out is the pack checked at the start; if not, swap back."""
+    if replacing is None:
+        try:
+            _renameat2(tmp, dst, _RENAME_NOREPLACE)
+        except FileExistsError:
+            raise PackTargetError(
+                f"{dst} appeared while packing (another estream-pack to the same place?); "
+                "left it alone, this pack was not written"
+            ) from None
+        except OSError as e:
+            if e.errno not in (errno.ENOSYS, errno.EINVAL):
+                raise
+            if os.path.lexists(dst):  # no renameat2 here: a small window remains
+                raise PackTargetError(f"{dst} appeared while packing; left it alone") from None
+            os.rename(tmp, dst)
+        return
+    try:
+        _renameat2(tmp, dst, _RENAME_EXCHANGE)
+    except OSError as e:
+        if e.errno not in (errno.ENOSYS, errno.EINVAL):
+            raise
+        old = Path(tempfile.mkdtemp(prefix=dst.name + ".old-", dir=dst.parent))
+        os.rename(dst, old / "x")
+        os.rename(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    # `tmp` now holds what was at `dst`
+    st = os.lstat(tmp)
+    try:
+        if (st.st_dev, st.st_ino) != replacing:
+            raise PackTargetError(f"{dst} was replaced while packing; left it alone")
+        try:  # the same inode may have been reused for a new directory
+            _check_pack_dir(tmp)
+        except PackTargetError:
+            raise PackTargetError(
+                f"{dst} was replaced while packing (it is no longer an EStream pack); left it alone"
+            ) from None
+    except PackTargetError:
+        with contextlib.suppress(OSError):
+            _renameat2(tmp, dst, _RENAME_EXCHANGE)  # put it back
+        # `tmp` holds the new pack again: the caller removes it
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)  # the old pack
 
 
 class _ChunkWriter:
@@ -704,8 +885,11 @@ def _write_layer(
                 p = projections[j]
                 raw = sources[j][expert]
                 if infos[j].ggml_type != "Q4_0":  # re-quantize (warned about up front)
-                    blocks = quantize_q4_0(dequantize_rows(raw, infos[j]))
+                    blocks = quantize_q4_0(
+                        _dequantize_checked(raw, infos[j], f" (expert {expert})")
+                    )
                 else:
+                    _check_finite(infos[j], f" (expert {expert})", raw=raw)
                     blocks = raw
                 pack_tiles(
                     blocks, out=records[c, p.offset_in_record : p.offset_in_record + p.bytes]

@@ -11,7 +11,6 @@ real models. Tensor data is generated and written one tensor at a time, so the 4
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -27,6 +26,7 @@ from gguf import (
 )
 from gguf.constants import GGML_QUANT_SIZES
 
+from .errors import InvalidGGUFError
 from .gguf_header import read_header
 from .gguf_model import QK_NORM
 
@@ -590,12 +590,9 @@ def synth_model(
         d = attrs.evolve(d, **changes)
     vocab_path: Path | None
     if vocab is not None:
-        vocab_path = Path(vocab) if Path(vocab).is_file() else None
-        if vocab_path is None:
-            sys.stderr.write(
-                f"estream-synth: vocabulary {vocab} not found; using a generated "
-                f"{d.n_vocab}-token BPE vocabulary\n"
-            )
+        vocab_path = Path(vocab)
+        if not vocab_path.is_file():  # asked for by name: never silently substitute another
+            raise InvalidGGUFError(f"vocabulary {vocab}: no such file")
     else:
         vocab_path = find_vocab(arch) if preset != "tiny" else None
     if vocab_path is not None:

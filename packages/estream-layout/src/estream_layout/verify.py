@@ -1,7 +1,7 @@
 """Verify and inspect packed models.
 
-`verify_pack` re-reads every byte of `experts.bin` (sizes, one crc32 per record) and, given the
-source GGUF, unpacks every tile back to GGML blocks and compares them with the source bit for
+`verify_pack` validates the manifest exactly as every load does, re-reads every byte of the pack
+(crc32 of `model.gguf`, of each dense tensor and of each expert record) and, given the source GGUF, unpacks every tile back to GGML blocks and compares them with the source bit for
 bit (re-quantized experts and converted dense tensors are compared with a fresh conversion).
 """
 
@@ -16,11 +16,20 @@ import attrs
 import numpy as np
 
 from .gguf_model import EXPERT_PROJECTIONS, ModelSpec, TensorReader, dequantize_rows
-from .manifest import PAGE, Manifest
+from .manifest import Manifest
 from .pack import _QUANT_PASSTHROUGH, dense_format
-from .tiles import quantize_q4_0, quantize_q8_0, unpack_tiles
+from .tiles import quantize_q4_0, quantize_q8_0, tile_format, unpack_tiles
 
-__all__ = ["VerifyReport", "format_inspect", "inspect_pack", "verify_pack"]
+__all__ = [
+    "VerifyReport",
+    "check_dense_checksums",
+    "check_record_checksums",
+    "format_inspect",
+    "inspect_pack",
+    "nonfinite_dense",
+    "verify_checksums",
+    "verify_pack",
+]
 
 
 @attrs.frozen
@@ -45,74 +54,110 @@ class VerifyReport:
         return d
 
 
-def _check_structure(m: Manifest, problems: list[str]) -> None:
-    for name in ("model.gguf", m.dense_file, m.experts_file):
-        if not (m.root / name).is_file():
-            problems.append(f"missing file {name}")
-    if m.experts_path.is_file() and m.experts_path.stat().st_size != m.experts_bytes:
-        problems.append(
-            f"{m.experts_file} has {m.experts_path.stat().st_size} bytes, manifest says "
-            f"{m.experts_bytes} (truncated or altered)"
-        )
-    if m.dense_path.is_file():
-        size = m.dense_path.stat().st_size
-        for t in m.dense.values():
-            if t.offset % PAGE:
-                problems.append(f"dense tensor {t.name} at offset {t.offset}, not 4096-aligned")
-            if t.offset + t.bytes > size:
-                problems.append(f"dense tensor {t.name} extends past the end of {m.dense_file}")
-    end = 0
+def check_dense_checksums(m: Manifest, blob: np.ndarray) -> list[str]:
+    """crc32 of every dense tensor of an in-memory dense.bin against the manifest."""
+    problems = []
+    for t in m.dense.values():
+        if zlib.crc32(blob[t.offset : t.offset + t.bytes]) != t.crc32:
+            problems.append(
+                f"{m.dense_file}: checksum mismatch in dense tensor {t.name}; the file is "
+                "corrupt or from another model, re-pack"
+            )
+    return problems
+
+
+def check_record_checksums(m: Manifest, pool: np.ndarray) -> list[str]:
+    """crc32 of every expert record of an in-memory experts.bin against the manifest."""
+    problems = []
     for layer in m.layers:
-        if layer.offset % PAGE or layer.record_bytes % PAGE:
-            problems.append(f"layer {layer.index}: offset/record size not 4096-aligned")
-        if sorted(layer.order) != list(range(layer.n_experts)):
-            problems.append(f"layer {layer.index}: order is not a permutation")
-        if len(layer.checksums) != layer.n_experts:
-            problems.append(f"layer {layer.index}: {len(layer.checksums)} checksums")
-        off = 0
-        for j in EXPERT_PROJECTIONS:
-            p = layer.projections.get(j)
-            if p is None:
-                problems.append(f"layer {layer.index}: no {j} projection")
-                continue
-            if p.offset_in_record != off or p.padded_bytes % PAGE or p.bytes > p.padded_bytes:
-                problems.append(f"layer {layer.index}: {j} projection placement is inconsistent")
-            off += p.padded_bytes
-        if off != layer.record_bytes:
-            problems.append(f"layer {layer.index}: projections do not add up to record_bytes")
-        if layer.offset < end:
-            problems.append(f"layer {layer.index} overlaps the previous layer")
-        end = layer.offset + layer.nbytes
-    if end > m.experts_bytes:
-        problems.append("layers extend past the end of experts.bin")
+        for pos in range(layer.n_experts):
+            start = layer.record_offset(pos)
+            if zlib.crc32(pool[start : start + layer.record_bytes]) != layer.checksums[pos]:
+                problems.append(_record_problem(m, layer.index, pos, layer.order[pos]))
+    return problems
+
+
+def _record_problem(m: Manifest, layer: int, pos: int, expert: int) -> str:
+    return (
+        f"{m.experts_file}: layer {layer}: checksum mismatch at storage position {pos} "
+        f"(expert {expert}); the file is corrupt, re-pack"
+    )
+
+
+def nonfinite_dense(m: Manifest, blob: np.ndarray) -> list[str]:
+    """Dense tensors of an in-memory dense.bin with NaN/Inf values (f32) or block scales (tiled
+    formats: the first 64 bytes of every tile are its 32 fp16 row scales). Cheap (it reads the
+    f32 tensors and ~11% of the tiled ones) and catches what a crc32 cannot be asked for on every
+    load: a weight that would turn activations into NaN, which int8 activations then hide."""
+    out = []
+    for t in m.dense.values():
+        buf = blob[t.offset : t.offset + t.bytes]
+        if t.format == "f32":
+            ok = np.isfinite(buf.view(np.float32)).all()
+        else:
+            tile = tile_format(t.format).tile_bytes
+            ok = np.isfinite(buf.reshape(-1, tile)[:, :64].copy().view(np.float16)).all()
+        if not ok:
+            out.append(f"{m.dense_file}: dense tensor {t.name} holds NaN or infinite values")
+    return out
+
+
+def verify_checksums(m: Manifest, problems: list[str]) -> tuple[int, int]:
+    """Read every byte of the pack and compare it with the manifest's checksums (model.gguf,
+    every dense tensor, every expert record); appends what differs to `problems`. Returns
+    (expert records, bytes) checked. Reads in bounded chunks: memory does not grow with the
+    model."""
+    n_bytes = 0
+    data = m.model_gguf_path.read_bytes()
+    n_bytes += len(data)
+    if zlib.crc32(data) != m.model_gguf_crc32:
+        problems.append(
+            "model.gguf: checksum mismatch; the metadata is corrupt or from another model, re-pack"
+        )
+    del data
+    with open(m.dense_path, "rb") as fh:
+        for t in sorted(m.dense.values(), key=lambda t: t.offset):
+            fh.seek(t.offset)
+            crc, left = 0, t.bytes
+            while left:
+                chunk = fh.read(min(left, 16 << 20))
+                if not chunk:
+                    break
+                crc = zlib.crc32(chunk, crc)
+                left -= len(chunk)
+            n_bytes += t.bytes
+            if left or crc != t.crc32:
+                problems.append(
+                    f"{m.dense_file}: checksum mismatch in dense tensor {t.name}; the file is "
+                    "corrupt or from another model, re-pack"
+                )
+    n_records = 0
+    with open(m.experts_path, "rb") as fh:
+        for layer in m.layers:
+            fh.seek(layer.offset)
+            for pos in range(layer.n_experts):
+                rec = fh.read(layer.record_bytes)
+                if len(rec) != layer.record_bytes:
+                    problems.append(f"{m.experts_file}: layer {layer.index}: record {pos} is short")
+                    break
+                if zlib.crc32(rec) != layer.checksums[pos]:
+                    problems.append(_record_problem(m, layer.index, pos, layer.order[pos]))
+                n_records += 1
+                n_bytes += len(rec)
+    return n_records, n_bytes
 
 
 def verify_pack(
     path: str | os.PathLike[str], against: str | os.PathLike[str] | None = None
 ) -> VerifyReport:
-    """Check a packed model: structure, sizes, every record checksum, and (with `against`,
-    the source GGUF) that every packed tile unpacks to the source's blocks bit for bit."""
+    """Check a packed model: the manifest validation every load runs (types, ranges, sizes
+    against the files, its own sha256), then every checksum (model.gguf, each dense tensor,
+    each expert record), and (with `against`, the source GGUF) that every packed tile unpacks
+    to the source's blocks bit for bit. A manifest that does not validate raises
+    PackFormatError; checksum and source differences are reported in `problems`."""
     m = Manifest.from_path(path)
     problems: list[str] = []
-    _check_structure(m, problems)
-    n_records = 0
-    n_bytes = 0
-    if m.experts_path.is_file() and not any("experts.bin has" in p for p in problems):
-        with open(m.experts_path, "rb") as fh:
-            for layer in m.layers:
-                fh.seek(layer.offset)
-                for pos in range(layer.n_experts):
-                    rec = fh.read(layer.record_bytes)
-                    if len(rec) != layer.record_bytes:
-                        problems.append(f"layer {layer.index}: record {pos} is short")
-                        break
-                    if zlib.crc32(rec) != layer.checksums[pos]:
-                        problems.append(
-                            f"layer {layer.index}: checksum mismatch at storage position {pos} "
-                            f"(expert {layer.order[pos]}); experts.bin is corrupt, repack"
-                        )
-                    n_records += 1
-                    n_bytes += len(rec)
+    n_records, n_bytes = verify_checksums(m, problems)
     compared = 0
     if against is not None and not problems:
         compared = _compare_with_source(m, Path(against), problems)
