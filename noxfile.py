@@ -7,11 +7,17 @@ the main job. Benchmarks are `bench_*` sessions and are never part of the defaul
 
 from __future__ import annotations
 
+import email.parser
 import os
+import re
 import shutil
+import tarfile
+import tomllib
+import zipfile
 from pathlib import Path
 
 import nox
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).parent
 PKG = ROOT / "packages"
@@ -117,6 +123,112 @@ def lint(session: nox.Session) -> None:
     session.install("ruff>=0.6")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+DIST = ROOT / "dist"
+
+
+def _dist_files(name: str) -> tuple[Path, Path]:
+    """The one sdist and the one wheel `python -m build` wrote for a package."""
+    out = DIST / f"estream-{name}"
+    sdists, wheels = sorted(out.glob("*.tar.gz")), sorted(out.glob("*.whl"))
+    if len(sdists) != 1 or len(wheels) != 1:
+        raise RuntimeError(f"{out}: expected one sdist and one wheel, found {sdists + wheels}")
+    return sdists[0], wheels[0]
+
+
+def _check_dists(name: str) -> list[str]:
+    """Problems with a package's sdist and wheel: metadata that disagrees with its pyproject,
+    sibling requirements without a real range, files that must ship and do not (the htp
+    extension, py.typed, estream-layout's vocabularies and their licence), files of another
+    package."""
+    project = tomllib.loads((PKG / f"estream-{name}" / "pyproject.toml").read_text())["project"]
+    sdist, wheel = _dist_files(name)
+    module = f"estream_{name}"
+    problems: list[str] = []
+    with zipfile.ZipFile(wheel) as zf:
+        files = zf.namelist()
+        meta_name = next(f for f in files if f.endswith(".dist-info/METADATA"))
+        meta = email.parser.Parser().parsestr(zf.read(meta_name).decode())
+    with tarfile.open(sdist) as tf:
+        sfiles = ["/".join(m.split("/")[1:]) for m in tf.getnames()]
+    for key, want in (("Name", project["name"]), ("Version", project["version"])):
+        if meta[key] != want:
+            problems.append(f"{wheel.name}: {key} {meta[key]!r}, pyproject says {want!r}")
+    if meta["Requires-Python"] != project["requires-python"]:
+        problems.append(f"{wheel.name}: Requires-Python {meta['Requires-Python']!r}")
+    if meta["Description-Content-Type"] != "text/markdown" or len(meta.get_payload()) < 500:
+        problems.append(f"{wheel.name}: the README is not the long description")
+    requires = [Requirement(r) for r in meta.get_all("Requires-Dist") or []]
+    siblings = [r for r in requires if r.name.startswith("estream-") and r.marker is None]
+    for r in siblings:
+        version = tomllib.loads((PKG / r.name / "pyproject.toml").read_text())["project"]["version"]
+        if not any(sp.operator in ("<", "<=", "==", "~=") for sp in r.specifier):
+            problems.append(f"{wheel.name}: sibling requirement {r} has no upper bound")
+        if version not in r.specifier:
+            problems.append(f"{wheel.name}: {r} excludes the sibling's version {version}")
+    if name != "cli" and siblings:
+        problems.append(f"{wheel.name}: a lower package requires {siblings}")
+    if name == "cli" and sorted(r.name for r in siblings) != sorted(f"estream-{n}" for n in LOWER):
+        problems.append(f"{wheel.name}: requires {siblings}, expected all of {LOWER}")
+    expected = [f"{module}/__init__.py", f"{module}/py.typed"]
+    if name == "htp":
+        ext = [f for f in files if re.fullmatch(r"estream_htp/_ffi\..*(so|pyd)", f)]
+        if not ext:
+            problems.append(f"{wheel.name}: no compiled extension estream_htp/_ffi*.so")
+        if wheel.name.endswith("-none-any.whl"):
+            problems.append(f"{wheel.name}: tagged pure Python but holds a C extension")
+        if not any(f.startswith("csrc/") and f.endswith(".c") for f in sfiles):
+            problems.append(f"{sdist.name}: the C sources are missing")
+        if any(f.endswith(".so") for f in sfiles):
+            problems.append(f"{sdist.name}: holds a compiled .so")
+    elif not wheel.name.endswith("-py3-none-any.whl"):
+        problems.append(f"{wheel.name}: a pure-Python package with a platform tag")
+    if name == "layout":
+        data = "estream_layout/data/"
+        for vocab in ("mpt", "qwen2", "llama-spm", "deepseek-llm"):
+            expected += [f"{data}ggml-vocab-{vocab}.gguf{ext}" for ext in ("", ".inp", ".out")]
+        expected += [f"{data}LICENSE-llama.cpp", f"{data}README.md"]
+    for f in expected:
+        if f not in files:
+            problems.append(f"{wheel.name}: {f} missing")
+        if f"src/{f}" not in sfiles:
+            problems.append(f"{sdist.name}: src/{f} missing")
+    tops = {f.split("/")[0] for f in files} - {module, meta_name.split("/")[0]}
+    if tops - ({"estream"} if name == "cli" else set()):  # estream-cli also ships `estream`
+        problems.append(f"{wheel.name}: unexpected top-level entries {sorted(tops)}")
+    return problems
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Packages as users install them: an sdist and a wheel per package (the wheel built from
+    the sdist, so a file missing from the sdist fails here), metadata checked (twine check +
+    pyproject agreement), then estream-layout alone from its wheel in a clean virtualenv
+    synthesizes, packs and verifies a model."""
+    session.install("build>=1", "twine>=5")
+    shutil.rmtree(DIST, ignore_errors=True)
+    _clean_htp_build()
+    for name in ALL:
+        out = DIST / f"estream-{name}"
+        session.run("python", "-m", "build", "-q", "--outdir", str(out), pkg(name))
+    session.run("twine", "check", "--strict", *[str(f) for n in ALL for f in _dist_files(n)])
+    problems = [p for name in ALL for p in _check_dists(name)]
+    if problems:
+        session.error("distribution problems:\n  " + "\n  ".join(problems))
+    session.log("metadata of %d sdists and %d wheels checked", len(ALL), len(ALL))
+
+    # estream-layout alone: a clean virtualenv (not nox's), its wheel and PyPI dependencies only.
+    work = Path(session.create_tmp()) / "layout-alone"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    session.run("python", "-m", "venv", str(work / "venv"))
+    bin_ = work / "venv" / "bin"
+    _, wheel = _dist_files("layout")
+    session.run(str(bin_ / "python"), "-m", "pip", "install", "-q", str(wheel), external=True)
+    script = PKG / "estream-layout" / "tests" / "standalone_check.py"
+    session.run(str(bin_ / "python"), str(script), str(work), external=True)
+    shutil.rmtree(work, ignore_errors=True)
 
 
 @nox.session

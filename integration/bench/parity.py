@@ -17,7 +17,7 @@ an F32 KV cache, on which llama.cpp computes in float32 — that run isolates th
 
 Usage: ``nox -s parity [-- --archs olmoe,qwen3moe,mixtral --preset small --tokens 256]``.
 Writes ``bench-results/parity.json``. If llama.cpp refuses a synthetic GGUF, its exact message
-is printed, stored in the JSON and appended to ``/work/notes/synth-issues.md``.
+is printed, stored in the JSON and appended to ``bench-results/synth-issues.md``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE.parent))
 from llamacpp import LlamaCppError, ensure_llama_cpp, llama_cpp_version, llama_logits  # noqa: E402
 from reference import ReferenceModel  # noqa: E402
 
-NOTES = Path("/work/notes/synth-issues.md")
+NOTES = ROOT / "bench-results" / "synth-issues.md"
 TARGET_REL_L2 = 1e-2
 TARGET_TOP1 = 0.99
 

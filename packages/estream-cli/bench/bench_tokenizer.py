@@ -1,7 +1,7 @@
 """Tokenization speed (tokens/s) of estream's GGUF tokenizer, next to HuggingFace ``tokenizers``
 and llama.cpp itself (through llama-cpp-python) when they are installed.
 
-For every vocabulary in ``<shared>/data/vocab`` the same text (llama.cpp's test strings repeated
+For every vocabulary shipped in estream-layout (``estream_layout/data/``) the same text (llama.cpp's test strings repeated
 plus seeded synthetic prose, ``--kb`` KiB) is tokenized by:
 
 * ``estream cold``: our tokenizer with an empty word cache (first pass over the text);
@@ -313,9 +313,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="JSON path")
     args = ap.parse_args()
 
-    vocab_dir = find_vocab_dir(Path(__file__))
-    if vocab_dir is None:
-        print("vocabulary dir not found: set ESTREAM_SHARED", file=sys.stderr)
+    vocab_dir = find_vocab_dir()
+    if not vocab_files(vocab_dir):
+        print(f"no ggml-vocab-*.gguf in {vocab_dir}", file=sys.stderr)
         return 2
     corpora = {
         "mixed": build_corpus(vocab_dir, args.kb),

@@ -165,3 +165,49 @@ def test_console_script_exit_code(model):
     )
     assert proc.returncode == 2
     assert "out of the vocabulary" in proc.stderr
+
+
+# -- estream synth | pack: everything goes through to estream-layout's own commands ----------
+def _estream(*argv: str, cwd=None) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "estream_cli.main", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+
+
+def _layout(tool: str, *argv: str, cwd=None) -> subprocess.CompletedProcess[str]:
+    code = f"import sys; from estream_layout.cli import {tool}_main as m; sys.exit(m(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", code, *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+
+
+@pytest.mark.parametrize("tool", ["synth", "pack"])
+def test_pass_through_help_is_the_layout_commands_help(tool):
+    ours, theirs = _estream(tool, "--help"), _layout(tool, "--help")
+    assert ours.returncode == theirs.returncode == 0
+    assert ours.stdout == theirs.stdout and f"estream-{tool}" in ours.stdout
+
+
+def test_pass_through_options_first_reach_estream_synth_and_pack(tmp_path):
+    """The README's `estream synth --arch ... -o ...` (options before any positional: argparse's
+    REMAINDER used to drop them with "unrecognized arguments: --arch")."""
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    p = _estream("synth", "--arch", "qwen3moe", "--preset", "tiny", "--seed", "5", "-o", str(a))
+    assert p.returncode == 0, p.stderr
+    q = _layout("synth", "--arch", "qwen3moe", "--preset", "tiny", "--seed", "5", "-o", str(b))
+    assert q.returncode == 0, q.stderr
+    assert a.read_bytes() == b.read_bytes()
+    p = _estream("pack", "--no-progress", str(a), "-o", str(tmp_path / "a.estream"))
+    assert p.returncode == 0, p.stderr
+    p = _estream("pack", "--verify", str(tmp_path / "a.estream"), "--against", str(a))
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["synth", "--arch", "nope", "-o", "x.gguf"], ["pack", "--bogus"], ["pack"]],
+)
+def test_pass_through_usage_errors_are_the_layout_commands_errors(argv, tmp_path):
+    ours = _estream(*argv, cwd=tmp_path)
+    theirs = _layout(argv[0], *argv[1:], cwd=tmp_path)
+    assert ours.returncode == theirs.returncode != 0
+    assert ours.stderr == theirs.stderr and f"estream-{argv[0]}" in ours.stderr
+    assert not (tmp_path / "x.gguf").exists()

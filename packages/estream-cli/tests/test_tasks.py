@@ -260,12 +260,9 @@ def test_embed_equals_pooled_hidden_state(tiny, pool, normalize):
 
 # -- real vocabularies -------------------------------------------------------------------------
 def _vocab(name: str):
-    d = find_vocab_dir(__file__)
-    if d is None or not (d / f"ggml-vocab-{name}.gguf").is_file():
-        pytest.fail(
-            f"ggml-vocab-{name}.gguf not found: set ESTREAM_SHARED to the directory holding "
-            "data/vocab (the shared test data next to the repository)"
-        )
+    d = find_vocab_dir()
+    if not (d / f"ggml-vocab-{name}.gguf").is_file():
+        pytest.fail(f"ggml-vocab-{name}.gguf not found in {d} (estream-layout's package data)")
     return d / f"ggml-vocab-{name}.gguf"
 
 

@@ -1,7 +1,7 @@
 """The GGUF tokenizer against llama.cpp's own test vectors, plus special tokens and errors.
 
-The vectors in ``<shared>/data/vocab`` (``ggml-vocab-*.gguf`` + ``.inp``/``.out``) are
-llama.cpp's; every string must give exactly the ids llama.cpp gives (add_special=False,
+The vectors shipped in estream-layout's ``data/`` (``ggml-vocab-*.gguf`` + ``.inp``/``.out``)
+are llama.cpp's; every string must give exactly the ids llama.cpp gives (add_special=False,
 parse_special=False, as test-tokenizer-0 runs them). Expected values elsewhere are derived by
 hand from the rules (or are vocabulary lookups), never from our own encoder's output.
 """
@@ -26,23 +26,20 @@ from estream_cli.tokenizer import (
 from estream_cli.tokenizer._tokenizer import _clean_spaces
 from estream_cli.tokenizer.testing import find_vocab_dir, read_vocab_tests, vocab_files
 
-VOCAB_DIR = find_vocab_dir(Path(__file__))
-_MISSING = "<vocab dir not found>"
-VOCAB_NAMES = (
-    [p.name.removeprefix("ggml-vocab-").removesuffix(".gguf") for p in vocab_files(VOCAB_DIR)]
-    if VOCAB_DIR is not None
-    else [_MISSING]
-)
+VOCAB_DIR = find_vocab_dir()
+_MISSING = "<vocab dir empty>"
+VOCAB_NAMES = [
+    p.name.removeprefix("ggml-vocab-").removesuffix(".gguf") for p in vocab_files(VOCAB_DIR)
+] or [_MISSING]
 # the vocabularies the issue names; all must be present (a missing one is a failure)
 REQUIRED = {"deepseek-llm", "llama-spm", "mpt", "qwen2"}
 
 
 def vocab_path(name: str) -> Path:
-    if VOCAB_DIR is None or name == _MISSING:
+    if name == _MISSING:
         pytest.fail(
-            "llama.cpp vocabulary vectors not found: set ESTREAM_SHARED to the shared folder "
-            "(holding data/vocab/ggml-vocab-*.gguf) or keep it beside the repository as "
-            "../shared (CI does)"
+            f"llama.cpp vocabulary vectors not found in {VOCAB_DIR}: estream-layout ships them "
+            "in estream_layout/data/ (is its package data installed?)"
         )
     return VOCAB_DIR / f"ggml-vocab-{name}.gguf"
 
@@ -53,7 +50,7 @@ def load(name: str) -> Tokenizer:
 
 
 def test_required_vocabularies_present() -> None:
-    if VOCAB_DIR is None:
+    if VOCAB_NAMES == [_MISSING]:
         vocab_path(_MISSING)
     assert set(VOCAB_NAMES) >= REQUIRED, f"missing vocabularies in {VOCAB_DIR}"
 

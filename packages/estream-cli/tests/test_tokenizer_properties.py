@@ -17,7 +17,7 @@ from estream_cli.tokenizer._pretok import pre_tokenizer_for
 from estream_cli.tokenizer._unicode import collapse, is_whitespace
 from estream_cli.tokenizer.testing import find_vocab_dir
 
-VOCAB_DIR = find_vocab_dir(Path(__file__))
+VOCAB_DIR = find_vocab_dir()
 
 # Characters that exercise every class the pre-tokenizers distinguish.
 TRICKY = (
@@ -29,9 +29,10 @@ texts = st.text(alphabet=st.sampled_from(TRICKY), max_size=40) | st.text(max_siz
 
 
 def vocab_path(name: str) -> Path:
-    if VOCAB_DIR is None:
-        pytest.fail("llama.cpp vocabulary vectors not found (set ESTREAM_SHARED)")
-    return VOCAB_DIR / f"ggml-vocab-{name}.gguf"
+    path = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
+    if not path.is_file():
+        pytest.fail(f"{path.name} not found in {VOCAB_DIR} (estream-layout's package data)")
+    return path
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 """The residency table Φ_layer and the bank/group state machine, without threads or I/O.
 
-Bank states (DESIGN.md §5)::
+Bank states (docs/design.md §5)::
 
     AVAILABLE --reserve--> FILLING --complete--> FILLED --publish--> READY --acquire--> IN_USE
         ^                     |                    |                   |                  |

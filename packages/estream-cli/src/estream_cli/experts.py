@@ -2,7 +2,7 @@
 
 Both sources run every expert through the same `estream_htp.ExpertGraph`, bound at call time to
 the routes and to the weight addresses of the slots the experts sit in. The streamed source is
-the pipeline of DESIGN.md §6: reads start when the layer starts (schedule ``early``), unrouted
+the pipeline of docs/design.md §6: reads start when the layer starts (schedule ``early``), unrouted
 groups are dropped after routing, routed groups execute as their banks become ready and banks
 are recycled as soon as their group has run.
 """

@@ -227,16 +227,22 @@ def _plot(model: Any, choice: Any, budget: int, out: str) -> None:
         ) from None
 
 
-def cmd_synth(args: argparse.Namespace) -> int:
+def _pass_through(command: str, argv: list[str]) -> int:
+    """`estream synth|pack ARGS` is `estream-synth|estream-pack ARGS`: every argument, `--help`
+    included, goes to estream-layout's own parser untouched (argparse's REMAINDER would eat
+    options such as `--arch` that come first), so the two spellings cannot drift apart."""
     from estream_layout import cli as lcli
 
-    return int(lcli.synth_main(args.rest) or 0)
+    run = lcli.synth_main if command == "synth" else lcli.pack_main
+    return int(run(argv) or 0)
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    return _pass_through("synth", args.rest)
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
-    from estream_layout import cli as lcli
-
-    return int(lcli.pack_main(args.rest) or 0)
+    return _pass_through("pack", args.rest)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -354,13 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("synth", "pack"):
-        # handed over whole: argparse's REMAINDER drops a sub-command's leading --options
-        from estream_layout import cli as lcli
+#: Subcommands handed to estream-layout's command lines with their arguments untouched.
+PASS_THROUGH = ("synth", "pack")
 
-        return int((lcli.synth_main if argv[0] == "synth" else lcli.pack_main)(argv[1:]) or 0)
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in PASS_THROUGH:
+        return _pass_through(argv[0], argv[1:])  # --help / usage errors exit as theirs do
     try:
         args = build_parser().parse_args(argv)
         _check_text_args(args)

@@ -2,7 +2,7 @@
 
 * TTFT: tokens in → logits out, model already loaded.
 * I/O–compute overlap: the fraction of read time during which some compute ran.
-* Bubble rate: 1 − max(T_io, T_exec) / T_total (DESIGN.md §6), where T_io is the union of read
+* Bubble rate: 1 − max(T_io, T_exec) / T_total (docs/design.md §6), where T_io is the union of read
   intervals and T_exec the union of compute intervals.
 """
 

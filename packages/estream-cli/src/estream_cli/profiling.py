@@ -1,6 +1,6 @@
 """Device/model calibration (`estream profile`) and configuration (`estream config`).
 
-Profiling runs one calibration request per candidate group size `g` (DESIGN.md §6): a prompt of
+Profiling runs one calibration request per candidate group size `g` (docs/design.md §6): a prompt of
 `T` tokens streamed with `Q = 1` and enough banks that reads never wait for a bank, so that each
 group's read time is its pure service time and each group's execution time is measured alone.
 Grouped-read bandwidth `BW(g, q)` is measured with the real loader on a cold file. The resulting

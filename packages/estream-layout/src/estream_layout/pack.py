@@ -1,4 +1,4 @@
-"""Pack a GGUF MoE model into `NAME.estream/` (DESIGN.md §4, docs/format.md).
+"""Pack a GGUF MoE model into `NAME.estream/` (docs/design.md §4, docs/format.md).
 
 Streaming: tensors are read with `pread` into reused buffers, converted and appended to the
 output files, so memory stays bounded (a few chunk buffers) whatever the model size. The pack is

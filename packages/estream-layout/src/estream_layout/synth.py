@@ -34,6 +34,7 @@ __all__ = [
     "ARCHES",
     "DEFAULT_VOCABS",
     "PRESETS",
+    "VOCAB_DIR",
     "SynthDims",
     "find_vocab",
     "generate_bpe_vocab",
@@ -50,7 +51,10 @@ GGUF_ARCH: Final = {
     "deepseek2": "deepseek2",
     "lfm2moe": "lfm2moe",
 }
-# Tokenizers of the real model families, from llama.cpp's models/ folder (shared/data/vocab).
+# Tokenizers of the real model families, copied from llama.cpp's models/ folder (MIT licence,
+# beside them in VOCAB_DIR); they ship in this package so synthetic models behave the same
+# wherever the package is installed.
+VOCAB_DIR: Final = Path(__file__).resolve().parent / "data"
 DEFAULT_VOCABS: Final = {
     "olmoe": "ggml-vocab-mpt.gguf",
     "qwen3moe": "ggml-vocab-qwen2.gguf",
@@ -220,15 +224,12 @@ def _vocab_dirs() -> Iterator[Path]:
     env = os.environ.get("ESTREAM_VOCAB_DIR")
     if env:
         yield Path(env)
-    here = Path.cwd().resolve()
-    for base in (here, *here.parents):
-        yield base / "shared" / "data" / "vocab"
-        yield base.parent / "shared" / "data" / "vocab"
-    yield Path("/work/shared/data/vocab")
+    yield VOCAB_DIR
 
 
 def find_vocab(arch: str) -> Path | None:
-    """The real tokenizer GGUF for an architecture's family, if one is on this machine."""
+    """The real tokenizer GGUF for an architecture's family: from ``$ESTREAM_VOCAB_DIR`` if set
+    and holding it, else the copy shipped in `VOCAB_DIR`; None for a family without one."""
     name = DEFAULT_VOCABS.get(arch)
     if name is None:
         return None
@@ -576,7 +577,7 @@ def synth_model(
     """Write a synthetic GGUF MoE model of `arch` at `preset` size to `path`; returns the path.
 
     `vocab`: a GGUF whose tokenizer.ggml.* keys are copied; by default the real tokenizer of the
-    family (shared/data/vocab) for the small and olmoe-1b-7b presets, and a generated GPT-2-style
+    family (bundled in `VOCAB_DIR`) for the small and olmoe-1b-7b presets, and a generated GPT-2-style
     BPE vocabulary for tiny or when no file is found. `expert_type`/`dense_type`/`output_type`
     are GGML type names (e.g. "F16", "Q8_0" experts to exercise re-quantization); `dims`
     (a mapping) and keyword `overrides` (any `SynthDims` field, e.g. `n_layers=12`) change preset dimensions.

@@ -1,4 +1,4 @@
-"""Tile-major weight formats `q4_0-t32r4` and `q8_0-t32r4` (DESIGN.md §4, docs/format.md).
+"""Tile-major weight formats `q4_0-t32r4` and `q8_0-t32r4` (docs/design.md §4, docs/format.md).
 
 A matrix `W[N][K]` stored as GGML blocks (one block = 32 consecutive elements of a row: an fp16
 scale then the quants) is cut into 32x32 tiles, output-tile major, reduction-tile minor. A tile

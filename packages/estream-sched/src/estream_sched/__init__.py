@@ -1,5 +1,5 @@
 """estream-sched: the max-plus pipeline model, a discrete-event simulator, calibration profiles,
-the (G, Q, B) configurator, pipeline metrics and Chrome-trace timelines (DESIGN.md §6)."""
+the (G, Q, B) configurator, pipeline metrics and Chrome-trace timelines (docs/design.md §6)."""
 
 from __future__ import annotations
 

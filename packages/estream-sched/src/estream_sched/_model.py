@@ -1,4 +1,4 @@
-"""The max-plus pipeline recurrence of DESIGN.md §6, vectorised over candidates.
+"""The max-plus pipeline recurrence of docs/design.md §6, vectorised over candidates.
 
 For one layer with ``K`` scheduled groups (1-based ``k``; ``d_j = f_j = 0`` for ``j ≤ 0``)::
 

@@ -1,4 +1,4 @@
-"""The (G, Q, B) configurator of DESIGN.md §6: Q0, B_max(g), the inner search for B*(g), the
+"""The (G, Q, B) configurator of docs/design.md §6: Q0, B_max(g), the inner search for B*(g), the
 outer search for G* under a memory budget, evaluated with the max-plus model of a profile.
 
 Service-time model (see README "Modelling choices"):

@@ -1,8 +1,9 @@
 """Helpers for tests and benchmarks: find llama.cpp's vocabulary test vectors and read them.
 
-The vectors live in ``<shared>/data/vocab/``: ``ggml-vocab-NAME.gguf`` plus ``.inp`` (test
-strings separated by lines ``__ggml_vocab_test__``) and ``.out`` (expected ids, one line each),
-read exactly as llama.cpp's ``tests/test-tokenizer-0.cpp`` reads them.
+The vectors ship inside estream-layout (``estream_layout/data/``, llama.cpp's MIT licence beside
+them): ``ggml-vocab-NAME.gguf`` plus ``.inp`` (test strings separated by lines
+``__ggml_vocab_test__``) and ``.out`` (expected ids, one line each), read exactly as llama.cpp's
+``tests/test-tokenizer-0.cpp`` reads them.
 """
 
 from __future__ import annotations
@@ -10,26 +11,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from estream_layout.synth import VOCAB_DIR
+
 __all__ = ["VOCAB_SEPARATOR", "find_vocab_dir", "read_vocab_tests", "vocab_files"]
 
 VOCAB_SEPARATOR = "\n__ggml_vocab_test__\n"
-_REL = Path("data") / "vocab"
 
 
-def find_vocab_dir(start: str | Path | None = None) -> Path | None:
-    """The vocabulary directory: ``$ESTREAM_SHARED/data/vocab`` if that variable is set, else
-    the first ``shared/data/vocab`` found beside ``start`` (default: this file) or any of its
-    parents. None if there is none."""
-    env = os.environ.get("ESTREAM_SHARED")
-    if env:
-        cand = Path(env) / _REL
-        return cand if cand.is_dir() else None
-    here = Path(start if start is not None else __file__).resolve()
-    for parent in [here, *here.parents]:
-        cand = parent / "shared" / _REL
-        if cand.is_dir():
-            return cand
-    return None
+def find_vocab_dir() -> Path:
+    """The vocabulary directory: ``$ESTREAM_VOCAB_DIR`` if that variable is set (newer vectors
+    to try), else the copy shipped with estream-layout. The caller checks what it needs is
+    there, so a missing file fails loudly rather than skipping."""
+    env = os.environ.get("ESTREAM_VOCAB_DIR")
+    return Path(env) if env else VOCAB_DIR
 
 
 def vocab_files(vocab_dir: Path) -> list[Path]:
