@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from .diskspace import check_disk_space
 from .errors import (
     ChecksumError,
     DenseModelError,
+    InsufficientDiskSpaceError,
     InvalidGGUFError,
     LayoutError,
     NotGGUFError,
@@ -25,8 +27,14 @@ from .gguf_model import (
     tensor_memmap,
 )
 from .manifest import DenseEntry, LayerEntry, Manifest, ProjectionEntry
-from .pack import dense_format, load_routing_profile, pack_model, storage_order
-from .synth import ARCHES, PRESETS, SynthDims, synth_dims, synth_model
+from .pack import (
+    dense_format,
+    load_routing_profile,
+    pack_model,
+    planned_pack_bytes,
+    storage_order,
+)
+from .synth import ARCHES, PRESET_ARCH, PRESETS, SynthDims, synth_dims, synth_model
 from .tiles import (
     dequantize_blocks,
     dequantize_tiles,
@@ -44,9 +52,11 @@ __all__ = [
     "ARCHES",
     "EXPERT_PROJECTIONS",
     "PRESETS",
+    "PRESET_ARCH",
     "ChecksumError",
     "DenseEntry",
     "DenseModelError",
+    "InsufficientDiskSpaceError",
     "InvalidGGUFError",
     "LayerEntry",
     "LayoutError",
@@ -66,6 +76,7 @@ __all__ = [
     "UnsupportedTensorTypeError",
     "VerifyReport",
     "__version__",
+    "check_disk_space",
     "dense_format",
     "dequantize_blocks",
     "dequantize_tensor",
@@ -74,6 +85,7 @@ __all__ = [
     "load_routing_profile",
     "pack_model",
     "pack_tiles",
+    "planned_pack_bytes",
     "quantize_q4_0",
     "quantize_q8_0",
     "storage_order",
