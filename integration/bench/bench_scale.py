@@ -32,6 +32,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # parity imports integration/reference.py
 
 from bench_engine import (  # noqa: E402
     CACHE,
@@ -53,6 +54,40 @@ PAPER_TABLE3 = {
     "qwen3-30b-a3b": "212–599 tok/s, 1.46–1.87 GiB (1–4K tokens in 4.8–6.8 s)",
     "mixtral-8x7b": "145–302 tok/s, 2.8–4.1 GiB",
 }
+
+
+def shape_check(preset: str, threads: int, n_layers: int = 2, n_tokens: int = 64) -> dict[str, Any]:
+    """llama.cpp loads the preset's shapes and computes what the engine computes: the preset cut
+    to `n_layers` layers (every tensor shape, key and the tokenizer as in the full model),
+    all-position logits of llama.cpp vs the engine (`resident`, default int8 activations)."""
+    import tempfile
+
+    import numpy as np
+    from llamacpp import llama_logits
+    from parity import compare, engine_logits
+
+    from estream_layout import synth_model
+
+    arch = PRESETS[preset][0]
+    out: dict[str, Any] = {"n_layers": n_layers, "tokens": n_tokens}
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        gguf = synth_model(
+            arch, preset, Path(tmp) / f"{preset}-{n_layers}l.gguf", n_layers=n_layers
+        )
+        tokens = np.random.default_rng(1).integers(0, 1000, size=n_tokens).tolist()
+        try:
+            lcpp = llama_logits(gguf, tokens, n_threads=threads)
+        except Exception as exc:
+            out["llama_error"] = str(exc)
+            return out
+        out["llama_finite"] = bool(np.isfinite(lcpp).all())
+        out["llama_logit_std"] = float(lcpp.std())
+        eng, why = engine_logits(gguf, Path(tmp), tokens, "resident")
+        if eng is None:
+            out["engine_error"] = why
+        else:
+            out["engine_vs_llamacpp"] = compare(eng, lcpp)
+    return out
 
 
 def run_measured(cmd: list[str]) -> dict[str, Any]:
@@ -110,6 +145,12 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
     rec: dict[str, Any] = {"preset": preset, "arch": arch, "run_budget_bytes": run_budget}
     free = shutil.disk_usage(CACHE).free
     print(f"\n=== {preset} ({arch}); {format_bytes(free)} free on disk", flush=True)
+    if args.shape_check and _llama(args):
+        try:
+            rec["shape_check"] = shape_check(preset, args.threads)
+        except Exception as exc:  # a failed check is a result, not the end of the benchmark
+            rec["shape_check"] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"shape check (2 layers, llama.cpp vs engine): {rec['shape_check']}", flush=True)
     if not src.exists():
         print(f"synthesizing {src} …", flush=True)
         rec["synth"] = run_measured(
@@ -308,6 +349,7 @@ def main() -> int:
     ap.add_argument("--no-llama", dest="llama", action="store_false")
     ap.add_argument("--sweep-length", type=int, default=1024)
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
+    ap.add_argument("--no-shape-check", dest="shape_check", action="store_false")
     ap.add_argument("--keep", action="store_true", help="keep the GGUF and pack afterwards")
     ap.add_argument("--out", default="bench_scale.json")
     args = ap.parse_args()
