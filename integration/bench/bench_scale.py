@@ -145,12 +145,6 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
     rec: dict[str, Any] = {"preset": preset, "arch": arch, "run_budget_bytes": run_budget}
     free = shutil.disk_usage(CACHE).free
     print(f"\n=== {preset} ({arch}); {format_bytes(free)} free on disk", flush=True)
-    if args.shape_check and _llama(args):
-        try:
-            rec["shape_check"] = shape_check(preset, args.threads)
-        except Exception as exc:  # a failed check is a result, not the end of the benchmark
-            rec["shape_check"] = {"error": f"{type(exc).__name__}: {exc}"}
-        print(f"shape check (2 layers, llama.cpp vs engine): {rec['shape_check']}", flush=True)
     if not src.exists():
         print(f"synthesizing {src} …", flush=True)
         rec["synth"] = run_measured(
@@ -169,7 +163,7 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
         rec["pack"]["bytes"] = sum(f.stat().st_size for f in dst.iterdir())
         print(f"  {_step(rec['pack'])}", flush=True)
     model = PackedModel(dst)
-    rec["experts_bytes"] = int(model.manifest["experts_bytes"])
+    rec["experts_bytes"] = model.experts_path.stat().st_size
     rec["dense_bytes"] = int(model.dense_bytes)
     if not model.manifest.get("profile"):
         print("profiling (one calibration request per candidate g) …", flush=True)
@@ -199,6 +193,12 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
     choice = configure_and_store(dst, run_budget)
+    if args.shape_check and _llama(args):
+        try:
+            rec["shape_check"] = shape_check(preset, args.threads)
+        except Exception as exc:  # a failed check is a result, not the end of the benchmark
+            rec["shape_check"] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"shape check (2 layers, llama.cpp vs engine): {rec['shape_check']}", flush=True)
     n_vocab = model.hparams.n_vocab
     common = {"src": src, "dst": dst, "n_vocab": n_vocab, "threads": args.threads}
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -325,7 +325,7 @@ def table(doc: dict[str, Any]) -> str:
 
 
 def _ttft(r: dict[str, Any]) -> str:
-    return f"{r['ttft_s']:.1f} s" if "ttft_s" in r else r.get("error", "-")
+    return f"{r['ttft_s']:.2f} s" if "ttft_s" in r else r.get("error", "-")
 
 
 def _tps(r: dict[str, Any], T: int) -> str:
@@ -352,7 +352,11 @@ def main() -> int:
     ap.add_argument("--no-shape-check", dest="shape_check", action="store_false")
     ap.add_argument("--keep", action="store_true", help="keep the GGUF and pack afterwards")
     ap.add_argument("--out", default="bench_scale.json")
+    ap.add_argument("--smoke", action="store_true", help="check the script on a small model")
     args = ap.parse_args()
+    if args.smoke:
+        PRESETS["small"] = ("qwen3moe", "2GiB")
+        args.presets = "small"
     unknown = set(args.presets.split(",")) - set(PRESETS)
     if unknown:
         ap.error(f"unknown preset(s) {sorted(unknown)}; choose from {sorted(PRESETS)}")
@@ -360,12 +364,10 @@ def main() -> int:
                  "llama_timeout_s": args.llama_timeout, "paper_table3": PAPER_TABLE3})  # fmt: skip
     for preset in args.presets.split(","):
         src, dst = model_paths(PRESETS[preset][0], preset)
-        try:
-            rec = bench_preset(preset, args)
-        finally:
-            if not args.keep:  # the next preset needs the disk space
-                shutil.rmtree(dst, ignore_errors=True)
-                src.unlink(missing_ok=True)
+        rec = bench_preset(preset, args)  # on a crash the files stay, for a rerun to reuse
+        if not args.keep:  # the next preset needs the disk space
+            shutil.rmtree(dst, ignore_errors=True)
+            src.unlink(missing_ok=True)
         _save(args, preset, rec)
     md = table(_DOC)
     print("\n" + md)

@@ -165,3 +165,15 @@ def test_console_script_exit_code(model):
     )
     assert proc.returncode == 2
     assert "out of the vocabulary" in proc.stderr
+
+
+def test_synth_and_pack_take_their_own_options(tmp_path, capsys):
+    """`estream synth --arch ...` (an option first) reaches estream-synth, as documented."""
+    src = tmp_path / "m.gguf"
+    argv = ["synth", "--arch", "mixtral", "--preset", "tiny", "--no-progress", "-o", str(src)]
+    assert main(argv) == 0
+    assert src.is_file() and "wrote" in capsys.readouterr().out
+    assert main(["pack", "--no-progress", str(src), "-o", str(tmp_path / "m.estream")]) == 0
+    assert (tmp_path / "m.estream" / "manifest.json").is_file()
+    assert main(["synth", "--arch", "olmoe", "--preset", "mixtral-8x7b", "-o", str(src)]) == 2
+    assert "use --arch mixtral" in capsys.readouterr().err

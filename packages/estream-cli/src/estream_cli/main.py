@@ -413,6 +413,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("synth", "pack"):
+        # Their own parsers take every option: argparse's REMAINDER would refuse an option
+        # first (`estream synth --arch ...`) as unknown to `estream`.
+        from estream_layout import cli as lcli
+
+        return int((lcli.synth_main if argv[0] == "synth" else lcli.pack_main)(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
