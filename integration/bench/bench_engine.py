@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -109,15 +110,26 @@ class Cgroup:
                 self.path.rmdir()
 
 
-def _run(cmd: list[str], *, cgroup: Cgroup | None = None, timeout: float = 3600) -> dict[str, Any]:
+def _data_limit(limit: int) -> Any:
+    def enter() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+    return enter
+
+
+def _run(
+    cmd: list[str],
+    *,
+    cgroup: Cgroup | None = None,
+    timeout: float = 3600,
+    data_limit: int | None = None,
+) -> dict[str, Any]:
+    """Run one child; `data_limit` caps its private memory (RLIMIT_DATA: anonymous and private
+    writable mappings, not a read-only mmap of the model), so a child that would need more than
+    the machine has fails its own allocation instead of invoking the system-wide OOM killer."""
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        preexec_fn=cgroup.preexec() if cgroup else None,
-    )
+    preexec = cgroup.preexec() if cgroup else _data_limit(data_limit) if data_limit else None
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         killed = proc.returncode in (-9, 137)
@@ -214,6 +226,7 @@ def run_system(
     cgroup: Cgroup | None = None,
     engine_args: tuple[str, ...] = (),
     label: str = "",
+    data_limit: int | None = None,
 ) -> dict[str, Any]:
     """One cold-cache prefill of `T` random tokens in a fresh process: `stream`/`resident`
     engine or `llama.cpp`; prints one line and returns the metrics (or the error: OOM kill,
@@ -225,7 +238,7 @@ def run_system(
     else:
         cmd = [*engine_cmd(dst, tokens, system, threads), *engine_args]
     try:
-        m = _run(cmd, cgroup=cgroup, timeout=timeout)
+        m = _run(cmd, cgroup=cgroup, timeout=timeout, data_limit=data_limit)
     except subprocess.TimeoutExpired:
         m = {"error": f"did not finish in {timeout:.0f} s", "timeout_s": timeout}
     m.update({"system": system, "length": T, "cache": how, "cgroup": bool(cgroup)})

@@ -6,8 +6,11 @@ For each preset, one after the other (the files of one are deleted before the ne
 2. `estream profile`, then the configurator's choice under each budget (2 GiB, 4 GiB);
 3. engine `stream` under the preset's run budget (Qwen3-30B-A3B: 2 GiB, Mixtral-8x7B: 4 GiB)
    at 256/1K/4K tokens: TTFT, tokens/s, peak memory, bytes read, I/O–compute overlap;
-4. llama.cpp CPU (llama-cpp-python) on the same GGUF and tokens, with a time limit: a run that
-   does not finish, or is OOM-killed, is reported as such;
+4. llama.cpp CPU (llama-cpp-python) on the same GGUF and tokens, with a time limit and its
+   private memory capped at the machine's RAM less a reserve (`--llama-reserve`, RLIMIT_DATA:
+   the read-only mmap of the model is not counted), so that on a shared machine a model that
+   does not fit fails its own allocation rather than waking the system-wide OOM killer; a run
+   that does not finish, or fails, is reported as such;
 5. a small sweep of (G, Q, B) around the configurator's choice under the run budget, at one
    prompt length: its regret against the best point measured.
 
@@ -212,7 +215,12 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
             if gave_up is not None:
                 runs.append({"system": system, "length": T, "error": f"not run ({gave_up})"})
                 continue
-            m = run_system(system, T, timeout=timeout, **common)
+            limit = _llama_data_limit(args) if system == "llama.cpp" else None
+            m = run_system(system, T, timeout=timeout, data_limit=limit, **common)
+            if limit:
+                m["data_limit_bytes"] = limit
+                if "error" in m and "timeout_s" not in m:
+                    m["error"] += f" (private memory capped at {format_bytes(limit)})"
             runs.append(m)
             if "error" in m:
                 gave_up = f"{m['length']} tokens: {m['error']}"
@@ -242,6 +250,18 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
             print(f"  configurator regret vs sweep best: {100 * rec['choice_regret']:.1f}%")
     rec["sweep"] = sweep
     return rec
+
+
+def _llama_data_limit(args: argparse.Namespace) -> int | None:
+    """Private-memory cap for llama.cpp: the machine's RAM less a reserve for everything else
+    running on it. llama.cpp's CPU backend copies (repacks) Q4_0 weights into private memory; a
+    model bigger than the machine then fails that allocation instead of making the kernel's
+    OOM killer pick among everyone's processes."""
+    if args.llama_reserve is None:
+        return None
+    with open("/proc/meminfo") as f:
+        total = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal:"))
+    return max(1 << 30, total - parse_bytes(args.llama_reserve))
 
 
 def _llama(args: argparse.Namespace) -> bool:
@@ -347,6 +367,11 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="limit per engine run (s)")
     ap.add_argument("--llama-timeout", type=float, default=900.0, help="limit per llama.cpp run")
     ap.add_argument("--no-llama", dest="llama", action="store_false")
+    ap.add_argument(
+        "--llama-reserve",
+        default="6GiB",
+        help="llama.cpp's private memory is capped at RAM minus this (RLIMIT_DATA); 'none': no cap",
+    )
     ap.add_argument("--sweep-length", type=int, default=1024)
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
     ap.add_argument("--no-shape-check", dest="shape_check", action="store_false")
@@ -354,6 +379,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench_scale.json")
     ap.add_argument("--smoke", action="store_true", help="check the script on a small model")
     args = ap.parse_args()
+    if str(args.llama_reserve).lower() == "none":
+        args.llama_reserve = None
     if args.smoke:
         PRESETS["small"] = ("qwen3moe", "2GiB")
         args.presets = "small"
