@@ -301,6 +301,12 @@ def bench_engine(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_scale(session: nox.Session) -> None:
+    """Qwen3-30B-A3B and Mixtral-8x7B shapes streamed within 2/4 GiB (≈ 80 GB of disk, hours)."""
+    _bench(session, ROOT / "integration" / "bench" / "bench_scale.py", all_pkgs=True)
+
+
+@nox.session
 def parity(session: nox.Session) -> None:
     """Engine vs llama.cpp (llama-cpp-python) logits on the same synthetic GGUF."""
     _bench(session, ROOT / "integration" / "bench" / "parity.py", all_pkgs=True)

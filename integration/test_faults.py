@@ -607,7 +607,9 @@ def test_concurrent_estream_config_commands(packs: dict[str, Path], tmp_path: Pa
 def test_synth_and_pack_through_estream(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`estream synth --arch ...` lost its options to argparse's REMAINDER."""
     g = tmp_path / "t.gguf"
-    assert main(["synth", "--arch", "olmoe", "--preset", "tiny", "-o", str(g)]) == 0
+    assert (
+        main(["synth", "--arch", "olmoe", "--preset", "tiny", "--no-progress", "-o", str(g)]) == 0
+    )
     assert main(["pack", str(g), "-o", str(tmp_path / "t.estream"), "--no-progress"]) == 0
     assert main(["pack", "--verify", str(tmp_path / "t.estream")]) == 0
     assert main(["pack", str(g), "-o", str(g), "--force"]) == 2

@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -109,15 +110,26 @@ class Cgroup:
                 self.path.rmdir()
 
 
-def _run(cmd: list[str], *, cgroup: Cgroup | None = None, timeout: float = 3600) -> dict[str, Any]:
+def _data_limit(limit: int) -> Any:
+    def enter() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+    return enter
+
+
+def _run(
+    cmd: list[str],
+    *,
+    cgroup: Cgroup | None = None,
+    timeout: float = 3600,
+    data_limit: int | None = None,
+) -> dict[str, Any]:
+    """Run one child; `data_limit` caps its private memory (RLIMIT_DATA: anonymous and private
+    writable mappings, not a read-only mmap of the model), so a child that would need more than
+    the machine has fails its own allocation instead of invoking the system-wide OOM killer."""
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        preexec_fn=cgroup.preexec() if cgroup else None,
-    )
+    preexec = cgroup.preexec() if cgroup else _data_limit(data_limit) if data_limit else None
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         killed = proc.returncode in (-9, 137)
@@ -148,19 +160,52 @@ def llama_cmd(gguf: Path, tokens: np.ndarray, threads: int) -> list[str]:
     return [sys.executable, "-c", _LLAMA_CHILD, json.dumps(spec)]
 
 
-def prepare(preset: str, budget: int, seed: int = 0) -> tuple[Path, Path]:
-    from estream_cli.config import configure_for_budget, store_config, store_profile
+def model_paths(arch: str, preset: str, seed: int = 0) -> tuple[Path, Path]:
+    """Where the benchmarks keep a synthetic preset's GGUF and its pack (gitignored cache)."""
+    stem = f"{arch}-{preset}-s{seed}"
+    return CACHE / f"{stem}.gguf", CACHE / f"{stem}.estream"
+
+
+def ensure_profile(dst: Path) -> None:
+    """Profile the packed model once (stored in its manifest, reused by later runs)."""
+    from estream_cli.config import store_profile
     from estream_cli.packed import PackedModel
     from estream_cli.profiling import profile_model
+
+    model = PackedModel(dst)
+    if not model.manifest.get("profile"):
+        print("profiling (one calibration request per g) …", flush=True)
+        t0 = time.perf_counter()
+        prof = profile_model(dst, log=print)
+        store_profile(model, prof)
+        print(f"  profiled in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def configure_and_store(dst: Path, budget: int) -> Any:
+    """The configurator's (G, Q, B) for `budget`, stored in the manifest (used by `prefill`)."""
+    from estream_cli.config import configure_for_budget, store_config
+    from estream_cli.packed import PackedModel
+
+    model = PackedModel(dst)
+    choice = configure_for_budget(model, budget)
+    store_config(model, choice, budget)
+    print(
+        f"config for {format_bytes(budget)}: G={choice.G} Q={choice.Q} B={choice.B} "
+        f"(predicted memory {format_bytes(choice.memory_bytes)})",
+        flush=True,
+    )
+    return choice
+
+
+def prepare(preset: str, budget: int, seed: int = 0, arch: str = "olmoe") -> tuple[Path, Path]:
     from estream_layout import LayoutError, Manifest, pack_model, synth_model
 
     CACHE.mkdir(parents=True, exist_ok=True)
-    src = CACHE / f"olmoe-{preset}-s{seed}.gguf"
-    dst = CACHE / f"olmoe-{preset}-s{seed}.estream"
+    src, dst = model_paths(arch, preset, seed)
     if not src.exists():
         print(f"synthesizing {src} …", flush=True)
         t0 = time.perf_counter()
-        synth_model("olmoe", preset, src, seed=seed)
+        synth_model(arch, preset, src, seed=seed)
         print(f"  {format_bytes(src.stat().st_size)} in {time.perf_counter() - t0:.1f} s")
     try:
         Manifest.from_path(dst)  # also refuses a cached pack of an older format version
@@ -170,20 +215,50 @@ def prepare(preset: str, budget: int, seed: int = 0) -> tuple[Path, Path]:
     if fresh:
         print(f"packing {dst} …", flush=True)
         pack_model(src, dst, force=True, progress=True)
-    model = PackedModel(dst)
-    if not model.manifest.get("profile"):
-        print("profiling (one calibration request per g) …", flush=True)
-        prof = profile_model(dst, log=print)
-        store_profile(model, prof)
-        model = PackedModel(dst)
-    choice = configure_for_budget(model, budget)
-    store_config(model, choice, budget)
+    ensure_profile(dst)
+    configure_and_store(dst, budget)
+    return src, dst
+
+
+def run_system(
+    system: str,
+    T: int,
+    *,
+    src: Path,
+    dst: Path,
+    n_vocab: int,
+    threads: int,
+    timeout: float,
+    cgroup: Cgroup | None = None,
+    engine_args: tuple[str, ...] = (),
+    label: str = "",
+    data_limit: int | None = None,
+) -> dict[str, Any]:
+    """One cold-cache prefill of `T` random tokens in a fresh process: `stream`/`resident`
+    engine or `llama.cpp`; prints one line and returns the metrics (or the error: OOM kill,
+    time limit)."""
+    tokens = np.random.default_rng(T).integers(0, n_vocab, size=T)
+    how = drop_page_cache([src, dst / "experts.bin", dst / "dense.bin"])
+    if system == "llama.cpp":
+        cmd = llama_cmd(src, tokens, threads)
+    else:
+        cmd = [*engine_cmd(dst, tokens, system, threads), *engine_args]
+    try:
+        m = _run(cmd, cgroup=cgroup, timeout=timeout, data_limit=data_limit)
+    except subprocess.TimeoutExpired:
+        m = {"error": f"did not finish in {timeout:.0f} s", "timeout_s": timeout}
+    m.update({"system": system, "length": T, "cache": how, "cgroup": bool(cgroup)})
+    ttft = f"{m['ttft_s']:8.2f} s" if "ttft_s" in m else f"{m.get('error', '?'):>10s}"
+    peak = format_bytes(m["peak_memory_bytes"]) if "peak_memory_bytes" in m else "-"
+    rss = format_bytes(m["peak_rss_bytes"]) if "peak_rss_bytes" in m else "-"
+    cap = f" [cgroup {format_bytes(cgroup.limit)}]" if cgroup else ""
+    extra = f"  majflt {m['major_faults']}" if "major_faults" in m else ""
     print(
-        f"config for {format_bytes(budget)}: G={choice.G} Q={choice.Q} B={choice.B} "
-        f"(predicted memory {format_bytes(choice.memory_bytes)})",
+        f"T={T:<5d} {system + label:<10s} TTFT {ttft}  peak {peak:>11s} (RSS {rss:>11s}){cap}"
+        f"{extra}",
         flush=True,
     )
-    return src, dst
+    return m
 
 
 def main() -> int:
@@ -216,33 +291,15 @@ def main() -> int:
             llama_ok = True
         except Exception as exc:  # report, do not hide: the table says why the column is empty
             print(f"llama.cpp unavailable: {exc}", flush=True)
-    files = [src, dst / "experts.bin", dst / "dense.bin"]
     rows: list[dict[str, Any]] = []
     systems = ["stream", "resident"] + (["llama.cpp"] if llama_ok else [])
 
     def one(system: str, T: int, cg: Cgroup | None) -> dict[str, Any]:
         timeout = args.cgroup_timeout if cg else 3600.0
-        tokens = np.random.default_rng(T).integers(0, hp.n_vocab, size=T)
-        how = drop_page_cache(files)
-        if system == "llama.cpp":
-            cmd = llama_cmd(src, tokens, args.threads)
-        else:
-            cmd = engine_cmd(dst, tokens, system, args.threads)
-        try:
-            m = _run(cmd, cgroup=cg, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            m = {"error": f"timed out after {timeout:.0f} s (paging)"}
-        m.update({"system": system, "length": T, "cache": how, "cgroup": bool(cg)})
-        ttft = f"{m['ttft_s']:8.2f} s" if "ttft_s" in m else f"{m.get('error', '?'):>10s}"
-        peak = format_bytes(m["peak_memory_bytes"]) if "peak_memory_bytes" in m else "-"
-        rss = format_bytes(m["peak_rss_bytes"]) if "peak_rss_bytes" in m else "-"
-        cap = f" [cgroup {format_bytes(cg.limit)}]" if cg else ""
-        extra = f"  majflt {m['major_faults']}" if "major_faults" in m else ""
-        print(
-            f"T={T:<5d} {system:<10s} TTFT {ttft}  peak {peak:>11s} (RSS {rss:>11s}){cap}{extra}",
-            flush=True,
-        )
-        return m
+        return run_system(
+            system, T, src=src, dst=dst, n_vocab=hp.n_vocab, threads=args.threads,
+            timeout=timeout, cgroup=cg,
+        )  # fmt: skip
 
     if not args.skip_free:
         for T in lengths:

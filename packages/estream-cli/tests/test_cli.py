@@ -211,3 +211,15 @@ def test_pass_through_usage_errors_are_the_layout_commands_errors(argv, tmp_path
     assert ours.returncode == theirs.returncode != 0
     assert ours.stderr == theirs.stderr and f"estream-{argv[0]}" in ours.stderr
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_synth_refuses_a_preset_of_another_architecture(tmp_path, capsys):
+    """`estream synth --arch ...` (an option first) reaches estream-synth, as documented."""
+    src = tmp_path / "m.gguf"
+    argv = ["synth", "--arch", "mixtral", "--preset", "tiny", "--no-progress", "-o", str(src)]
+    assert main(argv) == 0
+    assert src.is_file() and "wrote" in capsys.readouterr().out
+    assert main(["pack", "--no-progress", str(src), "-o", str(tmp_path / "m.estream")]) == 0
+    assert (tmp_path / "m.estream" / "manifest.json").is_file()
+    assert main(["synth", "--arch", "olmoe", "--preset", "mixtral-8x7b", "-o", str(src)]) == 2
+    assert "use --arch mixtral" in capsys.readouterr().err

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from .diskspace import check_disk_space
 from .errors import (
     ChecksumError,
     DenseModelError,
+    InsufficientDiskSpaceError,
     InvalidGGUFError,
     InvalidMetadataError,
     LayoutError,
@@ -35,8 +37,14 @@ from .manifest import (
     manifest_lock,
     update_manifest,
 )
-from .pack import dense_format, load_routing_profile, pack_model, storage_order
-from .synth import ARCHES, PRESETS, SynthDims, synth_dims, synth_model
+from .pack import (
+    dense_format,
+    load_routing_profile,
+    pack_model,
+    planned_pack_bytes,
+    storage_order,
+)
+from .synth import ARCHES, PRESET_ARCH, PRESETS, SynthDims, synth_dims, synth_model
 from .tiles import (
     dequantize_blocks,
     dequantize_tiles,
@@ -54,9 +62,11 @@ __all__ = [
     "ARCHES",
     "EXPERT_PROJECTIONS",
     "PRESETS",
+    "PRESET_ARCH",
     "ChecksumError",
     "DenseEntry",
     "DenseModelError",
+    "InsufficientDiskSpaceError",
     "InvalidGGUFError",
     "InvalidMetadataError",
     "LayerEntry",
@@ -79,6 +89,7 @@ __all__ = [
     "UnsupportedTensorTypeError",
     "VerifyReport",
     "__version__",
+    "check_disk_space",
     "dense_format",
     "dequantize_blocks",
     "dequantize_tensor",
@@ -88,6 +99,7 @@ __all__ = [
     "manifest_lock",
     "pack_model",
     "pack_tiles",
+    "planned_pack_bytes",
     "quantize_q4_0",
     "quantize_q8_0",
     "storage_order",

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from .errors import LayoutError
-from .synth import ARCHES, PRESETS
+from .synth import ARCHES, PRESET_ARCH, PRESETS
 
 __all__ = ["pack_main", "synth_main"]
 
@@ -121,13 +121,30 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--arch", required=True, choices=ARCHES)
     ap.add_argument("--preset", required=True, choices=PRESETS)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--vocab", help="GGUF to copy tokenizer.ggml.* from (default: by family)")
+    ap.add_argument(
+        "--vocab",
+        help="GGUF to copy tokenizer.ggml.* from (default: by family; '-': a generated one)",
+    )
     ap.add_argument("-o", "--output", required=True, help="output .gguf path")
+    ap.add_argument("--no-progress", action="store_true", help="no progress line")
     args = ap.parse_args(argv)
+    if PRESET_ARCH.get(args.preset, args.arch) != args.arch:
+        return _fail(
+            "estream-synth",
+            f"preset {args.preset} is the shape of a {PRESET_ARCH[args.preset]} model; "
+            f"use --arch {PRESET_ARCH[args.preset]}",
+        )
     from .synth import synth_model
 
     try:
-        path = synth_model(args.arch, args.preset, args.output, seed=args.seed, vocab=args.vocab)
+        path = synth_model(
+            args.arch,
+            args.preset,
+            args.output,
+            seed=args.seed,
+            vocab=args.vocab,
+            progress=not args.no_progress,
+        )
     except LayoutError as e:
         return _fail("estream-synth", str(e))
     except OSError as e:

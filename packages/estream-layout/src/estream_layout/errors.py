@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "ChecksumError",
     "DenseModelError",
+    "InsufficientDiskSpaceError",
     "InvalidGGUFError",
     "InvalidMetadataError",
     "LayoutError",
@@ -51,6 +52,19 @@ class UnalignedReductionError(LayoutError):
 
 class UnsupportedTensorTypeError(LayoutError):
     """A tensor type that gguf cannot dequantize, so it cannot be converted."""
+
+
+class InsufficientDiskSpaceError(LayoutError):
+    """The target filesystem has less free space than the file(s) about to be written need.
+
+    Raised before anything is written, so a 26 GB model never dies at 90% with ENOSPC.
+    """
+
+    def __init__(self, message: str, *, needed: int, free: int, path: str) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.free = free
+        self.path = path
 
 
 class PackExistsError(LayoutError):

@@ -37,6 +37,7 @@ import attrs
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from .diskspace import check_disk_space
 from .errors import (
     LayoutError,
     NonFiniteWeightsError,
@@ -75,6 +76,7 @@ __all__ = [
     "dense_format",
     "load_routing_profile",
     "pack_model",
+    "planned_pack_bytes",
     "storage_order",
     "write_metadata_gguf",
 ]
@@ -462,6 +464,22 @@ def _warn_requant(spec: ModelSpec, tensors: list[TensorInfo]) -> None:
     sys.stderr.flush()
 
 
+def planned_pack_bytes(spec: ModelSpec) -> int:
+    """Bytes a pack of `spec` will occupy: dense.bin, experts.bin (page-padded records) and the
+    metadata GGUF (bounded by the source's header); the manifest is small change (1 MiB)."""
+    dense = sum(_round_up(_dense_nbytes(spec.tensors[n], dense_format(spec.tensors[n])))
+                for n in spec.dense_tensor_names)  # fmt: skip
+    experts = 0
+    for layer in spec.moe_layers:
+        record = 0
+        for j in EXPERT_PROJECTIONS:
+            _, rows, cols = spec.expert_tensor(layer, j).shape
+            record += _round_up(tile_nbytes(rows, cols))
+        experts += spec.n_experts * record
+    header = min(spec.tensors.values(), key=lambda t: t.offset).offset
+    return dense + experts + header + (1 << 20)
+
+
 # ------------------------------------------------------------------------------ main entry
 def pack_model(
     src: str | os.PathLike[str],
@@ -479,6 +497,9 @@ def pack_model(
     co-activated experts first, see `load_routing_profile`), or `{layer: [expert ids]}`.
     Refuses to replace an existing `dst` unless `force`. Returns the written manifest.
 
+    Raises `InsufficientDiskSpaceError` before writing anything when `dst`'s filesystem cannot
+    hold `planned_pack_bytes(spec)`.
+
     Memory: a MoE layer's three expert tensors are read whole (one sequential pass over the
     source) when they fit in `layer_buffer_bytes`; bigger layers (e.g. Mixtral-8x7B's ~800 MB)
     are read one expert at a time instead, so peak memory stays bounded either way.
@@ -493,6 +514,9 @@ def pack_model(
     if requant:
         _warn_requant(spec, requant_tensors)
 
+    check_disk_space(
+        dst_path.parent, planned_pack_bytes(spec), f"packing {Path(spec.path).name}"
+    )  # the old pack, if any, is removed only once the new one is complete: no credit for it
     dst_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dst_path.name + ".tmp-", dir=dst_path.parent))
     umask = os.umask(0)

@@ -26,14 +26,17 @@ from gguf import (
 )
 from gguf.constants import GGML_QUANT_SIZES
 
+from .diskspace import check_disk_space
 from .errors import InvalidGGUFError
 from .gguf_header import read_header
 from .gguf_model import QK_NORM
+from .pack import _Progress
 
 __all__ = [
     "ARCHES",
     "DEFAULT_VOCABS",
     "PRESETS",
+    "PRESET_ARCH",
     "VOCAB_DIR",
     "SynthDims",
     "find_vocab",
@@ -43,7 +46,9 @@ __all__ = [
 ]
 
 ARCHES: Final = ("olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe")
-PRESETS: Final = ("tiny", "small", "olmoe-1b-7b")
+PRESETS: Final = ("tiny", "small", "olmoe-1b-7b", "qwen3-30b-a3b", "mixtral-8x7b")
+# Presets that are the shape of one published model, hence of one architecture only.
+PRESET_ARCH: Final = {"qwen3-30b-a3b": "qwen3moe", "mixtral-8x7b": "mixtral"}
 GGUF_ARCH: Final = {
     "olmoe": "olmoe",
     "qwen3moe": "qwen3moe",
@@ -150,6 +155,45 @@ def synth_dims(arch: str, preset: str) -> SynthDims:
             qk_rope_dim=64,
             qk_nope_dim=128,
             v_head_dim=128,
+        )
+    if preset in PRESET_ARCH and arch != PRESET_ARCH[preset]:
+        raise ValueError(
+            f"preset {preset!r} is the shape of a {PRESET_ARCH[preset]} model; "
+            f"use --arch {PRESET_ARCH[preset]}"
+        )
+    if preset == "qwen3-30b-a3b":
+        # Qwen/Qwen3-30B-A3B config.json: 48 layers, hidden 2048, 32 q / 4 kv heads of 128,
+        # 128 experts top-8 of moe_intermediate_size 768, vocab 151936 (the qwen2 tokenizer
+        # file), rope_theta 1e6, max_position_embeddings 40960; per-head q/k norms (qwen3moe).
+        return SynthDims(
+            n_layers=48,
+            n_embd=2048,
+            n_ff_exp=768,
+            n_ff=6144,
+            n_experts=128,
+            n_experts_used=8,
+            n_head=32,
+            n_head_kv=4,
+            head_dim=128,
+            n_vocab=151936,
+            n_ctx=40960,
+        )
+    if preset == "mixtral-8x7b":
+        # mistralai/Mixtral-8x7B-v0.1 config.json: 32 layers, hidden 4096, 32 q / 8 kv heads of
+        # 128, 8 experts top-2 of intermediate_size 14336, vocab 32000 (llama SPM tokenizer),
+        # rope_theta 1e6, max_position_embeddings 32768.
+        return SynthDims(
+            n_layers=32,
+            n_embd=4096,
+            n_ff_exp=14336,
+            n_ff=14336,
+            n_experts=8,
+            n_experts_used=2,
+            n_head=32,
+            n_head_kv=8,
+            head_dim=128,
+            n_vocab=32000,
+            n_ctx=32768,
         )
     raise ValueError(f"unknown preset {preset!r}; choose from {PRESETS}")
 
@@ -572,15 +616,18 @@ def synth_model(
     dense_type: str = "Q4_0",
     output_type: str = "Q8_0",
     dims: Mapping[str, int] | None = None,
+    progress: bool = False,
     **overrides: int,
 ) -> Path:
     """Write a synthetic GGUF MoE model of `arch` at `preset` size to `path`; returns the path.
 
     `vocab`: a GGUF whose tokenizer.ggml.* keys are copied; by default the real tokenizer of the
     family (bundled in `VOCAB_DIR`) for the small and olmoe-1b-7b presets, and a generated GPT-2-style
-    BPE vocabulary for tiny or when no file is found. `expert_type`/`dense_type`/`output_type`
+    BPE vocabulary for tiny, when no file is found, or when `vocab` is "-". `expert_type`/`dense_type`/`output_type`
     are GGML type names (e.g. "F16", "Q8_0" experts to exercise re-quantization); `dims`
     (a mapping) and keyword `overrides` (any `SynthDims` field, e.g. `n_layers=12`) change preset dimensions.
+    `progress` prints a progress line on stderr. Raises `InsufficientDiskSpaceError` before
+    writing anything when the output's filesystem cannot hold the planned file.
     """
     d = synth_dims(arch, preset)
     changes = {**(dims or {}), **overrides}
@@ -590,7 +637,9 @@ def synth_model(
             raise TypeError(f"unknown synth dimension(s) {sorted(unknown)}")
         d = attrs.evolve(d, **changes)
     vocab_path: Path | None
-    if vocab is not None:
+    if vocab == "-":  # asked for explicitly: a generated vocabulary, whatever the preset
+        vocab_path = None
+    elif vocab is not None:
         vocab_path = Path(vocab)
         if not vocab_path.is_file():  # asked for by name: never silently substitute another
             raise InvalidGGUFError(f"vocabulary {vocab}: no such file")
@@ -622,7 +671,14 @@ def synth_model(
                 f"block size {block}; choose other dimensions or types"
             )
     out = Path(path)
+    data_bytes = sum(t.nbytes for t in plan)
+    # header: the tokenizer (a few MiB for 152K tokens and their merges) plus tensor infos
+    planned = data_bytes + 32 * len(plan) + (vocab_path.stat().st_size if vocab_path else 0)
+    planned += 1 << 20
+    reclaimed = out.stat().st_size if out.is_file() else 0  # GGUFWriter truncates it
+    check_disk_space(out, planned, f"writing {out.name}", reclaimed=reclaimed)
     out.parent.mkdir(parents=True, exist_ok=True)
+    bar = _Progress(data_bytes, f"synthesizing {out.name}", progress)
     writer = GGUFWriter(out, GGUF_ARCH[arch])
     try:
         for key, val, vtype in _arch_keys(arch, d, n_vocab):
@@ -668,11 +724,13 @@ def synth_model(
             assert data.nbytes == t.nbytes, (t.name, data.nbytes, t.nbytes)
             writer.write_tensor_data(np.ascontiguousarray(data))
             del data
+            bar.update(t.nbytes)
     except BaseException:
         writer.close()
         out.unlink(missing_ok=True)
         raise
     writer.close()
+    bar.close()
     return out
 
 
