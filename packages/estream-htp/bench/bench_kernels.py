@@ -1,6 +1,7 @@
 """Kernel GFLOP/s on OLMoE-1B-7B shapes vs numpy/BLAS float32 on the same dequantized weights.
 
-Run with `nox -s bench_kernels`. The BLAS baseline must get this machine's best kernel, so the
+Also measures the per-op submission overhead of the host-process (executor) backend against the
+in-process host backend. Run with `nox -s bench_kernels`. The BLAS baseline must get this machine's best kernel, so the
 script re-executes itself with OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE removed from its own
 environment (nothing else is touched). Both sides use 2 threads. Writes
 bench-results/bench_kernels.json.
@@ -193,6 +194,87 @@ def bench_attention(rng: np.random.Generator, row) -> None:
     )
 
 
+def bench_submission(results: dict) -> None:
+    """Per-op cost of the executor path: an empty op's round trip, and the expert op of one
+    group (G=4 of 64 OLMoE experts, T=1024) with every operand already in shared memory, run
+    in-process (host) and through the executor (host-process) in this one run."""
+    from estream_htp._ffi import ffi, lib
+
+    rng = np.random.default_rng(1)
+    g_size, t = 4, 1024
+    gate, up, down = T.random_experts(rng, g_size, D, FF)
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(t)]).astype(np.int32)
+    tokens_all = np.repeat(np.arange(t, dtype=np.int32), K)
+    sel = ids.reshape(-1) < g_size  # the routes of one group of 4 experts
+    out: dict = {}
+    print(f"{'submission':44s} {'host us':>9s} {'process us':>10s} {'overhead us':>11s}")
+    with (
+        htp.Backend("host", n_threads=THREADS) as host,
+        htp.Backend("host-process", n_threads=THREADS) as proc,
+    ):
+        for name, be in (("host", host), ("host-process", proc)):
+            d = ffi.new("htp_op_desc *")
+            lat = []
+            for _ in range(2000):
+                t0 = time.perf_counter()
+                lib.htp_op_run(be._b, d)
+                lat.append(time.perf_counter() - t0)
+            py = []
+            for _ in range(500):
+                t0 = time.perf_counter()
+                htp.nop(backend=be)
+                py.append(time.perf_counter() - t0)
+            out[f"nop_c_{name}_us"] = float(np.median(lat) * 1e6)
+            out[f"nop_c_{name}_p90_us"] = float(np.percentile(lat, 90) * 1e6)
+            out[f"nop_python_{name}_us"] = float(np.median(py) * 1e6)
+        row = ("empty op round trip (C call, median)", "nop_c")
+        print(
+            f"{row[0]:44s} {out['nop_c_host_us']:9.1f} {out['nop_c_host-process_us']:10.1f} "
+            f"{out['nop_c_host-process_us'] - out['nop_c_host_us']:11.1f}"
+        )
+        print(
+            f"{'empty op round trip (Python htp.nop, median)':44s} {out['nop_python_host_us']:9.1f} "
+            f"{out['nop_python_host-process_us']:10.1f} "
+            f"{out['nop_python_host-process_us'] - out['nop_python_host_us']:11.1f}"
+        )
+        for act in ("q8", "f32"):
+            times = {}
+            ys = {}
+            for name, be in (("host", host), ("host-process", proc)):
+                planes = [be.share(p) for p in (gate, up, down)]
+                x = be.share(rng.standard_normal((t, D)).astype(np.float32))
+                tok = be.share(np.ascontiguousarray(tokens_all[sel]))
+                ex = be.share(np.ascontiguousarray(ids.reshape(-1)[sel]))
+                w = be.share(np.ones(int(sel.sum()), np.float32))
+                slots = be.share(
+                    np.concatenate([np.arange(g_size), np.full(E - g_size, -1)]).astype(np.int32)
+                )
+                y = be.empty((t, D), np.float32)
+                g = htp.ExpertGraph(D, FF, 4096, t, backend=be)
+                addrs = [p.ctypes.data for p in planes]
+                strides = [p.strides[0] for p in planes]
+
+                args = (x, tok, ex, w, slots, addrs, strides, y)
+
+                def run(g=g, args=args, y=y, act=act) -> None:
+                    y[...] = 0
+                    g.run(*args, act=act)
+
+                times[name] = best_of(run, reps=7)
+                ys[name] = y.copy()
+            assert ys["host"].tobytes() == ys["host-process"].tobytes(), "backends disagree"
+            ov = times["host-process"] - times["host"]
+            out[f"expert_group_{act}_host_us"] = times["host"] * 1e6
+            out[f"expert_group_{act}_process_us"] = times["host-process"] * 1e6
+            out[f"expert_group_{act}_overhead_pct"] = 100 * ov / times["host"]
+            print(
+                f"{f'expert op, 1 group (G=4, R={int(sel.sum())}) act={act}':44s} "
+                f"{times['host'] * 1e6:9.1f} {times['host-process'] * 1e6:10.1f} {ov * 1e6:11.1f}"
+                f" ({100 * ov / times['host']:+.1f}%)"
+            )
+    results["submission"] = out
+
+
 def main() -> None:
     htp.set_num_threads(THREADS)
     rng = np.random.default_rng(0)
@@ -252,6 +334,7 @@ def main() -> None:
             bench_gemm(rng, row, n, k, t)
     bench_experts(rng, row)
     bench_attention(rng, row)
+    bench_submission(results)
 
     if results["peak_int8_gops"] is not None:
         end_peak = measure_peak()

@@ -134,6 +134,7 @@ def engine_from_args(args: argparse.Namespace, *, progress: bool) -> Any:
         n_threads=args.threads,
         verify=args.verify,
         act=args.act,
+        backend=args.backend,
         progress=progress,
     )
 
@@ -327,6 +328,12 @@ def _add_engine_opts(p: argparse.ArgumentParser) -> None:
         choices=("q8", "f32"),
         default="q8",
         help="activations: q8 (int8 per 32-block, fast; default) or f32 (exact)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("host", "host-process"),
+        default="host",
+        help="where expert ops run: in this process (default) or in an executor process",
     )
 
 

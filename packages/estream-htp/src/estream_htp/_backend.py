@@ -135,7 +135,7 @@ class Fence:
     """Completion of one submitted op. `wait` returns once the op ran (raising its error, if
     any) and keeps the op's operands alive until then."""
 
-    __slots__ = ("_after", "_backend", "_error", "_keep", "done", "value", "what")
+    __slots__ = ("__weakref__", "_after", "_backend", "_error", "_keep", "done", "value", "what")
 
     def __init__(
         self,
@@ -210,6 +210,7 @@ class Backend:
         self._stage_id = 0
         self._null: np.ndarray | None = None
         self._dead: str | None = None
+        self._pending: weakref.WeakSet[Fence] = weakref.WeakSet()
         n = int(n_threads) if n_threads is not None else default_threads()
         if not 1 <= n <= 64:
             raise HTPInputError(f"n_threads must be in [1, 64], got {n}")
@@ -305,9 +306,14 @@ class Backend:
                 "the host-process backend is closed"
             )
             self._regions.clear()
+            self._stage = self._null = None
             self._b = None
             self._finalizer()
-            raise ExecutorDiedError(self._dead)
+            err = ExecutorDiedError(self._dead)
+            for f in list(self._pending):  # no op can still be reading its operands
+                f.done, f._error, f._keep, f._after = True, err, None, []
+            self._pending = weakref.WeakSet()
+            raise err
         check(status, what)
 
     # ------------------------------------------------------------------ configuration
@@ -472,17 +478,28 @@ class Backend:
                 for fn in after:
                     fn()
                 self._check(st, c.what)
-            return Fence(self, int(out[0]), c.what, keep, after)
+            f = Fence(self, int(out[0]), c.what, keep, after)
+            self._pending.add(f)
+            return f
 
     def _wait(self, f: Fence, timeout_ms: int) -> None:
         with self._lock:
-            b = self._handle()
+            try:
+                b = self._handle()
+            except HTPError as e:
+                f.done, f._error, f._keep, f._after = True, e, None, []
+                raise
             opst = ffi.new("htp_status *")
             st = lib.htp_fence_wait(b, f.value, timeout_ms, opst)
             if st == lib.HTP_E_TIMEOUT:
                 raise HTPTimeoutError(f"{f.what}: fence {f.value} still pending")
-            self._check(st, f.what)
+            try:
+                self._check(st, f.what)
+            except HTPError as e:  # the executor is gone: nothing reads the operands any more
+                f.done, f._error, f._keep, f._after = True, e, None, []
+                raise
             f.done = True
+            self._pending.discard(f)
             try:
                 for fn in f._after:
                     fn()
