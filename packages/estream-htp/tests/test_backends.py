@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -363,3 +364,35 @@ def test_submit_needs_shared_output_on_host_process() -> None:
                 [p.strides[0] for p in planes],
                 np.zeros((2, 32), np.float32),
             )
+
+
+def test_standalone_c_executor_serves_the_same_protocol(tmp_path) -> None:
+    """tools/htp_executor_main.c: the executor as a plain C program (what a DSP build compiles)."""
+    import shutil
+    import subprocess
+
+    from estream_htp import _buildcfg
+
+    pkg = Path(__file__).resolve().parents[1]
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or not (pkg / "tools" / "htp_executor_main.c").exists():
+        pytest.skip("needs a C compiler and the source tree")
+    exe = tmp_path / "htp_executor"
+    cflags, ldflags = _buildcfg.compile_flags({})
+    sources = sorted(str(p) for p in (pkg / "csrc").glob("*.c"))
+    subprocess.run(
+        [cc, *cflags, f"-I{pkg / 'csrc'}", *sources, str(pkg / "tools" / "htp_executor_main.c"),
+         *ldflags, "-o", str(exe)],
+        check=True, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    rng = np.random.default_rng(9)
+    w = htp.pack_q4_0_t32r4(rng.standard_normal((70, 128)).astype(np.float32))
+    x = rng.standard_normal((9, 128)).astype(np.float32)
+    with (
+        htp.Backend("host", n_threads=2) as host,
+        htp.Backend("host-process", n_threads=2, executor=[str(exe)]) as proc,
+    ):
+        assert proc.pid is not None
+        assert _same(
+            htp.gemm(x, w, 70, act="q8", backend=host), htp.gemm(x, w, 70, act="q8", backend=proc)
+        )

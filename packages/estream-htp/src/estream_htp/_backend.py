@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -181,7 +181,9 @@ class Backend:
 
     ``n_threads`` sizes the pool of the process that runs the ops, ``simd`` picks a kernel set
     (default: the best the CPU supports), ``act`` is the activation format ops use when they are
-    not given one, ``timeout`` (s) bounds control requests to the executor."""
+    not given one, ``timeout`` (s) bounds control requests to the executor, ``executor`` is the
+    command that starts one (the socket's fd number is appended; default: this Python running
+    ``estream_htp._executor``; ``tools/htp_executor_main.c`` builds a C one)."""
 
     def __init__(
         self,
@@ -191,6 +193,7 @@ class Backend:
         simd: str | None = None,
         act: str = "q8",
         timeout: float = 60.0,
+        executor: Sequence[str] | None = None,
     ) -> None:
         if kind not in BACKENDS:
             raise HTPInputError(f"backend must be one of {', '.join(BACKENDS)}, got {kind!r}")
@@ -227,9 +230,10 @@ class Backend:
         else:
             desc.kind = lib.HTP_BACKEND_REMOTE
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            cmd = list(executor) if executor else [sys.executable, "-m", "estream_htp._executor"]
             try:
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "estream_htp._executor", str(theirs.fileno())],
+                    [*cmd, str(theirs.fileno())],
                     pass_fds=[theirs.fileno()],
                     stdin=subprocess.DEVNULL,
                 )
