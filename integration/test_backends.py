@@ -62,3 +62,28 @@ def test_host_process_streams_with_ops_in_flight(packed):
         recs = [r for r in res.records if r.layer == 0]
     assert len(recs) >= 2
     assert any(b.t_start < a.t_end for a, b in itertools.pairwise(recs))
+
+
+def test_executor_killed_during_prefill_is_a_clear_error_and_frees_every_bank(packed):
+    import os
+    import signal
+
+    import estream_htp as htp
+    from estream_arena import BankState
+
+    toks = np.random.default_rng(6).integers(0, 64, size=48)
+    with estream.load(packed, backend="host-process", G=1, Q=1, B=3) as eng:
+        pid = eng.backend.pid
+        assert pid is not None
+
+        def kill_once(rec):
+            if eng.experts.records and len(eng.experts.records) == 1:
+                os.kill(pid, signal.SIGKILL)
+
+        eng.experts.on_group = kill_once
+        with pytest.raises(htp.ExecutorDiedError, match="killed by signal 9"):
+            eng.prefill(toks)
+        res = eng.experts.loader._res
+        assert all(res.bank_state(b) != BankState.IN_USE for b in range(3))
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
