@@ -28,6 +28,7 @@ extern "C" {
 #define HTP_ABI_VERSION 2
 #define HTP_MAX_REFS 10
 #define HTP_QUEUE_DEPTH 64
+#define HTP_TMP_BUFFER 2147483648
 
 typedef enum htp_status {
     HTP_OK = 0,
@@ -259,6 +260,11 @@ htp_status htp_fence_wait(htp_backend *backend, uint64_t fence, uint32_t timeout
                           htp_status *op_status);
 /* Submit + wait: the op's status. */
 htp_status htp_op_run(htp_backend *backend, const htp_op_desc *op);
+/* HOST backends: run one op whose references may also name n_tmp buffers registered for this
+ * call only, as ids HTP_TMP_BUFFER + i (bounds-checked like any other). An in-process caller
+ * saves a register/unregister pair per operand; REMOTE backends return HTP_E_UNSUPPORTED. */
+htp_status htp_op_run_tmp(htp_backend *backend, const htp_op_desc *op, const htp_buffer_desc *tmp,
+                          uint32_t n_tmp);
 
 /* ---- executor ---- */
 /* The executor side of a REMOTE backend: serve the connected socket until the host closes it or

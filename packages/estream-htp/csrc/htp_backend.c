@@ -497,6 +497,49 @@ htp_status htp_op_run(htp_backend *b, const htp_op_desc *op) {
     return st != HTP_OK ? st : op_st;
 }
 
+htp_status htp_op_run_tmp(htp_backend *b, const htp_op_desc *op, const htp_buffer_desc *tmp,
+                          uint32_t n_tmp) {
+    if (!b || !op || (n_tmp && !tmp) || n_tmp > HTP_MAX_REFS) return HTP_E_INVALID;
+    if (b->kind != HTP_BACKEND_HOST) return HTP_E_UNSUPPORTED;
+    for (uint32_t i = 0; i < n_tmp; i++)
+        if (tmp[i].fd != -1 || !tmp[i].host_addr || !tmp[i].size || tmp[i].offset ||
+            !tmp[i].flags || (tmp[i].flags & ~(uint32_t)(HTP_BUF_READ | HTP_BUF_WRITE)))
+            return HTP_E_INVALID;
+    enter(b);
+    uint32_t ids[HTP_MAX_REFS];
+    uint32_t n = 0, slot = 0;
+    htp_status st = HTP_OK;
+    for (; n < n_tmp; n++) {
+        while (slot < HTP_MAX_BUFFERS && b->bufs[slot].in_use) slot++;
+        if (slot == HTP_MAX_BUFFERS) {
+            st = HTP_E_CAPACITY;
+            break;
+        }
+        htp_buf *x = &b->bufs[slot];
+        memset(x, 0, sizeof(*x));
+        x->base = (uint8_t *)(uintptr_t)tmp[n].host_addr;
+        x->size = tmp[n].size;
+        x->flags = tmp[n].flags;
+        x->in_use = 1;
+        ids[n] = slot + 1;
+    }
+    if (st == HTP_OK) {
+        htp_op_desc local;
+        memcpy(&local, op, sizeof local);
+        for (uint32_t i = 0; i < HTP_MAX_REFS && st == HTP_OK; i++) {
+            const uint32_t id = local.ref[i].buffer;
+            if (id >= HTP_TMP_BUFFER) {
+                if (id - HTP_TMP_BUFFER >= n_tmp) st = HTP_E_BAD_BUFFER;
+                else local.ref[i].buffer = ids[id - HTP_TMP_BUFFER];
+            }
+        }
+        if (st == HTP_OK) st = htp_host_execute(b, &local);
+    }
+    for (uint32_t i = 0; i < n; i++) memset(&b->bufs[ids[i] - 1], 0, sizeof(htp_buf));
+    leave(b);
+    return st;
+}
+
 /* ---- diagnostics ---- */
 typedef struct peak_ctx {
     const htp_isa *isa;

@@ -279,6 +279,9 @@ def test_executor_killed_mid_op_is_a_clear_error_without_leaks() -> None:
     rng = np.random.default_rng(5)
     d, ff, n_e, t = 512, 1024, 16, 256
     gate, up, down = T.random_experts(rng, n_e, d, ff)
+    import gc
+
+    gc.collect()  # garbage of earlier tests must not count as ours
     fds0, threads0, maps0 = _fds(), threading.active_count(), _maps()
     be = htp.Backend("host-process", n_threads=1)
     planes = [be.share(p) for p in (gate, up, down)]
@@ -317,10 +320,8 @@ def test_executor_killed_mid_op_is_a_clear_error_without_leaks() -> None:
     assert all(f is not None and f.done for f in fences)  # failed, and holding nothing
     del fences, args, planes, x, y, tokens, experts, wts, slots, g, f
     be = None  # drop every reference, then count what is left
-    import gc
-
     gc.collect()
-    assert _fds() == fds0
+    assert _fds() <= fds0, "file descriptors left open"
     assert threading.active_count() == threads0
     assert _maps() == maps0
 

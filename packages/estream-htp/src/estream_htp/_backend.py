@@ -237,6 +237,9 @@ class Backend:
                     pass_fds=[theirs.fileno()],
                     stdin=subprocess.DEVNULL,
                 )
+            except BaseException:
+                ours.close()
+                raise
             finally:
                 theirs.close()
             desc.sock_fd = ours.detach()  # the C backend owns it from here
@@ -517,6 +520,13 @@ class Backend:
 
     def run(self, c: Call) -> None:
         """Submit and wait: the op's error is raised."""
+        if self.kind == "host":
+            # one C call: operands outside registered memory become per-call buffers
+            with self._lock:
+                b = self._handle()
+                tmp, n = c._host_tmp()
+                self._check(lib.htp_op_run_tmp(b, c.desc, tmp, n), c.what)
+            return
         self._submit(c, sync=True).wait()
 
     def submit(self, c: Call) -> Fence:
@@ -553,18 +563,33 @@ class Call:
 
     def ref(self, arr: np.ndarray, mode: str = "r") -> Call:
         """Operand: a C-contiguous array, read ("r"), written ("w") or both ("rw")."""
-        i = int(self.desc.n_refs)
-        self._ops.append((i, arr, int(arr.ctypes.data), int(arr.nbytes), mode))
+        i = len(self._ops)
+        self._ops.append((i, arr, arr.__array_interface__["data"][0], arr.nbytes, mode))
         self.desc.n_refs = i + 1
         return self
 
     def ref_address(self, address: int, nbytes: int) -> Call:
         """Operand given by address (must resolve to registered memory, or be host memory on
         a host backend, registered for the op)."""
-        i = int(self.desc.n_refs)
+        i = len(self._ops)
         self._ops.append((i, None, int(address), int(nbytes), "r"))
         self.desc.n_refs = i + 1
         return self
+
+    def _host_tmp(self) -> tuple[Any, int]:
+        """Host backends: unresolved operands as per-call buffers ``HTP_TMP_BUFFER + i``."""
+        be = self.backend
+        tmp = []
+        d = self.desc
+        for slot, _arr, addr, nbytes, mode in self._ops:
+            r = be._null_ref() if nbytes == 0 else be._resolve(addr, nbytes)
+            if r is not None:
+                d.ref[slot].buffer, d.ref[slot].offset = r
+                continue
+            flags = lib.HTP_BUF_READ | (lib.HTP_BUF_WRITE if "w" in mode else 0)
+            d.ref[slot].buffer = lib.HTP_TMP_BUFFER + len(tmp)
+            tmp.append((-1, flags, 0, nbytes, addr))
+        return (ffi.new("htp_buffer_desc[]", tmp) if tmp else ffi.NULL), len(tmp)
 
     def _finish(self, sync: bool) -> tuple[list[Any], list[Callable[[], None]]]:
         be = self.backend
