@@ -20,6 +20,7 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -29,7 +30,8 @@
 #include <unistd.h>
 
 #define QUEUE_MAGIC 0x48545051u /* "HTPQ" */
-#define SPIN_NS 50000           /* busy-wait before sleeping on a doorbell */
+#define SPIN_NS 50000           /* poll the ring this long before sleeping on a doorbell */
+#define PAUSE_NS 2000           /* of which the first part spins; the rest yields the CPU */
 
 enum { CTL_HELLO = 1, CTL_REGISTER, CTL_UNREGISTER, CTL_CONFIGURE, CTL_SHUTDOWN, CTL_REPLY };
 
@@ -301,9 +303,15 @@ htp_status htp_remote_wait(htp_remote *r, uint64_t f, uint32_t timeout_ms, htp_s
     const uint64_t limit = timeout_ms == UINT32_MAX ? UINT64_MAX : t0 + (uint64_t)timeout_ms * 1000000ull;
     int done = 0;
     for (uint32_t i = 0; !done; i++) {
-        if (atomic_load_explicit(&q->completed, memory_order_acquire) >= f) done = 1;
-        else if ((i & 63) == 0 && now_ns() - t0 > SPIN_NS) break;
-        else relax();
+        if (atomic_load_explicit(&q->completed, memory_order_acquire) >= f) {
+            done = 1;
+        } else if ((i & 15) == 0) {
+            const uint64_t dt = now_ns() - t0;
+            if (dt > SPIN_NS) break;
+            if (dt > PAUSE_NS) sched_yield(); /* a busy machine: let the executor run here */
+        } else {
+            relax();
+        }
     }
     while (!done) {
         if (r->dead) return HTP_E_DEAD;
@@ -417,7 +425,8 @@ int htp_executor_serve(int sock) {
                 }
                 continue;
             }
-            /* idle: spin a little, then sleep on the doorbell and the control socket */
+            /* idle: poll the ring a little (spin, then yield), then sleep on the doorbell and the
+             * control socket */
             const uint64_t t0 = now_ns();
             int woke = 0;
             for (uint32_t i = 0;; i++) {
@@ -425,8 +434,13 @@ int htp_executor_serve(int sock) {
                     woke = 1;
                     break;
                 }
-                if ((i & 63) == 0 && now_ns() - t0 > SPIN_NS) break;
-                relax();
+                if ((i & 15) == 0) {
+                    const uint64_t dt = now_ns() - t0;
+                    if (dt > SPIN_NS) break;
+                    if (dt > PAUSE_NS) sched_yield();
+                } else {
+                    relax();
+                }
             }
             if (woke) continue;
             atomic_store_explicit(&q->exec_sleeping, 1, memory_order_relaxed);
