@@ -30,7 +30,8 @@
 #include <unistd.h>
 
 #define QUEUE_MAGIC 0x48545051u /* "HTPQ" */
-#define SPIN_NS 50000           /* poll the ring this long before sleeping on a doorbell */
+#define SPIN_NS 50000           /* host: poll the ring this long before sleeping on a doorbell */
+#define EXEC_SPIN_NS 200000     /* executor: the same, longer, to bridge the host's work between ops */
 #define PAUSE_NS 2000           /* of which the first part spins; the rest yields the CPU */
 
 enum { CTL_HELLO = 1, CTL_REGISTER, CTL_UNREGISTER, CTL_CONFIGURE, CTL_SHUTDOWN, CTL_REPLY };
@@ -301,7 +302,8 @@ htp_status htp_remote_wait(htp_remote *r, uint64_t f, uint32_t timeout_ms, htp_s
     htp_queue *q = r->q;
     const uint64_t t0 = now_ns();
     const uint64_t limit = timeout_ms == UINT32_MAX ? UINT64_MAX : t0 + (uint64_t)timeout_ms * 1000000ull;
-    int done = 0;
+    int done = atomic_load_explicit(&q->completed, memory_order_acquire) >= f;
+    if (!done && timeout_ms == 0) return HTP_E_TIMEOUT; /* a poll: look once, never spin */
     for (uint32_t i = 0; !done; i++) {
         if (atomic_load_explicit(&q->completed, memory_order_acquire) >= f) {
             done = 1;
@@ -436,7 +438,7 @@ int htp_executor_serve(int sock) {
                 }
                 if ((i & 15) == 0) {
                     const uint64_t dt = now_ns() - t0;
-                    if (dt > SPIN_NS) break;
+                    if (dt > EXEC_SPIN_NS) break;
                     if (dt > PAUSE_NS) sched_yield();
                 } else {
                     relax();
