@@ -87,3 +87,29 @@ def test_executor_killed_during_prefill_is_a_clear_error_and_frees_every_bank(pa
         assert all(res.bank_state(b) != BankState.IN_USE for b in range(3))
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_prefill_command_takes_the_backend(packed, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = {}
+    for backend in ("host", "host-process"):
+        npy = tmp_path / f"{backend}.npy"
+        r = subprocess.run(
+            [sys.executable, "-m", "estream_cli.main", "prefill", str(packed),
+             "--tokens", "5,9,2,7,1,3", "-G", "2", "-Q", "1", "-B", "2",
+             "--backend", backend, "--all-logits", str(npy), "--json"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["metrics"]["backend"] == backend
+        out[backend] = np.load(npy)
+    np.testing.assert_array_equal(out["host"], out["host-process"])
+    r = subprocess.run(
+        [sys.executable, "-m", "estream_cli.main", "prefill", str(packed), "--tokens", "1",
+         "--backend", "dsp"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode != 0 and "--backend" in r.stderr
