@@ -166,7 +166,12 @@ static htp_status request(htp_remote *r, ctl_msg *m, const int *fds, int nfds) {
     int rc;
     do rc = poll(&p, 1, r->timeout_ms ? (int)r->timeout_ms : -1);
     while (rc < 0 && errno == EINTR);
-    if (rc == 0) return HTP_E_TIMEOUT;
+    if (rc == 0) {
+        /* a late reply would be taken for the answer to the next request: the channel can no
+         * longer be trusted, so the backend is treated as gone from here on */
+        r->dead = 1;
+        return HTP_E_TIMEOUT;
+    }
     ctl_msg rep;
     const int got = recv_msg(r->sock, &rep, NULL, 0, NULL);
     if (got <= 0) {
