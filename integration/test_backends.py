@@ -113,3 +113,42 @@ def test_prefill_command_takes_the_backend(packed, tmp_path):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode != 0 and "--backend" in r.stderr
+
+
+def test_no_bank_is_released_before_its_ops_fence(packed):
+    """Residency across the boundary: every bank goes back to the loader only after the
+    completion fence of the op that reads it, and at most B-1 banks wait on fences."""
+    toks = np.random.default_rng(8).integers(0, 64, size=57)
+    with estream.load(packed, backend="host-process", G=1, Q=2, B=4) as eng:
+        src = eng.experts
+        loader, graph = src.loader, src.graph
+        acquire, submit, release = loader.acquire, graph.submit, loader.release
+        pending: list = []  # bank acquired, its fence not yet known
+        fence_of: dict = {}
+        held: set = set()
+        seen = {"released": 0, "max_held": 0}
+
+        def acq(group, timeout=None):
+            bank = acquire(group, timeout=timeout)
+            pending.append(bank.index)
+            return bank
+
+        def sub(*a, **k):
+            f = submit(*a, **k)
+            b = pending.pop(0)
+            fence_of[b] = f
+            held.add(b)
+            seen["max_held"] = max(seen["max_held"], len(held))
+            return f
+
+        def rel(bank):
+            f = fence_of.pop(bank.index)
+            assert f.done, "bank released while its op may still read it"
+            held.discard(bank.index)
+            seen["released"] += 1
+            return release(bank)
+
+        loader.acquire, graph.submit, loader.release = acq, sub, rel
+        eng.prefill(toks)
+    assert seen["released"] > 0 and not held and not fence_of
+    assert seen["max_held"] <= 3
