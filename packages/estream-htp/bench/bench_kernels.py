@@ -1,6 +1,7 @@
 """Kernel GFLOP/s on OLMoE-1B-7B shapes vs numpy/BLAS float32 on the same dequantized weights.
 
-Run with `nox -s bench_kernels`. The BLAS baseline must get this machine's best kernel, so the
+Also measures the per-op submission overhead of the host-process (executor) backend against the
+in-process host backend. Run with `nox -s bench_kernels`. The BLAS baseline must get this machine's best kernel, so the
 script re-executes itself with OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE removed from its own
 environment (nothing else is touched). Both sides use 2 threads. Writes
 bench-results/bench_kernels.json.
@@ -31,6 +32,7 @@ from estream_htp import testing as T  # noqa: E402
 ROOT = Path(__file__).resolve().parents[3]
 D, FF, E, K = 2048, 1024, 64, 8
 QUICK = "--quick" in sys.argv
+ONLY_SUBMISSION = "--submission" in sys.argv  # just the host vs host-process section
 
 
 def best_of(fn, reps: int = 3, min_time: float = 0.0) -> float:
@@ -193,6 +195,103 @@ def bench_attention(rng: np.random.Generator, row) -> None:
     )
 
 
+def bench_submission(results: dict) -> None:
+    """Per-op cost of the executor path: an empty op's round trip, and the expert op of one
+    group (G=4 of 64 OLMoE experts, T=1024) with every operand already in shared memory, run
+    in-process (host) and through the executor (host-process) in this one run."""
+    from estream_htp._ffi import ffi, lib
+
+    rng = np.random.default_rng(1)
+    g_size, t = 4, 1024
+    gate, up, down = T.random_experts(rng, g_size, D, FF)
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(t)]).astype(np.int32)
+    tokens_all = np.repeat(np.arange(t, dtype=np.int32), K)
+    sel = ids.reshape(-1) < g_size  # the routes of one group of 4 experts
+    out: dict = {}
+    print(f"{'submission':44s} {'host us':>9s} {'process us':>10s} {'overhead us':>11s}")
+    with (
+        htp.Backend("host", n_threads=THREADS) as host,
+        htp.Backend("host-process", n_threads=THREADS) as proc,
+    ):
+        d = ffi.new("htp_op_desc *")
+        lat: dict[str, list[float]] = {k: [] for k in ("c_host", "c_proc", "py_host", "py_proc")}
+        for _ in range(10):  # interleaved rounds: both backends see the same machine load
+            for name, be in (("host", host), ("proc", proc)):
+                for _ in range(200):
+                    t0 = time.perf_counter()
+                    lib.htp_op_run(be._b, d)
+                    lat[f"c_{name}"].append(time.perf_counter() - t0)
+                for _ in range(200):
+                    t0 = time.perf_counter()
+                    htp.nop(backend=be)
+                    lat[f"py_{name}"].append(time.perf_counter() - t0)
+        for key, name in (("c", "nop_c"), ("py", "nop_python")):
+            for b, label in (("host", "host"), ("proc", "host-process")):
+                v = np.array(lat[f"{key}_{b}"]) * 1e6
+                out[f"{name}_{label}_us"] = float(np.median(v))
+                out[f"{name}_{label}_p10_us"] = float(np.percentile(v, 10))
+                out[f"{name}_{label}_p90_us"] = float(np.percentile(v, 90))
+        row = ("empty op round trip (C call, median)", "nop_c")
+        print(
+            f"{row[0]:44s} {out['nop_c_host_us']:9.1f} {out['nop_c_host-process_us']:10.1f} "
+            f"{out['nop_c_host-process_us'] - out['nop_c_host_us']:11.1f}"
+            f"  (process p10 {out['nop_c_host-process_p10_us']:.1f}, "
+            f"p90 {out['nop_c_host-process_p90_us']:.1f})"
+        )
+        print(
+            f"{'empty op round trip (Python htp.nop, median)':44s} {out['nop_python_host_us']:9.1f} "
+            f"{out['nop_python_host-process_us']:10.1f} "
+            f"{out['nop_python_host-process_us'] - out['nop_python_host_us']:11.1f}"
+        )
+        x0 = rng.standard_normal((t, D)).astype(np.float32)
+        for act in ("q8", "f32"):
+            runs = {}
+            ys = {}
+            for name, be in (("host", host), ("host-process", proc)):
+                planes = [be.share(p) for p in (gate, up, down)]
+                x = be.share(x0)
+                tok = be.share(np.ascontiguousarray(tokens_all[sel]))
+                ex = be.share(np.ascontiguousarray(ids.reshape(-1)[sel]))
+                w = be.share(np.ones(int(sel.sum()), np.float32))
+                slots = be.share(
+                    np.concatenate([np.arange(g_size), np.full(E - g_size, -1)]).astype(np.int32)
+                )
+                y = be.empty((t, D), np.float32)
+                g = htp.ExpertGraph(D, FF, 4096, t, backend=be)
+                addrs = [p.ctypes.data for p in planes]
+                strides = [p.strides[0] for p in planes]
+                args = (x, tok, ex, w, slots, addrs, strides, y)
+
+                def run(g=g, args=args, y=y, act=act, keep=planes) -> None:
+                    y[...] = 0  # (keep: the planes must outlive their addresses in args)
+                    g.run(*args, act=act)
+
+                run()
+                runs[name] = run
+                ys[name] = y
+            times = {"host": float("inf"), "host-process": float("inf")}
+            for _ in range(9):  # alternate, best of 9 each
+                for name, run in runs.items():
+                    t0 = time.perf_counter()
+                    run()
+                    times[name] = min(times[name], time.perf_counter() - t0)
+            diff = np.abs(ys["host"] - ys["host-process"])
+            assert ys["host"].tobytes() == ys["host-process"].tobytes(), (
+                f"backends disagree: max |diff| {diff.max()} at {np.unravel_index(diff.argmax(), diff.shape)}, "
+                f"{int((diff > 0).sum())} elements"
+            )
+            ov = times["host-process"] - times["host"]
+            out[f"expert_group_{act}_host_us"] = times["host"] * 1e6
+            out[f"expert_group_{act}_process_us"] = times["host-process"] * 1e6
+            out[f"expert_group_{act}_overhead_pct"] = 100 * ov / times["host"]
+            print(
+                f"{f'expert op, 1 group (G=4, R={int(sel.sum())}) act={act}':44s} "
+                f"{times['host'] * 1e6:9.1f} {times['host-process'] * 1e6:10.1f} {ov * 1e6:11.1f}"
+                f" ({100 * ov / times['host']:+.1f}%)"
+            )
+    results["submission"] = out
+
+
 def main() -> None:
     htp.set_num_threads(THREADS)
     rng = np.random.default_rng(0)
@@ -247,11 +346,13 @@ def main() -> None:
         f"{'op':44s} {'GFLOP':>8s} {'htp GF/s':>9s} {'BLAS GF/s':>9s} {'BLAS 1thr':>9s} {'vs best':>8s}"
     )
 
-    for n, k, t in ((2048, 2048, 256), (50304, 2048, 256)):
-        if not (QUICK and n > 4096):
-            bench_gemm(rng, row, n, k, t)
-    bench_experts(rng, row)
-    bench_attention(rng, row)
+    if not ONLY_SUBMISSION:
+        for n, k, t in ((2048, 2048, 256), (50304, 2048, 256)):
+            if not (QUICK and n > 4096):
+                bench_gemm(rng, row, n, k, t)
+        bench_experts(rng, row)
+        bench_attention(rng, row)
+    bench_submission(results)
 
     if results["peak_int8_gops"] is not None:
         end_peak = measure_peak()

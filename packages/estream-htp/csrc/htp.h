@@ -1,10 +1,19 @@
-/* estream-htp: the kernel library's stable C ABI.
+/* estream-htp: the kernel library's stable C ABI, version 2.
  *
- * Rules that keep this header shareable between the host backend and a future Hexagon (HVX)
- * backend: fixed-width integers only, flat descriptor structs with explicit padding and a
- * static_assert on their size, status codes instead of errno/exceptions, init/free pairs for
- * every object, nothing ISA-specific. Pointers to weight planes travel as uint64_t addresses so
- * the descriptor is the same on 32- and 64-bit hosts.
+ * The shape of this header is that of a library driven across a processor boundary (a host CPU
+ * submitting to a DSP that shares DRAM): nothing in a descriptor is a pointer of the submitting
+ * process. Memory is registered with a backend as buffers (a file descriptor and a size, e.g. the
+ * arena's memfd planes, the dense weights, activation buffers) and operands are referenced as
+ * (buffer id, byte offset); the executing side checks every reference against the registered
+ * size before touching it. Each op is one flat request (`htp_op_desc`). All state lives in a
+ * backend object: the library has no mutable globals.
+ *
+ * Rules: fixed-width integers only, flat structs with explicit padding and a static size check,
+ * a status code for every failure, init/free pairs, nothing ISA-specific.
+ *
+ * build_ffi.py generates the cffi declarations from this file: keep it to declarations cffi's
+ * parser understands (no macros other than integer #defines; preprocessor lines and
+ * _Static_assert are dropped by the generator).
  */
 #ifndef ESTREAM_HTP_H
 #define ESTREAM_HTP_H
@@ -16,15 +25,27 @@
 extern "C" {
 #endif
 
-#define HTP_ABI_VERSION 1
+#define HTP_ABI_VERSION 2
+#define HTP_MAX_REFS 10
+#define HTP_QUEUE_DEPTH 64
+#define HTP_TMP_BUFFER 2147483648
 
 typedef enum htp_status {
     HTP_OK = 0,
     HTP_E_INVALID = 1,      /* bad argument (shape, size, format, index out of range) */
     HTP_E_NOMEM = 2,        /* allocation failed */
-    HTP_E_UNSUPPORTED = 3,  /* SIMD level or format not available on this CPU / build */
+    HTP_E_UNSUPPORTED = 3,  /* SIMD level, format, backend kind or opcode not available */
     HTP_E_NOT_RESIDENT = 4, /* a route names an expert whose slot is -1 */
-    HTP_E_CAPACITY = 5      /* more tokens than the object was sized for */
+    HTP_E_CAPACITY = 5,     /* more tokens than allowed, or too many fences outstanding */
+    HTP_E_BAD_BUFFER = 6,   /* a reference names a buffer id that is not registered */
+    HTP_E_BOUNDS = 7,       /* a reference reaches past the end of its registered buffer */
+    HTP_E_READONLY = 8,     /* an op would write into a buffer registered read-only */
+    HTP_E_BAD_OP = 9,       /* malformed descriptor: unknown opcode, wrong ref count, flags */
+    HTP_E_MAP = 10,         /* mapping a registered file descriptor failed */
+    HTP_E_DEAD = 11,        /* the executor process is gone (killed, crashed or exited) */
+    HTP_E_TIMEOUT = 12,     /* a fence did not complete within the time asked */
+    HTP_E_FENCE = 13,       /* unknown fence, or its completion was already consumed */
+    HTP_E_PROTOCOL = 14     /* the executor answered something unexpected */
 } htp_status;
 
 typedef enum htp_format {
@@ -39,10 +60,11 @@ typedef enum htp_simd {
     HTP_SIMD_AVX2 = 1,
     HTP_SIMD_AVX512 = 2,
     HTP_SIMD_AVX512VNNI = 3,
-    HTP_SIMD_NEON = 4
+    HTP_SIMD_NEON = 4,
+    HTP_SIMD_BEST = 255 /* in htp_backend_desc: the best level this CPU and build support */
 } htp_simd;
 
-/* How activations meet the quantized weights in GEMMs and the expert op.
+/* How activations meet the quantized weights in GEMMs and the expert op (per call).
  * F32: weights are dequantized, products and sums in fp32 (exact path, rel. L2 ~1e-7).
  * Q8: activations quantized per 32-element block to int8 with an fp32 scale (as GGML's Q8_0),
  *     integer dot products per block, fp32 accumulation across blocks. */
@@ -61,108 +83,198 @@ typedef enum htp_gating {
     HTP_GATING_SIGMOID = 1
 } htp_gating;
 
-/* A quantized matrix W[n][k] in a tile format. */
-typedef struct htp_matrix_desc {
-    uint32_t format; /* htp_format */
-    uint32_t n;      /* rows (outputs); storage is padded to a multiple of 32 */
-    uint32_t k;      /* columns (reduction); multiple of 32 */
+typedef enum htp_backend_kind {
+    HTP_BACKEND_HOST = 0,   /* ops run in this process, on the calling thread + a pool */
+    HTP_BACKEND_REMOTE = 1  /* ops run in an executor process reached through `sock_fd` */
+} htp_backend_kind;
+
+typedef enum htp_buffer_flags {
+    HTP_BUF_READ = 1,
+    HTP_BUF_WRITE = 2
+} htp_buffer_flags;
+
+typedef enum htp_opcode {
+    HTP_OP_NOP = 0,        /* no operands: measures the submission round trip */
+    HTP_OP_GEMM = 1,       /* ref: w, x, y */
+    HTP_OP_EXPERT = 2,     /* ref: x, tokens, experts, weights, slot_of_expert, gate, up, down, y */
+    HTP_OP_GET_ROWS = 3,   /* ref: table, ids, out */
+    HTP_OP_RMS_NORM = 4,   /* ref: x, w (if has_weight), out */
+    HTP_OP_ROPE = 5,       /* ref: x (in place), positions */
+    HTP_OP_ATTENTION = 6,  /* ref: q, k, v, out */
+    HTP_OP_SILU = 7,       /* ref: x, out */
+    HTP_OP_SWIGLU = 8,     /* ref: g, u, out */
+    HTP_OP_ROUTER_TOPK = 9 /* ref: logits, bias (if has_bias), ids, weights */
+} htp_opcode;
+
+/* ---- backend and buffers ---- */
+typedef struct htp_backend_desc {
+    uint32_t abi_version; /* HTP_ABI_VERSION: a mismatch is HTP_E_UNSUPPORTED */
+    uint32_t kind;        /* htp_backend_kind */
+    uint32_t n_threads;   /* pool size (caller + n-1 workers); 0 = 1 */
+    uint32_t simd;        /* htp_simd level, or HTP_SIMD_BEST */
+    int32_t sock_fd;      /* REMOTE: connected SOCK_SEQPACKET to the executor (owned after init) */
+    uint32_t timeout_ms;  /* REMOTE: bound on the executor's answer to a control request */
+    uint32_t reserved[2];
+} htp_backend_desc;
+
+typedef struct htp_backend htp_backend;
+
+/* A region of memory made visible to a backend. With fd >= 0 the backend maps
+ * [offset, offset+size) of the file itself (MAP_SHARED): this is the only form a REMOTE backend
+ * accepts (the fd is passed to the executor). A HOST backend also accepts fd = -1 with the
+ * region's address in this process in host_addr. */
+typedef struct htp_buffer_desc {
+    int32_t fd;
+    uint32_t flags;     /* htp_buffer_flags */
+    uint64_t offset;    /* in the file, page-aligned */
+    uint64_t size;      /* bytes; every reference is checked against it */
+    uint64_t host_addr; /* HOST backend, fd = -1 only */
+} htp_buffer_desc;
+
+/* An operand: a byte offset into a registered buffer. */
+typedef struct htp_ref {
+    uint32_t buffer; /* id from htp_buffer_register (0 is never a valid id) */
     uint32_t reserved;
-    uint64_t nbytes; /* bytes available at the weight address (checked >= required) */
-} htp_matrix_desc;
+    uint64_t offset;
+} htp_ref;
 
-/* Sizes the fused expert op's working buffers once. */
-typedef struct htp_expert_graph_desc {
-    uint32_t d_model;  /* multiple of 32 */
-    uint32_t d_ff;     /* multiple of 32 */
-    uint32_t capacity; /* routes processed per internal pass (larger sets are split) */
-    uint32_t t_max;    /* largest token count accepted */
-} htp_expert_graph_desc;
+/* ---- per-op parameters (one member of htp_op_params per opcode) ---- */
+typedef struct htp_gemm_params { /* y[t][ldy] (first n) = x[t][ldx] (first k) . W^T */
+    uint32_t format;             /* HTP_FMT_Q4_0_T32R4 or HTP_FMT_Q8_0_T32R4 */
+    uint32_t n, k, t, ldx, ldy;
+} htp_gemm_params;
 
-/* One call of the fused expert op. */
-typedef struct htp_expert_run_desc {
-    uint64_t plane_base[3];   /* gate, up, down: address of slot 0 of each plane */
-    uint64_t slot_stride[3];  /* bytes between consecutive slots of each plane */
-    uint32_t n_tokens;        /* T: rows of x and y */
-    uint32_t n_routes;        /* R: entries of tokens/experts/weights */
-    uint32_t n_experts;       /* E: entries of slot_of_expert */
-    uint32_t format;          /* htp_format of the expert weights (Q4_0_T32R4) */
-} htp_expert_run_desc;
+typedef struct htp_expert_params {
+    uint32_t d_model, d_ff; /* multiples of 32 */
+    uint32_t n_tokens;      /* T: rows of x and y */
+    uint32_t n_routes;      /* R: entries of tokens/experts/weights */
+    uint32_t n_experts;     /* E: entries of slot_of_expert */
+    uint32_t capacity;      /* routes per internal pass (larger route sets are split) */
+    uint32_t format;        /* HTP_FMT_Q4_0_T32R4 */
+    uint32_t reserved;
+    uint64_t slot_stride[3]; /* gate, up, down: bytes between consecutive slots of a plane */
+    uint64_t reserved2;
+} htp_expert_params;
 
-typedef struct htp_expert_graph htp_expert_graph;
+typedef struct htp_get_rows_params {
+    uint32_t format, n_rows, n_cols, t;
+} htp_get_rows_params;
+
+typedef struct htp_rms_norm_params { /* rows of n_groups groups of d; w may be absent */
+    uint32_t t, n_groups, d, has_weight;
+    float eps;
+} htp_rms_norm_params;
+
+typedef struct htp_rope_params {
+    uint32_t t, n_heads, head_dim, n_rot, mode;
+    float freq_base, freq_scale;
+} htp_rope_params;
+
+typedef struct htp_attention_params {
+    uint32_t t, n_q_heads, n_kv_heads, dk, dv, causal;
+    float scale;
+} htp_attention_params;
+
+typedef struct htp_eltwise_params {
+    uint64_t n;
+} htp_eltwise_params;
+
+typedef struct htp_router_params {
+    uint32_t t, n_experts, k, gating, norm, has_bias;
+    float scale;
+} htp_router_params;
+
+typedef union htp_op_params {
+    htp_gemm_params gemm;
+    htp_expert_params expert;
+    htp_get_rows_params get_rows;
+    htp_rms_norm_params rms_norm;
+    htp_rope_params rope;
+    htp_attention_params attention;
+    htp_eltwise_params eltwise;
+    htp_router_params router;
+    uint8_t raw[64];
+} htp_op_params;
+
+/* One op. Unused refs and reserved fields must be zero. */
+typedef struct htp_op_desc {
+    uint32_t opcode; /* htp_opcode */
+    uint32_t act;    /* htp_act, for GEMM and EXPERT */
+    uint32_t n_refs; /* must equal the opcode's operand count */
+    uint32_t flags;  /* must be 0 */
+    htp_ref ref[HTP_MAX_REFS];
+    htp_op_params p;
+} htp_op_desc;
 
 #ifdef __cplusplus
 }
 #endif
 
 #if defined(__cplusplus)
-static_assert(sizeof(htp_matrix_desc) == 24, "htp_matrix_desc ABI");
-static_assert(sizeof(htp_expert_graph_desc) == 16, "htp_expert_graph_desc ABI");
-static_assert(sizeof(htp_expert_run_desc) == 64, "htp_expert_run_desc ABI");
+static_assert(sizeof(htp_backend_desc) == 32, "htp_backend_desc ABI");
+static_assert(sizeof(htp_buffer_desc) == 32, "htp_buffer_desc ABI");
+static_assert(sizeof(htp_ref) == 16, "htp_ref ABI");
+static_assert(sizeof(htp_expert_params) == 64, "htp_expert_params ABI");
+static_assert(sizeof(htp_op_params) == 64, "htp_op_params ABI");
+static_assert(sizeof(htp_op_desc) == 240, "htp_op_desc ABI");
 #elif defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
-_Static_assert(sizeof(htp_matrix_desc) == 24, "htp_matrix_desc ABI");
-_Static_assert(sizeof(htp_expert_graph_desc) == 16, "htp_expert_graph_desc ABI");
-_Static_assert(sizeof(htp_expert_run_desc) == 64, "htp_expert_run_desc ABI");
+_Static_assert(sizeof(htp_backend_desc) == 32, "htp_backend_desc ABI");
+_Static_assert(sizeof(htp_buffer_desc) == 32, "htp_buffer_desc ABI");
+_Static_assert(sizeof(htp_ref) == 16, "htp_ref ABI");
+_Static_assert(sizeof(htp_expert_params) == 64, "htp_expert_params ABI");
+_Static_assert(sizeof(htp_op_params) == 64, "htp_op_params ABI");
+_Static_assert(sizeof(htp_op_desc) == 240, "htp_op_desc ABI");
 #endif
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-/* ---- library state ---- */
 uint32_t htp_abi_version(void);
-htp_status htp_set_num_threads(uint32_t n);
-uint32_t htp_get_num_threads(void);
-uint32_t htp_simd_best(void);              /* best level this CPU and build support */
-uint32_t htp_simd_get(void);
-htp_status htp_simd_set(uint32_t level);   /* HTP_E_UNSUPPORTED if the CPU cannot run it */
-htp_status htp_act_set(uint32_t act);
-uint32_t htp_act_get(void);
+uint32_t htp_simd_best(void); /* best level this CPU and build support */
 
-/* ---- dense ops ---- */
-/* y[t][n] = sum_k x[t][k] * W[n][k];  x is [t][ldx], y is [t][ldy]. */
-htp_status htp_gemm(const htp_matrix_desc *w_desc, const void *w, const float *x, uint32_t t,
-                    uint32_t ldx, float *y, uint32_t ldy);
+/* ---- backends ---- */
+htp_status htp_backend_init(const htp_backend_desc *desc, htp_backend **out);
+/* Frees the backend: a REMOTE backend asks its executor to exit and closes every fd it owns. */
+void htp_backend_free(htp_backend *backend);
+uint32_t htp_backend_kind_of(const htp_backend *backend);
+uint32_t htp_backend_simd(const htp_backend *backend);
+uint32_t htp_backend_threads(const htp_backend *backend);
+/* Resize the pool / re-dispatch to another SIMD level (HOST and REMOTE). */
+htp_status htp_backend_configure(htp_backend *backend, uint32_t n_threads, uint32_t simd);
 
-/* out[t][n_cols] = row ids[t] of table (any htp_format; tile formats are read out of tiles). */
-htp_status htp_get_rows(const void *table, uint32_t format, uint64_t nbytes, uint32_t n_rows,
-                        uint32_t n_cols, const int32_t *ids, uint32_t t, float *out);
+htp_status htp_buffer_register(htp_backend *backend, const htp_buffer_desc *desc, uint32_t *id);
+/* The caller guarantees no submitted op that references the buffer is still in flight. */
+htp_status htp_buffer_unregister(htp_backend *backend, uint32_t id);
 
-/* out[t][:] = x[t][:] / rms(x[t][:]) * w (w may be NULL), rows of length d, n_groups per row
- * of length d each (per-head norm: rows of H*Dh with d = Dh and n_groups = H). */
-htp_status htp_rms_norm(const float *x, const float *w, uint32_t t, uint32_t n_groups,
-                        uint32_t d, float eps, float *out);
+/* ---- ops ---- */
+/* Queue one op; *fence names its completion. A HOST backend runs it before returning; a REMOTE
+ * backend returns once the descriptor is in the executor's queue. At most HTP_QUEUE_DEPTH fences
+ * may be outstanding (submitted and not yet waited for): one more is HTP_E_CAPACITY. The
+ * descriptor is copied; operand memory must stay untouched until the fence completes. */
+htp_status htp_op_submit(htp_backend *backend, const htp_op_desc *op, uint64_t *fence);
+/* Wait up to timeout_ms (UINT32_MAX: no bound) for a fence; the op's own status goes to
+ * *op_status. Each fence's completion is delivered once: waiting again is HTP_E_FENCE.
+ * Returns HTP_E_TIMEOUT (fence still pending) or HTP_E_DEAD (executor gone). */
+htp_status htp_fence_wait(htp_backend *backend, uint64_t fence, uint32_t timeout_ms,
+                          htp_status *op_status);
+/* Submit + wait: the op's status. */
+htp_status htp_op_run(htp_backend *backend, const htp_op_desc *op);
+/* HOST backends: run one op whose references may also name n_tmp buffers registered for this
+ * call only, as ids HTP_TMP_BUFFER + i (bounds-checked like any other). An in-process caller
+ * saves a register/unregister pair per operand; REMOTE backends return HTP_E_UNSUPPORTED. */
+htp_status htp_op_run_tmp(htp_backend *backend, const htp_op_desc *op, const htp_buffer_desc *tmp,
+                          uint32_t n_tmp);
 
-/* In-place rotary embedding of x[t][n_heads][head_dim] on the first n_rot dims. */
-htp_status htp_rope(float *x, const int32_t *positions, uint32_t t, uint32_t n_heads,
-                    uint32_t head_dim, uint32_t n_rot, float freq_base, float freq_scale,
-                    uint32_t mode);
-
-/* Causal/non-causal attention with grouped KV heads, online softmax, O(T*d) memory.
- * q[t][hq][dk], k[t][hkv][dk], v[t][hkv][dv], out[t][hq][dv]. */
-htp_status htp_attention(const float *q, const float *k, const float *v, uint32_t t,
-                         uint32_t n_q_heads, uint32_t n_kv_heads, uint32_t dk, uint32_t dv,
-                         float scale, uint32_t causal, float *out);
-
-htp_status htp_silu(const float *x, uint64_t n, float *out);
-htp_status htp_swiglu(const float *g, const float *u, uint64_t n, float *out);
-
-/* Router: ids/weights [t][k]. bias may be NULL. */
-htp_status htp_router_topk(const float *logits, uint32_t t, uint32_t n_experts, uint32_t k,
-                           uint32_t gating, uint32_t norm, float scale, const float *bias,
-                           int32_t *ids, float *weights);
-
-/* ---- fused routed-expert op ---- */
-htp_status htp_expert_graph_init(const htp_expert_graph_desc *desc, htp_expert_graph **out);
-void htp_expert_graph_free(htp_expert_graph *graph);
-/* y[tokens[r]] += weights[r] * down(silu(gate(x)) * up(x)) for every route r. */
-htp_status htp_expert_graph_run(htp_expert_graph *graph, const htp_expert_run_desc *desc,
-                                const float *x, const int32_t *tokens, const int32_t *experts,
-                                const float *weights, const int32_t *slot_of_expert, float *y);
+/* ---- executor ---- */
+/* The executor side of a REMOTE backend: serve the connected socket until the host closes it or
+ * asks for shutdown. Returns 0 on an orderly shutdown. */
+int htp_executor_serve(int sock_fd);
 
 /* ---- diagnostics ---- */
-/* Throughput of the int8 dot-product instruction of the current SIMD level on all pool
- * threads: returns multiply-accumulates per second in *macs_per_s. */
-htp_status htp_bench_dot_peak(uint64_t iters, double *macs_per_s);
+/* Throughput of the int8 dot-product instruction of the backend's SIMD level on all its pool
+ * threads: multiply-accumulates per second in *macs_per_s (HOST backends). */
+htp_status htp_bench_dot_peak(htp_backend *backend, uint64_t iters, double *macs_per_s);
 
 #ifdef __cplusplus
 }

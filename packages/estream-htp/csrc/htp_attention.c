@@ -1,5 +1,6 @@
-/* Attention driver: (head, query block) tasks dealt round-robin to the pool threads, so causal
- * blocks of different cost interleave; each output row is written by exactly one task. */
+/* Attention driver, generic over instruction sets (the table supplies the task kernel):
+ * (head, query block) tasks dealt round-robin to the pool threads, so causal blocks of
+ * different cost interleave; each output row is written by exactly one task. */
 #include "htp_attn_body.h"
 
 size_t htp_attn_scratch_floats(const htp_attn_ctx *c) {
@@ -17,7 +18,7 @@ void htp_swiglu_portable(const float *g, const float *u, uint64_t n, float *out)
 
 static void attn_worker(void *arg, uint32_t ith, uint32_t nth) {
     const htp_attn_ctx *c = (const htp_attn_ctx *)arg;
-    float *scratch = (float *)htp_scratch(ith, 1, 0);
+    float *scratch = (float *)htp_scratch(c->pool, ith, 1, 0);
     const uint32_t n_tasks = c->hq * c->n_qblk;
     if (c->kt) {
         /* Re-lay K and V once per call so that the blocks a task streams are contiguous (the
@@ -42,46 +43,36 @@ static void attn_worker(void *arg, uint32_t ith, uint32_t nth) {
             const uint32_t hk = rr / c->t, j = rr % c->t;
             memcpy(c->vp + (size_t)rr * c->dv, c->v + (size_t)j * vs + (size_t)hk * c->dv, sizeof(float) * c->dv);
         }
-        htp_barrier();
+        htp_barrier(c->pool);
     }
     /* Heavy (late) causal blocks first, dealt round-robin. */
     for (uint32_t i = ith; i < n_tasks; i += nth) {
         const uint32_t h = i % c->hq, qb = c->n_qblk - 1 - i / c->hq;
-        htp_k.attention_task(c, h * c->n_qblk + qb, scratch);
+        c->isa->attention_task(c, h * c->n_qblk + qb, scratch);
     }
 }
 
-htp_status htp_attention(const float *q, const float *k, const float *v, uint32_t t,
-                         uint32_t n_q_heads, uint32_t n_kv_heads, uint32_t dk, uint32_t dv,
-                         float scale, uint32_t causal, float *out) {
-    htp_ensure_init();
-    if (!q || !k || !v || !out || n_q_heads == 0 || n_kv_heads == 0 || dk == 0 || dv == 0 ||
-        n_q_heads % n_kv_heads)
-        return HTP_E_INVALID;
+htp_status htp_exec_attention(htp_exec *e, const htp_attention_params *p, const float *q,
+                              const float *k, const float *v, float *out) {
+    const uint32_t t = p->t;
     if (t == 0) return HTP_OK;
-    htp_attn_ctx c = {q, k, v, out, t, n_q_heads, n_kv_heads, dk, dv, causal ? 1u : 0u,
-                      (t + HTP_ATTN_BQ - 1) / HTP_ATTN_BQ, scale, NULL, NULL, 0};
+    htp_attn_ctx c = {q, k, v, out, t, p->n_q_heads, p->n_kv_heads, p->dk, p->dv,
+                      p->causal ? 1u : 0u, (t + HTP_ATTN_BQ - 1) / HTP_ATTN_BQ, p->scale,
+                      NULL, NULL, 0, e->pool, e->isa};
     const size_t need = htp_attn_scratch_floats(&c) * sizeof(float);
-    htp_api_lock();
-    for (uint32_t i = 0; i < htp_nth(); i++)
-        if (!htp_scratch(i, 1, need)) {
-            htp_api_unlock();
-            return HTP_E_NOMEM;
-        }
-    const uint32_t lvl = htp_simd_get();
-    if ((lvl == HTP_SIMD_AVX512 || lvl == HTP_SIMD_AVX512VNNI) && dk % 16 == 0 && dv % 16 == 0) {
+    for (uint32_t i = 0; i < htp_pool_nth(e->pool); i++)
+        if (!htp_scratch(e->pool, i, 1, need)) return HTP_E_NOMEM;
+    if (e->isa->attention_wants_kt && c.dk % 16 == 0 && c.dv % 16 == 0) {
         c.kt_ld = ((size_t)t + HTP_ATTN_BK - 1) / HTP_ATTN_BK;
-        c.kt = (float *)malloc(sizeof(float) * c.kt_ld * HTP_ATTN_BK * n_kv_heads * dk);
-        c.vp = (float *)malloc(sizeof(float) * (size_t)t * n_kv_heads * dv);
+        c.kt = (float *)malloc(sizeof(float) * c.kt_ld * HTP_ATTN_BK * c.hkv * c.dk);
+        c.vp = (float *)malloc(sizeof(float) * (size_t)t * c.hkv * c.dv);
         if (!c.kt || !c.vp) {
             free(c.kt);
             free(c.vp);
-            htp_api_unlock();
             return HTP_E_NOMEM;
         }
     }
-    htp_parallel(attn_worker, &c);
-    htp_api_unlock();
+    htp_parallel(e->pool, attn_worker, &c);
     free(c.kt);
     free(c.vp);
     return HTP_OK;

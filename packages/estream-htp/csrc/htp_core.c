@@ -1,45 +1,50 @@
-/* Library state, CPU dispatch, the GEMM driver and the small element-wise / row ops. */
+/* CPU dispatch, the portable inner-loop table, the generic GEMM driver and the small
+ * element-wise / row ops. Nothing here is mutable global state: the tables are const, and all
+ * per-run state lives in the backend (htp_backend.c). */
 #include "htp_gemm_body.h"
 
-#include <pthread.h>
-
-htp_kernels htp_k;
-static uint32_t g_simd = HTP_SIMD_PORTABLE;
-static uint32_t g_act = HTP_ACT_Q8;
-static pthread_once_t g_once = PTHREAD_ONCE_INIT;
-
-/* ---- portable kernel set ---- */
-static void gemm_f32_portable(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k, uint32_t tb,
-                              uint32_t te, const htp_act_f32 *a, uint32_t t, float *out,
-                              uint32_t ldo, float *panel) {
-    htp_gemm_f32_body(w, fmt, n, k, tb, te, a, t, out, ldo, panel);
+/* ---- portable table ---- */
+static void q4q8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                                float *out, uint32_t ldo, uint32_t rows) {
+    htp_q8_strip_body(strip, HTP_FMT_Q4_0_T32R4, kb, a, nt, out, ldo, rows);
 }
-void htp_gemm_q8_portable(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k, uint32_t tb,
-                             uint32_t te, const htp_act_q8 *a, uint32_t t, float *out,
-                             uint32_t ldo) {
-    htp_gemm_q8_body(w, fmt, n, k, tb, te, a, t, out, ldo);
+void htp_q8q8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                             float *out, uint32_t ldo, uint32_t rows) {
+    htp_q8_strip_body(strip, HTP_FMT_Q8_0_T32R4, kb, a, nt, out, ldo, rows);
 }
-static void quantize_q8_portable(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s) {
-    htp_quantize_row_q8_body(x, k, q, d, s);
-}
-void htp_kernels_portable(htp_kernels *k) {
-    k->gemm_f32 = gemm_f32_portable;
-    k->gemm_q8 = htp_gemm_q8_portable;
-    k->quantize_row_q8 = quantize_q8_portable;
-    k->attention_task = htp_attn_task_portable;
-    k->swiglu = htp_swiglu_portable;
-}
-
-void htp_quantize_row_q8(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s) {
-    htp_k.quantize_row_q8(x, k, q, d, s);
-}
-
-void htp_dequant_tile_t(const uint8_t *p, uint32_t fmt, float *panel) {
+void htp_dequant_portable(const uint8_t *p, uint32_t fmt, float *panel) {
     htp_dequant_tile_body(p, fmt, panel);
 }
+void htp_f32_strip_portable(const float *panel, uint32_t k, const float *x, uint32_t ldx,
+                               uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    htp_f32_strip_body(panel, k, x, ldx, nt, out, ldo, rows);
+}
+void htp_quantize_q8_portable(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s) {
+    htp_quantize_row_q8_body(x, k, q, d, s);
+}
+
+const htp_isa htp_isa_portable = {
+    .level = HTP_SIMD_PORTABLE,
+    .q4q8_strip = q4q8_strip_portable,
+    .q4q8_nt = 64,
+    .q8q8_strip = htp_q8q8_strip_portable,
+    .q8q8_nt = 64,
+    .dequant_tile = htp_dequant_portable,
+    .f32_strip = htp_f32_strip_portable,
+    .f32_nt = 4,
+    .quantize_row_q8 = htp_quantize_q8_portable,
+    .attention_task = htp_attn_task_portable,
+    .attention_wants_kt = 0,
+    .swiglu = htp_swiglu_portable,
+    .dot_peak = NULL,
+    .dot_macs_per_iter = 0,
+};
 
 /* ---- dispatch ---- */
 static int cpu_supports(uint32_t level) {
+#ifdef HTP_X86
+    __builtin_cpu_init();
+#endif
     switch (level) {
     case HTP_SIMD_PORTABLE: return 1;
 #ifdef HTP_X86
@@ -59,18 +64,20 @@ static int cpu_supports(uint32_t level) {
     }
 }
 
-static void fill_kernels(uint32_t level) {
-    htp_kernels k;
-    htp_kernels_portable(&k);
+const htp_isa *htp_isa_for(uint32_t level) {
+    if (!cpu_supports(level)) return NULL;
+    switch (level) {
+    case HTP_SIMD_PORTABLE: return &htp_isa_portable;
 #ifdef HTP_X86
-    if (level == HTP_SIMD_AVX2) htp_kernels_avx2(&k);
-    if (level == HTP_SIMD_AVX512) htp_kernels_avx512(&k);
-    if (level == HTP_SIMD_AVX512VNNI) htp_kernels_avx512vnni(&k);
+    case HTP_SIMD_AVX2: return &htp_isa_avx2;
+    case HTP_SIMD_AVX512: return &htp_isa_avx512;
+    case HTP_SIMD_AVX512VNNI: return &htp_isa_avx512vnni;
 #endif
 #ifdef HTP_ARM64
-    if (level == HTP_SIMD_NEON) htp_kernels_neon(&k);
+    case HTP_SIMD_NEON: return &htp_isa_neon;
 #endif
-    htp_k = k;
+    default: return NULL;
+    }
 }
 
 uint32_t htp_simd_best(void) {
@@ -79,35 +86,7 @@ uint32_t htp_simd_best(void) {
     return HTP_SIMD_PORTABLE;
 }
 
-static void init_once(void) {
-#ifdef HTP_X86
-    __builtin_cpu_init();
-#endif
-    g_simd = htp_simd_best();
-    fill_kernels(g_simd);
-    htp_pool_register_atfork();
-}
-
-void htp_ensure_init(void) { pthread_once(&g_once, init_once); }
-
 uint32_t htp_abi_version(void) { return HTP_ABI_VERSION; }
-uint32_t htp_simd_get(void) {
-    htp_ensure_init();
-    return g_simd;
-}
-htp_status htp_simd_set(uint32_t level) {
-    htp_ensure_init();
-    if (level > HTP_SIMD_NEON || !cpu_supports(level)) return HTP_E_UNSUPPORTED;
-    g_simd = level;
-    fill_kernels(level);
-    return HTP_OK;
-}
-htp_status htp_act_set(uint32_t act) {
-    if (act > HTP_ACT_Q8) return HTP_E_INVALID;
-    g_act = act;
-    return HTP_OK;
-}
-uint32_t htp_act_get(void) { return g_act; }
 
 size_t htp_tile_bytes(uint32_t fmt) {
     return fmt == HTP_FMT_Q4_0_T32R4 ? HTP_Q4_TILE_BYTES : fmt == HTP_FMT_Q8_0_T32R4 ? HTP_Q8_TILE_BYTES : 0;
@@ -116,8 +95,42 @@ uint64_t htp_matrix_bytes(uint32_t fmt, uint32_t n, uint32_t k) {
     return (uint64_t)((n + 31) / 32) * (k / 32) * htp_tile_bytes(fmt);
 }
 
-/* ---- GEMM driver ---- */
+/* ---- the generic GEMM driver: row-tile strips x token blocks, inner loops from the table ---- */
+void htp_gemm_tiles(const htp_isa *isa, const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,
+                    uint32_t tile_b, uint32_t tile_e, const htp_act_q8 *q8, const float *x,
+                    uint32_t ldx, uint32_t t, float *out, uint32_t ldo, float *panel) {
+    const uint32_t kb = k / 32;
+    const size_t tbytes = htp_tile_bytes(fmt);
+    const int q4 = fmt == HTP_FMT_Q4_0_T32R4;
+    for (uint32_t it = tile_b; it < tile_e; it++) {
+        const uint8_t *strip = w + (size_t)it * kb * tbytes;
+        const uint32_t rows = HTP_MIN(32u, n - it * 32);
+        float *o = out + (size_t)(it - tile_b) * 32;
+        if (q8) {
+            const uint32_t ntmax = q4 ? isa->q4q8_nt : isa->q8q8_nt;
+            for (uint32_t t0 = 0; t0 < t; t0 += ntmax) {
+                const uint32_t nt = HTP_MIN(ntmax, t - t0);
+                const htp_act_q8 a = {q8->q + (size_t)t0 * k, q8->d + (size_t)t0 * kb, q8->s + (size_t)t0 * kb};
+                if (q4)
+                    isa->q4q8_strip(strip, kb, &a, nt, o + (size_t)t0 * ldo, ldo, rows);
+                else
+                    isa->q8q8_strip(strip, kb, &a, nt, o + (size_t)t0 * ldo, ldo, rows);
+            }
+        } else {
+            for (uint32_t j = 0; j < kb; j++) isa->dequant_tile(strip + j * tbytes, fmt, panel + (size_t)j * 1024);
+            const uint32_t ntmax = isa->f32_nt;
+            for (uint32_t t0 = 0; t0 < t; t0 += ntmax) {
+                const uint32_t nt = HTP_MIN(ntmax, t - t0);
+                isa->f32_strip(panel, k, x + (size_t)t0 * ldx, ldx, nt, o + (size_t)t0 * ldo, ldo, rows);
+            }
+        }
+    }
+}
+
+/* ---- dense GEMM op: quantize rows (q8), then row tiles split across threads ---- */
 typedef struct gemm_ctx {
+    const htp_isa *isa;
+    htp_pool *pool;
     const uint8_t *w;
     uint32_t fmt, n, k, t, ldx, ldy;
     const float *x;
@@ -135,81 +148,50 @@ static void gemm_task(void *arg, uint32_t ith, uint32_t nth) {
         uint32_t b, e;
         htp_split(c->t, ith, nth, &b, &e);
         for (uint32_t i = b; i < e; i++)
-            htp_k.quantize_row_q8(c->x + (size_t)i * c->ldx, c->k, c->q + (size_t)i * c->k,
-                                  c->qd + (size_t)i * kb, c->qs + (size_t)i * kb);
-        htp_barrier();
+            c->isa->quantize_row_q8(c->x + (size_t)i * c->ldx, c->k, c->q + (size_t)i * c->k,
+                                    c->qd + (size_t)i * kb, c->qs + (size_t)i * kb);
+        htp_barrier(c->pool);
     }
     uint32_t tb, te;
     htp_split((c->n + 31) / 32, ith, nth, &tb, &te);
     if (tb == te) return;
     if (c->use_q8) {
         htp_act_q8 a = {c->q, c->qd, c->qs};
-        htp_k.gemm_q8(c->w, c->fmt, c->n, c->k, tb, te, &a, c->t, c->y + (size_t)tb * 32, c->ldy);
+        htp_gemm_tiles(c->isa, c->w, c->fmt, c->n, c->k, tb, te, &a, NULL, 0, c->t, c->y + (size_t)tb * 32,
+                       c->ldy, NULL);
     } else {
-        htp_act_f32 a = {c->x, c->ldx};
-        float *panel = (float *)htp_scratch(ith, 0, 0);
-        htp_k.gemm_f32(c->w, c->fmt, c->n, c->k, tb, te, &a, c->t, c->y + (size_t)tb * 32, c->ldy, panel);
+        float *panel = (float *)htp_scratch(c->pool, ith, 0, 0);
+        htp_gemm_tiles(c->isa, c->w, c->fmt, c->n, c->k, tb, te, NULL, c->x, c->ldx, c->t,
+                       c->y + (size_t)tb * 32, c->ldy, panel);
     }
 }
 
-static htp_status reserve_panels(uint32_t k) {
-    for (uint32_t i = 0; i < htp_nth(); i++)
-        if (!htp_scratch(i, 0, (size_t)k * 32 * sizeof(float))) return HTP_E_NOMEM;
-    return HTP_OK;
-}
-
-htp_status htp_gemm(const htp_matrix_desc *wd, const void *w, const float *x, uint32_t t,
-                    uint32_t ldx, float *y, uint32_t ldy) {
-    htp_ensure_init();
-    if (!wd || !w || !x || !y) return HTP_E_INVALID;
-    if (wd->format != HTP_FMT_Q4_0_T32R4 && wd->format != HTP_FMT_Q8_0_T32R4) return HTP_E_INVALID;
-    if (wd->k == 0 || wd->k % 32 || wd->n == 0 || ldx < wd->k || ldy < wd->n) return HTP_E_INVALID;
-    if (wd->nbytes < htp_matrix_bytes(wd->format, wd->n, wd->k)) return HTP_E_INVALID;
+htp_status htp_exec_gemm(htp_exec *e, const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,
+                         const float *x, uint32_t t, uint32_t ldx, float *y, uint32_t ldy,
+                         uint32_t act) {
     if (t == 0) return HTP_OK;
-    gemm_ctx c = {(const uint8_t *)w, wd->format, wd->n, wd->k, t, ldx, ldy, x, y, NULL, NULL, NULL, 0};
-    c.use_q8 = g_act == HTP_ACT_Q8;
+    gemm_ctx c = {e->isa, e->pool, w, fmt, n, k, t, ldx, ldy, x, y, NULL, NULL, NULL, act == HTP_ACT_Q8};
     void *buf = NULL;
-    htp_api_lock();
     if (c.use_q8) {
-        const size_t kb = wd->k / 32;
-        buf = malloc((size_t)t * wd->k + (size_t)t * kb * 8 + 64);
-        if (!buf) {
-            htp_api_unlock();
-            return HTP_E_NOMEM;
-        }
+        const size_t kb = k / 32;
+        buf = malloc((size_t)t * k + (size_t)t * kb * 8 + 64);
+        if (!buf) return HTP_E_NOMEM;
         c.qd = (float *)buf;
         c.qs = (int32_t *)(c.qd + (size_t)t * kb);
         c.q = (int8_t *)(c.qs + (size_t)t * kb);
-    } else if (reserve_panels(wd->k) != HTP_OK) {
-        htp_api_unlock();
-        return HTP_E_NOMEM;
+    } else {
+        for (uint32_t i = 0; i < htp_pool_nth(e->pool); i++)
+            if (!htp_scratch(e->pool, i, 0, (size_t)k * 32 * sizeof(float))) return HTP_E_NOMEM;
     }
-    htp_parallel(gemm_task, &c);
-    htp_api_unlock();
+    htp_parallel(e->pool, gemm_task, &c);
     free(buf);
     return HTP_OK;
 }
 
-/* ---- embedding rows ---- */
-htp_status htp_get_rows(const void *table, uint32_t format, uint64_t nbytes, uint32_t n_rows,
-                        uint32_t n_cols, const int32_t *ids, uint32_t t, float *out) {
-    htp_ensure_init();
-    if (!table || !ids || !out || n_rows == 0 || n_cols == 0) return HTP_E_INVALID;
-    const uint8_t *p = (const uint8_t *)table;
-    uint64_t need;
-    switch (format) {
-    case HTP_FMT_F32: need = (uint64_t)n_rows * n_cols * 4; break;
-    case HTP_FMT_F16: need = (uint64_t)n_rows * n_cols * 2; break;
-    case HTP_FMT_Q4_0_T32R4:
-    case HTP_FMT_Q8_0_T32R4:
-        if (n_cols % 32) return HTP_E_INVALID;
-        need = htp_matrix_bytes(format, n_rows, n_cols);
-        break;
-    default: return HTP_E_INVALID;
-    }
-    if (nbytes < need) return HTP_E_INVALID;
-    for (uint32_t i = 0; i < t; i++)
-        if (ids[i] < 0 || (uint32_t)ids[i] >= n_rows) return HTP_E_INVALID;
+/* ---- embedding rows (validated by the caller) ---- */
+void htp_exec_get_rows(const htp_get_rows_params *pr, const uint8_t *p, const int32_t *ids,
+                       float *out) {
+    const uint32_t format = pr->format, n_cols = pr->n_cols, t = pr->t;
     const size_t tb = htp_tile_bytes(format);
     const uint32_t kb = n_cols / 32;
     for (uint32_t i = 0; i < t; i++) {
@@ -247,45 +229,40 @@ htp_status htp_get_rows(const void *table, uint32_t format, uint64_t nbytes, uin
             }
         }
     }
-    return HTP_OK;
 }
 
-/* ---- RMSNorm ---- */
-htp_status htp_rms_norm(const float *x, const float *w, uint32_t t, uint32_t n_groups, uint32_t d,
-                        float eps, float *out) {
-    if (!x || !out || d == 0 || n_groups == 0 || !(eps >= 0.0f)) return HTP_E_INVALID;
-    const size_t rows = (size_t)t * n_groups;
+
+/* ---- RMSNorm (validated by the caller) ---- */
+void htp_exec_rms_norm(const htp_rms_norm_params *p, const float *x, const float *w, float *out) {
+    const uint32_t d = p->d;
+    const size_t rows = (size_t)p->t * p->n_groups;
     for (size_t i = 0; i < rows; i++) {
         const float *xr = x + i * d;
         float *o = out + i * d;
         double ss = 0.0;
         for (uint32_t c = 0; c < d; c++) ss += (double)xr[c] * xr[c];
-        const float inv = (float)(1.0 / sqrt(ss / d + (double)eps));
+        const float inv = (float)(1.0 / sqrt(ss / d + (double)p->eps));
         if (w)
             for (uint32_t c = 0; c < d; c++) o[c] = xr[c] * inv * w[c];
         else
             for (uint32_t c = 0; c < d; c++) o[c] = xr[c] * inv;
     }
-    return HTP_OK;
 }
 
-/* ---- RoPE ---- */
-htp_status htp_rope(float *x, const int32_t *pos, uint32_t t, uint32_t n_heads, uint32_t head_dim,
-                    uint32_t n_rot, float freq_base, float freq_scale, uint32_t mode) {
-    if (!x || !pos || n_rot > head_dim || n_rot % 2 || mode > HTP_ROPE_NEOX || !(freq_base > 0.0f))
-        return HTP_E_INVALID;
-    const uint32_t half = n_rot / 2;
+/* ---- RoPE (validated by the caller) ---- */
+htp_status htp_exec_rope(const htp_rope_params *p, float *x, const int32_t *pos) {
+    const uint32_t n_rot = p->n_rot, half = n_rot / 2, mode = p->mode;
     double *cs = (double *)malloc(sizeof(double) * 2 * (half ? half : 1));
     if (!cs) return HTP_E_NOMEM;
-    for (uint32_t i = 0; i < t; i++) {
+    for (uint32_t i = 0; i < p->t; i++) {
         for (uint32_t j = 0; j < half; j++) {
-            const double theta = (double)pos[i] * (double)freq_scale *
-                                 pow((double)freq_base, -2.0 * (double)j / (double)n_rot);
+            const double theta = (double)pos[i] * (double)p->freq_scale *
+                                 pow((double)p->freq_base, -2.0 * (double)j / (double)n_rot);
             cs[2 * j] = cos(theta);
             cs[2 * j + 1] = sin(theta);
         }
-        for (uint32_t h = 0; h < n_heads; h++) {
-            float *v = x + ((size_t)i * n_heads + h) * head_dim;
+        for (uint32_t h = 0; h < p->n_heads; h++) {
+            float *v = x + ((size_t)i * p->n_heads + h) * p->head_dim;
             for (uint32_t j = 0; j < half; j++) {
                 const uint32_t a = mode == HTP_ROPE_NORMAL ? 2 * j : j;
                 const uint32_t b = mode == HTP_ROPE_NORMAL ? 2 * j + 1 : j + half;
@@ -299,32 +276,16 @@ htp_status htp_rope(float *x, const int32_t *pos, uint32_t t, uint32_t n_heads, 
     return HTP_OK;
 }
 
-/* ---- SiLU / SwiGLU ---- */
-htp_status htp_silu(const float *x, uint64_t n, float *out) {
-    htp_ensure_init();
-    if ((!x || !out) && n) return HTP_E_INVALID;
-    htp_k.swiglu(x, NULL, n, out);
-    return HTP_OK;
-}
-htp_status htp_swiglu(const float *g, const float *u, uint64_t n, float *out) {
-    htp_ensure_init();
-    if ((!g || !u || !out) && n) return HTP_E_INVALID;
-    htp_k.swiglu(g, u, n, out);
-    return HTP_OK;
-}
-
-/* ---- router ---- */
-htp_status htp_router_topk(const float *logits, uint32_t t, uint32_t n_experts, uint32_t k,
-                           uint32_t gating, uint32_t norm, float scale, const float *bias,
+/* ---- router (validated by the caller) ---- */
+htp_status htp_exec_router(const htp_router_params *pr, const float *logits, const float *bias,
                            int32_t *ids, float *weights) {
-    if (!logits || !ids || !weights || k == 0 || k > n_experts || gating > HTP_GATING_SIGMOID)
-        return HTP_E_INVALID;
+    const uint32_t n_experts = pr->n_experts, k = pr->k;
     double *p = (double *)malloc(sizeof(double) * n_experts * 2);
     if (!p) return HTP_E_NOMEM;
     double *key = p + n_experts;
-    for (uint32_t i = 0; i < t; i++) {
+    for (uint32_t i = 0; i < pr->t; i++) {
         const float *l = logits + (size_t)i * n_experts;
-        if (gating == HTP_GATING_SOFTMAX) {
+        if (pr->gating == HTP_GATING_SOFTMAX) {
             double mx = -INFINITY, sum = 0.0;
             for (uint32_t e = 0; e < n_experts; e++) mx = l[e] > mx ? l[e] : mx;
             for (uint32_t e = 0; e < n_experts; e++) sum += (p[e] = exp((double)l[e] - mx));
@@ -352,8 +313,8 @@ htp_status htp_router_topk(const float *logits, uint32_t t, uint32_t n_experts, 
         }
         for (uint32_t j = 0; j < k; j++) {
             double v = p[id[j]];
-            if (norm) v /= wsum;
-            wt[j] = (float)(v * scale);
+            if (pr->norm) v /= wsum;
+            wt[j] = (float)(v * pr->scale);
         }
     }
     free(p);

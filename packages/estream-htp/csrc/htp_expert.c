@@ -12,24 +12,30 @@
 
 #define SUB 128 /* routes per GEMM call inside a slot (bounds per-thread scratch) */
 
-struct htp_expert_graph {
-    htp_expert_graph_desc desc;
+/* The working set of a backend's expert op, grown to the largest (capacity, d_model, d_ff)
+ * seen and kept between calls (one op at a time per backend). */
+struct htp_expert_ws {
+    size_t cap, d, ff;  /* sizes the route arrays and activation buffers were allocated for */
     int32_t *rec_route; /* [C] route index (within the pass) of each record, sorted by slot */
     int32_t *route_slot;
     int32_t *stage; /* [C] route ids selected for the current pass, before sorting */
     int32_t *seg_slot, *seg_begin, *seg_len; /* [C] non-empty slots */
     uint32_t *counts;
     uint32_t counts_cap;
-    float *xg;                 /* f32 mode: [C][d] */
-    float *h;                  /* f32 mode: [C][ff] */
-    int8_t *xq, *hq;           /* q8 mode */
+    float *xg;       /* f32 mode: [C][d] */
+    float *h;        /* f32 mode: [C][ff] */
+    int8_t *xq, *hq; /* q8 mode */
     float *xd, *hd;
     int32_t *xs, *hs;
 };
 
 typedef struct run_ctx {
-    htp_expert_graph *g;
-    const htp_expert_run_desc *desc;
+    struct htp_expert_ws *g;
+    const htp_isa *isa;
+    htp_pool *pool;
+    uint32_t d, ff;
+    const uint8_t *const *planes;
+    const uint64_t *stride;
     const float *x;
     const int32_t *tokens;
     const float *weights;
@@ -38,15 +44,13 @@ typedef struct run_ctx {
     int q8;
 } run_ctx;
 
-void htp_expert_graph_free(htp_expert_graph *g) {
-    if (!g) return;
+static void ws_release(struct htp_expert_ws *g) {
     free(g->rec_route);
     free(g->route_slot);
     free(g->stage);
     free(g->seg_slot);
     free(g->seg_begin);
     free(g->seg_len);
-    free(g->counts);
     free(g->xg);
     free(g->h);
     free(g->xq);
@@ -55,37 +59,38 @@ void htp_expert_graph_free(htp_expert_graph *g) {
     free(g->hd);
     free(g->xs);
     free(g->hs);
+    uint32_t *counts = g->counts;
+    const uint32_t counts_cap = g->counts_cap;
+    memset(g, 0, sizeof(*g));
+    g->counts = counts;
+    g->counts_cap = counts_cap;
+}
+
+void htp_expert_ws_free(struct htp_expert_ws *g) {
+    if (!g) return;
+    ws_release(g);
+    free(g->counts);
     free(g);
 }
 
-htp_status htp_expert_graph_init(const htp_expert_graph_desc *desc, htp_expert_graph **out) {
-    htp_ensure_init();
-    if (!desc || !out) return HTP_E_INVALID;
-    *out = NULL;
-    const uint32_t d = desc->d_model, ff = desc->d_ff;
-    const size_t c = desc->capacity;
-    if (d == 0 || ff == 0 || d % 32 || ff % 32 || c == 0 || desc->t_max == 0) return HTP_E_INVALID;
-    htp_expert_graph *g = (htp_expert_graph *)calloc(1, sizeof(*g));
-    if (!g) return HTP_E_NOMEM;
-    g->desc = *desc;
-    g->rec_route = malloc(c * 4);
-    g->route_slot = malloc(c * 4);
-    g->stage = malloc(c * 4);
-    g->seg_slot = malloc(c * 4);
-    g->seg_begin = malloc(c * 4);
-    g->seg_len = malloc(c * 4);
-    if (!g->rec_route || !g->route_slot || !g->stage || !g->seg_slot || !g->seg_begin || !g->seg_len) {
-        htp_expert_graph_free(g);
-        return HTP_E_NOMEM;
-    }
-    *out = g;
-    return HTP_OK;
-}
-
-/* Activation buffers are allocated for the activation format in use, on first need:
+/* Route arrays for C routes; activation buffers for the format in use on first need:
  * q8 needs C*(d+ff)*(1+8/32) bytes, f32 C*(d+ff)*4. */
-static htp_status ensure_buffers(htp_expert_graph *g, int q8) {
-    const size_t c = g->desc.capacity, d = g->desc.d_model, ff = g->desc.d_ff;
+static htp_status ws_reserve(struct htp_expert_ws *g, size_t c, size_t d, size_t ff, int q8) {
+    if (c > g->cap || d > g->d || ff > g->ff) {
+        ws_release(g);
+        g->cap = c, g->d = d, g->ff = ff;
+        g->rec_route = malloc(c * 4);
+        g->route_slot = malloc(c * 4);
+        g->stage = malloc(c * 4);
+        g->seg_slot = malloc(c * 4);
+        g->seg_begin = malloc(c * 4);
+        g->seg_len = malloc(c * 4);
+        if (!g->rec_route || !g->route_slot || !g->stage || !g->seg_slot || !g->seg_begin || !g->seg_len) {
+            ws_release(g);
+            return HTP_E_NOMEM;
+        }
+    }
+    c = g->cap, d = g->d, ff = g->ff;
     if (q8 && !g->xq) {
         g->xq = malloc(c * d);
         g->hq = malloc(c * ff);
@@ -115,9 +120,9 @@ static htp_status ensure_buffers(htp_expert_graph *g, int q8) {
 
 static void run_task(void *arg, uint32_t ith, uint32_t nth) {
     run_ctx *c = (run_ctx *)arg;
-    htp_expert_graph *g = c->g;
-    const uint32_t d = g->desc.d_model, ff = g->desc.d_ff, db = d / 32, fb = ff / 32;
-    const htp_expert_run_desc *rd = c->desc;
+    struct htp_expert_ws *g = c->g;
+    const htp_isa *isa = c->isa;
+    const uint32_t d = c->d, ff = c->ff, db = d / 32, fb = ff / 32;
     uint32_t b, e;
 
     /* (a) gather */
@@ -126,14 +131,14 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
         const int32_t tok = c->tokens[c->r0 + (uint32_t)g->rec_route[i]];
         const float *src = c->x + (size_t)tok * d;
         if (c->q8)
-            htp_k.quantize_row_q8(src, d, g->xq + (size_t)i * d, g->xd + (size_t)i * db, g->xs + (size_t)i * db);
+            isa->quantize_row_q8(src, d, g->xq + (size_t)i * d, g->xd + (size_t)i * db, g->xs + (size_t)i * db);
         else
             memcpy(g->xg + (size_t)i * d, src, (size_t)d * 4);
     }
-    htp_barrier();
+    htp_barrier(c->pool);
 
-    float *tmp = (float *)htp_scratch(ith, 2, 0);
-    float *panel = (float *)htp_scratch(ith, 0, 0);
+    float *tmp = (float *)htp_scratch(c->pool, ith, 2, 0);
+    float *panel = (float *)htp_scratch(c->pool, ith, 0, 0);
 
     /* (b) gate, up, SwiGLU over this thread's d_ff tiles */
     htp_split(fb, ith, nth, &b, &e);
@@ -141,29 +146,29 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
     if (ncol) {
         for (uint32_t s = 0; s < c->nseg; s++) {
             const uint64_t slot = (uint64_t)g->seg_slot[s];
-            const uint8_t *wg = (const uint8_t *)(uintptr_t)(rd->plane_base[0] + slot * rd->slot_stride[0]);
-            const uint8_t *wu = (const uint8_t *)(uintptr_t)(rd->plane_base[1] + slot * rd->slot_stride[1]);
+            const uint8_t *wg = c->planes[0] + slot * c->stride[0];
+            const uint8_t *wu = c->planes[1] + slot * c->stride[1];
             for (uint32_t r0 = 0; r0 < (uint32_t)g->seg_len[s]; r0 += SUB) {
                 const uint32_t rec = (uint32_t)g->seg_begin[s] + r0;
                 const uint32_t n = HTP_MIN(SUB, (uint32_t)g->seg_len[s] - r0);
                 float *tg = tmp, *tu = tmp + (size_t)SUB * ncol;
                 if (c->q8) {
                     htp_act_q8 a = {g->xq + (size_t)rec * d, g->xd + (size_t)rec * db, g->xs + (size_t)rec * db};
-                    htp_k.gemm_q8(wg, HTP_FMT_Q4_0_T32R4, ff, d, b, e, &a, n, tg, ncol);
-                    htp_k.gemm_q8(wu, HTP_FMT_Q4_0_T32R4, ff, d, b, e, &a, n, tu, ncol);
+                    htp_gemm_tiles(isa, wg, HTP_FMT_Q4_0_T32R4, ff, d, b, e, &a, NULL, 0, n, tg, ncol, NULL);
+                    htp_gemm_tiles(isa, wu, HTP_FMT_Q4_0_T32R4, ff, d, b, e, &a, NULL, 0, n, tu, ncol, NULL);
                 } else {
-                    htp_act_f32 a = {g->xg + (size_t)rec * d, d};
-                    htp_k.gemm_f32(wg, HTP_FMT_Q4_0_T32R4, ff, d, b, e, &a, n, tg, ncol, panel);
-                    htp_k.gemm_f32(wu, HTP_FMT_Q4_0_T32R4, ff, d, b, e, &a, n, tu, ncol, panel);
+                    const float *xa = g->xg + (size_t)rec * d;
+                    htp_gemm_tiles(isa, wg, HTP_FMT_Q4_0_T32R4, ff, d, b, e, NULL, xa, d, n, tg, ncol, panel);
+                    htp_gemm_tiles(isa, wu, HTP_FMT_Q4_0_T32R4, ff, d, b, e, NULL, xa, d, n, tu, ncol, panel);
                 }
                 for (uint32_t i = 0; i < n; i++) {
                     float *gi = tg + (size_t)i * ncol;
                     const float *ui = tu + (size_t)i * ncol;
-                    htp_k.swiglu(gi, ui, ncol, gi);
+                    isa->swiglu(gi, ui, ncol, gi);
                     if (c->q8) {
                         for (uint32_t blk = 0; blk < e - b; blk++) {
                             const size_t o = (size_t)(rec + i) * fb + b + blk;
-                            htp_k.quantize_row_q8(gi + blk * 32, 32, g->hq + o * 32, g->hd + o, g->hs + o);
+                            isa->quantize_row_q8(gi + blk * 32, 32, g->hq + o * 32, g->hd + o, g->hs + o);
                         }
                     } else {
                         memcpy(g->h + (size_t)(rec + i) * ff + (size_t)b * 32, gi, (size_t)ncol * 4);
@@ -172,7 +177,7 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
             }
         }
     }
-    htp_barrier();
+    htp_barrier(c->pool);
 
     /* (c) down + scatter-add over this thread's d_model tiles */
     htp_split(db, ith, nth, &b, &e);
@@ -180,16 +185,16 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
     if (!dcol) return;
     for (uint32_t s = 0; s < c->nseg; s++) {
         const uint64_t slot = (uint64_t)g->seg_slot[s];
-        const uint8_t *wd = (const uint8_t *)(uintptr_t)(rd->plane_base[2] + slot * rd->slot_stride[2]);
+        const uint8_t *wd = c->planes[2] + slot * c->stride[2];
         for (uint32_t r0 = 0; r0 < (uint32_t)g->seg_len[s]; r0 += SUB) {
             const uint32_t rec = (uint32_t)g->seg_begin[s] + r0;
             const uint32_t n = HTP_MIN(SUB, (uint32_t)g->seg_len[s] - r0);
             if (c->q8) {
                 htp_act_q8 a = {g->hq + (size_t)rec * ff, g->hd + (size_t)rec * fb, g->hs + (size_t)rec * fb};
-                htp_k.gemm_q8(wd, HTP_FMT_Q4_0_T32R4, d, ff, b, e, &a, n, tmp, dcol);
+                htp_gemm_tiles(isa, wd, HTP_FMT_Q4_0_T32R4, d, ff, b, e, &a, NULL, 0, n, tmp, dcol, NULL);
             } else {
-                htp_act_f32 a = {g->h + (size_t)rec * ff, ff};
-                htp_k.gemm_f32(wd, HTP_FMT_Q4_0_T32R4, d, ff, b, e, &a, n, tmp, dcol, panel);
+                htp_gemm_tiles(isa, wd, HTP_FMT_Q4_0_T32R4, d, ff, b, e, NULL, g->h + (size_t)rec * ff, ff, n,
+                               tmp, dcol, panel);
             }
             for (uint32_t i = 0; i < n; i++) {
                 const uint32_t route = c->r0 + (uint32_t)g->rec_route[rec + i];
@@ -202,66 +207,44 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
     }
 }
 
-static htp_status run_locked(htp_expert_graph *g, const htp_expert_run_desc *rd, const float *x,
-                             const int32_t *tokens, const int32_t *experts, const float *weights,
-                             const int32_t *slot_of_expert, float *y, int32_t max_slot,
-                             size_t kmax, size_t stage);
-
-htp_status htp_expert_graph_run(htp_expert_graph *g, const htp_expert_run_desc *rd, const float *x,
-                                const int32_t *tokens, const int32_t *experts,
-                                const float *weights, const int32_t *slot_of_expert, float *y) {
-    htp_ensure_init();
-    if (!g || !rd || !x || !y || !slot_of_expert) return HTP_E_INVALID;
-    if (rd->n_routes && (!tokens || !experts || !weights)) return HTP_E_INVALID;
-    if (rd->format != HTP_FMT_Q4_0_T32R4) return HTP_E_UNSUPPORTED;
-    if (rd->n_tokens > g->desc.t_max) return HTP_E_CAPACITY;
-    const uint32_t d = g->desc.d_model, ff = g->desc.d_ff;
-    const uint64_t need[3] = {htp_matrix_bytes(HTP_FMT_Q4_0_T32R4, ff, d),
-                              htp_matrix_bytes(HTP_FMT_Q4_0_T32R4, ff, d),
-                              htp_matrix_bytes(HTP_FMT_Q4_0_T32R4, d, ff)};
+/* Validated by the caller (htp_host_execute): shapes, formats, every index, the slot range
+ * against the planes' registered sizes. */
+htp_status htp_exec_expert(htp_exec *ex, const htp_expert_params *p, uint32_t act,
+                           const float *x, const int32_t *tokens, const int32_t *experts,
+                           const float *weights, const int32_t *slot_of_expert,
+                           const uint8_t *const planes[3], float *y) {
+    const uint32_t R = p->n_routes;
+    if (R == 0) return HTP_OK;
+    const uint32_t d = p->d_model, ff = p->d_ff, C = p->capacity;
+    if (!ex->ws) {
+        ex->ws = (struct htp_expert_ws *)calloc(1, sizeof(struct htp_expert_ws));
+        if (!ex->ws) return HTP_E_NOMEM;
+    }
+    struct htp_expert_ws *g = ex->ws;
     int32_t max_slot = -1;
-    for (uint32_t r = 0; r < rd->n_routes; r++) {
-        if (tokens[r] < 0 || (uint32_t)tokens[r] >= rd->n_tokens) return HTP_E_INVALID;
-        if (experts[r] < 0 || (uint32_t)experts[r] >= rd->n_experts) return HTP_E_INVALID;
+    for (uint32_t r = 0; r < R; r++) {
         const int32_t s = slot_of_expert[experts[r]];
-        if (s < 0) return HTP_E_NOT_RESIDENT;
         max_slot = s > max_slot ? s : max_slot;
     }
-    if (rd->n_routes == 0) return HTP_OK;
-    for (int j = 0; j < 3; j++) {
-        if (rd->plane_base[j] == 0) return HTP_E_INVALID;
-        if (max_slot > 0 && rd->slot_stride[j] < need[j]) return HTP_E_INVALID;
-    }
     if ((uint32_t)max_slot + 1 > g->counts_cap) {
-        uint32_t *p = (uint32_t *)realloc(g->counts, ((size_t)max_slot + 1) * 8);
-        if (!p) return HTP_E_NOMEM;
-        g->counts = p;
+        uint32_t *q = (uint32_t *)realloc(g->counts, ((size_t)max_slot + 1) * 8);
+        if (!q) return HTP_E_NOMEM;
+        g->counts = q;
         g->counts_cap = (uint32_t)max_slot + 1;
     }
     /* per-thread scratch: GEMM panel (f32 mode) and gate/up/down staging */
     const size_t kmax = HTP_MAX(d, ff);
     const size_t stage = (size_t)2 * SUB * HTP_MAX(d, 2 * ff) * 4 + 256;
-    htp_api_lock();
-    const htp_status st = run_locked(g, rd, x, tokens, experts, weights, slot_of_expert, y, max_slot, kmax, stage);
-    htp_api_unlock();
-    return st;
-}
-
-static htp_status run_locked(htp_expert_graph *g, const htp_expert_run_desc *rd, const float *x,
-                             const int32_t *tokens, const int32_t *experts, const float *weights,
-                             const int32_t *slot_of_expert, float *y, int32_t max_slot,
-                             size_t kmax, size_t stage) {
-    for (uint32_t i = 0; i < htp_nth(); i++)
-        if (!htp_scratch(i, 0, kmax * 32 * 4) || !htp_scratch(i, 2, stage)) return HTP_E_NOMEM;
-
-    const int q8 = htp_act_get() == HTP_ACT_Q8;
-    if (ensure_buffers(g, q8) != HTP_OK) return HTP_E_NOMEM;
+    for (uint32_t i = 0; i < htp_pool_nth(ex->pool); i++)
+        if (!htp_scratch(ex->pool, i, 0, kmax * 32 * 4) || !htp_scratch(ex->pool, i, 2, stage))
+            return HTP_E_NOMEM;
+    const int q8 = act == HTP_ACT_Q8;
+    if (ws_reserve(g, C, d, ff, q8) != HTP_OK) return HTP_E_NOMEM;
     const uint32_t P = (uint32_t)max_slot + 1;
     /* Passes are runs of consecutive slots holding at most `capacity` routes (a slot with more
      * routes is cut into capacity-sized pieces of its routes in route order), so each pass
      * meets every expert it touches once, with as many routes as possible. The order in which
      * contributions reach y (slot ascending, then route order) does not depend on capacity. */
-    const uint32_t C = g->desc.capacity, R = rd->n_routes;
     uint32_t *total = g->counts + P;
     memset(total, 0, (size_t)P * 4);
     for (uint32_t r = 0; r < R; r++) total[slot_of_expert[experts[r]]]++;
@@ -305,8 +288,9 @@ static htp_status run_locked(htp_expert_graph *g, const htp_expert_run_desc *rd,
                 nseg++;
             }
             for (uint32_t i = 0; i < nr; i++) g->rec_route[g->counts[g->route_slot[i]]++] = g->stage[i];
-            run_ctx c = {g, rd, x, tokens, weights, y, 0, nr, nseg, q8};
-            htp_parallel(run_task, &c);
+            run_ctx c = {g, ex->isa, ex->pool, d, ff, planes, p->slot_stride, x, tokens, weights, y,
+                         0, nr, nseg, q8};
+            htp_parallel(ex->pool, run_task, &c);
         }
         sa = sb;
     }

@@ -1,5 +1,6 @@
-/* Generic fp32 GEMM body over tile formats, instantiated per SIMD level (the compiler
- * vectorises it under each level's target attribute). Included by htp_core.c and htp_x86.c. */
+/* Generic inner loops over tile formats, compiled once per instruction set (each table's
+ * translation unit instantiates them under its target attribute so the compiler vectorises
+ * them). Only inner loops live here: the tile/token drivers are in htp_core.c, written once. */
 #ifndef ESTREAM_HTP_GEMM_BODY_H
 #define ESTREAM_HTP_GEMM_BODY_H
 
@@ -55,25 +56,15 @@ HTP_INLINE void htp_f32_block(const float *panel, uint32_t k, const float *x, ui
         for (uint32_t r = 0; r < rows; r++) out[(size_t)u * ldo + r] = acc[u][r];
 }
 
-HTP_INLINE void htp_gemm_f32_body(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,
-                                  uint32_t tile_b, uint32_t tile_e, const htp_act_f32 *a,
-                                  uint32_t t, float *out, uint32_t ldo, float *panel) {
-    const uint32_t kb = k / 32;
-    const size_t tb = fmt == HTP_FMT_Q4_0_T32R4 ? HTP_Q4_TILE_BYTES : HTP_Q8_TILE_BYTES;
-    for (uint32_t it = tile_b; it < tile_e; it++) {
-        const uint8_t *strip = w + (size_t)it * kb * tb;
-        for (uint32_t j = 0; j < kb; j++) htp_dequant_tile_body(strip + j * tb, fmt, panel + (size_t)j * 1024);
-        const uint32_t rows = HTP_MIN(32u, n - it * 32);
-        float *o = out + (size_t)(it - tile_b) * 32;
-        uint32_t t0 = 0;
-        for (; t0 + 4 <= t; t0 += 4)
-            htp_f32_block(panel, k, a->x + (size_t)t0 * a->ldx, a->ldx, o + (size_t)t0 * ldo, ldo, rows, 4);
-        switch (t - t0) {
-        case 3: htp_f32_block(panel, k, a->x + (size_t)t0 * a->ldx, a->ldx, o + (size_t)t0 * ldo, ldo, rows, 3); break;
-        case 2: htp_f32_block(panel, k, a->x + (size_t)t0 * a->ldx, a->ldx, o + (size_t)t0 * ldo, ldo, rows, 2); break;
-        case 1: htp_f32_block(panel, k, a->x + (size_t)t0 * a->ldx, a->ldx, o + (size_t)t0 * ldo, ldo, rows, 1); break;
-        default: break;
-        }
+/* Strip kernel over a dequantized panel, nt <= 4 tokens. */
+HTP_INLINE void htp_f32_strip_body(const float *panel, uint32_t k, const float *x, uint32_t ldx,
+                                   uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    switch (nt) {
+    case 4: htp_f32_block(panel, k, x, ldx, out, ldo, rows, 4); break;
+    case 3: htp_f32_block(panel, k, x, ldx, out, ldo, rows, 3); break;
+    case 2: htp_f32_block(panel, k, x, ldx, out, ldo, rows, 2); break;
+    case 1: htp_f32_block(panel, k, x, ldx, out, ldo, rows, 1); break;
+    default: break;
     }
 }
 
@@ -98,53 +89,49 @@ HTP_INLINE void htp_quantize_row_q8_body(const float *x, uint32_t k, int8_t *q, 
     }
 }
 
-/* Reference-order Q8-activation GEMM (any level can fall back to it). */
-HTP_INLINE void htp_gemm_q8_body(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,
-                                 uint32_t tile_b, uint32_t tile_e, const htp_act_q8 *a,
-                                 uint32_t t, float *out, uint32_t ldo) {
-    const uint32_t kb = k / 32;
+/* Reference-order Q8-activation strip kernel (any table can use it), any nt. */
+HTP_INLINE void htp_q8_strip_body(const uint8_t *strip, uint32_t fmt, uint32_t kb,
+                                  const htp_act_q8 *a, uint32_t nt, float *out, uint32_t ldo,
+                                  uint32_t rows) {
+    const uint32_t k = kb * 32;
     const size_t tbytes = fmt == HTP_FMT_Q4_0_T32R4 ? HTP_Q4_TILE_BYTES : HTP_Q8_TILE_BYTES;
-    for (uint32_t it = tile_b; it < tile_e; it++) {
-        const uint8_t *strip = w + (size_t)it * kb * tbytes;
-        const uint32_t rows = HTP_MIN(32u, n - it * 32);
-        for (uint32_t tt = 0; tt < t; tt++) {
-            float acc[32];
-            for (int r = 0; r < 32; r++) acc[r] = 0.0f;
-            const int8_t *qa = a->q + (size_t)tt * k;
-            for (uint32_t j = 0; j < kb; j++) {
-                const uint8_t *tile = strip + j * tbytes;
-                const int8_t *qb = qa + 32 * j;
-                const float da = a->d[(size_t)tt * kb + j];
-                int32_t dot[32];
-                if (fmt == HTP_FMT_Q4_0_T32R4) {
-                    const int32_t s8 = 8 * a->s[(size_t)tt * kb + j];
-                    for (int r = 0; r < 32; r++) {
-                        int32_t sacc = 0;
-                        for (int gi = 0; gi < 4; gi++)
-                            for (int b = 0; b < 4; b++) {
-                                uint8_t v = tile[64 + gi * 128 + r * 4 + b];
-                                sacc += (int32_t)(v & 15) * qb[4 * gi + b] + (int32_t)(v >> 4) * qb[16 + 4 * gi + b];
-                            }
-                        dot[r] = sacc - s8;
-                    }
-                } else {
-                    for (int r = 0; r < 32; r++) {
-                        int32_t sacc = 0;
-                        for (int gi = 0; gi < 8; gi++)
-                            for (int b = 0; b < 4; b++)
-                                sacc += (int32_t)(int8_t)tile[64 + gi * 128 + r * 4 + b] * qb[4 * gi + b];
-                        dot[r] = sacc;
-                    }
-                }
+    for (uint32_t tt = 0; tt < nt; tt++) {
+        float acc[32];
+        for (int r = 0; r < 32; r++) acc[r] = 0.0f;
+        const int8_t *qa = a->q + (size_t)tt * k;
+        for (uint32_t j = 0; j < kb; j++) {
+            const uint8_t *tile = strip + j * tbytes;
+            const int8_t *qb = qa + 32 * j;
+            const float da = a->d[(size_t)tt * kb + j];
+            int32_t dot[32];
+            if (fmt == HTP_FMT_Q4_0_T32R4) {
+                const int32_t s8 = 8 * a->s[(size_t)tt * kb + j];
                 for (int r = 0; r < 32; r++) {
-                    uint16_t h;
-                    memcpy(&h, tile + 2 * r, 2);
-                    const float sc = htp_f16_to_f32(h) * da;
-                    acc[r] += (float)dot[r] * sc;
+                    int32_t sacc = 0;
+                    for (int gi = 0; gi < 4; gi++)
+                        for (int b = 0; b < 4; b++) {
+                            uint8_t v = tile[64 + gi * 128 + r * 4 + b];
+                            sacc += (int32_t)(v & 15) * qb[4 * gi + b] + (int32_t)(v >> 4) * qb[16 + 4 * gi + b];
+                        }
+                    dot[r] = sacc - s8;
+                }
+            } else {
+                for (int r = 0; r < 32; r++) {
+                    int32_t sacc = 0;
+                    for (int gi = 0; gi < 8; gi++)
+                        for (int b = 0; b < 4; b++)
+                            sacc += (int32_t)(int8_t)tile[64 + gi * 128 + r * 4 + b] * qb[4 * gi + b];
+                    dot[r] = sacc;
                 }
             }
-            for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + (it - tile_b) * 32 + r] = acc[r];
+            for (int r = 0; r < 32; r++) {
+                uint16_t h;
+                memcpy(&h, tile + 2 * r, 2);
+                const float sc = htp_f16_to_f32(h) * da;
+                acc[r] += (float)dot[r] * sc;
+            }
         }
+        for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = acc[r];
     }
 }
 

@@ -1,12 +1,18 @@
-/* Internal declarations shared by the library's translation units (not part of the ABI). */
+/* Internal declarations shared by the library's translation units (not part of the ABI).
+ *
+ * Structure: one generic driver per op (tiling, token blocking, threading) over a small,
+ * immutable table of inner loops per instruction set (`htp_isa`). A new instruction set (HVX)
+ * fills in a table; it never copies a driver. */
 #ifndef ESTREAM_HTP_INTERNAL_H
 #define ESTREAM_HTP_INTERNAL_H
 
 #include "htp.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/types.h>
 
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(HTP_NO_SIMD)
 #define HTP_X86 1
@@ -15,6 +21,9 @@
 #define HTP_T_AVX512 HTP_TARGET("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 #define HTP_T_VNNI HTP_TARGET("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 #endif
+#if defined(__aarch64__) && !defined(HTP_NO_SIMD)
+#define HTP_ARM64 1
+#endif
 
 #define HTP_TILE 32
 #define HTP_Q4_TILE_BYTES 576
@@ -22,17 +31,21 @@
 #define HTP_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define HTP_MAX(a, b) ((a) > (b) ? (a) : (b))
 
-/* ---- thread pool ---- */
+/* ---- thread pool (one per backend) ---- */
+typedef struct htp_pool htp_pool;
 typedef void (*htp_task_fn)(void *ctx, uint32_t ith, uint32_t nth);
+htp_pool *htp_pool_new(void);
+void htp_pool_free(htp_pool *p);
+htp_status htp_pool_resize(htp_pool *p, uint32_t nth);
 /* Run fn(ctx, i, n) on every pool thread (the caller is thread 0) and wait for all. */
-void htp_parallel(htp_task_fn fn, void *ctx);
+void htp_parallel(htp_pool *p, htp_task_fn fn, void *ctx);
 /* Wait until every thread of the running parallel region arrived (call from all of them). */
-void htp_barrier(void);
-uint32_t htp_nth(void);
-/* Held by every op entry point around scratch reservation and its parallel region. */
-void htp_api_lock(void);
-void htp_api_unlock(void);
-void htp_pool_register_atfork(void);
+void htp_barrier(htp_pool *p);
+uint32_t htp_pool_nth(const htp_pool *p);
+/* Per-thread scratch `which` (0..3) of at least `bytes` (grows; 0 returns the current one). */
+void *htp_scratch(htp_pool *p, uint32_t ith, uint32_t which, size_t bytes);
+/* In a forked child: the workers are gone; continue single-threaded. */
+void htp_pool_after_fork(htp_pool *p);
 
 /* Even split of [0, n) into nth contiguous parts: part ith is [*b, *e). */
 static inline void htp_split(uint32_t n, uint32_t ith, uint32_t nth, uint32_t *b, uint32_t *e) {
@@ -67,32 +80,14 @@ static inline float htp_f16_to_f32(uint16_t h) {
     return f;
 }
 
-/* ---- activations quantized to Q8 blocks ---- */
-/* Row of k floats -> k int8 + k/32 scales + k/32 block sums (sum of the int8 values). */
-void htp_quantize_row_q8(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s);
-
-/* ---- GEMM micro-kernels (per SIMD level) ----
- * For row tiles it in [tile_b, tile_e) computes out[t*ldo + (it - tile_b)*32 + r] (rows past n
- * are not written): out points at the first output column of tile tile_b. */
-typedef struct htp_act_f32 {
-    const float *x; /* [t][ldx] */
-    uint32_t ldx;
-} htp_act_f32;
-
+/* ---- activations ---- */
 typedef struct htp_act_q8 {
     const int8_t *q;  /* [t][k] */
     const float *d;   /* [t][k/32] */
-    const int32_t *s; /* [t][k/32] */
+    const int32_t *s; /* [t][k/32] (sums of the int8 values of each block) */
 } htp_act_q8;
 
-typedef void (*htp_gemm_f32_fn)(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,
-                                uint32_t tile_b, uint32_t tile_e, const htp_act_f32 *a,
-                                uint32_t t, float *out, uint32_t ldo, float *panel);
-typedef void (*htp_gemm_q8_fn)(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,
-                               uint32_t tile_b, uint32_t tile_e, const htp_act_q8 *a,
-                               uint32_t t, float *out, uint32_t ldo);
-
-/* One attention call; tasks are (head, query block) pairs. */
+/* ---- attention ---- */
 #define HTP_ATTN_BQ 32
 #define HTP_ATTN_BK 64
 typedef struct htp_attn_ctx {
@@ -103,45 +98,111 @@ typedef struct htp_attn_ctx {
     float *kt;    /* optional: K per KV head in transposed key blocks [hkv][kblk][dk][BK] */
     float *vp;    /* optional: V per KV head, contiguous rows [hkv][t][dv] */
     size_t kt_ld; /* number of key blocks (ceil(t / BK)) */
+    htp_pool *pool;
+    const struct htp_isa *isa;
 } htp_attn_ctx;
 size_t htp_attn_scratch_floats(const htp_attn_ctx *c);
 
-typedef struct htp_kernels {
-    htp_gemm_f32_fn gemm_f32;
-    htp_gemm_q8_fn gemm_q8;
+/* ---- the inner-loop table of one instruction set ----
+ * Strip kernels compute, for one 32-row tile strip of W (kb tiles of 32x32) and nt <= *_nt
+ * consecutive tokens, out[u*ldo + r] for u < nt and r < rows (rows past `rows` untouched). */
+typedef struct htp_isa {
+    uint32_t level;
+    /* Q4_0 tiles x Q8 activations (a points at the strip's first token) */
+    void (*q4q8_strip)(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                       float *out, uint32_t ldo, uint32_t rows);
+    uint32_t q4q8_nt;
+    /* Q8_0 tiles x Q8 activations */
+    void (*q8q8_strip)(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                       float *out, uint32_t ldo, uint32_t rows);
+    uint32_t q8q8_nt;
+    /* one 32x32 tile dequantized into panel[col*32 + row] */
+    void (*dequant_tile)(const uint8_t *tile, uint32_t fmt, float *panel);
+    /* a dequantized strip panel [k][32] x fp32 activations x[nt][ldx] */
+    void (*f32_strip)(const float *panel, uint32_t k, const float *x, uint32_t ldx, uint32_t nt,
+                      float *out, uint32_t ldo, uint32_t rows);
+    uint32_t f32_nt;
+    /* row of k floats -> k int8 + k/32 scales + k/32 block sums */
     void (*quantize_row_q8)(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s);
-    void (*attention_task)(const struct htp_attn_ctx *c, uint32_t task, float *scratch);
+    void (*attention_task)(const htp_attn_ctx *c, uint32_t task, float *scratch);
+    uint32_t attention_wants_kt; /* the driver re-lays K/V (needs dk, dv % 16 == 0) */
     void (*swiglu)(const float *g, const float *u, uint64_t n, float *out); /* u may be NULL */
-} htp_kernels;
+    /* diagnostics: 12 chains x iters of the level's int8 dot instruction; NULL if none */
+    int32_t (*dot_peak)(uint64_t iters);
+    uint32_t dot_macs_per_iter;
+} htp_isa;
 
-extern htp_kernels htp_k;
+extern const htp_isa htp_isa_portable;
+#ifdef HTP_X86
+void htp_attn_task_avx512(const htp_attn_ctx *c, uint32_t task, float *scratch);
+extern const htp_isa htp_isa_avx2;
+extern const htp_isa htp_isa_avx512;
+extern const htp_isa htp_isa_avx512vnni;
+#endif
+#ifdef HTP_ARM64
+int htp_neon_dotprod_supported(void);
+extern const htp_isa htp_isa_neon;
+#endif
+/* The table of a level, or NULL if this CPU/build cannot run it. */
+const htp_isa *htp_isa_for(uint32_t level);
 
-/* Kernel sets, filled by each level's translation unit. */
-void htp_kernels_portable(htp_kernels *k);
+/* Portable pieces other tables reuse. */
+void htp_q8q8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                             float *out, uint32_t ldo, uint32_t rows);
+void htp_dequant_portable(const uint8_t *p, uint32_t fmt, float *panel);
+void htp_f32_strip_portable(const float *panel, uint32_t k, const float *x, uint32_t ldx,
+                            uint32_t nt, float *out, uint32_t ldo, uint32_t rows);
+void htp_quantize_q8_portable(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s);
 void htp_attn_task_portable(const htp_attn_ctx *c, uint32_t task, float *scratch);
 void htp_swiglu_portable(const float *g, const float *u, uint64_t n, float *out);
-#if defined(__aarch64__) && !defined(HTP_NO_SIMD)
-#define HTP_ARM64 1
-int htp_neon_dotprod_supported(void);
-void htp_kernels_neon(htp_kernels *k);
-#endif
-void htp_gemm_q8_portable(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k, uint32_t tb,
-                          uint32_t te, const htp_act_q8 *a, uint32_t t, float *out, uint32_t ldo);
-#ifdef HTP_X86
-void htp_kernels_avx2(htp_kernels *k);
-void htp_kernels_avx512(htp_kernels *k);
-void htp_kernels_avx512vnni(htp_kernels *k);
-void htp_attn_task_avx512(const htp_attn_ctx *c, uint32_t task, float *scratch);
-#endif
 
-/* Dequantize one 32x32 tile (tile_bytes at p) into panel[col][32 rows] (column-major strip). */
-void htp_dequant_tile_t(const uint8_t *p, uint32_t fmt, float *panel_cols);
-
-/* Per-thread scratch (grows, freed at exit of the library / set_num_threads). */
-void *htp_scratch(uint32_t ith, uint32_t which, size_t bytes);
+/* ---- generic drivers (written once for every instruction set) ---- */
+/* GEMM over row tiles [tile_b, tile_e) of W for t tokens: out[tt*ldo + (it-tile_b)*32 + r].
+ * q8 != NULL: quantized activations; else fp32 x[t][ldx] with `panel` (k*32 floats). */
+void htp_gemm_tiles(const htp_isa *isa, const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,
+                    uint32_t tile_b, uint32_t tile_e, const htp_act_q8 *q8, const float *x,
+                    uint32_t ldx, uint32_t t, float *out, uint32_t ldo, float *panel);
 
 size_t htp_tile_bytes(uint32_t fmt);
 uint64_t htp_matrix_bytes(uint32_t fmt, uint32_t n, uint32_t k);
-void htp_ensure_init(void);
+
+/* ---- the execution context of a HOST backend (also used by the executor) ---- */
+typedef struct htp_exec {
+    const htp_isa *isa;
+    htp_pool *pool;
+    struct htp_expert_ws *ws; /* expert op working set, grown on demand */
+} htp_exec;
+
+htp_status htp_exec_gemm(htp_exec *e, const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,
+                         const float *x, uint32_t t, uint32_t ldx, float *y, uint32_t ldy,
+                         uint32_t act);
+htp_status htp_exec_expert(htp_exec *e, const htp_expert_params *p, uint32_t act,
+                           const float *x, const int32_t *tokens, const int32_t *experts,
+                           const float *weights, const int32_t *slot_of_expert,
+                           const uint8_t *const planes[3], float *y);
+void htp_expert_ws_free(struct htp_expert_ws *ws);
+htp_status htp_exec_attention(htp_exec *e, const htp_attention_params *p, const float *q,
+                              const float *k, const float *v, float *out);
+void htp_exec_get_rows(const htp_get_rows_params *p, const uint8_t *table, const int32_t *ids,
+                       float *out);
+void htp_exec_rms_norm(const htp_rms_norm_params *p, const float *x, const float *w, float *out);
+htp_status htp_exec_rope(const htp_rope_params *p, float *x, const int32_t *pos);
+htp_status htp_exec_router(const htp_router_params *p, const float *logits, const float *bias,
+                           int32_t *ids, float *weights);
+
+/* ---- REMOTE backends (htp_remote.c) ---- */
+typedef struct htp_remote htp_remote;
+htp_status htp_remote_open(const htp_backend_desc *desc, htp_remote **out);
+void htp_remote_close(htp_remote *r);
+htp_status htp_remote_register(htp_remote *r, const htp_buffer_desc *d, uint32_t *id);
+htp_status htp_remote_unregister(htp_remote *r, uint32_t id);
+htp_status htp_remote_configure(htp_remote *r, uint32_t n_threads, uint32_t simd,
+                                uint32_t *got_simd);
+htp_status htp_remote_submit(htp_remote *r, const htp_op_desc *op, uint64_t *fence);
+htp_status htp_remote_wait(htp_remote *r, uint64_t fence, uint32_t timeout_ms,
+                           htp_status *op_status);
+
+/* Run one descriptor on a HOST backend (validates every field and reference first). */
+htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op);
 
 #endif

@@ -1,4 +1,4 @@
-/* arm64 kernel set: the portable kernels (which the compiler vectorises with baseline NEON)
+/* arm64 inner-loop table: the portable kernels (which the compiler vectorises with baseline NEON)
  * plus a Q4_0 x Q8 tile kernel on the dot-product extension (SDOT, armv8.2-a+dotprod).
  *
  * A 128-byte group of a tile is eight 16-byte registers, each holding 4 rows x 4 bytes; one
@@ -72,29 +72,32 @@ HTP_T_DOTPROD static inline __attribute__((always_inline)) void q4q8_half_neon(
     }
 }
 
-HTP_T_DOTPROD static void gemm_q8_neon(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,
-                                       uint32_t tb, uint32_t te, const htp_act_q8 *a, uint32_t t,
-                                       float *out, uint32_t ldo) {
-    if (fmt != HTP_FMT_Q4_0_T32R4) {
-        htp_gemm_q8_portable(w, fmt, n, k, tb, te, a, t, out, ldo);
-        return;
-    }
-    const uint32_t kb = k / 32;
-    for (uint32_t it = tb; it < te; it++) {
-        const uint8_t *strip = w + (size_t)it * kb * HTP_Q4_TILE_BYTES;
-        const uint32_t rows = HTP_MIN(32u, n - it * 32);
-        float *o = out + (size_t)(it - tb) * 32;
-        for (int half = 0; half < (rows > 16 ? 2 : 1); half++) {
-            uint32_t t0 = 0;
-            for (; t0 + 2 <= t; t0 += 2)
-                q4q8_half_neon(strip, kb, a->q + (size_t)t0 * k, a->d + (size_t)t0 * kb, a->s + (size_t)t0 * kb,
-                               k, o + (size_t)t0 * ldo, ldo, rows, half, 2);
-            if (t0 < t)
-                q4q8_half_neon(strip, kb, a->q + (size_t)t0 * k, a->d + (size_t)t0 * kb, a->s + (size_t)t0 * kb,
-                               k, o + (size_t)t0 * ldo, ldo, rows, half, 1);
-        }
+HTP_T_DOTPROD static void q4q8_strip_neon(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                          uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    const uint32_t k = kb * 32;
+    for (int half = 0; half < (rows > 16 ? 2 : 1); half++) {
+        if (nt == 2)
+            q4q8_half_neon(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, half, 2);
+        else
+            q4q8_half_neon(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, half, 1);
     }
 }
 
-void htp_kernels_neon(htp_kernels *k) { k->gemm_q8 = gemm_q8_neon; }
+/* The portable table with the dot-product Q4 x Q8 strip kernel. */
+const htp_isa htp_isa_neon = {
+    .level = HTP_SIMD_NEON,
+    .q4q8_strip = q4q8_strip_neon,
+    .q4q8_nt = 2,
+    .q8q8_strip = htp_q8q8_strip_portable,
+    .q8q8_nt = 64,
+    .dequant_tile = htp_dequant_portable,
+    .f32_strip = htp_f32_strip_portable,
+    .f32_nt = 4,
+    .quantize_row_q8 = htp_quantize_q8_portable,
+    .attention_task = htp_attn_task_portable,
+    .attention_wants_kt = 0,
+    .swiglu = htp_swiglu_portable,
+    .dot_peak = NULL,
+    .dot_macs_per_iter = 0,
+};
 #endif

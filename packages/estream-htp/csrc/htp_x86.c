@@ -1,5 +1,6 @@
-/* x86-64 kernel sets. Each function carries its own target attribute, so this file compiles
- * with plain `gcc -O2` (no -march) and the library picks a set by cpuid at run time. */
+/* x86-64 inner-loop tables (AVX2, AVX-512, AVX-512 VNNI). Each function carries its own target
+ * attribute, so this file compiles with plain `gcc -O2` (no -march) and a backend picks a table
+ * by cpuid. Only inner loops live here: the tile/token drivers are generic (htp_core.c). */
 #include "htp_internal.h"
 
 #ifdef HTP_X86
@@ -7,20 +8,20 @@
 #include "htp_gemm_body.h"
 
 #include <immintrin.h>
-#include <time.h>
 
 /* ---- generic bodies, vectorised by the compiler under each target ---- */
 #define HTP_INSTANTIATE(SUFFIX, TARGET)                                                          \
-    TARGET static void gemm_f32_##SUFFIX(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k, \
-                                         uint32_t tb, uint32_t te, const htp_act_f32 *a,         \
-                                         uint32_t t, float *out, uint32_t ldo, float *panel) {   \
-        htp_gemm_f32_body(w, fmt, n, k, tb, te, a, t, out, ldo, panel);                          \
+    TARGET static void f32_strip_##SUFFIX(const float *panel, uint32_t k, const float *x,        \
+                                          uint32_t ldx, uint32_t nt, float *out, uint32_t ldo,   \
+                                          uint32_t rows) {                                       \
+        htp_f32_strip_body(panel, k, x, ldx, nt, out, ldo, rows);                                \
     }                                                                                            \
-    TARGET static void gemm_q8_generic_##SUFFIX(const uint8_t *w, uint32_t fmt, uint32_t n,      \
-                                                uint32_t k, uint32_t tb, uint32_t te,            \
-                                                const htp_act_q8 *a, uint32_t t, float *out,     \
-                                                uint32_t ldo) {                                  \
-        htp_gemm_q8_body(w, fmt, n, k, tb, te, a, t, out, ldo);                                  \
+    TARGET static void q8q8_strip_##SUFFIX(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, \
+                                           uint32_t nt, float *out, uint32_t ldo, uint32_t rows) { \
+        htp_q8_strip_body(strip, HTP_FMT_Q8_0_T32R4, kb, a, nt, out, ldo, rows);                 \
+    }                                                                                            \
+    TARGET static void dequant_##SUFFIX(const uint8_t *p, uint32_t fmt, float *panel) {          \
+        htp_dequant_tile_body(p, fmt, panel);                                                    \
     }                                                                                            \
     TARGET static void quantize_q8_##SUFFIX(const float *x, uint32_t k, int8_t *q, float *d,     \
                                             int32_t *s) {                                        \
@@ -92,30 +93,15 @@ HTP_INSTANTIATE(avx512, HTP_T_AVX512)
             _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);                    \
         }                                                                                        \
     }                                                                                            \
-    TARGET static void gemm_q8_##SUFFIX(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,  \
-                                        uint32_t tb, uint32_t te, const htp_act_q8 *a,           \
-                                        uint32_t t, float *out, uint32_t ldo) {                  \
-        if (fmt != HTP_FMT_Q4_0_T32R4) {                                                         \
-            gemm_q8_generic_avx512(w, fmt, n, k, tb, te, a, t, out, ldo);                        \
-            return;                                                                              \
-        }                                                                                        \
-        const uint32_t kb = k / 32;                                                              \
-        for (uint32_t it = tb; it < te; it++) {                                                  \
-            const uint8_t *strip = w + (size_t)it * kb * HTP_Q4_TILE_BYTES;                      \
-            const uint32_t rows = HTP_MIN(32u, n - it * 32);                                     \
-            float *o = out + (size_t)(it - tb) * 32;                                             \
-            uint32_t t0 = 0;                                                                     \
-            for (; t0 + 4 <= t; t0 += 4)                                                         \
-                q4q8_block_##SUFFIX(strip, kb, a->q + (size_t)t0 * k, a->d + (size_t)t0 * kb,    \
-                                    a->s + (size_t)t0 * kb, k, o + (size_t)t0 * ldo, ldo, rows, 4); \
-            const int rem = (int)(t - t0);                                                       \
-            const int8_t *q = a->q + (size_t)t0 * k;                                             \
-            const float *dd = a->d + (size_t)t0 * kb;                                            \
-            const int32_t *ss = a->s + (size_t)t0 * kb;                                          \
-            float *ot = o + (size_t)t0 * ldo;                                                    \
-            if (rem == 3) q4q8_block_##SUFFIX(strip, kb, q, dd, ss, k, ot, ldo, rows, 3);        \
-            if (rem == 2) q4q8_block_##SUFFIX(strip, kb, q, dd, ss, k, ot, ldo, rows, 2);        \
-            if (rem == 1) q4q8_block_##SUFFIX(strip, kb, q, dd, ss, k, ot, ldo, rows, 1);        \
+    TARGET static void q4q8_strip_##SUFFIX(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, \
+                                           uint32_t nt, float *out, uint32_t ldo, uint32_t rows) { \
+        const uint32_t k = kb * 32;                                                              \
+        switch (nt) {                                                                            \
+        case 4: q4q8_block_##SUFFIX(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, 4); break;   \
+        case 3: q4q8_block_##SUFFIX(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, 3); break;   \
+        case 2: q4q8_block_##SUFFIX(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, 2); break;   \
+        case 1: q4q8_block_##SUFFIX(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, 1); break;   \
+        default: break;                                                                          \
         }                                                                                        \
     }
 
@@ -178,27 +164,14 @@ HTP_T_AVX2 static inline __attribute__((always_inline)) void q4q8_half_avx2(
     }
 }
 
-HTP_T_AVX2 static void gemm_q8_avx2(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,
-                                    uint32_t tb, uint32_t te, const htp_act_q8 *a, uint32_t t,
-                                    float *out, uint32_t ldo) {
-    if (fmt != HTP_FMT_Q4_0_T32R4) {
-        gemm_q8_generic_avx2(w, fmt, n, k, tb, te, a, t, out, ldo);
-        return;
-    }
-    const uint32_t kb = k / 32;
-    for (uint32_t it = tb; it < te; it++) {
-        const uint8_t *strip = w + (size_t)it * kb * HTP_Q4_TILE_BYTES;
-        const uint32_t rows = HTP_MIN(32u, n - it * 32);
-        float *o = out + (size_t)(it - tb) * 32;
-        for (int half = 0; half < (rows > 16 ? 2 : 1); half++) {
-            uint32_t t0 = 0;
-            for (; t0 + 2 <= t; t0 += 2)
-                q4q8_half_avx2(strip, kb, a->q + (size_t)t0 * k, a->d + (size_t)t0 * kb, a->s + (size_t)t0 * kb,
-                               k, o + (size_t)t0 * ldo, ldo, rows, half, 2);
-            if (t0 < t)
-                q4q8_half_avx2(strip, kb, a->q + (size_t)t0 * k, a->d + (size_t)t0 * kb, a->s + (size_t)t0 * kb,
-                               k, o + (size_t)t0 * ldo, ldo, rows, half, 1);
-        }
+HTP_T_AVX2 static void q4q8_strip_avx2(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                       uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    const uint32_t k = kb * 32;
+    for (int half = 0; half < (rows > 16 ? 2 : 1); half++) {
+        if (nt == 2)
+            q4q8_half_avx2(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, half, 2);
+        else
+            q4q8_half_avx2(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, half, 1);
     }
 }
 
@@ -226,62 +199,23 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) void f32_block_avx512(
     }
 }
 
-HTP_T_AVX512 static void gemm_f32_fast_avx512(const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,
-                                              uint32_t tb, uint32_t te, const htp_act_f32 *a,
-                                              uint32_t t, float *out, uint32_t ldo, float *panel) {
-    const uint32_t kb = k / 32;
-    const size_t tbytes = fmt == HTP_FMT_Q4_0_T32R4 ? HTP_Q4_TILE_BYTES : HTP_Q8_TILE_BYTES;
-    for (uint32_t it = tb; it < te; it++) {
-        const uint8_t *strip = w + (size_t)it * kb * tbytes;
-        for (uint32_t j = 0; j < kb; j++) htp_dequant_tile_body(strip + j * tbytes, fmt, panel + (size_t)j * 1024);
-        const uint32_t rows = HTP_MIN(32u, n - it * 32);
-        float *o = out + (size_t)(it - tb) * 32;
-        uint32_t t0 = 0;
-        for (; t0 + 8 <= t; t0 += 8)
-            f32_block_avx512(panel, k, a->x + (size_t)t0 * a->ldx, a->ldx, o + (size_t)t0 * ldo, ldo, rows, 8);
-        const float *xr = a->x + (size_t)t0 * a->ldx;
-        float *orow = o + (size_t)t0 * ldo;
-        switch (t - t0) {
-        case 7: f32_block_avx512(panel, k, xr, a->ldx, orow, ldo, rows, 7); break;
-        case 6: f32_block_avx512(panel, k, xr, a->ldx, orow, ldo, rows, 6); break;
-        case 5: f32_block_avx512(panel, k, xr, a->ldx, orow, ldo, rows, 5); break;
-        case 4: f32_block_avx512(panel, k, xr, a->ldx, orow, ldo, rows, 4); break;
-        case 3: f32_block_avx512(panel, k, xr, a->ldx, orow, ldo, rows, 3); break;
-        case 2: f32_block_avx512(panel, k, xr, a->ldx, orow, ldo, rows, 2); break;
-        case 1: f32_block_avx512(panel, k, xr, a->ldx, orow, ldo, rows, 1); break;
-        default: break;
-        }
+HTP_T_AVX512 static void f32_strip_fast_avx512(const float *panel, uint32_t k, const float *x,
+                                               uint32_t ldx, uint32_t nt, float *out,
+                                               uint32_t ldo, uint32_t rows) {
+    switch (nt) {
+    case 8: f32_block_avx512(panel, k, x, ldx, out, ldo, rows, 8); break;
+    case 7: f32_block_avx512(panel, k, x, ldx, out, ldo, rows, 7); break;
+    case 6: f32_block_avx512(panel, k, x, ldx, out, ldo, rows, 6); break;
+    case 5: f32_block_avx512(panel, k, x, ldx, out, ldo, rows, 5); break;
+    case 4: f32_block_avx512(panel, k, x, ldx, out, ldo, rows, 4); break;
+    case 3: f32_block_avx512(panel, k, x, ldx, out, ldo, rows, 3); break;
+    case 2: f32_block_avx512(panel, k, x, ldx, out, ldo, rows, 2); break;
+    case 1: f32_block_avx512(panel, k, x, ldx, out, ldo, rows, 1); break;
+    default: break;
     }
 }
 
-void htp_kernels_avx2(htp_kernels *k) {
-    k->gemm_f32 = gemm_f32_avx2;
-    k->gemm_q8 = gemm_q8_avx2;
-    k->quantize_row_q8 = quantize_q8_avx2;
-    k->attention_task = attn_avx2;
-    k->swiglu = swiglu_avx2;
-}
-
-void htp_kernels_avx512(htp_kernels *k) {
-    k->gemm_f32 = gemm_f32_fast_avx512;
-    k->gemm_q8 = gemm_q8_bw;
-    k->quantize_row_q8 = quantize_q8_avx512;
-    k->attention_task = htp_attn_task_avx512;
-    k->swiglu = swiglu_avx512;
-}
-
-void htp_kernels_avx512vnni(htp_kernels *k) {
-    htp_kernels_avx512(k);
-    k->gemm_q8 = gemm_q8_vnni;
-}
-
 /* ---- instruction-mix peak: 12 independent vpdpbusd chains per thread ---- */
-typedef struct peak_ctx {
-    uint64_t iters;
-    int vnni;
-    volatile int32_t sink[64];
-} peak_ctx;
-
 HTP_T_VNNI static int32_t peak_vnni(uint64_t iters) {
     __m512i acc[12];
     const __m512i a = _mm512_set1_epi32(0x01020304), b = _mm512_set1_epi32(0x05060708);
@@ -306,31 +240,55 @@ HTP_T_AVX512 static int32_t peak_bw(uint64_t iters) {
     return _mm512_reduce_add_epi32(r);
 }
 
-static void peak_task(void *arg, uint32_t ith, uint32_t nth) {
-    (void)nth;
-    peak_ctx *c = (peak_ctx *)arg;
-    c->sink[ith % 64] = c->vnni ? peak_vnni(c->iters) : peak_bw(c->iters);
-}
+/* ---- the tables ---- */
+const htp_isa htp_isa_avx2 = {
+    .level = HTP_SIMD_AVX2,
+    .q4q8_strip = q4q8_strip_avx2,
+    .q4q8_nt = 2,
+    .q8q8_strip = q8q8_strip_avx2,
+    .q8q8_nt = 4,
+    .dequant_tile = dequant_avx2,
+    .f32_strip = f32_strip_avx2,
+    .f32_nt = 4,
+    .quantize_row_q8 = quantize_q8_avx2,
+    .attention_task = attn_avx2,
+    .attention_wants_kt = 0,
+    .swiglu = swiglu_avx2,
+    .dot_peak = NULL,
+    .dot_macs_per_iter = 0,
+};
 
-htp_status htp_bench_dot_peak(uint64_t iters, double *macs_per_s) {
-    htp_ensure_init();
-    if (!macs_per_s || iters == 0) return HTP_E_INVALID;
-    const uint32_t lvl = htp_simd_get();
-    if (lvl != HTP_SIMD_AVX512 && lvl != HTP_SIMD_AVX512VNNI) return HTP_E_UNSUPPORTED;
-    peak_ctx c = {.iters = iters, .vnni = lvl == HTP_SIMD_AVX512VNNI};
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    htp_parallel(peak_task, &c);
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    const double sec = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
-    *macs_per_s = (double)iters * 12.0 * 64.0 * htp_nth() / sec;
-    return HTP_OK;
-}
+const htp_isa htp_isa_avx512 = {
+    .level = HTP_SIMD_AVX512,
+    .q4q8_strip = q4q8_strip_bw,
+    .q4q8_nt = 4,
+    .q8q8_strip = q8q8_strip_avx512,
+    .q8q8_nt = 4,
+    .dequant_tile = dequant_avx512,
+    .f32_strip = f32_strip_fast_avx512,
+    .f32_nt = 8,
+    .quantize_row_q8 = quantize_q8_avx512,
+    .attention_task = htp_attn_task_avx512,
+    .attention_wants_kt = 1,
+    .swiglu = swiglu_avx512,
+    .dot_peak = peak_bw,
+    .dot_macs_per_iter = 12 * 64,
+};
 
-#else
-htp_status htp_bench_dot_peak(uint64_t iters, double *macs_per_s) {
-    (void)iters;
-    (void)macs_per_s;
-    return HTP_E_UNSUPPORTED;
-}
+const htp_isa htp_isa_avx512vnni = {
+    .level = HTP_SIMD_AVX512VNNI,
+    .q4q8_strip = q4q8_strip_vnni,
+    .q4q8_nt = 4,
+    .q8q8_strip = q8q8_strip_avx512,
+    .q8q8_nt = 4,
+    .dequant_tile = dequant_avx512,
+    .f32_strip = f32_strip_fast_avx512,
+    .f32_nt = 8,
+    .quantize_row_q8 = quantize_q8_avx512,
+    .attention_task = htp_attn_task_avx512,
+    .attention_wants_kt = 1,
+    .swiglu = swiglu_avx512,
+    .dot_peak = peak_vnni,
+    .dot_macs_per_iter = 12 * 64,
+};
 #endif

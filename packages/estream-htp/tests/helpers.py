@@ -7,11 +7,8 @@ import estream_htp as htp
 from estream_htp import _core
 
 LEVELS = [
-    lvl
-    for lvl in ("portable", "avx2", "avx512", "avx512vnni", "neon")
-    if _core.lib.htp_simd_set(_core.SIMD_LEVELS[lvl]) == 0
+    lvl for lvl in ("portable", "avx2", "avx512", "avx512vnni", "neon") if htp.simd_supported(lvl)
 ]
-_core._set_simd_level(htp.best_simd_level())
 
 
 @contextlib.contextmanager

@@ -36,11 +36,32 @@ static int check_gemm(uint32_t n, uint32_t k, uint32_t t, uint32_t act) {
     }
     float *x = malloc(sizeof(float) * t * k), *y0 = malloc(sizeof(float) * t * n), *y1 = malloc(sizeof(float) * t * n);
     for (size_t i = 0; i < (size_t)t * k; i++) x[i] = frand();
-    htp_matrix_desc desc = {HTP_FMT_Q4_0_T32R4, n, k, 0, tiles * 576};
     int bad = 0;
-    htp_act_set(act);
-    if (htp_simd_set(HTP_SIMD_PORTABLE) || htp_gemm(&desc, w, x, t, k, y0, n)) bad = 1;
-    if (htp_simd_set(HTP_SIMD_NEON) || htp_gemm(&desc, w, x, t, k, y1, n)) bad = 1;
+    for (int pass = 0; pass < 2; pass++) {
+        /* ABI v2: one backend per kernel set, operands as registered buffers */
+        const htp_backend_desc bd = {HTP_ABI_VERSION, HTP_BACKEND_HOST, 2,
+                                     pass ? HTP_SIMD_NEON : HTP_SIMD_PORTABLE, -1, 0, {0, 0}};
+        htp_backend *be = NULL;
+        if (htp_backend_init(&bd, &be)) return 1;
+        float *y = pass ? y1 : y0;
+        const htp_buffer_desc bw = {-1, HTP_BUF_READ, 0, tiles * 576, (uint64_t)(uintptr_t)w};
+        const htp_buffer_desc bx = {-1, HTP_BUF_READ, 0, sizeof(float) * t * k, (uint64_t)(uintptr_t)x};
+        const htp_buffer_desc by = {-1, HTP_BUF_READ | HTP_BUF_WRITE, 0, sizeof(float) * t * n,
+                                    (uint64_t)(uintptr_t)y};
+        uint32_t iw, ix, iy;
+        htp_op_desc op;
+        memset(&op, 0, sizeof op);
+        op.opcode = HTP_OP_GEMM;
+        op.act = act;
+        op.n_refs = 3;
+        op.p.gemm = (htp_gemm_params){HTP_FMT_Q4_0_T32R4, n, k, t, k, n};
+        if (htp_buffer_register(be, &bw, &iw) || htp_buffer_register(be, &bx, &ix) ||
+            htp_buffer_register(be, &by, &iy))
+            bad = 1;
+        op.ref[0].buffer = iw, op.ref[1].buffer = ix, op.ref[2].buffer = iy;
+        if (!bad && htp_op_run(be, &op)) bad = 1;
+        htp_backend_free(be);
+    }
     const double e = rel(y1, y0, (size_t)t * n);
     printf("gemm n=%u k=%u t=%u act=%u: rel %.3g\n", n, k, t, act, e);
     if (!(e <= 1e-6)) bad = 1;
@@ -49,7 +70,6 @@ static int check_gemm(uint32_t n, uint32_t k, uint32_t t, uint32_t act) {
 }
 
 int main(void) {
-    htp_set_num_threads(2);
     if (htp_simd_best() != HTP_SIMD_NEON) {
         printf("NEON dot-product level not available (best = %u)\n", htp_simd_best());
         return 2;

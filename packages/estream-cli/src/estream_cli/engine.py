@@ -110,10 +110,15 @@ class Engine:
         direct: bool | None = None,
         progress: bool = False,
         act: str = "q8",
+        backend: str = "host",
     ) -> None:
         if act not in ACTS:
             raise BadRequestError(f"act must be one of {', '.join(ACTS)}, got {act!r}")
         self.act = act
+        if backend not in htp.BACKENDS:
+            raise BadRequestError(
+                f"backend must be one of {', '.join(htp.BACKENDS)}, got {backend!r}"
+            )
         if mode not in MODES:
             raise BadRequestError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if schedule not in SCHEDULES:
@@ -136,7 +141,15 @@ class Engine:
         self.weights = self.arch.bind(self.model)
         hp = self.hp
         self._capacity = 4096
-        self.graph = htp.ExpertGraph(hp.n_embd, hp.n_ff_exp, self._capacity, hp.n_ctx)
+        # Expert ops run on the chosen backend; the other ops stay on this process's default one.
+        self.backend = (
+            htp.default_backend()
+            if backend == "host"
+            else htp.Backend(backend, n_threads=htp.get_num_threads(), act=act)
+        )
+        self.graph = htp.ExpertGraph(
+            hp.n_embd, hp.n_ff_exp, self._capacity, hp.n_ctx, backend=self.backend
+        )
         try:
             self.experts: ExpertSource
             if self.config is None:
@@ -155,6 +168,8 @@ class Engine:
                 )
         except BaseException:
             self.graph.close()
+            if self.backend is not htp.default_backend():
+                self.backend.close()
             raise
         self.load_s = time.perf_counter() - t0
 
@@ -338,6 +353,7 @@ class Engine:
             "threads": htp.get_num_threads(),
             "simd": htp.simd_level(),
             "act": self.act,
+            "backend": self.backend.kind,
             "load_s": self.load_s,
             "expert_memory_bytes": int(self.experts.memory_bytes),
             "dense_bytes": int(self.model.dense_bytes),
@@ -357,6 +373,8 @@ class Engine:
             self.experts.close()
         finally:
             self.graph.close()
+            if self.backend is not htp.default_backend():
+                self.backend.close()
 
     def __enter__(self) -> Engine:
         return self

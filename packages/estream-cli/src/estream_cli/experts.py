@@ -5,14 +5,20 @@ the routes and to the weight addresses of the slots the experts sit in. The stre
 the pipeline of docs/design.md §6: reads start when the layer starts (schedule ``early``), unrouted
 groups are dropped after routing, routed groups execute as their banks become ready and banks
 are recycled as soon as their group has run.
+
+On a ``host-process`` backend the arena's memfd planes are registered with the executor, which
+maps them itself; each routed group's expert op is *submitted* and its bank stays InUse until the
+op's completion fence, while the loader fills other banks (at most B-1 banks wait on fences, so
+the loader always has one to fill).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -113,7 +119,12 @@ class ResidentExperts:
         self.model = model
         self.graph = graph
         self.records: list[GroupRecord] = []
-        self.pool = np.fromfile(model.experts_path, dtype=np.uint8)
+        if graph.backend.kind == "host":
+            self.pool = np.fromfile(model.experts_path, dtype=np.uint8)
+        else:  # the executor reads the pool in place: shared memory
+            self.pool = graph.backend.empty(os.path.getsize(model.experts_path), np.uint8)
+            with open(model.experts_path, "rb") as f:
+                f.readinto(memoryview(self.pool))
         if self.pool.size != model.parsed.experts_bytes:  # the manifest was checked against the
             raise PackError(  # file a moment ago: it changed since
                 f"{model.experts_path}: {self.pool.size} bytes, the manifest says "
@@ -213,6 +224,32 @@ class StreamedExperts:
             raise
         self._planes = tuple(self.arena.plane_address(j) for j in range(3))
         self._layer: ExpertLayer | None = None
+        self._remote = self.graph.backend.kind != "host"
+        self._buffers: list[int] = []
+        self._shared: dict[str, np.ndarray] = {}
+        if self._remote:
+            try:
+                for j in range(3):
+                    self._buffers.append(
+                        self.graph.backend.register_fd(
+                            self.arena.fd(j),
+                            self.arena.n_slots * self.arena.slot_bytes[j],
+                            writable=False,
+                            address=self._planes[j],
+                        )
+                    )
+            except BaseException:
+                self.close()
+                raise
+
+    def _share(self, name: str, a: np.ndarray) -> np.ndarray:
+        """``a`` copied into a cached shared array (grown when too small) the executor reads."""
+        buf = self._shared.get(name)
+        if buf is None or buf.size < a.size or buf.dtype != a.dtype:
+            buf = self._shared[name] = self.graph.backend.empty(max(a.size, 1), a.dtype)
+        v = buf[: a.size].reshape(a.shape)
+        v[...] = a
+        return v
 
     def recover(self) -> None:
         """After a request failed half-way (a read or checksum error, Ctrl-C): stop its reads,
@@ -276,6 +313,9 @@ class StreamedExperts:
                 self.loader.drop(int(k) for k in unrouted)
         elif self.schedule == "after-routing":
             self.loader.submit([self._request(layer, int(k)) for k in routed])
+        if self._remote:
+            self._run_submitted(layer, x, y, tokens, experts, w, counts, starts, routed)
+            return
         slot_of_expert = self._slot_of_expert
         for k in routed:
             k = int(k)
@@ -303,10 +343,79 @@ class StreamedExperts:
                 t1 = time.perf_counter()
             finally:
                 self.loader.release(bank)
-            rec = GroupRecord(layer.index, k, int(counts[k]), t_wait, t0, t1)
-            self.records.append(rec)
-            if self.on_group is not None:
-                self.on_group(rec)
+            self._record(GroupRecord(layer.index, k, int(counts[k]), t_wait, t0, t1))
+
+    def _record(self, rec: GroupRecord) -> None:
+        self.records.append(rec)
+        if self.on_group is not None:
+            self.on_group(rec)
+
+    def _run_submitted(
+        self,
+        layer: ExpertLayer,
+        x: np.ndarray,
+        y: np.ndarray,
+        tokens: np.ndarray,
+        experts: np.ndarray,
+        w: np.ndarray,
+        counts: np.ndarray,
+        starts: np.ndarray,
+        routed: np.ndarray,
+    ) -> None:
+        """Submit each routed group's op; its bank is released at the op's completion fence."""
+        xs = self._share("x", x)
+        ts, es, ws = self._share("t", tokens), self._share("e", experts), self._share("w", w)
+        ys = self._share("y", np.zeros_like(y))
+        n_e = self._slot_of_expert.size
+        table = self._share("slots", np.full((max(len(routed), 1), n_e), -1, np.int32))
+        inflight: deque[tuple[Any, Any, int, float, float]] = deque()
+        error: BaseException | None = None
+
+        def retire() -> None:
+            nonlocal error
+            fence, bank, k, t_wait, t0 = inflight.popleft()
+            try:
+                fence.wait()
+            except BaseException as e:  # the op failed or the executor died: nothing reads now
+                error = error or e
+            finally:
+                self.loader.release(bank)
+            self._record(
+                GroupRecord(layer.index, k, int(counts[k]), t_wait, t0, time.perf_counter())
+            )
+
+        try:
+            for i, k in enumerate(int(k) for k in routed):
+                while inflight and inflight[0][0].poll():
+                    retire()
+                while inflight and len(inflight) >= self.B - 1:  # keep a bank for the loader
+                    retire()
+                if error is not None:
+                    break
+                if self.schedule == "ondemand":
+                    self.loader.submit([self._request(layer, k)])
+                t_wait = time.perf_counter()
+                bank = self.loader.acquire(k, timeout=ACQUIRE_TIMEOUT_S)
+                try:
+                    t0 = time.perf_counter()
+                    first = k * self.G
+                    members = layer.order[first : first + bank.n_records]
+                    row = table[i]
+                    row[members] = np.asarray(bank.slots, dtype=np.int32)
+                    sl = slice(int(starts[k]), int(starts[k + 1]))
+                    fence = self.graph.submit(
+                        xs, ts[sl], es[sl], ws[sl], row, self._planes, self._strides, ys
+                    )
+                except BaseException:
+                    self.loader.release(bank)
+                    raise
+                inflight.append((fence, bank, k, t_wait, t0))
+        finally:
+            while inflight:
+                retire()
+        if error is not None:
+            raise error
+        y += ys
 
     def end_layer(self) -> None:
         self.loader.end_layer()
@@ -314,6 +423,11 @@ class StreamedExperts:
 
     def close(self) -> None:
         try:
-            self.loader.close()
+            if getattr(self, "loader", None) is not None:
+                self.loader.close()
         finally:
+            for bid in self._buffers:
+                if not self.graph.backend.closed:
+                    self.graph.backend.unregister(bid)
+            self._buffers.clear()
             self.arena.close()

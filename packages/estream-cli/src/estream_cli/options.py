@@ -38,6 +38,12 @@ def add_engine_opts(p: argparse.ArgumentParser) -> None:
         default="q8",
         help="activations: q8 (int8 per 32-block, fast; default) or f32 (exact)",
     )
+    p.add_argument(
+        "--backend",
+        choices=("host", "host-process"),
+        default="host",
+        help="where expert ops run: in this process (default) or in an executor process",
+    )
 
 
 def engine_from_args(args: argparse.Namespace, *, progress: bool) -> Engine:
@@ -53,5 +59,6 @@ def engine_from_args(args: argparse.Namespace, *, progress: bool) -> Engine:
         n_threads=args.threads,
         verify=args.verify,
         act=args.act,
+        backend=args.backend,
         progress=progress,
     )

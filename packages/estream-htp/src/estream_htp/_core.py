@@ -1,5 +1,6 @@
 """Typed NumPy layer over the C ABI: validates before crossing into C, owns no hidden copies,
-turns status codes into exceptions."""
+turns status codes into exceptions. Every op runs on a `Backend` (default: a process-wide host
+backend created on first use) and takes its activation format per call."""
 
 from __future__ import annotations
 
@@ -13,17 +14,39 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from estream_htp._backend import (
+    ACT,
+    SIMD_LEVELS,
+    Backend,
+    CapacityError,
+    ExecutorDiedError,
+    ExpertNotResidentError,
+    Fence,
+    HTPDescriptorError,
+    HTPError,
+    HTPInputError,
+    HTPTimeoutError,
+    HTPUnsupportedError,
+    best_simd_level,
+    check,
+)
 from estream_htp._ffi import ffi, lib
 from estream_htp._formats import TILE_FORMATS, matrix_nbytes
 
 __all__ = [
+    "Backend",
     "CapacityError",
+    "ExecutorDiedError",
     "ExpertGraph",
     "ExpertNotResidentError",
+    "Fence",
+    "HTPDescriptorError",
     "HTPError",
     "HTPInputError",
+    "HTPTimeoutError",
     "HTPUnsupportedError",
     "attention",
+    "default_backend",
     "gemm",
     "get_activation_format",
     "get_num_threads",
@@ -43,16 +66,6 @@ __all__ = [
 F32 = npt.NDArray[np.float32]
 I32 = npt.NDArray[np.int32]
 
-SIMD_LEVELS = {
-    "portable": lib.HTP_SIMD_PORTABLE,
-    "avx2": lib.HTP_SIMD_AVX2,
-    "avx512": lib.HTP_SIMD_AVX512,
-    "avx512vnni": lib.HTP_SIMD_AVX512VNNI,
-    "neon": lib.HTP_SIMD_NEON,
-}
-_SIMD_NAMES = {v: k for k, v in SIMD_LEVELS.items()}
-_ACT = {"f32": lib.HTP_ACT_F32, "q8": lib.HTP_ACT_Q8}
-_ACT_NAMES = {v: k for k, v in _ACT.items()}
 _FMT = {
     "q4_0-t32r4": lib.HTP_FMT_Q4_0_T32R4,
     "q8_0-t32r4": lib.HTP_FMT_Q8_0_T32R4,
@@ -60,42 +73,6 @@ _FMT = {
     "f32": lib.HTP_FMT_F32,
 }
 _U32 = 2**32
-
-
-class HTPError(RuntimeError):
-    """The kernel library reported an error."""
-
-
-class HTPInputError(HTPError, ValueError):
-    """An argument has the wrong shape, dtype, layout or value (checked before calling C)."""
-
-
-class HTPUnsupportedError(HTPError):
-    """The requested SIMD level or format is not available on this CPU/build."""
-
-
-class ExpertNotResidentError(HTPError, LookupError):
-    """A route names an expert whose slot is -1 (not resident)."""
-
-
-class CapacityError(HTPError):
-    """More tokens than the object was sized for."""
-
-
-def _check(status: int, what: str) -> None:
-    if status == lib.HTP_OK:
-        return
-    if status == lib.HTP_E_INVALID:
-        raise HTPInputError(f"{what}: the kernel rejected an argument (index or size out of range)")
-    if status == lib.HTP_E_NOMEM:
-        raise MemoryError(f"{what}: out of memory")
-    if status == lib.HTP_E_UNSUPPORTED:
-        raise HTPUnsupportedError(f"{what}: not supported on this CPU or build")
-    if status == lib.HTP_E_NOT_RESIDENT:
-        raise ExpertNotResidentError(f"{what}: a routed expert has slot -1 (not resident)")
-    if status == lib.HTP_E_CAPACITY:
-        raise CapacityError(f"{what}: more tokens than t_max")
-    raise HTPError(f"{what}: status {status}")
 
 
 # ---------------------------------------------------------------- validation helpers
@@ -148,73 +125,102 @@ def _bytes(buf: Any, name: str) -> np.ndarray:
         ) from e
 
 
-def _fp(a: np.ndarray, ctype: str) -> Any:
-    return ffi.cast(ctype, ffi.from_buffer(a, require_writable=False)) if a.size else ffi.NULL
+def _act(act: str | None, be: Backend) -> str:
+    a = be.act if act is None else act
+    if a not in ACT:
+        raise HTPInputError(f"act must be one of {sorted(ACT)}, got {a!r}")
+    return a
 
 
-def _fpw(a: np.ndarray, ctype: str) -> Any:
-    return ffi.cast(ctype, ffi.from_buffer(a, require_writable=True)) if a.size else ffi.NULL
+# ---------------------------------------------------------------- the default backend
+_default: Backend | None = None
+_default_lock = threading.Lock()
 
 
-# ---------------------------------------------------------------- library state
+def default_backend() -> Backend:
+    """The process-wide host backend the module-level functions use when given none
+    (created on first use from ``ESTREAM_HTP_THREADS`` / ``ESTREAM_HTP_SIMD`` / ``ESTREAM_HTP_ACT``)."""
+    global _default
+    b = _default
+    if b is not None and not b.closed:
+        return b
+    with _default_lock:
+        if _default is None or _default.closed:
+            simd = os.environ.get("ESTREAM_HTP_SIMD", "").strip().lower() or None
+            act = os.environ.get("ESTREAM_HTP_ACT", "").strip().lower() or "q8"
+            _default = Backend("host", simd=simd, act=act)
+        return _default
+
+
+def _be(backend: Backend | None) -> Backend:
+    return default_backend() if backend is None else backend
+
+
 def set_num_threads(n: int) -> None:
-    """Size the persistent thread pool inside the library (the caller is thread 0)."""
-    _check(lib.htp_set_num_threads(_u32(n, "n", 1)), "set_num_threads")
+    """Size the default backend's thread pool (the caller is thread 0)."""
+    default_backend().configure(n_threads=_u32(n, "n", 1))
 
 
 def get_num_threads() -> int:
-    return int(lib.htp_get_num_threads())
+    return default_backend().n_threads
 
 
 def simd_level() -> str:
-    """The kernel set in use: "portable", "avx2", "avx512", "avx512vnni" or "neon"."""
-    return _SIMD_NAMES[int(lib.htp_simd_get())]
-
-
-def best_simd_level() -> str:
-    return _SIMD_NAMES[int(lib.htp_simd_best())]
+    """The default backend's kernel set: "portable", "avx2", "avx512", "avx512vnni", "neon"."""
+    return default_backend().simd
 
 
 def _set_simd_level(name: str) -> None:
-    """Re-dispatch to a SIMD level (tests and benchmarks; ``ESTREAM_HTP_SIMD`` at import)."""
+    """Re-dispatch the default backend (tests and benchmarks; ``ESTREAM_HTP_SIMD`` at import)."""
+    default_backend().configure(simd=name)
+
+
+def simd_supported(name: str) -> bool:
+    """Whether this CPU/build can run a kernel set."""
     if name not in SIMD_LEVELS:
-        raise HTPInputError(f"unknown SIMD level {name!r}; expected one of {sorted(SIMD_LEVELS)}")
-    if lib.htp_simd_set(SIMD_LEVELS[name]) != lib.HTP_OK:
-        raise HTPUnsupportedError(
-            f"SIMD level {name!r} is not supported by this CPU/build (best is {best_simd_level()!r})"
-        )
+        return False
+    d = ffi.new("htp_backend_desc *")
+    d.abi_version = lib.HTP_ABI_VERSION
+    d.kind = lib.HTP_BACKEND_HOST
+    d.n_threads = 1
+    d.simd = SIMD_LEVELS[name]
+    d.sock_fd = -1
+    pp = ffi.new("htp_backend **")
+    st = lib.htp_backend_init(d, pp)
+    if st == lib.HTP_OK:
+        lib.htp_backend_free(pp[0])
+    return st == lib.HTP_OK
 
 
 def set_activation_format(fmt: Literal["q8", "f32"]) -> None:
-    """How activations meet quantized weights in gemm and the expert op.
+    """Default activation format of the default backend (ops also take ``act=`` per call).
 
     "q8": int8 per 32-block with an fp32 scale (fast path, rel. L2 error ~3e-3, see README);
     "f32": weights dequantized, fp32 products (rel. L2 ~1e-7)."""
-    if fmt not in _ACT:
-        raise HTPInputError(f"activation format must be one of {sorted(_ACT)}, got {fmt!r}")
-    _check(lib.htp_act_set(_ACT[fmt]), "set_activation_format")
+    if fmt not in ACT:
+        raise HTPInputError(f"activation format must be one of {sorted(ACT)}, got {fmt!r}")
+    default_backend().act = fmt
 
 
 def get_activation_format() -> str:
-    return _ACT_NAMES[int(lib.htp_act_get())]
+    return default_backend().act
 
 
 def _init_from_env() -> None:
     simd = os.environ.get("ESTREAM_HTP_SIMD", "").strip().lower()
     if simd:
-        _set_simd_level(simd)
+        if simd not in SIMD_LEVELS:
+            raise HTPInputError(
+                f"ESTREAM_HTP_SIMD: unknown SIMD level {simd!r}; expected one of {sorted(SIMD_LEVELS)}"
+            )
+        if not simd_supported(simd):
+            raise HTPUnsupportedError(
+                f"ESTREAM_HTP_SIMD: SIMD level {simd!r} is not supported by this CPU/build "
+                f"(best is {best_simd_level()!r})"
+            )
     act = os.environ.get("ESTREAM_HTP_ACT", "").strip().lower()
-    if act:
-        set_activation_format(act)  # type: ignore[arg-type]
-    threads = os.environ.get("ESTREAM_HTP_THREADS", "").strip()
-    if threads:
-        set_num_threads(int(threads))
-    else:
-        try:
-            n = len(os.sched_getaffinity(0))
-        except AttributeError:  # pragma: no cover - non-Linux
-            n = os.cpu_count() or 1
-        set_num_threads(max(1, min(n, 64)))
+    if act and act not in ACT:
+        raise HTPInputError(f"ESTREAM_HTP_ACT must be one of {sorted(ACT)}, got {act!r}")
 
 
 # ---------------------------------------------------------------- GEMM
@@ -224,6 +230,9 @@ def gemm(
     n: int,
     fmt: str = "q4_0-t32r4",
     out: F32 | None = None,
+    *,
+    act: str | None = None,
+    backend: Backend | None = None,
 ) -> F32:
     """``Y[T, N] = X[T, K] · Wᵀ`` with ``W[N][K]`` in a tile format (flat uint8 buffer)."""
     x = _arr(x, "x", np.float32, 2)
@@ -238,44 +247,47 @@ def gemm(
     if wb.size < need:
         raise HTPInputError(f"w holds {wb.size} bytes but {fmt} W[{n}][{k}] needs {need}")
     y = _out(out, (t, n))
-    desc = ffi.new("htp_matrix_desc *", {"format": _FMT[fmt], "n": n, "k": k, "nbytes": wb.size})
+    be = _be(backend)
     if t:
-        _check(
-            lib.htp_gemm(desc, _fp(wb, "void *"), _fp(x, "float *"), t, k, _fpw(y, "float *"), n),
-            "gemm",
-        )
+        c = be.call(lib.HTP_OP_GEMM, _act(act, be))
+        c.what = "gemm"
+        p = c.p.gemm
+        p.format, p.n, p.k, p.t, p.ldx, p.ldy = _FMT[fmt], n, k, t, k, n
+        c.ref(wb[:need]).ref(x).ref(y, "w")
+        be.run(c)
     return y
 
 
 # ---------------------------------------------------------------- expert op
 class ExpertGraph:
-    """Working buffers of the fused routed-expert op, allocated once for ``capacity`` routes per
-    pass and ``t_max`` tokens, reused for every expert and layer. Not thread-safe."""
+    """The fused routed-expert op for ``d_model``/``d_ff``, cut into passes of ``capacity``
+    routes, accepting up to ``t_max`` tokens, on a backend (default: the default backend).
+    The working buffers live in the backend and are reused for every expert and layer."""
 
-    def __init__(self, d_model: int, d_ff: int, capacity: int, t_max: int) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        capacity: int,
+        t_max: int,
+        *,
+        backend: Backend | None = None,
+    ) -> None:
         for v, nm in ((d_model, "d_model"), (d_ff, "d_ff")):
             if _u32(v, nm, 1) % 32:
                 raise HTPInputError(f"{nm} must be a multiple of 32, got {v}")
         self.d_model, self.d_ff = int(d_model), int(d_ff)
         self.capacity, self.t_max = _u32(capacity, "capacity", 1), _u32(t_max, "t_max", 1)
-        desc = ffi.new(
-            "htp_expert_graph_desc *",
-            {
-                "d_model": self.d_model,
-                "d_ff": self.d_ff,
-                "capacity": self.capacity,
-                "t_max": self.t_max,
-            },
+        self.backend = _be(backend)
+        self._closed = False
+        self._need = (
+            matrix_nbytes("q4_0-t32r4", self.d_ff, self.d_model),
+            matrix_nbytes("q4_0-t32r4", self.d_ff, self.d_model),
+            matrix_nbytes("q4_0-t32r4", self.d_model, self.d_ff),
         )
-        pp = ffi.new("htp_expert_graph **")
-        _check(lib.htp_expert_graph_init(desc, pp), "ExpertGraph")
-        self._g: Any = pp[0]
-        self._lock = threading.Lock()
 
     def close(self) -> None:
-        g, self._g = getattr(self, "_g", None), None
-        if g is not None:
-            lib.htp_expert_graph_free(g)
+        self._closed = True
 
     def __enter__(self) -> ExpertGraph:
         return self
@@ -301,12 +313,62 @@ class ExpertGraph:
         planes: Sequence[int],
         strides: Sequence[int],
         y: F32,
+        *,
+        act: str | None = None,
     ) -> None:
         """``y[t] += w · down(silu(gate(x[t])) * up(x[t]))`` for every route ``(t, e, w)``.
 
-        ``planes``: base addresses of slot 0 of the gate/up/down planes; ``strides``: bytes
-        between slots of each plane; expert ``e`` lives in slot ``slot_of_expert[e]``."""
-        if self._g is None:
+        ``planes``: addresses (in this process) of slot 0 of the gate/up/down planes, inside
+        memory registered with the backend (host backends also take unregistered memory);
+        ``strides``: bytes between slots of each plane; expert ``e`` lives in slot
+        ``slot_of_expert[e]``."""
+        c = self._call(x, tokens, experts, weights, slot_of_expert, planes, strides, y, act)
+        if c is not None:
+            self.backend.run(c)
+
+    def submit(
+        self,
+        x: F32,
+        tokens: I32,
+        experts: I32,
+        weights: F32,
+        slot_of_expert: I32,
+        planes: Sequence[int],
+        strides: Sequence[int],
+        y: F32,
+        *,
+        act: str | None = None,
+    ) -> Fence | None:
+        """As `run`, but returns the op's completion fence at once (None if nothing is
+        routed). The operands must stay untouched until the fence completes; ``y`` must be in
+        registered memory (`Backend.empty`) on a host-process backend so that ops queued one
+        after another accumulate into the same array."""
+        c = self._call(x, tokens, experts, weights, slot_of_expert, planes, strides, y, act)
+        if c is None:
+            return None
+        if (
+            self.backend.kind != "host"
+            and self.backend._resolve(int(y.ctypes.data), y.nbytes) is None
+        ):
+            raise HTPInputError(
+                "ExpertGraph.submit on a host-process backend needs y in shared memory "
+                "(allocate it with Backend.empty)"
+            )
+        return self.backend.submit(c)
+
+    def _call(
+        self,
+        x: F32,
+        tokens: I32,
+        experts: I32,
+        weights: F32,
+        slot_of_expert: I32,
+        planes: Sequence[int],
+        strides: Sequence[int],
+        y: F32,
+        act: str | None,
+    ) -> Any:
+        if self._closed:
             raise HTPInputError("ExpertGraph is closed")
         x = _arr(x, "x", np.float32, 2)
         t, d = x.shape
@@ -338,13 +400,14 @@ class ExpertGraph:
                 raise HTPInputError(
                     f"experts must be in [0, {e}), got range [{experts.min()}, {experts.max()}]"
                 )
-            missing = experts[slot_of_expert[experts] < 0]
+            routed_slots = slot_of_expert[experts]
+            missing = experts[routed_slots < 0]
             if missing.size:
                 raise ExpertNotResidentError(
                     f"expert {int(missing[0])} is routed but not resident (slot_of_expert = -1)"
                 )
         if r == 0:
-            return  # nothing routed: y is left as it is
+            return None  # nothing routed: y is left as it is
         if len(planes) != 3 or len(strides) != 3:
             raise HTPInputError("planes and strides must each hold 3 ints (gate, up, down)")
         planes_i = [int(p) for p in planes]
@@ -353,31 +416,19 @@ class ExpertGraph:
             raise HTPInputError(
                 f"plane addresses must be > 0 and strides >= 0, got {planes_i}, {strides_i}"
             )
-        desc = ffi.new(
-            "htp_expert_run_desc *",
-            {
-                "plane_base": planes_i,
-                "slot_stride": strides_i,
-                "n_tokens": t,
-                "n_routes": r,
-                "n_experts": e,
-                "format": lib.HTP_FMT_Q4_0_T32R4,
-            },
-        )
-        with self._lock:
-            _check(
-                lib.htp_expert_graph_run(
-                    self._g,
-                    desc,
-                    _fp(x, "float *"),
-                    _fp(tokens, "int32_t *"),
-                    _fp(experts, "int32_t *"),
-                    _fp(weights, "float *"),
-                    _fp(slot_of_expert, "int32_t *"),
-                    _fpw(y, "float *"),
-                ),
-                "ExpertGraph.run",
-            )
+        max_slot = int(routed_slots.max())
+        be = self.backend
+        c = be.call(lib.HTP_OP_EXPERT, _act(act, be))
+        c.what = "ExpertGraph.run"
+        p = c.p.expert
+        p.d_model, p.d_ff, p.n_tokens, p.n_routes, p.n_experts = d, self.d_ff, t, r, e
+        p.capacity, p.format = self.capacity, lib.HTP_FMT_Q4_0_T32R4
+        p.slot_stride = strides_i
+        c.ref(x).ref(tokens).ref(experts).ref(weights).ref(slot_of_expert)
+        for j in range(3):
+            c.ref_address(planes_i[j], max_slot * strides_i[j] + self._need[j])
+        c.ref(y, "rw")
+        return c
 
 
 def moe_ffn(
@@ -388,6 +439,9 @@ def moe_ffn(
     topk_ids: I32,
     topk_weights: F32,
     ff: int | None = None,
+    *,
+    act: str | None = None,
+    backend: Backend | None = None,
 ) -> F32:
     """Routed SwiGLU experts over packed ``q4_0-t32r4`` byte arrays ``[E, nbytes]``.
 
@@ -428,45 +482,66 @@ def moe_ffn(
         raise HTPInputError(
             f"topk_ids and topk_weights must both be [T={t}, k], got {topk_ids.shape}, {topk_weights.shape}"
         )
+    be = _be(backend)
     y = np.zeros((t, d), dtype=np.float32)
     k = topk_ids.shape[1]
     if t == 0 or k == 0 or e == 0:
         return y
     tokens = np.repeat(np.arange(t, dtype=np.int32), k)
-    with ExpertGraph(d, ff, capacity=min(t * k, 8192), t_max=t) as g:
+    shared = [be.share(p) for p in planes] if be.kind != "host" else planes
+    with ExpertGraph(d, ff, capacity=min(t * k, 8192), t_max=t, backend=be) as g:
         g.run(
             x,
             tokens,
             np.ascontiguousarray(topk_ids.reshape(-1)),
             np.ascontiguousarray(topk_weights.reshape(-1)),
             np.arange(e, dtype=np.int32),
-            [p.ctypes.data for p in planes],
-            [p.strides[0] for p in planes],
+            [p.ctypes.data for p in shared],
+            [p.strides[0] for p in shared],
             y,
+            act=act,
         )
     return y
 
 
 # ---------------------------------------------------------------- small ops
-def rms_norm(x: F32, w: F32 | None, eps: float, out: F32 | None = None) -> F32:
+def rms_norm(
+    x: F32, w: F32 | None, eps: float, out: F32 | None = None, *, backend: Backend | None = None
+) -> F32:
     """``x / sqrt(mean(x²) + eps) * w`` over the last axis of ``x[T, D]``."""
     x = _arr(x, "x", np.float32, 2)
     t, dd = x.shape
-    return _rms(x, w, eps, out, t, 1, dd, "rms_norm")
+    return _rms(x, w, eps, out, t, 1, dd, "rms_norm", backend)
 
 
-def rms_norm_heads(x: F32, w: F32, n_heads: int, eps: float, out: F32 | None = None) -> F32:
+def rms_norm_heads(
+    x: F32,
+    w: F32,
+    n_heads: int,
+    eps: float,
+    out: F32 | None = None,
+    *,
+    backend: Backend | None = None,
+) -> F32:
     """Per-head RMSNorm of ``x[T, H*Dh]`` with a shared ``w[Dh]`` (qwen3 q/k-norm)."""
     x = _arr(x, "x", np.float32, 2)
     h = _u32(n_heads, "n_heads", 1)
     t, width = x.shape
     if width % h:
         raise HTPInputError(f"x.shape[1]={width} is not a multiple of n_heads={h}")
-    return _rms(x, w, eps, out, t, h, width // h, "rms_norm_heads")
+    return _rms(x, w, eps, out, t, h, width // h, "rms_norm_heads", backend)
 
 
 def _rms(
-    x: F32, w: F32 | None, eps: float, out: F32 | None, t: int, h: int, dh: int, what: str
+    x: F32,
+    w: F32 | None,
+    eps: float,
+    out: F32 | None,
+    t: int,
+    h: int,
+    dh: int,
+    what: str,
+    backend: Backend | None,
 ) -> F32:
     if w is not None:
         w = _arr(w, "w", np.float32, 1)
@@ -478,18 +553,16 @@ def _rms(
         raise HTPInputError("rows must not be empty")
     o = _out(out, x.shape)
     if t:
-        _check(
-            lib.htp_rms_norm(
-                _fp(x, "float *"),
-                ffi.NULL if w is None else _fp(w, "float *"),
-                t,
-                h,
-                dh,
-                float(eps),
-                _fpw(o, "float *"),
-            ),
-            what,
-        )
+        be = _be(backend)
+        c = be.call(lib.HTP_OP_RMS_NORM)
+        c.what = what
+        p = c.p.rms_norm
+        p.t, p.n_groups, p.d, p.has_weight, p.eps = t, h, dh, int(w is not None), float(eps)
+        c.ref(x)
+        if w is not None:
+            c.ref(w)
+        c.ref(o, "w")
+        be.run(c)
     return o
 
 
@@ -500,6 +573,8 @@ def rope(
     freq_base: float,
     freq_scale: float,
     mode: Literal["normal", "neox"],
+    *,
+    backend: Backend | None = None,
 ) -> None:
     """Rotary embedding, in place, of the first ``n_rot`` dims of each head of ``x[T, H, Dh]``.
 
@@ -519,22 +594,16 @@ def rope(
         raise HTPInputError(f"mode must be 'normal' or 'neox', got {mode!r}")
     if not freq_base > 0:
         raise HTPInputError(f"freq_base must be > 0, got {freq_base}")
-    m = lib.HTP_ROPE_NORMAL if mode == "normal" else lib.HTP_ROPE_NEOX
     if t and h and n_rot:
-        _check(
-            lib.htp_rope(
-                _fpw(x, "float *"),
-                _fp(positions, "int32_t *"),
-                t,
-                h,
-                dh,
-                n_rot,
-                float(freq_base),
-                float(freq_scale),
-                m,
-            ),
-            "rope",
-        )
+        be = _be(backend)
+        c = be.call(lib.HTP_OP_ROPE)
+        c.what = "rope"
+        p = c.p.rope
+        p.t, p.n_heads, p.head_dim, p.n_rot = t, h, dh, n_rot
+        p.mode = lib.HTP_ROPE_NORMAL if mode == "normal" else lib.HTP_ROPE_NEOX
+        p.freq_base, p.freq_scale = float(freq_base), float(freq_scale)
+        c.ref(x, "rw").ref(positions)
+        be.run(c)
 
 
 def attention(
@@ -544,6 +613,8 @@ def attention(
     scale: float,
     causal: bool = True,
     out: F32 | None = None,
+    *,
+    backend: Backend | None = None,
 ) -> F32:
     """Softmax attention with grouped KV heads (query head ``h`` reads KV head
     ``h // (Hq // Hkv)``), tiled with an online softmax: memory O(T·d)."""
@@ -563,43 +634,45 @@ def attention(
         raise HTPInputError("head dims must be > 0")
     o = _out(out, (t, hq, dv))
     if t and hq:
-        _check(
-            lib.htp_attention(
-                _fp(q, "float *"),
-                _fp(k, "float *"),
-                _fp(v, "float *"),
-                t,
-                hq,
-                hkv,
-                dk,
-                dv,
-                float(scale),
-                1 if causal else 0,
-                _fpw(o, "float *"),
-            ),
-            "attention",
-        )
+        be = _be(backend)
+        c = be.call(lib.HTP_OP_ATTENTION)
+        c.what = "attention"
+        p = c.p.attention
+        p.t, p.n_q_heads, p.n_kv_heads, p.dk, p.dv = t, hq, hkv, dk, dv
+        p.causal, p.scale = 1 if causal else 0, float(scale)
+        c.ref(q).ref(k).ref(v).ref(o, "w")
+        be.run(c)
     return o
 
 
-def silu(x: F32, out: F32 | None = None) -> F32:
+def silu(x: F32, out: F32 | None = None, *, backend: Backend | None = None) -> F32:
     """``x * sigmoid(x)`` element-wise."""
     x = _arr(x, "x", np.float32)
     o = _out(out, x.shape)
-    _check(lib.htp_silu(_fp(x, "float *"), x.size, _fpw(o, "float *")), "silu")
+    if x.size:
+        be = _be(backend)
+        c = be.call(lib.HTP_OP_SILU)
+        c.what = "silu"
+        c.p.eltwise.n = x.size
+        c.ref(x).ref(o, "w")
+        be.run(c)
     return o
 
 
-def swiglu(g: F32, u: F32, out: F32 | None = None) -> F32:
+def swiglu(g: F32, u: F32, out: F32 | None = None, *, backend: Backend | None = None) -> F32:
     """``silu(g) * u`` element-wise."""
     g = _arr(g, "g", np.float32)
     u = _arr(u, "u", np.float32)
     if g.shape != u.shape:
         raise HTPInputError(f"g and u must have the same shape, got {g.shape}, {u.shape}")
     o = _out(out, g.shape)
-    _check(
-        lib.htp_swiglu(_fp(g, "float *"), _fp(u, "float *"), g.size, _fpw(o, "float *")), "swiglu"
-    )
+    if g.size:
+        be = _be(backend)
+        c = be.call(lib.HTP_OP_SWIGLU)
+        c.what = "swiglu"
+        c.p.eltwise.n = g.size
+        c.ref(g).ref(u).ref(o, "w")
+        be.run(c)
     return o
 
 
@@ -610,6 +683,8 @@ def router_topk(
     norm: bool = False,
     scale: float = 1.0,
     bias: F32 | None = None,
+    *,
+    backend: Backend | None = None,
 ) -> tuple[I32, F32]:
     """Top-k routing. softmax: ``p = softmax(logits)``, top-k of ``p`` (ties → lower id),
     ``w = p[top]``; sigmoid: ``p = sigmoid(logits)``, top-k of ``p + bias``, ``w = p[top]``.
@@ -628,25 +703,24 @@ def router_topk(
     ids = np.empty((t, k), dtype=np.int32)
     w = np.empty((t, k), dtype=np.float32)
     if t:
-        _check(
-            lib.htp_router_topk(
-                _fp(logits, "float *"),
-                t,
-                e,
-                k,
-                lib.HTP_GATING_SOFTMAX if gating == "softmax" else lib.HTP_GATING_SIGMOID,
-                1 if norm else 0,
-                float(scale),
-                ffi.NULL if bias is None else _fp(bias, "float *"),
-                _fpw(ids, "int32_t *"),
-                _fpw(w, "float *"),
-            ),
-            "router_topk",
-        )
+        be = _be(backend)
+        c = be.call(lib.HTP_OP_ROUTER_TOPK)
+        c.what = "router_topk"
+        p = c.p.router
+        p.t, p.n_experts, p.k = t, e, k
+        p.gating = lib.HTP_GATING_SOFTMAX if gating == "softmax" else lib.HTP_GATING_SIGMOID
+        p.norm, p.has_bias, p.scale = int(bool(norm)), int(bias is not None), float(scale)
+        c.ref(logits)
+        if bias is not None:
+            c.ref(bias)
+        c.ref(ids, "w").ref(w, "w")
+        be.run(c)
     return ids, w
 
 
-def get_rows(table: Any, fmt: str, n_rows: int, n_cols: int, ids: I32) -> F32:
+def get_rows(
+    table: Any, fmt: str, n_rows: int, n_cols: int, ids: I32, *, backend: Backend | None = None
+) -> F32:
     """Embedding lookup: rows ``ids`` of a ``[n_rows, n_cols]`` table in ``fmt``
     ("q4_0-t32r4", "q8_0-t32r4", "f16", "f32"), as float32 ``[T, n_cols]``."""
     if fmt not in _FMT:
@@ -655,6 +729,8 @@ def get_rows(table: Any, fmt: str, n_rows: int, n_cols: int, ids: I32) -> F32:
     n_cols = _u32(n_cols, "n_cols", 1)
     tb = _bytes(table, "table")
     if fmt in TILE_FORMATS:
+        if n_cols % 32:
+            raise HTPInputError(f"n_cols must be a multiple of 32 for {fmt}, got {n_cols}")
         need = matrix_nbytes(fmt, n_rows, n_cols)
     else:
         need = n_rows * n_cols * (2 if fmt == "f16" else 4)
@@ -667,24 +743,27 @@ def get_rows(table: Any, fmt: str, n_rows: int, n_cols: int, ids: I32) -> F32:
         raise HTPInputError(f"ids must be in [0, {n_rows}), got range [{ids.min()}, {ids.max()}]")
     out = np.empty((ids.shape[0], n_cols), dtype=np.float32)
     if ids.size:
-        _check(
-            lib.htp_get_rows(
-                _fp(tb, "void *"),
-                _FMT[fmt],
-                tb.size,
-                n_rows,
-                n_cols,
-                _fp(ids, "int32_t *"),
-                ids.shape[0],
-                _fpw(out, "float *"),
-            ),
-            "get_rows",
-        )
+        be = _be(backend)
+        c = be.call(lib.HTP_OP_GET_ROWS)
+        c.what = "get_rows"
+        p = c.p.get_rows
+        p.format, p.n_rows, p.n_cols, p.t = _FMT[fmt], n_rows, n_cols, ids.shape[0]
+        c.ref(tb[:need]).ref(ids).ref(out, "w")
+        be.run(c)
     return out
 
 
-def _dot_peak(iters: int = 20_000_000) -> float:
-    """Measured int8 dot-product peak of the current SIMD level on all pool threads (MAC/s)."""
+def nop(*, backend: Backend | None = None) -> None:
+    """An op with no operands: measures the submission round trip of a backend."""
+    be = _be(backend)
+    c = be.call(lib.HTP_OP_NOP)
+    c.what = "nop"
+    be.run(c)
+
+
+def _dot_peak(iters: int = 20_000_000, *, backend: Backend | None = None) -> float:
+    """Measured int8 dot-product peak of a host backend's SIMD level on its threads (MAC/s)."""
+    be = _be(backend)
     p = ffi.new("double *")
-    _check(lib.htp_bench_dot_peak(_u32(iters, "iters", 1), p), "dot_peak")
+    check(lib.htp_bench_dot_peak(be._handle(), _u32(iters, "iters", 1), p), "dot_peak")
     return float(p[0])

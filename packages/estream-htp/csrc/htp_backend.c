@@ -1,0 +1,569 @@
+/* Backends: the buffer registry, descriptor validation (every reference bounds-checked against
+ * its registered size before anything is read or written), fences, and dispatch to the HOST
+ * execution context or to a REMOTE executor (htp_remote.c). */
+#include "htp_internal.h"
+
+#include <errno.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#define HTP_MAX_BUFFERS 1024
+
+typedef struct htp_buf {
+    uint8_t *base;  /* where the registered region starts in this process */
+    void *map;      /* our own mapping (fd buffers), unmapped on unregister */
+    size_t map_len;
+    uint64_t size;
+    uint32_t flags;
+    uint32_t in_use;
+} htp_buf;
+
+typedef struct htp_done {
+    uint64_t fence;
+    int32_t status;
+    uint32_t consumed;
+} htp_done;
+
+struct htp_backend {
+    uint32_t kind;
+    uint32_t simd;
+    uint32_t remote_threads; /* REMOTE: the executor's pool size */
+    pthread_mutex_t lock; /* one call at a time (cffi releases the GIL) */
+    pid_t pid;
+    htp_exec ex;
+    htp_buf *bufs;
+    uint64_t next_fence; /* HOST: last fence issued */
+    htp_done done[HTP_QUEUE_DEPTH];
+    htp_remote *remote;
+};
+
+/* ---- locking, fork ---- */
+static void enter(htp_backend *b) {
+    if (b->pid != getpid()) {
+        /* forked child: no worker threads and possibly a lock copied mid-call; start over
+         * single-threaded (the child is single-threaded at this point) */
+        pthread_mutex_init(&b->lock, NULL);
+        if (b->ex.pool) htp_pool_after_fork(b->ex.pool);
+        b->pid = getpid();
+    }
+    pthread_mutex_lock(&b->lock);
+}
+static void leave(htp_backend *b) { pthread_mutex_unlock(&b->lock); }
+
+/* ---- init / free ---- */
+htp_status htp_backend_init(const htp_backend_desc *desc, htp_backend **out) {
+    if (!out) return HTP_E_INVALID;
+    *out = NULL;
+    if (!desc) return HTP_E_INVALID;
+    if (desc->abi_version != HTP_ABI_VERSION) return HTP_E_UNSUPPORTED;
+    if (desc->reserved[0] || desc->reserved[1]) return HTP_E_INVALID;
+    if (desc->kind != HTP_BACKEND_HOST && desc->kind != HTP_BACKEND_REMOTE) return HTP_E_UNSUPPORTED;
+    const uint32_t level = desc->simd == HTP_SIMD_BEST ? htp_simd_best() : desc->simd;
+    const uint32_t nth = desc->n_threads ? desc->n_threads : 1;
+    htp_backend *b = (htp_backend *)calloc(1, sizeof(*b));
+    if (!b) return HTP_E_NOMEM;
+    pthread_mutex_init(&b->lock, NULL);
+    b->pid = getpid();
+    b->kind = desc->kind;
+    htp_status st = HTP_OK;
+    if (desc->kind == HTP_BACKEND_HOST) {
+        b->ex.isa = htp_isa_for(level);
+        b->simd = level;
+        b->bufs = (htp_buf *)calloc(HTP_MAX_BUFFERS, sizeof(htp_buf));
+        b->ex.pool = htp_pool_new();
+        if (!b->ex.isa) st = HTP_E_UNSUPPORTED;
+        else if (!b->bufs || !b->ex.pool) st = HTP_E_NOMEM;
+        else st = htp_pool_resize(b->ex.pool, nth);
+    } else {
+        st = htp_remote_open(desc, &b->remote);
+        if (st == HTP_OK) st = htp_remote_configure(b->remote, nth, level, &b->simd);
+        if (st == HTP_OK) b->remote_threads = nth;
+    }
+    if (st != HTP_OK) {
+        htp_backend_free(b);
+        return st;
+    }
+    *out = b;
+    return HTP_OK;
+}
+
+void htp_backend_free(htp_backend *b) {
+    if (!b) return;
+    if (b->remote) htp_remote_close(b->remote);
+    if (b->bufs) {
+        for (uint32_t i = 0; i < HTP_MAX_BUFFERS; i++)
+            if (b->bufs[i].in_use && b->bufs[i].map) munmap(b->bufs[i].map, b->bufs[i].map_len);
+        free(b->bufs);
+    }
+    htp_pool_free(b->ex.pool);
+    htp_expert_ws_free(b->ex.ws);
+    pthread_mutex_destroy(&b->lock);
+    free(b);
+}
+
+uint32_t htp_backend_kind_of(const htp_backend *b) { return b ? b->kind : UINT32_MAX; }
+uint32_t htp_backend_simd(const htp_backend *b) { return b ? b->simd : UINT32_MAX; }
+
+uint32_t htp_backend_threads(const htp_backend *b) {
+    if (!b) return 0;
+    return b->kind == HTP_BACKEND_HOST ? htp_pool_nth(b->ex.pool) : b->remote_threads;
+}
+
+htp_status htp_backend_configure(htp_backend *b, uint32_t n_threads, uint32_t simd) {
+    if (!b || n_threads == 0) return HTP_E_INVALID;
+    const uint32_t level = simd == HTP_SIMD_BEST ? htp_simd_best() : simd;
+    enter(b);
+    htp_status st;
+    if (b->kind == HTP_BACKEND_HOST) {
+        const htp_isa *isa = htp_isa_for(level);
+        if (!isa) {
+            st = HTP_E_UNSUPPORTED;
+        } else {
+            st = htp_pool_resize(b->ex.pool, n_threads);
+            if (st == HTP_OK) {
+                b->ex.isa = isa;
+                b->simd = level;
+            }
+        }
+    } else {
+        uint32_t got = 0;
+        st = htp_remote_configure(b->remote, n_threads, level, &got);
+        if (st == HTP_OK) {
+            b->simd = got;
+            b->remote_threads = n_threads;
+        }
+    }
+    leave(b);
+    return st;
+}
+
+/* ---- buffers ---- */
+htp_status htp_buffer_register(htp_backend *b, const htp_buffer_desc *d, uint32_t *id) {
+    if (!b || !d || !id) return HTP_E_INVALID;
+    *id = 0;
+    if (d->size == 0 || (d->flags & ~(uint32_t)(HTP_BUF_READ | HTP_BUF_WRITE)) || !d->flags)
+        return HTP_E_INVALID;
+    if (b->kind == HTP_BACKEND_REMOTE) {
+        if (d->fd < 0) return HTP_E_INVALID; /* memory crosses the boundary as file descriptors */
+        enter(b);
+        const htp_status st = htp_remote_register(b->remote, d, id);
+        leave(b);
+        return st;
+    }
+    enter(b);
+    uint32_t i = 0;
+    while (i < HTP_MAX_BUFFERS && b->bufs[i].in_use) i++;
+    if (i == HTP_MAX_BUFFERS) {
+        leave(b);
+        return HTP_E_CAPACITY;
+    }
+    htp_buf nb = {0};
+    nb.size = d->size;
+    nb.flags = d->flags;
+    if (d->fd >= 0) {
+        const long page = sysconf(_SC_PAGESIZE);
+        if (d->offset % (uint64_t)page || d->size > SIZE_MAX) {
+            leave(b);
+            return HTP_E_INVALID;
+        }
+        const int prot = ((d->flags & HTP_BUF_READ) ? PROT_READ : 0) | ((d->flags & HTP_BUF_WRITE) ? PROT_WRITE : 0);
+        void *m = mmap(NULL, (size_t)d->size, prot, MAP_SHARED, d->fd, (off_t)d->offset);
+        if (m == MAP_FAILED) {
+            leave(b);
+            return HTP_E_MAP;
+        }
+        nb.map = m;
+        nb.map_len = (size_t)d->size;
+        nb.base = (uint8_t *)m;
+    } else {
+        if (!d->host_addr || d->offset) {
+            leave(b);
+            return HTP_E_INVALID;
+        }
+        nb.base = (uint8_t *)(uintptr_t)d->host_addr;
+    }
+    nb.in_use = 1;
+    b->bufs[i] = nb;
+    *id = i + 1;
+    leave(b);
+    return HTP_OK;
+}
+
+htp_status htp_buffer_unregister(htp_backend *b, uint32_t id) {
+    if (!b) return HTP_E_INVALID;
+    enter(b);
+    htp_status st = HTP_OK;
+    if (b->kind == HTP_BACKEND_REMOTE) {
+        st = htp_remote_unregister(b->remote, id);
+    } else if (id == 0 || id > HTP_MAX_BUFFERS || !b->bufs[id - 1].in_use) {
+        st = HTP_E_BAD_BUFFER;
+    } else {
+        htp_buf *x = &b->bufs[id - 1];
+        if (x->map) munmap(x->map, x->map_len);
+        memset(x, 0, sizeof(*x));
+    }
+    leave(b);
+    return st;
+}
+
+/* ---- validation ---- */
+static int mul_ok(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_mul_overflow(a, b, r); }
+
+/* Bytes of `n` elements of `esize` each; UINT64_MAX on overflow (never fits a buffer). */
+static uint64_t nbytes(uint64_t n, uint64_t esize) {
+    uint64_t r;
+    return mul_ok(n, esize, &r) ? r : UINT64_MAX;
+}
+static uint64_t nbytes3(uint64_t a, uint64_t b, uint64_t esize) {
+    uint64_t r;
+    return mul_ok(a, b, &r) ? nbytes(r, esize) : UINT64_MAX;
+}
+
+#define RD 0
+#define WR 1
+
+/* Resolve a reference to `bytes` bytes; `align` is the element alignment the op needs. */
+static htp_status ref_get(htp_backend *b, const htp_ref *r, uint64_t bytes, int write,
+                          uint32_t align, void **p) {
+    *p = NULL;
+    if (r->reserved) return HTP_E_BAD_OP;
+    if (r->buffer == 0 || r->buffer > HTP_MAX_BUFFERS || !b->bufs[r->buffer - 1].in_use)
+        return HTP_E_BAD_BUFFER;
+    const htp_buf *x = &b->bufs[r->buffer - 1];
+    if (r->offset > x->size || bytes > x->size - r->offset) return HTP_E_BOUNDS;
+    if (!(x->flags & HTP_BUF_READ)) return HTP_E_READONLY; /* every operand is read */
+    if (write && !(x->flags & HTP_BUF_WRITE)) return HTP_E_READONLY;
+    uint8_t *q = x->base + r->offset;
+    if (align > 1 && ((uintptr_t)q % align)) return HTP_E_INVALID;
+    *p = q;
+    return HTP_OK;
+}
+
+#define GET(i, bytes, wr, align, var)                                                    \
+    do {                                                                                 \
+        void *p_;                                                                        \
+        const htp_status st_ = ref_get(b, &op->ref[(i)], (bytes), (wr), (align), &p_);   \
+        if (st_ != HTP_OK) return st_;                                                   \
+        var = p_;                                                                        \
+    } while (0)
+
+static uint32_t refs_of(const htp_op_desc *op) {
+    switch (op->opcode) {
+    case HTP_OP_NOP: return 0;
+    case HTP_OP_GEMM: return 3;
+    case HTP_OP_EXPERT: return 9;
+    case HTP_OP_GET_ROWS: return 3;
+    case HTP_OP_RMS_NORM: return op->p.rms_norm.has_weight ? 3 : 2;
+    case HTP_OP_ROPE: return 2;
+    case HTP_OP_ATTENTION: return 4;
+    case HTP_OP_SILU: return 2;
+    case HTP_OP_SWIGLU: return 3;
+    case HTP_OP_ROUTER_TOPK: return op->p.router.has_bias ? 4 : 3;
+    default: return UINT32_MAX;
+    }
+}
+
+static htp_status exec_expert(htp_backend *b, const htp_op_desc *op) {
+    const htp_expert_params *p = &op->p.expert;
+    if (p->format != HTP_FMT_Q4_0_T32R4) return HTP_E_UNSUPPORTED;
+    if (p->reserved || p->reserved2) return HTP_E_BAD_OP;
+    const uint32_t d = p->d_model, ff = p->d_ff, T = p->n_tokens, R = p->n_routes, E = p->n_experts;
+    if (!d || !ff || d % 32 || ff % 32 || !p->capacity) return HTP_E_INVALID;
+    const float *x, *w;
+    const int32_t *tok_s, *exp_s, *slot_s;
+    float *y;
+    GET(0, nbytes3(T, d, 4), RD, 4, x);
+    GET(1, nbytes(R, 4), RD, 4, tok_s);
+    GET(2, nbytes(R, 4), RD, 4, exp_s);
+    GET(3, nbytes(R, 4), RD, 4, w);
+    GET(4, nbytes(E, 4), RD, 4, slot_s);
+    GET(8, nbytes3(T, d, 4), WR, 4, y);
+    if (R == 0) return HTP_OK;
+    /* Index arrays are copied before they are checked, so a submitter writing to them while
+     * the op runs cannot steer the kernels outside the buffers. */
+    int32_t *idx = (int32_t *)malloc(((size_t)2 * R + E) * 4);
+    if (!idx) return HTP_E_NOMEM;
+    int32_t *tokens = idx, *experts = idx + R, *slot = idx + 2 * (size_t)R;
+    memcpy(tokens, tok_s, (size_t)R * 4);
+    memcpy(experts, exp_s, (size_t)R * 4);
+    memcpy(slot, slot_s, (size_t)E * 4);
+    htp_status st = HTP_OK;
+    int32_t max_slot = -1;
+    for (uint32_t r = 0; r < R && st == HTP_OK; r++) {
+        if (tokens[r] < 0 || (uint32_t)tokens[r] >= T) st = HTP_E_INVALID;
+        else if (experts[r] < 0 || (uint32_t)experts[r] >= E) st = HTP_E_INVALID;
+        else if (slot[experts[r]] < 0) st = HTP_E_NOT_RESIDENT;
+        else if (slot[experts[r]] > max_slot) max_slot = slot[experts[r]];
+    }
+    const uint8_t *planes[3] = {NULL, NULL, NULL};
+    const uint64_t need[3] = {htp_matrix_bytes(HTP_FMT_Q4_0_T32R4, ff, d),
+                              htp_matrix_bytes(HTP_FMT_Q4_0_T32R4, ff, d),
+                              htp_matrix_bytes(HTP_FMT_Q4_0_T32R4, d, ff)};
+    for (int j = 0; j < 3 && st == HTP_OK; j++) {
+        /* slots must not overlap, and the highest routed slot must end inside the plane */
+        if (max_slot > 0 && p->slot_stride[j] < need[j]) {
+            st = HTP_E_INVALID;
+            break;
+        }
+        uint64_t span;
+        if (!mul_ok((uint64_t)max_slot, p->slot_stride[j], &span) || span > UINT64_MAX - need[j]) {
+            st = HTP_E_BOUNDS;
+            break;
+        }
+        void *pp;
+        st = ref_get(b, &op->ref[5 + j], span + need[j], RD, 1, &pp);
+        planes[j] = (const uint8_t *)pp;
+    }
+    if (st == HTP_OK) st = htp_exec_expert(&b->ex, p, op->act, x, tokens, experts, w, slot, planes, y);
+    free(idx);
+    return st;
+}
+
+static htp_status exec_get_rows(htp_backend *b, const htp_op_desc *op) {
+    const htp_get_rows_params *p = &op->p.get_rows;
+    if (!p->n_rows || !p->n_cols) return HTP_E_INVALID;
+    uint64_t need;
+    switch (p->format) {
+    case HTP_FMT_F32: need = nbytes3(p->n_rows, p->n_cols, 4); break;
+    case HTP_FMT_F16: need = nbytes3(p->n_rows, p->n_cols, 2); break;
+    case HTP_FMT_Q4_0_T32R4:
+    case HTP_FMT_Q8_0_T32R4:
+        if (p->n_cols % 32) return HTP_E_INVALID;
+        need = htp_matrix_bytes(p->format, p->n_rows, p->n_cols);
+        break;
+    default: return HTP_E_INVALID;
+    }
+    const uint8_t *table;
+    const int32_t *ids_s;
+    float *out;
+    GET(0, need, RD, 1, table);
+    GET(1, nbytes(p->t, 4), RD, 4, ids_s);
+    GET(2, nbytes3(p->t, p->n_cols, 4), WR, 4, out);
+    int32_t *ids = (int32_t *)malloc((size_t)p->t * 4 + 4);
+    if (!ids) return HTP_E_NOMEM;
+    memcpy(ids, ids_s, (size_t)p->t * 4);
+    for (uint32_t i = 0; i < p->t; i++)
+        if (ids[i] < 0 || (uint32_t)ids[i] >= p->n_rows) {
+            free(ids);
+            return HTP_E_INVALID;
+        }
+    htp_exec_get_rows(p, table, ids, out);
+    free(ids);
+    return HTP_OK;
+}
+
+htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
+    const uint32_t n = refs_of(op);
+    if (n == UINT32_MAX) return HTP_E_BAD_OP;
+    if (op->n_refs != n || op->flags) return HTP_E_BAD_OP;
+    static const htp_ref zero;
+    for (uint32_t i = n; i < HTP_MAX_REFS; i++)
+        if (memcmp(&op->ref[i], &zero, sizeof zero)) return HTP_E_BAD_OP;
+    if (op->act > HTP_ACT_Q8) return HTP_E_INVALID;
+    switch (op->opcode) {
+    case HTP_OP_NOP: return HTP_OK;
+    case HTP_OP_GEMM: {
+        const htp_gemm_params *p = &op->p.gemm;
+        if (p->format != HTP_FMT_Q4_0_T32R4 && p->format != HTP_FMT_Q8_0_T32R4) return HTP_E_INVALID;
+        if (p->k == 0 || p->k % 32 || p->n == 0 || p->ldx < p->k || p->ldy < p->n) return HTP_E_INVALID;
+        const uint8_t *w;
+        const float *x;
+        float *y;
+        GET(0, htp_matrix_bytes(p->format, p->n, p->k), RD, 1, w);
+        GET(1, nbytes3(p->t, p->ldx, 4), RD, 4, x);
+        GET(2, nbytes3(p->t, p->ldy, 4), WR, 4, y);
+        return htp_exec_gemm(&b->ex, w, p->format, p->n, p->k, x, p->t, p->ldx, y, p->ldy, op->act);
+    }
+    case HTP_OP_EXPERT: return exec_expert(b, op);
+    case HTP_OP_GET_ROWS: return exec_get_rows(b, op);
+    case HTP_OP_RMS_NORM: {
+        const htp_rms_norm_params *p = &op->p.rms_norm;
+        if (p->d == 0 || p->n_groups == 0 || !(p->eps >= 0.0f) || p->has_weight > 1) return HTP_E_INVALID;
+        const uint64_t bytes = nbytes(nbytes3(p->t, p->n_groups, 1), (uint64_t)p->d * 4);
+        const float *x, *w = NULL;
+        float *out;
+        GET(0, bytes, RD, 4, x);
+        if (p->has_weight) GET(1, nbytes(p->d, 4), RD, 4, w);
+        GET(p->has_weight ? 2 : 1, bytes, WR, 4, out);
+        htp_exec_rms_norm(p, x, w, out);
+        return HTP_OK;
+    }
+    case HTP_OP_ROPE: {
+        const htp_rope_params *p = &op->p.rope;
+        if (p->n_rot > p->head_dim || p->n_rot % 2 || p->mode > HTP_ROPE_NEOX || !(p->freq_base > 0.0f))
+            return HTP_E_INVALID;
+        float *x;
+        const int32_t *pos;
+        GET(0, nbytes(nbytes3(p->t, p->n_heads, 1), (uint64_t)p->head_dim * 4), WR, 4, x);
+        GET(1, nbytes(p->t, 4), RD, 4, pos);
+        return htp_exec_rope(p, x, pos);
+    }
+    case HTP_OP_ATTENTION: {
+        const htp_attention_params *p = &op->p.attention;
+        if (!p->n_q_heads || !p->n_kv_heads || !p->dk || !p->dv || p->n_q_heads % p->n_kv_heads)
+            return HTP_E_INVALID;
+        const float *q, *k, *v;
+        float *out;
+        GET(0, nbytes(nbytes3(p->t, p->n_q_heads, 1), (uint64_t)p->dk * 4), RD, 4, q);
+        GET(1, nbytes(nbytes3(p->t, p->n_kv_heads, 1), (uint64_t)p->dk * 4), RD, 4, k);
+        GET(2, nbytes(nbytes3(p->t, p->n_kv_heads, 1), (uint64_t)p->dv * 4), RD, 4, v);
+        GET(3, nbytes(nbytes3(p->t, p->n_q_heads, 1), (uint64_t)p->dv * 4), WR, 4, out);
+        return htp_exec_attention(&b->ex, p, q, k, v, out);
+    }
+    case HTP_OP_SILU:
+    case HTP_OP_SWIGLU: {
+        const uint64_t bytes = nbytes(op->p.eltwise.n, 4);
+        const float *g, *u = NULL;
+        float *out;
+        GET(0, bytes, RD, 4, g);
+        if (op->opcode == HTP_OP_SWIGLU) GET(1, bytes, RD, 4, u);
+        GET(op->opcode == HTP_OP_SWIGLU ? 2 : 1, bytes, WR, 4, out);
+        b->ex.isa->swiglu(g, u, op->p.eltwise.n, out);
+        return HTP_OK;
+    }
+    case HTP_OP_ROUTER_TOPK: {
+        const htp_router_params *p = &op->p.router;
+        if (p->k == 0 || p->k > p->n_experts || p->gating > HTP_GATING_SIGMOID || p->has_bias > 1)
+            return HTP_E_INVALID;
+        const float *logits, *bias = NULL;
+        int32_t *ids;
+        float *wts;
+        const uint32_t o = p->has_bias ? 1 : 0;
+        GET(0, nbytes3(p->t, p->n_experts, 4), RD, 4, logits);
+        if (p->has_bias) GET(1, nbytes(p->n_experts, 4), RD, 4, bias);
+        GET(1 + o, nbytes3(p->t, p->k, 4), WR, 4, ids);
+        GET(2 + o, nbytes3(p->t, p->k, 4), WR, 4, wts);
+        return htp_exec_router(p, logits, bias, ids, wts);
+    }
+    default: return HTP_E_BAD_OP;
+    }
+}
+
+/* ---- submission and fences ---- */
+htp_status htp_op_submit(htp_backend *b, const htp_op_desc *op, uint64_t *fence) {
+    if (!b || !op || !fence) return HTP_E_INVALID;
+    *fence = 0;
+    enter(b);
+    htp_status st;
+    if (b->kind == HTP_BACKEND_REMOTE) {
+        st = htp_remote_submit(b->remote, op, fence);
+    } else {
+        const uint64_t f = b->next_fence + 1;
+        htp_done *slot = &b->done[(f - 1) % HTP_QUEUE_DEPTH];
+        if (slot->fence && !slot->consumed) {
+            st = HTP_E_CAPACITY; /* HTP_QUEUE_DEPTH completions nobody has waited for */
+        } else {
+            htp_op_desc local;
+            memcpy(&local, op, sizeof local);
+            slot->status = (int32_t)htp_host_execute(b, &local);
+            slot->fence = f;
+            slot->consumed = 0;
+            b->next_fence = f;
+            *fence = f;
+            st = HTP_OK;
+        }
+    }
+    leave(b);
+    return st;
+}
+
+htp_status htp_fence_wait(htp_backend *b, uint64_t fence, uint32_t timeout_ms, htp_status *op_status) {
+    if (!b || !op_status) return HTP_E_INVALID;
+    enter(b);
+    htp_status st;
+    if (b->kind == HTP_BACKEND_REMOTE) {
+        st = htp_remote_wait(b->remote, fence, timeout_ms, op_status);
+    } else {
+        htp_done *slot = &b->done[(fence ? fence - 1 : 0) % HTP_QUEUE_DEPTH];
+        if (fence == 0 || fence > b->next_fence || slot->fence != fence || slot->consumed) {
+            st = HTP_E_FENCE;
+        } else {
+            slot->consumed = 1;
+            *op_status = (htp_status)slot->status;
+            st = HTP_OK;
+        }
+    }
+    leave(b);
+    return st;
+}
+
+htp_status htp_op_run(htp_backend *b, const htp_op_desc *op) {
+    uint64_t f;
+    htp_status st = htp_op_submit(b, op, &f);
+    if (st != HTP_OK) return st;
+    htp_status op_st = HTP_OK;
+    st = htp_fence_wait(b, f, UINT32_MAX, &op_st);
+    return st != HTP_OK ? st : op_st;
+}
+
+htp_status htp_op_run_tmp(htp_backend *b, const htp_op_desc *op, const htp_buffer_desc *tmp,
+                          uint32_t n_tmp) {
+    if (!b || !op || (n_tmp && !tmp) || n_tmp > HTP_MAX_REFS) return HTP_E_INVALID;
+    if (b->kind != HTP_BACKEND_HOST) return HTP_E_UNSUPPORTED;
+    for (uint32_t i = 0; i < n_tmp; i++)
+        if (tmp[i].fd != -1 || !tmp[i].host_addr || !tmp[i].size || tmp[i].offset ||
+            !tmp[i].flags || (tmp[i].flags & ~(uint32_t)(HTP_BUF_READ | HTP_BUF_WRITE)))
+            return HTP_E_INVALID;
+    enter(b);
+    uint32_t ids[HTP_MAX_REFS];
+    uint32_t n = 0, slot = 0;
+    htp_status st = HTP_OK;
+    for (; n < n_tmp; n++) {
+        while (slot < HTP_MAX_BUFFERS && b->bufs[slot].in_use) slot++;
+        if (slot == HTP_MAX_BUFFERS) {
+            st = HTP_E_CAPACITY;
+            break;
+        }
+        htp_buf *x = &b->bufs[slot];
+        memset(x, 0, sizeof(*x));
+        x->base = (uint8_t *)(uintptr_t)tmp[n].host_addr;
+        x->size = tmp[n].size;
+        x->flags = tmp[n].flags;
+        x->in_use = 1;
+        ids[n] = slot + 1;
+    }
+    if (st == HTP_OK) {
+        htp_op_desc local;
+        memcpy(&local, op, sizeof local);
+        for (uint32_t i = 0; i < HTP_MAX_REFS && st == HTP_OK; i++) {
+            const uint32_t id = local.ref[i].buffer;
+            if (id >= HTP_TMP_BUFFER) {
+                if (id - HTP_TMP_BUFFER >= n_tmp) st = HTP_E_BAD_BUFFER;
+                else local.ref[i].buffer = ids[id - HTP_TMP_BUFFER];
+            }
+        }
+        if (st == HTP_OK) st = htp_host_execute(b, &local);
+    }
+    for (uint32_t i = 0; i < n; i++) memset(&b->bufs[ids[i] - 1], 0, sizeof(htp_buf));
+    leave(b);
+    return st;
+}
+
+/* ---- diagnostics ---- */
+typedef struct peak_ctx {
+    const htp_isa *isa;
+    uint64_t iters;
+    volatile int32_t sink[64];
+} peak_ctx;
+
+static void peak_task(void *arg, uint32_t ith, uint32_t nth) {
+    (void)nth;
+    peak_ctx *c = (peak_ctx *)arg;
+    c->sink[ith % 64] = c->isa->dot_peak(c->iters);
+}
+
+htp_status htp_bench_dot_peak(htp_backend *b, uint64_t iters, double *macs_per_s) {
+    if (!b || !macs_per_s || iters == 0) return HTP_E_INVALID;
+    if (b->kind != HTP_BACKEND_HOST || !b->ex.isa->dot_peak) return HTP_E_UNSUPPORTED;
+    enter(b);
+    peak_ctx c = {.isa = b->ex.isa, .iters = iters};
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    htp_parallel(b->ex.pool, peak_task, &c);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    const double sec = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    *macs_per_s = (double)iters * b->ex.isa->dot_macs_per_iter * htp_pool_nth(b->ex.pool) / sec;
+    leave(b);
+    return HTP_OK;
+}
