@@ -1,40 +1,13 @@
 """Mixtral (llama.cpp `llama` with experts): pre-norm transformer, no q/k norm, adjacent-pair
-("normal") RoPE, softmax top-k router renormalised, every layer a mixture of SwiGLU experts."""
+("normal") RoPE, softmax top-k router renormalised, every layer a mixture of SwiGLU experts.
+
+Its layer is OLMoE's: the differences (q/k norm kind, RoPE type, router renormalisation) are facts
+of `ModelSpec` that the shared ops read, so the weights and the forward pass are reused from
+`olmoe` rather than written out a second time. Give it its own body here when it diverges.
+"""
 
 from __future__ import annotations
 
-import attrs
-import numpy as np
-
-from estream_layout import ModelSpec
-
-from ..packed import PackedModel
-from .ops import Attention, MoE, Ops, Weights, bind_attention, bind_head, bind_moe
+from .olmoe import Layer, bind, layer
 
 __all__ = ["Layer", "bind", "layer"]
-
-
-@attrs.frozen
-class Layer:
-    attn_norm: np.ndarray = attrs.field(eq=False)
-    attn: Attention
-    ffn_norm: np.ndarray = attrs.field(eq=False)
-    moe: MoE
-
-
-def bind(model: PackedModel) -> Weights[Layer]:
-    layers = tuple(
-        Layer(
-            attn_norm=model.dense(f"blk.{i}.attn_norm.weight").f32(),
-            attn=bind_attention(model, i),
-            ffn_norm=model.dense(f"blk.{i}.ffn_norm.weight").f32(),
-            moe=bind_moe(model, i),
-        )
-        for i in range(model.hparams.n_layers)
-    )
-    return Weights(bind_head(model), layers)
-
-
-def layer(ops: Ops, hp: ModelSpec, w: Layer, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    x = x + ops.attention(w.attn, ops.rms_norm(x, w.attn_norm), pos)
-    return x + ops.moe(ops.rms_norm(x, w.ffn_norm), w.moe)
