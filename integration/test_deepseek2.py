@@ -15,14 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from reference import reference_forward
 
 import estream
 from estream_cli import tasks
 from estream_cli.errors import UnsupportedModelError
 from estream_layout import pack_model, synth_model
 from estream_layout.testing import mutate_gguf
-
-from reference import reference_forward
 
 YARN = {
     "deepseek2.rope.scaling.type": "yarn",

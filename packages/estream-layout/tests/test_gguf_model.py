@@ -102,11 +102,11 @@ def test_spec_deepseek2_checks_mla_and_groups(tmp_path: Path) -> None:
 
     bad = synth_model("deepseek2", "tiny", tmp_path / "a.gguf", n_layers=3)
     d = ModelSpec.from_gguf(bad).summary()
-    with pytest.raises(PackFormatError, match="'head_dim_k_mla'.*exceed rope_dims"):
+    with pytest.raises(PackFormatError, match=r"'head_dim_k_mla'.*exceed rope_dims"):
         ModelSpec.from_dict({**d, "head_dim_k_mla": 16})
-    with pytest.raises(PackFormatError, match="'kv_lora_rank'.*MLA"):
+    with pytest.raises(PackFormatError, match=r"'kv_lora_rank'.*MLA"):
         ModelSpec.from_dict({**d, "kv_lora_rank": 0})
-    with pytest.raises(PackFormatError, match="'expert_group_count'.*divide"):
+    with pytest.raises(PackFormatError, match=r"'expert_group_count'.*divide"):
         ModelSpec.from_dict({**d, "expert_group_count": 3, "expert_group_used_count": 1})
     with pytest.raises(PackFormatError, match="'rope_scaling_type' is 'ntk'"):
         ModelSpec.from_dict({**d, "rope_scaling_type": "ntk"})
@@ -122,7 +122,7 @@ def test_spec_deepseek2_checks_mla_and_groups(tmp_path: Path) -> None:
     with pytest.raises(InvalidMetadataError, match="expert_group_count = 3 must divide"):
         ModelSpec.from_gguf(g)
     r = mutate_gguf(bad, tmp_path / "r.gguf", set_kv={"deepseek2.rope.scaling.type": "ntk"})
-    with pytest.raises(InvalidMetadataError, match="rope.scaling.type = 'ntk'"):
+    with pytest.raises(InvalidMetadataError, match=r"rope.scaling.type = 'ntk'"):
         ModelSpec.from_gguf(r)
 
 

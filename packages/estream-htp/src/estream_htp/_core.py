@@ -4,9 +4,8 @@ backend created on first use) and takes its activation format per call."""
 
 from __future__ import annotations
 
-import math
-
 import contextlib
+import math
 import os
 import threading
 from collections.abc import Sequence

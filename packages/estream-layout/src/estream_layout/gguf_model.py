@@ -417,7 +417,9 @@ class ModelSpec:
     expert_group_used_count: int = 0
     rope_n_ctx_orig: int = 0  # rope.scaling.original_context_length (YaRN's ramp), else n_ctx
     rope_attn_factor: float = 1.0  # rope.scaling.attn_factor
-    rope_yarn_log_mul: float = 0.0  # rope.scaling.yarn_log_multiplier as stored (0.1*mscale_all_dim)
+    rope_yarn_log_mul: float = (
+        0.0  # rope.scaling.yarn_log_multiplier as stored (0.1*mscale_all_dim)
+    )
     rope_type: str = "neox"  # "norm" | "neox", as llama.cpp applies RoPE for this family
     qk_norm: str = "none"  # "none" | "full" | "head": q/k RMSNorm before RoPE (see QK_NORM)
     tensors: Mapping[str, TensorInfo] = attrs.field(factory=dict, repr=False)

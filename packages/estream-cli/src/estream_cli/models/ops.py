@@ -91,9 +91,7 @@ class Rope:
                 "(rope.scaling.original_context_length or context_length)"
             )
         corr = htp.rope_yarn_corr_dims(n_rot, hp.rope_n_ctx_orig, hp.rope_freq_base)
-        return cls(
-            n_rot, hp.rope_freq_base, hp.rope_freq_scale, kind, 1.0, yarn_factor(hp), corr
-        )
+        return cls(n_rot, hp.rope_freq_base, hp.rope_freq_scale, kind, 1.0, yarn_factor(hp), corr)
 
 
 def yarn_log_mul(hp: ModelSpec) -> float:
