@@ -8,7 +8,7 @@ import pytest
 import estream
 from estream_layout import pack_model, synth_model
 
-ARCHS = ["olmoe", "qwen3moe", "mixtral"]
+ARCHS = ["olmoe", "qwen3moe", "mixtral", "deepseek2"]
 
 
 def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
@@ -164,3 +164,33 @@ def test_stress_many_layers_tiny_groups(tmp_path):
         with estream.load(dst, G=1, Q=q, B=q) as eng:
             out = eng.prefill(toks, all_logits=True).logits
         assert rel_l2(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "qwen3moe", "mixtral"])
+def test_yarn_rope_matches_the_float64_reference(arch, tmp_path):
+    """YaRN metadata on the other architectures (llama.cpp's generic YaRN: the magnitude
+    correction stays inside RoPE) against the reference, which llama.cpp checks (parity)."""
+    from reference import reference_forward
+
+    from estream_layout.testing import mutate_gguf
+
+    base = synth_model(arch, "tiny", tmp_path / "m.gguf", seed=5)
+    a = "llama" if arch == "mixtral" else arch
+    src = mutate_gguf(
+        base,
+        tmp_path / "yarn.gguf",
+        set_kv={
+            f"{a}.rope.scaling.type": "yarn",
+            f"{a}.rope.scaling.factor": 8.0,
+            f"{a}.rope.scaling.original_context_length": 64,
+        },
+    )
+    dst = tmp_path / "yarn.estream"
+    pack_model(src, dst, progress=False)
+    toks = _tokens(301, 33, seed=6)
+    with estream.load(dst, mode="resident", act="f32") as eng:
+        got = eng.prefill(toks, all_logits=True).logits
+    ref = reference_forward(src, toks)
+    assert rel_l2(got, ref) <= 1e-4
+    plain = reference_forward(base, toks)
+    assert rel_l2(plain, ref) > 1e-3  # the scaling changed the model

@@ -1,6 +1,7 @@
 """End-to-end prefill benchmark: engine `stream` vs engine `resident` vs llama.cpp CPU.
 
-On the synthetic `olmoe-1b-7b` preset (OLMoE-1B-7B's real shapes, Q4_0, ≈ 4 GB), prompts of
+On the synthetic `olmoe-1b-7b` preset (OLMoE-1B-7B's real shapes, Q4_0, ≈ 4 GB; or
+`--preset deepseek-v2-lite`, DeepSeek-V2-Lite's shapes, ≈ 8.9 GB), prompts of
 256/1024/4096 tokens, cold page cache before every run, 2 threads, one fresh process per run:
 
 * engine `stream` under the configurator's choice for a 1.5 GiB budget,
@@ -10,7 +11,8 @@ On the synthetic `olmoe-1b-7b` preset (OLMoE-1B-7B's real shapes, Q4_0, ≈ 4 GB
 and then the same inside a 1.5 GiB memory cgroup (v1 or v2), where llama.cpp pages or is
 OOM-killed. Prints a table and writes bench-results/bench_engine.json.
 
-    nox -s bench_engine -- [--lengths 256,1024,4096] [--budget 1.5GiB] [--no-llama] [--no-cgroup]
+    nox -s bench_engine -- [--preset olmoe-1b-7b|deepseek-v2-lite] [--lengths 256,1024,4096]
+                           [--budget 1.5GiB] [--no-llama] [--no-cgroup]
 """
 
 from __future__ import annotations
@@ -266,7 +268,13 @@ def main() -> int:
     ap.add_argument("--lengths", default="256,1024,4096")
     ap.add_argument("--budget", default="1.5GiB")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--preset", default="olmoe-1b-7b")
+    ap.add_argument(
+        "--preset",
+        default="olmoe-1b-7b",
+        help="olmoe-1b-7b | deepseek-v2-lite (DeepSeek-V2-Lite's shapes: MLA, YaRN, 2 shared "
+        "experts, a dense first layer; ≈ 8.9 GB Q4_0) | any estream-synth preset",
+    )
+    ap.add_argument("--arch", help="architecture (default: the preset's, else olmoe)")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--no-cgroup", action="store_true")
     ap.add_argument("--skip-free", action="store_true", help="only the memory-capped runs")
@@ -278,7 +286,10 @@ def main() -> int:
     args = ap.parse_args()
     budget = parse_bytes(args.budget)
     lengths = [int(x) for x in args.lengths.split(",")]
-    src, dst = prepare(args.preset, budget)
+    from estream_layout.synth import PRESET_ARCH
+
+    arch = args.arch or PRESET_ARCH.get(args.preset, "olmoe")
+    src, dst = prepare(args.preset, budget, arch=arch)
     from estream_cli.packed import PackedModel
 
     hp = PackedModel(dst).hparams

@@ -165,9 +165,17 @@ typedef struct htp_rms_norm_params { /* rows of n_groups groups of d; w may be a
     float eps;
 } htp_rms_norm_params;
 
+/* RoPE, llama.cpp's ggml_rope_ext semantics. `yarn` = 0 (what a caller unaware of the YaRN
+ * fields leaves): plain rotation by pos * freq_scale * freq_base^(-2j/n_rot). `yarn` = 1: YaRN
+ * (ggml's rope_yarn): the scaled and unscaled angles of pair j are mixed by
+ * ramp(j) * ext_factor, ramp(j) = 1 - clamp((j - corr_low) / max(0.001, corr_high - corr_low),
+ * 0, 1), and cos/sin are multiplied by attn_factor, times (1 + 0.1 ln(1/freq_scale)) when
+ * ext_factor != 0. Appended fields: the descriptor stays within htp_op_params' 64 bytes. */
 typedef struct htp_rope_params {
     uint32_t t, n_heads, head_dim, n_rot, mode;
     float freq_base, freq_scale;
+    uint32_t yarn;
+    float ext_factor, attn_factor, corr_low, corr_high;
 } htp_rope_params;
 
 typedef struct htp_attention_params {
@@ -216,6 +224,7 @@ static_assert(sizeof(htp_buffer_desc) == 32, "htp_buffer_desc ABI");
 static_assert(sizeof(htp_ref) == 16, "htp_ref ABI");
 static_assert(sizeof(htp_expert_params) == 64, "htp_expert_params ABI");
 static_assert(sizeof(htp_op_params) == 64, "htp_op_params ABI");
+static_assert(sizeof(htp_rope_params) == 48, "htp_rope_params ABI");
 static_assert(sizeof(htp_op_desc) == 240, "htp_op_desc ABI");
 #elif defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
 _Static_assert(sizeof(htp_backend_desc) == 32, "htp_backend_desc ABI");

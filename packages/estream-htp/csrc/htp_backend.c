@@ -393,6 +393,10 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
         const htp_rope_params *p = &op->p.rope;
         if (p->n_rot > p->head_dim || p->n_rot % 2 || p->mode > HTP_ROPE_NEOX || !(p->freq_base > 0.0f))
             return HTP_E_INVALID;
+        if (p->yarn > 1 || (p->yarn && !(isfinite(p->ext_factor) && isfinite(p->attn_factor) &&
+                                         isfinite(p->corr_low) && isfinite(p->corr_high) &&
+                                         p->freq_scale > 0.0f && isfinite(p->freq_scale))))
+            return HTP_E_INVALID;
         float *x;
         const int32_t *pos;
         GET(0, nbytes(nbytes3(p->t, p->n_heads, 1), (uint64_t)p->head_dim * 4), WR, 4, x);

@@ -254,12 +254,22 @@ htp_status htp_exec_rope(const htp_rope_params *p, float *x, const int32_t *pos)
     const uint32_t n_rot = p->n_rot, half = n_rot / 2, mode = p->mode;
     double *cs = (double *)malloc(sizeof(double) * 2 * (half ? half : 1));
     if (!cs) return HTP_E_NOMEM;
+    const int yarn = p->yarn != 0;
+    const double ext = yarn ? (double)p->ext_factor : 0.0;
+    double mscale = yarn ? (double)p->attn_factor : 1.0;
+    if (ext != 0.0) mscale *= 1.0 + 0.1 * log(1.0 / (double)p->freq_scale);
+    const double span = fmax(0.001, (double)p->corr_high - (double)p->corr_low);
     for (uint32_t i = 0; i < p->t; i++) {
         for (uint32_t j = 0; j < half; j++) {
-            const double theta = (double)pos[i] * (double)p->freq_scale *
-                                 pow((double)p->freq_base, -2.0 * (double)j / (double)n_rot);
-            cs[2 * j] = cos(theta);
-            cs[2 * j + 1] = sin(theta);
+            const double extrap = (double)pos[i] * pow((double)p->freq_base, -2.0 * (double)j / (double)n_rot);
+            double theta = (double)p->freq_scale * extrap;
+            if (ext != 0.0) {
+                const double y = fmin(1.0, fmax(0.0, ((double)j - (double)p->corr_low) / span));
+                const double mix = (1.0 - y) * ext;
+                theta = theta * (1.0 - mix) + extrap * mix;
+            }
+            cs[2 * j] = cos(theta) * mscale;
+            cs[2 * j + 1] = sin(theta) * mscale;
         }
         for (uint32_t h = 0; h < p->n_heads; h++) {
             float *v = x + ((size_t)i * p->n_heads + h) * p->head_dim;

@@ -50,6 +50,68 @@ def test_rope(t: int, h: int, half: int, extra: int, mode_: str, seed: int) -> N
     assert T.rel_l2(x, ref) <= TOL
 
 
+@given(
+    t=st.integers(1, 9),
+    h=st.integers(1, 3),
+    half=st.integers(1, 40),
+    extra=st.integers(0, 7),
+    mode_=st.sampled_from(["normal", "neox"]),
+    factor=st.sampled_from([1.0, 4.0, 40.0]),
+    ext=st.sampled_from([0.0, 1.0, 0.5]),
+    attn=st.sampled_from([1.0, 0.7, 1.3]),
+    n_ctx_orig=st.sampled_from([32, 4096]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_rope_yarn(
+    t: int,
+    h: int,
+    half: int,
+    extra: int,
+    mode_: str,
+    factor: float,
+    ext: float,
+    attn: float,
+    n_ctx_orig: int,
+    seed: int,
+) -> None:
+    """YaRN RoPE against the float64 reference; the dims past n_rot must pass through."""
+    rng = np.random.default_rng(seed)
+    n_rot = 2 * half
+    x = rng.standard_normal((t, h, n_rot + extra)).astype(np.float32)
+    pos = rng.integers(0, 20000, t).astype(np.int32)
+    corr = htp.rope_yarn_corr_dims(n_rot, n_ctx_orig, 10000.0) if n_rot >= 2 else (0.0, 0.0)
+    kw = {"ext_factor": ext, "attn_factor": attn, "corr_dims": corr}
+    ref = T.ref_rope(x, pos, n_rot, 10000.0, 1.0 / factor, mode_, **kw)
+    htp.rope(x, pos, n_rot, 10000.0, 1.0 / factor, mode_, **kw)  # type: ignore[arg-type]
+    assert T.rel_l2(x, ref) <= TOL
+    assert np.array_equal(x[..., n_rot:], ref[..., n_rot:].astype(np.float32))
+
+
+def test_rope_yarn_corr_dims_deepseek_v2_lite() -> None:
+    """DeepSeek-V2-Lite: 64 rotated dims, original context 4096, base 1e4 -> pairs 10..23
+    (64 ln(4096 / 64π) / 2 ln 1e4 = 10.47, 64 ln(4096 / 2π) / 2 ln 1e4 = 22.5)."""
+    assert htp.rope_yarn_corr_dims(64, 4096, 10000.0) == (10.0, 23.0)
+    assert htp.rope_yarn_corr_dims(16, 32, 10000.0) == (0.0, 2.0)  # clamped below at 0
+    with pytest.raises(htp.HTPInputError, match="YaRN needs"):
+        htp.rope_yarn_corr_dims(64, 0, 10000.0)
+
+
+def test_rope_yarn_ramp_is_applied() -> None:
+    """The YaRN terms are not silently ignored: a YaRN rotation differs from a plain one, and
+    attn_factor scales the rotated part only."""
+    x = np.ones((3, 1, 12), np.float32)
+    pos = np.array([0, 7, 300], np.int32)
+    plain, yarn = x.copy(), x.copy()
+    htp.rope(plain, pos, 8, 1e4, 0.25, "normal")
+    htp.rope(yarn, pos, 8, 1e4, 0.25, "normal", ext_factor=1.0, corr_dims=(0.0, 3.0))
+    assert not np.allclose(plain, yarn)
+    scaled = x.copy()
+    htp.rope(scaled, pos, 8, 1e4, 0.25, "normal", attn_factor=0.5)
+    assert np.allclose(scaled[..., :8], 0.5 * plain[..., :8]) and np.all(scaled[..., 8:] == 1)
+    with pytest.raises(htp.HTPInputError, match="ext_factor must be finite"):
+        htp.rope(x.copy(), pos, 8, 1e4, 0.25, "normal", ext_factor=float("nan"))
+
+
 @pytest.mark.parametrize("simd", LEVELS)
 @given(
     t=st.integers(1, 100),

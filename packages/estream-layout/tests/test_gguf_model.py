@@ -82,6 +82,48 @@ def test_spec_deepseek2(tiny_models: dict[str, Path]) -> None:
     assert s.tensors["blk.1.ffn_gate_shexp.weight"].shape == (64, 64)
     assert s.tensors["blk.1.attn_k_b.weight"].shape == (4, 32, 32)
     assert s.n_head_kv == (1, 1, 1)
+    # the MLA and routing facts the engine reads (llama.cpp's deepseek2 hparams)
+    assert (s.head_dim_k, s.head_dim_v, s.head_dim_v_mla, s.rope_dims) == (48, 32, 32, 16)
+    assert s.n_ff == 96 and s.n_ff_exp == 64 and s.n_ff_shexp == 64
+    assert (s.expert_gating_func, s.expert_weights_norm, s.expert_weights_scale) == (
+        "softmax",
+        False,
+        1.0,
+    )
+    assert (s.expert_group_count, s.expert_group_used_count) == (0, 0)
+    # YaRN, as DeepSeek-V2's converter writes it
+    assert s.rope_scaling_type == "yarn" and s.rope_freq_scale == pytest.approx(1 / 40)
+    assert s.rope_n_ctx_orig == 32 and s.rope_yarn_log_mul == pytest.approx(0.0707)
+    assert s.rope_attn_factor == 1.0
+
+
+def test_spec_deepseek2_checks_mla_and_groups(tmp_path: Path) -> None:
+    from estream_layout import InvalidMetadataError, PackFormatError, synth_model
+
+    bad = synth_model("deepseek2", "tiny", tmp_path / "a.gguf", n_layers=3)
+    d = ModelSpec.from_gguf(bad).summary()
+    with pytest.raises(PackFormatError, match=r"'head_dim_k_mla'.*exceed rope_dims"):
+        ModelSpec.from_dict({**d, "head_dim_k_mla": 16})
+    with pytest.raises(PackFormatError, match=r"'kv_lora_rank'.*MLA"):
+        ModelSpec.from_dict({**d, "kv_lora_rank": 0})
+    with pytest.raises(PackFormatError, match=r"'expert_group_count'.*divide"):
+        ModelSpec.from_dict({**d, "expert_group_count": 3, "expert_group_used_count": 1})
+    with pytest.raises(PackFormatError, match="'rope_scaling_type' is 'ntk'"):
+        ModelSpec.from_dict({**d, "rope_scaling_type": "ntk"})
+    with pytest.raises(PackFormatError, match="'n_leading_dense'"):
+        ModelSpec.from_dict({**d, "n_leading_dense": 4})
+    with pytest.raises(PackFormatError, match="'rope_attn_factor'"):
+        ModelSpec.from_dict({**d, "rope_attn_factor": 0.0})
+    ok = {**d, "expert_group_count": 4, "expert_group_used_count": 2}
+    assert ModelSpec.from_dict(ok).expert_group_count == 4
+    from estream_layout.testing import mutate_gguf
+
+    g = mutate_gguf(bad, tmp_path / "g.gguf", set_kv={"deepseek2.expert_group_count": 3})
+    with pytest.raises(InvalidMetadataError, match="expert_group_count = 3 must divide"):
+        ModelSpec.from_gguf(g)
+    r = mutate_gguf(bad, tmp_path / "r.gguf", set_kv={"deepseek2.rope.scaling.type": "ntk"})
+    with pytest.raises(InvalidMetadataError, match=r"rope.scaling.type = 'ntk'"):
+        ModelSpec.from_gguf(r)
 
 
 def test_spec_lfm2moe_hybrid(tiny_models: dict[str, Path]) -> None:

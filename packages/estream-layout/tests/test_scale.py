@@ -51,6 +51,33 @@ def test_mixtral_8x7b_shapes() -> None:
     assert _expert_bytes("mixtral", "mixtral-8x7b") > 25 * 10**9  # ~26 GB GGUF: beyond RAM here
 
 
+def test_deepseek_v2_lite_shapes() -> None:
+    """deepseek-ai/DeepSeek-V2-Lite: 15.7 B parameters, 14.9 B of them in routed experts."""
+    d = synth_dims("deepseek2", "deepseek-v2-lite")
+    assert (d.n_layers, d.n_leading_dense, d.n_embd, d.n_head) == (27, 1, 2048, 16)
+    assert (d.q_lora_rank, d.kv_lora_rank, d.qk_nope_dim, d.qk_rope_dim, d.v_head_dim) == (
+        0, 512, 128, 64, 128,
+    )  # fmt: skip
+    assert (d.n_experts, d.n_experts_used, d.n_shared_experts) == (64, 6, 2)
+    assert (d.n_ff_exp, d.n_ff, d.n_vocab) == (1408, 10944, 102400)
+    assert (d.yarn_factor, d.yarn_orig_ctx, d.yarn_log_mul) == (40.0, 4096, 0.0707)
+    n_exp = 26 * d.n_experts * 3 * d.n_embd * d.n_ff_exp
+    assert 14.3e9 < n_exp < 14.5e9
+    plan = {t.name: t for t in _tensor_plan("deepseek2", d, d.n_vocab, Q.Q4_0, Q.Q4_0, Q.Q8_0)}
+    # llama.cpp's deepseek2 tensors and shapes (numpy order), no q LoRA
+    assert plan["blk.1.attn_q.weight"].shape == (16 * 192, 2048)
+    assert "blk.1.attn_q_a.weight" not in plan
+    assert plan["blk.1.attn_kv_a_mqa.weight"].shape == (512 + 64, 2048)
+    assert plan["blk.1.attn_kv_a_norm.weight"].shape == (512,)
+    assert plan["blk.1.attn_k_b.weight"].shape == (16, 512, 128)
+    assert plan["blk.1.attn_v_b.weight"].shape == (16, 128, 512)
+    assert plan["blk.1.attn_output.weight"].shape == (2048, 16 * 128)
+    assert plan["blk.0.ffn_gate.weight"].shape == (10944, 2048)
+    assert plan["blk.1.ffn_gate_shexp.weight"].shape == (2 * 1408, 2048)
+    assert plan["blk.1.ffn_gate_inp.weight"].shape == (64, 2048)
+    assert "blk.0.ffn_gate_inp.weight" not in plan and "blk.26.ffn_down_exps.weight" in plan
+
+
 def test_model_presets_belong_to_one_arch(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="use --arch mixtral"):
         synth_dims("olmoe", "mixtral-8x7b")

@@ -5,6 +5,7 @@ backend created on first use) and takes its activation format per call."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -55,6 +56,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_heads",
     "rope",
+    "rope_yarn_corr_dims",
     "router_topk",
     "set_activation_format",
     "set_num_threads",
@@ -574,12 +576,19 @@ def rope(
     freq_scale: float,
     mode: Literal["normal", "neox"],
     *,
+    ext_factor: float = 0.0,
+    attn_factor: float = 1.0,
+    corr_dims: tuple[float, float] = (0.0, 0.0),
     backend: Backend | None = None,
 ) -> None:
     """Rotary embedding, in place, of the first ``n_rot`` dims of each head of ``x[T, H, Dh]``.
 
     "normal" rotates pairs (2i, 2i+1), "neox" pairs (i, i + n_rot/2); angle
-    ``pos * freq_scale * freq_base^(-2i/n_rot)``."""
+    ``pos * freq_scale * freq_base^(-2i/n_rot)``. YaRN (llama.cpp's ``ggml_rope_ext``), for
+    models stretched past their training context: with ``ext_factor`` ≠ 0, pair ``i`` mixes the
+    scaled and unscaled angle by ``ramp(i) * ext_factor`` where ``ramp`` falls from 1 to 0 over
+    ``corr_dims`` (see `rope_yarn_corr_dims`), and cos/sin are multiplied by ``attn_factor``
+    (times ``1 + 0.1 ln(1/freq_scale)`` when ``ext_factor`` ≠ 0)."""
     x = _arr(x, "x", np.float32, 3)
     if not x.flags.writeable:
         raise HTPInputError("x must be writeable (rope works in place)")
@@ -594,6 +603,15 @@ def rope(
         raise HTPInputError(f"mode must be 'normal' or 'neox', got {mode!r}")
     if not freq_base > 0:
         raise HTPInputError(f"freq_base must be > 0, got {freq_base}")
+    low, high = (float(c) for c in corr_dims)
+    yarn = ext_factor != 0.0 or attn_factor != 1.0
+    if yarn:
+        if not (math.isfinite(freq_scale) and freq_scale > 0):
+            raise HTPInputError(f"YaRN needs freq_scale > 0, got {freq_scale}")
+        for name, v in (("ext_factor", ext_factor), ("attn_factor", attn_factor),
+                        ("corr_dims[0]", low), ("corr_dims[1]", high)):  # fmt: skip
+            if not math.isfinite(v):
+                raise HTPInputError(f"{name} must be finite, got {v}")
     if t and h and n_rot:
         be = _be(backend)
         c = be.call(lib.HTP_OP_ROPE)
@@ -602,8 +620,29 @@ def rope(
         p.t, p.n_heads, p.head_dim, p.n_rot = t, h, dh, n_rot
         p.mode = lib.HTP_ROPE_NORMAL if mode == "normal" else lib.HTP_ROPE_NEOX
         p.freq_base, p.freq_scale = float(freq_base), float(freq_scale)
+        if yarn:
+            p.yarn, p.ext_factor, p.attn_factor = 1, float(ext_factor), float(attn_factor)
+            p.corr_low, p.corr_high = low, high
         c.ref(x, "rw").ref(positions)
         be.run(c)
+
+
+def rope_yarn_corr_dims(
+    n_rot: int, n_ctx_orig: int, freq_base: float, beta_fast: float = 32.0, beta_slow: float = 1.0
+) -> tuple[float, float]:
+    """YaRN's ramp limits for `rope` (ggml's ``ggml_rope_yarn_corr_dims``): the pair indices
+    whose wavelength spans ``n_ctx_orig / beta_fast`` and ``n_ctx_orig / beta_slow`` tokens,
+    floored / ceiled and clamped to ``[0, n_rot - 1]``."""
+    if n_rot < 2 or n_ctx_orig < 1 or not freq_base > 1:
+        raise HTPInputError(
+            f"YaRN needs n_rot >= 2, n_ctx_orig >= 1, freq_base > 1; got {n_rot}, "
+            f"{n_ctx_orig}, {freq_base}"
+        )
+
+    def dim(beta: float) -> float:
+        return n_rot * math.log(n_ctx_orig / (beta * 2 * math.pi)) / (2 * math.log(freq_base))
+
+    return max(0.0, math.floor(dim(beta_fast))), min(n_rot - 1.0, math.ceil(dim(beta_slow)))
 
 
 def attention(

@@ -131,13 +131,32 @@ def ref_rms_norm(x: npt.ArrayLike, w: npt.ArrayLike | None, eps: float, n_heads:
 
 
 def ref_rope(
-    x: npt.ArrayLike, pos: npt.ArrayLike, n_rot: int, base: float, scale: float, mode: str
+    x: npt.ArrayLike,
+    pos: npt.ArrayLike,
+    n_rot: int,
+    base: float,
+    scale: float,
+    mode: str,
+    *,
+    ext_factor: float = 0.0,
+    attn_factor: float = 1.0,
+    corr_dims: tuple[float, float] = (0.0, 0.0),
 ) -> F64:
+    """float64 RoPE with llama.cpp's YaRN (``ggml_rope_ext``): written from the YaRN paper's
+    ramp, independently of the kernel's loop."""
     xx = np.array(x, dtype=np.float64)
     half = n_rot // 2
     j = np.arange(half, dtype=np.float64)
-    theta = np.asarray(pos, dtype=np.float64)[:, None] * scale * base ** (-2.0 * j / n_rot)
-    c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    extrap = np.asarray(pos, dtype=np.float64)[:, None] * base ** (-2.0 * j / n_rot)
+    theta = scale * extrap
+    mscale = attn_factor
+    if ext_factor != 0.0:
+        low, high = corr_dims
+        ramp = 1.0 - np.clip((j - low) / max(0.001, high - low), 0.0, 1.0)
+        mix = ramp * ext_factor
+        theta = theta * (1.0 - mix) + extrap * mix
+        mscale *= 1.0 + 0.1 * np.log(1.0 / scale)
+    c, s = np.cos(theta)[:, None, :] * mscale, np.sin(theta)[:, None, :] * mscale
     if mode == "normal":
         a, b = xx[..., 0:n_rot:2].copy(), xx[..., 1:n_rot:2].copy()
         xx[..., 0:n_rot:2] = a * c - b * s

@@ -94,6 +94,14 @@ _GATING_KEY: Final = {"deepseek2": "optional", "lfm2moe": "required"}
 # llama_expert_gating_func_type values (src/llama-hparams.h).
 _GATING_FUNCS: Final = {1: "softmax", 2: "sigmoid"}
 
+# RoPE scaling types llama.cpp knows (llama_rope_scaling_type); the engine computes none,
+# linear and yarn and refuses the others by name.
+ROPE_SCALING_TYPES: Final = ("none", "linear", "yarn", "longrope")
+# YaRN keys, spelled out: older gguf-py releases lack some of these constants.
+_ROPE_ORIG_CTX: Final = "{arch}.rope.scaling.original_context_length"
+_ROPE_ATTN_FACTOR: Final = "{arch}.rope.scaling.attn_factor"
+_ROPE_YARN_LOG_MUL: Final = "{arch}.rope.scaling.yarn_log_multiplier"
+
 _EXPERT_RE: Final = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 _LEGACY_EXPERT_RE: Final = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
@@ -281,6 +289,26 @@ def _check_spec_ranges(kw: Mapping[str, Any]) -> None:
             raise bad(name, "must be a positive finite number")
     if kw["rope_dims"] > kw["head_dim_k"] or kw["rope_dims"] % 2:
         raise bad("rope_dims", f"must be even and at most head_dim_k = {kw['head_dim_k']}")
+    for name in ("n_ff", "n_ff_shexp", "n_shared_experts", "q_lora_rank", "kv_lora_rank",
+                 "head_dim_k_mla", "head_dim_v_mla", "expert_group_count",
+                 "expert_group_used_count", "rope_n_ctx_orig", "shortconv_l_cache"):  # fmt: skip
+        if kw[name] < 0:
+            raise bad(name, "must be >= 0")
+    if not 0 <= kw["n_leading_dense"] <= n:
+        raise bad("n_leading_dense", f"must be between 0 and n_layers = {n}")
+    if kw["family"] == "deepseek2":
+        if kw["kv_lora_rank"] < 1 or kw["head_dim_v_mla"] < 1:
+            raise bad("kv_lora_rank", "and head_dim_v_mla must be >= 1 for MLA attention")
+        if not kw["rope_dims"] < kw["head_dim_k_mla"]:
+            raise bad("head_dim_k_mla", f"must exceed rope_dims = {kw['rope_dims']} (nope + rope)")
+    g, gu = kw["expert_group_count"], kw["expert_group_used_count"]
+    if g > 1 and (kw["n_experts"] % g or not 1 <= gu <= g):
+        raise bad("expert_group_count", f"must divide n_experts with 1 <= used ({gu}) <= it")
+    for name in ("rope_attn_factor",):
+        if not (math.isfinite(kw[name]) and kw[name] > 0):
+            raise bad(name, "must be a positive finite number")
+    if not math.isfinite(kw["rope_yarn_log_mul"]):
+        raise bad("rope_yarn_log_mul", "must be a finite number")
 
 
 def _check_qk_norm(
@@ -379,11 +407,19 @@ class ModelSpec:
     moe_layers: tuple[int, ...]
     attention_layers: tuple[int, ...]
     expert_type: str  # GGML type of the source expert tensors ("mixed:Q4_0,Q6_K" if several)
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    head_dim_k_mla: int = 0
-    head_dim_v_mla: int = 0
+    q_lora_rank: int = 0  # deepseek2: 0 = no q LoRA (attn_q), else attn_q_a -> norm -> attn_q_b
+    kv_lora_rank: int = 0  # deepseek2: width of the compressed KV (attn_kv_a_norm)
+    head_dim_k_mla: int = 0  # deepseek2: q/k head dim after decompression (nope + rope)
+    head_dim_v_mla: int = 0  # deepseek2: v head dim after decompression
     shortconv_l_cache: int = 0
+    n_ff_shexp: int = 0  # width of the shared-expert FFN (ffn_*_shexp); 0 without one
+    expert_group_count: int = 0  # DeepSeek group-limited routing (0/1: none)
+    expert_group_used_count: int = 0
+    rope_n_ctx_orig: int = 0  # rope.scaling.original_context_length (YaRN's ramp), else n_ctx
+    rope_attn_factor: float = 1.0  # rope.scaling.attn_factor
+    rope_yarn_log_mul: float = (
+        0.0  # rope.scaling.yarn_log_multiplier as stored (0.1*mscale_all_dim)
+    )
     rope_type: str = "neox"  # "norm" | "neox", as llama.cpp applies RoPE for this family
     qk_norm: str = "none"  # "none" | "full" | "head": q/k RMSNorm before RoPE (see QK_NORM)
     tensors: Mapping[str, TensorInfo] = attrs.field(factory=dict, repr=False)
@@ -542,6 +578,11 @@ class ModelSpec:
             len(tokens) if tokens is not None else (emb.shape[0] if emb else 0),
         )
         scaling_type = str(g(Keys.Rope.SCALING_TYPE, "none"))
+        if scaling_type not in ROPE_SCALING_TYPES:
+            raise meta.fail(
+                Keys.Rope.SCALING_TYPE,
+                f"= {scaling_type!r} is not one of llama.cpp's {', '.join(ROPE_SCALING_TYPES)}",
+            )
         # llama.cpp: rope_freq_scale = 1 / rope.scaling.factor (or the legacy rope.scale_linear)
         factor = float(
             g(Keys.Rope.SCALING_FACTOR, 0.0) or g("{arch}.rope.scale_linear", 0.0) or 0.0
@@ -558,6 +599,30 @@ class ModelSpec:
             attention_layers = tuple(i for i in range(n_layers) if n_head_kv[i] > 0)
         else:
             attention_layers = tuple(range(n_layers))
+        q_lora = meta.integer(Keys.Attention.Q_LORA_RANK, 0)
+        kv_lora = meta.integer(Keys.Attention.KV_LORA_RANK, 0)
+        k_mla = meta.integer(Keys.Attention.KEY_LENGTH_MLA, 0)
+        v_mla = meta.integer(Keys.Attention.VALUE_LENGTH_MLA, 0)
+        if family == "deepseek2":
+            # llama.cpp: without key/value_length_mla (early converters, attn_kv_b) the MLA head
+            # dims are key/value_length themselves.
+            k_mla, v_mla = k_mla or head_dim_k, v_mla or head_dim_v
+            if kv_lora < 1:
+                raise meta.fail(Keys.Attention.KV_LORA_RANK, "is missing (MLA needs it)")
+            if not rope_dims < k_mla:
+                raise meta.fail(
+                    Keys.Rope.DIMENSION_COUNT,
+                    f"= {rope_dims} must be below the MLA key head dim {k_mla} (nope + rope)",
+                )
+        n_groups = meta.integer(Keys.LLM.EXPERT_GROUP_COUNT, 0)
+        n_groups_used = meta.integer(Keys.LLM.EXPERT_GROUP_USED_COUNT, 0)
+        if n_groups > 1 and (n_experts % n_groups or not 1 <= n_groups_used <= n_groups):
+            raise meta.fail(
+                Keys.LLM.EXPERT_GROUP_COUNT,
+                f"= {n_groups} must divide expert_count = {n_experts}, with "
+                f"expert_group_used_count = {n_groups_used} between 1 and it",
+            )
+        shexp = tensors.get(f"blk.{moe_layers[0]}.ffn_gate_shexp.weight")
         types = sorted({experts[la][j].ggml_type for la in moe_layers for j in EXPERT_PROJECTIONS})
         expert_type = types[0] if len(types) == 1 else "mixed:" + ",".join(types)
         return cls(
@@ -591,11 +656,17 @@ class ModelSpec:
             moe_layers=moe_layers,
             attention_layers=attention_layers,
             expert_type=expert_type,
-            q_lora_rank=_first_int(g(Keys.Attention.Q_LORA_RANK)),
-            kv_lora_rank=_first_int(g(Keys.Attention.KV_LORA_RANK)),
-            head_dim_k_mla=_first_int(g(Keys.Attention.KEY_LENGTH_MLA)),
-            head_dim_v_mla=_first_int(g(Keys.Attention.VALUE_LENGTH_MLA)),
+            q_lora_rank=q_lora,
+            kv_lora_rank=kv_lora,
+            head_dim_k_mla=k_mla,
+            head_dim_v_mla=v_mla,
             shortconv_l_cache=_first_int(g(Keys.ShortConv.L_CACHE)),
+            n_ff_shexp=shexp.shape[0] if shexp is not None else 0,
+            expert_group_count=n_groups,
+            expert_group_used_count=n_groups_used,
+            rope_n_ctx_orig=meta.integer(_ROPE_ORIG_CTX, 0) or n_ctx,
+            rope_attn_factor=meta.number(_ROPE_ATTN_FACTOR, 1.0),
+            rope_yarn_log_mul=meta.number(_ROPE_YARN_LOG_MUL, 0.0, positive=False),
             rope_type=_ROPE_TYPE[family],
             qk_norm=qk_norm,
             tensors=dict(tensors),
@@ -644,6 +715,7 @@ class ModelSpec:
             ("rope_type", ("norm", "neox")),
             ("qk_norm", ("none", "full", "head")),
             ("expert_gating_func", tuple(_GATING_FUNCS.values())),
+            ("rope_scaling_type", ROPE_SCALING_TYPES),
         ):
             if kw[name] not in allowed:
                 raise PackFormatError(

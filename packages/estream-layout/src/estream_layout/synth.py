@@ -46,9 +46,20 @@ __all__ = [
 ]
 
 ARCHES: Final = ("olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe")
-PRESETS: Final = ("tiny", "small", "olmoe-1b-7b", "qwen3-30b-a3b", "mixtral-8x7b")
+PRESETS: Final = (
+    "tiny",
+    "small",
+    "olmoe-1b-7b",
+    "qwen3-30b-a3b",
+    "mixtral-8x7b",
+    "deepseek-v2-lite",
+)
 # Presets that are the shape of one published model, hence of one architecture only.
-PRESET_ARCH: Final = {"qwen3-30b-a3b": "qwen3moe", "mixtral-8x7b": "mixtral"}
+PRESET_ARCH: Final = {
+    "qwen3-30b-a3b": "qwen3moe",
+    "mixtral-8x7b": "mixtral",
+    "deepseek-v2-lite": "deepseek2",
+}
 GGUF_ARCH: Final = {
     "olmoe": "olmoe",
     "qwen3moe": "qwen3moe",
@@ -97,6 +108,11 @@ class SynthDims:
     qk_nope_dim: int = 32
     v_head_dim: int = 32
     l_cache: int = 3  # lfm2moe short convolution kernel
+    # YaRN RoPE scaling (deepseek2): factor (0 = none), original context, log multiplier as
+    # the converter writes it (0.1 * mscale_all_dim)
+    yarn_factor: float = 0.0
+    yarn_orig_ctx: int = 0
+    yarn_log_mul: float = 0.0
 
 
 def synth_dims(arch: str, preset: str) -> SynthDims:
@@ -116,6 +132,11 @@ def synth_dims(arch: str, preset: str) -> SynthDims:
             n_head_kv=4 if arch == "olmoe" else 2,
             head_dim=32 if arch == "qwen3moe" else 16,  # qwen3: n_head*head_dim != n_embd
             n_vocab=301,  # not a multiple of 32: exercises output-row padding
+            # deepseek2: DeepSeek-V2's YaRN (factor 40, mscale_all_dim 0.707) with an original
+            # context short enough that the ramp splits the rotated pairs
+            yarn_factor=40.0 if arch == "deepseek2" else 0.0,
+            yarn_orig_ctx=32,
+            yarn_log_mul=0.0707,
         )
     if preset == "small":
         n_layers = {"lfm2moe": 6}.get(arch, 4)
@@ -135,6 +156,9 @@ def synth_dims(arch: str, preset: str) -> SynthDims:
             qk_rope_dim=32,
             qk_nope_dim=64,
             v_head_dim=64,
+            yarn_factor=40.0 if arch == "deepseek2" else 0.0,
+            yarn_orig_ctx=64,
+            yarn_log_mul=0.0707,
         )
     if preset == "olmoe-1b-7b":
         # allenai/OLMoE-1B-7B-0924: 16 layers, 64 experts, top-8, d=2048, ff=1024, 16 heads x 128
@@ -194,6 +218,35 @@ def synth_dims(arch: str, preset: str) -> SynthDims:
             head_dim=128,
             n_vocab=32000,
             n_ctx=32768,
+        )
+    if preset == "deepseek-v2-lite":
+        # deepseek-ai/DeepSeek-V2-Lite config.json: 27 layers (first_k_dense_replace 1), hidden
+        # 2048, intermediate 10944 (the dense layer), 16 heads, q_lora_rank null, kv_lora_rank
+        # 512, qk_nope 128 / qk_rope 64 / v_head 128, 64 routed experts top-6 of
+        # moe_intermediate_size 1408 + 2 shared, vocab 102400, rope_theta 10000, YaRN factor 40
+        # over original_max_position_embeddings 4096 (max 163840), mscale_all_dim 0.707.
+        return SynthDims(
+            n_layers=27,
+            n_embd=2048,
+            n_ff_exp=1408,
+            n_ff=10944,
+            n_experts=64,
+            n_experts_used=6,
+            n_head=16,
+            n_head_kv=16,
+            head_dim=128,
+            n_vocab=102400,
+            n_ctx=163840,
+            n_shared_experts=2,
+            n_leading_dense=1,
+            q_lora_rank=0,
+            kv_lora_rank=512,
+            qk_rope_dim=64,
+            qk_nope_dim=128,
+            v_head_dim=128,
+            yarn_factor=40.0,
+            yarn_orig_ctx=4096,
+            yarn_log_mul=0.0707,
         )
     raise ValueError(f"unknown preset {preset!r}; choose from {PRESETS}")
 
@@ -472,6 +525,13 @@ def _arch_keys(arch: str, d: SynthDims, n_vocab: int) -> list[tuple[str, Any, GG
         ]
         if d.q_lora_rank > 0:
             out.append((k(Keys.Attention.Q_LORA_RANK), d.q_lora_rank, U32))
+        if d.yarn_factor > 0:  # as convert_hf_to_gguf writes DeepSeek-V2's rope_scaling
+            out += [
+                (k(Keys.Rope.SCALING_TYPE), "yarn", STR),
+                (k(Keys.Rope.SCALING_FACTOR), d.yarn_factor, F32v),
+                (k("{arch}.rope.scaling.original_context_length"), d.yarn_orig_ctx, U32),
+                (k("{arch}.rope.scaling.yarn_log_multiplier"), d.yarn_log_mul, F32v),
+            ]
     elif arch == "lfm2moe":
         out += [
             (k(Keys.LLM.FEED_FORWARD_LENGTH), d.n_ff, U32),

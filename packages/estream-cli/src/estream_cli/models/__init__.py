@@ -25,7 +25,7 @@ from estream_layout import ModelSpec
 
 from ..errors import UnsupportedModelError
 from ..packed import PackedModel
-from . import llama, olmoe, qwen3moe
+from . import deepseek2, llama, olmoe, qwen3moe
 from .ops import Ops, Weights
 
 __all__ = ["ARCHITECTURES", "Architecture", "architecture"]
@@ -46,6 +46,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "olmoe": olmoe,
     "qwen3moe": qwen3moe,
     "llama": llama,  # with experts: Mixtral
+    "deepseek2": deepseek2,
 }
 
 

@@ -22,7 +22,7 @@ import attrs
 import numpy as np
 
 import estream_htp as htp
-from estream_layout import ModelSpec
+from estream_layout import ModelSpec, dequantize_tiles
 
 from ..errors import PackError, UnsupportedModelError
 from ..experts import ExpertSource
@@ -42,6 +42,9 @@ __all__ = [
     "bind_ffn",
     "bind_head",
     "bind_moe",
+    "dequantize",
+    "yarn_factor",
+    "yarn_log_mul",
 ]
 
 L = TypeVar("L")
@@ -56,21 +59,66 @@ Branches = tuple[int, list[tuple[int, int]]]
 # -- typed weights ------------------------------------------------------------------------------
 @attrs.frozen
 class Rope:
-    """Rotary position embedding as llama.cpp applies it for a family (`ggml_rope_ext`)."""
+    """Rotary position embedding as llama.cpp applies it for a family (`ggml_rope_ext`).
+
+    Under YaRN (``rope.scaling.type = yarn``) ``ext_factor`` is 1, ``corr_dims`` are the ramp
+    limits and ``attn_factor`` the magnitude factor `llama_context` passes (see `yarn_factor`);
+    otherwise they are 0, (0, 0) and 1 and the rotation is the plain one."""
 
     n_rot: int
     freq_base: float
     freq_scale: float
     kind: str  # "normal" (adjacent pairs, LLAMA_ROPE_TYPE_NORM) | "neox" (split halves)
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0
+    corr_dims: tuple[float, float] = (0.0, 0.0)
 
     @classmethod
-    def from_spec(cls, hp: ModelSpec) -> Rope:
-        if hp.rope_scaling_type not in ("none", "linear"):
+    def from_spec(cls, hp: ModelSpec, n_rot: int | None = None) -> Rope:
+        """The spec's RoPE over its first ``n_rot`` dims (default: ``rope.dimension_count``)."""
+        n_rot = hp.rope_dims if n_rot is None else n_rot
+        kind = _HTP_ROPE[hp.rope_type]
+        if hp.rope_scaling_type in ("none", "linear"):
+            return cls(n_rot, hp.rope_freq_base, hp.rope_freq_scale, kind, 0.0, hp.rope_attn_factor)
+        if hp.rope_scaling_type != "yarn":
             raise UnsupportedModelError(
                 f"RoPE scaling {hp.rope_scaling_type!r} is not implemented for {hp.arch!r} "
-                "(only none and linear)"
+                "(only none, linear and yarn)"
             )
-        return cls(hp.rope_dims, hp.rope_freq_base, hp.rope_freq_scale, _HTP_ROPE[hp.rope_type])
+        if hp.rope_n_ctx_orig < 1:
+            raise UnsupportedModelError(
+                f"{hp.arch!r} uses YaRN RoPE but has no original context length "
+                "(rope.scaling.original_context_length or context_length)"
+            )
+        corr = htp.rope_yarn_corr_dims(n_rot, hp.rope_n_ctx_orig, hp.rope_freq_base)
+        return cls(n_rot, hp.rope_freq_base, hp.rope_freq_scale, kind, 1.0, yarn_factor(hp), corr)
+
+
+def yarn_log_mul(hp: ModelSpec) -> float:
+    """`rope.scaling.yarn_log_multiplier` the way llama.cpp uses it: the converter stores
+    ``0.1 * mscale_all_dim`` and the formulas below take ``mscale_all_dim``."""
+    return hp.rope_yarn_log_mul / 0.1
+
+
+def yarn_factor(hp: ModelSpec) -> float:
+    """The ``attn_factor`` llama.cpp's `llama_context` hands to RoPE under YaRN.
+
+    It cancels the kernel's own ``1 + 0.1 ln(s)`` magnitude correction and applies
+    DeepSeek's ``mscale(s, m) = 1 + 0.1 m ln(s)`` ratio instead (``s = 1/freq_scale``, ``m``
+    the log multiplier; for deepseek2 the two mscales are equal, so RoPE leaves magnitudes
+    alone and the correction goes into the attention scale), times ``rope.scaling.attn_factor``.
+    """
+    s = 1.0 / hp.rope_freq_scale
+
+    def mscale(m: float) -> float:
+        return 1.0 if s <= 1.0 else 1.0 + 0.1 * m * math.log(s)
+
+    m_all = yarn_log_mul(hp)
+    if m_all != 0.0:
+        factor = mscale(m_all if hp.arch == "deepseek2" else 1.0) / mscale(m_all)
+    else:
+        factor = mscale(1.0)
+    return factor / (1.0 + 0.1 * math.log(s)) * hp.rope_attn_factor
 
 
 @attrs.frozen
@@ -215,6 +263,15 @@ def bind_moe(model: PackedModel, i: int) -> MoE:
     )
 
 
+def dequantize(t: DenseTensor) -> np.ndarray:
+    """A resident tensor's values as float32 in its logical shape (tiled formats exactly
+    dequantized): for weights a layer needs in another orientation than the one packed."""
+    if t.fmt == "f32":
+        return t.f32()
+    n, k = t.shape[-2], t.shape[-1]
+    return dequantize_tiles(t.data, n, k, t.fmt).reshape(t.shape)
+
+
 # -- the operations a layer is written with -----------------------------------------------------
 class Ops:
     """The operations of one forward pass: kernels, the attention mask, the expert source.
@@ -242,6 +299,14 @@ class Ops:
     def rms_norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return htp.rms_norm(x, w, self.hp.rms_eps)
 
+    @staticmethod
+    def rope(x: np.ndarray, pos: np.ndarray, r: Rope) -> None:
+        """RoPE, in place, on the first ``r.n_rot`` dims of each head of ``x [T, H, D]``."""
+        htp.rope(
+            x, pos, r.n_rot, r.freq_base, r.freq_scale, r.kind,  # type: ignore[arg-type]
+            ext_factor=r.ext_factor, attn_factor=r.attn_factor, corr_dims=r.corr_dims,
+        )  # fmt: skip
+
     def embed(self, head: Head, ids: np.ndarray) -> np.ndarray:
         e = head.tok_embd
         return htp.get_rows(e.data, e.fmt, self.hp.n_vocab, self.hp.n_embd, ids)
@@ -268,9 +333,8 @@ class Ops:
         q = np.ascontiguousarray(q.reshape(t, w.n_head, w.head_dim))
         k = np.ascontiguousarray(k.reshape(t, w.n_head_kv, w.head_dim))
         v = np.ascontiguousarray(v.reshape(t, w.n_head_kv, -1))
-        r = w.rope
-        htp.rope(q, pos, r.n_rot, r.freq_base, r.freq_scale, r.kind)  # type: ignore[arg-type]
-        htp.rope(k, pos, r.n_rot, r.freq_base, r.freq_scale, r.kind)  # type: ignore[arg-type]
+        self.rope(q, pos, w.rope)
+        self.rope(k, pos, w.rope)
         a = self.attend(q, k, v, w.scale)
         return self.matmul(np.ascontiguousarray(a.reshape(t, -1)), w.wo)
 
