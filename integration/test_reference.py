@@ -68,13 +68,43 @@ class _Naive:
         ms = sum(float(e) * float(e) for e in v) / len(v)
         return np.array([float(e) / math.sqrt(ms + eps) for e in v]) * g
 
+    def yarn(self) -> tuple[float, int, float] | None:
+        """(factor, original context, log multiplier) when the GGUF asks for YaRN."""
+        if self.md("rope.scaling.type") != "yarn" or not float(self.md("rope.scaling.factor", 0)):
+            return None
+        return (
+            float(self.md("rope.scaling.factor")),
+            int(self.md("rope.scaling.original_context_length")),
+            float(self.md("rope.scaling.yarn_log_multiplier", 0.0)),
+        )
+
     def rope(self, v: np.ndarray, pos: int, n_rot: int, neox: bool) -> np.ndarray:
+        """One pair at a time as a complex rotation; under YaRN (from the YaRN paper, as
+        llama.cpp's rope_yarn): each pair's angle blends the interpolated (pos/factor) and the
+        original angle by a ramp over the pair index between the beta_fast=32 and beta_slow=1
+        wavelength limits, and the magnitude is 1 + 0.1·ln(factor), except for DeepSeek-2
+        with a log multiplier, whose attention factor cancels it (it moves into kq_scale)."""
         base = float(self.md("rope.freq_base", 10000.0))
+        yarn = self.yarn()
         out = v.copy()
         half = n_rot // 2
         for i in range(half):
             a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
-            z = complex(v[a], v[b]) * cmath.exp(1j * pos * base ** (-2.0 * i / n_rot))
+            angle, magnitude = pos * base ** (-2.0 * i / n_rot), 1.0
+            if yarn is not None:
+                factor, n_orig, log_mul = yarn
+
+                def limit(beta: float, n_orig: int = n_orig) -> float:
+                    turns = n_orig / (2 * math.pi * beta)
+                    return n_rot * math.log(turns) / (2 * math.log(base))
+
+                low = max(0.0, math.floor(limit(32.0)))
+                high = min(n_rot - 1.0, math.ceil(limit(1.0)))
+                keep = 1.0 - min(1.0, max(0.0, (i - low) / max(0.001, high - low)))
+                angle = angle / factor * (1.0 - keep) + angle * keep
+                if not (self.arch == "deepseek2" and log_mul):
+                    magnitude = 1.0 + 0.1 * math.log(factor)
+            z = complex(v[a], v[b]) * magnitude * cmath.exp(1j * angle)
             out[a], out[b] = z.real, z.imag
         return out
 
@@ -217,7 +247,12 @@ class _Naive:
             )
             ks.append([np.concatenate([lat, k_pe])])
             vs.append([lat])
-        outs = self.attend(qs, ks, vs, 1 / math.sqrt(dk))
+        scale = 1 / math.sqrt(dk)
+        yarn = self.yarn()
+        if yarn is not None:  # DeepSeek-2: the YaRN magnitude squared, on the scores
+            factor, _, log_mul = yarn
+            scale *= (1.0 + log_mul * math.log(factor)) ** 2
+        outs = self.attend(qs, ks, vs, scale)
         wo = self.w(p + "attn_output.weight")
         return [
             wo @ np.concatenate([v_b[i] @ o.reshape(n_head, rank)[i] for i in range(n_head)])
