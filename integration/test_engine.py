@@ -8,7 +8,7 @@ import pytest
 import estream
 from estream_layout import pack_model, synth_model
 
-ARCHS = ["olmoe", "qwen3moe", "mixtral", "deepseek2"]
+ARCHS = ["olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe"]
 
 
 def rel_l2(a: np.ndarray, b: np.ndarray) -> float:

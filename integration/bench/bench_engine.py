@@ -1,7 +1,8 @@
 """End-to-end prefill benchmark: engine `stream` vs engine `resident` vs llama.cpp CPU.
 
-On the synthetic `olmoe-1b-7b` preset (OLMoE-1B-7B's real shapes, Q4_0, ≈ 4 GB; or
-`--preset deepseek-v2-lite`, DeepSeek-V2-Lite's shapes, ≈ 8.9 GB), prompts of
+On the synthetic `olmoe-1b-7b` preset (OLMoE-1B-7B's real shapes, Q4_0, ≈ 4 GB; or another with
+``--preset``: ``deepseek-v2-lite``, DeepSeek-V2-Lite's shapes, ≈ 8.9 GB; ``lfm2-8b-a1b``,
+LFM2-8B-A1B's shapes, ≈ 4.7 GB), prompts of
 256/1024/4096 tokens, cold page cache before every run, 2 threads, one fresh process per run:
 
 * engine `stream` under the configurator's choice for a 1.5 GiB budget,
@@ -11,8 +12,8 @@ On the synthetic `olmoe-1b-7b` preset (OLMoE-1B-7B's real shapes, Q4_0, ≈ 4 GB
 and then the same inside a 1.5 GiB memory cgroup (v1 or v2), where llama.cpp pages or is
 OOM-killed. Prints a table and writes bench-results/bench_engine.json.
 
-    nox -s bench_engine -- [--preset olmoe-1b-7b|deepseek-v2-lite] [--lengths 256,1024,4096]
-                           [--budget 1.5GiB] [--no-llama] [--no-cgroup]
+    nox -s bench_engine -- [--preset olmoe-1b-7b|deepseek-v2-lite|lfm2-8b-a1b]
+                           [--lengths 256,1024,4096] [--budget 1.5GiB] [--no-llama] [--no-cgroup]
 """
 
 from __future__ import annotations
@@ -272,7 +273,8 @@ def main() -> int:
         "--preset",
         default="olmoe-1b-7b",
         help="olmoe-1b-7b | deepseek-v2-lite (DeepSeek-V2-Lite's shapes: MLA, YaRN, 2 shared "
-        "experts, a dense first layer; ≈ 8.9 GB Q4_0) | any estream-synth preset",
+        "experts, a dense first layer; ≈ 8.9 GB Q4_0) | lfm2-8b-a1b (LFM2-8B-A1B's shapes; ≈ 4.7 GB) "
+        "| any estream-synth preset",
     )
     ap.add_argument("--arch", help="architecture (default: the preset's, else olmoe)")
     ap.add_argument("--no-llama", action="store_true")
@@ -286,7 +288,7 @@ def main() -> int:
     args = ap.parse_args()
     budget = parse_bytes(args.budget)
     lengths = [int(x) for x in args.lengths.split(",")]
-    from estream_layout.synth import PRESET_ARCH
+    from estream_layout import PRESET_ARCH
 
     arch = args.arch or PRESET_ARCH.get(args.preset, "olmoe")
     src, dst = prepare(args.preset, budget, arch=arch)

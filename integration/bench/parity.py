@@ -160,7 +160,7 @@ def engine_logits(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--archs", default="olmoe,qwen3moe,mixtral,deepseek2")
+    ap.add_argument("--archs", default="olmoe,qwen3moe,mixtral,deepseek2,lfm2moe")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--tokens", type=int, default=256, help="prompt length T")
     ap.add_argument("--seed", type=int, default=0)

@@ -9,7 +9,9 @@ import estream
 from estream_layout import pack_model, synth_model
 
 
-@pytest.fixture(scope="module", params=["qwen3moe", "mixtral"])
+# lfm2moe: its short convolutions must continue the prefix in each branch, not run over the
+# packed order (where a branch follows the previous branch's tokens).
+@pytest.fixture(scope="module", params=["qwen3moe", "mixtral", "lfm2moe"])
 def model(request, tmp_path_factory):
     d = tmp_path_factory.mktemp("br")
     src = d / "m.gguf"
@@ -25,12 +27,13 @@ def _logsoftmax(z: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
+@pytest.mark.parametrize("n_prefix", [1, 11])  # 1: shorter than a short convolution's history
 @pytest.mark.parametrize("act", ["f32", "q8"])
-def test_branches_equal_separate_prefills(model, act):
+def test_branches_equal_separate_prefills(model, act, n_prefix):
     rng = np.random.default_rng(0)
     with estream.load(model, G=2, Q=2, B=2, act=act) as eng:
         V = eng.hp.n_vocab
-        prefix = rng.integers(0, V, 11)
+        prefix = rng.integers(0, V, n_prefix)
         branches = [rng.integers(0, V, n) for n in (1, 4, 7)]
         res = eng.prefill_branches(prefix, branches, return_hidden=True)
         lps = res.continuation_logprobs(branches)

@@ -46,12 +46,13 @@ def with_chat_template(src, dst, template: str) -> None:
     w.close()
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """(plain model, the same model with a chat template)."""
+@pytest.fixture(scope="module", params=["qwen3moe", "lfm2moe"])
+def models(tmp_path_factory, request):
+    """(plain model, the same model with a chat template); lfm2moe: the task commands over a
+    short-convolution hybrid (classify/score/rerank use shared-prefix branches)."""
     d = tmp_path_factory.mktemp("taskcli")
     src = d / "m.gguf"
-    synth_model("qwen3moe", "tiny", src, seed=4)
+    synth_model(request.param, "tiny", src, seed=4)
     plain = d / "m.estream"
     pack_model(src, plain, progress=False)
     tsrc = d / "t.gguf"

@@ -103,7 +103,8 @@ typedef enum htp_opcode {
     HTP_OP_ATTENTION = 6,  /* ref: q, k, v, out */
     HTP_OP_SILU = 7,       /* ref: x, out */
     HTP_OP_SWIGLU = 8,     /* ref: g, u, out */
-    HTP_OP_ROUTER_TOPK = 9 /* ref: logits, bias (if has_bias), ids, weights */
+    HTP_OP_ROUTER_TOPK = 9, /* ref: logits, bias (if has_bias), ids, weights */
+    HTP_OP_CONV1D = 10      /* ref: x, w, state (if has_state), out */
 } htp_opcode;
 
 /* ---- backend and buffers ---- */
@@ -192,6 +193,13 @@ typedef struct htp_router_params {
     float scale;
 } htp_router_params;
 
+/* Causal depthwise convolution along the token axis (LFM2's short convolution, ggml_ssm_conv):
+ * out[t][c] = sum_j w[c][j] * s[t + j][c], s = the taps-1 rows of `state` (zeros if absent)
+ * followed by x[T][C]; tap taps-1 weighs the current token. w is [C][taps]. */
+typedef struct htp_conv1d_params {
+    uint32_t t, channels, taps, has_state;
+} htp_conv1d_params;
+
 typedef union htp_op_params {
     htp_gemm_params gemm;
     htp_expert_params expert;
@@ -201,6 +209,7 @@ typedef union htp_op_params {
     htp_attention_params attention;
     htp_eltwise_params eltwise;
     htp_router_params router;
+    htp_conv1d_params conv1d;
     uint8_t raw[64];
 } htp_op_params;
 

@@ -260,6 +260,7 @@ static uint32_t refs_of(const htp_op_desc *op) {
     case HTP_OP_SILU: return 2;
     case HTP_OP_SWIGLU: return 3;
     case HTP_OP_ROUTER_TOPK: return op->p.router.has_bias ? 4 : 3;
+    case HTP_OP_CONV1D: return op->p.conv1d.has_state ? 4 : 3;
     default: return UINT32_MAX;
     }
 }
@@ -439,6 +440,18 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
         GET(1 + o, nbytes3(p->t, p->k, 4), WR, 4, ids);
         GET(2 + o, nbytes3(p->t, p->k, 4), WR, 4, wts);
         return htp_exec_router(p, logits, bias, ids, wts);
+    }
+    case HTP_OP_CONV1D: {
+        const htp_conv1d_params *p = &op->p.conv1d;
+        if (!p->channels || !p->taps || p->has_state > 1) return HTP_E_INVALID;
+        const uint64_t row = nbytes(p->channels, 4);
+        const float *x, *w, *state = NULL;
+        float *out;
+        GET(0, nbytes(p->t, row), RD, 4, x);
+        GET(1, nbytes3(p->channels, p->taps, 4), RD, 4, w);
+        if (p->has_state) GET(2, nbytes(p->taps - 1, row), RD, 4, state);
+        GET(p->has_state ? 3 : 2, nbytes(p->t, row), WR, 4, out);
+        return htp_exec_conv1d(p, x, w, state, out);
     }
     default: return HTP_E_BAD_OP;
     }

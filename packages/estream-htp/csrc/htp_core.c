@@ -286,6 +286,37 @@ htp_status htp_exec_rope(const htp_rope_params *p, float *x, const int32_t *pos)
     return HTP_OK;
 }
 
+/* ---- causal depthwise conv1d (validated by the caller) ----
+ * One portable body for every ISA: the inner loop runs over contiguous channels, which the
+ * compiler vectorises; the taps are summed in order 0..taps-1 in fp32, as ggml_ssm_conv does. */
+htp_status htp_exec_conv1d(const htp_conv1d_params *p, const float *x, const float *w,
+                           const float *state, float *out) {
+    const size_t C = p->channels, L = p->taps, T = p->t;
+    float *wt = (float *)malloc(sizeof(float) * C * L); /* [taps][C]: a tap's weights in a row */
+    if (!wt) return HTP_E_NOMEM;
+    for (size_t c = 0; c < C; c++)
+        for (size_t j = 0; j < L; j++) wt[j * C + c] = w[c * L + j];
+    for (size_t t = 0; t < T; t++) {
+        float *o = out + t * C;
+        for (size_t c = 0; c < C; c++) o[c] = 0.0f;
+        for (size_t j = 0; j < L; j++) {
+            /* row t + j of [state; x]: state rows come first (taps - 1 of them) */
+            const size_t r = t + j;
+            const float *src;
+            if (r + 1 >= L)
+                src = x + (r + 1 - L) * C;
+            else if (state)
+                src = state + r * C;
+            else
+                continue; /* zero history */
+            const float *wj = wt + j * C;
+            for (size_t c = 0; c < C; c++) o[c] += wj[c] * src[c];
+        }
+    }
+    free(wt);
+    return HTP_OK;
+}
+
 /* ---- router (validated by the caller) ---- */
 htp_status htp_exec_router(const htp_router_params *pr, const float *logits, const float *bias,
                            int32_t *ids, float *weights) {

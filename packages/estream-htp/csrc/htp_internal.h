@@ -187,6 +187,8 @@ void htp_exec_get_rows(const htp_get_rows_params *p, const uint8_t *table, const
                        float *out);
 void htp_exec_rms_norm(const htp_rms_norm_params *p, const float *x, const float *w, float *out);
 htp_status htp_exec_rope(const htp_rope_params *p, float *x, const int32_t *pos);
+htp_status htp_exec_conv1d(const htp_conv1d_params *p, const float *x, const float *w,
+                            const float *state, float *out);
 htp_status htp_exec_router(const htp_router_params *p, const float *logits, const float *bias,
                            int32_t *ids, float *weights);
 

@@ -126,6 +126,11 @@ def test_small_ops_bit_exact_between_backends(pair: tuple[htp.Backend, htp.Backe
         ra = htp.router_topk(lg, 3, "sigmoid", True, 2.0, w[:40], backend=be_a)
         rb = htp.router_topk(lg, 3, "sigmoid", True, 2.0, w[:40], backend=be_b)
         assert _same(ra[0], rb[0]) and _same(ra[1], rb[1])
+        cw = np.ascontiguousarray(q[:4, 0, :].T)  # [32 channels, 4 taps]
+        hist = np.ascontiguousarray(x[:3, :32])
+        ca = htp.conv1d_causal(np.ascontiguousarray(x[:, :32]), cw, hist, backend=be_a)
+        cb = htp.conv1d_causal(np.ascontiguousarray(x[:, :32]), cw, hist, backend=be_b)
+        assert _same(ca, cb) and np.isfinite(ca).all()
         assert _same(
             htp.get_rows(table, "q4_0-t32r4", 50, 64, ids, backend=be_a),
             htp.get_rows(table, "q4_0-t32r4", 50, 64, ids, backend=be_b),
@@ -244,6 +249,36 @@ def test_expert_planes_bounds_checked_against_registered_size() -> None:
         with pytest.raises(htp.HTPDescriptorError, match="past the end"):
             be.run(c)
         assert _same(y, before)
+
+
+@pytest.mark.parametrize("kind", htp.BACKENDS)
+@pytest.mark.parametrize("corrupt", ["has_state", "taps", "channels", "t"])
+def test_conv1d_descriptor_checked_executor_side(kind: str, corrupt: str) -> None:
+    rng = np.random.default_rng(4)
+    with htp.Backend(kind, n_threads=1) as be:
+        x = be.share(rng.standard_normal((6, 40)).astype(np.float32))
+        w = be.share(rng.standard_normal((40, 3)).astype(np.float32))
+        y = be.empty((6, 40), np.float32)
+        y[...] = np.nan
+        c = _raw(be, lib.HTP_OP_CONV1D)
+        p = c.p.conv1d
+        p.t, p.channels, p.taps, p.has_state = 6, 40, 3, 0
+        c.ref(x).ref(w).ref(y, "w")
+        c._finish(sync=True)
+        c._ops.clear()
+        p = c.desc.p.conv1d
+        if corrupt == "has_state":
+            p.has_state = 2  # neither 0 nor 1
+        elif corrupt == "taps":
+            p.taps = 0
+        elif corrupt == "channels":
+            p.channels = 10**6  # x's buffer is far smaller
+        else:
+            p.t = 10**6
+        with pytest.raises(htp.HTPError):
+            be.run(c)
+        assert np.isnan(y).all(), "a rejected op wrote its output"
+        htp.nop(backend=be)
 
 
 # ---------------------------------------------------------------------- fences

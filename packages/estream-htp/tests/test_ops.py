@@ -193,6 +193,67 @@ def test_router_mixtral_equivalence() -> None:
     assert T.rel_l2(w, sm / sm.sum(1, keepdims=True)) <= TOL
 
 
+@given(
+    t=st.integers(0, 40),
+    ch=st.integers(1, 70),
+    taps=st.integers(1, 5),
+    with_state=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_conv1d_causal(t: int, ch: int, taps: int, with_state: bool, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((t, ch)).astype(np.float32)
+    w = rng.standard_normal((ch, taps)).astype(np.float32)
+    state = rng.standard_normal((taps - 1, ch)).astype(np.float32) if with_state else None
+    out = np.full((t, ch), np.nan, np.float32)  # poisoned: an unwritten element fails
+    y = htp.conv1d_causal(x, w, state, out=out)
+    assert y is out
+    ref = T.ref_conv1d_causal(x, w, state)
+    assert y.shape == ref.shape == (t, ch) and np.isfinite(y).all()
+    if t:
+        assert np.abs(y - ref).max() <= TOL * max(1.0, float(np.abs(ref).max()))
+
+
+def test_conv1d_causal_taps_and_history_by_hand() -> None:
+    # One channel, taps (a, b, c): out[t] = a*s[t-2] + b*s[t-1] + c*s[t], the last tap on the
+    # current token; a state supplies the two rows before x, its absence means zeros.
+    x = np.array([[1.0], [10.0], [100.0]], np.float32)
+    w = np.array([[2.0, 3.0, 5.0]], np.float32)
+    assert htp.conv1d_causal(x, w)[:, 0].tolist() == [5.0, 53.0, 532.0]
+    st_ = np.array([[1000.0], [10000.0]], np.float32)
+    assert htp.conv1d_causal(x, w, st_)[:, 0].tolist() == [
+        2000 + 30000 + 5,
+        20000 + 3 + 50,
+        2 + 30 + 500,
+    ]
+    # Continuing from the last taps-1 rows of a prefix equals convolving the whole sequence.
+    rng = np.random.default_rng(3)
+    seq = rng.standard_normal((29, 37)).astype(np.float32)
+    wk = rng.standard_normal((37, 4)).astype(np.float32)
+    whole = htp.conv1d_causal(seq, wk)
+    tail = htp.conv1d_causal(np.ascontiguousarray(seq[11:]), wk, np.ascontiguousarray(seq[8:11]))
+    assert np.array_equal(whole[11:], tail)
+
+
+def test_conv1d_causal_rejects_bad_input() -> None:
+    x = np.zeros((3, 8), np.float32)
+    w = np.zeros((8, 3), np.float32)
+    with pytest.raises(htp.HTPInputError, match=r"w must be \[C=8"):
+        htp.conv1d_causal(x, np.zeros((7, 3), np.float32))
+    with pytest.raises(htp.HTPInputError, match=r"taps >= 1"):
+        htp.conv1d_causal(x, np.zeros((8, 0), np.float32))
+    with pytest.raises(htp.HTPInputError, match=r"state must be \[taps-1=2, C=8\]"):
+        htp.conv1d_causal(x, w, np.zeros((3, 8), np.float32))
+    with pytest.raises(htp.HTPInputError, match="float32"):
+        htp.conv1d_causal(x.astype(np.float64), w)  # type: ignore[arg-type]
+    with pytest.raises(htp.HTPInputError, match="C-contiguous"):
+        htp.conv1d_causal(np.zeros((8, 3), np.float32).T, w)
+    with pytest.raises(htp.HTPInputError, match="shape"):
+        htp.conv1d_causal(x, w, out=np.zeros((3, 7), np.float32))
+    with pytest.raises(htp.HTPInputError, match="at least one channel"):
+        htp.conv1d_causal(np.zeros((3, 0), np.float32), np.zeros((0, 3), np.float32))
+
+
 @pytest.mark.parametrize("fmt", ["q4_0-t32r4", "q8_0-t32r4", "f16", "f32"])
 @given(
     n=st.integers(1, 70), kb=st.integers(1, 4), t=st.integers(1, 10), seed=st.integers(0, 2**32 - 1)

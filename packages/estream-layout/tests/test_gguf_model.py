@@ -9,6 +9,7 @@ import pytest
 from estream_layout import (
     DenseModelError,
     InvalidGGUFError,
+    InvalidMetadataError,
     ModelSpec,
     NotGGUFError,
     TruncatedGGUFError,
@@ -312,3 +313,61 @@ def test_rope_scaling_factor(tiny_models: dict[str, Path], tmp_path: Path) -> No
     assert ModelSpec.from_gguf(p).rope_freq_scale == 0.25
     p = _with_extra_kv(tiny_models["olmoe"], tmp_path / "l.gguf", {"olmoe.rope.scale_linear": 2.0})
     assert ModelSpec.from_gguf(p).rope_freq_scale == 0.5
+
+
+# ----------------------------------------------------------------------------- lfm2moe facts
+def _rewrite(src: Path, dst: Path, kv: dict[str, int] | None = None, drop: str = "") -> Path:
+    """A copy of `src` with some integer keys replaced and the tensor `drop` left out."""
+    kv = kv or {}
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(dst, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if key in kv:
+            w.add_key_value(key, kv[key], gguf.GGUFValueType.UINT32)
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), vtype, sub)
+    for t in reader.tensors:
+        if t.name != drop:
+            data = np.asarray(t.data)
+            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_lfm2moe_requirements_of_llama_cpp(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    src = tiny_models["lfm2moe"]  # layers 0, 2 convolve, 1, 3 attend; layer 0 dense
+    with pytest.raises(InvalidGGUFError, match=r"selection bias blk\.2\.exp_probs_b\.bias"):
+        ModelSpec.from_gguf(_rewrite(src, tmp_path / "a.gguf", drop="blk.2.exp_probs_b.bias"))
+    with pytest.raises(InvalidGGUFError, match=r"layer 2 has no KV heads.*shortconv\.conv"):
+        ModelSpec.from_gguf(_rewrite(src, tmp_path / "b.gguf", drop="blk.2.shortconv.conv.weight"))
+    with pytest.raises(InvalidMetadataError, match=r"shortconv\.l_cache = 1 must be >= 2"):
+        ModelSpec.from_gguf(_rewrite(src, tmp_path / "c.gguf", {"lfm2moe.shortconv.l_cache": 1}))
+    lead = {"lfm2moe.leading_dense_block_count": 2}
+    with pytest.raises(InvalidMetadataError, match=r"leading_dense_block_count = 2.*\[1, 2, 3\]"):
+        ModelSpec.from_gguf(_rewrite(src, tmp_path / "d.gguf", lead))
+
+
+def test_from_dict_checks_layer_kinds(tiny_models: dict[str, Path]) -> None:
+    from estream_layout import PackFormatError
+
+    d = ModelSpec.from_gguf(tiny_models["lfm2moe"]).summary()
+    assert ModelSpec.from_dict(d).attention_layers == (1, 3)
+    with pytest.raises(PackFormatError, match=r"'attention_layers'.*exactly the layers with KV"):
+        ModelSpec.from_dict({**d, "attention_layers": [1]})
+    with pytest.raises(PackFormatError, match=r"'shortconv_l_cache'.*>= 2"):
+        ModelSpec.from_dict({**d, "shortconv_l_cache": 1})
+    with pytest.raises(PackFormatError, match=r"'moe_layers'.*layers 1\.\.3"):
+        ModelSpec.from_dict({**d, "moe_layers": [2, 3]})
+    with pytest.raises(PackFormatError, match=r"'n_ff'.*dense FFN width"):
+        ModelSpec.from_dict({**d, "n_ff": 0})
+    o = ModelSpec.from_gguf(tiny_models["olmoe"]).summary()
+    with pytest.raises(PackFormatError, match="only lfm2moe allows"):
+        ModelSpec.from_dict({**o, "n_head_kv": [0, 4], "attention_layers": [1]})

@@ -3,6 +3,7 @@ and memory that does not grow with the model while synthesizing and packing."""
 
 from __future__ import annotations
 
+import math
 import shutil
 import tracemalloc
 from pathlib import Path
@@ -76,6 +77,35 @@ def test_deepseek_v2_lite_shapes() -> None:
     assert plan["blk.1.ffn_gate_shexp.weight"].shape == (2 * 1408, 2048)
     assert plan["blk.1.ffn_gate_inp.weight"].shape == (64, 2048)
     assert "blk.0.ffn_gate_inp.weight" not in plan and "blk.26.ffn_down_exps.weight" in plan
+
+
+def test_lfm2_8b_a1b_shapes() -> None:
+    d = synth_dims("lfm2moe", "lfm2-8b-a1b")
+    assert (d.n_layers, d.n_embd, d.n_head, d.n_head_kv, d.head_dim) == (24, 2048, 32, 8, 64)
+    assert (d.n_experts, d.n_experts_used, d.n_ff_exp, d.n_ff) == (32, 4, 1792, 7168)
+    assert (d.n_leading_dense, d.l_cache, d.n_vocab) == (2, 3, 65536)
+    plan = _tensor_plan("lfm2moe", d, d.n_vocab, Q.Q4_0, Q.Q4_0, Q.Q8_0)
+    # Liquid AI's figures: 8.3 B parameters in all, 1.5 B active per token (top-4 of 32).
+    total = sum(math.prod(t.shape) for t in plan)
+    experts = sum(math.prod(t.shape) for t in plan if "_exps." in t.name)
+    active = total - experts + experts * d.n_experts_used // d.n_experts
+    assert 8.2e9 < total < 8.45e9, total
+    assert 1.45e9 < active < 1.6e9, active
+    assert sum("shortconv.conv" in t.name for t in plan) == 18  # 18 convolution, 6 attention
+    assert sum("attn_q.weight" in t.name for t in plan) == 6
+
+
+def test_lfm2_8b_a1b_metadata_at_small_width(tmp_path: Path) -> None:
+    """The preset's layer pattern and metadata, written narrow (the real widths are 4.7 GB)."""
+    dims = {"n_embd": 64, "n_ff_exp": 32, "n_ff": 64, "head_dim": 2, "n_vocab": 400}
+    s = ModelSpec.from_gguf(synth_model("lfm2moe", "lfm2-8b-a1b", tmp_path / "m.gguf", **dims))
+    assert s.attention_layers == (2, 6, 10, 14, 18, 21)
+    assert s.n_head_kv == tuple(8 if i in s.attention_layers else 0 for i in range(24))
+    assert s.moe_layers == tuple(range(2, 24)) and s.n_leading_dense == 2
+    assert (s.n_experts, s.n_experts_used, s.expert_gating_func) == (32, 4, "sigmoid")
+    assert s.expert_weights_norm and s.shortconv_l_cache == 3
+    assert (s.rope_freq_base, s.n_ctx) == (1e6, 128000) and s.rms_eps == pytest.approx(1e-5)
+    assert "output.weight" not in s.tensors and "token_embd_norm.weight" in s.tensors
 
 
 def test_model_presets_belong_to_one_arch(capsys: pytest.CaptureFixture[str]) -> None:

@@ -47,6 +47,7 @@ __all__ = [
     "HTPTimeoutError",
     "HTPUnsupportedError",
     "attention",
+    "conv1d_causal",
     "default_backend",
     "gemm",
     "get_activation_format",
@@ -755,6 +756,52 @@ def router_topk(
         c.ref(ids, "w").ref(w, "w")
         be.run(c)
     return ids, w
+
+
+def conv1d_causal(
+    x: F32,
+    w: F32,
+    state: F32 | None = None,
+    out: F32 | None = None,
+    *,
+    backend: Backend | None = None,
+) -> F32:
+    """Causal depthwise convolution over the token axis of ``x[T, C]`` with ``w[C, L]``:
+    ``out[t, c] = sum_j w[c, j] * s[t + j, c]`` where ``s`` is ``state[L-1, C]`` (the rows
+    before ``x``; zeros when None) followed by ``x``, so tap ``L-1`` weighs the current token.
+
+    This is llama.cpp's ``ggml_ssm_conv`` over ``concat(conv_state, x)``: LFM2's short
+    convolution. ``state`` lets a caller continue a sequence (a branch after a shared prefix)."""
+    x = _arr(x, "x", np.float32, 2)
+    w = _arr(w, "w", np.float32, 2)
+    t, ch = x.shape
+    if ch == 0:
+        raise HTPInputError("x must have at least one channel")
+    if w.shape[0] != ch or w.shape[1] == 0:
+        raise HTPInputError(f"w must be [C={ch}, taps >= 1], got {w.shape}")
+    taps = w.shape[1]
+    _u32(t, "T")
+    _u32(ch, "C", 1)
+    _u32(taps, "taps", 1)
+    if state is not None:
+        state = _arr(state, "state", np.float32, 2)
+        if state.shape != (taps - 1, ch):
+            raise HTPInputError(
+                f"state must be [taps-1={taps - 1}, C={ch}] (the rows before x), got {state.shape}"
+            )
+    o = _out(out, (t, ch))
+    if t:
+        be = _be(backend)
+        c = be.call(lib.HTP_OP_CONV1D)
+        c.what = "conv1d_causal"
+        p = c.p.conv1d
+        p.t, p.channels, p.taps, p.has_state = t, ch, taps, int(state is not None)
+        c.ref(x).ref(w)
+        if state is not None:
+            c.ref(state)
+        c.ref(o, "w")
+        be.run(c)
+    return o
 
 
 def get_rows(

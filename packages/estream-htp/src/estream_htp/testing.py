@@ -33,6 +33,7 @@ __all__ = [
     "random_experts",
     "random_q4_0_blocks",
     "ref_attention",
+    "ref_conv1d_causal",
     "ref_expert_op",
     "ref_gemm",
     "ref_gemm_magnitude",
@@ -184,6 +185,23 @@ def ref_attention(
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
     return np.einsum("hts,shd->thd", p, vv)
+
+
+def ref_conv1d_causal(
+    x: npt.ArrayLike, w: npt.ArrayLike, state: npt.ArrayLike | None = None
+) -> F64:
+    """Float64 causal depthwise convolution: ``out[t, c] = sum_j w[c, j] * s[t + j, c]`` with
+    ``s = [state (zeros if None); x]`` (``L-1`` history rows), written as shifted slices."""
+    xs = np.asarray(x, dtype=np.float64)
+    wd = np.asarray(w, dtype=np.float64)
+    t, ch = xs.shape
+    taps = wd.shape[1]
+    hist = np.zeros((taps - 1, ch)) if state is None else np.asarray(state, dtype=np.float64)
+    s = np.concatenate([hist, xs])
+    out = np.zeros((t, ch))
+    for j in range(taps):
+        out += wd[:, j] * s[j : j + t]
+    return out
 
 
 def ref_router_topk(

@@ -311,6 +311,73 @@ def _check_spec_ranges(kw: Mapping[str, Any]) -> None:
         raise bad("rope_yarn_log_mul", "must be a finite number")
 
 
+def _check_spec_layer_kinds(kw: Mapping[str, Any]) -> None:
+    """Which layers attend, convolve, or run experts, read back from a manifest: the facts the
+    engine builds each layer from must agree with each other (as llama.cpp derives them)."""
+
+    def bad(name: str, why: str) -> PackFormatError:
+        return PackFormatError(f"model spec field {name!r}: {kw[name]!r} {why}")
+
+    n, kv = kw["n_layers"], kw["n_head_kv"]
+    if kw["family"] != "lfm2moe" and 0 in kv:
+        raise bad("n_head_kv", "has a layer without KV heads, which only lfm2moe allows")
+    if tuple(kw["attention_layers"]) != tuple(i for i in range(n) if kv[i] > 0):
+        raise bad("attention_layers", "must be exactly the layers with KV heads (n_head_kv > 0)")
+    if 0 in kv and kw["shortconv_l_cache"] < 2:
+        raise bad("shortconv_l_cache", "must be >= 2: layers without KV heads are convolutions")
+    if kw["family"] == "lfm2moe":
+        lead = kw["n_leading_dense"]
+        if tuple(kw["moe_layers"]) != tuple(range(lead, n)):
+            raise bad("moe_layers", f"must be layers {lead}..{n - 1} (n_leading_dense = {lead})")
+        if lead and kw["n_ff"] < 1:
+            raise bad("n_ff", "must be >= 1: the leading dense layers need a dense FFN width")
+
+
+def _check_lfm2moe(
+    meta: _Meta,
+    tensors: Mapping[str, TensorInfo],
+    n_head_kv: tuple[int, ...],
+    moe_layers: tuple[int, ...],
+    n_experts: int,
+    n_embd: int,
+    attn_width: int,
+) -> None:
+    """What llama.cpp's lfm2moe loader requires beyond the generic checks: `shortconv.l_cache`
+    (> 1) with a `[n_embd, l_cache]` kernel per convolution layer, MoE exactly from layer
+    `leading_dense_block_count` on, each MoE layer's selection bias `exp_probs_b` (`[E]`), and
+    attention as wide as the model (`attn_output` is `[n_embd, n_embd]`)."""
+    l_cache = meta.integer(Keys.ShortConv.L_CACHE, lo=2)
+    for i, h in enumerate(n_head_kv):
+        name = f"blk.{i}.shortconv.conv.weight"
+        if h == 0 and (name not in tensors or tensors[name].shape != (n_embd, l_cache)):
+            got = tensors[name].shape if name in tensors else "missing"
+            raise InvalidGGUFError(
+                f"{meta.path}: layer {i} has no KV heads (a short convolution), so it needs "
+                f"{name} of shape ({n_embd}, {l_cache}) [n_embd, shortconv.l_cache]; got {got}"
+            )
+    lead = meta.integer(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0)
+    if moe_layers != tuple(range(lead, len(n_head_kv))):
+        raise meta.fail(
+            Keys.LLM.LEADING_DENSE_BLOCK_COUNT,
+            f"= {lead}, but the expert tensors are in layers {list(moe_layers)}; llama.cpp runs "
+            f"experts in every layer from {lead} on",
+        )
+    for i in moe_layers:
+        name = f"blk.{i}.exp_probs_b.bias"
+        if name not in tensors or tensors[name].shape != (n_experts,):
+            got = tensors[name].shape if name in tensors else "missing"
+            raise InvalidGGUFError(
+                f"{meta.path}: MoE layer {i} needs its expert selection bias {name} of shape "
+                f"({n_experts},) (llama.cpp requires it for lfm2moe); got {got}"
+            )
+    if any(n_head_kv) and attn_width != n_embd:
+        raise meta.fail(
+            Keys.Attention.HEAD_COUNT,
+            f"x key_length = {attn_width} must equal embedding_length = {n_embd} for lfm2moe "
+            "(its attention output projection is square)",
+        )
+
+
 def _check_qk_norm(
     path: Path, kind: str, tensors: Mapping[str, TensorInfo], full: int, head: int
 ) -> None:
@@ -597,6 +664,9 @@ class ModelSpec:
         _check_qk_norm(p, qk_norm, tensors, n_head * head_dim_k, head_dim_k)
         if family == "lfm2moe":
             attention_layers = tuple(i for i in range(n_layers) if n_head_kv[i] > 0)
+            _check_lfm2moe(
+                meta, tensors, n_head_kv, moe_layers, n_experts, n_embd, n_head * head_dim_k
+            )
         else:
             attention_layers = tuple(range(n_layers))
         q_lora = meta.integer(Keys.Attention.Q_LORA_RANK, 0)
@@ -724,6 +794,7 @@ class ModelSpec:
         if kw["family"] not in FAMILIES.values():
             raise PackFormatError(f"model spec family {kw['family']!r} is unknown")
         _check_spec_ranges(kw)
+        _check_spec_layer_kinds(kw)
         return cls(path="", tensors={}, **kw)
 
     # ------------------------------------------------------------------ queries

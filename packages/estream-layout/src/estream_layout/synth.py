@@ -53,12 +53,14 @@ PRESETS: Final = (
     "qwen3-30b-a3b",
     "mixtral-8x7b",
     "deepseek-v2-lite",
+    "lfm2-8b-a1b",
 )
 # Presets that are the shape of one published model, hence of one architecture only.
 PRESET_ARCH: Final = {
     "qwen3-30b-a3b": "qwen3moe",
     "mixtral-8x7b": "mixtral",
     "deepseek-v2-lite": "deepseek2",
+    "lfm2-8b-a1b": "lfm2moe",
 }
 GGUF_ARCH: Final = {
     "olmoe": "olmoe",
@@ -113,6 +115,15 @@ class SynthDims:
     yarn_factor: float = 0.0
     yarn_orig_ctx: int = 0
     yarn_log_mul: float = 0.0
+
+    # lfm2moe: the layers with attention (the others are short convolutions); None: the odd ones
+    attention_layers: tuple[int, ...] | None = None
+
+    def lfm2_is_attention(self, layer: int) -> bool:
+        """Whether lfm2moe layer `layer` attends (else it is a short convolution)."""
+        if self.attention_layers is None:
+            return layer % 2 == 1
+        return layer in self.attention_layers
 
 
 def synth_dims(arch: str, preset: str) -> SynthDims:
@@ -201,6 +212,28 @@ def synth_dims(arch: str, preset: str) -> SynthDims:
             head_dim=128,
             n_vocab=151936,
             n_ctx=40960,
+        )
+    if preset == "lfm2-8b-a1b":
+        # LiquidAI/LFM2-8B-A1B config.json: 24 layers, hidden 2048, 32 q / 8 kv heads of 64,
+        # layer_types with full attention at layers 2, 6, 10, 14, 18, 21 (the other 18 are
+        # gated short convolutions, conv_L_cache 3), num_dense_layers 2 (intermediate_size
+        # 7168), 32 experts top-4 of moe_intermediate_size 1792 (sigmoid router with expert
+        # bias, norm_topk_prob), vocab 65536, rope_theta 1e6, max_position_embeddings 128000.
+        return SynthDims(
+            n_layers=24,
+            n_embd=2048,
+            n_ff_exp=1792,
+            n_ff=7168,
+            n_experts=32,
+            n_experts_used=4,
+            n_head=32,
+            n_head_kv=8,
+            head_dim=64,
+            n_vocab=65536,
+            n_ctx=128000,
+            n_leading_dense=2,
+            l_cache=3,
+            attention_layers=(2, 6, 10, 14, 18, 21),
         )
     if preset == "mixtral-8x7b":
         # mistralai/Mixtral-8x7B-v0.1 config.json: 32 layers, hidden 4096, 32 q / 8 kv heads of
@@ -439,7 +472,7 @@ def _tensor_plan(arch: str, d: SynthDims, n_vocab: int, expert_type: GGMLQuantiz
                 ts += experts(i)
                 ts.append(_T(p + "exp_probs_b.bias", (E,), F32, "bias"))
             ts.append(N(p + "attn_norm.weight", ne))
-            if _lfm2_is_attention(i):
+            if d.lfm2_is_attention(i):
                 ts += [
                     N(p + "attn_q_norm.weight", hd),
                     N(p + "attn_k_norm.weight", hd),
@@ -458,10 +491,8 @@ def _tensor_plan(arch: str, d: SynthDims, n_vocab: int, expert_type: GGMLQuantiz
     return ts
 
 
-def _lfm2_is_attention(layer: int) -> bool:
-    # LFM2 interleaves short-convolution blocks with a few attention blocks; here every
-    # second layer (1, 3, 5, ...) attends.
-    return layer % 2 == 1
+# rope_theta of the real model families (olmoe and deepseek2 keep llama.cpp's default 1e4).
+_ROPE_BASE: Final = {"qwen3moe": 1e6, "mixtral": 1e6, "lfm2moe": 1e6}
 
 
 def _arch_keys(arch: str, d: SynthDims, n_vocab: int) -> list[tuple[str, Any, GGUFValueType]]:
@@ -481,7 +512,7 @@ def _arch_keys(arch: str, d: SynthDims, n_vocab: int) -> list[tuple[str, Any, GG
         (k(Keys.LLM.BLOCK_COUNT), d.n_layers, U32),
         (k(Keys.Attention.HEAD_COUNT), d.n_head, U32),
         (k(Keys.Attention.LAYERNORM_RMS_EPS), 1e-5 if arch != "qwen3moe" else 1e-6, F32v),
-        (k(Keys.Rope.FREQ_BASE), {"qwen3moe": 1e6, "mixtral": 1e6}.get(arch, 10000.0), F32v),
+        (k(Keys.Rope.FREQ_BASE), _ROPE_BASE.get(arch, 10000.0), F32v),
         (k(Keys.LLM.EXPERT_COUNT), d.n_experts, U32),
         (k(Keys.LLM.EXPERT_USED_COUNT), d.n_experts_used, U32),
     ]
@@ -744,7 +775,7 @@ def synth_model(
         for key, val, vtype in _arch_keys(arch, d, n_vocab):
             writer.add_key_value(key, val, vtype)
         if arch == "lfm2moe":
-            kv = [d.n_head_kv if _lfm2_is_attention(i) else 0 for i in range(d.n_layers)]
+            kv = [d.n_head_kv if d.lfm2_is_attention(i) else 0 for i in range(d.n_layers)]
             writer.add_key_value(
                 Keys.Attention.HEAD_COUNT_KV.format(arch="lfm2moe"),
                 kv,

@@ -25,7 +25,7 @@ from estream_layout import ModelSpec
 
 from ..errors import UnsupportedModelError
 from ..packed import PackedModel
-from . import deepseek2, llama, olmoe, qwen3moe
+from . import deepseek2, lfm2moe, llama, olmoe, qwen3moe
 from .ops import Ops, Weights
 
 __all__ = ["ARCHITECTURES", "Architecture", "architecture"]
@@ -47,6 +47,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3moe": qwen3moe,
     "llama": llama,  # with experts: Mixtral
     "deepseek2": deepseek2,
+    "lfm2moe": lfm2moe,
 }
 
 

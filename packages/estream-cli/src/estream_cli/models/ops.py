@@ -37,11 +37,13 @@ __all__ = [
     "MoE",
     "Ops",
     "Rope",
+    "ShortConv",
     "Weights",
     "bind_attention",
     "bind_ffn",
     "bind_head",
     "bind_moe",
+    "bind_short_conv",
     "dequantize",
     "yarn_factor",
     "yarn_log_mul",
@@ -149,6 +151,26 @@ class Attention:
 
 
 @attrs.frozen
+class ShortConv:
+    """LFM2's gated short convolution (llama.cpp `build_shortconv_block`): ``in_proj`` makes
+    three gates B, C, x; ``out_proj(C * conv(B * x))`` with a causal depthwise convolution of
+    ``taps`` (`shortconv.l_cache`) over the tokens, the last tap on the current token."""
+
+    in_proj: DenseTensor  # [3 d, d]: B, C, x in that order
+    kernel: np.ndarray = attrs.field(eq=False)  # [d, taps] f32
+    out_proj: DenseTensor  # [d, d]
+
+    def __attrs_post_init__(self) -> None:
+        d = self.out_proj.shape[0]
+        if self.in_proj.shape[0] != 3 * d or self.kernel.ndim != 2 or self.kernel.shape[0] != d:
+            raise ValueError(
+                f"short convolution shapes disagree: in_proj {self.in_proj.shape}, kernel "
+                f"{self.kernel.shape}, out_proj {self.out_proj.shape} (expected [3d, d], [d, taps], "
+                "[d, d])"
+            )
+
+
+@attrs.frozen
 class FFN:
     """A dense SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`."""
 
@@ -244,6 +266,23 @@ def bind_ffn(model: PackedModel, i: int, tag: str = "") -> FFN:
         model.dense(f"{p}gate{tag}.weight"),
         model.dense(f"{p}up{tag}.weight"),
         model.dense(f"{p}down{tag}.weight"),
+    )
+
+
+def bind_short_conv(model: PackedModel, i: int) -> ShortConv:
+    """Layer `i`'s `shortconv.{in_proj,conv,out_proj}` (an lfm2moe layer with no KV heads)."""
+    p = f"blk.{i}.shortconv."
+    kernel = model.dense(p + "conv.weight").f32()
+    taps = model.hparams.shortconv_l_cache
+    if kernel.ndim != 2 or kernel.shape[1] != taps:
+        raise PackError(
+            f"{model.path}: {p}conv.weight has shape {kernel.shape}, expected "
+            f"[n_embd, shortconv.l_cache = {taps}]"
+        )
+    return ShortConv(
+        in_proj=model.dense(p + "in_proj.weight"),
+        kernel=np.ascontiguousarray(kernel),
+        out_proj=model.dense(p + "out_proj.weight"),
     )
 
 
@@ -343,6 +382,36 @@ class Ops:
         if self.branches is None:
             return htp.attention(q, k, v, scale, causal=True)
         return _branch_attention(q, k, v, scale, *self.branches)
+
+    def short_conv(self, w: ShortConv, h: np.ndarray) -> np.ndarray:
+        """B, C, x = in_proj(h); out_proj(C * conv(B * x)), the convolution causal per sequence."""
+        d = w.out_proj.shape[0]
+        bcx = self.matmul(h, w.in_proj)
+        bx = bcx[:, :d] * bcx[:, 2 * d : 3 * d]
+        y = bcx[:, d : 2 * d] * self.causal_conv(bx, w.kernel)
+        return self.matmul(np.ascontiguousarray(y), w.out_proj)
+
+    def causal_conv(self, x: np.ndarray, kernel: np.ndarray) -> np.ndarray:
+        """Depthwise causal convolution of ``x[T, C]`` along the tokens of each sequence.
+
+        With branches, the prefix is one sequence and each branch continues it: a branch's
+        first rows see the prefix's last ``taps - 1`` rows (zeros before the first token), never
+        another branch's rows, exactly as if ``prefix + branch`` were prefilled alone."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if self.branches is None:
+            return htp.conv1d_causal(x, kernel)
+        n_prefix, segments = self.branches
+        taps = kernel.shape[1]
+        out = np.empty_like(x)
+        if n_prefix:
+            out[:n_prefix] = htp.conv1d_causal(np.ascontiguousarray(x[:n_prefix]), kernel)
+        history = np.zeros((taps - 1, x.shape[1]), dtype=np.float32)
+        keep = min(taps - 1, n_prefix)
+        if keep:
+            history[taps - 1 - keep :] = x[n_prefix - keep : n_prefix]
+        for s, n in segments:
+            out[s : s + n] = htp.conv1d_causal(np.ascontiguousarray(x[s : s + n]), kernel, history)
+        return out
 
     def dense_ffn(self, h: np.ndarray, w: FFN) -> np.ndarray:
         g = self.matmul(h, w.gate)
