@@ -183,6 +183,7 @@ class Engine:
         _check_counts(G=G, Q=Q, B=B, n_threads=n_threads)
         t0 = time.perf_counter()
         self._closed = False
+        self._n_passes = 0  # passes run, numbering each pass's metrics ("pass_id")
         self._mem0 = memory.mem_available()
         self.mode, self.schedule = mode, schedule
         self.progress = progress
@@ -340,8 +341,10 @@ class Engine:
         others' results; a request that fails on its own raises — or, with
         ``return_exceptions``, its exception is yielded in its place (checking errors too).
         Ctrl-C is never retried."""
-        if batch_tokens is None:
-            batch_tokens = self.default_batch_tokens(all_logits=all_logits)
+        requests = list(requests)
+        if batch_tokens is None:  # a branch request returns logits for all its branch tokens
+            rows = all_logits or any(isinstance(r, BranchRequest) for r in requests)
+            batch_tokens = self.default_batch_tokens(all_logits=rows)
         _check_counts(batch_tokens=batch_tokens)
         limit = int(batch_tokens)
         pending: list[tuple[list[np.ndarray] | None, BaseException | None]] = []
@@ -445,6 +448,8 @@ class Engine:
             ids, layout, None if every else np.concatenate(rows), out_spans, return_hidden
         )
         metrics["requests"] = len(parts)
+        metrics["pass_id"] = self._n_passes
+        self._n_passes += 1
         results = []
         for i, (ps, (a, b), (o0, o1)) in enumerate(
             zip(parts, layout.requests, out_spans, strict=True)
