@@ -346,7 +346,7 @@ class Engine:
             rows = all_logits or any(isinstance(r, BranchRequest) for r in requests)
             batch_tokens = self.default_batch_tokens(all_logits=rows)
         _check_counts(batch_tokens=batch_tokens)
-        limit = int(batch_tokens)
+        limit = min(int(batch_tokens), self.max_pass_tokens)
         pending: list[tuple[list[np.ndarray] | None, BaseException | None]] = []
         total = 0
 
