@@ -216,6 +216,13 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _save(out: Path, doc: dict[str, Any]) -> None:
+    out.parent.mkdir(exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="olmoe-1b-7b")
@@ -236,6 +243,7 @@ def main() -> int:
         "at the end unless --keep; the shared benchmark cache is not touched)",
     )
     ap.add_argument("--keep", action="store_true", help="keep the synthesized model")
+    ap.add_argument("--out", type=Path, default=None, help="default bench-results/bench_tasks.json")
     args = ap.parse_args()
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -248,6 +256,7 @@ def main() -> int:
     if args.requests < 1:
         ap.error("--requests must be at least 1")
     budget = parse_bytes(args.budget)
+    out = args.out or ROOT / "bench-results" / "bench_tasks.json"
     cache = args.cache or Path(tempfile.mkdtemp(prefix="estream-bench-tasks-"))
     bench_engine.CACHE = cache
     llama_note = "skipped (--no-llama)" if args.no_llama else _llama_available()
@@ -307,11 +316,7 @@ def main() -> int:
                     f"{k} (warm)": ok[k]["run_s"] / b for k in ("stream", "llama.cpp") if k in ok
                 }
             doc["sets"].append(entry)
-        out = ROOT / "bench-results" / "bench_tasks.json"
-        out.parent.mkdir(exist_ok=True)
-        tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        tmp.replace(out)
+            _save(out, doc)  # after every set: a long run interrupted keeps what it measured
         print()
         print(table(doc))
         print(f"\nwritten to {out}")
