@@ -301,6 +301,12 @@ def bench_engine(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_tasks(session: nox.Session) -> None:
+    """Many short requests (MASSIVE..ARC-C lengths): batched vs unbatched stream, resident, llama.cpp."""
+    _bench(session, ROOT / "integration" / "bench" / "bench_tasks.py", all_pkgs=True)
+
+
+@nox.session
 def bench_scale(session: nox.Session) -> None:
     """Qwen3-30B-A3B and Mixtral-8x7B shapes streamed within 2/4 GiB (≈ 80 GB of disk, hours)."""
     _bench(session, ROOT / "integration" / "bench" / "bench_scale.py", all_pkgs=True)

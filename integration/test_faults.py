@@ -383,15 +383,30 @@ def test_batch_reports_each_failure_and_goes_on(
     """Defect 6: in batch mode the first engine error ended the whole batch."""
     reqs = tmp_path / "r.jsonl"
     reqs.write_text("".join(json.dumps({"id": i, "prompt": f"hello {i}"}) + "\n" for i in range(4)))
+    # one request per pass: the request whose pass failed reports it, the others go on
+    _FailOnce(monkeypatch, experts_mod.StreamedExperts, "run_layer", OSError(5, "I/O error"))
+    rc, out, err = _run(
+        capsys, "embed", str(packs["a"]), "--input", str(reqs), "-G", "2", "-B", "2",
+        "--batch-tokens", "1",
+    )  # fmt: skip
+    lines = [json.loads(ln) for ln in out.splitlines()]
+    assert [ln["id"] for ln in lines] == [0, 1, 2, 3]
+    assert "error" in lines[0] and "I/O error" in lines[0]["error"]
+    assert all("error" not in ln for ln in lines[1:])
+    assert rc == 1 and "Traceback" not in err and "1 failed" in err
+    want = [ln["embedding"] for ln in lines[1:]]
+    # all four in one pass: the failed pass is re-run request by request and every request
+    # is answered, as alone
+    monkeypatch.undo()
     _FailOnce(monkeypatch, experts_mod.StreamedExperts, "run_layer", OSError(5, "I/O error"))
     rc, out, err = _run(
         capsys, "embed", str(packs["a"]), "--input", str(reqs), "-G", "2", "-B", "2"
     )
     lines = [json.loads(ln) for ln in out.splitlines()]
     assert [ln["id"] for ln in lines] == [0, 1, 2, 3]
-    assert "error" in lines[0] and "I/O error" in lines[0]["error"]
-    assert all("error" not in ln for ln in lines[1:])
-    assert rc == 1 and "Traceback" not in err and "1 failed" in err
+    assert all("error" not in ln for ln in lines), lines
+    assert rc == 0 and "in 4 passes" in err and "failed" not in err
+    np.testing.assert_allclose([ln["embedding"] for ln in lines[1:]], want, rtol=1e-6)
 
 
 # ------------------------------------------------------------------------------ arguments

@@ -374,3 +374,47 @@ def test_progress_bar_only_on_a_terminal(models, tmp_path, monkeypatch):
     assert len(out.getvalue().splitlines()) == 4
     bar = err.getvalue()
     assert "\r" in bar and "4/4" in bar and "1/4" in bar and "4 requests" in bar
+
+
+@pytest.mark.parametrize("task", ["classify", "score", "rerank", "embed"])
+def test_batch_shares_passes_and_a_bad_request_keeps_its_line(models, api, tmp_path, capsys, task):
+    """A JSONL batch runs its requests in shared passes (the default budget takes them all);
+    a request longer than the context fails on its own line, the others are answered as alone;
+    --batch-tokens 1 gives every request passes of its own with the same answers."""
+    eng, _tok = api
+    too_long = "z " * (eng.hp.n_ctx + 8)
+    field = {"classify": "prompt", "score": "context", "rerank": "query", "embed": "prompt"}[task]
+    texts = ["First one", too_long, "Second", "Third and last"]
+    reqs = [{"id": i, field: t} for i, t in enumerate(texts)]
+    extra = {
+        "classify": ["--labels", "yes,no maybe"],
+        "score": ["--choice", "up", "--choice", "down below"],
+        "rerank": ["--docs-file", str(jsonl(tmp_path / "d.txt", ["cats", "dogs bark"]))],
+        "embed": [],
+    }[task]
+    f = jsonl(tmp_path / "b.jsonl", reqs)
+    rc, out, err = run(capsys, task, models[0], "--input", f, *extra, *ENGINE)
+    assert rc == 2 and "1 failed" in err
+    docs = [json.loads(x) for x in out.splitlines()]
+    assert [d["id"] for d in docs] == [0, 1, 2, 3]
+    assert "longer than the model context" in docs[1]["error"]
+    ok = [docs[i] for i in (0, 2, 3)]
+    ids = {p["pass_id"] for d in ok for p in d["metrics"]["pass"]}
+    assert len(ids) == 1 and "in 1 passes" in err  # the three answered requests share a pass
+    assert all(d["metrics"]["pass"][0]["requests"] == 3 for d in ok)
+    rc1, out1, _err1 = run(
+        capsys, task, models[0], "--input", f, *extra, "--batch-tokens", "1", *ENGINE
+    )
+    assert rc1 == 2
+    alone = [json.loads(x) for x in out1.splitlines()]
+    assert len({p["pass_id"] for i in (0, 2, 3) for p in alone[i]["metrics"]["pass"]}) >= 3
+
+    def numbers(d):
+        if task == "embed":
+            return d["embedding"]
+        key = {"classify": "labels", "score": "choices", "rerank": "docs"}[task]
+        return [x.get("logprob", x.get("score")) for x in d[key]]
+
+    for i in (0, 2, 3):
+        np.testing.assert_allclose(numbers(docs[i]), numbers(alone[i]), rtol=1e-5, atol=1e-6)
+        assert docs[i]["metrics"]["tokens"] == alone[i]["metrics"]["tokens"]

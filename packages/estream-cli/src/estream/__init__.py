@@ -5,6 +5,8 @@ from __future__ import annotations
 from estream_cli import (
     MODES,
     BadRequestError,
+    BranchRequest,
+    BranchResult,
     BudgetTooSmallError,
     Engine,
     EStreamError,
@@ -18,6 +20,8 @@ from estream_cli import (
 __all__ = [
     "MODES",
     "BadRequestError",
+    "BranchRequest",
+    "BranchResult",
     "BudgetTooSmallError",
     "EStreamError",
     "Engine",

@@ -5,7 +5,15 @@ The public Python API is re-exported by the `estream` module: `estream.load(path
 
 from __future__ import annotations
 
-from .engine import MODES, Engine, PrefillResult, StreamConfig, load
+from .engine import (
+    MODES,
+    BranchRequest,
+    BranchResult,
+    Engine,
+    PrefillResult,
+    StreamConfig,
+    load,
+)
 from .errors import (
     BadRequestError,
     BudgetTooSmallError,
@@ -18,6 +26,8 @@ from .errors import (
 __all__ = [
     "MODES",
     "BadRequestError",
+    "BranchRequest",
+    "BranchResult",
     "BudgetTooSmallError",
     "EStreamError",
     "Engine",

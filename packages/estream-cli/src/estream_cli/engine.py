@@ -13,7 +13,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,23 +23,78 @@ import numpy as np
 import estream_arena as ea
 import estream_htp as htp
 import estream_sched as es
+from estream_layout import ModelSpec
 
 from . import memory
-from .config import StreamConfig, resolve_config
+from .config import StreamConfig, configure_for_budget, resolve_config
 from .errors import BadRequestError, NonFiniteError
 from .experts import SCHEDULES, ExpertSource, GroupRecord, ResidentExperts, StreamedExperts
 from .metrics import build_events, run_metrics
 from .models import architecture
-from .models.ops import Branches, Ops
+from .models.ops import Ops, SeqLayout
 from .packed import PackedModel
 
-__all__ = ["ACTS", "MODES", "BranchResult", "Engine", "PrefillResult", "StreamConfig", "load"]
+__all__ = [
+    "ACTS",
+    "DEFAULT_ACTIVATION_BYTES",
+    "MODES",
+    "BranchRequest",
+    "BranchResult",
+    "Engine",
+    "PrefillResult",
+    "Request",
+    "StreamConfig",
+    "load",
+    "pass_bytes_per_token",
+]
 
 MODES = ("stream", "resident", "naive", "layer")
 # How activations meet the Q4_0/Q8_0 weights: "q8" (int8 per 32-block, like GGML's Q8_0: fast)
 # or "f32" (dequantized weights, fp32 products: matches a float64 reference to ~1e-6).
 ACTS = ("q8", "f32")
 DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
+#: Activation memory a pass of `Engine.prefill_many` may use when no budget says otherwise.
+DEFAULT_ACTIVATION_BYTES = 256 << 20
+MIN_BATCH_TOKENS, MAX_BATCH_TOKENS = 64, 8192
+PROFILE_TOKENS = 256  # the pass `estream profile` measures by default
+#: Most tokens one pass takes (what the expert op is sized for).
+MAX_PASS_TOKENS = 1 << 16
+
+
+def pass_bytes_per_token(hp: ModelSpec, *, all_logits: bool = False) -> int:
+    """Bytes of activations and scratch a pass holds per token, at its peak (README:
+    "Batching"): float32 ``4 * (6 d + 2 q + 2 kv + 3 f + E + V_l)`` plus the routes
+    ``12 k`` and the int8 copy of a GEMM input ``d (1 + 8/32)``, where ``d`` is the model
+    width, ``q``/``kv`` the widest query and key+value projections, ``f`` the widest resident
+    FFN (dense or shared experts), ``E``/``k`` the experts and experts per token, ``V_l`` the
+    vocabulary when every position's logits are returned (else 0)."""
+    d = hp.n_embd
+    if hp.arch == "deepseek2":
+        q = hp.n_head * hp.head_dim_k_mla
+        kv = hp.n_head * (hp.head_dim_k_mla + hp.head_dim_v_mla) + hp.kv_lora_rank
+    else:
+        q = hp.n_head * hp.head_dim_k
+        kv = max(hp.n_head_kv, default=0) * (hp.head_dim_k + hp.head_dim_v)
+        kv = max(kv, 3 * d) if hp.shortconv_l_cache else kv  # LFM2's in_proj: B, C, x
+    f = max(hp.n_ff, hp.n_ff_shexp)
+    v = hp.n_vocab if all_logits else 0
+    return (
+        4 * (6 * d + 2 * q + 2 * kv + 3 * f + hp.n_experts + v)
+        + 12 * hp.n_experts_used
+        + (d + d // 4)
+    )
+
+
+@attrs.frozen
+class BranchRequest:
+    """A shared prefix and its continuations as one request of `Engine.prefill_batch`."""
+
+    prefix: Sequence[int] | np.ndarray
+    branches: Sequence[Sequence[int] | np.ndarray]
+
+
+#: What `Engine.prefill_batch` takes: a token sequence or a shared prefix with branches.
+Request = Sequence[int] | np.ndarray | BranchRequest
 
 
 @attrs.frozen
@@ -128,6 +183,7 @@ class Engine:
         _check_counts(G=G, Q=Q, B=B, n_threads=n_threads)
         t0 = time.perf_counter()
         self._closed = False
+        self._n_passes = 0  # passes run, numbering each pass's metrics ("pass_id")
         self._mem0 = memory.mem_available()
         self.mode, self.schedule = mode, schedule
         self.progress = progress
@@ -147,8 +203,9 @@ class Engine:
             if backend == "host"
             else htp.Backend(backend, n_threads=htp.get_num_threads(), act=act)
         )
+        self.max_pass_tokens = max(hp.n_ctx, MAX_PASS_TOKENS)
         self.graph = htp.ExpertGraph(
-            hp.n_embd, hp.n_ff_exp, self._capacity, hp.n_ctx, backend=self.backend
+            hp.n_embd, hp.n_ff_exp, self._capacity, self.max_pass_tokens, backend=self.backend
         )
         try:
             self.experts: ExpertSource
@@ -191,6 +248,23 @@ class Engine:
             )
         return ids.astype(np.int32)
 
+    def check_request(self, request: Request) -> list[np.ndarray]:
+        """A request's token ids, checked: ``[ids]`` for a sequence, ``[prefix, *branches]``
+        for a `BranchRequest`. Raises `BadRequestError` on a bad request (nothing runs)."""
+        if not isinstance(request, BranchRequest):
+            return [self._check_tokens(request)]
+        pre = self._check_tokens(request.prefix)
+        if isinstance(request.branches, str | bytes) or not len(request.branches):
+            raise BadRequestError("need at least one continuation")
+        brs = [self._check_tokens(b) for b in request.branches]
+        longest = max(int(b.size) for b in brs)
+        if pre.size + longest > self.hp.n_ctx:
+            raise BadRequestError(
+                f"prefix of {pre.size} tokens plus a continuation of {longest} is longer than "
+                f"the model context ({self.hp.n_ctx})"
+            )
+        return [pre, *brs]
+
     def prefill(
         self,
         tokens: Sequence[int] | np.ndarray,
@@ -200,12 +274,10 @@ class Engine:
     ) -> PrefillResult:
         """Run one causal forward pass; return next-token logits (or all positions').
 
-        ``return_hidden`` adds the final-normed hidden state of every position ``[T, d]``."""
-        ids = self._check_tokens(tokens)
-        T = int(ids.size)
-        pos = np.arange(T, dtype=np.int32)
-        rows = None if all_logits else np.array([T - 1])
-        return self._forward(ids, pos, None, rows, return_hidden, single=not all_logits)
+        ``return_hidden`` adds the final-normed hidden state of every position ``[T, d]``.
+        The metrics are the pass's (see `prefill_batch` for a pass of several requests)."""
+        (res,), _ = self._batch([self.check_request(tokens)], all_logits, return_hidden, False)
+        return res  # type: ignore[return-value]
 
     def prefill_branches(
         self,
@@ -219,44 +291,189 @@ class Engine:
         Each branch attends to the whole prefix and causally to itself, at positions
         ``len(prefix) ..``, exactly as if ``prefix + branch`` were prefilled alone — but the
         prefix is computed once and the experts are streamed once for all branches."""
-        pre = self._check_tokens(prefix)
-        P = int(pre.size)
-        brs = [self._check_tokens(b) for b in branches]
-        if not brs:
-            raise BadRequestError("need at least one continuation")
-        longest = max(int(b.size) for b in brs)
-        if P + longest > self.hp.n_ctx:
-            raise BadRequestError(
-                f"prefix of {P} tokens plus a continuation of {longest} is longer than the "
-                f"model context ({self.hp.n_ctx})"
-            )
-        ids = np.concatenate([pre, *brs]).astype(np.int32)
-        pos_parts = [np.arange(P, dtype=np.int32)]
-        segments: list[tuple[int, int]] = []
-        start = P
-        for b in brs:
-            n = int(b.size)
-            pos_parts.append(np.arange(P, P + n, dtype=np.int32))
-            segments.append((start, n))
-            start += n
-        pos = np.concatenate(pos_parts)
-        rows = np.concatenate([[P - 1], np.arange(P, ids.size)])
-        res = self._forward(ids, pos, (P, segments), rows, return_hidden, single=False)
-        branch_logits = []
-        off = 1
-        for _, n in segments:
-            branch_logits.append(res.logits[off : off + n])
-            off += n
-        return BranchResult(
-            prefix_logits=res.logits[0],
-            branch_logits=branch_logits,
-            hidden=res.hidden,
-            segments=segments,
-            metrics=res.metrics,
-        )
+        parts = self.check_request(BranchRequest(prefix, branches))
+        (res,), _ = self._batch([parts], False, return_hidden, False)
+        return res  # type: ignore[return-value]
 
-    def _forward(self, *args: Any, **kwargs: Any) -> PrefillResult:
-        """One request; if it fails half-way (read/checksum error, Ctrl-C, ...) the expert
+    def prefill_batch(
+        self,
+        requests: Sequence[Request],
+        *,
+        all_logits: bool = False,
+        return_hidden: bool = False,
+    ) -> list[Any]:
+        """Several independent requests in ONE forward pass: each expert group is streamed
+        once for all of them.
+
+        A request is a token sequence (its result a `PrefillResult`: ``logits`` of the last
+        position, or ``[T_i, n_vocab]`` with ``all_logits``; ``hidden [T_i, d]`` with
+        ``return_hidden``) or a `BranchRequest` (its result a `BranchResult`, as
+        `prefill_branches` gives). The tokens are packed one request after another; attention
+        is block-diagonal over requests and causal within each, positions restart at 0 per
+        request, and short convolutions never see another request's rows: each result equals
+        that of the request run alone (to float rounding: every kernel computes a row by itself,
+        BLAS products run per request).
+
+        Every result's ``metrics`` holds the request's own ``tokens``, its ``index`` in the
+        pass and ``pass``: the pass's metrics (one dict shared by all its results: time, bytes
+        read, peak memory, ``requests``, ``tokens`` of the whole pass, …)."""
+        if isinstance(requests, str | bytes | np.ndarray) or not len(requests):
+            raise BadRequestError("need a non-empty list of requests")
+        parts = [self.check_request(r) for r in requests]
+        results, _ = self._batch(parts, all_logits, return_hidden, True)
+        return results
+
+    def prefill_many(
+        self,
+        requests: Iterable[Request],
+        *,
+        batch_tokens: int | None = None,
+        all_logits: bool = False,
+        return_hidden: bool = False,
+        return_exceptions: bool = False,
+    ) -> Iterator[Any]:
+        """Results of ``requests`` in order, run as passes of `prefill_batch` formed in arrival
+        order: a pass takes requests while their tokens fit in ``batch_tokens`` (default
+        `default_batch_tokens`); a request longer than that runs alone.
+
+        Each request is checked before any pass is formed. When a pass fails (a read error,
+        NaN, …) its requests are run again one by one, so that one bad request cannot lose the
+        others' results; a request that fails on its own raises — or, with
+        ``return_exceptions``, its exception is yielded in its place (checking errors too).
+        Ctrl-C is never retried."""
+        requests = list(requests)
+        if batch_tokens is None:  # a branch request returns logits for all its branch tokens
+            rows = all_logits or any(isinstance(r, BranchRequest) for r in requests)
+            batch_tokens = self.default_batch_tokens(all_logits=rows)
+        _check_counts(batch_tokens=batch_tokens)
+        limit = min(int(batch_tokens), self.max_pass_tokens)
+        pending: list[tuple[list[np.ndarray] | None, BaseException | None]] = []
+        total = 0
+
+        def flush() -> Iterator[Any]:
+            nonlocal total
+            batch = [p for p, _ in pending if p is not None]
+            results: list[Any] = []
+            if batch:
+                try:
+                    results, _ = self._batch(batch, all_logits, return_hidden, True)
+                except Exception as exc:
+                    if len(batch) == 1:
+                        results = [exc]
+                    else:  # one by one: a request's failure must not lose the others'
+                        results = []
+                        for p in batch:
+                            try:
+                                results += self._batch([p], all_logits, return_hidden, True)[0]
+                            except Exception as exc1:
+                                results.append(exc1)
+            it = iter(results)
+            for p, err in list(pending):
+                out = err if p is None else next(it)
+                if isinstance(out, BaseException) and not return_exceptions:
+                    pending.clear()
+                    raise out
+                yield out
+            pending.clear()
+            total = 0
+
+        for req in requests:
+            try:
+                parts = self.check_request(req)
+            except BadRequestError as exc:
+                if not return_exceptions:
+                    yield from flush()
+                    raise
+                pending.append((None, exc))
+                continue
+            n = sum(int(p.size) for p in parts)
+            if pending and total + n > limit:
+                yield from flush()
+            pending.append((parts, None))
+            total += n
+        yield from flush()
+
+    def default_batch_tokens(self, *, all_logits: bool = False) -> int:
+        """Tokens per pass for `prefill_many` when none is given: the activation memory a
+        pass may use divided by `pass_bytes_per_token` (README: "Batching"), clamped to
+        ``[MIN_BATCH_TOKENS, MAX_BATCH_TOKENS]``.
+
+        The allowance is `DEFAULT_ACTIVATION_BYTES`; with a memory budget whose configuration
+        was chosen from a stored profile, it is the budget's headroom over that choice's
+        predicted memory plus the activations of the profile's own pass (already counted in
+        its measured non-arena memory)."""
+        per_token = pass_bytes_per_token(self.hp, all_logits=all_logits)
+        allowance = DEFAULT_ACTIVATION_BYTES
+        if self.budget is not None and self.config is not None and self.config.source == "budget":
+            predicted = int(configure_for_budget(self.model, self.budget).memory_bytes)
+            prof = self.model.manifest.get("profile") or {}
+            prof_tokens = int(prof.get("meta", {}).get("tokens", PROFILE_TOKENS))
+            allowance = self.budget - predicted + prof_tokens * per_token
+        n = allowance // per_token
+        return int(max(MIN_BATCH_TOKENS, min(MAX_BATCH_TOKENS, n)))
+
+    def _batch(
+        self,
+        parts: list[list[np.ndarray]],
+        all_logits: bool,
+        return_hidden: bool,
+        nested: bool,
+    ) -> tuple[list[Any], dict[str, Any]]:
+        """One pass over checked requests (`check_request`); their results and the pass's
+        metrics. ``nested``: per-request metrics with the pass's under ``pass`` (else, for a
+        one-request pass, the pass's metrics themselves)."""
+        n_rows = sum(int(p.size) for ps in parts for p in ps)
+        if n_rows > self.max_pass_tokens:
+            raise BadRequestError(
+                f"a pass of {n_rows} tokens is more than this engine takes ({self.max_pass_tokens})"
+            )
+        layout = SeqLayout.pack([[int(p.size) for p in ps] for ps in parts])
+        ids = np.concatenate([p for ps in parts for p in ps]).astype(np.int32)
+        rows: list[np.ndarray] = []
+        out_spans: list[tuple[int, int]] = []
+        n_out = 0
+        for ps, (a, b) in zip(parts, layout.requests, strict=True):
+            if len(ps) > 1:  # a branch request: after the prefix, and every branch position
+                P = int(ps[0].size)
+                r = np.concatenate([[a + P - 1], np.arange(a + P, b)])
+            elif all_logits:
+                r = np.arange(a, b)
+            else:
+                r = np.array([b - 1])
+            rows.append(r)
+            out_spans.append((n_out, n_out + r.size))
+            n_out += r.size
+        every = n_out == n_rows  # every row's logits (plain requests, all_logits)
+        out, hidden, metrics, extra = self._forward(
+            ids, layout, None if every else np.concatenate(rows), out_spans, return_hidden
+        )
+        metrics["requests"] = len(parts)
+        metrics["pass_id"] = self._n_passes
+        self._n_passes += 1
+        results = []
+        for i, (ps, (a, b), (o0, o1)) in enumerate(
+            zip(parts, layout.requests, out_spans, strict=True)
+        ):
+            hid = hidden[a:b] if hidden is not None else None
+            m = {"tokens": b - a, "index": i, "pass": metrics} if nested else metrics
+            if len(ps) > 1:
+                P = int(ps[0].size)
+                segs, off, start = [], o0 + 1, P
+                branch_logits = []
+                for br in ps[1:]:
+                    n = int(br.size)
+                    branch_logits.append(out[off : off + n])
+                    segs.append((start, n))
+                    off += n
+                    start += n
+                results.append(BranchResult(out[o0], branch_logits, hid, segs, m))
+            else:
+                lg = out[o0:o1] if all_logits else out[o0]
+                results.append(PrefillResult(logits=lg, hidden=hid, metrics=m, **extra))
+        return results, metrics
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        """One pass; if it fails half-way (read/checksum error, Ctrl-C, ...) the expert
         source is reset so that no layer stays open and no read or thread is left behind: the
         next request on this engine works."""
         try:
@@ -269,22 +486,21 @@ class Engine:
     def _forward_pass(
         self,
         ids: np.ndarray,
-        pos: np.ndarray,
-        branches: Branches | None,
+        layout: SeqLayout,
         rows: np.ndarray | None,
+        out_spans: list[tuple[int, int]],
         return_hidden: bool,
-        *,
-        single: bool,
-    ) -> PrefillResult:
+    ) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any], dict[str, Any]]:
         if self._closed:
             raise RuntimeError("engine is closed")
         htp.set_activation_format(self.act)  # type: ignore[arg-type]
         hp = self.hp
         T = int(ids.size)
+        pos = layout.positions()
         memory.reset_peak()
         # Per-request bookkeeping only: a long-lived engine must not grow without bound.
         self.experts.reset()
-        ops = Ops(hp, self.experts, branches)
+        ops = Ops(hp, self.experts, layout)
         spans: list[tuple[str, int, float, float]] = []
         show = self.progress and sys.stderr.isatty()
         t_start = time.perf_counter()
@@ -309,7 +525,7 @@ class Engine:
         head = self.weights.head
         _check_finite(x)
         hn = ops.rms_norm(np.ascontiguousarray(x if rows is None else x[rows]), head.norm)
-        out = ops.output(head, hn)
+        out = ops.output(head, hn, out_spans)
         hidden = None
         if return_hidden:
             hidden = hn if rows is None else ops.rms_norm(x, head.norm)
@@ -334,14 +550,8 @@ class Engine:
                 t_ne[layer] += s1 - s0
         metrics["layer_t_ne_s"] = t_ne
         events = build_events(t_start, spans, records, reads)
-        return PrefillResult(
-            logits=out[0] if single else out,
-            hidden=hidden,
-            metrics=metrics,
-            events=events,
-            records=records,
-            reads=list(reads),
-        )
+        extra = {"events": events, "records": records, "reads": list(reads)}
+        return out, hidden, metrics, extra
 
     def _describe(self, T: int) -> dict[str, Any]:
         c = self.config

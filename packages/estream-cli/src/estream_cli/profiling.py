@@ -124,6 +124,7 @@ def profile_model(
         bandwidth=bandwidth,
         candidates=cand,
         q_measured=1,
+        meta={"tokens": T},  # the pass m_other was measured on (batch sizing reads it)
     )
 
 

@@ -4,6 +4,8 @@ Every command answers one request given by options, or a batch: ``--input FILE.j
 for stdin), one JSON object per line whose fields are the options' (missing fields fall back
 to the options), one JSON result per line on stdout, ``id`` carried over. The whole input is
 read and checked before the model is loaded, so a bad line fails fast and names its line.
+A batch's requests share forward passes (``--batch-tokens``), each result line carrying its
+own metrics and a summary of the passes it ran in.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import attrs
 
 from . import tasks
 from .errors import BadRequestError, EStreamError
-from .options import add_engine_opts, engine_from_args
+from .options import add_engine_opts, engine_from_args, positive_int
 
 __all__ = ["add_task_commands", "read_docs_file", "read_jsonl", "read_lines_file"]
 
@@ -138,7 +140,7 @@ class _Task:
     name: str
     fields: tuple[str, ...]
     check: Callable[[dict[str, Any], argparse.Namespace, str], dict[str, Any]]
-    run: Callable[..., Any]
+    plan: Callable[..., tasks.Plan]
     show: Callable[[Any, dict[str, Any]], None]
 
 
@@ -264,11 +266,14 @@ def _requests(
 
 
 def _run(args: argparse.Namespace, task: _Task) -> int:
-    """Check every request, load the model once, answer each request in order.
+    """Check every request, load the model once, answer the requests in order.
 
-    In a batch, a request the model cannot answer (e.g. longer than the context) gets a result
-    line ``{"id": …, "error": "…"}`` and the others go on; the exit code is then 2 (1 when a
-    request failed for another reason than its content: a read or checksum error, NaN, ...)."""
+    In a batch the requests' passes are formed across requests (`tasks.run_plans`: at most
+    ``--batch-tokens`` tokens a pass, in input order), and a request the model cannot answer
+    (e.g. longer than the context) gets a result line ``{"id": …, "error": "…"}`` while the
+    others go on (a failed pass is re-run request by request); the exit code is then 2 (1
+    when a request failed for another reason than its content: a read or checksum error, NaN,
+    ...)."""
     from .tokenizer import Tokenizer
 
     t0 = time.perf_counter()
@@ -278,20 +283,29 @@ def _run(args: argparse.Namespace, task: _Task) -> int:
     template = tasks.chat_template(args.model, tok) if args.template else None
     show = batch and sys.stderr.isatty()
     failed = broken = 0
+    pass_ids: set[int] = set()
     with engine_from_args(args, progress=not (batch or args.json)) as engine:
         t1 = time.perf_counter()
-        for i, (key, where, req) in enumerate(reqs):
+        plans: list[tasks.Plan | BaseException] = []
+        for _, _, req in reqs:
             try:
-                res = task.run(engine, tok, template=template, **req)
-            except Exception as exc:  # one request's failure must not take the batch down:
-                if not batch:  # the engine resets itself after a failed request
+                plans.append(task.plan(engine, tok, template=template, **req))
+            except Exception as exc:  # a request that cannot be planned fails on its own line
+                if not batch:
                     raise
+                plans.append(exc)
+        answers = tasks.run_plans(engine, plans, batch_tokens=args.batch_tokens)
+        for i, ((key, where, req), res) in enumerate(zip(reqs, answers, strict=True)):
+            if isinstance(res, BaseException):
+                if not batch:
+                    raise res
                 failed += 1
-                if not isinstance(exc, BadRequestError):
+                if not isinstance(res, BadRequestError):
                     broken += 1
-                msg = str(exc) if isinstance(exc, EStreamError) else f"{type(exc).__name__}: {exc}"
+                msg = str(res) if isinstance(res, EStreamError) else f"{type(res).__name__}: {res}"
                 print(json.dumps({**key, "error": f"{where}: {msg}"}), flush=True)
             else:
+                pass_ids.update(p["pass_id"] for p in res.metrics["pass"])
                 if batch:
                     print(json.dumps({**key, **res.to_dict()}), flush=True)
                 elif args.json:
@@ -306,36 +320,38 @@ def _run(args: argparse.Namespace, task: _Task) -> int:
         dt = time.perf_counter() - t1
         fails = f", {failed} failed (see their 'error' field)" if failed else ""
         print(
-            f"estream {task.name}: {len(reqs)} requests in {dt:.2f} s "
+            f"estream {task.name}: {len(reqs)} requests in {len(pass_ids)} passes, {dt:.2f} s "
             f"({len(reqs) / max(dt, 1e-9):.1f}/s; load {t1 - t0:.2f} s){fails}",
             file=sys.stderr,
         )
     return 1 if broken else 2 if failed else 0
 
 
-def _run_classify(engine: Any, tok: Any, **kw: Any) -> Any:
-    return tasks.classify(engine, tok, kw.pop("prompt"), kw.pop("labels"), **kw)
+def _plan_classify(engine: Any, tok: Any, **kw: Any) -> tasks.Plan:
+    return tasks.plan_classify(engine, tok, kw.pop("prompt"), kw.pop("labels"), **kw)
 
 
-def _run_score(engine: Any, tok: Any, **kw: Any) -> Any:
-    return tasks.score(engine, tok, kw.pop("context"), kw.pop("choices"), **kw)
+def _plan_score(engine: Any, tok: Any, **kw: Any) -> tasks.Plan:
+    return tasks.plan_score(engine, tok, kw.pop("context"), kw.pop("choices"), **kw)
 
 
-def _run_rerank(engine: Any, tok: Any, **kw: Any) -> Any:
-    return tasks.rerank(engine, tok, kw.pop("query"), kw.pop("docs"), **kw)
+def _plan_rerank(engine: Any, tok: Any, **kw: Any) -> tasks.Plan:
+    return tasks.plan_rerank(engine, tok, kw.pop("query"), kw.pop("docs"), **kw)
 
 
-def _run_embed(engine: Any, tok: Any, **kw: Any) -> Any:
-    return tasks.embed(engine, tok, kw.pop("prompt"), **kw)
+def _plan_embed(engine: Any, tok: Any, **kw: Any) -> tasks.Plan:
+    return tasks.plan_embed(engine, tok, kw.pop("prompt"), **kw)
 
 
 _TASKS = {
     "classify": _Task(
-        "classify", ("prompt", "labels", "method"), _check_classify, _run_classify, _show_classify
+        "classify", ("prompt", "labels", "method"), _check_classify, _plan_classify, _show_classify
     ),
-    "score": _Task("score", ("context", "choices"), _check_score, _run_score, _show_score),
-    "rerank": _Task("rerank", ("query", "docs"), _check_rerank, _run_rerank, _show_rerank),
-    "embed": _Task("embed", ("prompt", "pool", "normalize"), _check_embed, _run_embed, _show_embed),
+    "score": _Task("score", ("context", "choices"), _check_score, _plan_score, _show_score),
+    "rerank": _Task("rerank", ("query", "docs"), _check_rerank, _plan_rerank, _show_rerank),
+    "embed": _Task(
+        "embed", ("prompt", "pool", "normalize"), _check_embed, _plan_embed, _show_embed
+    ),
 }
 
 
@@ -358,6 +374,13 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--input",
         metavar="FILE.jsonl",
         help="batch: one JSON request per line ('-': stdin); one JSON result per line",
+    )
+    p.add_argument(
+        "--batch-tokens",
+        type=positive_int,
+        metavar="N",
+        help="batch: at most N tokens per forward pass, requests packed in input order (a "
+        "longer request runs alone); default from the memory a pass may use (README: Batching)",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(

@@ -24,7 +24,7 @@ The context is tokenized with ``add_special=True`` (BOS as the model asks, like
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -36,6 +36,7 @@ from .template import ChatTemplate
 __all__ = [
     "CLASSIFY_METHODS",
     "LOGITS_BUDGET_BYTES",
+    "PASS_KEYS",
     "POOLS",
     "RERANK_PROMPT",
     "ChoiceScore",
@@ -43,6 +44,7 @@ __all__ = [
     "DocScore",
     "EmbedResult",
     "LabelScore",
+    "Plan",
     "RerankResult",
     "ScoreResult",
     "chat_template",
@@ -50,7 +52,12 @@ __all__ = [
     "continuation_ids",
     "embed",
     "encode_context",
+    "plan_classify",
+    "plan_embed",
+    "plan_rerank",
+    "plan_score",
     "rerank",
+    "run_plans",
     "score",
     "split_context",
 ]
@@ -134,17 +141,94 @@ def _normalize(logps: Sequence[float]) -> np.ndarray:
     return p / p.sum()
 
 
+#: What a task result's ``metrics["pass"]`` keeps of each pass it ran in.
+PASS_KEYS = ("pass_id", "requests", "tokens", "ttft_s", "bytes_read", "peak_memory_bytes")
+
+
 def _merge_metrics(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """One summary of several passes: tokens, time and bytes summed."""
-    out: dict[str, Any] = {"passes": len(runs)}
-    for key in ("tokens", "ttft_s", "bytes_read"):
-        vals = [r[key] for r in runs if isinstance(r.get(key), int | float)]
-        if vals:
-            out[key] = sum(vals)
-    peaks = [r["peak_memory_bytes"] for r in runs if r.get("peak_memory_bytes") is not None]
-    if peaks:
-        out["peak_memory_bytes"] = max(peaks)
-    return out
+    """A task request's metrics from its engine requests' (`Engine.prefill_many`): its own
+    ``tokens``, the number of ``passes`` it ran in, and under ``pass`` a summary of each of
+    those passes (`PASS_KEYS`: they may be shared with other requests of a batch, so sum
+    ``bytes_read`` or ``ttft_s`` over distinct ``pass_id``s)."""
+    passes: dict[int, Mapping[str, Any]] = {}
+    for r in runs:
+        p = r.get("pass", r)
+        passes.setdefault(int(p.get("pass_id", len(passes))), p)
+    return {
+        "tokens": sum(int(r["tokens"]) for r in runs),
+        "passes": len(passes),
+        "pass": [{k: p[k] for k in PASS_KEYS if k in p} for p in passes.values()],
+    }
+
+
+@attrs.frozen
+class Plan:
+    """One task request as engine requests (`Engine.prefill_many`) and how to read its answer
+    off their results: ``finish(results, metrics)``. ``hidden``: the results need the hidden
+    state. Plans of many task requests run together in `run_plans`."""
+
+    requests: list[Any]
+    finish: Callable[[list[Any], dict[str, Any]], Any]
+    hidden: bool = False
+
+
+def run_plans(
+    engine: Any,
+    plans: Iterable[Plan | BaseException],
+    *,
+    batch_tokens: int | None = None,
+) -> Iterator[Any]:
+    """Answers of ``plans`` in order, their engine requests batched across plans into passes of
+    at most ``batch_tokens`` tokens. A plan whose request failed (or that is itself an
+    exception: a request that could not be planned) yields its exception in its place; the
+    others are answered."""
+    plans = list(plans)
+    flat: list[Any] = []
+    owner: list[int] = []
+    for i, p in enumerate(plans):
+        if isinstance(p, Plan):
+            flat += p.requests
+            owner += [i] * len(p.requests)
+    hidden = any(isinstance(p, Plan) and p.hidden for p in plans)
+    results = engine.prefill_many(
+        flat, batch_tokens=batch_tokens, return_hidden=hidden, return_exceptions=True
+    )
+    done: dict[int, list[Any]] = {}
+    nxt = 0
+
+    def ready() -> Iterator[Any]:
+        nonlocal nxt
+        while nxt < len(plans):
+            p = plans[nxt]
+            if isinstance(p, BaseException):
+                yield p
+            else:
+                got = done.get(nxt, [])
+                if len(got) < len(p.requests):
+                    return
+                err = next((r for r in got if isinstance(r, BaseException)), None)
+                if err is not None:
+                    yield err
+                else:
+                    try:
+                        yield p.finish(got, _merge_metrics([r.metrics for r in got]))
+                    except Exception as exc:
+                        yield exc
+                done.pop(nxt, None)
+            nxt += 1
+
+    yield from ready()
+    for i, res in zip(owner, results, strict=True):
+        done.setdefault(i, []).append(res)
+        yield from ready()
+    yield from ready()
+
+
+def _run_one(engine: Any, plan: Plan, batch_tokens: int | None = None) -> Any:
+    (res,) = run_plans(engine, [plan], batch_tokens=batch_tokens)
+    if isinstance(res, BaseException):
+        raise res
+    return res
 
 
 @attrs.frozen
@@ -177,17 +261,18 @@ def _row_logprobs(rows: np.ndarray, toks: np.ndarray, chunk: int = 64) -> np.nda
     return out
 
 
-def _run_branches(
+def _branch_requests(
     engine: Any,
     prefix: Sequence[int],
     branches: Sequence[Sequence[int]],
     *,
-    want_last: bool = False,
     max_tokens: int | None = None,
-) -> tuple[list[_Branch], list[dict[str, Any]]]:
-    """Shared-prefix passes over ``branches``, as few as fit in ``max_tokens`` tokens each
+) -> list[Any]:
+    """Shared-prefix requests over ``branches``, as few as fit in ``max_tokens`` tokens each
     (default: the model context, capped so the returned logits stay within
-    `LOGITS_BUDGET_BYTES`); a branch longer than that still gets its own pass."""
+    `LOGITS_BUDGET_BYTES`); a branch longer than that still gets its own request."""
+    from .engine import BranchRequest
+
     for i, b in enumerate(branches):
         if not b:
             raise BadRequestError(f"continuation {i + 1} tokenizes to nothing")
@@ -201,21 +286,25 @@ def _run_branches(
         else:
             groups.append([i])
             total = len(prefix) + len(b)
-    out: list[_Branch | None] = [None] * len(branches)
-    metrics = []
-    for group in groups:
-        res = engine.prefill_branches(prefix, [branches[i] for i in group])
-        metrics.append(res.metrics)
-        for j, i in enumerate(group):
+    return [BranchRequest(prefix, [branches[i] for i in g]) for g in groups]
+
+
+def _read_branches(
+    results: Sequence[Any], branches: Sequence[Sequence[int]], *, want_last: bool = False
+) -> list[_Branch]:
+    """Per-branch log-likelihoods from the results of `_branch_requests` (in order)."""
+    out: list[_Branch] = []
+    i = 0
+    for res in results:
+        for bl in res.branch_logits:
             toks = np.asarray(branches[i], dtype=np.int64)
             n = len(toks)
-            bl = res.branch_logits[j]
             rows = np.vstack([res.prefix_logits[None, :], bl[: n - 1]])  # rows predicting toks
             greedy = rows.argmax(axis=1) == toks
             last = _log_softmax(bl[n - 1]) if want_last else None
-            out[i] = _Branch(_row_logprobs(rows, toks), greedy, last)
-        del res
-    return [b for b in out if b is not None], metrics
+            out.append(_Branch(_row_logprobs(rows, toks), greedy, last))
+            i += 1
+    return out
 
 
 # -- classify ----------------------------------------------------------------------------------
@@ -279,6 +368,23 @@ def classify(
     token (one plain prefill); ``"sequence"`` — the whole label's log-likelihood, all labels
     as branches of one shared-prefix pass; ``"auto"`` (default) — first-token when every label
     is a single token (then both agree), else sequence."""
+    plan = plan_classify(
+        engine, tokenizer, prompt, labels, method=method, delimiter=delimiter, template=template
+    )
+    return _run_one(engine, plan)  # type: ignore[no-any-return]
+
+
+def plan_classify(
+    engine: Any,
+    tokenizer: Any,
+    prompt: str,
+    labels: Sequence[str],
+    *,
+    method: str = "auto",
+    delimiter: str = " ",
+    template: ChatTemplate | None = None,
+) -> Plan:
+    """`classify` as a `Plan` (its requests checked and tokenized, nothing run)."""
     if method not in CLASSIFY_METHODS:
         raise BadRequestError(
             f"method must be one of {', '.join(CLASSIFY_METHODS)}, got {method!r}"
@@ -300,6 +406,16 @@ def classify(
     firsts = [li[0] for li in label_ids]
     if method == "auto":
         method = "first-token" if all(len(li) == 1 for li in label_ids) else "sequence"
+
+    def answer(logps: list[float], first_lp: list[float], metrics: dict[str, Any]) -> Any:
+        probs = _normalize(logps)
+        scores = tuple(
+            LabelScore(lab, tuple(li), lp_, f, float(p))
+            for lab, li, lp_, f, p in zip(labels, label_ids, logps, first_lp, probs, strict=True)
+        )
+        best = labels[int(np.argmax(logps))]
+        return ClassifyResult(scores, best, method, len(ids), metrics)
+
     if method == "first-token":
         for a in range(len(labels)):
             for b in range(a):
@@ -309,25 +425,23 @@ def classify(
                         f"({firsts[a]}): use method 'sequence' or labels that differ in "
                         "their first token"
                     )
-        res = engine.prefill(ids)
-        lp = _log_softmax(res.logits)
-        first_lp = [float(lp[t]) for t in firsts]
-        logps = first_lp
-        metrics = _merge_metrics([res.metrics])
-    else:
-        if len({tuple(li) for li in label_ids}) < len(label_ids):
-            raise BadRequestError("two labels tokenize to the same ids; make them differ")
-        branches, runs = _run_branches(engine, ids, label_ids)
+
+        def finish_first(results: list[Any], metrics: dict[str, Any]) -> Any:
+            lp = _log_softmax(results[0].logits)
+            first_lp = [float(lp[t]) for t in firsts]
+            return answer(first_lp, first_lp, metrics)
+
+        return Plan([ids], finish_first)
+    if len({tuple(li) for li in label_ids}) < len(label_ids):
+        raise BadRequestError("two labels tokenize to the same ids; make them differ")
+
+    def finish_seq(results: list[Any], metrics: dict[str, Any]) -> Any:
+        branches = _read_branches(results, label_ids)
         logps = [float(b.token_logprobs.sum()) for b in branches]
         first_lp = [float(b.token_logprobs[0]) for b in branches]
-        metrics = _merge_metrics(runs)
-    probs = _normalize(logps)
-    scores = tuple(
-        LabelScore(lab, tuple(li), lp_, f, float(p))
-        for lab, li, lp_, f, p in zip(labels, label_ids, logps, first_lp, probs, strict=True)
-    )
-    best = labels[int(np.argmax(logps))]
-    return ClassifyResult(scores, best, method, len(ids), metrics)
+        return answer(logps, first_lp, metrics)
+
+    return Plan(_branch_requests(engine, ids, label_ids), finish_seq)
 
 
 # -- score -------------------------------------------------------------------------------------
@@ -382,6 +496,29 @@ def score(
 
     The context is prefilled once; all choices are branches of the same pass (split into
     several passes only when they exceed ``max_tokens``, default the model context)."""
+    plan = plan_score(
+        engine,
+        tokenizer,
+        context,
+        choices,
+        delimiter=delimiter,
+        template=template,
+        max_tokens=max_tokens,
+    )
+    return _run_one(engine, plan, max_tokens)  # type: ignore[no-any-return]
+
+
+def plan_score(
+    engine: Any,
+    tokenizer: Any,
+    context: str,
+    choices: Sequence[str],
+    *,
+    delimiter: str = " ",
+    template: ChatTemplate | None = None,
+    max_tokens: int | None = None,
+) -> Plan:
+    """`score` as a `Plan`."""
     choices = _check_texts(choices, "choice")
     text = _prompt_text(template, context)
     ps = template is not None
@@ -393,24 +530,28 @@ def score(
     for c, ci in zip(choices, cont, strict=True):
         if not ci:
             raise BadRequestError(f"choice {c!r} tokenizes to nothing")
-    branches, runs = _run_branches(engine, ids, cont, max_tokens=max_tokens)
-    out = []
-    for c, ci, b in zip(choices, cont, branches, strict=True):
-        s = float(b.token_logprobs.sum())
-        out.append(
-            ChoiceScore(
-                text=c,
-                token_ids=tuple(ci),
-                logprob=s,
-                logprob_per_token=s / len(ci),
-                logprob_per_char=s / len(c),
-                logprob_per_byte=s / len(c.encode("utf-8")),
-                greedy=bool(b.greedy.all()),
+
+    def finish(results: list[Any], metrics: dict[str, Any]) -> ScoreResult:
+        branches = _read_branches(results, cont)
+        out = []
+        for c, ci, b in zip(choices, cont, branches, strict=True):
+            s = float(b.token_logprobs.sum())
+            out.append(
+                ChoiceScore(
+                    text=c,
+                    token_ids=tuple(ci),
+                    logprob=s,
+                    logprob_per_token=s / len(ci),
+                    logprob_per_char=s / len(c),
+                    logprob_per_byte=s / len(c.encode("utf-8")),
+                    greedy=bool(b.greedy.all()),
+                )
             )
-        )
-    best = int(np.argmax([c.logprob for c in out]))
-    best_norm = int(np.argmax([c.logprob_per_char for c in out]))
-    return ScoreResult(tuple(out), best, best_norm, len(ids), _merge_metrics(runs))
+        best = int(np.argmax([c.logprob for c in out]))
+        best_norm = int(np.argmax([c.logprob_per_char for c in out]))
+        return ScoreResult(tuple(out), best, best_norm, len(ids), metrics)
+
+    return Plan(_branch_requests(engine, ids, cont, max_tokens=max_tokens), finish)
 
 
 # -- rerank ------------------------------------------------------------------------------------
@@ -480,6 +621,23 @@ def rerank(
     tokens, their log-probabilities are read after each branch's last token; otherwise each
     document is a branch twice, once ending in each answer, and the answers' whole
     log-likelihoods are compared. ``docs``: strings or ``{"id": …, "text": …}``."""
+    plan = plan_rerank(
+        engine, tokenizer, query, docs, answers=answers, template=template, max_tokens=max_tokens
+    )
+    return _run_one(engine, plan, max_tokens)  # type: ignore[no-any-return]
+
+
+def plan_rerank(
+    engine: Any,
+    tokenizer: Any,
+    query: str,
+    docs: Sequence[str | Mapping[str, Any]],
+    *,
+    answers: tuple[str, str] = ("yes", "no"),
+    template: ChatTemplate | None = None,
+    max_tokens: int | None = None,
+) -> Plan:
+    """`rerank` as a `Plan`."""
     items = _doc_items(docs)
     yes, no = answers
     if not yes.strip() or not no.strip() or yes == no:
@@ -502,28 +660,28 @@ def rerank(
         ctx, cont = split_context(after, a, templated=ps)
         ans.append(continuation_ids(tokenizer, ctx, cont, parse_special=ps))
     single = len(ans[0]) == 1 and len(ans[1]) == 1 and ans[0] != ans[1]
-    if single:
-        branches, runs = _run_branches(engine, ids, doc_ids, want_last=True, max_tokens=max_tokens)
-        lps = [
-            (float(b.last_logprobs[ans[0][0]]), float(b.last_logprobs[ans[1][0]]))  # type: ignore[index]
-            for b in branches
+    both = doc_ids if single else [d + a for d in doc_ids for a in ans]
+
+    def finish(results: list[Any], metrics: dict[str, Any]) -> RerankResult:
+        branches = _read_branches(results, both, want_last=single)
+        if single:
+            lps = [
+                (float(b.last_logprobs[ans[0][0]]), float(b.last_logprobs[ans[1][0]]))  # type: ignore[index]
+                for b in branches
+            ]
+        else:
+            lps = []
+            for k, d in enumerate(doc_ids):
+                pair = [float(branches[2 * k + j].token_logprobs[len(d) :].sum()) for j in (0, 1)]
+                lps.append((pair[0], pair[1]))
+        scores = [
+            DocScore(i, doc_id, y - n, y, n, len(d))
+            for i, ((doc_id, _), (y, n), d) in enumerate(zip(items, lps, doc_ids, strict=True))
         ]
-    else:
-        both = [d + a for d in doc_ids for a in ans]
-        branches, runs = _run_branches(engine, ids, both, max_tokens=max_tokens)
-        lps = []
-        for k, d in enumerate(doc_ids):
-            pair = []
-            for j in range(2):
-                b = branches[2 * k + j]
-                pair.append(float(b.token_logprobs[len(d) :].sum()))
-            lps.append((pair[0], pair[1]))
-    scores = [
-        DocScore(i, doc_id, y - n, y, n, len(d))
-        for i, ((doc_id, _), (y, n), d) in enumerate(zip(items, lps, doc_ids, strict=True))
-    ]
-    scores.sort(key=lambda s: (-s.score, s.index))
-    return RerankResult(tuple(scores), len(ids), _merge_metrics(runs))
+        scores.sort(key=lambda s: (-s.score, s.index))
+        return RerankResult(tuple(scores), len(ids), metrics)
+
+    return Plan(_branch_requests(engine, ids, both, max_tokens=max_tokens), finish)
 
 
 # -- embed -------------------------------------------------------------------------------------
@@ -557,18 +715,33 @@ def embed(
 ) -> EmbedResult:
     """The final-normed hidden state of the prompt: its last token's (``pool="last"``) or the
     mean over all its tokens, BOS included (``"mean"``); L2-normalised when ``normalize``."""
+    plan = plan_embed(engine, tokenizer, prompt, pool=pool, normalize=normalize, template=template)
+    return _run_one(engine, plan)  # type: ignore[no-any-return]
+
+
+def plan_embed(
+    engine: Any,
+    tokenizer: Any,
+    prompt: str,
+    *,
+    pool: str = "last",
+    normalize: bool = False,
+    template: ChatTemplate | None = None,
+) -> Plan:
+    """`embed` as a `Plan`."""
     if pool not in POOLS:
         raise BadRequestError(f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
     ps = template is not None
     ids = encode_context(tokenizer, _prompt_text(template, prompt), parse_special=ps)
     _need_context(ids, "prompt")
-    res = engine.prefill(ids, return_hidden=True)
-    h = np.asarray(res.hidden, dtype=np.float64)
-    v = h[-1] if pool == "last" else h.mean(axis=0)
-    if normalize:
-        n = float(np.linalg.norm(v))
-        if n > 0:
-            v = v / n
-    return EmbedResult(
-        v.astype(np.float32), pool, normalize, len(ids), _merge_metrics([res.metrics])
-    )
+
+    def finish(results: list[Any], metrics: dict[str, Any]) -> EmbedResult:
+        h = np.asarray(results[0].hidden, dtype=np.float64)
+        v = h[-1] if pool == "last" else h.mean(axis=0)
+        if normalize:
+            n = float(np.linalg.norm(v))
+            if n > 0:
+                v = v / n
+        return EmbedResult(v.astype(np.float32), pool, normalize, len(ids), metrics)
+
+    return Plan([ids], finish, hidden=True)

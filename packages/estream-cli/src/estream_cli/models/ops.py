@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 import attrs
@@ -31,12 +32,13 @@ from ..packed import DenseTensor, ExpertLayer, PackedModel
 __all__ = [
     "FFN",
     "Attention",
-    "Branches",
     "Gating",
     "Head",
     "MoE",
     "Ops",
     "Rope",
+    "Segment",
+    "SeqLayout",
     "ShortConv",
     "Weights",
     "bind_attention",
@@ -54,8 +56,85 @@ L = TypeVar("L")
 # llama.cpp's rope type name -> the estream-htp kernel's name for the same rotation.
 _HTP_ROPE = {"norm": "normal", "neox": "neox"}
 
-# A shared prefix and its branches: (prefix length, [(start, length) of each branch]).
-Branches = tuple[int, list[tuple[int, int]]]
+
+# -- how the rows of a pass are sequences -------------------------------------------------------
+@attrs.frozen
+class Segment:
+    """Rows ``start .. start + length`` of a pass: consecutive tokens of one sequence.
+
+    A segment with ``parent = -1`` starts a sequence (positions from 0, no history); otherwise
+    it *continues* segment ``parent`` (a branch after its shared prefix): it attends to all of
+    its ancestors' rows and causally to its own, its positions follow theirs (``pos0`` = their
+    total length) and a short convolution sees their last rows as its history."""
+
+    start: int
+    length: int
+    parent: int = -1
+    pos0: int = 0
+
+
+@attrs.frozen
+class SeqLayout:
+    """The sequence structure of one forward pass over packed rows.
+
+    ``segments`` in row order; ``requests`` the row range ``[start, end)`` of each request (a
+    root segment and the segments that continue it, contiguous). Attention is block-diagonal
+    over requests and causal within each sequence; every op whose per-row result could depend
+    on how many rows it is given (BLAS f32 products) runs per request, so a request's numbers
+    do not depend on what it was packed with."""
+
+    segments: tuple[Segment, ...]
+    requests: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def pack(cls, requests: Sequence[Sequence[int]]) -> SeqLayout:
+        """Requests given as segment lengths: ``[n]`` a plain sequence of ``n`` tokens;
+        ``[p, n1, n2, ...]`` a prefix of ``p`` tokens and branches of ``n1, n2, ...`` that each
+        continue it. Rows are laid out request after request, prefix before its branches."""
+        segs: list[Segment] = []
+        spans: list[tuple[int, int]] = []
+        row = 0
+        for lens in requests:
+            if not lens or any(int(n) < 1 for n in lens):
+                raise ValueError(f"segment lengths must be positive, got {list(lens)}")
+            first = row
+            root = len(segs)
+            segs.append(Segment(row, int(lens[0])))
+            row += int(lens[0])
+            for n in lens[1:]:
+                segs.append(Segment(row, int(n), root, int(lens[0])))
+                row += int(n)
+            spans.append((first, row))
+        return cls(tuple(segs), tuple(spans))
+
+    @property
+    def n_rows(self) -> int:
+        return self.requests[-1][1] if self.requests else 0
+
+    @property
+    def single(self) -> bool:
+        """One plain sequence: the whole pass is one causal attention."""
+        return len(self.segments) == 1
+
+    def positions(self) -> np.ndarray:
+        pos = np.empty(self.n_rows, dtype=np.int32)
+        for s in self.segments:
+            pos[s.start : s.start + s.length] = np.arange(s.pos0, s.pos0 + s.length)
+        return pos
+
+    def context(self, i: int) -> list[Segment]:
+        """The ancestors of segment ``i``, root first (empty for a root)."""
+        out = []
+        j = self.segments[i].parent
+        while j >= 0:
+            out.append(self.segments[j])
+            j = self.segments[j].parent
+        return out[::-1]
+
+
+def _rows(x: np.ndarray, segs: Sequence[Segment]) -> np.ndarray:
+    parts = [x[s.start : s.start + s.length] for s in segs]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 # -- typed weights ------------------------------------------------------------------------------
@@ -313,26 +392,53 @@ def dequantize(t: DenseTensor) -> np.ndarray:
 
 # -- the operations a layer is written with -----------------------------------------------------
 class Ops:
-    """The operations of one forward pass: kernels, the attention mask, the expert source.
+    """The operations of one forward pass: kernels, the sequence layout, the expert source.
 
-    Made per request by the engine. ``branches`` switches attention from plain causal to a
-    shared prefix plus branches (see `Engine.prefill_branches`). ``expert_phases`` collects the
-    (start, end) time of every routed-expert phase, in order, for the engine's loop."""
+    Made per pass by the engine. ``layout`` says which rows are which sequence (default: all
+    rows one causal sequence); see `SeqLayout`. ``expert_phases`` collects the (start, end)
+    time of every routed-expert phase, in order, for the engine's loop."""
 
     def __init__(
-        self, hp: ModelSpec, experts: ExpertSource, branches: Branches | None = None
+        self, hp: ModelSpec, experts: ExpertSource, layout: SeqLayout | None = None
     ) -> None:
         self.hp = hp
         self.experts = experts
-        self.branches = branches
+        self.layout = layout
         self.expert_phases: list[tuple[float, float]] = []
 
     # primitives
-    @staticmethod
-    def matmul(x: np.ndarray, w: DenseTensor) -> np.ndarray:
-        """`x @ w.T` for a resident matrix (tiled Q4_0/Q8_0 through the kernels, or f32)."""
+    def per_request(
+        self,
+        x: np.ndarray,
+        f: Callable[[np.ndarray], np.ndarray],
+        spans: Sequence[tuple[int, int]] | None = None,
+    ) -> np.ndarray:
+        """``f`` over each request's rows of ``x``, stacked (``f(x)`` for a single request).
+
+        For row-wise maths whose rounding depends on the number of rows (numpy/BLAS products
+        choose kernels by shape), so that a request gives the same bits in any batch.
+        ``spans``: the requests' row ranges in ``x`` (default: the layout's)."""
+        lay = self.layout
+        if spans is None and lay is not None and x.shape[0] == lay.n_rows:
+            spans = lay.requests
+        elif spans is None and lay is not None and len(lay.requests) > 1:
+            raise ValueError(
+                f"{x.shape[0]} rows in a pass of {lay.n_rows}: say which rows are which request"
+            )
+        if spans is None or len(spans) == 1:
+            return f(x)
+        return np.concatenate([f(x[a:b]) for a, b in spans])
+
+    def matmul(
+        self, x: np.ndarray, w: DenseTensor, spans: Sequence[tuple[int, int]] | None = None
+    ) -> np.ndarray:
+        """`x @ w.T` for a resident matrix (tiled Q4_0/Q8_0 through the kernels, or f32).
+
+        The tiled kernels compute every row on its own (int8 quantization per row, one
+        accumulator chain per row for any tile of tokens); f32 goes through BLAS per request."""
         if w.fmt == "f32":
-            return x @ w.f32().T
+            wt = w.f32().T
+            return self.per_request(x, lambda a: a @ wt, spans)
         return htp.gemm(x, w.data, w.shape[0], w.fmt)
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -350,9 +456,12 @@ class Ops:
         e = head.tok_embd
         return htp.get_rows(e.data, e.fmt, self.hp.n_vocab, self.hp.n_embd, ids)
 
-    def output(self, head: Head, h: np.ndarray) -> np.ndarray:
-        """Logits `[rows, n_vocab]` of final-normed hidden states `h`."""
-        return self.matmul(h, head.output)[:, : self.hp.n_vocab]
+    def output(
+        self, head: Head, h: np.ndarray, spans: Sequence[tuple[int, int]] | None = None
+    ) -> np.ndarray:
+        """Logits `[rows, n_vocab]` of final-normed hidden states `h` (``spans``: each
+        request's rows in ``h``)."""
+        return self.matmul(h, head.output, spans)[:, : self.hp.n_vocab]
 
     # blocks
     def attention(self, w: Attention, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
@@ -378,10 +487,25 @@ class Ops:
         return self.matmul(np.ascontiguousarray(a.reshape(t, -1)), w.wo)
 
     def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-        """softmax(q kᵀ · scale) v under this request's mask: `q [T, H, D]`, `k, v [T, Hkv, ·]`."""
-        if self.branches is None:
+        """softmax(q kᵀ · scale) v under the pass's layout: `q [T, H, D]`, `k, v [T, Hkv, ·]`.
+
+        A sequence's first segment goes through the tiled causal kernel on its own rows (as if
+        it were prefilled alone); a continuing segment attends to its ancestors' rows and
+        causally to itself (`_continued_attention`). Nothing crosses requests."""
+        lay = self.layout
+        if lay is None or lay.single:
             return htp.attention(q, k, v, scale, causal=True)
-        return _branch_attention(q, k, v, scale, *self.branches)
+        out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=np.float32)
+        for i, s in enumerate(lay.segments):
+            rows = slice(s.start, s.start + s.length)
+            if s.parent < 0:
+                out[rows] = htp.attention(q[rows], k[rows], v[rows], scale, causal=True)
+            else:
+                ctx = lay.context(i)
+                out[rows] = _continued_attention(
+                    q[rows], _rows(k, [*ctx, s]), _rows(v, [*ctx, s]), scale
+                )
+        return out
 
     def short_conv(self, w: ShortConv, h: np.ndarray) -> np.ndarray:
         """B, C, x = in_proj(h); out_proj(C * conv(B * x)), the convolution causal per sequence."""
@@ -394,23 +518,27 @@ class Ops:
     def causal_conv(self, x: np.ndarray, kernel: np.ndarray) -> np.ndarray:
         """Depthwise causal convolution of ``x[T, C]`` along the tokens of each sequence.
 
-        With branches, the prefix is one sequence and each branch continues it: a branch's
-        first rows see the prefix's last ``taps - 1`` rows (zeros before the first token), never
-        another branch's rows, exactly as if ``prefix + branch`` were prefilled alone."""
+        A sequence's first segment starts from zeros; a continuing segment (a branch) sees the
+        last ``taps - 1`` rows of its ancestors (zeros before the first token), never another
+        segment's or request's rows, exactly as if ``prefix + branch`` were prefilled alone."""
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if self.branches is None:
+        lay = self.layout
+        if lay is None or lay.single:
             return htp.conv1d_causal(x, kernel)
-        n_prefix, segments = self.branches
         taps = kernel.shape[1]
         out = np.empty_like(x)
-        if n_prefix:
-            out[:n_prefix] = htp.conv1d_causal(np.ascontiguousarray(x[:n_prefix]), kernel)
-        history = np.zeros((taps - 1, x.shape[1]), dtype=np.float32)
-        keep = min(taps - 1, n_prefix)
-        if keep:
-            history[taps - 1 - keep :] = x[n_prefix - keep : n_prefix]
-        for s, n in segments:
-            out[s : s + n] = htp.conv1d_causal(np.ascontiguousarray(x[s : s + n]), kernel, history)
+        for i, s in enumerate(lay.segments):
+            rows = slice(s.start, s.start + s.length)
+            seg = np.ascontiguousarray(x[rows])
+            if s.parent < 0:
+                out[rows] = htp.conv1d_causal(seg, kernel)
+                continue
+            before = _rows(x, lay.context(i))
+            history = np.zeros((taps - 1, x.shape[1]), dtype=np.float32)
+            keep = min(taps - 1, before.shape[0])
+            if keep:
+                history[taps - 1 - keep :] = before[before.shape[0] - keep :]
+            out[rows] = htp.conv1d_causal(seg, kernel, history)
         return out
 
     def dense_ffn(self, h: np.ndarray, w: FFN) -> np.ndarray:
@@ -424,8 +552,9 @@ class Ops:
         The router runs here (resident); the experts run through the expert source, which the
         engine's loop told at layer start to begin reading this layer's experts."""
         g = w.gating
+        logits = self.per_request(h, lambda a: a @ w.router)
         ids, weights = htp.router_topk(
-            h @ w.router, g.n_used, gating=g.func, norm=g.norm, scale=g.scale, bias=w.bias
+            logits, g.n_used, gating=g.func, norm=g.norm, scale=g.scale, bias=w.bias
         )  # type: ignore[arg-type]
         y = np.zeros((h.shape[0], self.hp.n_embd), dtype=np.float32)
         t0 = time.perf_counter()
@@ -434,34 +563,20 @@ class Ops:
         return y
 
 
-def _branch_attention(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    scale: float,
-    n_prefix: int,
-    segments: list[tuple[int, int]],
-) -> np.ndarray:
-    """Shared prefix (causal) + branches that each see the prefix and themselves (causal).
-
-    The prefix goes through the tiled kernel; each branch is short and attends to
-    ``n_prefix + len`` keys, done with BLAS (float32) per branch."""
-    n_head, n_head_kv = q.shape[1], k.shape[1]
-    out = np.empty((q.shape[0], n_head, v.shape[2]), dtype=np.float32)
-    P = n_prefix
-    out[:P] = htp.attention(q[:P], k[:P], v[:P], scale, causal=True)
-    rep = n_head // n_head_kv
-    for s, n in segments:
-        kk = np.concatenate((k[:P], k[s : s + n]))  # [P+n, Hkv, D]
-        vv = np.concatenate((v[:P], v[s : s + n]))
-        kk = np.repeat(kk, rep, axis=1).transpose(1, 2, 0)  # [H, D, P+n]
-        vv = np.repeat(vv, rep, axis=1).transpose(1, 0, 2)  # [H, P+n, Dv]
-        qq = q[s : s + n].transpose(1, 0, 2)  # [H, n, D]
-        sc = np.matmul(qq, kk) * np.float32(scale)  # [H, n, P+n]
-        mask = np.triu(np.ones((n, n), dtype=bool), k=1)
-        sc[:, :, P:][:, mask] = -np.inf
-        sc -= sc.max(axis=-1, keepdims=True)
-        np.exp(sc, out=sc)
-        sc /= sc.sum(axis=-1, keepdims=True)
-        out[s : s + n] = np.matmul(sc, vv).transpose(1, 0, 2)
-    return out
+def _continued_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """A continuing segment's attention: ``q [n, H, D]`` against ``k, v [C + n, Hkv, ·]``
+    (``C`` context rows, all visible, then the segment's own rows, causal), with BLAS
+    (float32): segments are short."""
+    n, n_head = q.shape[0], q.shape[1]
+    n_ctx = k.shape[0] - n
+    rep = n_head // k.shape[1]
+    kk = np.repeat(k, rep, axis=1).transpose(1, 2, 0)  # [H, D, C+n]
+    vv = np.repeat(v, rep, axis=1).transpose(1, 0, 2)  # [H, C+n, Dv]
+    qq = q.transpose(1, 0, 2)  # [H, n, D]
+    sc = np.matmul(qq, kk) * np.float32(scale)  # [H, n, C+n]
+    mask = np.triu(np.ones((n, n), dtype=bool), k=1)
+    sc[:, :, n_ctx:][:, mask] = -np.inf
+    sc -= sc.max(axis=-1, keepdims=True)
+    np.exp(sc, out=sc)
+    sc /= sc.sum(axis=-1, keepdims=True)
+    return np.matmul(sc, vv).transpose(1, 0, 2)
