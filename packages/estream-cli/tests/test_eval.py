@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -351,3 +352,167 @@ def test_window_logits_is_lazy_and_in_order(monkeypatch):
     assert len(runs) == 20
     big = [list(range(40))]
     assert list(evaluation._batches(eng, big)) == [big]  # a window over budget: its own batch
+
+
+# -- multiple choice ---------------------------------------------------------------------------
+def continuation_logprobs(eng, tok, context: str, choice: str) -> np.ndarray:
+    """log P of each token of `choice` after `context`, joined by a space and tokenized as one
+    text (the choice's ids follow the context's), from one separate all-logits prefill."""
+    head = tok.encode(context, add_special=True)
+    whole = tok.encode(context + " " + choice, add_special=True)
+    assert whole[: len(head)] == head, "a token spans the context/choice boundary"
+    cont = whole[len(head) :]
+    lp = logsoftmax(eng.prefill(whole, all_logits=True).logits)
+    return lp[np.arange(len(head) - 1, len(whole) - 1), np.asarray(cont)]
+
+
+def random_items(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    items = []
+    for i in range(n):
+        ctx = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))).rstrip(",.!?")
+        k = rng.randint(2, 4)
+        choices = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4))) for _ in range(k)]
+        items.append({"context": ctx, "choices": choices, "gold": rng.randrange(k), "id": i})
+    return items
+
+
+def test_choice_equals_hand_computation(model):
+    _, eng, tok = model
+    raw = random_items(12, seed=4)
+    res = evaluation.multiple_choice(eng, tok, [evaluation.ChoiceItem.from_dict(o) for o in raw])
+    want = dict.fromkeys(evaluation.CHOICE_RULES, 0)
+    differ = 0
+    for obj, det in zip(raw, res.details, strict=True):
+        lps = [continuation_logprobs(eng, tok, obj["context"], c) for c in obj["choices"]]
+        scores = {
+            "acc": [x.sum() for x in lps],
+            "acc_per_token": [x.mean() for x in lps],
+            "acc_per_char": [x.sum() / len(c) for x, c in zip(lps, obj["choices"])],
+            "acc_per_byte": [x.sum() / len(c.encode()) for x, c in zip(lps, obj["choices"])],
+        }
+        assert det["id"] == obj["id"] and det["gold"] == obj["gold"]
+        np.testing.assert_allclose(det["logprob"], scores["acc"], rtol=RTOL)
+        assert det["n_tokens"] == [len(x) for x in lps]
+        for rule, v in scores.items():
+            assert det["pred"][rule] == int(np.argmax(v)), (rule, v)
+            want[rule] += int(np.argmax(v)) == obj["gold"]
+        differ += det["pred"]["acc"] != det["pred"]["acc_per_token"]
+    assert res.correct == want and res.count == 12
+    for rule in evaluation.CHOICE_RULES:
+        p = want[rule] / 12
+        est = getattr(res, rule)
+        assert est.value == p
+        np.testing.assert_allclose(est.stderr, math.sqrt(p * (1 - p) / 12), rtol=1e-12)
+    assert differ > 0  # the normalisations really differ on these items
+
+
+def one_char_candidates(tok) -> list[str]:
+    """Letters that are one token each (also after a newline)."""
+    return [c for c in "abcdefghijklmnopqrstuvwxyz" if len(tok.encode(c)) == 1]
+
+
+@pytest.mark.parametrize("outcome", ["win", "lose", "half"])
+def test_choice_gold_known_to_win_or_lose(gen_model, outcome):
+    """Single-letter choices after a context ending in a newline (no space joins them): the
+    letter the model ranks highest wins under every rule (same length: one token, one byte),
+    the one it ranks lowest loses under every rule."""
+    _, eng, tok = gen_model
+    letters = one_char_candidates(tok)[:6]
+    assert len(letters) == 6
+    ids = [tok.encode(c)[0] for c in letters]
+    items = []
+    for k in range(8):
+        ctx = make_text(6, seed=100 + k).strip() + "\n"
+        last = eng.prefill(tok.encode(ctx, add_special=True)).logits[ids]
+        best, worst = int(np.argmax(last)), int(np.argmin(last))
+        gold = best if outcome == "win" or (outcome == "half" and k % 2) else worst
+        items.append(evaluation.ChoiceItem(ctx, letters, gold))
+    res = evaluation.multiple_choice(eng, tok, items)
+    want = {"win": 1.0, "lose": 0.0, "half": 0.5}[outcome]
+    for rule in evaluation.CHOICE_RULES:
+        assert getattr(res, rule).value == want, rule
+    assert res.acc.stderr == pytest.approx(math.sqrt(want * (1 - want) / 8), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"context": "a", "choices": ["x", "y"], "gold": 2}', "gold 2 is out of range"),
+        ('{"context": "a", "choices": ["x", "y"], "gold": -1}', "gold -1 is out of range"),
+        ('{"context": "a", "choices": ["x", "y"], "gold": true}', "'gold' must be an integer"),
+        ('{"context": "a", "choices": ["x", "y"], "gold": "0"}', "'gold' must be an integer"),
+        ('{"context": "a", "choices": ["x"], "gold": 0}', "at least two choices"),
+        ('{"context": "a", "choices": "x,y", "gold": 0}', "'choices' must be a list"),
+        ('{"context": "a", "choices": ["x", 3], "gold": 0}', "choice 1 is int"),
+        ('{"context": "a", "choices": ["x", " "], "gold": 0}', "choice 1 is empty"),
+        ('{"context": 5, "choices": ["x", "y"], "gold": 0}', "'context' must be a string"),
+        ('{"choices": ["x", "y"], "gold": 0}', "missing field 'context'"),
+        ('{"context": "a", "choices": ["x", "y"], "gold": 0, "label": 1}', "unknown field 'label'"),
+        ('["a", "b"]', "expected a JSON object"),
+        ('{"context": "a", "choices": ["x", "y"], "gold": 0', "not valid JSON"),
+    ],
+)
+def test_choice_cli_bad_lines_name_their_line(gen_model, capsys, tmp_path, line, message):
+    path, _, _ = gen_model
+    good = '{"context": "a b", "choices": ["x", "y"], "gold": 0}'
+    f = tmp_path / "mc.jsonl"
+    f.write_text(f"{good}\n\n{line}\n{good}\n", encoding="utf-8")
+    out = tmp_path / "o.json"
+    rc, stdout, stderr = run_cli(
+        capsys, "eval", "choice", str(path), "--input", str(f), "--output", str(out), *ENGINE
+    )
+    assert rc == 2 and stdout == ""
+    assert f"{f}:3: " in stderr and message in stderr, stderr
+    assert not out.exists()
+
+
+def test_choice_cli_empty_input_and_too_long_context(gen_model, capsys, tmp_path):
+    path, eng, _ = gen_model
+    f = tmp_path / "mc.jsonl"
+    f.write_text("\n \n", encoding="utf-8")
+    rc, _, err = run_cli(capsys, "eval", "choice", str(path), "--input", str(f))
+    assert rc == 2 and "is empty" in err
+    long = "word " * eng.hp.n_ctx
+    f.write_text(json.dumps({"context": long, "choices": ["x", "y"], "gold": 0}) + "\n")
+    rc, out, err = run_cli(capsys, "eval", "choice", str(path), "--input", str(f), *ENGINE)
+    assert rc == 2 and out == "" and f"{f}:1: " in err and "longer than the model context" in err
+
+
+def test_choice_cli_json_and_details(gen_model, capsys, tmp_path, monkeypatch):
+    path, eng, tok = gen_model
+    raw = random_items(5, seed=8)
+    del raw[2]["id"]
+    f = tmp_path / "mc.jsonl"
+    f.write_text("".join(json.dumps(o) + "\n" for o in raw), encoding="utf-8")
+    out, det = tmp_path / "o.json", tmp_path / "d.jsonl"
+    rc, stdout, stderr = run_cli(
+        capsys, "eval", "choice", str(path), "--input", str(f), "--output", str(out),
+        "--details", str(det), *ENGINE,
+    )  # fmt: skip
+    assert rc == 0, stderr
+    doc = json.loads(stdout)
+    assert json.loads(out.read_text()) == doc
+    api = evaluation.multiple_choice(eng, tok, [evaluation.ChoiceItem.from_dict(o) for o in raw])
+    assert doc["task"] == "choice" and doc["count"] == 5 and doc["correct"] == api.correct
+    for rule in evaluation.CHOICE_RULES:
+        assert doc[rule] == api.to_dict()[rule]
+        assert set(doc[rule]) == {"value", "stderr", "ci95"}
+    lines = [json.loads(x) for x in det.read_text().splitlines()]
+    assert len(lines) == 5 and lines[2]["item"] == 2 and lines[2]["where"] == f"{f}:3"
+    assert [d.get("id") for d in lines] == [0, 1, None, 3, 4]
+    assert [d["gold"] for d in lines] == [o["gold"] for o in raw]
+    assert "acc = " in stderr and "\r" not in stderr
+
+
+def test_progress_bar_only_on_a_terminal(gen_model, capsys, tmp_path, monkeypatch):
+    path, _, _ = gen_model
+    f = tmp_path / "mc.jsonl"
+    f.write_text("".join(json.dumps(o) + "\n" for o in random_items(3, seed=1)))
+    argv = ("eval", "choice", str(path), "--input", str(f), *ENGINE)
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 0 and "[" not in err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 0 and "\r  choice [" in err and "3/3" in err
+    assert json.loads(out)["count"] == 3  # stdout holds only the JSON

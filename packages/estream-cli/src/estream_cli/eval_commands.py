@@ -203,10 +203,56 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     return _run(args, "perplexity", body)
 
 
+# -- multiple choice ---------------------------------------------------------------------------
+def _read_jsonl(path: str) -> tuple[list[tuple[str, Any]], str]:
+    """(``FILE:LINE``, object) of every non-blank line; a malformed line or an empty file is
+    an error naming it."""
+    text, name = _read_text_file(path)
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BadRequestError(
+                f"{name}:{n}: not valid JSON ({exc.msg} at column {exc.colno})"
+            ) from None
+        out.append((f"{name}:{n}", obj))
+    if not out:
+        raise BadRequestError(f"{name} is empty: give one JSON object per line")
+    return out, name
+
+
+def cmd_choice(args: argparse.Namespace) -> int:
+    lines, name = _read_jsonl(args.input)
+    items = [evaluation.ChoiceItem.from_dict(obj, where) for where, obj in lines]
+
+    def body(engine: Any, tok: Any, bar: _Bar) -> tuple[Any, str, Any]:
+        res = evaluation.multiple_choice(engine, tok, items, progress=bar)
+        doc = {"task": "choice", "input": name, **res.to_dict()}
+        a, t = res.acc, res.acc_per_token
+        summary = (
+            f"acc = {a.value:.4f} ± {a.stderr:.4f}, acc_per_token = {t.value:.4f} ± "
+            f"{t.stderr:.4f} over {res.count} items"
+        )
+        return doc, summary, res.details
+
+    return _run(args, "choice", body)
+
+
 # -- registration ------------------------------------------------------------------------------
 def _output_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--output", metavar="FILE", help="also write the JSON result to FILE (atomically)"
+    )
+
+
+def _details_opt(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--details",
+        metavar="FILE.jsonl",
+        help="write one JSON line per item (predictions, log-probabilities), atomically",
     )
 
 
@@ -243,3 +289,21 @@ def add_eval_command(sub: Any) -> None:
     _output_opts(p)
     add_engine_opts(p)
     p.set_defaults(func=cmd_perplexity)
+
+    p = esub.add_parser(
+        "choice",
+        help="multiple-choice accuracy (HellaSwag/ARC/BoolQ style JSON Lines)",
+        description=_CHOICE_HELP,
+        formatter_class=raw,
+    )
+    p.add_argument("model")
+    p.add_argument(
+        "--input",
+        required=True,
+        metavar="F.jsonl",
+        help='items {"context", "choices", "gold"} one per line (\'-\': stdin)',
+    )
+    _output_opts(p)
+    _details_opt(p)
+    add_engine_opts(p)
+    p.set_defaults(func=cmd_choice)

@@ -61,14 +61,19 @@ from typing import Any
 import attrs
 import numpy as np
 
+from . import tasks
 from .errors import BadRequestError
 from .tasks import LOGITS_BUDGET_BYTES, _merge_metrics, _row_logprobs, encode_context
 
 __all__ = [
+    "CHOICE_RULES",
     "DEFAULT_PPL_CTX",
     "Z95",
+    "ChoiceItem",
+    "ChoiceResult",
     "Estimate",
     "PerplexityResult",
+    "multiple_choice",
     "perplexity",
     "perplexity_windows",
 ]
@@ -293,3 +298,140 @@ def perplexity(
         window_perplexity=tuple(per_window),
         metrics=_merge_metrics(runs),
     )
+
+
+# -- multiple choice ---------------------------------------------------------------------------
+#: The four predictions of a multiple-choice item: the argmax of the choices' log-probability
+#: summed, per token, per character of the choice text, per UTF-8 byte of it.
+CHOICE_RULES = ("acc", "acc_per_token", "acc_per_char", "acc_per_byte")
+_CHOICE_FIELDS = ("context", "choices", "gold", "id")
+
+
+def _where(where: str | None, msg: str) -> str:
+    return f"{where}: {msg}" if where else msg
+
+
+@attrs.frozen
+class ChoiceItem:
+    """One multiple-choice question: ``choices[gold]`` is the right continuation of
+    ``context``. ``id`` is carried into the details; ``where`` (e.g. ``"F.jsonl:3"``) prefixes
+    error messages. Checked when made (`from_dict` is the JSON form of the same check)."""
+
+    context: str
+    choices: tuple[str, ...] = attrs.field(converter=tuple)
+    gold: int
+    id: Any = None
+    where: str | None = attrs.field(default=None, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        w = self.where
+        if not isinstance(self.context, str):
+            raise BadRequestError(_where(w, "'context' must be a string"))
+        if len(self.choices) < 2:
+            raise BadRequestError(
+                _where(w, f"'choices' needs at least two choices, got {len(self.choices)}")
+            )
+        for i, c in enumerate(self.choices):
+            if not isinstance(c, str):
+                raise BadRequestError(_where(w, f"choice {i} is {type(c).__name__}, not a string"))
+            if not c.strip():
+                raise BadRequestError(_where(w, f"choice {i} is empty"))
+        g = self.gold
+        if isinstance(g, bool) or not isinstance(g, int | np.integer):
+            raise BadRequestError(_where(w, f"'gold' must be an integer index, got {g!r}"))
+        if not 0 <= g < len(self.choices):
+            raise BadRequestError(
+                _where(w, f"gold {g} is out of range: {len(self.choices)} choices (0-based)")
+            )
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str | None = None) -> ChoiceItem:
+        """An item from its JSON object ``{"context", "choices", "gold", "id"?}``."""
+        if not isinstance(obj, dict):
+            raise BadRequestError(
+                _where(where, f"expected a JSON object, got {type(obj).__name__}")
+            )
+        for k in obj:
+            if k not in _CHOICE_FIELDS:
+                raise BadRequestError(
+                    _where(where, f"unknown field {k!r} (expected: {', '.join(_CHOICE_FIELDS)})")
+                )
+        for k in ("context", "choices", "gold"):
+            if k not in obj:
+                raise BadRequestError(_where(where, f"missing field {k!r}"))
+        if not isinstance(obj["choices"], list):
+            raise BadRequestError(_where(where, "'choices' must be a list of strings"))
+        return cls(obj["context"], obj["choices"], obj["gold"], obj.get("id"), where)
+
+
+@attrs.frozen
+class ChoiceResult:
+    acc: Estimate
+    acc_per_token: Estimate
+    acc_per_char: Estimate
+    acc_per_byte: Estimate
+    correct: dict[str, int]  # items right under each rule
+    count: int
+    details: tuple[dict[str, Any], ...] = attrs.field(eq=False, repr=False)
+    metrics: dict[str, Any] = attrs.field(eq=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"task": "choice", "count": self.count}
+        for rule in CHOICE_RULES:
+            out[rule] = getattr(self, rule).to_dict()
+        return out | {"correct": dict(self.correct), "metrics": self.metrics}
+
+
+def multiple_choice(
+    engine: Any,
+    tokenizer: Any,
+    items: Sequence[ChoiceItem],
+    *,
+    progress: Progress | None = None,
+) -> ChoiceResult:
+    """Accuracy over multiple-choice ``items`` (module doc): each item is `tasks.score` of its
+    choices after its context — one shared-prefix pass, the choices its branches."""
+    items = list(items)
+    if not items:
+        raise BadRequestError("no items to evaluate")
+    correct = dict.fromkeys(CHOICE_RULES, 0)
+    details = []
+    runs: list[dict[str, Any]] = []
+    for k, item in enumerate(items):
+        if not isinstance(item, ChoiceItem):
+            raise BadRequestError(f"item {k + 1} is {type(item).__name__}, not a ChoiceItem")
+        try:
+            s = tasks.score(engine, tokenizer, item.context, list(item.choices))
+        except BadRequestError as exc:
+            raise BadRequestError(_where(item.where or f"item {k + 1}", str(exc))) from None
+        runs.append(s.metrics)
+        scores = {
+            "acc": [c.logprob for c in s.choices],
+            "acc_per_token": [c.logprob_per_token for c in s.choices],
+            "acc_per_char": [c.logprob_per_char for c in s.choices],
+            "acc_per_byte": [c.logprob_per_byte for c in s.choices],
+        }
+        pred = {rule: int(np.argmax(v)) for rule, v in scores.items()}  # ties: lower index
+        for rule, p in pred.items():
+            correct[rule] += p == item.gold
+        key = {"id": item.id} if item.id is not None else {"item": k}
+        if item.where:
+            key["where"] = item.where
+        details.append(
+            key
+            | {
+                "gold": item.gold,
+                "pred": pred,
+                "correct": {rule: p == item.gold for rule, p in pred.items()},
+                "logprob": scores["acc"],
+                "n_tokens": [c.n_tokens for c in s.choices],
+                "context_tokens": s.context_tokens,
+            }
+        )
+        if progress is not None:
+            progress(k + 1, len(items))
+    n = len(items)
+    est = {rule: proportion(correct[rule], n) for rule in CHOICE_RULES}
+    merged = _merge_metrics(runs)  # each run already sums its item's passes
+    merged["passes"] = sum(int(r["passes"]) for r in runs)
+    return ChoiceResult(**est, correct=correct, count=n, details=tuple(details), metrics=merged)
