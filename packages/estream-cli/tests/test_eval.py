@@ -516,3 +516,169 @@ def test_progress_bar_only_on_a_terminal(gen_model, capsys, tmp_path, monkeypatc
     rc, out, err = run_cli(capsys, *argv)
     assert rc == 0 and "\r  choice [" in err and "3/3" in err
     assert json.loads(out)["count"] == 3  # stdout holds only the JSON
+
+
+# -- cloze -------------------------------------------------------------------------------------
+def test_split_last_word():
+    assert evaluation.split_last_word("he said  softly \n") == ("he said  ", "softly")
+    assert evaluation.split_last_word("line one\nend") == ("line one\n", "end")
+    assert evaluation.split_last_word("single") == ("", "single")
+
+
+def test_cloze_equals_hand_computation(model):
+    _, eng, tok = model
+    texts = [make_text(12, seed=s).replace("\n", " ").strip() for s in range(10)]
+    res = evaluation.cloze(eng, tok, [evaluation.ClozeItem(t, id=i) for i, t in enumerate(texts)])
+    lps, right = [], 0
+    for t, det in zip(texts, res.details, strict=True):
+        cut = t.rindex(" ")
+        ctx, word = t[:cut], t[cut + 1 :]
+        head = tok.encode(ctx, add_special=True)
+        whole = tok.encode(ctx + " " + word, add_special=True)
+        assert whole[: len(head)] == head
+        cont = np.asarray(whole[len(head) :])
+        lp = logsoftmax(eng.prefill(whole, all_logits=True).logits)
+        rows = np.arange(len(head) - 1, len(whole) - 1)
+        ok = bool((lp[rows].argmax(axis=1) == cont).all())
+        lps.append(lp[rows, cont].sum())
+        right += ok
+        assert det["word"] == word and det["word_tokens"] == list(cont)
+        assert det["correct"] == ok and det["context_tokens"] == len(head)
+        np.testing.assert_allclose(det["logprob"], lps[-1], rtol=RTOL)
+    x = np.array(lps)
+    assert res.count == 10 and res.correct == right
+    np.testing.assert_allclose(res.word_logprob.value, x.mean(), rtol=RTOL)
+    np.testing.assert_allclose(res.word_logprob.stderr, x.std(ddof=1) / math.sqrt(10), rtol=RTOL)
+    np.testing.assert_allclose(res.word_perplexity.value, math.exp(-x.mean()), rtol=RTOL)
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    """The tiny qwen3moe with the llama-spm vocabulary: its greedy next tokens are word pieces
+    (the generated vocabulary's random model always prefers one stray byte)."""
+    path = _build(tmp_path_factory.mktemp("evalspm"), "llama-spm", seed=11)
+    tok = Tokenizer.from_gguf(path)
+    with estream.load(path, G=2, Q=2, B=2, act="f32") as eng:
+        yield path, eng, tok
+
+
+def greedy_passages(eng, tok, n_tokens: int, count: int) -> list[tuple[str, list[int]]]:
+    """(context, the model's greedy next `n_tokens` tokens) where those tokens spell one word
+    after a space (the first starts with the space, the others have none) and context + that
+    word tokenizes back to exactly them."""
+    found = []
+    for seed in range(300):
+        ctx = make_text(5, seed=1000 + seed).strip().rstrip(",.!?")
+        ids = tok.encode(ctx, add_special=True)
+        greedy = []
+        for _ in range(n_tokens):
+            greedy.append(int(np.argmax(eng.prefill(ids + greedy).logits)))
+        try:
+            word = b"".join(tok.token_to_bytes(t) for t in greedy).decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if not (word[:1] == " " and word[1:] and not any(c.isspace() for c in word[1:])):
+            continue
+        if tok.encode(ctx + word, add_special=True) == ids + greedy:
+            found.append((ctx, greedy))
+            if len(found) == count:
+                return found
+    pytest.fail(f"only {len(found)} contexts whose greedy continuation is a {n_tokens}-token word")
+
+
+def pieces(tok, ids) -> str:
+    return b"".join(tok.token_to_bytes(t) for t in ids).decode("utf-8")
+
+
+def swapped_word(tok, ctx: str, greedy: list[int]) -> str:
+    """The greedy word with its last token replaced by another piece (letters only, no space),
+    such that the passage still tokenizes to the greedy prefix then that piece."""
+    head = tok.encode(ctx, add_special=True) + greedy[:-1]
+    for t in range(100, tok.n_vocab):
+        try:
+            piece = tok.token_to_bytes(t).decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if t == greedy[-1] or not piece.isalpha():
+            continue
+        if len(greedy) == 1:
+            piece = " " + piece  # a one-token word starts with its space
+            if tok.text_to_id("▁" + piece[1:]) is None:
+                continue
+            t = tok.text_to_id("▁" + piece[1:])
+        word = pieces(tok, greedy[:-1]) + piece
+        if t != greedy[-1] and tok.encode(ctx + word, add_special=True) == [*head, t]:
+            return word
+    pytest.fail("no piece to swap in")
+
+
+def test_cloze_greedy_word_is_correct_and_others_are_not(spm_model):
+    """Passages ending in the model's own greedy word are right; the same passages with the
+    word's last token swapped for another piece are wrong, with one token fewer right."""
+    _, eng, tok = spm_model
+    items, want, right = [], [], []
+    for n_tok in (1, 2):
+        for ctx, greedy in greedy_passages(eng, tok, n_tok, 3):
+            items.append(evaluation.ClozeItem(ctx + pieces(tok, greedy)))
+            want.append(True)
+            right.append(n_tok)
+            items.append(evaluation.ClozeItem(ctx + swapped_word(tok, ctx, greedy)))
+            want.append(False)
+            right.append(n_tok - 1)
+    res = evaluation.cloze(eng, tok, items)
+    assert [d["correct"] for d in res.details] == want
+    assert [d["tokens_right"] for d in res.details] == right
+    assert res.correct == 6 and res.accuracy.value == 0.5
+    assert res.accuracy.stderr == pytest.approx(math.sqrt(0.25 / 12), rel=1e-12)
+
+
+def test_cloze_cli_text_file_and_jsonl_agree(gen_model, capsys, tmp_path):
+    path, _, _ = gen_model
+    texts = [make_text(10, seed=s).replace("\n", " ").strip() for s in range(4)]
+    tf, jf = tmp_path / "p.txt", tmp_path / "p.jsonl"
+    tf.write_text("\n".join(texts[:2]) + "\n\n" + "\n".join(texts[2:]) + "\n", encoding="utf-8")
+    jf.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    docs = []
+    for opt, f in (("--text-file", tf), ("--input", jf)):
+        out = tmp_path / f"o{opt}.json"
+        rc, stdout, stderr = run_cli(
+            capsys, "eval", "cloze", str(path), opt, str(f), "--output", str(out), *ENGINE
+        )
+        assert rc == 0, stderr
+        doc = json.loads(stdout)
+        assert json.loads(out.read_text()) == doc
+        docs.append(doc)
+    for key in ("count", "correct", "accuracy", "word_logprob", "word_perplexity"):
+        assert docs[0][key] == docs[1][key], key
+    assert docs[0]["count"] == 4 and docs[0]["task"] == "cloze"
+    assert set(docs[0]["accuracy"]) == {"value", "stderr", "ci95"}
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"text": "a b"}\n{"text": "lonely"}\n', ":2: the passage needs at least two words"),
+        ('{"text": "a b"}\n{"txt": "a b"}\n', ":2: unknown field 'txt'"),
+        ('{"text": "a b"}\n{"id": 1}\n', ":2: missing field 'text'"),
+        ('{"text": "a b"}\n{"text": 3}\n', ":2: 'text' must be a string"),
+        ('{"text": "a b"}\n{"text": \n', ":2: not valid JSON"),
+        ("\n\n", "is empty"),
+    ],
+)
+def test_cloze_cli_errors(gen_model, capsys, tmp_path, content, message):
+    path, _, _ = gen_model
+    f = tmp_path / "p.jsonl"
+    f.write_text(content, encoding="utf-8")
+    rc, out, err = run_cli(capsys, "eval", "cloze", str(path), "--input", str(f), *ENGINE)
+    assert rc == 2 and out == "" and message in err, err
+
+
+def test_cloze_cli_too_long_and_needs_one_input(gen_model, capsys, tmp_path):
+    path, eng, _ = gen_model
+    f = tmp_path / "p.txt"
+    f.write_text("fine passage\n" + "word " * eng.hp.n_ctx + "end\n", encoding="utf-8")
+    rc, out, err = run_cli(capsys, "eval", "cloze", str(path), "--text-file", str(f), *ENGINE)
+    assert rc == 2 and out == "" and f"{f}:2: " in err and "longer than the model context" in err
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "cloze", str(path)])
+    assert exc.value.code == 2

@@ -241,6 +241,35 @@ def cmd_choice(args: argparse.Namespace) -> int:
     return _run(args, "choice", body)
 
 
+# -- cloze -------------------------------------------------------------------------------------
+def cmd_cloze(args: argparse.Namespace) -> int:
+    if args.input is not None:
+        lines, name = _read_jsonl(args.input)
+        items = [evaluation.ClozeItem.from_dict(obj, where) for where, obj in lines]
+    else:
+        text, name = _read_text_file(args.text_file)
+        items = [
+            evaluation.ClozeItem(line, where=f"{name}:{n}")
+            for n, line in enumerate(text.splitlines(), 1)
+            if line.strip()
+        ]
+        if not items:
+            raise BadRequestError(f"{name} is empty: give one passage per line")
+
+    def body(engine: Any, tok: Any, bar: _Bar) -> tuple[Any, str, Any]:
+        res = evaluation.cloze(engine, tok, items, progress=bar)
+        doc = {"task": "cloze", "input": name, **res.to_dict()}
+        a, w = res.accuracy, res.word_logprob
+        wse = f" ± {w.stderr:.4f}" if w.stderr is not None else ""
+        summary = (
+            f"accuracy = {a.value:.4f} ± {a.stderr:.4f}, mean word log P = {w.value:.4f}{wse} "
+            f"over {res.count} passages"
+        )
+        return doc, summary, res.details
+
+    return _run(args, "cloze", body)
+
+
 # -- registration ------------------------------------------------------------------------------
 def _output_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -307,3 +336,20 @@ def add_eval_command(sub: Any) -> None:
     _details_opt(p)
     add_engine_opts(p)
     p.set_defaults(func=cmd_choice)
+
+    p = esub.add_parser(
+        "cloze",
+        help="LAMBADA-style last-word accuracy",
+        description=_CLOZE_HELP,
+        formatter_class=raw,
+    )
+    p.add_argument("model")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--input", metavar="F.jsonl", help="passages {\"text\": ...} one per line ('-': stdin)"
+    )
+    src.add_argument("--text-file", metavar="F", help="one passage per line ('-': stdin)")
+    _output_opts(p)
+    _details_opt(p)
+    add_engine_opts(p)
+    p.set_defaults(func=cmd_cloze)

@@ -71,11 +71,15 @@ __all__ = [
     "Z95",
     "ChoiceItem",
     "ChoiceResult",
+    "ClozeItem",
+    "ClozeResult",
     "Estimate",
     "PerplexityResult",
+    "cloze",
     "multiple_choice",
     "perplexity",
     "perplexity_windows",
+    "split_last_word",
 ]
 
 #: ``--ctx`` when none is given (llama-perplexity's customary ``-c 512``), capped by the model.
@@ -435,3 +439,157 @@ def multiple_choice(
     merged = _merge_metrics(runs)  # each run already sums its item's passes
     merged["passes"] = sum(int(r["passes"]) for r in runs)
     return ChoiceResult(**est, correct=correct, count=n, details=tuple(details), metrics=merged)
+
+
+# -- cloze -------------------------------------------------------------------------------------
+def split_last_word(text: str) -> tuple[str, str]:
+    """(context, last word): the word is the last whitespace-separated run of ``text`` (trailing
+    whitespace dropped), the context everything before it, its whitespace included."""
+    s = text.rstrip()
+    i = len(s)
+    while i > 0 and not s[i - 1].isspace():
+        i -= 1
+    return s[:i], s[i:]
+
+
+@attrs.frozen
+class ClozeItem:
+    """One passage whose last word is to be predicted; ``id``/``where`` as for `ChoiceItem`."""
+
+    text: str
+    id: Any = None
+    where: str | None = attrs.field(default=None, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise BadRequestError(_where(self.where, "'text' must be a string"))
+        context, word = split_last_word(self.text)
+        if not word or not context.strip():
+            raise BadRequestError(
+                _where(
+                    self.where, "the passage needs at least two words (a context and the last word)"
+                )
+            )
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str | None = None) -> ClozeItem:
+        """An item from its JSON object ``{"text", "id"?}``."""
+        if not isinstance(obj, dict):
+            raise BadRequestError(
+                _where(where, f"expected a JSON object, got {type(obj).__name__}")
+            )
+        for k in obj:
+            if k not in ("text", "id"):
+                raise BadRequestError(_where(where, f"unknown field {k!r} (expected: text, id)"))
+        if "text" not in obj:
+            raise BadRequestError(_where(where, "missing field 'text'"))
+        return cls(obj["text"], obj.get("id"), where)
+
+
+@attrs.frozen
+class ClozeResult:
+    accuracy: Estimate
+    word_logprob: Estimate  # mean over passages of log P(last word | context), nats
+    word_perplexity: Estimate  # exp(-mean word log-probability)
+    count: int
+    correct: int
+    details: tuple[dict[str, Any], ...] = attrs.field(eq=False, repr=False)
+    metrics: dict[str, Any] = attrs.field(eq=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "task": "cloze",
+            "count": self.count,
+            "correct": self.correct,
+            "accuracy": self.accuracy.to_dict(),
+            "word_logprob": self.word_logprob.to_dict(),
+            "word_perplexity": self.word_perplexity.to_dict(),
+            "metrics": self.metrics,
+        }
+
+
+def _cloze_tokens(tokenizer: Any, item: ClozeItem, n_ctx: int) -> tuple[list[int], list[int], str]:
+    context, word = split_last_word(item.text)
+    ctx, cont = tasks.split_context(context, word)
+    ids = encode_context(tokenizer, ctx)
+    if not ids:
+        raise BadRequestError(_where(item.where, "the context tokenizes to nothing"))
+    word_ids = tasks.continuation_ids(tokenizer, ctx, cont)
+    if not word_ids:
+        raise BadRequestError(_where(item.where, f"the last word {word!r} tokenizes to nothing"))
+    if len(ids) + len(word_ids) > n_ctx:
+        raise BadRequestError(
+            _where(
+                item.where,
+                f"the passage is {len(ids) + len(word_ids)} tokens, longer than the model "
+                f"context ({n_ctx})",
+            )
+        )
+    return ids, word_ids, word
+
+
+def cloze(
+    engine: Any,
+    tokenizer: Any,
+    items: Sequence[ClozeItem],
+    *,
+    progress: Progress | None = None,
+) -> ClozeResult:
+    """Last-word accuracy over ``items`` (module doc): one pass over context + word per
+    passage, all logits; every passage is tokenized and checked before the first pass."""
+    items = list(items)
+    if not items:
+        raise BadRequestError("no passages to evaluate")
+    for k, item in enumerate(items):
+        if not isinstance(item, ClozeItem):
+            raise BadRequestError(f"item {k + 1} is {type(item).__name__}, not a ClozeItem")
+    n_ctx = int(engine.hp.n_ctx)
+    toks = [_cloze_tokens(tokenizer, item, n_ctx) for item in items]
+    windows = [ids + word_ids for ids, word_ids, _ in toks]
+    runs: list[dict[str, Any]] = []
+    logps, details = [], []
+    correct = 0
+    for k, (item, (ids, word_ids, word), logits) in enumerate(
+        zip(items, toks, _window_logits(engine, windows, runs))
+    ):
+        rows = logits[len(ids) - 1 : len(ids) + len(word_ids) - 1]
+        want = np.asarray(word_ids, dtype=np.int64)
+        hits = rows.argmax(axis=1) == want
+        lp = float(_row_logprobs(rows, want).sum())
+        del logits, rows
+        ok = bool(hits.all())
+        correct += ok
+        logps.append(lp)
+        key = {"id": item.id} if item.id is not None else {"item": k}
+        if item.where:
+            key["where"] = item.where
+        details.append(
+            key
+            | {
+                "word": word,
+                "word_tokens": list(word_ids),
+                "correct": ok,
+                "tokens_right": int(hits.sum()),
+                "logprob": lp,
+                "context_tokens": len(ids),
+            }
+        )
+        if progress is not None:
+            progress(k + 1, len(items))
+    n = len(items)
+    mean_lp = mean_estimate(logps)
+    m, se = mean_lp.value, mean_lp.stderr
+    word_ppl = Estimate(
+        math.exp(-m),
+        None if se is None else math.exp(-m) * se,
+        None if se is None else (math.exp(-(m + Z95 * se)), math.exp(-(m - Z95 * se))),
+    )
+    return ClozeResult(
+        accuracy=proportion(correct, n),
+        word_logprob=mean_lp,
+        word_perplexity=word_ppl,
+        count=n,
+        correct=correct,
+        details=tuple(details),
+        metrics=_merge_metrics(runs),
+    )
