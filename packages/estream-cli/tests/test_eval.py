@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -682,3 +683,22 @@ def test_cloze_cli_too_long_and_needs_one_input(gen_model, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         main(["eval", "cloze", str(path)])
     assert exc.value.code == 2
+
+
+def test_eval_help_lists_only_options_its_commands_take(capsys):
+    """`estream eval --help` sums up the three commands: every option it names there is
+    accepted by the command it names it for (the README's synopsis is checked against it)."""
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    text = capsys.readouterr().out
+    lines = text.split("commands:", 1)[1].strip().splitlines()
+    engine_opts = re.findall(r"(?<![\w-])--?[A-Za-z][\w-]*", " ".join(lines[3:]))
+    assert {"--mode", "--budget", "--act", "--backend", "-G"} <= set(engine_opts)
+    for line in lines[:3]:
+        words = line.split()
+        assert words[:2] == ["estream", "eval"]
+        with pytest.raises(SystemExit):
+            main(["eval", words[2], "--help"])
+        sub = capsys.readouterr().out
+        for opt in re.findall(r"(?<![\w-])--[a-z][\w-]*", line) + engine_opts:
+            assert re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", sub), (words[2], opt)

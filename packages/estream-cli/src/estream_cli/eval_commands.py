@@ -72,7 +72,8 @@ commands:
   estream eval perplexity MODEL --text-file F [--ctx N] [--stride S] [--output FILE]
   estream eval choice MODEL --input F.jsonl [--output FILE] [--details FILE.jsonl]
   estream eval cloze MODEL --input F.jsonl | --text-file F [--output FILE] [--details FILE.jsonl]
-and the engine options of prefill (--mode, --budget, -G/-Q/-B, --act, ...).
+and the engine options of prefill: --mode --schedule --budget -G -Q -B --threads --verify
+--act --backend.
 'estream eval COMMAND --help' states each convention exactly.
 """
 
