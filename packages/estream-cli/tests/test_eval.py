@@ -5,6 +5,7 @@ all_logits=True)` and `estream prefill --all-logits`), on the tiny generated BPE
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import random
@@ -702,3 +703,39 @@ def test_eval_help_lists_only_options_its_commands_take(capsys):
         sub = capsys.readouterr().out
         for opt in re.findall(r"(?<![\w-])--[a-z][\w-]*", line) + engine_opts:
             assert re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", sub), (words[2], opt)
+
+
+def test_inputs_from_stdin(gen_model, capsys, tmp_path, monkeypatch):
+    path, eng, tok = gen_model
+    raw = random_items(3, seed=2)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(json.dumps(o) + "\n" for o in raw)))
+    rc, out, err = run_cli(capsys, "eval", "choice", str(path), "--input", "-", *ENGINE)
+    assert rc == 0, err
+    doc = json.loads(out)
+    api = evaluation.multiple_choice(eng, tok, [evaluation.ChoiceItem.from_dict(o) for o in raw])
+    assert doc["input"] == "<stdin>" and doc["correct"] == api.correct
+    text = make_text(40, seed=5)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    rc, out, err = run_cli(
+        capsys, "eval", "perplexity", str(path), "--text-file", "-", "--ctx", "16", *ENGINE
+    )
+    assert rc == 0, err
+    want = evaluation.perplexity(eng, tok, text, ctx=16)
+    assert json.loads(out)["perplexity"] == want.perplexity.to_dict()
+
+
+@pytest.mark.parametrize(
+    ("n", "ctx", "stride", "bos"), [(50, 8, 8, None), (50, 8, 3, 7), (9, 9, 1, 2)]
+)
+def test_perplexity_windows_made_on_demand(n, ctx, stride, bos):
+    ids = list(range(100, 100 + n))
+    windows, n_score = evaluation.perplexity_windows(ids, ctx, stride, bos)
+    want = []
+    for s in range(0, n - ctx + 1, stride):
+        w = ids[s : s + ctx]
+        want.append(w if bos is None else [bos, *w[1:]])
+    assert list(windows) == want and len(windows) == len(want)
+    assert windows[-1] == want[-1] and windows[1:3] == want[1:3]
+    with pytest.raises(IndexError):
+        windows[len(want)]
+    assert n_score == min(stride, ctx - 1 - ctx // 2)

@@ -214,24 +214,45 @@ def check_window(ctx: Any, stride: Any, n_ctx: int) -> tuple[int, int]:
     return int(ctx), int(stride)
 
 
+class _Windows(Sequence[list[int]]):
+    """The windows of a tokenized text, made on demand (stride 1 over a long text would
+    otherwise hold ctx copies of it)."""
+
+    def __init__(self, ids: Sequence[int], ctx: int, stride: int, bos: int | None) -> None:
+        self._ids = np.asarray(ids, dtype=np.int64)
+        self._ctx, self._stride, self._bos = ctx, stride, bos
+        self._n = (len(self._ids) - ctx) // stride + 1
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(self._n))]
+        if k < 0:
+            k += self._n
+        if not 0 <= k < self._n:
+            raise IndexError(k)
+        s = k * self._stride
+        w = [int(t) for t in self._ids[s : s + self._ctx]]
+        if self._bos is not None:
+            w[0] = int(self._bos)
+        return w
+
+
 def perplexity_windows(
     ids: Sequence[int], ctx: int, stride: int, bos: int | None
-) -> tuple[list[list[int]], int]:
-    """The windows of a tokenized text and the number of scored (last) positions of each
-    (see the module doc); ``bos``: the id that replaces each window's first token, or None."""
+) -> tuple[Sequence[list[int]], int]:
+    """The windows of a tokenized text (a sequence made on demand) and the number of scored
+    (last) positions of each (see the module doc); ``bos``: the id that replaces each window's
+    first token, or None."""
     n = len(ids)
     if n < ctx:
         raise BadRequestError(
             f"the text has {n} tokens, fewer than one window of ctx={ctx}: give a longer text "
             "or a smaller ctx"
         )
-    windows = []
-    for s in range(0, n - ctx + 1, stride):
-        w = [int(t) for t in ids[s : s + ctx]]
-        if bos is not None:
-            w[0] = int(bos)
-        windows.append(w)
-    return windows, min(stride, ctx - 1 - ctx // 2)
+    return _Windows(ids, ctx, stride, bos), min(stride, ctx - 1 - ctx // 2)
 
 
 def perplexity(
