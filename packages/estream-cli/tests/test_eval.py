@@ -739,3 +739,25 @@ def test_perplexity_windows_made_on_demand(n, ctx, stride, bos):
     with pytest.raises(IndexError):
         windows[len(want)]
     assert n_score == min(stride, ctx - 1 - ctx // 2)
+
+
+def test_streamed_and_resident_give_the_same_figures(gen_model):
+    """Perplexity, choice and cloze do not depend on where the experts live (to rounding)."""
+    path, eng, tok = gen_model
+    text = make_text(60, seed=21)
+    items = [evaluation.ChoiceItem.from_dict(o) for o in random_items(4, seed=3)]
+    passages = [evaluation.ClozeItem(make_text(8, seed=s).strip()) for s in range(3)]
+
+    def figures(e):
+        p = evaluation.perplexity(e, tok, text, ctx=24, stride=7)
+        c = evaluation.multiple_choice(e, tok, items)
+        z = evaluation.cloze(e, tok, passages)
+        choice_lp = np.concatenate([d["logprob"] for d in c.details])
+        cloze_lp = np.array([d["logprob"] for d in z.details])
+        return np.array([p.perplexity.value, p.bits_per_byte.value]), choice_lp, cloze_lp
+
+    streamed = figures(eng)
+    with estream.load(path, mode="resident", act="f32") as resident:
+        held = figures(resident)
+    for a, b in zip(held, streamed, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
