@@ -316,3 +316,9 @@ def bench_scale(session: nox.Session) -> None:
 def parity(session: nox.Session) -> None:
     """Engine vs llama.cpp (llama-cpp-python) logits on the same synthetic GGUF."""
     _bench(session, ROOT / "integration" / "bench" / "parity.py", all_pkgs=True)
+
+
+@nox.session
+def eval_parity(session: nox.Session) -> None:
+    """`estream eval perplexity` on streamed models vs llama.cpp on the same GGUF and windows."""
+    _bench(session, ROOT / "integration" / "bench" / "eval_parity.py", all_pkgs=True)

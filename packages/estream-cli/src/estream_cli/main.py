@@ -357,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .task_commands import add_task_commands
 
     add_task_commands(sub)
+    from .eval_commands import add_eval_command
+
+    add_eval_command(sub)
     return ap
 
 
