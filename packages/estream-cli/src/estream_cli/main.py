@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -368,7 +369,17 @@ PASS_THROUGH = ("synth", "pack")
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv is not None:
+        return _main(list(argv))
+    # As a program: once the answer is known, a Ctrl-C while the interpreter exits must not
+    # turn a finished run (its output written) into a silent death by SIGINT.
+    try:
+        return _main(sys.argv[1:])
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] in PASS_THROUGH:
         return _pass_through(argv[0], argv[1:])  # --help / usage errors exit as theirs do
     try:
