@@ -57,10 +57,49 @@ def _pytest(session: nox.Session, where: Path, *extra: str) -> None:
     )
 
 
+# The hexagon backend's toolchain (compiler, linker, user-mode emulator) and its Debian packages.
+HEXAGON_TOOLS = {
+    "clang-19": "clang-19",
+    "ld.lld-19": "lld-19",
+    "qemu-hexagon-static": "qemu-user-static",
+    "llvm-objdump-19": "llvm-19",
+}
+
+
+def _hexagon_toolchain(session: nox.Session) -> None:
+    """Make the Hexagon tests runnable: install the missing Debian packages when this runs as
+    root with apt-get (CI), and then *require* them (ESTREAM_HTP_REQUIRE_HEXAGON=1: a missing
+    tool fails the tests instead of skipping them). Elsewhere the tests skip, naming the tool."""
+    missing = [t for t in HEXAGON_TOOLS if shutil.which(t) is None]
+    can_install = hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get")
+    if missing and can_install:
+        debs = sorted({HEXAGON_TOOLS[t] for t in missing})
+        session.log(f"installing {' '.join(debs)} for the hexagon backend ({', '.join(missing)})")
+        env = {"DEBIAN_FRONTEND": "noninteractive"}
+        try:
+            session.run("apt-get", "install", "-y", "-q", *debs, external=True, env=env)
+        except nox.command.CommandFailed:  # stale package lists
+            session.run("apt-get", "update", "-q", external=True, env=env)
+            session.run("apt-get", "install", "-y", "-q", *debs, external=True, env=env)
+        missing = [t for t in HEXAGON_TOOLS if shutil.which(t) is None]
+        if missing:
+            session.error(f"apt-get installed {' '.join(debs)} but {', '.join(missing)} is missing")
+    if can_install or not missing:
+        session.env["ESTREAM_HTP_REQUIRE_HEXAGON"] = "1"
+    else:
+        session.warn(
+            "hexagon backend tests will be skipped: "
+            + ", ".join(missing)
+            + " not installed and no root/apt-get to install "
+            + " ".join(sorted({HEXAGON_TOOLS[t] for t in missing}))
+        )
+
+
 def _package_session(session: nox.Session, name: str) -> None:
     # Install (build) this package alone, plus its test extra; reinstall so edits are seen.
     if name == "htp":
         _clean_htp_build()
+        _hexagon_toolchain(session)
     session.install("--force-reinstall", "--no-deps", pkg(name))
     session.install(pkg(name, "test"))
     _pytest(session, PKG / f"estream-{name}" / "tests")
@@ -92,6 +131,7 @@ def htp(session: nox.Session) -> None:
 
 def _install_all(session: nox.Session, *extras: str) -> None:
     _clean_htp_build()
+    _hexagon_toolchain(session)
     session.install("--force-reinstall", "--no-deps", *[pkg(n) for n in ALL])
     session.install(*[pkg(n) for n in LOWER], pkg("cli", ",".join(extras) if extras else None))
 
