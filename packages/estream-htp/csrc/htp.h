@@ -61,6 +61,7 @@ typedef enum htp_simd {
     HTP_SIMD_AVX512 = 2,
     HTP_SIMD_AVX512VNNI = 3,
     HTP_SIMD_NEON = 4,
+    HTP_SIMD_HVX = 5, /* Hexagon HVX (128-byte vectors): only in the Hexagon executor */
     HTP_SIMD_BEST = 255 /* in htp_backend_desc: the best level this CPU and build support */
 } htp_simd;
 

@@ -77,7 +77,8 @@ htp_status htp_backend_init(const htp_backend_desc *desc, htp_backend **out) {
         else st = htp_pool_resize(b->ex.pool, nth);
     } else {
         st = htp_remote_open(desc, &b->remote);
-        if (st == HTP_OK) st = htp_remote_configure(b->remote, nth, level, &b->simd);
+        /* HTP_SIMD_BEST travels as such: the executor picks the best level of *its* processor */
+        if (st == HTP_OK) st = htp_remote_configure(b->remote, nth, desc->simd, &b->simd);
         if (st == HTP_OK) b->remote_threads = nth;
     }
     if (st != HTP_OK) {
@@ -128,7 +129,7 @@ htp_status htp_backend_configure(htp_backend *b, uint32_t n_threads, uint32_t si
         }
     } else {
         uint32_t got = 0;
-        st = htp_remote_configure(b->remote, n_threads, level, &got);
+        st = htp_remote_configure(b->remote, n_threads, simd, &got);
         if (st == HTP_OK) {
             b->simd = got;
             b->remote_threads = n_threads;

@@ -60,6 +60,9 @@ static int cpu_supports(uint32_t level) {
 #ifdef HTP_ARM64
     case HTP_SIMD_NEON: return htp_neon_dotprod_supported();
 #endif
+#ifdef HTP_HVX
+    case HTP_SIMD_HVX: return 1; /* the build targets HVX: every core it runs on has it */
+#endif
     default: return 0;
     }
 }
@@ -76,12 +79,15 @@ const htp_isa *htp_isa_for(uint32_t level) {
 #ifdef HTP_ARM64
     case HTP_SIMD_NEON: return &htp_isa_neon;
 #endif
+#ifdef HTP_HVX
+    case HTP_SIMD_HVX: return &htp_isa_hvx;
+#endif
     default: return NULL;
     }
 }
 
 uint32_t htp_simd_best(void) {
-    for (uint32_t l = HTP_SIMD_NEON + 1; l-- > 0;)
+    for (uint32_t l = HTP_SIMD_HVX + 1; l-- > 0;)
         if (cpu_supports(l)) return l;
     return HTP_SIMD_PORTABLE;
 }

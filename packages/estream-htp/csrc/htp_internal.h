@@ -24,6 +24,14 @@
 #if defined(__aarch64__) && !defined(HTP_NO_SIMD)
 #define HTP_ARM64 1
 #endif
+/* Hexagon (the executor built with csrc/hexagon's freestanding runtime): one thread, and the
+ * HVX table when the compiler targets HVX (-mhvx -mhvx-length=128b). */
+#if defined(__hexagon__)
+#define HTP_NO_THREADS 1
+#if defined(__HVX__) && !defined(HTP_NO_SIMD)
+#define HTP_HVX 1
+#endif
+#endif
 
 #define HTP_TILE 32
 #define HTP_Q4_TILE_BYTES 576
@@ -142,6 +150,9 @@ extern const htp_isa htp_isa_avx512vnni;
 #ifdef HTP_ARM64
 int htp_neon_dotprod_supported(void);
 extern const htp_isa htp_isa_neon;
+#endif
+#ifdef HTP_HVX
+extern const htp_isa htp_isa_hvx;
 #endif
 /* The table of a level, or NULL if this CPU/build cannot run it. */
 const htp_isa *htp_isa_for(uint32_t level);
