@@ -85,6 +85,27 @@ def test_gemm_bit_exact(
         assert T.rel_l2_floored(b, T.ref_gemm(xq, buf, n, fmt), mag, k) < 1e-5
 
 
+@pytest.mark.parametrize("act", ["q8", "f32"])
+def test_gemm_with_zero_subnormal_and_extreme_scales(
+    host: htp.Backend, hexagon: htp.Backend, act: str
+) -> None:
+    """The HVX kernel converts a tile's f16 row scales branch-free for normal numbers and zeros
+    and falls back to the general conversion when a tile holds a subnormal."""
+    rng = np.random.default_rng(21)
+    n, k, t = 64, 96, 5
+    blocks = T.random_q4_0_blocks(rng, n, k)
+    special = [0x0000, 0x8000, 0x0001, 0x03FF, 0x8200, 0x0400, 0x7BFF, 0xFBFF, 0x3C00]
+    for i, h in enumerate(special):  # rows of the first row tile, tiles 0 and 2
+        blocks[3 * i, 0, :2] = np.frombuffer(np.uint16(h).tobytes(), np.uint8)
+        blocks[3 * i + 1, 2, :2] = np.frombuffer(np.uint16(h).tobytes(), np.uint8)
+    blocks[40:, :, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # all normal
+    buf = htp.pack_q4_0_t32r4(blocks)
+    x = (rng.standard_normal((t, k)) * 1e-3).astype(np.float32)
+    a = htp.gemm(x, buf, n, out=_nan((t, n)), act=act, backend=host)
+    b = htp.gemm(x, buf, n, out=_nan((t, n)), act=act, backend=hexagon)
+    assert _same(a, b) and np.isfinite(b).all()
+
+
 @settings(max_examples=8)
 @given(
     t=st.integers(1, 12),
