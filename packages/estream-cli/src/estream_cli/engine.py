@@ -142,10 +142,15 @@ class Engine:
         hp = self.hp
         self._capacity = 4096
         # Expert ops run on the chosen backend; the other ops stay on this process's default one.
+        # The hexagon executor (qemu-hexagon here, the DSP on a device) runs one thread.
         self.backend = (
             htp.default_backend()
             if backend == "host"
-            else htp.Backend(backend, n_threads=htp.get_num_threads(), act=act)
+            else htp.Backend(
+                backend,
+                n_threads=1 if backend == "hexagon" else htp.get_num_threads(),
+                act=act,
+            )
         )
         self.graph = htp.ExpertGraph(
             hp.n_embd, hp.n_ff_exp, self._capacity, hp.n_ctx, backend=self.backend

@@ -40,9 +40,11 @@ def add_engine_opts(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--backend",
-        choices=("host", "host-process"),
+        choices=("host", "host-process", "hexagon"),
         default="host",
-        help="where expert ops run: in this process (default) or in an executor process",
+        help="where expert ops run: in this process (default), in an executor process, or in "
+        "the Hexagon executor (the library built for Hexagon v67+HVX, run under "
+        "qemu-hexagon-static; dense ops stay in this process)",
     )
 
 
