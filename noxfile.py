@@ -292,6 +292,30 @@ def sanitize(session: nox.Session) -> None:
     session.run("python", str(script), *session.posargs)
 
 
+@nox.session
+def hexagon(session: nox.Session) -> None:
+    """The hexagon backend at length under qemu-hexagon: the op tests with more examples, every
+    architecture's prefill in resident and stream mode, and the packet count of the HVX tile
+    kernel (bench-results/hexagon_packets.json)."""
+    _install_all(session, "test")
+    session.install(pkg("htp", "test"))
+    if "ESTREAM_HTP_REQUIRE_HEXAGON" not in session.env:
+        session.error("the hexagon session needs clang-19, ld.lld-19 and qemu-hexagon-static")
+    session.env["ESTREAM_HEXAGON_FULL"] = "1"
+    htp_tests = PKG / "estream-htp" / "tests"
+    session.run(
+        "python", "-m", "pytest", str(htp_tests / "test_hexagon.py"),
+        str(htp_tests / "test_backends.py"), "-k", "hexagon", "-q", "-p", "no:cacheprovider",
+        env={"HYPOTHESIS_PROFILE": "dev"},
+    )  # fmt: skip
+    _pytest(session, ROOT / "integration" / "test_hexagon.py")
+    (ROOT / "bench-results").mkdir(exist_ok=True)
+    session.run(
+        "python", str(PKG / "estream-htp" / "tools" / "hexagon_packets.py"),
+        "--json", str(ROOT / "bench-results" / "hexagon_packets.json"),
+    )  # fmt: skip
+
+
 def _bench(session: nox.Session, script: Path, *, all_pkgs: bool = False, name: str = "") -> None:
     if all_pkgs:
         _install_all(session, "bench")

@@ -1,7 +1,11 @@
 """The engine with its expert ops on the ``hexagon`` backend: the library compiled for Hexagon
 (v67 + HVX) runs as the executor process under qemu-hexagon-static and maps the very memfds the
 host's loader fills (stream mode: the arena's planes; resident mode: the shared expert pool) —
-no copy of an expert crosses the process boundary. Dense ops stay in this process.
+no copy of an expert crosses the process boundary. With ``dense_ops="backend"`` (the default on
+this backend) every estream-htp kernel op of the forward pass runs there too (GEMMs, norms,
+RoPE, attention, convolution, SwiGLU, router top-k, embedding rows), the dense weights
+registered once as shared buffers; numpy glue (residual adds, the router's f32 logits matmul,
+elementwise products) stays on the host.
 
 Logits match ``--backend host`` within 1e-5 relative (the host's expert op runs its best SIMD
 level, the Hexagon one HVX; the int32 dot products are the same, fp32 accumulation orders of
@@ -29,7 +33,11 @@ pytestmark = pytest.mark.skipif(
 FULL = os.environ.get("ESTREAM_HEXAGON_FULL", "").strip() == "1"
 ARCHS = ["olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe"] if FULL else ["olmoe"]
 MODES = (
-    [{"mode": "resident"}, {"mode": "stream", "G": 2, "Q": 2, "B": 4}]
+    [
+        {"mode": "resident"},
+        {"mode": "stream", "G": 2, "Q": 2, "B": 4},
+        {"mode": "stream", "G": 1, "Q": 1, "B": 2, "dense_ops": "host"},
+    ]
     if FULL
     else [{"mode": "stream", "G": 2, "Q": 2, "B": 3}]
 )
@@ -50,18 +58,33 @@ def _mapped_memfds(pid: int) -> set[str]:
 
 
 @pytest.mark.parametrize("kw", MODES, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
-def test_prefill_on_hexagon_matches_host(packed, kw):
+def test_prefill_on_hexagon_matches_host(packed, kw, monkeypatch):
+    import estream_htp._core as core
+
     toks = np.random.default_rng(4).integers(0, 64, size=37)
+    kw = dict(kw)
+    dense = kw.pop("dense_ops", "backend")
     with estream.load(packed, backend="host", **kw) as eng:
         ref = eng.prefill(toks, all_logits=True).logits
-    with estream.load(packed, backend="hexagon", **kw) as eng:
+    with estream.load(packed, backend="hexagon", dense_ops=dense, **kw) as eng:
         assert eng.backend.kind == "hexagon" and eng.backend.simd == "hvx"
+        host_ops = []
+        be = core._be
+
+        def spy(backend):  # an op given no backend would run on this process's default one
+            if backend is None:
+                host_ops.append(1)
+            return be(backend)
+
+        monkeypatch.setattr(core, "_be", spy)
         pid = eng.backend.pid
         assert pid is not None
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             assert b"qemu-hexagon" in f.read().split(b"\0")[0]
         res = eng.prefill(toks, all_logits=True)
-        assert res.metrics["backend"] == "hexagon"
+        monkeypatch.undo()
+        assert res.metrics["backend"] == "hexagon" and res.metrics["dense_ops"] == dense
+        assert (len(host_ops) == 0) == (dense == "backend"), len(host_ops)
         maps = _mapped_memfds(pid)
         if eng.config is not None:  # the executor maps the arena's own planes
             eng.experts.loader.check_valid()

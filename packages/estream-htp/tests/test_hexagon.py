@@ -10,6 +10,7 @@ float64 references. Outputs are poisoned with NaN. Both of the executor's kernel
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -24,6 +25,8 @@ from estream_htp import testing as T
 pytestmark = needs_hexagon
 
 LEVELS = ["portable", "hvx"]
+# nox -s hexagon: five times the examples
+_X = 5 if os.environ.get("ESTREAM_HEXAGON_FULL", "").strip() == "1" else 1
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def test_the_executor_is_a_hexagon_program_under_qemu(hexagon: htp.Backend) -> N
     assert elf[:4] == b"\x7fELF" and int.from_bytes(elf[18:20], "little") == 164  # EM_QDSP6
 
 
-@settings(max_examples=12)
+@settings(max_examples=12 * _X)
 @given(
     n=st.integers(1, 70),
     kb=st.integers(1, 4),
@@ -106,7 +109,7 @@ def test_gemm_with_zero_subnormal_and_extreme_scales(
     assert _same(a, b) and np.isfinite(b).all()
 
 
-@settings(max_examples=8)
+@settings(max_examples=8 * _X)
 @given(
     t=st.integers(1, 12),
     n_e=st.integers(1, 5),

@@ -39,6 +39,9 @@ MODES = ("stream", "resident", "naive", "layer")
 # How activations meet the Q4_0/Q8_0 weights: "q8" (int8 per 32-block, like GGML's Q8_0: fast)
 # or "f32" (dequantized weights, fp32 products: matches a float64 reference to ~1e-6).
 ACTS = ("q8", "f32")
+# Where the dense kernel ops (GEMMs, norms, RoPE, attention, ...) run: this process's default
+# backend, or the expert backend (its executor process: the DSP for `hexagon`).
+DENSE_OPS = ("host", "backend")
 DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
 
 
@@ -111,7 +114,15 @@ class Engine:
         progress: bool = False,
         act: str = "q8",
         backend: str = "host",
+        dense_ops: str | None = None,
     ) -> None:
+        if dense_ops is None:
+            dense_ops = "backend" if backend == "hexagon" else "host"
+        if dense_ops not in DENSE_OPS:
+            raise BadRequestError(
+                f"dense_ops must be one of {', '.join(DENSE_OPS)}, got {dense_ops!r}"
+            )
+        self.dense_ops = dense_ops
         if act not in ACTS:
             raise BadRequestError(f"act must be one of {', '.join(ACTS)}, got {act!r}")
         self.act = act
@@ -155,6 +166,8 @@ class Engine:
         self.graph = htp.ExpertGraph(
             hp.n_embd, hp.n_ff_exp, self._capacity, hp.n_ctx, backend=self.backend
         )
+        # dense weights registered with the backend (dense_ops="backend"), on first use
+        self._dense_shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         try:
             self.experts: ExpertSource
             if self.config is None:
@@ -289,7 +302,13 @@ class Engine:
         memory.reset_peak()
         # Per-request bookkeeping only: a long-lived engine must not grow without bound.
         self.experts.reset()
-        ops = Ops(hp, self.experts, branches)
+        ops = Ops(
+            hp,
+            self.experts,
+            branches,
+            backend=self.backend if self.dense_ops == "backend" else None,
+            shared=self._dense_shared,
+        )
         spans: list[tuple[str, int, float, float]] = []
         show = self.progress and sys.stderr.isatty()
         t_start = time.perf_counter()
@@ -359,6 +378,7 @@ class Engine:
             "simd": htp.simd_level(),
             "act": self.act,
             "backend": self.backend.kind,
+            "dense_ops": self.dense_ops,
             "load_s": self.load_s,
             "expert_memory_bytes": int(self.experts.memory_bytes),
             "dense_bytes": int(self.model.dense_bytes),

@@ -317,38 +317,61 @@ class Ops:
 
     Made per request by the engine. ``branches`` switches attention from plain causal to a
     shared prefix plus branches (see `Engine.prefill_branches`). ``expert_phases`` collects the
-    (start, end) time of every routed-expert phase, in order, for the engine's loop."""
+    (start, end) time of every routed-expert phase, in order, for the engine's loop.
+
+    ``backend``: where the kernel ops run (None: this process's default backend). On an
+    executor backend the dense weights are registered with it once — copied into shared memory
+    the first time an op uses them, kept in ``shared`` (the engine's, across requests) — and
+    activations travel through the backend's staging buffer."""
 
     def __init__(
-        self, hp: ModelSpec, experts: ExpertSource, branches: Branches | None = None
+        self,
+        hp: ModelSpec,
+        experts: ExpertSource,
+        branches: Branches | None = None,
+        *,
+        backend: htp.Backend | None = None,
+        shared: dict[int, tuple[np.ndarray, np.ndarray]] | None = None,
     ) -> None:
         self.hp = hp
         self.experts = experts
         self.branches = branches
         self.expert_phases: list[tuple[float, float]] = []
+        self.backend = backend
+        self._shared = shared if shared is not None else {}
+
+    def _w(self, a: np.ndarray | None) -> np.ndarray | None:
+        """A weight array as the backend reads it: in shared memory for an executor backend."""
+        if a is None or self.backend is None or self.backend.kind == "host":
+            return a
+        hit = self._shared.get(id(a))
+        if hit is None or hit[0] is not a:
+            hit = self._shared[id(a)] = (a, self.backend.share(np.ascontiguousarray(a)))
+        return hit[1]
 
     # primitives
-    @staticmethod
-    def matmul(x: np.ndarray, w: DenseTensor) -> np.ndarray:
+    def matmul(self, x: np.ndarray, w: DenseTensor) -> np.ndarray:
         """`x @ w.T` for a resident matrix (tiled Q4_0/Q8_0 through the kernels, or f32)."""
         if w.fmt == "f32":
             return x @ w.f32().T
-        return htp.gemm(x, w.data, w.shape[0], w.fmt)
+        return htp.gemm(x, self._w(w.data), w.shape[0], w.fmt, backend=self.backend)
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        return htp.rms_norm(x, w, self.hp.rms_eps)
+        return htp.rms_norm(x, self._w(w), self.hp.rms_eps, backend=self.backend)
 
-    @staticmethod
-    def rope(x: np.ndarray, pos: np.ndarray, r: Rope) -> None:
+    def rope(self, x: np.ndarray, pos: np.ndarray, r: Rope) -> None:
         """RoPE, in place, on the first ``r.n_rot`` dims of each head of ``x [T, H, D]``."""
         htp.rope(
             x, pos, r.n_rot, r.freq_base, r.freq_scale, r.kind,  # type: ignore[arg-type]
             ext_factor=r.ext_factor, attn_factor=r.attn_factor, corr_dims=r.corr_dims,
+            backend=self.backend,
         )  # fmt: skip
 
     def embed(self, head: Head, ids: np.ndarray) -> np.ndarray:
         e = head.tok_embd
-        return htp.get_rows(e.data, e.fmt, self.hp.n_vocab, self.hp.n_embd, ids)
+        return htp.get_rows(
+            self._w(e.data), e.fmt, self.hp.n_vocab, self.hp.n_embd, ids, backend=self.backend
+        )
 
     def output(self, head: Head, h: np.ndarray) -> np.ndarray:
         """Logits `[rows, n_vocab]` of final-normed hidden states `h`."""
@@ -362,13 +385,14 @@ class Ops:
         q = self.matmul(h, w.wq)
         k = self.matmul(h, w.wk)
         v = self.matmul(h, w.wv)
+        be = self.backend
         if w.qk_norm == "full":
-            q = htp.rms_norm(q, w.q_norm, eps)
-            k = htp.rms_norm(k, w.k_norm, eps)
+            q = htp.rms_norm(q, self._w(w.q_norm), eps, backend=be)
+            k = htp.rms_norm(k, self._w(w.k_norm), eps, backend=be)
         elif w.qk_norm == "head":
             assert w.q_norm is not None and w.k_norm is not None  # checked at construction
-            q = htp.rms_norm_heads(q, w.q_norm, w.n_head, eps)
-            k = htp.rms_norm_heads(k, w.k_norm, w.n_head_kv, eps)
+            q = htp.rms_norm_heads(q, self._w(w.q_norm), w.n_head, eps, backend=be)  # type: ignore[arg-type]
+            k = htp.rms_norm_heads(k, self._w(w.k_norm), w.n_head_kv, eps, backend=be)  # type: ignore[arg-type]
         q = np.ascontiguousarray(q.reshape(t, w.n_head, w.head_dim))
         k = np.ascontiguousarray(k.reshape(t, w.n_head_kv, w.head_dim))
         v = np.ascontiguousarray(v.reshape(t, w.n_head_kv, -1))
@@ -380,8 +404,8 @@ class Ops:
     def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
         """softmax(q kᵀ · scale) v under this request's mask: `q [T, H, D]`, `k, v [T, Hkv, ·]`."""
         if self.branches is None:
-            return htp.attention(q, k, v, scale, causal=True)
-        return _branch_attention(q, k, v, scale, *self.branches)
+            return htp.attention(q, k, v, scale, causal=True, backend=self.backend)
+        return _branch_attention(q, k, v, scale, *self.branches, backend=self.backend)
 
     def short_conv(self, w: ShortConv, h: np.ndarray) -> np.ndarray:
         """B, C, x = in_proj(h); out_proj(C * conv(B * x)), the convolution causal per sequence."""
@@ -398,25 +422,33 @@ class Ops:
         first rows see the prefix's last ``taps - 1`` rows (zeros before the first token), never
         another branch's rows, exactly as if ``prefix + branch`` were prefilled alone."""
         x = np.ascontiguousarray(x, dtype=np.float32)
+        be, kernel_s = self.backend, self._w(kernel)
         if self.branches is None:
-            return htp.conv1d_causal(x, kernel)
+            return htp.conv1d_causal(x, kernel_s, backend=be)  # type: ignore[arg-type]
         n_prefix, segments = self.branches
         taps = kernel.shape[1]
         out = np.empty_like(x)
         if n_prefix:
-            out[:n_prefix] = htp.conv1d_causal(np.ascontiguousarray(x[:n_prefix]), kernel)
+            out[:n_prefix] = htp.conv1d_causal(
+                np.ascontiguousarray(x[:n_prefix]), kernel_s, backend=be
+            )  # type: ignore[arg-type]
         history = np.zeros((taps - 1, x.shape[1]), dtype=np.float32)
         keep = min(taps - 1, n_prefix)
         if keep:
             history[taps - 1 - keep :] = x[n_prefix - keep : n_prefix]
         for s, n in segments:
-            out[s : s + n] = htp.conv1d_causal(np.ascontiguousarray(x[s : s + n]), kernel, history)
+            out[s : s + n] = htp.conv1d_causal(
+                np.ascontiguousarray(x[s : s + n]),
+                kernel_s,
+                history,
+                backend=be,  # type: ignore[arg-type]
+            )
         return out
 
     def dense_ffn(self, h: np.ndarray, w: FFN) -> np.ndarray:
         g = self.matmul(h, w.gate)
         u = self.matmul(h, w.up)
-        return self.matmul(htp.swiglu(g, u), w.down)
+        return self.matmul(htp.swiglu(g, u, backend=self.backend), w.down)
 
     def moe(self, h: np.ndarray, w: MoE) -> np.ndarray:
         """Route each token to its top-k experts and sum their SwiGLU outputs, weighted.
@@ -425,8 +457,9 @@ class Ops:
         engine's loop told at layer start to begin reading this layer's experts."""
         g = w.gating
         ids, weights = htp.router_topk(
-            h @ w.router, g.n_used, gating=g.func, norm=g.norm, scale=g.scale, bias=w.bias
-        )  # type: ignore[arg-type]
+            h @ w.router, g.n_used, gating=g.func, norm=g.norm, scale=g.scale,
+            bias=self._w(w.bias), backend=self.backend,
+        )  # type: ignore[arg-type]  # fmt: skip
         y = np.zeros((h.shape[0], self.hp.n_embd), dtype=np.float32)
         t0 = time.perf_counter()
         self.experts.run_layer(w.experts, h, ids, weights, y)
@@ -441,6 +474,8 @@ def _branch_attention(
     scale: float,
     n_prefix: int,
     segments: list[tuple[int, int]],
+    *,
+    backend: htp.Backend | None = None,
 ) -> np.ndarray:
     """Shared prefix (causal) + branches that each see the prefix and themselves (causal).
 
@@ -449,7 +484,7 @@ def _branch_attention(
     n_head, n_head_kv = q.shape[1], k.shape[1]
     out = np.empty((q.shape[0], n_head, v.shape[2]), dtype=np.float32)
     P = n_prefix
-    out[:P] = htp.attention(q[:P], k[:P], v[:P], scale, causal=True)
+    out[:P] = htp.attention(q[:P], k[:P], v[:P], scale, causal=True, backend=backend)
     rep = n_head // n_head_kv
     for s, n in segments:
         kk = np.concatenate((k[:P], k[s : s + n]))  # [P+n, Hkv, D]
