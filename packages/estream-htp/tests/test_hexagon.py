@@ -274,3 +274,96 @@ def test_more_than_one_thread_is_refused() -> None:
         htp.Backend("hexagon", n_threads=2)
     with htp.Backend("hexagon") as b, pytest.raises(htp.HTPUnsupportedError):
         b.configure(n_threads=2)
+
+
+# ---------------------------------------------------------------------- the runtime's arithmetic
+def _ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Distance in units in the last place (doubles)."""
+    lo = np.int64(-(2**63))
+    g, w = got.view(np.int64), want.view(np.int64)
+    g = np.where(g < 0, lo - g, g)  # sign-magnitude -> a monotone integer line (exact in int64)
+    w = np.where(w < 0, lo - w, w)
+    return np.abs(g - w)
+
+
+def test_runtime_arithmetic_against_host_ieee_and_libm(tmp_path) -> None:
+    """csrc/hexagon/hx_math.c and the compiler's inline division, under qemu-hexagon: double
+    division, square root, floor/ceil, float division and nearbyintf exact (IEEE round to
+    nearest even, as the host's hardware); exp/log within 2 double ulp of glibc, sin/cos within
+    4 ulp of max(|result|, 1e-3), pow within 2 + 4|y ln x| ulp; integer division exact."""
+    import subprocess
+    from pathlib import Path
+
+    from estream_htp import _hexagon
+    from estream_htp import _hexagon_build as hb
+
+    pkg = Path(__file__).resolve().parents[1]
+    if not (pkg / "tools" / "hexagon_selftest.c").is_file():
+        pytest.skip("needs the source tree")
+    miss = hb.missing_tools(("clang", "lld"))
+    if miss and os.environ.get("ESTREAM_HTP_REQUIRE_HEXAGON", "").strip() != "1":
+        pytest.skip(f"building the self-test needs {', '.join(miss)}")
+    exe = tmp_path / "selftest"
+    hb.build_program(
+        pkg, [pkg / "tools" / "hexagon_selftest.c", *(pkg / "csrc" / r for r in hb.RUNTIME)], exe
+    )
+    rng = np.random.default_rng(8)
+    n = 4000
+    a = rng.standard_normal(n) * 10.0 ** rng.uniform(-300, 300, n)
+    b = rng.standard_normal(n) * 10.0 ** rng.uniform(-300, 300, n)
+    a[:6] = [1.0, 3.0, 2.5, -7.0, 1e-310, 5e-324]  # exact cases and subnormals
+    b[:6] = [3.0, 1.0, 0.5, 2.0, 3.0, 1.0]
+    a[6:40] = rng.uniform(-1e6, 1e6, 34)
+    b[6:40] = rng.uniform(1e-320, 1e-300, 34)  # subnormal divisors
+    c = np.concatenate([rng.uniform(-30, 30, n // 2), rng.uniform(-2e4, 2e4, n - n // 2)])
+    c[:8] = [0.0, -0.0, 0.5, 1.5, 2.5, -2.5, 700.0, -740.0]
+    i = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)
+    j = rng.integers(-(2**40), 2**40, n, dtype=np.int64)
+    j[n // 2 :] = rng.integers(-1000, 1000, n - n // 2)
+    j[j == 0] = 7
+    stdin = np.uint32(n).tobytes() + b"".join(v.tobytes() for v in (a, b, c, i, j))
+    r = subprocess.run(
+        [hb.tool("qemu"), "-cpu", _hexagon.QEMU_CPU, str(exe)], input=stdin, capture_output=True,
+        timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    d = np.frombuffer(out[: 9 * 8 * n], np.float64).reshape(9, n)
+    f = np.frombuffer(out[9 * 8 * n : 9 * 8 * n + 2 * 4 * n], np.float32).reshape(2, n)
+    q = np.frombuffer(out[9 * 8 * n + 2 * 4 * n :], np.int64).reshape(8, n)
+    with np.errstate(all="ignore"):
+        assert np.array_equal(d[0], a / b, equal_nan=True)
+        assert np.array_equal(d[1], np.sqrt(np.abs(a)))
+        assert np.array_equal(d[7], np.floor(a)) and np.array_equal(d[8], np.ceil(a))
+        assert np.array_equal(f[0], a.astype(np.float32) / b.astype(np.float32), equal_nan=True)
+        assert np.array_equal(f[1], np.rint(c.astype(np.float32)))
+        assert _ulps(d[2], np.exp(c)).max() <= 2
+        assert _ulps(d[3], np.log(np.abs(a))).max() <= 2
+        # pow = exp(y log x): the rounding of y log x costs about |y ln x| ulp (RoPE's
+        # freq_base^(-2j/n_rot): |y ln x| <= 14)
+        pw = np.power(np.abs(a), c / 100.0)
+        ok = np.isfinite(pw) & (pw != 0)
+        bound = 2 + 4 * np.abs(c / 100.0 * np.log(np.abs(a)))
+        assert not (ok & (_ulps(d[6], pw) > bound)).any()
+        for got, want in ((d[4], np.sin(c)), (d[5], np.cos(c))):
+            err = np.abs(got - want) / np.maximum(np.abs(want), 1e-3)
+            assert err.max() <= 4 * 2.0**-52, err.max()
+    u, v = i.view(np.uint64), j.view(np.uint64)
+    assert np.array_equal(q[0].view(np.uint64), u // v) and np.array_equal(
+        q[1].view(np.uint64), u % v
+    )
+    sq = np.array(
+        [abs(int(x)) // abs(int(y)) * (1 if (x < 0) == (y < 0) else -1) for x, y in zip(i, j)]
+    )
+    assert np.array_equal(q[2], sq) and np.array_equal(q[3], i - sq * j)  # C: truncation
+    u3, v3 = (u & 0xFFFFFFFF), (v & 0xFFFFFFFF)
+    v3 = np.where(v3 == 0, 1, v3)
+    assert np.array_equal(q[4].view(np.uint64), u3 // v3) and np.array_equal(
+        q[5].view(np.uint64), u3 % v3
+    )
+    s3, t3 = (
+        u3.astype(np.uint32).view(np.int32).astype(np.int64),
+        v3.astype(np.uint32).view(np.int32).astype(np.int64),
+    )
+    tq = np.array([abs(x) // abs(y) * (1 if (x < 0) == (y < 0) else -1) for x, y in zip(s3, t3)])
+    assert np.array_equal(q[6], tq) and np.array_equal(q[7], s3 - tq * t3)

@@ -5,9 +5,9 @@
  * root and integer division are calls to the helpers below. Division and square root are
  * correctly rounded (round to nearest even: bit-serial long division / square root on the
  * integer mantissas), as IEEE 754 and the host's libm require, so the portable kernels compute
- * the same values here as on the host. exp/log/sin/cos/pow are accurate to a few ulp in double
- * (Cody-Waite reduction, Taylor polynomials); the kernels round their results to float, where
- * they agree with the host's libm to within one float ulp. */
+ * the same values here as on the host. exp and log are within 2 double ulp of glibc, sin/cos
+ * within 4 (Cody-Waite reduction, Taylor polynomials), pow = exp(y log x) within about
+ * 2 + 4|y ln x| ulp (tools/hexagon_selftest.c); the kernels round these to float. */
 #define HX_RUNTIME_IMPL 1
 #include <hx_libc.h>
 

@@ -21,8 +21,10 @@ from pathlib import Path
 
 __all__ = [
     "CFLAGS",
+    "RUNTIME",
     "SOURCES",
     "build_executor",
+    "build_program",
     "missing_tools",
     "source_digest",
     "tool",
@@ -92,9 +94,22 @@ def source_digest(pkg: Path, extra: list[str] | None = None) -> str:
     return h.hexdigest()[:16]
 
 
+RUNTIME = ["hexagon/hx_runtime.c", "hexagon/hx_math.c"]
+
+
 def build_executor(pkg: Path, out: Path, *, extra_cflags: list[str] | None = None) -> Path:
     """Compile and link the executor from the package tree ``pkg`` (the directory holding
     csrc/ and tools/) into ``out``, written under a temporary name and renamed into place."""
+    return build_program(
+        pkg, [pkg / "csrc" / s for s in SOURCES] + [pkg / MAIN], out, extra_cflags=extra_cflags
+    )
+
+
+def build_program(
+    pkg: Path, sources: list[Path], out: Path, *, extra_cflags: list[str] | None = None
+) -> Path:
+    """Compile ``sources`` (with the runtime among them, or a program of the runtime alone:
+    pass ``RUNTIME`` files) for Hexagon and link them statically into ``out``."""
     miss = missing_tools(("clang", "lld"))
     if miss:
         raise FileNotFoundError(
@@ -113,7 +128,7 @@ def build_executor(pkg: Path, out: Path, *, extra_cflags: list[str] | None = Non
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="htp-hexagon-") as tmp:
         objs = []
-        for src in [*(csrc / s for s in SOURCES), pkg / MAIN]:
+        for src in sources:
             obj = Path(tmp) / (src.stem + ".o")
             # the runtime must not turn its own loops back into memcpy/memset calls
             no_builtin = ["-fno-builtin"] if src.parent.name == "hexagon" else []
