@@ -296,8 +296,9 @@ def sanitize(session: nox.Session) -> None:
 @nox.session
 def hexagon(session: nox.Session) -> None:
     """The hexagon backend at length under qemu-hexagon: the op tests with more examples, every
-    architecture's prefill in resident and stream mode, and the packet count of the HVX tile
-    kernel (bench-results/hexagon_packets.json)."""
+    architecture's prefill in resident and stream mode, the packet count of the HVX tile
+    kernel (bench-results/hexagon_packets.json) and the protocol's round trips
+    (bench-results/bench_hexagon.json)."""
     _install_all(session, "test", hexagon=True)
     session.install(pkg("htp", "test"))
     if "ESTREAM_HTP_REQUIRE_HEXAGON" not in session.env:
@@ -315,6 +316,7 @@ def hexagon(session: nox.Session) -> None:
         "python", str(PKG / "estream-htp" / "tools" / "hexagon_packets.py"),
         "--json", str(ROOT / "bench-results" / "hexagon_packets.json"),
     )  # fmt: skip
+    session.run("python", str(PKG / "estream-htp" / "bench" / "bench_hexagon.py"))
 
 
 def _bench(session: nox.Session, script: Path, *, all_pkgs: bool = False, name: str = "") -> None:

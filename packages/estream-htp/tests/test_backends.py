@@ -314,15 +314,16 @@ def _maps() -> int:
         return sum("estream-htp-queue" in line for line in f)
 
 
-def test_executor_killed_mid_op_is_a_clear_error_without_leaks() -> None:
+@pytest.mark.parametrize("kind", REMOTE_KINDS)
+def test_executor_killed_mid_op_is_a_clear_error_without_leaks(kind: str) -> None:
     rng = np.random.default_rng(5)
-    d, ff, n_e, t = 512, 1024, 16, 256
+    d, ff, n_e, t = (512, 1024, 16, 256) if kind == "host-process" else (128, 128, 8, 64)
     gate, up, down = T.random_experts(rng, n_e, d, ff)
     import gc
 
     gc.collect()  # garbage of earlier tests must not count as ours
     fds0, threads0, maps0 = _fds(), threading.active_count(), _maps()
-    be = htp.Backend("host-process", n_threads=1)
+    be = htp.Backend(kind, n_threads=1)
     planes = [be.share(p) for p in (gate, up, down)]
     x = be.share(rng.standard_normal((t, d)).astype(np.float32))
     y = be.empty((t, d), np.float32)
@@ -365,8 +366,9 @@ def test_executor_killed_mid_op_is_a_clear_error_without_leaks() -> None:
     assert _maps() == maps0
 
 
-def test_closing_a_backend_stops_its_executor() -> None:
-    be = htp.Backend("host-process", n_threads=1)
+@pytest.mark.parametrize("kind", REMOTE_KINDS)
+def test_closing_a_backend_stops_its_executor(kind: str) -> None:
+    be = htp.Backend(kind, n_threads=1)
     pid = be.pid
     assert pid is not None
     htp.nop(backend=be)
