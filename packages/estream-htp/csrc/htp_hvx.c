@@ -18,7 +18,9 @@
  * the rounding of activations) is scalar Hexagon float here, in the portable kernel's operation
  * order, so results are bit-identical to the host's. HTP_HVX_FLOAT is the one switch a device
  * build flips to replace those parts by qf32/hf HVX code (v68+; QEMU 7.2 does not emulate HVX
- * float, so that code is not written here and selecting it is a compile error). */
+ * float, so that code is not written here and selecting it is a compile error).
+ *
+ * Q8_0 tiles (eight groups of signed bytes) use the same vrmpy with the sign bits flipped. */
 #include "htp_gemm_body.h"
 
 #ifdef HTP_HVX
@@ -105,6 +107,41 @@ __attribute__((noinline)) void htp_hvx_q4q8_strip(const uint8_t *strip, uint32_t
         for (uint32_t r = 0; r < rows; r++) out[(size_t)u * ldo + r] = acc[u][r];
 }
 
+/* Q8_0 tiles x int8 activations: a group's bytes are signed, vrmpy wants unsigned weights, so
+ * the sign bit is flipped (w ^ 0x80 = w + 128 as an unsigned byte) and 128 * (sum of the
+ * block's activations) subtracted: the same int32 dot products as the portable kernel. */
+__attribute__((noinline)) void htp_hvx_q8q8_strip(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                                  uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    const uint32_t k = kb * 32;
+    float acc[HVX_Q4_NT][32];
+    int32_t dot[32] __attribute__((aligned(128)));
+    for (uint32_t u = 0; u < nt; u++)
+        for (int r = 0; r < 32; r++) acc[u][r] = 0.0f;
+    const hvx_vec flip = Q6_V_vsplat_R((int32_t)0x80808080);
+    const int aligned = ((uintptr_t)a->q & 3) == 0;
+    for (uint32_t j = 0; j < kb; j++) {
+        const uint8_t *tile = strip + (size_t)j * HTP_Q8_TILE_BYTES;
+        hvx_vec gv[8];
+        for (int g = 0; g < 8; g++) gv[g] = Q6_V_vxor_VV((hvx_vec) * (const hvx_uvec *)(tile + 64 + 128 * g), flip);
+        float dr[32]; /* HTP_HVX_FLOAT: scalar */
+        hvx_f16_scales(tile, dr);
+        for (uint32_t u = 0; u < nt; u++) {
+            const int8_t *qb = a->q + (size_t)u * k + 32 * j;
+            int32_t wu[8];
+            const int32_t *w = (const int32_t *)(const void *)qb;
+            if (!aligned) w = (const int32_t *)memcpy(wu, qb, 32);
+            hvx_vec d = Q6_Vw_vrmpy_VubRb(gv[0], w[0]);
+            for (int g = 1; g < 8; g++) d = Q6_Vw_vrmpyacc_VwVubRb(d, gv[g], w[g]);
+            *(hvx_vec *)dot = Q6_Vw_vsub_VwVw(d, Q6_V_vsplat_R(128 * a->s[(size_t)u * kb + j]));
+            const float da = a->d[(size_t)u * kb + j]; /* HTP_HVX_FLOAT: scalar */
+            float *ac = acc[u];
+            for (int r = 0; r < 32; r++) ac[r] += (float)dot[r] * (dr[r] * da);
+        }
+    }
+    for (uint32_t u = 0; u < nt; u++)
+        for (uint32_t r = 0; r < rows; r++) out[(size_t)u * ldo + r] = acc[u][r];
+}
+
 /* One 32-float block per vector: amax in HVX integer, the rest scalar float (as portable). */
 static void quantize_q8_hvx(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s) {
     const hvx_vec nosign = Q6_V_vsplat_R(0x7fffffff);
@@ -144,8 +181,8 @@ const htp_isa htp_isa_hvx = {
     .level = HTP_SIMD_HVX,
     .q4q8_strip = htp_hvx_q4q8_strip,
     .q4q8_nt = HVX_Q4_NT,
-    .q8q8_strip = htp_q8q8_strip_portable,
-    .q8q8_nt = 64,
+    .q8q8_strip = htp_hvx_q8q8_strip,
+    .q8q8_nt = HVX_Q4_NT,
     .dequant_tile = htp_dequant_portable,
     .f32_strip = htp_f32_strip_portable,
     .f32_nt = 4,

@@ -1,4 +1,4 @@
-"""Packets per 32x32 tile of the HVX Q4_0 x int8 kernel, counted on the compiled code.
+"""Packets per 32x32 tile of the HVX Q4_0 (and Q8_0) x int8 kernels, counted on the compiled code.
 
     python tools/hexagon_packets.py [--json OUT]
 
@@ -60,27 +60,30 @@ def count_packets(log: str) -> int:
     return sum(tb_packets[pc] * n for pc, n in runs.items())
 
 
-def measure(exe: Path, lo: int, size: int, kb: int, nt: int, simd: str = "hvx") -> int:
+def measure(
+    exe: Path, lo: int, size: int, kb: int, nt: int, simd: str = "hvx", fmt: str = "q4_0-t32r4"
+) -> int:
     rng = np.random.default_rng(kb * 100 + nt)
     k = 32 * kb
-    w = htp.pack_q4_0_t32r4(rng.standard_normal((32, k)).astype(np.float32))
+    wf = rng.standard_normal((32, k)).astype(np.float32)
+    w = htp.pack_q4_0_t32r4(wf) if fmt == "q4_0-t32r4" else htp.pack_q8_0_t32r4(wf)
     x = rng.standard_normal((nt, k)).astype(np.float32)
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "qemu.log"
         cmd = ["qemu-hexagon-static", "-d", "in_asm,exec,nochain", "-D", str(log),
                "-dfilter", f"{lo:#x}+{size:#x}", "-cpu", _hexagon.QEMU_CPU, str(exe)]  # fmt: skip
         with htp.Backend("hexagon", executor=cmd, simd=simd) as b:
-            htp.gemm(x, w, 32, act="q8", backend=b)
+            htp.gemm(x, w, 32, fmt, act="q8", backend=b)
         return count_packets(log.read_text())
 
 
-def tile_costs(exe: Path, func: str, simd: str) -> dict[str, object]:
+def tile_costs(exe: Path, func: str, simd: str, fmt: str = "q4_0-t32r4") -> dict[str, object]:
     lo, size = _symbol_range(exe, func)
-    m = {(kb, nt): measure(exe, lo, size, kb, nt, simd) for kb in (1, 2) for nt in (1, 8)}
+    m = {(kb, nt): measure(exe, lo, size, kb, nt, simd, fmt) for kb in (1, 2) for nt in (1, 8)}
     tile1, tile8 = m[(2, 1)] - m[(1, 1)], m[(2, 8)] - m[(1, 8)]  # one more tile
     per_token = (tile8 - tile1) / 7
     setup = tile1 - per_token
-    print(f"{func} ({simd}): packets executed (QEMU exec log), one 32-row strip")
+    print(f"{func} ({simd}, {fmt}): packets executed (QEMU exec log), one 32-row strip")
     for (kb, nt), v in m.items():
         print(f"  kb={kb} tiles, nt={nt} tokens: {v}")
     print(f"  per 32x32 tile: {setup:.0f} setup + {per_token:.0f} per token")
@@ -101,6 +104,8 @@ def main(argv: list[str]) -> int:
         "executor": str(exe),
         "hvx": tile_costs(exe, FUNC, "hvx"),
         "portable": tile_costs(exe, "q4q8_strip_portable", "portable"),
+        "hvx_q8_0": tile_costs(exe, "htp_hvx_q8q8_strip", "hvx", "q8_0-t32r4"),
+        "portable_q8_0": tile_costs(exe, "htp_q8q8_strip_portable", "portable", "q8_0-t32r4"),
     }
     if len(argv) > 2 and argv[1] == "--json":
         Path(argv[2]).write_text(json.dumps(res, indent=2) + "\n")
