@@ -269,6 +269,24 @@ def test_router_within_1e6_of_host(host: htp.Backend, hexagon: htp.Backend, gati
     assert _rel_max(wb, wa) <= 1e-6
 
 
+def test_missing_tools_and_executor_are_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ESTREAM_HTP_QEMU_HEXAGON", "qemu-hexagon-not-installed")
+    with pytest.raises(htp.HTPUnsupportedError, match="qemu-hexagon-not-installed"):
+        htp.Backend("hexagon")
+    monkeypatch.delenv("ESTREAM_HTP_QEMU_HEXAGON")
+    monkeypatch.setenv("ESTREAM_HTP_HEXAGON_EXECUTOR", "/nonexistent/htp_executor")
+    with pytest.raises(htp.HTPUnsupportedError, match="no such file"):
+        htp.Backend("hexagon")
+
+
+def test_a_program_that_is_not_the_executor_is_refused(tmp_path) -> None:
+    """An executor command that exits at once: the backend fails at start, nothing is left."""
+    import sys
+
+    with pytest.raises(htp.HTPError):
+        htp.Backend("hexagon", executor=[sys.executable, "-c", "pass"])
+
+
 def test_more_than_one_thread_is_refused() -> None:
     with pytest.raises(htp.HTPInputError, match="one thread"):
         htp.Backend("hexagon", n_threads=2)

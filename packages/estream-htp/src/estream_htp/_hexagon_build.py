@@ -11,6 +11,7 @@ Kept free of imports from the package so that setup.py can load it by path.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -84,9 +85,20 @@ def _files(pkg: Path) -> list[Path]:
     return [*(csrc / s for s in SOURCES), pkg / MAIN, *headers]
 
 
+@functools.lru_cache(maxsize=4)
+def _compiler_id(clang: str) -> str:
+    try:
+        return subprocess.run(
+            [clang, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "no compiler"
+
+
 def source_digest(pkg: Path, extra: list[str] | None = None) -> str:
-    """A hash of every input of the build (sources, headers, flags)."""
+    """A hash of every input of the build (sources, headers, flags, the compiler's version)."""
     h = hashlib.sha256()
+    h.update(_compiler_id(tool("clang")).encode())
     for f in _files(pkg):
         h.update(str(f.relative_to(pkg)).encode())
         h.update(f.read_bytes())
