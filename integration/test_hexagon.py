@@ -15,15 +15,15 @@ different kernels differ by roundings). ``nox -s tests`` runs one architecture i
 from __future__ import annotations
 
 import os
-import shutil
 
 import numpy as np
 import pytest
 
 import estream
+from estream_htp import _hexagon
 from estream_layout import pack_model, synth_model
 
-_TOOLS = [t for t in ("clang-19", "ld.lld-19", "qemu-hexagon-static") if shutil.which(t) is None]
+_TOOLS = _hexagon.missing_tools()  # qemu, and the compiler when the executor must be built
 _REQUIRED = os.environ.get("ESTREAM_HTP_REQUIRE_HEXAGON", "").strip() == "1"
 pytestmark = pytest.mark.skipif(
     bool(_TOOLS) and not _REQUIRED,
