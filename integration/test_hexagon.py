@@ -2,10 +2,10 @@
 (v67 + HVX) runs as the executor process under qemu-hexagon-static and maps the very memfds the
 host's loader fills (stream mode: the arena's planes; resident mode: the shared expert pool) —
 no copy of an expert crosses the process boundary. With ``dense_ops="backend"`` (the default on
-this backend) every estream-htp kernel op of the forward pass runs there too (GEMMs, norms,
-RoPE, attention, convolution, SwiGLU, router top-k, embedding rows), the dense weights
-registered once as shared buffers; numpy glue (residual adds, the router's f32 logits matmul,
-elementwise products) stays on the host.
+this backend) every matrix product and kernel op of the forward pass runs there too (GEMMs, the
+router's f32 matmul, norms, RoPE, attention, convolution, SwiGLU, router top-k, embedding rows),
+the dense weights registered once as shared buffers; element-wise numpy glue (residual adds,
+gates) stays on the host.
 
 Logits match ``--backend host`` within 1e-5 relative (the host's expert op runs its best SIMD
 level, the Hexagon one HVX; the int32 dot products are the same, fp32 accumulation orders of

@@ -323,6 +323,38 @@ htp_status htp_exec_conv1d(const htp_conv1d_params *p, const float *x, const flo
     return HTP_OK;
 }
 
+/* ---- fp32 matmul (validated by the caller): token rows split across the pool; each output
+ * is summed over k in order, so results do not depend on the thread count ---- */
+typedef struct matmul_ctx {
+    const htp_matmul_params *p;
+    const float *x, *w;
+    float *y;
+} matmul_ctx;
+
+static void matmul_task(void *arg, uint32_t ith, uint32_t nth) {
+    const matmul_ctx *c = (const matmul_ctx *)arg;
+    const size_t k = c->p->k, n = c->p->n;
+    uint32_t b, e;
+    htp_split(c->p->t, ith, nth, &b, &e);
+    for (uint32_t i = b; i < e; i++) {
+        float *yr = c->y + (size_t)i * n;
+        const float *xr = c->x + (size_t)i * k;
+        for (size_t j = 0; j < n; j++) yr[j] = 0.0f;
+        for (size_t kk = 0; kk < k; kk++) {
+            const float xv = xr[kk];
+            const float *wr = c->w + kk * n;
+            for (size_t j = 0; j < n; j++) yr[j] += xv * wr[j];
+        }
+    }
+}
+
+htp_status htp_exec_matmul_f32(htp_exec *e, const htp_matmul_params *p, const float *x,
+                               const float *w, float *y) {
+    matmul_ctx c = {p, x, w, y};
+    if (p->t) htp_parallel(e->pool, matmul_task, &c);
+    return HTP_OK;
+}
+
 /* ---- router (validated by the caller) ---- */
 htp_status htp_exec_router(const htp_router_params *pr, const float *logits, const float *bias,
                            int32_t *ids, float *weights) {

@@ -200,6 +200,8 @@ void htp_exec_rms_norm(const htp_rms_norm_params *p, const float *x, const float
 htp_status htp_exec_rope(const htp_rope_params *p, float *x, const int32_t *pos);
 htp_status htp_exec_conv1d(const htp_conv1d_params *p, const float *x, const float *w,
                             const float *state, float *out);
+htp_status htp_exec_matmul_f32(htp_exec *e, const htp_matmul_params *p, const float *x,
+                               const float *w, float *y);
 htp_status htp_exec_router(const htp_router_params *p, const float *logits, const float *bias,
                            int32_t *ids, float *weights);
 

@@ -122,6 +122,8 @@ def test_small_ops_bit_exact_between_backends(pair: tuple[htp.Backend, htp.Backe
             htp.attention(q, kv, kv, 0.17, backend=be_b),
         )
         assert _same(htp.silu(x, backend=be_a), htp.silu(x, backend=be_b))
+        wm = np.ascontiguousarray(q[:3].reshape(96, 4))
+        assert _same(htp.matmul_f32(x, wm, backend=be_a), htp.matmul_f32(x, wm, backend=be_b))
         assert _same(htp.swiglu(x, x, backend=be_a), htp.swiglu(x, x, backend=be_b))
         lg = np.ascontiguousarray(x[:, :40])
         ra = htp.router_topk(lg, 3, "sigmoid", True, 2.0, w[:40], backend=be_a)

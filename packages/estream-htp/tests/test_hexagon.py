@@ -207,6 +207,10 @@ def test_small_ops(host: htp.Backend, hexagon: htp.Backend) -> None:
     assert T.rel_l2(rb, T.ref_attention(q, kv, kv, 0.17, True)) < 1e-5
     ra, rb = both(htp.attention, q, kv, kv, 0.3, causal=False)
     assert _same(ra, rb)
+    wm = rng.standard_normal((96, 23)).astype(np.float32)
+    ra, rb = both(htp.matmul_f32, x, wm, out=_nan((13, 23)))
+    assert _same(ra, rb)
+    assert T.rel_l2(rb, x.astype(np.float64) @ wm) < 1e-6
     ra, rb = both(htp.silu, x, out=_nan(x.shape))
     assert _same(ra, rb)
     ra, rb = both(htp.swiglu, x, x[::-1].copy(), out=_nan(x.shape))

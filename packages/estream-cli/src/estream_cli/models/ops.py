@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import attrs
@@ -349,12 +350,36 @@ class Ops:
             hit = self._shared[id(a)] = (a, self.backend.share(np.ascontiguousarray(a)))
         return hit[1]
 
+    def _wt(self, key: object, make: Callable[[], np.ndarray]) -> np.ndarray:
+        """A derived weight array (e.g. a transposed f32 matrix) in shared memory, made once."""
+        hit = self._shared.get(id(key))
+        if hit is None or hit[0] is not key:
+            assert self.backend is not None
+            arr = np.ascontiguousarray(make(), dtype=np.float32)
+            hit = self._shared[id(key)] = (key, self.backend.share(arr))  # type: ignore[assignment]
+        return hit[1]
+
+    def _on_backend(self) -> bool:
+        return self.backend is not None and self.backend.kind != "host"
+
     # primitives
     def matmul(self, x: np.ndarray, w: DenseTensor) -> np.ndarray:
         """`x @ w.T` for a resident matrix (tiled Q4_0/Q8_0 through the kernels, or f32)."""
         if w.fmt == "f32":
+            if self._on_backend():
+                wt = self._wt(w, lambda: w.f32().T)
+                return htp.matmul_f32(np.ascontiguousarray(x, np.float32), wt, backend=self.backend)
             return x @ w.f32().T
         return htp.gemm(x, self._w(w.data), w.shape[0], w.fmt, backend=self.backend)
+
+    def linear_f32(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """`x @ w` for an f32 matrix stored [in, out] (the router): on the backend when the
+        dense ops run there, else numpy's BLAS."""
+        if self._on_backend():
+            return htp.matmul_f32(
+                np.ascontiguousarray(x, np.float32), self._w(w), backend=self.backend
+            )  # type: ignore[arg-type]
+        return x @ w
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return htp.rms_norm(x, self._w(w), self.hp.rms_eps, backend=self.backend)
@@ -457,7 +482,7 @@ class Ops:
         engine's loop told at layer start to begin reading this layer's experts."""
         g = w.gating
         ids, weights = htp.router_topk(
-            h @ w.router, g.n_used, gating=g.func, norm=g.norm, scale=g.scale,
+            self.linear_f32(h, w.router), g.n_used, gating=g.func, norm=g.norm, scale=g.scale,
             bias=self._w(w.bias), backend=self.backend,
         )  # type: ignore[arg-type]  # fmt: skip
         y = np.zeros((h.shape[0], self.hp.n_embd), dtype=np.float32)
