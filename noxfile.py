@@ -57,10 +57,49 @@ def _pytest(session: nox.Session, where: Path, *extra: str) -> None:
     )
 
 
+# The hexagon backend's toolchain (compiler, linker, user-mode emulator) and its Debian packages.
+HEXAGON_TOOLS = {
+    "clang-19": "clang-19",
+    "ld.lld-19": "lld-19",
+    "qemu-hexagon-static": "qemu-user-static",
+    "llvm-objdump-19": "llvm-19",
+}
+
+
+def _hexagon_toolchain(session: nox.Session) -> None:
+    """Make the Hexagon tests runnable: install the missing Debian packages when this runs as
+    root with apt-get (CI), and then *require* them (ESTREAM_HTP_REQUIRE_HEXAGON=1: a missing
+    tool fails the tests instead of skipping them). Elsewhere the tests skip, naming the tool."""
+    missing = [t for t in HEXAGON_TOOLS if shutil.which(t) is None]
+    can_install = hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get")
+    if missing and can_install:
+        debs = sorted({HEXAGON_TOOLS[t] for t in missing})
+        session.log(f"installing {' '.join(debs)} for the hexagon backend ({', '.join(missing)})")
+        env = {"DEBIAN_FRONTEND": "noninteractive"}
+        try:
+            session.run("apt-get", "install", "-y", "-q", *debs, external=True, env=env)
+        except nox.command.CommandFailed:  # stale package lists
+            session.run("apt-get", "update", "-q", external=True, env=env)
+            session.run("apt-get", "install", "-y", "-q", *debs, external=True, env=env)
+        missing = [t for t in HEXAGON_TOOLS if shutil.which(t) is None]
+        if missing:
+            session.error(f"apt-get installed {' '.join(debs)} but {', '.join(missing)} is missing")
+    if can_install or not missing:
+        session.env["ESTREAM_HTP_REQUIRE_HEXAGON"] = "1"
+    else:
+        session.warn(
+            "hexagon backend tests will be skipped: "
+            + ", ".join(missing)
+            + " not installed and no root/apt-get to install "
+            + " ".join(sorted({HEXAGON_TOOLS[t] for t in missing}))
+        )
+
+
 def _package_session(session: nox.Session, name: str) -> None:
     # Install (build) this package alone, plus its test extra; reinstall so edits are seen.
     if name == "htp":
         _clean_htp_build()
+        _hexagon_toolchain(session)  # before the build: setup.py compiles the executor
     session.install("--force-reinstall", "--no-deps", pkg(name))
     session.install(pkg(name, "test"))
     _pytest(session, PKG / f"estream-{name}" / "tests")
@@ -90,8 +129,10 @@ def htp(session: nox.Session) -> None:
     _package_session(session, "htp")
 
 
-def _install_all(session: nox.Session, *extras: str) -> None:
+def _install_all(session: nox.Session, *extras: str, hexagon: bool = False) -> None:
     _clean_htp_build()
+    if hexagon:  # before the build: setup.py compiles the Hexagon executor when it can
+        _hexagon_toolchain(session)
     session.install("--force-reinstall", "--no-deps", *[pkg(n) for n in ALL])
     session.install(*[pkg(n) for n in LOWER], pkg("cli", ",".join(extras) if extras else None))
 
@@ -106,7 +147,7 @@ def cli(session: nox.Session) -> None:
 @nox.session
 def integration(session: nox.Session) -> None:
     """Cross-package contracts and end-to-end correctness against float64 references."""
-    _install_all(session, "test")
+    _install_all(session, "test", hexagon=True)
     _pytest(session, ROOT / "integration")
 
 
@@ -250,6 +291,32 @@ def sanitize(session: nox.Session) -> None:
         _clean_htp_build()
     script = PKG / "estream-htp" / "tools" / "run_sanitized.py"
     session.run("python", str(script), *session.posargs)
+
+
+@nox.session
+def hexagon(session: nox.Session) -> None:
+    """The hexagon backend at length under qemu-hexagon: the op tests with more examples, every
+    architecture's prefill in resident and stream mode, the packet count of the HVX tile
+    kernel (bench-results/hexagon_packets.json) and the protocol's round trips
+    (bench-results/bench_hexagon.json)."""
+    _install_all(session, "test", hexagon=True)
+    session.install(pkg("htp", "test"))
+    if "ESTREAM_HTP_REQUIRE_HEXAGON" not in session.env:
+        session.error("the hexagon session needs clang-19, ld.lld-19 and qemu-hexagon-static")
+    session.env["ESTREAM_HEXAGON_FULL"] = "1"
+    htp_tests = PKG / "estream-htp" / "tests"
+    session.run(
+        "python", "-m", "pytest", str(htp_tests / "test_hexagon.py"),
+        str(htp_tests / "test_backends.py"), "-k", "hexagon", "-q", "-p", "no:cacheprovider",
+        env={"HYPOTHESIS_PROFILE": "dev"},
+    )  # fmt: skip
+    _pytest(session, ROOT / "integration" / "test_hexagon.py")
+    (ROOT / "bench-results").mkdir(exist_ok=True)
+    session.run(
+        "python", str(PKG / "estream-htp" / "tools" / "hexagon_packets.py"),
+        "--json", str(ROOT / "bench-results" / "hexagon_packets.json"),
+    )  # fmt: skip
+    session.run("python", str(PKG / "estream-htp" / "bench" / "bench_hexagon.py"))
 
 
 def _bench(session: nox.Session, script: Path, *, all_pkgs: bool = False, name: str = "") -> None:

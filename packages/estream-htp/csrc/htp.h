@@ -61,6 +61,7 @@ typedef enum htp_simd {
     HTP_SIMD_AVX512 = 2,
     HTP_SIMD_AVX512VNNI = 3,
     HTP_SIMD_NEON = 4,
+    HTP_SIMD_HVX = 5, /* Hexagon HVX (128-byte vectors): only in the Hexagon executor */
     HTP_SIMD_BEST = 255 /* in htp_backend_desc: the best level this CPU and build support */
 } htp_simd;
 
@@ -104,7 +105,8 @@ typedef enum htp_opcode {
     HTP_OP_SILU = 7,       /* ref: x, out */
     HTP_OP_SWIGLU = 8,     /* ref: g, u, out */
     HTP_OP_ROUTER_TOPK = 9, /* ref: logits, bias (if has_bias), ids, weights */
-    HTP_OP_CONV1D = 10      /* ref: x, w, state (if has_state), out */
+    HTP_OP_CONV1D = 10,     /* ref: x, w, state (if has_state), out */
+    HTP_OP_MATMUL_F32 = 11  /* ref: x, w, y */
 } htp_opcode;
 
 /* ---- backend and buffers ---- */
@@ -200,6 +202,12 @@ typedef struct htp_conv1d_params {
     uint32_t t, channels, taps, has_state;
 } htp_conv1d_params;
 
+/* y[t][n] = x[t][k] . w[k][n], all fp32 row-major (the router's logits, f32 projections):
+ * each output summed over k in order, in fp32. */
+typedef struct htp_matmul_params {
+    uint32_t t, k, n;
+} htp_matmul_params;
+
 typedef union htp_op_params {
     htp_gemm_params gemm;
     htp_expert_params expert;
@@ -210,6 +218,7 @@ typedef union htp_op_params {
     htp_eltwise_params eltwise;
     htp_router_params router;
     htp_conv1d_params conv1d;
+    htp_matmul_params matmul;
     uint8_t raw[64];
 } htp_op_params;
 

@@ -77,7 +77,8 @@ htp_status htp_backend_init(const htp_backend_desc *desc, htp_backend **out) {
         else st = htp_pool_resize(b->ex.pool, nth);
     } else {
         st = htp_remote_open(desc, &b->remote);
-        if (st == HTP_OK) st = htp_remote_configure(b->remote, nth, level, &b->simd);
+        /* HTP_SIMD_BEST travels as such: the executor picks the best level of *its* processor */
+        if (st == HTP_OK) st = htp_remote_configure(b->remote, nth, desc->simd, &b->simd);
         if (st == HTP_OK) b->remote_threads = nth;
     }
     if (st != HTP_OK) {
@@ -128,7 +129,7 @@ htp_status htp_backend_configure(htp_backend *b, uint32_t n_threads, uint32_t si
         }
     } else {
         uint32_t got = 0;
-        st = htp_remote_configure(b->remote, n_threads, level, &got);
+        st = htp_remote_configure(b->remote, n_threads, simd, &got);
         if (st == HTP_OK) {
             b->simd = got;
             b->remote_threads = n_threads;
@@ -261,6 +262,7 @@ static uint32_t refs_of(const htp_op_desc *op) {
     case HTP_OP_SWIGLU: return 3;
     case HTP_OP_ROUTER_TOPK: return op->p.router.has_bias ? 4 : 3;
     case HTP_OP_CONV1D: return op->p.conv1d.has_state ? 4 : 3;
+    case HTP_OP_MATMUL_F32: return 3;
     default: return UINT32_MAX;
     }
 }
@@ -452,6 +454,16 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
         if (p->has_state) GET(2, nbytes(p->taps - 1, row), RD, 4, state);
         GET(p->has_state ? 3 : 2, nbytes(p->t, row), WR, 4, out);
         return htp_exec_conv1d(p, x, w, state, out);
+    }
+    case HTP_OP_MATMUL_F32: {
+        const htp_matmul_params *p = &op->p.matmul;
+        if (!p->k || !p->n) return HTP_E_INVALID;
+        const float *x, *w;
+        float *y;
+        GET(0, nbytes3(p->t, p->k, 4), RD, 4, x);
+        GET(1, nbytes3(p->k, p->n, 4), RD, 4, w);
+        GET(2, nbytes3(p->t, p->n, 4), WR, 4, y);
+        return htp_exec_matmul_f32(&b->ex, p, x, w, y);
     }
     default: return HTP_E_BAD_OP;
     }

@@ -60,6 +60,9 @@ static int cpu_supports(uint32_t level) {
 #ifdef HTP_ARM64
     case HTP_SIMD_NEON: return htp_neon_dotprod_supported();
 #endif
+#ifdef HTP_HVX
+    case HTP_SIMD_HVX: return 1; /* the build targets HVX: every core it runs on has it */
+#endif
     default: return 0;
     }
 }
@@ -76,12 +79,15 @@ const htp_isa *htp_isa_for(uint32_t level) {
 #ifdef HTP_ARM64
     case HTP_SIMD_NEON: return &htp_isa_neon;
 #endif
+#ifdef HTP_HVX
+    case HTP_SIMD_HVX: return &htp_isa_hvx;
+#endif
     default: return NULL;
     }
 }
 
 uint32_t htp_simd_best(void) {
-    for (uint32_t l = HTP_SIMD_NEON + 1; l-- > 0;)
+    for (uint32_t l = HTP_SIMD_HVX + 1; l-- > 0;)
         if (cpu_supports(l)) return l;
     return HTP_SIMD_PORTABLE;
 }
@@ -314,6 +320,38 @@ htp_status htp_exec_conv1d(const htp_conv1d_params *p, const float *x, const flo
         }
     }
     free(wt);
+    return HTP_OK;
+}
+
+/* ---- fp32 matmul (validated by the caller): token rows split across the pool; each output
+ * is summed over k in order, so results do not depend on the thread count ---- */
+typedef struct matmul_ctx {
+    const htp_matmul_params *p;
+    const float *x, *w;
+    float *y;
+} matmul_ctx;
+
+static void matmul_task(void *arg, uint32_t ith, uint32_t nth) {
+    const matmul_ctx *c = (const matmul_ctx *)arg;
+    const size_t k = c->p->k, n = c->p->n;
+    uint32_t b, e;
+    htp_split(c->p->t, ith, nth, &b, &e);
+    for (uint32_t i = b; i < e; i++) {
+        float *yr = c->y + (size_t)i * n;
+        const float *xr = c->x + (size_t)i * k;
+        for (size_t j = 0; j < n; j++) yr[j] = 0.0f;
+        for (size_t kk = 0; kk < k; kk++) {
+            const float xv = xr[kk];
+            const float *wr = c->w + kk * n;
+            for (size_t j = 0; j < n; j++) yr[j] += xv * wr[j];
+        }
+    }
+}
+
+htp_status htp_exec_matmul_f32(htp_exec *e, const htp_matmul_params *p, const float *x,
+                               const float *w, float *y) {
+    matmul_ctx c = {p, x, w, y};
+    if (p->t) htp_parallel(e->pool, matmul_task, &c);
     return HTP_OK;
 }
 

@@ -24,6 +24,14 @@
 #if defined(__aarch64__) && !defined(HTP_NO_SIMD)
 #define HTP_ARM64 1
 #endif
+/* Hexagon (the executor built with csrc/hexagon's freestanding runtime): one thread, and the
+ * HVX table when the compiler targets HVX (-mhvx -mhvx-length=128b). */
+#if defined(__hexagon__)
+#define HTP_NO_THREADS 1
+#if defined(__HVX__) && !defined(HTP_NO_SIMD)
+#define HTP_HVX 1
+#endif
+#endif
 
 #define HTP_TILE 32
 #define HTP_Q4_TILE_BYTES 576
@@ -143,6 +151,9 @@ extern const htp_isa htp_isa_avx512vnni;
 int htp_neon_dotprod_supported(void);
 extern const htp_isa htp_isa_neon;
 #endif
+#ifdef HTP_HVX
+extern const htp_isa htp_isa_hvx;
+#endif
 /* The table of a level, or NULL if this CPU/build cannot run it. */
 const htp_isa *htp_isa_for(uint32_t level);
 
@@ -189,6 +200,8 @@ void htp_exec_rms_norm(const htp_rms_norm_params *p, const float *x, const float
 htp_status htp_exec_rope(const htp_rope_params *p, float *x, const int32_t *pos);
 htp_status htp_exec_conv1d(const htp_conv1d_params *p, const float *x, const float *w,
                             const float *state, float *out);
+htp_status htp_exec_matmul_f32(htp_exec *e, const htp_matmul_params *p, const float *x,
+                               const float *w, float *y);
 htp_status htp_exec_router(const htp_router_params *p, const float *logits, const float *bias,
                            int32_t *ids, float *weights);
 

@@ -147,6 +147,9 @@ static void stop_workers(htp_pool *p) {
 /* Callers hold the owning backend's lock (no region is running). */
 htp_status htp_pool_resize(htp_pool *p, uint32_t n) {
     if (n < 1 || n > HTP_MAX_THREADS) return HTP_E_INVALID;
+#ifdef HTP_NO_THREADS
+    if (n > 1) return HTP_E_UNSUPPORTED; /* a build without threads (the Hexagon executor) */
+#endif
     if (n == p->nth) return HTP_OK;
     stop_workers(p);
     for (uint32_t i = 1; i < n; i++) {

@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
+
+import pytest
 
 import estream_htp as htp
 from estream_htp import _core
@@ -29,3 +32,25 @@ def mode(
         _core._set_simd_level(old[0])
         htp.set_activation_format(old[1])  # type: ignore[arg-type]
         htp.set_num_threads(old[2])
+
+
+# ---------------------------------------------------------------------- the hexagon backend
+def hexagon_missing() -> list[str]:
+    """Tools missing to run the hexagon backend here (empty: it can run)."""
+    from estream_htp import _hexagon
+
+    return _hexagon.missing_tools()
+
+
+_HX_MISSING = hexagon_missing()
+# Where the toolchain is required (nox installs it as root: CI), a missing tool fails the tests
+# instead of skipping them.
+_HX_REQUIRED = os.environ.get("ESTREAM_HTP_REQUIRE_HEXAGON", "").strip() == "1"
+needs_hexagon = pytest.mark.skipif(
+    bool(_HX_MISSING) and not _HX_REQUIRED,
+    reason="hexagon backend: " + ", ".join(_HX_MISSING) + " not installed "
+    "(apt-get install clang-19 lld-19 qemu-user-static)",
+)
+# every backend kind, the hexagon one skipped (with the reason) where its tools are missing
+KINDS = ["host", "host-process", pytest.param("hexagon", marks=needs_hexagon)]
+REMOTE_KINDS = ["host-process", pytest.param("hexagon", marks=needs_hexagon)]

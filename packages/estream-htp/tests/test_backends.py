@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import KINDS, REMOTE_KINDS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -121,6 +122,8 @@ def test_small_ops_bit_exact_between_backends(pair: tuple[htp.Backend, htp.Backe
             htp.attention(q, kv, kv, 0.17, backend=be_b),
         )
         assert _same(htp.silu(x, backend=be_a), htp.silu(x, backend=be_b))
+        wm = np.ascontiguousarray(q[:3].reshape(96, 4))
+        assert _same(htp.matmul_f32(x, wm, backend=be_a), htp.matmul_f32(x, wm, backend=be_b))
         assert _same(htp.swiglu(x, x, backend=be_a), htp.swiglu(x, x, backend=be_b))
         lg = np.ascontiguousarray(x[:, :40])
         ra = htp.router_topk(lg, 3, "sigmoid", True, 2.0, w[:40], backend=be_a)
@@ -157,7 +160,7 @@ def _setup_gemm(be: htp.Backend, n: int = 40, k: int = 64, t: int = 5):
     return c, w, x, y
 
 
-@pytest.mark.parametrize("kind", htp.BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
     "corrupt",
     ["buffer", "offset", "n_refs", "opcode", "reserved", "flags", "unused_ref", "shape"],
@@ -190,8 +193,9 @@ def test_malformed_descriptor_is_rejected_and_not_executed(kind: str, corrupt: s
         htp.nop(backend=be)  # and the backend still serves
 
 
-def test_reference_past_registered_size_is_out_of_bounds_executor_side() -> None:
-    with htp.Backend("host-process", n_threads=1) as be:
+@pytest.mark.parametrize("kind", REMOTE_KINDS)
+def test_reference_past_registered_size_is_out_of_bounds_executor_side(kind: str) -> None:
+    with htp.Backend(kind, n_threads=1) as be:
         c, _w, _x, y = _setup_gemm(be)
         c._finish(sync=True)
         c._ops.clear()
@@ -202,8 +206,9 @@ def test_reference_past_registered_size_is_out_of_bounds_executor_side() -> None
             be.run(c)
 
 
-def test_write_into_read_only_buffer_is_refused() -> None:
-    with htp.Backend("host-process", n_threads=1) as be:
+@pytest.mark.parametrize("kind", REMOTE_KINDS)
+def test_write_into_read_only_buffer_is_refused(kind: str) -> None:
+    with htp.Backend(kind, n_threads=1) as be:
         fd = os.memfd_create("ro")
         try:
             os.ftruncate(fd, 4096)
@@ -219,11 +224,12 @@ def test_write_into_read_only_buffer_is_refused() -> None:
             be.run(c)
 
 
-def test_expert_planes_bounds_checked_against_registered_size() -> None:
+@pytest.mark.parametrize("kind", REMOTE_KINDS)
+def test_expert_planes_bounds_checked_against_registered_size(kind: str) -> None:
     rng = np.random.default_rng(3)
     d, ff, n_e = 64, 64, 4
     gate, up, down = T.random_experts(rng, n_e, d, ff)
-    with htp.Backend("host-process", n_threads=1) as be:
+    with htp.Backend(kind, n_threads=1) as be:
         planes = [be.share(p) for p in (gate, up, down)]
         g = htp.ExpertGraph(d, ff, 64, 8, backend=be)
         x = rng.standard_normal((3, d)).astype(np.float32)
@@ -251,7 +257,7 @@ def test_expert_planes_bounds_checked_against_registered_size() -> None:
         assert _same(y, before)
 
 
-@pytest.mark.parametrize("kind", htp.BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("corrupt", ["has_state", "taps", "channels", "t"])
 def test_conv1d_descriptor_checked_executor_side(kind: str, corrupt: str) -> None:
     rng = np.random.default_rng(4)
@@ -282,7 +288,7 @@ def test_conv1d_descriptor_checked_executor_side(kind: str, corrupt: str) -> Non
 
 
 # ---------------------------------------------------------------------- fences
-@pytest.mark.parametrize("kind", htp.BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_each_completion_is_delivered_once_and_depth_is_bounded(kind: str) -> None:
     with htp.Backend(kind, n_threads=1) as be:
         fences = []
@@ -310,15 +316,16 @@ def _maps() -> int:
         return sum("estream-htp-queue" in line for line in f)
 
 
-def test_executor_killed_mid_op_is_a_clear_error_without_leaks() -> None:
+@pytest.mark.parametrize("kind", REMOTE_KINDS)
+def test_executor_killed_mid_op_is_a_clear_error_without_leaks(kind: str) -> None:
     rng = np.random.default_rng(5)
-    d, ff, n_e, t = 512, 1024, 16, 256
+    d, ff, n_e, t = (512, 1024, 16, 256) if kind == "host-process" else (128, 128, 8, 64)
     gate, up, down = T.random_experts(rng, n_e, d, ff)
     import gc
 
     gc.collect()  # garbage of earlier tests must not count as ours
     fds0, threads0, maps0 = _fds(), threading.active_count(), _maps()
-    be = htp.Backend("host-process", n_threads=1)
+    be = htp.Backend(kind, n_threads=1)
     planes = [be.share(p) for p in (gate, up, down)]
     x = be.share(rng.standard_normal((t, d)).astype(np.float32))
     y = be.empty((t, d), np.float32)
@@ -361,8 +368,9 @@ def test_executor_killed_mid_op_is_a_clear_error_without_leaks() -> None:
     assert _maps() == maps0
 
 
-def test_closing_a_backend_stops_its_executor() -> None:
-    be = htp.Backend("host-process", n_threads=1)
+@pytest.mark.parametrize("kind", REMOTE_KINDS)
+def test_closing_a_backend_stops_its_executor(kind: str) -> None:
+    be = htp.Backend(kind, n_threads=1)
     pid = be.pid
     assert pid is not None
     htp.nop(backend=be)

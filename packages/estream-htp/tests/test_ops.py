@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import LEVELS, mode
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import estream_htp as htp
@@ -302,3 +302,40 @@ def test_small_ops_reject_bad_input() -> None:
         htp.get_rows(np.zeros((4, 32), np.float32), "f32", 5, 32, np.array([0], np.int32))
     with pytest.raises(htp.HTPInputError, match="int32"):
         htp.get_rows(np.zeros((4, 32), np.float32), "f32", 4, 32, np.array([0], np.int64))
+
+
+@settings(max_examples=30)
+@given(
+    t=st.integers(0, 40),
+    k=st.integers(1, 70),
+    n=st.integers(1, 50),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_matmul_f32_vs_float64(t: int, k: int, n: int, threads: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    with htp.Backend("host", n_threads=threads) as be:
+        y = htp.matmul_f32(x, w, out=np.full((t, n), np.nan, np.float32), backend=be)
+        y1 = htp.matmul_f32(x, w, backend=be)
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    mag = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)
+    assert np.all(np.abs(y - ref) <= 1e-6 * k * mag + 1e-30)
+    assert y.tobytes() == y1.tobytes()
+    # each output summed over k in order: the same as a sequential fp32 loop
+    if t and k <= 8:
+        seq = np.zeros((t, n), np.float32)
+        for kk in range(k):
+            seq += x[:, kk : kk + 1] * w[kk]
+        assert y.tobytes() == seq.tobytes()
+
+
+def test_matmul_f32_bad_input() -> None:
+    x = np.ones((3, 4), np.float32)
+    with pytest.raises(htp.HTPInputError, match="K=4"):
+        htp.matmul_f32(x, np.ones((5, 2), np.float32))
+    with pytest.raises(htp.HTPInputError):
+        htp.matmul_f32(x, np.ones((4, 2), np.float64))
+    with pytest.raises(htp.HTPInputError, match="shape"):
+        htp.matmul_f32(x, np.ones((4, 2), np.float32), out=np.empty((3, 3), np.float32))

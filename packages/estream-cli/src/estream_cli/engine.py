@@ -52,6 +52,9 @@ MODES = ("stream", "resident", "naive", "layer")
 # How activations meet the Q4_0/Q8_0 weights: "q8" (int8 per 32-block, like GGML's Q8_0: fast)
 # or "f32" (dequantized weights, fp32 products: matches a float64 reference to ~1e-6).
 ACTS = ("q8", "f32")
+# Where the dense kernel ops (GEMMs, norms, RoPE, attention, ...) run: this process's default
+# backend, or the expert backend (its executor process: the DSP for `hexagon`).
+DENSE_OPS = ("host", "backend")
 DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
 #: Activation memory a pass of `Engine.prefill_many` may use when no budget says otherwise.
 DEFAULT_ACTIVATION_BYTES = 256 << 20
@@ -166,7 +169,15 @@ class Engine:
         progress: bool = False,
         act: str = "q8",
         backend: str = "host",
+        dense_ops: str | None = None,
     ) -> None:
+        if dense_ops is None:
+            dense_ops = "backend" if backend == "hexagon" else "host"
+        if dense_ops not in DENSE_OPS:
+            raise BadRequestError(
+                f"dense_ops must be one of {', '.join(DENSE_OPS)}, got {dense_ops!r}"
+            )
+        self.dense_ops = dense_ops
         if act not in ACTS:
             raise BadRequestError(f"act must be one of {', '.join(ACTS)}, got {act!r}")
         self.act = act
@@ -198,15 +209,22 @@ class Engine:
         hp = self.hp
         self._capacity = 4096
         # Expert ops run on the chosen backend; the other ops stay on this process's default one.
+        # The hexagon executor (qemu-hexagon here, the DSP on a device) runs one thread.
         self.backend = (
             htp.default_backend()
             if backend == "host"
-            else htp.Backend(backend, n_threads=htp.get_num_threads(), act=act)
+            else htp.Backend(
+                backend,
+                n_threads=1 if backend == "hexagon" else htp.get_num_threads(),
+                act=act,
+            )
         )
         self.max_pass_tokens = max(hp.n_ctx, MAX_PASS_TOKENS)
         self.graph = htp.ExpertGraph(
             hp.n_embd, hp.n_ff_exp, self._capacity, self.max_pass_tokens, backend=self.backend
         )
+        # dense weights registered with the backend (dense_ops="backend"), on first use
+        self._dense_shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         try:
             self.experts: ExpertSource
             if self.config is None:
@@ -500,7 +518,13 @@ class Engine:
         memory.reset_peak()
         # Per-request bookkeeping only: a long-lived engine must not grow without bound.
         self.experts.reset()
-        ops = Ops(hp, self.experts, layout)
+        ops = Ops(
+            hp,
+            self.experts,
+            layout,
+            backend=self.backend if self.dense_ops == "backend" else None,
+            shared=self._dense_shared,
+        )
         spans: list[tuple[str, int, float, float]] = []
         show = self.progress and sys.stderr.isatty()
         t_start = time.perf_counter()
@@ -564,6 +588,7 @@ class Engine:
             "simd": htp.simd_level(),
             "act": self.act,
             "backend": self.backend.kind,
+            "dense_ops": self.dense_ops,
             "load_s": self.load_s,
             "expert_memory_bytes": int(self.experts.memory_bytes),
             "dense_bytes": int(self.model.dense_bytes),

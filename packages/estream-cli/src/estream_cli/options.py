@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .engine import ACTS, MODES, Engine, load
+from .engine import ACTS, DENSE_OPS, MODES, Engine, load
 from .experts import SCHEDULES
 
 __all__ = ["add_engine_opts", "engine_from_args", "positive_int"]
@@ -40,9 +40,18 @@ def add_engine_opts(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--backend",
-        choices=("host", "host-process"),
+        choices=("host", "host-process", "hexagon"),
         default="host",
-        help="where expert ops run: in this process (default) or in an executor process",
+        help="where expert ops run: in this process (default), in an executor process, or in "
+        "the Hexagon executor (the library built for Hexagon v67+HVX, run under "
+        "qemu-hexagon-static)",
+    )
+    p.add_argument(
+        "--dense-ops",
+        choices=DENSE_OPS,
+        default=None,
+        help="where the dense kernel ops run: host (this process) or backend (the expert "
+        "backend's executor); default backend for --backend hexagon, host otherwise",
     )
 
 
@@ -60,5 +69,6 @@ def engine_from_args(args: argparse.Namespace, *, progress: bool) -> Engine:
         verify=args.verify,
         act=args.act,
         backend=args.backend,
+        dense_ops=args.dense_ops,
         progress=progress,
     )

@@ -7,6 +7,9 @@ offset) into memory registered with the backend — never as pointers. Two kinds
 * ``"host-process"``: ops run in an executor child process (``python -m estream_htp._executor``)
   that maps every registered buffer itself from its file descriptor and takes descriptors from a
   shared-memory ring; a fence completes when the executor has run the op.
+* ``"hexagon"``: the same protocol, the executor being the library compiled for Hexagon
+  (v67 + HVX, csrc/hexagon's freestanding runtime) run under ``qemu-hexagon-static`` — the
+  "DSP" process maps the very memfds the host fills (see `estream_htp._hexagon`). One thread.
 
 Numpy arrays that are not inside registered memory are handled per call: a host backend
 registers them for the duration of the op; a host-process backend copies them through a shared
@@ -46,13 +49,14 @@ __all__ = [
     "HTPUnsupportedError",
 ]
 
-BACKENDS = ("host", "host-process")
+BACKENDS = ("host", "host-process", "hexagon")
 SIMD_LEVELS = {
     "portable": lib.HTP_SIMD_PORTABLE,
     "avx2": lib.HTP_SIMD_AVX2,
     "avx512": lib.HTP_SIMD_AVX512,
     "avx512vnni": lib.HTP_SIMD_AVX512VNNI,
     "neon": lib.HTP_SIMD_NEON,
+    "hvx": lib.HTP_SIMD_HVX,
 }
 SIMD_NAMES = {v: k for k, v in SIMD_LEVELS.items()}
 ACT = {"f32": lib.HTP_ACT_F32, "q8": lib.HTP_ACT_Q8}
@@ -177,7 +181,8 @@ def _page_round(n: int) -> int:
 
 
 class Backend:
-    """Where ops run: ``Backend("host")`` or ``Backend("host-process")`` (see module doc).
+    """Where ops run: ``Backend("host")``, ``Backend("host-process")`` or
+    ``Backend("hexagon")`` (see module doc).
 
     ``n_threads`` sizes the pool of the process that runs the ops, ``simd`` picks a kernel set
     (default: the best the CPU supports), ``act`` is the activation format ops use when they are
@@ -214,7 +219,24 @@ class Backend:
         self._null: np.ndarray | None = None
         self._dead: str | None = None
         self._pending: weakref.WeakSet[Fence] = weakref.WeakSet()
-        n = int(n_threads) if n_threads is not None else default_threads()
+        if kind == "hexagon":
+            n = 1 if n_threads is None else int(n_threads)
+            if n != 1:
+                raise HTPInputError(
+                    f"the hexagon executor runs one thread (no threads in its runtime), got {n}"
+                )
+            if executor is None:
+                from estream_htp._hexagon import HexagonToolError, executor_command
+
+                try:
+                    executor = executor_command()
+                except HexagonToolError as e:
+                    raise HTPUnsupportedError(f"Backend('hexagon'): {e}") from None
+        n = (
+            int(n_threads)
+            if n_threads is not None
+            else (1 if kind == "hexagon" else default_threads())
+        )
         if not 1 <= n <= 64:
             raise HTPInputError(f"n_threads must be in [1, 64], got {n}")
         desc = ffi.new("htp_backend_desc *")

@@ -53,6 +53,7 @@ __all__ = [
     "get_activation_format",
     "get_num_threads",
     "get_rows",
+    "matmul_f32",
     "moe_ffn",
     "rms_norm",
     "rms_norm_heads",
@@ -695,6 +696,26 @@ def silu(x: F32, out: F32 | None = None, *, backend: Backend | None = None) -> F
         c.what = "silu"
         c.p.eltwise.n = x.size
         c.ref(x).ref(o, "w")
+        be.run(c)
+    return o
+
+
+def matmul_f32(x: F32, w: F32, out: F32 | None = None, *, backend: Backend | None = None) -> F32:
+    """``x[T, K] @ w[K, N]`` in fp32, each output summed over K in order (the router's logits,
+    f32 projections, on any backend)."""
+    x = _arr(x, "x", np.float32, 2)
+    w = _arr(w, "w", np.float32, 2)
+    t, k = x.shape
+    if w.shape[0] != k or k == 0 or w.shape[1] == 0:
+        raise HTPInputError(f"w must be [K={k}, N] with K, N > 0, got {w.shape}")
+    n = w.shape[1]
+    o = _out(out, (t, n))
+    if t:
+        be = _be(backend)
+        c = be.call(lib.HTP_OP_MATMUL_F32)
+        c.what = "matmul_f32"
+        c.p.matmul.t, c.p.matmul.k, c.p.matmul.n = t, _u32(k, "k"), _u32(n, "n")
+        c.ref(x).ref(w).ref(o, "w")
         be.run(c)
     return o
 

@@ -396,15 +396,49 @@ class Ops:
 
     Made per pass by the engine. ``layout`` says which rows are which sequence (default: all
     rows one causal sequence); see `SeqLayout`. ``expert_phases`` collects the (start, end)
-    time of every routed-expert phase, in order, for the engine's loop."""
+    time of every routed-expert phase, in order, for the engine's loop.
+
+    ``backend``: where the kernel ops run (None: this process's default backend). On an
+    executor backend the dense weights are registered with it once — copied into shared memory
+    the first time an op uses them, kept in ``shared`` (the engine's, across requests) — and
+    activations travel through the backend's staging buffer."""
 
     def __init__(
-        self, hp: ModelSpec, experts: ExpertSource, layout: SeqLayout | None = None
+        self,
+        hp: ModelSpec,
+        experts: ExpertSource,
+        layout: SeqLayout | None = None,
+        *,
+        backend: htp.Backend | None = None,
+        shared: dict[int, tuple[np.ndarray, np.ndarray]] | None = None,
     ) -> None:
         self.hp = hp
         self.experts = experts
         self.layout = layout
         self.expert_phases: list[tuple[float, float]] = []
+        self.backend = backend
+        self._shared = shared if shared is not None else {}
+
+    def _w(self, a: np.ndarray | None) -> np.ndarray | None:
+        """A weight array as the backend reads it: in shared memory for an executor backend."""
+        if a is None or self.backend is None or self.backend.kind == "host":
+            return a
+        hit = self._shared.get(id(a))
+        if hit is None or hit[0] is not a:
+            hit = self._shared[id(a)] = (a, self.backend.share(np.ascontiguousarray(a)))
+        return hit[1]
+
+    def _wt(self, key: object, make: Callable[[], np.ndarray]) -> np.ndarray:
+        """A derived weight array (e.g. a transposed f32 matrix) in shared memory, made once."""
+        hit = self._shared.get(id(key))
+        if hit is None or hit[0] is not key:
+            assert self.backend is not None
+            arr = np.ascontiguousarray(make(), dtype=np.float32)
+            hit = self._shared[id(key)] = (key, self.backend.share(arr))  # type: ignore[assignment]
+        return hit[1]
+
+    def _on_backend(self) -> bool:
+        return self.backend is not None and self.backend.kind != "host"
 
     # primitives
     def per_request(
@@ -437,24 +471,40 @@ class Ops:
         The tiled kernels compute every row on its own (int8 quantization per row, one
         accumulator chain per row for any tile of tokens); f32 goes through BLAS per request."""
         if w.fmt == "f32":
+            if self._on_backend():  # in-order sums: every row on its own, in any batch
+                wts = self._wt(w, lambda: w.f32().T)
+                return htp.matmul_f32(
+                    np.ascontiguousarray(x, np.float32), wts, backend=self.backend
+                )
             wt = w.f32().T
             return self.per_request(x, lambda a: a @ wt, spans)
-        return htp.gemm(x, w.data, w.shape[0], w.fmt)
+        return htp.gemm(x, self._w(w.data), w.shape[0], w.fmt, backend=self.backend)
+
+    def linear_f32(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """`x @ w` for an f32 matrix stored [in, out] (the router): on the backend when the
+        dense ops run there, else numpy's BLAS per request."""
+        if self._on_backend():
+            return htp.matmul_f32(
+                np.ascontiguousarray(x, np.float32), self._w(w), backend=self.backend
+            )  # type: ignore[arg-type]
+        return self.per_request(x, lambda a: a @ w)
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        return htp.rms_norm(x, w, self.hp.rms_eps)
+        return htp.rms_norm(x, self._w(w), self.hp.rms_eps, backend=self.backend)
 
-    @staticmethod
-    def rope(x: np.ndarray, pos: np.ndarray, r: Rope) -> None:
+    def rope(self, x: np.ndarray, pos: np.ndarray, r: Rope) -> None:
         """RoPE, in place, on the first ``r.n_rot`` dims of each head of ``x [T, H, D]``."""
         htp.rope(
             x, pos, r.n_rot, r.freq_base, r.freq_scale, r.kind,  # type: ignore[arg-type]
             ext_factor=r.ext_factor, attn_factor=r.attn_factor, corr_dims=r.corr_dims,
+            backend=self.backend,
         )  # fmt: skip
 
     def embed(self, head: Head, ids: np.ndarray) -> np.ndarray:
         e = head.tok_embd
-        return htp.get_rows(e.data, e.fmt, self.hp.n_vocab, self.hp.n_embd, ids)
+        return htp.get_rows(
+            self._w(e.data), e.fmt, self.hp.n_vocab, self.hp.n_embd, ids, backend=self.backend
+        )
 
     def output(
         self, head: Head, h: np.ndarray, spans: Sequence[tuple[int, int]] | None = None
@@ -471,13 +521,14 @@ class Ops:
         q = self.matmul(h, w.wq)
         k = self.matmul(h, w.wk)
         v = self.matmul(h, w.wv)
+        be = self.backend
         if w.qk_norm == "full":
-            q = htp.rms_norm(q, w.q_norm, eps)
-            k = htp.rms_norm(k, w.k_norm, eps)
+            q = htp.rms_norm(q, self._w(w.q_norm), eps, backend=be)
+            k = htp.rms_norm(k, self._w(w.k_norm), eps, backend=be)
         elif w.qk_norm == "head":
             assert w.q_norm is not None and w.k_norm is not None  # checked at construction
-            q = htp.rms_norm_heads(q, w.q_norm, w.n_head, eps)
-            k = htp.rms_norm_heads(k, w.k_norm, w.n_head_kv, eps)
+            q = htp.rms_norm_heads(q, self._w(w.q_norm), w.n_head, eps, backend=be)  # type: ignore[arg-type]
+            k = htp.rms_norm_heads(k, self._w(w.k_norm), w.n_head_kv, eps, backend=be)  # type: ignore[arg-type]
         q = np.ascontiguousarray(q.reshape(t, w.n_head, w.head_dim))
         k = np.ascontiguousarray(k.reshape(t, w.n_head_kv, w.head_dim))
         v = np.ascontiguousarray(v.reshape(t, w.n_head_kv, -1))
@@ -494,12 +545,14 @@ class Ops:
         causally to itself (`_continued_attention`). Nothing crosses requests."""
         lay = self.layout
         if lay is None or lay.single:
-            return htp.attention(q, k, v, scale, causal=True)
+            return htp.attention(q, k, v, scale, causal=True, backend=self.backend)
         out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=np.float32)
         for i, s in enumerate(lay.segments):
             rows = slice(s.start, s.start + s.length)
             if s.parent < 0:
-                out[rows] = htp.attention(q[rows], k[rows], v[rows], scale, causal=True)
+                out[rows] = htp.attention(
+                    q[rows], k[rows], v[rows], scale, causal=True, backend=self.backend
+                )
             else:
                 ctx = lay.context(i)
                 out[rows] = _continued_attention(
@@ -522,29 +575,30 @@ class Ops:
         last ``taps - 1`` rows of its ancestors (zeros before the first token), never another
         segment's or request's rows, exactly as if ``prefix + branch`` were prefilled alone."""
         x = np.ascontiguousarray(x, dtype=np.float32)
+        be, kernel_s = self.backend, self._w(kernel)
         lay = self.layout
         if lay is None or lay.single:
-            return htp.conv1d_causal(x, kernel)
+            return htp.conv1d_causal(x, kernel_s, backend=be)  # type: ignore[arg-type]
         taps = kernel.shape[1]
         out = np.empty_like(x)
         for i, s in enumerate(lay.segments):
             rows = slice(s.start, s.start + s.length)
             seg = np.ascontiguousarray(x[rows])
             if s.parent < 0:
-                out[rows] = htp.conv1d_causal(seg, kernel)
+                out[rows] = htp.conv1d_causal(seg, kernel_s, backend=be)  # type: ignore[arg-type]
                 continue
             before = _rows(x, lay.context(i))
             history = np.zeros((taps - 1, x.shape[1]), dtype=np.float32)
             keep = min(taps - 1, before.shape[0])
             if keep:
                 history[taps - 1 - keep :] = before[before.shape[0] - keep :]
-            out[rows] = htp.conv1d_causal(seg, kernel, history)
+            out[rows] = htp.conv1d_causal(seg, kernel_s, history, backend=be)  # type: ignore[arg-type]
         return out
 
     def dense_ffn(self, h: np.ndarray, w: FFN) -> np.ndarray:
         g = self.matmul(h, w.gate)
         u = self.matmul(h, w.up)
-        return self.matmul(htp.swiglu(g, u), w.down)
+        return self.matmul(htp.swiglu(g, u, backend=self.backend), w.down)
 
     def moe(self, h: np.ndarray, w: MoE) -> np.ndarray:
         """Route each token to its top-k experts and sum their SwiGLU outputs, weighted.
@@ -552,10 +606,11 @@ class Ops:
         The router runs here (resident); the experts run through the expert source, which the
         engine's loop told at layer start to begin reading this layer's experts."""
         g = w.gating
-        logits = self.per_request(h, lambda a: a @ w.router)
+        logits = self.linear_f32(h, w.router)
         ids, weights = htp.router_topk(
-            logits, g.n_used, gating=g.func, norm=g.norm, scale=g.scale, bias=w.bias
-        )  # type: ignore[arg-type]
+            logits, g.n_used, gating=g.func, norm=g.norm, scale=g.scale,
+            bias=self._w(w.bias), backend=self.backend,
+        )  # type: ignore[arg-type]  # fmt: skip
         y = np.zeros((h.shape[0], self.hp.n_embd), dtype=np.float32)
         t0 = time.perf_counter()
         self.experts.run_layer(w.experts, h, ids, weights, y)
