@@ -9,7 +9,9 @@ never a flag the forward pass branches on per call.
 
 `Ops` also owns the one side effect a layer has: routed experts run through the engine's
 `ExpertSource`, and `Ops` notes when the expert phase of each layer ran so that the engine's loop,
-not the layer, can turn it into spans and metrics.
+not the layer, can turn it into spans and metrics. It also times every kernel call it makes
+(`op_spans`: q/k/v projections, attention, output projection, norms, RoPE, router, dense FFN,
+output head, ...) so a trace shows where a prefill spends its non-expert time.
 """
 
 from __future__ import annotations
@@ -317,51 +319,79 @@ class Ops:
 
     Made per request by the engine. ``branches`` switches attention from plain causal to a
     shared prefix plus branches (see `Engine.prefill_branches`). ``expert_phases`` collects the
-    (start, end) time of every routed-expert phase, in order, for the engine's loop."""
+    (start, end) time of every routed-expert phase, in order, for the engine's loop;
+    ``op_spans`` the (op, start, end) of every other kernel call (leaf calls only: spans never
+    nest, so their durations add up).
+
+    ``attn_products`` is how the attention kernel multiplies: "f32" (exact) or "bf16" (q, k, v
+    and the softmax weights rounded to bfloat16, fp32 sums; the engine uses it with q8
+    activations)."""
 
     def __init__(
-        self, hp: ModelSpec, experts: ExpertSource, branches: Branches | None = None
+        self,
+        hp: ModelSpec,
+        experts: ExpertSource,
+        branches: Branches | None = None,
+        *,
+        attn_products: str = "f32",
     ) -> None:
         self.hp = hp
         self.experts = experts
         self.branches = branches
+        self.attn_products = attn_products
         self.expert_phases: list[tuple[float, float]] = []
+        self.op_spans: list[tuple[str, float, float]] = []
+
+    def _span(self, name: str, t0: float) -> None:
+        self.op_spans.append((name, t0, time.perf_counter()))
 
     # primitives
-    @staticmethod
-    def matmul(x: np.ndarray, w: DenseTensor) -> np.ndarray:
-        """`x @ w.T` for a resident matrix (tiled Q4_0/Q8_0 through the kernels, or f32)."""
+    def matmul(self, x: np.ndarray, w: DenseTensor, op: str = "matmul") -> np.ndarray:
+        """`x @ w.T` for a resident matrix (tiled Q4_0/Q8_0 through the kernels, or f32);
+        timed as ``op``."""
+        t0 = time.perf_counter()
         if w.fmt == "f32":
-            return x @ w.f32().T
-        return htp.gemm(x, w.data, w.shape[0], w.fmt)
+            y = x @ w.f32().T
+        else:
+            y = htp.gemm(x, w.data, w.shape[0], w.fmt)
+        self._span(op, t0)
+        return y
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        return htp.rms_norm(x, w, self.hp.rms_eps)
+        t0 = time.perf_counter()
+        y = htp.rms_norm(x, w, self.hp.rms_eps)
+        self._span("norm", t0)
+        return y
 
-    @staticmethod
-    def rope(x: np.ndarray, pos: np.ndarray, r: Rope) -> None:
+    def rope(self, x: np.ndarray, pos: np.ndarray, r: Rope) -> None:
         """RoPE, in place, on the first ``r.n_rot`` dims of each head of ``x [T, H, D]``."""
+        t0 = time.perf_counter()
         htp.rope(
             x, pos, r.n_rot, r.freq_base, r.freq_scale, r.kind,  # type: ignore[arg-type]
             ext_factor=r.ext_factor, attn_factor=r.attn_factor, corr_dims=r.corr_dims,
         )  # fmt: skip
+        self._span("rope", t0)
 
     def embed(self, head: Head, ids: np.ndarray) -> np.ndarray:
+        t0 = time.perf_counter()
         e = head.tok_embd
-        return htp.get_rows(e.data, e.fmt, self.hp.n_vocab, self.hp.n_embd, ids)
+        y = htp.get_rows(e.data, e.fmt, self.hp.n_vocab, self.hp.n_embd, ids)
+        self._span("embed", t0)
+        return y
 
     def output(self, head: Head, h: np.ndarray) -> np.ndarray:
         """Logits `[rows, n_vocab]` of final-normed hidden states `h`."""
-        return self.matmul(h, head.output)[:, : self.hp.n_vocab]
+        return self.matmul(h, head.output, "output_head")[:, : self.hp.n_vocab]
 
     # blocks
     def attention(self, w: Attention, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """q/k/v projections, q/k RMSNorm, RoPE, causal GQA attention, output projection."""
         t = h.shape[0]
         eps = self.hp.rms_eps
-        q = self.matmul(h, w.wq)
-        k = self.matmul(h, w.wk)
-        v = self.matmul(h, w.wv)
+        q = self.matmul(h, w.wq, "attn_q")
+        k = self.matmul(h, w.wk, "attn_k")
+        v = self.matmul(h, w.wv, "attn_v")
+        t0 = time.perf_counter()
         if w.qk_norm == "full":
             q = htp.rms_norm(q, w.q_norm, eps)
             k = htp.rms_norm(k, w.k_norm, eps)
@@ -369,27 +399,35 @@ class Ops:
             assert w.q_norm is not None and w.k_norm is not None  # checked at construction
             q = htp.rms_norm_heads(q, w.q_norm, w.n_head, eps)
             k = htp.rms_norm_heads(k, w.k_norm, w.n_head_kv, eps)
+        if w.qk_norm != "none":
+            self._span("qk_norm", t0)
         q = np.ascontiguousarray(q.reshape(t, w.n_head, w.head_dim))
         k = np.ascontiguousarray(k.reshape(t, w.n_head_kv, w.head_dim))
         v = np.ascontiguousarray(v.reshape(t, w.n_head_kv, -1))
         self.rope(q, pos, w.rope)
         self.rope(k, pos, w.rope)
         a = self.attend(q, k, v, w.scale)
-        return self.matmul(np.ascontiguousarray(a.reshape(t, -1)), w.wo)
+        return self.matmul(a.reshape(t, -1), w.wo, "attn_out")
 
     def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
         """softmax(q kᵀ · scale) v under this request's mask: `q [T, H, D]`, `k, v [T, Hkv, ·]`."""
+        t0 = time.perf_counter()
         if self.branches is None:
-            return htp.attention(q, k, v, scale, causal=True)
-        return _branch_attention(q, k, v, scale, *self.branches)
+            a = htp.attention(q, k, v, scale, causal=True, products=self.attn_products)
+        else:
+            a = _branch_attention(q, k, v, scale, *self.branches, products=self.attn_products)
+        self._span("attention", t0)
+        return a
 
     def short_conv(self, w: ShortConv, h: np.ndarray) -> np.ndarray:
         """B, C, x = in_proj(h); out_proj(C * conv(B * x)), the convolution causal per sequence."""
         d = w.out_proj.shape[0]
-        bcx = self.matmul(h, w.in_proj)
+        bcx = self.matmul(h, w.in_proj, "conv_in")
+        t0 = time.perf_counter()
         bx = bcx[:, :d] * bcx[:, 2 * d : 3 * d]
         y = bcx[:, d : 2 * d] * self.causal_conv(bx, w.kernel)
-        return self.matmul(np.ascontiguousarray(y), w.out_proj)
+        self._span("short_conv", t0)
+        return self.matmul(y, w.out_proj, "conv_out")
 
     def causal_conv(self, x: np.ndarray, kernel: np.ndarray) -> np.ndarray:
         """Depthwise causal convolution of ``x[T, C]`` along the tokens of each sequence.
@@ -414,9 +452,12 @@ class Ops:
         return out
 
     def dense_ffn(self, h: np.ndarray, w: FFN) -> np.ndarray:
-        g = self.matmul(h, w.gate)
-        u = self.matmul(h, w.up)
-        return self.matmul(htp.swiglu(g, u), w.down)
+        g = self.matmul(h, w.gate, "ffn")
+        u = self.matmul(h, w.up, "ffn")
+        t0 = time.perf_counter()
+        a = htp.swiglu(g, u)
+        self._span("ffn", t0)
+        return self.matmul(a, w.down, "ffn")
 
     def moe(self, h: np.ndarray, w: MoE) -> np.ndarray:
         """Route each token to its top-k experts and sum their SwiGLU outputs, weighted.
@@ -424,9 +465,11 @@ class Ops:
         The router runs here (resident); the experts run through the expert source, which the
         engine's loop told at layer start to begin reading this layer's experts."""
         g = w.gating
+        t0 = time.perf_counter()
         ids, weights = htp.router_topk(
             h @ w.router, g.n_used, gating=g.func, norm=g.norm, scale=g.scale, bias=w.bias
         )  # type: ignore[arg-type]
+        self._span("router", t0)
         y = np.zeros((h.shape[0], self.hp.n_embd), dtype=np.float32)
         t0 = time.perf_counter()
         self.experts.run_layer(w.experts, h, ids, weights, y)
@@ -441,15 +484,20 @@ def _branch_attention(
     scale: float,
     n_prefix: int,
     segments: list[tuple[int, int]],
+    *,
+    products: str = "f32",
 ) -> np.ndarray:
     """Shared prefix (causal) + branches that each see the prefix and themselves (causal).
 
     The prefix goes through the tiled kernel; each branch is short and attends to
-    ``n_prefix + len`` keys, done with BLAS (float32) per branch."""
+    ``n_prefix + len`` keys, done with BLAS (float32) per branch — with the kernel's rounding
+    of ``q·scale``, ``k``, ``v`` and the softmax weights when ``products`` is "bf16", so that a
+    branch sees what a separate prefill of ``prefix + branch`` would."""
     n_head, n_head_kv = q.shape[1], k.shape[1]
+    bf16 = products == "bf16"
     out = np.empty((q.shape[0], n_head, v.shape[2]), dtype=np.float32)
     P = n_prefix
-    out[:P] = htp.attention(q[:P], k[:P], v[:P], scale, causal=True)
+    out[:P] = htp.attention(q[:P], k[:P], v[:P], scale, causal=True, products=products)
     rep = n_head // n_head_kv
     for s, n in segments:
         kk = np.concatenate((k[:P], k[s : s + n]))  # [P+n, Hkv, D]
@@ -457,11 +505,17 @@ def _branch_attention(
         kk = np.repeat(kk, rep, axis=1).transpose(1, 2, 0)  # [H, D, P+n]
         vv = np.repeat(vv, rep, axis=1).transpose(1, 0, 2)  # [H, P+n, Dv]
         qq = q[s : s + n].transpose(1, 0, 2)  # [H, n, D]
-        sc = np.matmul(qq, kk) * np.float32(scale)  # [H, n, P+n]
+        if bf16:
+            kk, vv = htp.round_bf16(kk), htp.round_bf16(vv)
+            sc = np.matmul(htp.round_bf16(qq * np.float32(scale)), kk)  # [H, n, P+n]
+        else:
+            sc = np.matmul(qq, kk) * np.float32(scale)  # [H, n, P+n]
         mask = np.triu(np.ones((n, n), dtype=bool), k=1)
         sc[:, :, P:][:, mask] = -np.inf
         sc -= sc.max(axis=-1, keepdims=True)
         np.exp(sc, out=sc)
+        if bf16:
+            sc = htp.round_bf16(sc)
         sc /= sc.sum(axis=-1, keepdims=True)
         out[s : s + n] = np.matmul(sc, vv).transpose(1, 0, 2)
     return out
