@@ -395,6 +395,21 @@ def main() -> None:
         + ", ".join(f"{k} {v:.0f}" if v else f"{k} n/a" for k, v in results["peaks_end"].items())
         + f"; load average {os.getloadavg()[0]:.1f}"
     )
+    # on a shared machine a peak measured at a busy moment is low: use the better of the two
+    best = {
+        k: max(v for v in (results["peaks_start"][k], results["peaks_end"][k]) if v is not None)
+        for k in results["peaks_start"]
+        if results["peaks_start"][k] is not None or results["peaks_end"][k] is not None
+    }
+    results["peaks_best"] = best
+    print("share of the better of the start/end peaks:")
+    for r in rows:
+        pk = best.get(r["peak_kind"])
+        r["pct_of_best_peak"] = 100 * r["htp_gflops"] / pk if pk else None
+        if pk:
+            print(
+                f"  {r['op']:44s} {r['pct_of_best_peak']:5.0f}% of {r['peak_kind']} {pk:.0f} GOP/s"
+            )
     out_dir = ROOT / "bench-results"
     out_dir.mkdir(exist_ok=True)
     (out_dir / "bench_kernels.json").write_text(json.dumps(results, indent=2))

@@ -129,6 +129,7 @@ class Engine:
         t0 = time.perf_counter()
         self._closed = False
         self._mem0 = memory.mem_available()
+        memory.keep_freed_heap()  # per-op arrays reuse heap pages (see memory.keep_freed_heap)
         self.mode, self.schedule = mode, schedule
         self.progress = progress
         self.model = PackedModel(path)
