@@ -42,7 +42,7 @@ HTP_INSTANTIATE(avx512, HTP_T_AVX512)
  * 16..31; each lane holds 4 bytes = 8 nibbles: low nibbles are columns 4g..4g+3, high nibbles
  * columns 16+4g..16+4g+3. Broadcasting the matching 4 activation bytes makes one vpdpbusd
  * (u8 weights x s8 activations) add a 4-term dot product to 16 rows at once. Weights are
- * stored +8, so each block subtracts 8*sum(activation block) before scaling. */
+ * stored +8, so each block's integer accumulators start at -8*sum(activation block). */
 #define Q4_KERNEL(SUFFIX, TARGET, DOT)                                                           \
     TARGET static inline __attribute__((always_inline)) void q4q8_block_##SUFFIX(                \
         const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s,    \
@@ -52,8 +52,9 @@ HTP_INSTANTIATE(avx512, HTP_T_AVX512)
         for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();                \
         for (uint32_t j = 0; j < kb; j++) {                                                      \
             const uint8_t *tile = strip + (size_t)j * HTP_Q4_TILE_BYTES;                        \
-            __m512i ia[4][2];                                                                    \
-            for (int u = 0; u < NT; u++) ia[u][0] = ia[u][1] = _mm512_setzero_si512();           \
+            __m512i ia[4][2]; /* start at -8 * sum(block): the +8 offset of the nibbles */       \
+            for (int u = 0; u < NT; u++)                                                         \
+                ia[u][0] = ia[u][1] = _mm512_set1_epi32(-8 * s[(size_t)u * kb + j]);              \
             for (int g = 0; g < 4; g++) {                                                        \
                 const __m512i v0 = _mm512_loadu_si512((const void *)(tile + 64 + 128 * g));     \
                 const __m512i v1 = _mm512_loadu_si512((const void *)(tile + 128 + 128 * g));    \
@@ -77,9 +78,8 @@ HTP_INSTANTIATE(avx512, HTP_T_AVX512)
             const __m512 dw1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 32)));\
             for (int u = 0; u < NT; u++) {                                                       \
                 const __m512 da = _mm512_set1_ps(d[(size_t)u * kb + j]);                         \
-                const __m512i s8 = _mm512_set1_epi32(8 * s[(size_t)u * kb + j]);                 \
-                const __m512 f0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(ia[u][0], s8));            \
-                const __m512 f1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(ia[u][1], s8));            \
+                const __m512 f0 = _mm512_cvtepi32_ps(ia[u][0]);                                  \
+                const __m512 f1 = _mm512_cvtepi32_ps(ia[u][1]);                                  \
                 acc[u][0] = _mm512_fmadd_ps(f0, _mm512_mul_ps(dw0, da), acc[u][0]);              \
                 acc[u][1] = _mm512_fmadd_ps(f1, _mm512_mul_ps(dw1, da), acc[u][1]);              \
             }                                                                                    \

@@ -392,13 +392,14 @@ class Ops:
         k = self.matmul(h, w.wk, "attn_k")
         v = self.matmul(h, w.wv, "attn_v")
         t0 = time.perf_counter()
+        # in place: q and k are this call's own GEMM outputs
         if w.qk_norm == "full":
-            q = htp.rms_norm(q, w.q_norm, eps)
-            k = htp.rms_norm(k, w.k_norm, eps)
+            q = htp.rms_norm(q, w.q_norm, eps, out=q)
+            k = htp.rms_norm(k, w.k_norm, eps, out=k)
         elif w.qk_norm == "head":
             assert w.q_norm is not None and w.k_norm is not None  # checked at construction
-            q = htp.rms_norm_heads(q, w.q_norm, w.n_head, eps)
-            k = htp.rms_norm_heads(k, w.k_norm, w.n_head_kv, eps)
+            q = htp.rms_norm_heads(q, w.q_norm, w.n_head, eps, out=q)
+            k = htp.rms_norm_heads(k, w.k_norm, w.n_head_kv, eps, out=k)
         if w.qk_norm != "none":
             self._span("qk_norm", t0)
         q = np.ascontiguousarray(q.reshape(t, w.n_head, w.head_dim))
