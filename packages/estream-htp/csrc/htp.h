@@ -79,6 +79,16 @@ typedef enum htp_rope_mode {
     HTP_ROPE_NEOX = 1    /* pairs (i, i + n_rot/2) */
 } htp_rope_mode;
 
+/* How the attention op multiplies (htp_attention_params.products).
+ * F32: fp32 products and sums (matches a float64 reference to ~1e-6).
+ * BF16: q*scale, k, v and the softmax weights are rounded to bfloat16 (nearest even, subnormals
+ *       to zero), products accumulate in fp32 (vdpbf16ps where the CPU has AVX512_BF16; the
+ *       same rounding emulated elsewhere); rel. L2 error ~3e-3. */
+typedef enum htp_products {
+    HTP_PRODUCTS_F32 = 0,
+    HTP_PRODUCTS_BF16 = 1
+} htp_products;
+
 typedef enum htp_gating {
     HTP_GATING_SOFTMAX = 0,
     HTP_GATING_SIGMOID = 1
@@ -184,6 +194,7 @@ typedef struct htp_rope_params {
 typedef struct htp_attention_params {
     uint32_t t, n_q_heads, n_kv_heads, dk, dv, causal;
     float scale;
+    uint32_t products; /* htp_products (appended: 0 is the original fp32 behaviour) */
 } htp_attention_params;
 
 typedef struct htp_eltwise_params {
@@ -302,6 +313,10 @@ int htp_executor_serve(int sock_fd);
 /* Throughput of the int8 dot-product instruction of the backend's SIMD level on all its pool
  * threads: multiply-accumulates per second in *macs_per_s (HOST backends). */
 htp_status htp_bench_dot_peak(htp_backend *backend, uint64_t iters, double *macs_per_s);
+/* Same for another instruction: kind 0 the int8 dot product (as above), 1 the fp32 FMA, 2 the
+ * bf16 dot product (vdpbf16ps; HTP_E_UNSUPPORTED without AVX512_BF16). */
+htp_status htp_bench_mac_peak(htp_backend *backend, uint32_t kind, uint64_t iters,
+                              double *macs_per_s);
 
 #ifdef __cplusplus
 }

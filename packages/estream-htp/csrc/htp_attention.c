@@ -1,6 +1,8 @@
 /* Attention driver, generic over instruction sets (the table supplies the task kernel):
  * (head, query block) tasks dealt round-robin to the pool threads, so causal blocks of
- * different cost interleave; each output row is written by exactly one task. */
+ * different cost interleave; each output row is written by exactly one task. With bf16
+ * products the table's bf16 kernels run when the CPU has AVX512_BF16 (K and V packed once per
+ * call into bf16 pairs); otherwise the generic body emulates their rounding. */
 #include "htp_attn_body.h"
 
 size_t htp_attn_scratch_floats(const htp_attn_ctx *c) {
@@ -20,6 +22,15 @@ static void attn_worker(void *arg, uint32_t ith, uint32_t nth) {
     const htp_attn_ctx *c = (const htp_attn_ctx *)arg;
     float *scratch = (float *)htp_scratch(c->pool, ith, 1, 0);
     const uint32_t n_tasks = c->hq * c->n_qblk;
+    if (c->kw) {
+        c->isa->attention_bf16_pack(c, ith, nth);
+        htp_barrier(c->pool);
+        for (uint32_t i = ith; i < n_tasks; i += nth) {
+            const uint32_t h = i % c->hq, qb = c->n_qblk - 1 - i / c->hq;
+            c->isa->attention_bf16_task(c, h * c->n_qblk + qb, scratch);
+        }
+        return;
+    }
     if (c->kt) {
         /* Re-lay K and V once per call so that the blocks a task streams are contiguous (the
          * natural [t][h][d] strides put every row of a block in the same L1 set). */
@@ -58,22 +69,28 @@ htp_status htp_exec_attention(htp_exec *e, const htp_attention_params *p, const 
     if (t == 0) return HTP_OK;
     htp_attn_ctx c = {q, k, v, out, t, p->n_q_heads, p->n_kv_heads, p->dk, p->dv,
                       p->causal ? 1u : 0u, (t + HTP_ATTN_BQ - 1) / HTP_ATTN_BQ, p->scale,
-                      NULL, NULL, 0, e->pool, e->isa};
+                      NULL, NULL, 0, p->products == HTP_PRODUCTS_BF16, NULL, NULL, e->pool, e->isa};
     const size_t need = htp_attn_scratch_floats(&c) * sizeof(float);
     for (uint32_t i = 0; i < htp_pool_nth(e->pool); i++)
         if (!htp_scratch(e->pool, i, 1, need)) return HTP_E_NOMEM;
-    if (e->isa->attention_wants_kt && c.dk % 16 == 0 && c.dv % 16 == 0) {
+    const int aligned = c.dk % 16 == 0 && c.dv % 16 == 0;
+    if (c.bf16 && aligned && e->isa->attention_bf16_task && htp_cpu_bf16()) {
         c.kt_ld = ((size_t)t + HTP_ATTN_BK - 1) / HTP_ATTN_BK;
-        c.kt = (float *)malloc(sizeof(float) * c.kt_ld * HTP_ATTN_BK * c.hkv * c.dk);
-        c.vp = (float *)malloc(sizeof(float) * (size_t)t * c.hkv * c.dv);
-        if (!c.kt || !c.vp) {
-            free(c.kt);
-            free(c.vp);
-            return HTP_E_NOMEM;
-        }
+        /* re-laid K and V live in the backend's shared per-op buffer (kept between calls) */
+        const size_t words = c.kt_ld * HTP_ATTN_BK * c.hkv / 2; /* per head dim pair / dim */
+        c.kw = (uint32_t *)htp_scratch(e->pool, 0, 3, sizeof(uint32_t) * words * (c.dk + c.dv));
+        if (!c.kw) return HTP_E_NOMEM;
+        c.vw = c.kw + words * c.dk;
+        htp_parallel(e->pool, attn_worker, &c);
+        return HTP_OK;
+    }
+    if (e->isa->attention_wants_kt && aligned && !c.bf16) {
+        c.kt_ld = ((size_t)t + HTP_ATTN_BK - 1) / HTP_ATTN_BK;
+        const size_t nk = c.kt_ld * HTP_ATTN_BK * c.hkv * c.dk;
+        c.kt = (float *)htp_scratch(e->pool, 0, 3, sizeof(float) * (nk + (size_t)t * c.hkv * c.dv));
+        if (!c.kt) return HTP_E_NOMEM;
+        c.vp = c.kt + nk;
     }
     htp_parallel(e->pool, attn_worker, &c);
-    free(c.kt);
-    free(c.vp);
     return HTP_OK;
 }

@@ -1,4 +1,6 @@
-/* Flash-style attention body (one query block of one head), instantiated per SIMD level. */
+/* Flash-style attention body (one query block of one head), instantiated per SIMD level. With
+ * c->bf16 it rounds q*scale, k, v and the softmax weights to bfloat16 exactly as the native
+ * bf16 kernels do (products and sums stay fp32). */
 #ifndef ESTREAM_HTP_ATTN_BODY_H
 #define ESTREAM_HTP_ATTN_BODY_H
 
@@ -42,6 +44,7 @@ HTP_INLINE void htp_attn_task_body(const htp_attn_ctx *c, uint32_t task, float *
     const uint32_t h = task / c->n_qblk, qb = task % c->n_qblk;
     const uint32_t hk = h / (c->hq / c->hkv);
     const uint32_t dk = c->dk, dv = c->dv;
+    const int bf16 = c->bf16 != 0; /* emulate HTP_PRODUCTS_BF16's rounding */
     const uint32_t i0 = qb * BQ, ni = HTP_MIN(BQ, c->t - i0);
     const size_t qstride = (size_t)c->hq * dk, kstride = (size_t)c->hkv * dk;
     const size_t vstride = (size_t)c->hkv * dv, ostride = (size_t)c->hq * dv;
@@ -53,6 +56,8 @@ HTP_INLINE void htp_attn_task_body(const htp_attn_ctx *c, uint32_t task, float *
     for (uint32_t i = 0; i < ni; i++) {
         const float *qi = c->q + (size_t)(i0 + i) * qstride + (size_t)h * dk;
         for (uint32_t d = 0; d < dk; d++) qs[(size_t)i * dk + d] = qi[d] * c->scale;
+        if (bf16)
+            for (uint32_t d = 0; d < dk; d++) qs[(size_t)i * dk + d] = htp_bf16_round(qs[(size_t)i * dk + d]);
         for (uint32_t d = 0; d < dv; d++) o[(size_t)i * dv + d] = 0.0f;
         m[i] = -INFINITY;
         l[i] = 0.0f;
@@ -62,7 +67,10 @@ HTP_INLINE void htp_attn_task_body(const htp_attn_ctx *c, uint32_t task, float *
         const uint32_t nj = HTP_MIN(BK, kend - j0);
         for (uint32_t j = 0; j < nj; j++) {
             const float *kj = c->k + (size_t)(j0 + j) * kstride + (size_t)hk * dk;
-            for (uint32_t d = 0; d < dk; d++) kt[(size_t)d * BK + j] = kj[d];
+            if (bf16)
+                for (uint32_t d = 0; d < dk; d++) kt[(size_t)d * BK + j] = htp_bf16_round(kj[d]);
+            else
+                for (uint32_t d = 0; d < dk; d++) kt[(size_t)d * BK + j] = kj[d];
         }
         for (uint32_t j = nj; j < BK; j++)
             for (uint32_t d = 0; d < dk; d++) kt[(size_t)d * BK + j] = 0.0f;
@@ -82,7 +90,8 @@ HTP_INLINE void htp_attn_task_body(const htp_attn_ctx *c, uint32_t task, float *
             float *srow = s + (size_t)i * BK;
             float sum = 0.0f;
             for (uint32_t j = 0; j < BK; j++) {
-                const float p = j < lim ? htp_exp_neg(sr[j] - mx) : 0.0f;
+                float p = j < lim ? htp_exp_neg(sr[j] - mx) : 0.0f;
+                if (bf16) p = htp_bf16_round(p);
                 srow[j] = p;
                 sum += p;
             }
@@ -98,7 +107,10 @@ HTP_INLINE void htp_attn_task_body(const htp_attn_ctx *c, uint32_t task, float *
             for (uint32_t j = 0; j < nj; j++) {
                 const float p = srow[j];
                 const float *vj = c->v + (size_t)(j0 + j) * vstride + (size_t)hk * dv;
-                for (uint32_t d = 0; d < dv; d++) oi[d] += p * vj[d];
+                if (bf16)
+                    for (uint32_t d = 0; d < dv; d++) oi[d] += p * htp_bf16_round(vj[d]);
+                else
+                    for (uint32_t d = 0; d < dv; d++) oi[d] += p * vj[d];
             }
         }
     }

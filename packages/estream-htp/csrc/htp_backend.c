@@ -389,7 +389,7 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
         GET(0, bytes, RD, 4, x);
         if (p->has_weight) GET(1, nbytes(p->d, 4), RD, 4, w);
         GET(p->has_weight ? 2 : 1, bytes, WR, 4, out);
-        htp_exec_rms_norm(p, x, w, out);
+        htp_exec_rms_norm(&b->ex, p, x, w, out);
         return HTP_OK;
     }
     case HTP_OP_ROPE: {
@@ -404,11 +404,12 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
         const int32_t *pos;
         GET(0, nbytes(nbytes3(p->t, p->n_heads, 1), (uint64_t)p->head_dim * 4), WR, 4, x);
         GET(1, nbytes(p->t, 4), RD, 4, pos);
-        return htp_exec_rope(p, x, pos);
+        return htp_exec_rope(&b->ex, p, x, pos);
     }
     case HTP_OP_ATTENTION: {
         const htp_attention_params *p = &op->p.attention;
-        if (!p->n_q_heads || !p->n_kv_heads || !p->dk || !p->dv || p->n_q_heads % p->n_kv_heads)
+        if (!p->n_q_heads || !p->n_kv_heads || !p->dk || !p->dv || p->n_q_heads % p->n_kv_heads ||
+            p->products > HTP_PRODUCTS_BF16)
             return HTP_E_INVALID;
         const float *q, *k, *v;
         float *out;
@@ -571,7 +572,7 @@ htp_status htp_op_run_tmp(htp_backend *b, const htp_op_desc *op, const htp_buffe
 
 /* ---- diagnostics ---- */
 typedef struct peak_ctx {
-    const htp_isa *isa;
+    int32_t (*fn)(uint64_t iters);
     uint64_t iters;
     volatile int32_t sink[64];
 } peak_ctx;
@@ -579,20 +580,29 @@ typedef struct peak_ctx {
 static void peak_task(void *arg, uint32_t ith, uint32_t nth) {
     (void)nth;
     peak_ctx *c = (peak_ctx *)arg;
-    c->sink[ith % 64] = c->isa->dot_peak(c->iters);
+    c->sink[ith % 64] = c->fn(c->iters);
 }
 
 htp_status htp_bench_dot_peak(htp_backend *b, uint64_t iters, double *macs_per_s) {
-    if (!b || !macs_per_s || iters == 0) return HTP_E_INVALID;
-    if (b->kind != HTP_BACKEND_HOST || !b->ex.isa->dot_peak) return HTP_E_UNSUPPORTED;
+    return htp_bench_mac_peak(b, 0, iters, macs_per_s);
+}
+
+htp_status htp_bench_mac_peak(htp_backend *b, uint32_t kind, uint64_t iters, double *macs_per_s) {
+    if (!b || !macs_per_s || iters == 0 || kind > 2) return HTP_E_INVALID;
+    if (b->kind != HTP_BACKEND_HOST) return HTP_E_UNSUPPORTED;
+    const htp_isa *isa = b->ex.isa;
+    int32_t (*fn)(uint64_t) = kind == 0 ? isa->dot_peak : kind == 1 ? isa->fma_peak : isa->bf16_peak;
+    const uint32_t per = kind == 0 ? isa->dot_macs_per_iter : kind == 1 ? isa->fma_macs_per_iter
+                                                                        : isa->bf16_macs_per_iter;
+    if (!fn || (kind == 2 && !htp_cpu_bf16())) return HTP_E_UNSUPPORTED;
     enter(b);
-    peak_ctx c = {.isa = b->ex.isa, .iters = iters};
+    peak_ctx c = {.fn = fn, .iters = iters};
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     htp_parallel(b->ex.pool, peak_task, &c);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     const double sec = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
-    *macs_per_s = (double)iters * b->ex.isa->dot_macs_per_iter * htp_pool_nth(b->ex.pool) / sec;
+    *macs_per_s = (double)iters * per * htp_pool_nth(b->ex.pool) / sec;
     leave(b);
     return HTP_OK;
 }

@@ -35,6 +35,8 @@ const htp_isa htp_isa_portable = {
     .quantize_row_q8 = htp_quantize_q8_portable,
     .attention_task = htp_attn_task_portable,
     .attention_wants_kt = 0,
+    .attention_bf16_pack = NULL,
+    .attention_bf16_task = NULL,
     .swiglu = htp_swiglu_portable,
     .dot_peak = NULL,
     .dot_macs_per_iter = 0,
@@ -84,6 +86,15 @@ const htp_isa *htp_isa_for(uint32_t level) {
 #endif
     default: return NULL;
     }
+}
+
+int htp_cpu_bf16(void) {
+#ifdef HTP_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && cpu_supports(HTP_SIMD_AVX512);
+#else
+    return 0;
+#endif
 }
 
 uint32_t htp_simd_best(void) {
@@ -179,8 +190,9 @@ htp_status htp_exec_gemm(htp_exec *e, const uint8_t *w, uint32_t fmt, uint32_t n
     gemm_ctx c = {e->isa, e->pool, w, fmt, n, k, t, ldx, ldy, x, y, NULL, NULL, NULL, act == HTP_ACT_Q8};
     void *buf = NULL;
     if (c.use_q8) {
+        /* the backend's shared per-op buffer (kept between calls: no page faults per GEMM) */
         const size_t kb = k / 32;
-        buf = malloc((size_t)t * k + (size_t)t * kb * 8 + 64);
+        buf = htp_scratch(e->pool, 0, 3, (size_t)t * k + (size_t)t * kb * 8 + 64);
         if (!buf) return HTP_E_NOMEM;
         c.qd = (float *)buf;
         c.qs = (int32_t *)(c.qd + (size_t)t * kb);
@@ -190,7 +202,6 @@ htp_status htp_exec_gemm(htp_exec *e, const uint8_t *w, uint32_t fmt, uint32_t n
             if (!htp_scratch(e->pool, i, 0, (size_t)k * 32 * sizeof(float))) return HTP_E_NOMEM;
     }
     htp_parallel(e->pool, gemm_task, &c);
-    free(buf);
     return HTP_OK;
 }
 
@@ -238,57 +249,108 @@ void htp_exec_get_rows(const htp_get_rows_params *pr, const uint8_t *p, const in
 }
 
 
-/* ---- RMSNorm (validated by the caller) ---- */
-void htp_exec_rms_norm(const htp_rms_norm_params *p, const float *x, const float *w, float *out) {
-    const uint32_t d = p->d;
-    const size_t rows = (size_t)p->t * p->n_groups;
-    for (size_t i = 0; i < rows; i++) {
-        const float *xr = x + i * d;
-        float *o = out + i * d;
+/* ---- RMSNorm (validated by the caller): rows split across the pool's threads, each row
+ * computed the same way whatever the split (results do not depend on the thread count) ---- */
+typedef struct rms_ctx {
+    const htp_rms_norm_params *p;
+    const float *x, *w;
+    float *out;
+} rms_ctx;
+
+static void rms_task(void *arg, uint32_t ith, uint32_t nth) {
+    const rms_ctx *c = (const rms_ctx *)arg;
+    const uint32_t d = c->p->d;
+    const float *w = c->w;
+    uint32_t b, e;
+    htp_split(c->p->t * c->p->n_groups, ith, nth, &b, &e);
+    for (size_t i = b; i < e; i++) {
+        const float *xr = c->x + i * d;
+        float *o = c->out + i * d;
+        double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}; /* 8 lanes: vectorisable, fixed order */
+        uint32_t col = 0;
+        for (; col + 8 <= d; col += 8)
+            for (int l = 0; l < 8; l++) acc[l] += (double)xr[col + l] * xr[col + l];
         double ss = 0.0;
-        for (uint32_t c = 0; c < d; c++) ss += (double)xr[c] * xr[c];
-        const float inv = (float)(1.0 / sqrt(ss / d + (double)p->eps));
+        for (; col < d; col++) ss += (double)xr[col] * xr[col];
+        ss += ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        const float inv = (float)(1.0 / sqrt(ss / d + (double)c->p->eps));
         if (w)
-            for (uint32_t c = 0; c < d; c++) o[c] = xr[c] * inv * w[c];
+            for (uint32_t k = 0; k < d; k++) o[k] = xr[k] * inv * w[k];
         else
-            for (uint32_t c = 0; c < d; c++) o[c] = xr[c] * inv;
+            for (uint32_t k = 0; k < d; k++) o[k] = xr[k] * inv;
     }
 }
 
-/* ---- RoPE (validated by the caller) ---- */
-htp_status htp_exec_rope(const htp_rope_params *p, float *x, const int32_t *pos) {
+void htp_exec_rms_norm(htp_exec *e, const htp_rms_norm_params *p, const float *x, const float *w,
+                       float *out) {
+    rms_ctx c = {p, x, w, out};
+    /* below ~64K elements a wake-up costs more than it saves */
+    if ((uint64_t)p->t * p->n_groups * p->d < 65536)
+        rms_task(&c, 0, 1);
+    else
+        htp_parallel(e->pool, rms_task, &c);
+}
+
+/* ---- RoPE (validated by the caller): tokens split across the pool's threads; the per-pair
+ * frequencies are computed once per call ---- */
+typedef struct rope_ctx {
+    const htp_rope_params *p;
+    float *x;
+    const int32_t *pos;
+    const double *inv_freq; /* [half] freq_base^(-2j/n_rot) */
+    double *cs;             /* [nth][2 * half] */
+    double mscale, ext, span;
+} rope_ctx;
+
+static void rope_task(void *arg, uint32_t ith, uint32_t nth) {
+    const rope_ctx *c = (const rope_ctx *)arg;
+    const htp_rope_params *p = c->p;
     const uint32_t n_rot = p->n_rot, half = n_rot / 2, mode = p->mode;
-    double *cs = (double *)malloc(sizeof(double) * 2 * (half ? half : 1));
-    if (!cs) return HTP_E_NOMEM;
+    double *cs = c->cs + (size_t)ith * 2 * half;
+    uint32_t b, e;
+    htp_split(p->t, ith, nth, &b, &e);
+    for (uint32_t i = b; i < e; i++) {
+        for (uint32_t j = 0; j < half; j++) {
+            const double extrap = (double)c->pos[i] * c->inv_freq[j];
+            double theta = (double)p->freq_scale * extrap;
+            if (c->ext != 0.0) {
+                const double y = fmin(1.0, fmax(0.0, ((double)j - (double)p->corr_low) / c->span));
+                const double mix = (1.0 - y) * c->ext;
+                theta = theta * (1.0 - mix) + extrap * mix;
+            }
+            cs[2 * j] = cos(theta) * c->mscale;
+            cs[2 * j + 1] = sin(theta) * c->mscale;
+        }
+        for (uint32_t h = 0; h < p->n_heads; h++) {
+            float *v = c->x + ((size_t)i * p->n_heads + h) * p->head_dim;
+            for (uint32_t j = 0; j < half; j++) {
+                const uint32_t a = mode == HTP_ROPE_NORMAL ? 2 * j : j;
+                const uint32_t bb = mode == HTP_ROPE_NORMAL ? 2 * j + 1 : j + half;
+                const double x0 = v[a], x1 = v[bb];
+                v[a] = (float)(x0 * cs[2 * j] - x1 * cs[2 * j + 1]);
+                v[bb] = (float)(x0 * cs[2 * j + 1] + x1 * cs[2 * j]);
+            }
+        }
+    }
+}
+
+htp_status htp_exec_rope(htp_exec *e, const htp_rope_params *p, float *x, const int32_t *pos) {
+    const uint32_t half = p->n_rot / 2;
+    const uint32_t nth = (uint64_t)p->t * p->n_heads * p->n_rot < 16384 ? 1 : htp_pool_nth(e->pool);
+    double *buf = (double *)malloc(sizeof(double) * (half ? half : 1) * (1 + 2 * (size_t)nth));
+    if (!buf) return HTP_E_NOMEM;
+    for (uint32_t j = 0; j < half; j++) buf[j] = pow((double)p->freq_base, -2.0 * (double)j / (double)p->n_rot);
     const int yarn = p->yarn != 0;
     const double ext = yarn ? (double)p->ext_factor : 0.0;
     double mscale = yarn ? (double)p->attn_factor : 1.0;
     if (ext != 0.0) mscale *= 1.0 + 0.1 * log(1.0 / (double)p->freq_scale);
-    const double span = fmax(0.001, (double)p->corr_high - (double)p->corr_low);
-    for (uint32_t i = 0; i < p->t; i++) {
-        for (uint32_t j = 0; j < half; j++) {
-            const double extrap = (double)pos[i] * pow((double)p->freq_base, -2.0 * (double)j / (double)n_rot);
-            double theta = (double)p->freq_scale * extrap;
-            if (ext != 0.0) {
-                const double y = fmin(1.0, fmax(0.0, ((double)j - (double)p->corr_low) / span));
-                const double mix = (1.0 - y) * ext;
-                theta = theta * (1.0 - mix) + extrap * mix;
-            }
-            cs[2 * j] = cos(theta) * mscale;
-            cs[2 * j + 1] = sin(theta) * mscale;
-        }
-        for (uint32_t h = 0; h < p->n_heads; h++) {
-            float *v = x + ((size_t)i * p->n_heads + h) * p->head_dim;
-            for (uint32_t j = 0; j < half; j++) {
-                const uint32_t a = mode == HTP_ROPE_NORMAL ? 2 * j : j;
-                const uint32_t b = mode == HTP_ROPE_NORMAL ? 2 * j + 1 : j + half;
-                const double x0 = v[a], x1 = v[b];
-                v[a] = (float)(x0 * cs[2 * j] - x1 * cs[2 * j + 1]);
-                v[b] = (float)(x0 * cs[2 * j + 1] + x1 * cs[2 * j]);
-            }
-        }
-    }
-    free(cs);
+    rope_ctx c = {p, x, pos, buf, buf + (half ? half : 1), mscale, ext,
+                  fmax(0.001, (double)p->corr_high - (double)p->corr_low)};
+    if (nth == 1)
+        rope_task(&c, 0, 1);
+    else
+        htp_parallel(e->pool, rope_task, &c);
+    free(buf);
     return HTP_OK;
 }
 

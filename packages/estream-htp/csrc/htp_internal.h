@@ -20,6 +20,7 @@
 #define HTP_T_AVX2 HTP_TARGET("avx2,fma,f16c")
 #define HTP_T_AVX512 HTP_TARGET("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 #define HTP_T_VNNI HTP_TARGET("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#define HTP_T_BF16 HTP_TARGET("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 #endif
 #if defined(__aarch64__) && !defined(HTP_NO_SIMD)
 #define HTP_ARM64 1
@@ -106,10 +107,33 @@ typedef struct htp_attn_ctx {
     float *kt;    /* optional: K per KV head in transposed key blocks [hkv][kblk][dk][BK] */
     float *vp;    /* optional: V per KV head, contiguous rows [hkv][t][dv] */
     size_t kt_ld; /* number of key blocks (ceil(t / BK)) */
+    uint32_t bf16; /* HTP_PRODUCTS_BF16: round q*scale, k, v, p to bfloat16 */
+    /* native bf16 path: bf16 pairs as 32-bit words, K [hkv][kblk][dk/2][BK] (dims 2i, 2i+1 of
+     * one key), V [hkv][kblk][BK/2][dv] (keys 2i, 2i+1 of one value dim); zero past t */
+    uint32_t *kw, *vw;
     htp_pool *pool;
     const struct htp_isa *isa;
 } htp_attn_ctx;
 size_t htp_attn_scratch_floats(const htp_attn_ctx *c);
+
+/* fp32 -> bfloat16 bits, round to nearest even, subnormals to signed zero, NaN kept quiet (the
+ * rounding of AVX512_BF16's vcvtneps2bf16). */
+static inline uint16_t htp_bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static inline float htp_bf16_round(float f) {
+    const uint32_t u = (uint32_t)htp_bf16_bits(f) << 16;
+    float r;
+    memcpy(&r, &u, 4);
+    return r;
+}
+/* Whether this CPU has AVX512_BF16 (the native bf16 attention kernels need it). */
+int htp_cpu_bf16(void);
 
 /* ---- the inner-loop table of one instruction set ----
  * Strip kernels compute, for one 32-row tile strip of W (kb tiles of 32x32) and nt <= *_nt
@@ -134,15 +158,26 @@ typedef struct htp_isa {
     void (*quantize_row_q8)(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s);
     void (*attention_task)(const htp_attn_ctx *c, uint32_t task, float *scratch);
     uint32_t attention_wants_kt; /* the driver re-lays K/V (needs dk, dv % 16 == 0) */
+    /* bf16 products, used when the CPU has AVX512_BF16 and dk, dv % 16 == 0 (else the generic
+     * body emulates the same rounding): pack c->kw/c->vw (thread ith of nth), then tasks */
+    void (*attention_bf16_pack)(const htp_attn_ctx *c, uint32_t ith, uint32_t nth);
+    void (*attention_bf16_task)(const htp_attn_ctx *c, uint32_t task, float *scratch);
     void (*swiglu)(const float *g, const float *u, uint64_t n, float *out); /* u may be NULL */
     /* diagnostics: 12 chains x iters of the level's int8 dot instruction; NULL if none */
     int32_t (*dot_peak)(uint64_t iters);
     uint32_t dot_macs_per_iter;
+    /* the same for the fp32 FMA and (AVX512_BF16 CPUs only) the bf16 dot product */
+    int32_t (*fma_peak)(uint64_t iters);
+    uint32_t fma_macs_per_iter;
+    int32_t (*bf16_peak)(uint64_t iters);
+    uint32_t bf16_macs_per_iter;
 } htp_isa;
 
 extern const htp_isa htp_isa_portable;
 #ifdef HTP_X86
 void htp_attn_task_avx512(const htp_attn_ctx *c, uint32_t task, float *scratch);
+void htp_attn_bf16_pack_avx512(const htp_attn_ctx *c, uint32_t ith, uint32_t nth);
+void htp_attn_bf16_task_avx512(const htp_attn_ctx *c, uint32_t task, float *scratch);
 extern const htp_isa htp_isa_avx2;
 extern const htp_isa htp_isa_avx512;
 extern const htp_isa htp_isa_avx512vnni;
@@ -196,8 +231,9 @@ htp_status htp_exec_attention(htp_exec *e, const htp_attention_params *p, const 
                               const float *k, const float *v, float *out);
 void htp_exec_get_rows(const htp_get_rows_params *p, const uint8_t *table, const int32_t *ids,
                        float *out);
-void htp_exec_rms_norm(const htp_rms_norm_params *p, const float *x, const float *w, float *out);
-htp_status htp_exec_rope(const htp_rope_params *p, float *x, const int32_t *pos);
+void htp_exec_rms_norm(htp_exec *e, const htp_rms_norm_params *p, const float *x, const float *w,
+                       float *out);
+htp_status htp_exec_rope(htp_exec *e, const htp_rope_params *p, float *x, const int32_t *pos);
 htp_status htp_exec_conv1d(const htp_conv1d_params *p, const float *x, const float *w,
                             const float *state, float *out);
 htp_status htp_exec_matmul_f32(htp_exec *e, const htp_matmul_params *p, const float *x,

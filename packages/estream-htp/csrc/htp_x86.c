@@ -42,7 +42,7 @@ HTP_INSTANTIATE(avx512, HTP_T_AVX512)
  * 16..31; each lane holds 4 bytes = 8 nibbles: low nibbles are columns 4g..4g+3, high nibbles
  * columns 16+4g..16+4g+3. Broadcasting the matching 4 activation bytes makes one vpdpbusd
  * (u8 weights x s8 activations) add a 4-term dot product to 16 rows at once. Weights are
- * stored +8, so each block subtracts 8*sum(activation block) before scaling. */
+ * stored +8, so each block's integer accumulators start at -8*sum(activation block). */
 #define Q4_KERNEL(SUFFIX, TARGET, DOT)                                                           \
     TARGET static inline __attribute__((always_inline)) void q4q8_block_##SUFFIX(                \
         const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s,    \
@@ -52,8 +52,9 @@ HTP_INSTANTIATE(avx512, HTP_T_AVX512)
         for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();                \
         for (uint32_t j = 0; j < kb; j++) {                                                      \
             const uint8_t *tile = strip + (size_t)j * HTP_Q4_TILE_BYTES;                        \
-            __m512i ia[4][2];                                                                    \
-            for (int u = 0; u < NT; u++) ia[u][0] = ia[u][1] = _mm512_setzero_si512();           \
+            __m512i ia[4][2]; /* start at -8 * sum(block): the +8 offset of the nibbles */       \
+            for (int u = 0; u < NT; u++)                                                         \
+                ia[u][0] = ia[u][1] = _mm512_set1_epi32(-8 * s[(size_t)u * kb + j]);              \
             for (int g = 0; g < 4; g++) {                                                        \
                 const __m512i v0 = _mm512_loadu_si512((const void *)(tile + 64 + 128 * g));     \
                 const __m512i v1 = _mm512_loadu_si512((const void *)(tile + 128 + 128 * g));    \
@@ -77,9 +78,8 @@ HTP_INSTANTIATE(avx512, HTP_T_AVX512)
             const __m512 dw1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 32)));\
             for (int u = 0; u < NT; u++) {                                                       \
                 const __m512 da = _mm512_set1_ps(d[(size_t)u * kb + j]);                         \
-                const __m512i s8 = _mm512_set1_epi32(8 * s[(size_t)u * kb + j]);                 \
-                const __m512 f0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(ia[u][0], s8));            \
-                const __m512 f1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(ia[u][1], s8));            \
+                const __m512 f0 = _mm512_cvtepi32_ps(ia[u][0]);                                  \
+                const __m512 f1 = _mm512_cvtepi32_ps(ia[u][1]);                                  \
                 acc[u][0] = _mm512_fmadd_ps(f0, _mm512_mul_ps(dw0, da), acc[u][0]);              \
                 acc[u][1] = _mm512_fmadd_ps(f1, _mm512_mul_ps(dw1, da), acc[u][1]);              \
             }                                                                                    \
@@ -215,6 +215,27 @@ HTP_T_AVX512 static void f32_strip_fast_avx512(const float *panel, uint32_t k, c
     }
 }
 
+/* ---- row quantization, AVX-512: one 32-block in two zmm; the same operations in the same
+ * order as the generic body (amax / 127, x * (1 / d) rounded to nearest even by the current
+ * mode, as nearbyintf), so the bytes are identical at every level. */
+HTP_T_AVX512 static void quantize_q8_fast_avx512(const float *x, uint32_t k, int8_t *q, float *d,
+                                                 int32_t *s) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (uint32_t j = 0; j < k / 32; j++) {
+        const __m512 a = _mm512_loadu_ps(x + 32 * j), b = _mm512_loadu_ps(x + 32 * j + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+        const float dd = amax / 127.0f;
+        const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+        const __m512 vid = _mm512_set1_ps(id);
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, vid));
+        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, vid));
+        _mm_storeu_si128((__m128i *)(q + 32 * j), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(q + 32 * j + 16), _mm512_cvtsepi32_epi8(qb));
+        d[j] = dd;
+        s[j] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    }
+}
+
 /* ---- instruction-mix peak: 12 independent vpdpbusd chains per thread ---- */
 HTP_T_VNNI static int32_t peak_vnni(uint64_t iters) {
     __m512i acc[12];
@@ -240,6 +261,31 @@ HTP_T_AVX512 static int32_t peak_bw(uint64_t iters) {
     return _mm512_reduce_add_epi32(r);
 }
 
+/* 12 independent vfmadd231ps chains (16 MACs each) and vdpbf16ps chains (32 MACs each) */
+HTP_T_AVX512 static int32_t peak_fma(uint64_t iters) {
+    __m512 acc[12];
+    const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
+    for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_ps((float)i);
+    for (uint64_t it = 0; it < iters; it++) {
+        for (int i = 0; i < 12; i++) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+    }
+    __m512 r = acc[0];
+    for (int i = 1; i < 12; i++) r = _mm512_add_ps(r, acc[i]);
+    return (int32_t)_mm512_reduce_add_ps(r);
+}
+
+HTP_T_BF16 static int32_t peak_bf16(uint64_t iters) {
+    __m512 acc[12];
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = (__m512bh)_mm512_set1_epi32(0x3a833a83);
+    for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_ps((float)i);
+    for (uint64_t it = 0; it < iters; it++) {
+        for (int i = 0; i < 12; i++) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+    }
+    __m512 r = acc[0];
+    for (int i = 1; i < 12; i++) r = _mm512_add_ps(r, acc[i]);
+    return (int32_t)_mm512_reduce_add_ps(r);
+}
+
 /* ---- the tables ---- */
 const htp_isa htp_isa_avx2 = {
     .level = HTP_SIMD_AVX2,
@@ -253,6 +299,8 @@ const htp_isa htp_isa_avx2 = {
     .quantize_row_q8 = quantize_q8_avx2,
     .attention_task = attn_avx2,
     .attention_wants_kt = 0,
+    .attention_bf16_pack = NULL,
+    .attention_bf16_task = NULL,
     .swiglu = swiglu_avx2,
     .dot_peak = NULL,
     .dot_macs_per_iter = 0,
@@ -267,12 +315,18 @@ const htp_isa htp_isa_avx512 = {
     .dequant_tile = dequant_avx512,
     .f32_strip = f32_strip_fast_avx512,
     .f32_nt = 8,
-    .quantize_row_q8 = quantize_q8_avx512,
+    .quantize_row_q8 = quantize_q8_fast_avx512,
     .attention_task = htp_attn_task_avx512,
     .attention_wants_kt = 1,
+    .attention_bf16_pack = htp_attn_bf16_pack_avx512,
+    .attention_bf16_task = htp_attn_bf16_task_avx512,
     .swiglu = swiglu_avx512,
     .dot_peak = peak_bw,
     .dot_macs_per_iter = 12 * 64,
+    .fma_peak = peak_fma,
+    .fma_macs_per_iter = 12 * 16,
+    .bf16_peak = peak_bf16,
+    .bf16_macs_per_iter = 12 * 32,
 };
 
 const htp_isa htp_isa_avx512vnni = {
@@ -284,11 +338,17 @@ const htp_isa htp_isa_avx512vnni = {
     .dequant_tile = dequant_avx512,
     .f32_strip = f32_strip_fast_avx512,
     .f32_nt = 8,
-    .quantize_row_q8 = quantize_q8_avx512,
+    .quantize_row_q8 = quantize_q8_fast_avx512,
     .attention_task = htp_attn_task_avx512,
     .attention_wants_kt = 1,
+    .attention_bf16_pack = htp_attn_bf16_pack_avx512,
+    .attention_bf16_task = htp_attn_bf16_task_avx512,
     .swiglu = swiglu_avx512,
     .dot_peak = peak_vnni,
     .dot_macs_per_iter = 12 * 64,
+    .fma_peak = peak_fma,
+    .fma_macs_per_iter = 12 * 16,
+    .bf16_peak = peak_bf16,
+    .bf16_macs_per_iter = 12 * 32,
 };
 #endif

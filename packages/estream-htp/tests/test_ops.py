@@ -30,6 +30,13 @@ def test_rms_norm(t: int, h: int, dh: int, seed: int, with_w: bool) -> None:
         y = htp.rms_norm_heads(x, wd, h, 1e-6, out=out)
         with_w = True
     assert T.rel_l2(y, T.ref_rms_norm(x, wd if with_w else None, 1e-6, h)) <= TOL
+    # in place (out=x) gives the same bytes: each row is read whole before it is written
+    xi = x.copy()
+    if h == 1:
+        zi = htp.rms_norm(xi, wd if with_w else None, 1e-6, out=xi)
+    else:
+        zi = htp.rms_norm_heads(xi, wd, h, 1e-6, out=xi)
+    assert zi is xi and np.array_equal(xi, y)
 
 
 @given(
@@ -135,6 +142,66 @@ def test_attention(
     assert T.rel_l2(y, T.ref_attention(q, k, v, 1.0 / np.sqrt(dk), causal)) <= TOL
 
 
+TOL_BF16 = 1e-2  # bf16 products (rounded q*scale, k, v, softmax weights) vs float64: ~3e-3
+TOL_BF16_EMU = 1e-4  # native bf16 kernels vs the portable emulation of the same rounding
+
+
+@pytest.mark.parametrize("simd", LEVELS)
+@given(
+    t=st.integers(1, 150),
+    hkv=st.integers(1, 3),
+    rep=st.integers(1, 3),
+    dk=st.sampled_from([16, 32, 48, 64, 128, 1, 7, 20, 33]),
+    dv=st.sampled_from([16, 32, 80, 128, 3, 24, 40]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_attention_bf16(
+    simd: str, t: int, hkv: int, rep: int, dk: int, dv: int, causal: bool, seed: int
+) -> None:
+    """bf16 products at every level (native vdpbf16ps kernels where the CPU has AVX512_BF16
+    and head dims are multiples of 16, else the emulation) against float64, and against the
+    portable emulation of the same rounding; they must really differ from fp32 products."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((t, hkv * rep, dk)).astype(np.float32)
+    k = rng.standard_normal((t, hkv, dk)).astype(np.float32)
+    v = rng.standard_normal((t, hkv, dv)).astype(np.float32)
+    scale = 1.0 / np.sqrt(dk)
+    outs = {}
+    for level in (simd, "portable"):
+        out = np.full((t, hkv * rep, dv), np.nan, np.float32)
+        with mode(simd=level):
+            outs[level] = htp.attention(q, k, v, scale, causal, out=out, products="bf16")
+    ref = T.ref_attention(q, k, v, scale, causal)
+    assert T.rel_l2(outs[simd], ref) <= TOL_BF16
+    assert T.rel_l2(outs[simd], outs["portable"]) <= TOL_BF16_EMU
+    f32 = htp.attention(q, k, v, scale, causal)
+    if t > 1:  # (one key: the weight is exactly 1 and only v's rounding shows)
+        assert not np.array_equal(outs[simd], f32)
+
+
+def test_round_bf16() -> None:
+    """Nearest even on the 8-bit mantissa, subnormals to signed zero, and the result is the
+    bf16 a one-key attention returns for v (its weight is exactly 1)."""
+    e = 2.0**-8  # half an ulp of bf16 at 1.0
+    x = np.array([1 + e, 1 + 3 * e, 1 + 1.5 * e, -(1 + e / 2), 1e-40, -1e-40, 3.0], np.float32)
+    want = np.array([1.0, 1 + 4 * e, 1 + 2 * e, -1.0, 0.0, -0.0, 3.0], np.float32)
+    got = htp.round_bf16(x)
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+    assert np.array_equal(np.signbit(got), np.signbit(want))
+    v = np.random.default_rng(3).standard_normal((1, 1, 48)).astype(np.float32)
+    for simd in LEVELS:
+        with mode(simd=simd):
+            a = htp.attention(v[:, :, :16], v[:, :, :16], v, 0.5, products="bf16")
+        assert np.array_equal(a, htp.round_bf16(v)), simd
+
+
+def test_attention_products_checked() -> None:
+    x = np.zeros((2, 1, 16), np.float32)
+    with pytest.raises(htp.HTPInputError, match="products must be one of"):
+        htp.attention(x, x, x, 0.25, products="f16")
+
+
 def test_attention_long_sequence_threads_agree() -> None:
     rng = np.random.default_rng(0)
     t = 1030  # several key blocks, not a multiple of any tile
@@ -147,6 +214,13 @@ def test_attention_long_sequence_threads_agree() -> None:
         b = htp.attention(q, k, v, 0.125)
     assert np.array_equal(a, b)
     assert T.rel_l2(a, T.ref_attention(q, k, v, 0.125)) <= TOL
+    for products in ("bf16",):
+        with mode(threads=1):
+            a = htp.attention(q, k, v, 0.125, products=products)
+        with mode(threads=2):
+            b = htp.attention(q, k, v, 0.125, products=products)
+        assert np.array_equal(a, b)
+        assert T.rel_l2(a, T.ref_attention(q, k, v, 0.125)) <= TOL_BF16
 
 
 @given(n=st.integers(0, 300), seed=st.integers(0, 2**32 - 1))

@@ -29,7 +29,7 @@ from . import memory
 from .config import StreamConfig, configure_for_budget, resolve_config
 from .errors import BadRequestError, NonFiniteError
 from .experts import SCHEDULES, ExpertSource, GroupRecord, ResidentExperts, StreamedExperts
-from .metrics import build_events, run_metrics
+from .metrics import build_events, op_times, run_metrics
 from .models import architecture
 from .models.ops import Ops, SeqLayout
 from .packed import PackedModel
@@ -196,6 +196,7 @@ class Engine:
         self._closed = False
         self._n_passes = 0  # passes run, numbering each pass's metrics ("pass_id")
         self._mem0 = memory.mem_available()
+        memory.keep_freed_heap()  # per-op arrays reuse heap pages (see memory.keep_freed_heap)
         self.mode, self.schedule = mode, schedule
         self.progress = progress
         self.model = PackedModel(path)
@@ -518,17 +519,23 @@ class Engine:
         memory.reset_peak()
         # Per-request bookkeeping only: a long-lived engine must not grow without bound.
         self.experts.reset()
+        # q8 activations are the fast, approximate path: attention products run in bfloat16
+        # there too; f32 keeps every product exact-ish.
         ops = Ops(
             hp,
             self.experts,
             layout,
             backend=self.backend if self.dense_ops == "backend" else None,
             shared=self._dense_shared,
+            attn_products="bf16" if self.act == "q8" else "f32",
         )
         spans: list[tuple[str, int, float, float]] = []
+        op_spans: list[tuple[str, int, float, float]] = []
         show = self.progress and sys.stderr.isatty()
         t_start = time.perf_counter()
         x = ops.embed(self.weights.head, ids)
+        op_spans += [(name, -1, s0, s1) for name, s0, s1 in ops.op_spans]
+        ops.op_spans.clear()
         for i, w in enumerate(self.weights.layers):
             moe_layer = self.model.layers.get(i)  # None: a dense layer, nothing to read
             t0 = time.perf_counter()
@@ -539,7 +546,10 @@ class Engine:
                 self.experts.end_layer()
             t1 = time.perf_counter()
             spans += _non_expert_spans(i, t0, t1, ops.expert_phases)
+            op_spans += [("experts", i, s0, s1) for s0, s1 in ops.expert_phases]
+            op_spans += [(name, i, s0, s1) for name, s0, s1 in ops.op_spans]
             ops.expert_phases.clear()
+            ops.op_spans.clear()
             spans.append(("layer", i, t0, t1))
             if show:
                 print(f"\r  layer {i + 1}/{hp.n_layers}", end="", file=sys.stderr, flush=True)
@@ -555,6 +565,7 @@ class Engine:
             hidden = hn if rows is None else ops.rms_norm(x, head.norm)
         t_end = time.perf_counter()
         spans.append(("output", -1, t0, t_end))
+        op_spans += [(name, -1, s0, s1) for name, s0, s1 in ops.op_spans]
         records = list(self.experts.records)
         reads = self.experts.reads()
         metrics = run_metrics(
@@ -573,7 +584,8 @@ class Engine:
             if name == "non-expert":
                 t_ne[layer] += s1 - s0
         metrics["layer_t_ne_s"] = t_ne
-        events = build_events(t_start, spans, records, reads)
+        metrics["op_time_s"] = op_times(op_spans)
+        events = build_events(t_start, spans, records, reads, op_spans)
         extra = {"events": events, "records": records, "reads": list(reads)}
         return out, hidden, metrics, extra
 

@@ -4,6 +4,8 @@
 * I/O–compute overlap: the fraction of read time during which some compute ran.
 * Bubble rate: 1 − max(T_io, T_exec) / T_total (docs/design.md §6), where T_io is the union of read
   intervals and T_exec the union of compute intervals.
+* Time by op: the summed duration of each kind of kernel call (q/k/v projections, attention,
+  routed experts, output head, norms, ...), from the per-op spans the forward pass records.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import estream_sched as es
 
 from . import memory
 
-__all__ = ["build_events", "run_metrics"]
+__all__ = ["build_events", "op_times", "run_metrics"]
 
 
 def _compute_intervals(spans: list, records: list) -> list[tuple[float, float]]:
@@ -56,9 +58,23 @@ def run_metrics(
     }
 
 
-def build_events(t0: float, spans: list, records: list, reads: list) -> list[es.TraceEvent]:
-    """Timeline events (seconds from the start of the prefill) for Chrome trace export."""
+def op_times(op_spans: list) -> dict[str, float]:
+    """Total seconds per op over ``(op, layer, start, end)`` spans, largest first."""
+    tot: dict[str, float] = {}
+    for name, _, t0, t1 in op_spans:
+        tot[name] = tot.get(name, 0.0) + (t1 - t0)
+    return dict(sorted(tot.items(), key=lambda kv: -kv[1]))
+
+
+def build_events(
+    t0: float, spans: list, records: list, reads: list, op_spans: list | None = None
+) -> list[es.TraceEvent]:
+    """Timeline events (seconds from the start of the prefill) for Chrome trace export; the
+    per-op spans go on their own track ("ops") under the layer spans."""
     ev: list[es.TraceEvent] = []
+    for name, layer, s, e in op_spans or ():
+        label = name if layer < 0 else f"{name} L{layer}"
+        ev.append(es.TraceEvent(label, "ops", s - t0, e - t0, "op", args={"layer": layer}))
     for name, layer, s, e in spans:
         if name == "layer":
             continue

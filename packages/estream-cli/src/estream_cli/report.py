@@ -41,6 +41,12 @@ def print_metrics(m: dict[str, Any], out: TextIO | None = None) -> None:
     for key, label, fmt in _METRIC_ROWS:
         if key in m and m[key] is not None:
             print(f"  {label:<30s} {fmt(m[key])}", file=out)
+    ops = m.get("op_time_s")
+    if ops:
+        total = m.get("ttft_s") or sum(ops.values())
+        print(f"  {'time by op':<30s} " + ", ".join(
+            f"{k} {v * 1e3:.1f} ms ({100 * v / total:.0f}%)" for k, v in ops.items()
+        ), file=out)  # fmt: skip
 
 
 def public_metrics(m: dict[str, Any]) -> dict[str, Any]:

@@ -647,6 +647,18 @@ def rope_yarn_corr_dims(
     return max(0.0, math.floor(dim(beta_fast))), min(n_rot - 1.0, math.ceil(dim(beta_slow)))
 
 
+_PRODUCTS = {"f32": lib.HTP_PRODUCTS_F32, "bf16": lib.HTP_PRODUCTS_BF16}
+
+
+def round_bf16(x: npt.ArrayLike) -> npt.NDArray[np.float32]:
+    """``x`` (as float32) rounded to bfloat16 values the way the bf16 attention kernels round:
+    nearest even, subnormals to signed zero (``vcvtneps2bf16``); returned as float32."""
+    u = np.array(x, dtype=np.float32, copy=True).view(np.uint32)
+    r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    r = np.where((u & np.uint32(0x7F800000)) == 0, u & np.uint32(0x80000000), r)
+    return r.astype(np.uint32).view(np.float32)
+
+
 def attention(
     q: F32,
     k: F32,
@@ -655,10 +667,17 @@ def attention(
     causal: bool = True,
     out: F32 | None = None,
     *,
+    products: str = "f32",
     backend: Backend | None = None,
 ) -> F32:
     """Softmax attention with grouped KV heads (query head ``h`` reads KV head
-    ``h // (Hq // Hkv)``), tiled with an online softmax: memory O(T·d)."""
+    ``h // (Hq // Hkv)``), tiled with an online softmax: memory O(T·d).
+
+    ``products``: "f32" (fp32 products, matches float64 to ~1e-6) or "bf16" (``q·scale``,
+    ``k``, ``v`` and the softmax weights rounded to bfloat16, fp32 sums: twice the
+    multiply rate on CPUs with AVX512_BF16, emulated elsewhere; rel. L2 error ~3e-3)."""
+    if products not in _PRODUCTS:
+        raise HTPInputError(f"products must be one of {sorted(_PRODUCTS)}, got {products!r}")
     q = _arr(q, "q", np.float32, 3)
     k = _arr(k, "k", np.float32, 3)
     v = _arr(v, "v", np.float32, 3)
@@ -681,6 +700,7 @@ def attention(
         p = c.p.attention
         p.t, p.n_q_heads, p.n_kv_heads, p.dk, p.dv = t, hq, hkv, dk, dv
         p.causal, p.scale = 1 if causal else 0, float(scale)
+        p.products = _PRODUCTS[products]
         c.ref(q).ref(k).ref(v).ref(o, "w")
         be.run(c)
     return o
@@ -873,4 +893,21 @@ def _dot_peak(iters: int = 20_000_000, *, backend: Backend | None = None) -> flo
     be = _be(backend)
     p = ffi.new("double *")
     check(lib.htp_bench_dot_peak(be._handle(), _u32(iters, "iters", 1), p), "dot_peak")
+    return float(p[0])
+
+
+_PEAKS = {"int8": 0, "fp32": 1, "bf16": 2}
+
+
+def _mac_peak(kind: str, iters: int = 5_000_000, *, backend: Backend | None = None) -> float:
+    """Measured multiply-accumulate peak (MAC/s, all of a host backend's threads) of its SIMD
+    level's int8 dot product ("int8"), fp32 FMA ("fp32") or bf16 dot product ("bf16");
+    HTPUnsupportedError where the level/CPU has no such instruction."""
+    if kind not in _PEAKS:
+        raise HTPInputError(f"kind must be one of {sorted(_PEAKS)}, got {kind!r}")
+    be = _be(backend)
+    p = ffi.new("double *")
+    check(
+        lib.htp_bench_mac_peak(be._handle(), _PEAKS[kind], _u32(iters, "iters", 1), p), "mac_peak"
+    )
     return float(p[0])

@@ -9,7 +9,9 @@ never a flag the forward pass branches on per call.
 
 `Ops` also owns the one side effect a layer has: routed experts run through the engine's
 `ExpertSource`, and `Ops` notes when the expert phase of each layer ran so that the engine's loop,
-not the layer, can turn it into spans and metrics.
+not the layer, can turn it into spans and metrics. It also times every kernel call it makes
+(`op_spans`: q/k/v projections, attention, output projection, norms, RoPE, router, dense FFN,
+output head, ...) so a trace shows where a prefill spends its non-expert time.
 """
 
 from __future__ import annotations
@@ -396,7 +398,13 @@ class Ops:
 
     Made per pass by the engine. ``layout`` says which rows are which sequence (default: all
     rows one causal sequence); see `SeqLayout`. ``expert_phases`` collects the (start, end)
-    time of every routed-expert phase, in order, for the engine's loop.
+    time of every routed-expert phase, in order, for the engine's loop; ``op_spans`` the
+    (op, start, end) of every other kernel call (leaf calls only: spans never nest, so their
+    durations add up).
+
+    ``attn_products`` is how the attention kernel multiplies: "f32" (exact) or "bf16" (q, k, v
+    and the softmax weights rounded to bfloat16, fp32 sums; the engine uses it with q8
+    activations).
 
     ``backend``: where the kernel ops run (None: this process's default backend). On an
     executor backend the dense weights are registered with it once — copied into shared memory
@@ -411,6 +419,7 @@ class Ops:
         *,
         backend: htp.Backend | None = None,
         shared: dict[int, tuple[np.ndarray, np.ndarray]] | None = None,
+        attn_products: str = "f32",
     ) -> None:
         self.hp = hp
         self.experts = experts
@@ -418,6 +427,11 @@ class Ops:
         self.expert_phases: list[tuple[float, float]] = []
         self.backend = backend
         self._shared = shared if shared is not None else {}
+        self.attn_products = attn_products
+        self.op_spans: list[tuple[str, float, float]] = []
+
+    def _span(self, name: str, t0: float) -> None:
+        self.op_spans.append((name, t0, time.perf_counter()))
 
     def _w(self, a: np.ndarray | None) -> np.ndarray | None:
         """A weight array as the backend reads it: in shared memory for an executor backend."""
@@ -464,21 +478,30 @@ class Ops:
         return np.concatenate([f(x[a:b]) for a, b in spans])
 
     def matmul(
-        self, x: np.ndarray, w: DenseTensor, spans: Sequence[tuple[int, int]] | None = None
+        self,
+        x: np.ndarray,
+        w: DenseTensor,
+        op: str = "matmul",
+        *,
+        spans: Sequence[tuple[int, int]] | None = None,
     ) -> np.ndarray:
-        """`x @ w.T` for a resident matrix (tiled Q4_0/Q8_0 through the kernels, or f32).
+        """`x @ w.T` for a resident matrix (tiled Q4_0/Q8_0 through the kernels, or f32);
+        timed as ``op``.
 
         The tiled kernels compute every row on its own (int8 quantization per row, one
         accumulator chain per row for any tile of tokens); f32 goes through BLAS per request."""
+        t0 = time.perf_counter()
         if w.fmt == "f32":
             if self._on_backend():  # in-order sums: every row on its own, in any batch
                 wts = self._wt(w, lambda: w.f32().T)
-                return htp.matmul_f32(
-                    np.ascontiguousarray(x, np.float32), wts, backend=self.backend
-                )
-            wt = w.f32().T
-            return self.per_request(x, lambda a: a @ wt, spans)
-        return htp.gemm(x, self._w(w.data), w.shape[0], w.fmt, backend=self.backend)
+                y = htp.matmul_f32(np.ascontiguousarray(x, np.float32), wts, backend=self.backend)
+            else:
+                wt = w.f32().T
+                y = self.per_request(x, lambda a: a @ wt, spans)
+        else:
+            y = htp.gemm(x, self._w(w.data), w.shape[0], w.fmt, backend=self.backend)
+        self._span(op, t0)
+        return y
 
     def linear_f32(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """`x @ w` for an f32 matrix stored [in, out] (the router): on the backend when the
@@ -490,38 +513,47 @@ class Ops:
         return self.per_request(x, lambda a: a @ w)
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        return htp.rms_norm(x, self._w(w), self.hp.rms_eps, backend=self.backend)
+        t0 = time.perf_counter()
+        y = htp.rms_norm(x, self._w(w), self.hp.rms_eps, backend=self.backend)
+        self._span("norm", t0)
+        return y
 
     def rope(self, x: np.ndarray, pos: np.ndarray, r: Rope) -> None:
         """RoPE, in place, on the first ``r.n_rot`` dims of each head of ``x [T, H, D]``."""
+        t0 = time.perf_counter()
         htp.rope(
             x, pos, r.n_rot, r.freq_base, r.freq_scale, r.kind,  # type: ignore[arg-type]
             ext_factor=r.ext_factor, attn_factor=r.attn_factor, corr_dims=r.corr_dims,
             backend=self.backend,
         )  # fmt: skip
+        self._span("rope", t0)
 
     def embed(self, head: Head, ids: np.ndarray) -> np.ndarray:
+        t0 = time.perf_counter()
         e = head.tok_embd
-        return htp.get_rows(
+        y = htp.get_rows(
             self._w(e.data), e.fmt, self.hp.n_vocab, self.hp.n_embd, ids, backend=self.backend
         )
+        self._span("embed", t0)
+        return y
 
     def output(
         self, head: Head, h: np.ndarray, spans: Sequence[tuple[int, int]] | None = None
     ) -> np.ndarray:
         """Logits `[rows, n_vocab]` of final-normed hidden states `h` (``spans``: each
         request's rows in ``h``)."""
-        return self.matmul(h, head.output, spans)[:, : self.hp.n_vocab]
+        return self.matmul(h, head.output, "output_head", spans=spans)[:, : self.hp.n_vocab]
 
     # blocks
     def attention(self, w: Attention, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """q/k/v projections, q/k RMSNorm, RoPE, causal GQA attention, output projection."""
         t = h.shape[0]
         eps = self.hp.rms_eps
-        q = self.matmul(h, w.wq)
-        k = self.matmul(h, w.wk)
-        v = self.matmul(h, w.wv)
+        q = self.matmul(h, w.wq, "attn_q")
+        k = self.matmul(h, w.wk, "attn_k")
+        v = self.matmul(h, w.wv, "attn_v")
         be = self.backend
+        t0 = time.perf_counter()
         if w.qk_norm == "full":
             q = htp.rms_norm(q, self._w(w.q_norm), eps, backend=be)
             k = htp.rms_norm(k, self._w(w.k_norm), eps, backend=be)
@@ -529,13 +561,15 @@ class Ops:
             assert w.q_norm is not None and w.k_norm is not None  # checked at construction
             q = htp.rms_norm_heads(q, self._w(w.q_norm), w.n_head, eps, backend=be)  # type: ignore[arg-type]
             k = htp.rms_norm_heads(k, self._w(w.k_norm), w.n_head_kv, eps, backend=be)  # type: ignore[arg-type]
+        if w.qk_norm != "none":
+            self._span("qk_norm", t0)
         q = np.ascontiguousarray(q.reshape(t, w.n_head, w.head_dim))
         k = np.ascontiguousarray(k.reshape(t, w.n_head_kv, w.head_dim))
         v = np.ascontiguousarray(v.reshape(t, w.n_head_kv, -1))
         self.rope(q, pos, w.rope)
         self.rope(k, pos, w.rope)
         a = self.attend(q, k, v, w.scale)
-        return self.matmul(np.ascontiguousarray(a.reshape(t, -1)), w.wo)
+        return self.matmul(np.ascontiguousarray(a.reshape(t, -1)), w.wo, "attn_out")
 
     def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
         """softmax(q kᵀ · scale) v under the pass's layout: `q [T, H, D]`, `k, v [T, Hkv, ·]`.
@@ -543,30 +577,37 @@ class Ops:
         A sequence's first segment goes through the tiled causal kernel on its own rows (as if
         it were prefilled alone); a continuing segment attends to its ancestors' rows and
         causally to itself (`_continued_attention`). Nothing crosses requests."""
+        t0 = time.perf_counter()
+        p = self.attn_products
         lay = self.layout
         if lay is None or lay.single:
-            return htp.attention(q, k, v, scale, causal=True, backend=self.backend)
+            a = htp.attention(q, k, v, scale, causal=True, products=p, backend=self.backend)
+            self._span("attention", t0)
+            return a
         out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=np.float32)
         for i, s in enumerate(lay.segments):
             rows = slice(s.start, s.start + s.length)
             if s.parent < 0:
                 out[rows] = htp.attention(
-                    q[rows], k[rows], v[rows], scale, causal=True, backend=self.backend
+                    q[rows], k[rows], v[rows], scale, causal=True, products=p, backend=self.backend
                 )
             else:
                 ctx = lay.context(i)
                 out[rows] = _continued_attention(
-                    q[rows], _rows(k, [*ctx, s]), _rows(v, [*ctx, s]), scale
+                    q[rows], _rows(k, [*ctx, s]), _rows(v, [*ctx, s]), scale, products=p
                 )
+        self._span("attention", t0)
         return out
 
     def short_conv(self, w: ShortConv, h: np.ndarray) -> np.ndarray:
         """B, C, x = in_proj(h); out_proj(C * conv(B * x)), the convolution causal per sequence."""
         d = w.out_proj.shape[0]
-        bcx = self.matmul(h, w.in_proj)
+        bcx = self.matmul(h, w.in_proj, "conv_in")
+        t0 = time.perf_counter()
         bx = bcx[:, :d] * bcx[:, 2 * d : 3 * d]
         y = bcx[:, d : 2 * d] * self.causal_conv(bx, w.kernel)
-        return self.matmul(np.ascontiguousarray(y), w.out_proj)
+        self._span("short_conv", t0)
+        return self.matmul(np.ascontiguousarray(y), w.out_proj, "conv_out")
 
     def causal_conv(self, x: np.ndarray, kernel: np.ndarray) -> np.ndarray:
         """Depthwise causal convolution of ``x[T, C]`` along the tokens of each sequence.
@@ -596,9 +637,12 @@ class Ops:
         return out
 
     def dense_ffn(self, h: np.ndarray, w: FFN) -> np.ndarray:
-        g = self.matmul(h, w.gate)
-        u = self.matmul(h, w.up)
-        return self.matmul(htp.swiglu(g, u, backend=self.backend), w.down)
+        g = self.matmul(h, w.gate, "ffn")
+        u = self.matmul(h, w.up, "ffn")
+        t0 = time.perf_counter()
+        a = htp.swiglu(g, u, backend=self.backend)
+        self._span("ffn", t0)
+        return self.matmul(a, w.down, "ffn")
 
     def moe(self, h: np.ndarray, w: MoE) -> np.ndarray:
         """Route each token to its top-k experts and sum their SwiGLU outputs, weighted.
@@ -606,11 +650,13 @@ class Ops:
         The router runs here (resident); the experts run through the expert source, which the
         engine's loop told at layer start to begin reading this layer's experts."""
         g = w.gating
+        t0 = time.perf_counter()
         logits = self.linear_f32(h, w.router)
         ids, weights = htp.router_topk(
             logits, g.n_used, gating=g.func, norm=g.norm, scale=g.scale,
             bias=self._w(w.bias), backend=self.backend,
         )  # type: ignore[arg-type]  # fmt: skip
+        self._span("router", t0)
         y = np.zeros((h.shape[0], self.hp.n_embd), dtype=np.float32)
         t0 = time.perf_counter()
         self.experts.run_layer(w.experts, h, ids, weights, y)
@@ -618,20 +664,31 @@ class Ops:
         return y
 
 
-def _continued_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+def _continued_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *, products: str = "f32"
+) -> np.ndarray:
     """A continuing segment's attention: ``q [n, H, D]`` against ``k, v [C + n, Hkv, ·]``
     (``C`` context rows, all visible, then the segment's own rows, causal), with BLAS
-    (float32): segments are short."""
+    (float32): segments are short. With ``products`` "bf16", the kernel's rounding of
+    ``q·scale``, ``k``, ``v`` and the softmax weights, so that a branch sees what a separate
+    prefill of ``prefix + branch`` would."""
     n, n_head = q.shape[0], q.shape[1]
     n_ctx = k.shape[0] - n
     rep = n_head // k.shape[1]
+    bf16 = products == "bf16"
     kk = np.repeat(k, rep, axis=1).transpose(1, 2, 0)  # [H, D, C+n]
     vv = np.repeat(v, rep, axis=1).transpose(1, 0, 2)  # [H, C+n, Dv]
     qq = q.transpose(1, 0, 2)  # [H, n, D]
-    sc = np.matmul(qq, kk) * np.float32(scale)  # [H, n, C+n]
+    if bf16:
+        kk, vv = htp.round_bf16(kk), htp.round_bf16(vv)
+        sc = np.matmul(htp.round_bf16(qq * np.float32(scale)), kk)  # [H, n, C+n]
+    else:
+        sc = np.matmul(qq, kk) * np.float32(scale)  # [H, n, C+n]
     mask = np.triu(np.ones((n, n), dtype=bool), k=1)
     sc[:, :, n_ctx:][:, mask] = -np.inf
     sc -= sc.max(axis=-1, keepdims=True)
     np.exp(sc, out=sc)
+    if bf16:
+        sc = htp.round_bf16(sc)
     sc /= sc.sum(axis=-1, keepdims=True)
     return np.matmul(sc, vv).transpose(1, 0, 2)
