@@ -187,6 +187,51 @@ def tensor_types(path: Path) -> dict[str, dict[str, int]]:
     return out
 
 
+def packed_copy(src: Path, dst: Path) -> Path:
+    """`src` with every tensor the packer re-quantizes replaced by that re-quantization, with
+    the packer's rules and rounding (gguf-py's ggml reference quantizers): non-Q4_0 experts ->
+    Q4_0; other matrices that are not Q4_0/Q8_0 and whose rows tile by 32 -> Q8_0. Its
+    reference is what the engine computes on exactly, so engine (f32 activations) against it
+    separates the engine's own error from the re-quantization's."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    reader = GGUFReader(str(src))
+    writer = GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or not field.types:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub)
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # numpy order
+        qt = t.tensor_type
+        target = None
+        if "_exps." in t.name and qt != Q.Q4_0:
+            target = Q.Q4_0
+        elif (
+            len(shape) > 1
+            and not t.name.endswith("ffn_gate_inp.weight")
+            and qt not in (Q.Q4_0, Q.Q8_0)
+            and shape[-1] % 32 == 0
+        ):
+            target = Q.Q8_0
+        if target is None:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_shape=np.asarray(t.data).shape,
+                              raw_dtype=qt)  # fmt: skip
+            continue
+        values = dequantize(np.asarray(t.data), qt).astype(np.float32).reshape(shape)
+        blocks = quantize(values, target)
+        writer.add_tensor(t.name, blocks, raw_shape=blocks.shape, raw_dtype=target)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
 def requantized(packed: Path) -> list[str]:
     """The source tensors the packer re-quantized (from the pack's manifest)."""
     doc = json.loads((packed / "manifest.json").read_text())
@@ -318,6 +363,15 @@ def main(argv: list[str] | None = None) -> int:
             yard = src_ref if variant in LLAMA_QUANT else None
             if yard is not None:
                 row["ref_vs_src"] = compare(ref, yard)
+            packed_ref = None
+            if variant in LLAMA_QUANT and not args.no_engine:
+                try:
+                    pgguf = work / f"{gguf.stem}-as-packed.gguf"
+                    packed_ref = ReferenceModel(packed_copy(gguf, pgguf)).forward(tokens)
+                    row["packed_ref_vs_ref"] = compare(packed_ref, ref)
+                except Exception as exc:
+                    row["packed_ref_error"] = f"{type(exc).__name__}: {exc}"
+                    traceback.print_exc()
             t0 = time.perf_counter()
             try:
                 lcpp = llama_logits(
@@ -357,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
                     row["engine_vs_ref"] = compare(eng, ref)
                     if yard is not None:
                         row["engine_vs_src"] = compare(eng, yard)
+                    if packed_ref is not None:
+                        row["engine_vs_packed_ref"] = compare(eng, packed_ref)
                     if lcpp is not None:
                         row["engine_vs_llamacpp"] = compare(eng, lcpp)
                     c = row["engine_vs_ref"]
@@ -366,7 +422,14 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
 
+        _write(args, version, rows)  # after every architecture: a cut run keeps its rows
     _print_table(rows)
+    out = _write(args, version, rows)
+    print(f"wrote {out}")
+    return 0
+
+
+def _write(args: argparse.Namespace, version: str, rows: list[dict[str, Any]]) -> Path:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -380,9 +443,10 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {"rel_l2": TARGET_REL_L2, "top1": TARGET_TOP1},
         "rows": rows,
     }
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {out}")
-    return 0
+    tmp = out.with_name(out.name + ".part")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(out)
+    return out
 
 
 def _fmt(cmp: dict[str, float] | None) -> str:
@@ -418,10 +482,13 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             print(f"{'':<20} | engine: {r['engine_note'][:120]}")
     src_rows = [r for r in rows if "ref_vs_src" in r]
     if src_rows:
-        print("\nllama.cpp-quantized models against the reference of their F32 original:")
+        print(
+            "\nllama.cpp-quantized models against the reference of their F32 original (engine vs"
+            " packed: against the reference of the file as the packer re-quantized it):"
+        )
         print(
             f"{'arch':<9} {'weights':<14} | {'quantized ref':^17} | {'llama.cpp':^17} | "
-            f"{'engine':^17} | engine re-quantized"
+            f"{'engine':^17} | {'engine vs packed':^17} | engine re-quantized"
         )
         for r in src_rows:
             label = r["variant"] + (f"/{r['engine_act']}" if r.get("engine_act") else "")
@@ -429,6 +496,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             print(
                 f"{r['arch']:<9} {label:<14} | {_fmt(r.get('ref_vs_src'))} | "
                 f"{_fmt(r.get('llamacpp_vs_src'))} | {_fmt(r.get('engine_vs_src'))} | "
+                f"{_fmt(r.get('engine_vs_packed_ref'))} | "
                 f"{'-' if req is None else len(req)} tensors"
             )
     print(f"targets (engine vs reference): rel L2 <= {TARGET_REL_L2:g}, top-1 >= {TARGET_TOP1:.0%}")
