@@ -16,18 +16,24 @@ an F32 KV cache, on which llama.cpp computes in float32 — that run isolates th
 (RoPE style, norms, routing, MLA) and should agree with the reference to ~1e-6.
 
 Two more variants are made with llama.cpp's own quantizer (``llama_model_quantize``, the
-function behind ``llama-quantize``): ``lq4_0`` and ``lq4_k_m``. Their source is an F32 synthetic
-GGUF with continuous Gaussian weights (estream-synth writing the tensor names and metadata
-llama.cpp's HF converter writes; expert width 256 so that every expert matrix can take Q4_K),
-quantized by llama.cpp to Q4_0 and Q4_K_M with its default per-tensor choices (Q6_K output
+function behind ``llama-quantize``): ``lq4_0`` and ``lq4_k_m``. Their source, variant ``lf32``,
+is an F32 model with continuous Gaussian weights (expert width 256 so that every expert matrix
+can take Q4_K): for deepseek2 and lfm2moe a synthetic Hugging Face checkpoint converted by
+llama.cpp's own ``convert_hf_to_gguf.py`` (``hf_checkpoint.py``; torch is installed for it into
+``.cache/llama-convert``), for the other architectures estream-synth writing the tensor names
+and metadata that converter writes (``--lq-source`` chooses). It is quantized by llama.cpp to
+Q4_0 and Q4_K_M with its default per-tensor choices (Q6_K output
 and some ffn_down/attn_v, Q5_0/Q8_0 fallbacks where a row is not a multiple of 256). Every engine
 and llama.cpp result there is compared with the reference of the quantized file *and* with the
 reference of the F32 original (``*_vs_src``), next to the quantized model's own distance from
 the original (``ref_vs_src``). The packer re-quantizes non-Q4_0 experts (Q4_K, Q6_K, Q5_0) to
 Q4_0 and non-Q4_0/Q8_0 dense matrices to Q8_0, with a loud warning; those rows list what it
-re-quantized.
+re-quantized, and ``engine_vs_packed_ref`` compares the engine with the reference of the file as
+the packer stores it (``packed_copy``), which separates the engine's own error from the
+re-quantization's.
 
-Usage: ``nox -s parity [-- --archs olmoe,qwen3moe,mixtral --preset small --tokens 256]``.
+Usage: ``nox -s parity [-- --archs olmoe,qwen3moe,mixtral --preset small --tokens 256
+--variants q4_0,f32,lf32,lq4_0,lq4_k_m]``.
 Writes ``bench-results/parity.json``. If llama.cpp refuses a synthetic GGUF, its exact message
 is printed, stored in the JSON and appended to ``bench-results/synth-issues.md``.
 """
