@@ -381,7 +381,8 @@ def bench_scale(session: nox.Session) -> None:
 
 @nox.session
 def parity(session: nox.Session) -> None:
-    """Engine vs llama.cpp (llama-cpp-python) logits on the same synthetic GGUF."""
+    """Engine and llama.cpp logits vs a float64 reference; models from estream-synth and from
+    llama.cpp's own converter and quantizer (Q4_0, Q4_K_M)."""
     _bench(session, ROOT / "integration" / "bench" / "parity.py", all_pkgs=True)
 
 

@@ -194,3 +194,54 @@ def test_yarn_rope_matches_the_float64_reference(arch, tmp_path):
     assert rel_l2(got, ref) <= 1e-4
     plain = reference_forward(base, toks)
     assert rel_l2(plain, ref) > 1e-3  # the scaling changed the model
+
+
+@pytest.mark.parametrize(
+    ("arch", "dims"),
+    [
+        # LFM2-8B-A1B's layout: two dense leading layers that are both short convolutions,
+        # attention at irregular positions, MoE on convolution and attention layers
+        ("lfm2moe", {"n_layers": 6, "n_leading_dense": 2, "attention_layers": (2, 5)}),
+        # DeepSeek-V2-Lite's: no q LoRA, two shared experts (the tiny preset has a q LoRA, one)
+        ("deepseek2", {"q_lora_rank": 0, "n_shared_experts": 2}),
+    ],
+    ids=["lfm2moe-8b-a1b-layout", "deepseek2-v2-lite-layout"],
+)
+def test_published_layouts_match_the_reference_in_every_mode(arch, dims, tmp_path):
+    """The published models' layer layouts (not just the tiny presets'): fp32 activations
+    against the float64 reference, int8 within the tolerance explained above, and every mode
+    and schedule equal to resident."""
+    from reference import reference_forward
+
+    src = synth_model(arch, "tiny", tmp_path / "m.gguf", seed=13, dims=dims)
+    dst = tmp_path / "m.estream"
+    pack_model(src, dst, progress=False)
+    toks = _tokens(301, 31, seed=12)
+    ref = reference_forward(src, toks)
+    with estream.load(dst, G=2, Q=2, B=3, act="f32") as eng:
+        hp = eng.hp
+        got = eng.prefill(toks, all_logits=True).logits
+    if arch == "lfm2moe":
+        assert (hp.attention_layers, hp.n_leading_dense) == ((2, 5), 2)
+    else:
+        assert (hp.q_lora_rank, hp.n_shared_experts) == (0, 2)
+    assert rel_l2(got, ref) <= 1e-4
+    assert np.array_equal(np.argmax(got, axis=1), np.argmax(ref, axis=1))
+    with estream.load(dst, G=2, Q=2, B=3) as eng:
+        q8 = eng.prefill(toks, all_logits=True).logits
+    assert rel_l2(q8, ref) <= 5e-2
+    assert np.mean(np.argmax(q8, axis=1) == np.argmax(ref, axis=1)) >= 0.90
+    with estream.load(dst, mode="resident") as eng:
+        base = eng.prefill(toks, all_logits=True).logits
+    for kw in (
+        {"mode": "naive"},
+        {"mode": "layer"},
+        {"G": 1, "Q": 1, "B": 1},
+        {"G": 3, "Q": 2, "B": 2, "schedule": "after-routing"},
+        {"G": 2, "Q": 1, "B": 2, "schedule": "ondemand"},
+    ):
+        with estream.load(dst, **kw) as eng:
+            out = eng.prefill(toks, all_logits=True)
+        assert rel_l2(out.logits, base) <= 1e-5, kw
+        first_moe = dims.get("n_leading_dense", 1)
+        assert min(r.layer for r in out.records) == first_moe, kw  # dense layers run no experts

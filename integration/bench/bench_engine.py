@@ -131,20 +131,30 @@ def _run(
     writable mappings, not a read-only mmap of the model), so a child that would need more than
     the machine has fails its own allocation instead of invoking the system-wide OOM killer."""
     t0 = time.perf_counter()
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     preexec = cgroup.preexec() if cgroup else _data_limit(data_limit) if data_limit else None
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec)
     wall = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # CPU seconds of the whole child (load and prefill), user + system: on a machine shared
+    # with other jobs the wall-clock times stretch with the load, its CPU time much less so
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    load = os.getloadavg()[0]
     if proc.returncode != 0:
         killed = proc.returncode in (-9, 137)
         return {
             "error": "OOM-killed" if killed else f"exit {proc.returncode}",
             "stderr": proc.stderr.strip()[-400:],
             "wall_s": wall,
+            "child_cpu_s": cpu,
+            "loadavg_1min": load,
         }
     out = proc.stdout.strip().splitlines()
     doc = json.loads("\n".join(out[out.index("{") :]) if "{" in out else out[-1])
     m = doc.get("metrics", doc)
     m["wall_s"] = wall
+    m["child_cpu_s"] = cpu
+    m["loadavg_1min"] = load
     m["peak_memory_bytes"] = max(
         int(m.get("peak_rss_bytes", 0)), int(m.get("mem_available_drop_bytes", 0))
     )
@@ -256,6 +266,8 @@ def run_system(
     rss = format_bytes(m["peak_rss_bytes"]) if "peak_rss_bytes" in m else "-"
     cap = f" [cgroup {format_bytes(cgroup.limit)}]" if cgroup else ""
     extra = f"  majflt {m['major_faults']}" if "major_faults" in m else ""
+    if "child_cpu_s" in m:
+        extra += f"  cpu {m['child_cpu_s']:.1f} s  load {m['loadavg_1min']:.1f}"
     print(
         f"T={T:<5d} {system + label:<10s} TTFT {ttft}  peak {peak:>11s} (RSS {rss:>11s}){cap}"
         f"{extra}",

@@ -2,7 +2,7 @@
 
 llama-cpp-python compiles llama.cpp from source (~10 min on 2 cores), so the built wheel is
 cached under ``<repo>/.cache/wheels`` (gitignored) and reused by every later install. Each
-evaluation runs in a child process: a GGUF llama.cpp refuses can end in ``GGML_ASSERT`` →
+evaluation (and each run of llama.cpp's quantizer, :func:`llama_quantize`) runs in a child process: a GGUF llama.cpp refuses can end in ``GGML_ASSERT`` →
 ``abort()``, and we want the exact message it printed, not a dead benchmark.
 """
 
@@ -25,6 +25,7 @@ __all__ = [
     "ensure_llama_cpp",
     "llama_cpp_version",
     "llama_logits",
+    "llama_quantize",
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,6 +144,58 @@ def llama_logits(
             log = done.stderr + done.stdout
             raise LlamaCppError(_error_lines(log) or f"exit code {done.returncode}", log)
         return np.load(out)
+
+
+# llama_ftype values (llama.h) of the quantizations the benchmarks ask llama.cpp for.
+LLAMA_FTYPES = {"F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15}
+
+# Runs in the child: llama.cpp's own quantizer (what the llama-quantize tool calls).
+_QUANT_CHILD = r"""
+import ctypes, json, sys
+import llama_cpp
+spec = json.loads(sys.argv[1])
+llama_cpp.llama_backend_init()
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = spec["ftype"]
+params.nthread = spec["threads"]
+rc = llama_cpp.llama_model_quantize(spec["src"].encode(), spec["dst"].encode(), ctypes.byref(params))
+sys.exit(0 if rc == 0 else 3)
+"""
+
+
+def llama_quantize(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    ftype: str,
+    *,
+    n_threads: int = 2,
+    python: str = sys.executable,
+    timeout: float = 1800.0,
+) -> str:
+    """Quantize the GGUF ``src`` to ``dst`` with llama.cpp's quantizer (``llama_model_quantize``,
+    the function behind ``llama-quantize``), ``ftype`` one of :data:`LLAMA_FTYPES`, e.g.
+    ``"Q4_K_M"``. Written under a temporary name and renamed; returns llama.cpp's log. Raises
+    :class:`LlamaCppError` with the lines of the log that say why if it fails."""
+    if ftype not in LLAMA_FTYPES:
+        raise ValueError(f"unknown ftype {ftype!r}; choose from {sorted(LLAMA_FTYPES)}")
+    dst = Path(dst)
+    tmp = dst.with_name(dst.name + ".part")
+    spec = {"src": os.fspath(src), "dst": str(tmp), "ftype": LLAMA_FTYPES[ftype],
+            "threads": n_threads}  # fmt: skip
+    try:
+        done = subprocess.run(
+            [python, "-c", _QUANT_CHILD, json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        log = done.stderr + done.stdout
+        if done.returncode != 0 or not tmp.exists():
+            raise LlamaCppError(_error_lines(log) or f"exit code {done.returncode}", log)
+        tmp.replace(dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return log
 
 
 def _error_lines(log: str) -> str:

@@ -15,7 +15,25 @@ llama.cpp's own rounding), and ``f32``, the same model with every tensor dequant
 an F32 KV cache, on which llama.cpp computes in float32 — that run isolates the *conventions*
 (RoPE style, norms, routing, MLA) and should agree with the reference to ~1e-6.
 
-Usage: ``nox -s parity [-- --archs olmoe,qwen3moe,mixtral --preset small --tokens 256]``.
+Two more variants are made with llama.cpp's own quantizer (``llama_model_quantize``, the
+function behind ``llama-quantize``): ``lq4_0`` and ``lq4_k_m``. Their source, variant ``lf32``,
+is an F32 model with continuous Gaussian weights (expert width 256 so that every expert matrix
+can take Q4_K): for deepseek2 and lfm2moe a synthetic Hugging Face checkpoint converted by
+llama.cpp's own ``convert_hf_to_gguf.py`` (``hf_checkpoint.py``; torch is installed for it into
+``.cache/llama-convert``), for the other architectures estream-synth writing the tensor names
+and metadata that converter writes (``--lq-source`` chooses). It is quantized by llama.cpp to
+Q4_0 and Q4_K_M with its default per-tensor choices (Q6_K output
+and some ffn_down/attn_v, Q5_0/Q8_0 fallbacks where a row is not a multiple of 256). Every engine
+and llama.cpp result there is compared with the reference of the quantized file *and* with the
+reference of the F32 original (``*_vs_src``), next to the quantized model's own distance from
+the original (``ref_vs_src``). The packer re-quantizes non-Q4_0 experts (Q4_K, Q6_K, Q5_0) to
+Q4_0 and non-Q4_0/Q8_0 dense matrices to Q8_0, with a loud warning; those rows list what it
+re-quantized, and ``engine_vs_packed_ref`` compares the engine with the reference of the file as
+the packer stores it (``packed_copy``), which separates the engine's own error from the
+re-quantization's.
+
+Usage: ``nox -s parity [-- --archs olmoe,qwen3moe,mixtral --preset small --tokens 256
+--variants q4_0,f32,lf32,lq4_0,lq4_k_m]``.
 Writes ``bench-results/parity.json``. If llama.cpp refuses a synthetic GGUF, its exact message
 is printed, stored in the JSON and appended to ``bench-results/synth-issues.md``.
 """
@@ -40,12 +58,23 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from llamacpp import LlamaCppError, ensure_llama_cpp, llama_cpp_version, llama_logits  # noqa: E402
+from hf_checkpoint import HF_ARCH, ConverterError, convert, write_checkpoint  # noqa: E402
+from llamacpp import (  # noqa: E402
+    LlamaCppError,
+    ensure_llama_cpp,
+    llama_cpp_version,
+    llama_logits,
+    llama_quantize,
+)
 from reference import ReferenceModel  # noqa: E402
 
 NOTES = ROOT / "bench-results" / "synth-issues.md"
 TARGET_REL_L2 = 1e-2
 TARGET_TOP1 = 0.99
+# variants quantized by llama.cpp itself from an F32 synthetic source -> llama.cpp's ftype
+LLAMA_QUANT = {"lq4_0": "Q4_0", "lq4_k_m": "Q4_K_M"}
+# the F32 source of those: expert rows of 256 (a Q4_K super-block), otherwise the preset
+LLAMA_QUANT_DIMS = {"n_ff_exp": 256}
 
 
 def compare(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
@@ -115,6 +144,28 @@ def f32_copy(src: Path, dst: Path, overrides: dict[str, Any] | None = None) -> P
     return dst
 
 
+def f32_source(arch: str, preset: str, dst: Path, seed: int, how: str, work: Path) -> str:
+    """The F32 model the llama.cpp-quantized variants start from; returns how it was made.
+
+    ``convert`` (``auto`` for deepseek2/lfm2moe): a synthetic Hugging Face checkpoint of the
+    preset's shapes through llama.cpp's ``convert_hf_to_gguf.py``; ``synth`` (``auto`` for the
+    others): estream-synth writing the converter's tensor names and metadata itself."""
+    from estream_layout import synth_dims, synth_model
+
+    if how == "auto":
+        how = "convert" if arch in HF_ARCH else "synth"
+    if how == "convert":
+        import attrs
+
+        dims = attrs.evolve(synth_dims(arch, preset), **LLAMA_QUANT_DIMS)
+        hf = write_checkpoint(arch, dims, work / f"hf-{arch}-{preset}", seed=seed)
+        convert(hf, dst, "f32")
+        return f"synthetic HF checkpoint ({HF_ARCH[arch]}) -> llama.cpp converter F32"
+    synth_model(arch, preset, dst, seed=seed, expert_type="F32", dense_type="F32",
+                output_type="F32", **LLAMA_QUANT_DIMS)  # fmt: skip
+    return "estream-synth F32 (the converter's tensor names and metadata)"
+
+
 def yarn_overrides(arch: str) -> dict[str, Any]:
     """YaRN RoPE metadata as DeepSeek-V2-Lite's GGUF has it, with a short original context so
     that the prompt runs past it (factor 40; log multiplier 0.1 * mscale_all_dim 0.707)."""
@@ -129,6 +180,68 @@ def yarn_overrides(arch: str) -> dict[str, Any]:
     if a == "deepseek2":
         out[f"{a}.rope.scaling.yarn_log_multiplier"] = (0.0707, V.FLOAT32)
     return out
+
+
+def tensor_types(path: Path) -> dict[str, dict[str, int]]:
+    """GGML type -> number of tensors, for the expert tensors and for the others."""
+    from gguf import GGUFReader
+
+    out: dict[str, dict[str, int]] = {"experts": {}, "other": {}}
+    for t in GGUFReader(str(path)).tensors:
+        group = out["experts" if "_exps." in t.name else "other"]
+        group[t.tensor_type.name] = group.get(t.tensor_type.name, 0) + 1
+    return out
+
+
+def packed_copy(src: Path, dst: Path) -> Path:
+    """`src` with every tensor the packer re-quantizes replaced by that re-quantization, with
+    the packer's rules and rounding (gguf-py's ggml reference quantizers): non-Q4_0 experts ->
+    Q4_0; other matrices that are not Q4_0/Q8_0 and whose rows tile by 32 -> Q8_0. Its
+    reference is what the engine computes on exactly, so engine (f32 activations) against it
+    separates the engine's own error from the re-quantization's."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    reader = GGUFReader(str(src))
+    writer = GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or not field.types:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub)
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # numpy order
+        qt = t.tensor_type
+        target = None
+        if "_exps." in t.name and qt != Q.Q4_0:
+            target = Q.Q4_0
+        elif (
+            len(shape) > 1
+            and not t.name.endswith("ffn_gate_inp.weight")
+            and qt not in (Q.Q4_0, Q.Q8_0)
+            and shape[-1] % 32 == 0
+        ):
+            target = Q.Q8_0
+        if target is None:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_shape=np.asarray(t.data).shape,
+                              raw_dtype=qt)  # fmt: skip
+            continue
+        values = dequantize(np.asarray(t.data), qt).astype(np.float32).reshape(shape)
+        blocks = quantize(values, target)
+        writer.add_tensor(t.name, blocks, raw_shape=blocks.shape, raw_dtype=target)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def requantized(packed: Path) -> list[str]:
+    """The source tensors the packer re-quantized (from the pack's manifest)."""
+    doc = json.loads((packed / "manifest.json").read_text())
+    return list(doc.get("source", {}).get("requantized_tensors", []))
 
 
 def engine_logits(
@@ -166,8 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--variants",
-        default="q4_0,f32",
-        help="q4_0: the synthetic model; f32: it dequantized; yarn: f32 with YaRN RoPE",
+        default="q4_0,f32,lf32,lq4_0,lq4_k_m",
+        help="q4_0: the synthetic model; f32: it dequantized; yarn: f32 with YaRN RoPE; "
+        "lf32: an F32 model made with llama.cpp's converter (see --lq-source); "
+        "lq4_0 / lq4_k_m: it quantized by llama.cpp to Q4_0 / Q4_K_M",
+    )
+    ap.add_argument(
+        "--lq-source",
+        choices=("auto", "convert", "synth"),
+        default="auto",
+        help="the F32 model behind lf32/lq4_0/lq4_k_m: llama.cpp's converter on a synthetic HF "
+        "checkpoint (auto: deepseek2, lfm2moe) or estream-synth's F32 GGUF (auto: the others)",
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-engine", action="store_true")
@@ -188,19 +310,42 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="parity-"))
     print(f"llama-cpp-python {version}; preset {args.preset}; T={args.tokens}; work dir {work}")
 
+    sources: dict[str, str] = {}  # arch -> how its F32 source was made
     for arch in archs:
+        src_ref: np.ndarray | None = None  # reference logits of the F32 source of lq* variants
         for variant in variants:
             row: dict[str, Any] = {"arch": arch, "preset": args.preset, "variant": variant}
             rows.append(row)
             base = work / f"{arch}-{args.preset}.gguf"
             gguf = base if variant == "q4_0" else work / f"{arch}-{args.preset}-{variant}.gguf"
+            src32 = work / f"{arch}-{args.preset}-f32src.gguf"
             try:
-                if not base.exists():
+                if variant in LLAMA_QUANT or variant == "lf32":
+                    if not src32.exists():
+                        how = f32_source(arch, args.preset, src32, args.seed, args.lq_source, work)
+                        sources[arch] = how
+                        print(f"{arch}: F32 source: {how}", flush=True)
+                    row["source"] = sources[arch]
+                if variant == "lf32":
+                    gguf = src32
+                elif variant in LLAMA_QUANT:
+                    t0 = time.perf_counter()
+                    llama_quantize(src32, gguf, LLAMA_QUANT[variant], n_threads=args.threads)
+                    row["t_quantize_s"] = time.perf_counter() - t0
+                    row["source"] += f" -> llama.cpp quantizer {LLAMA_QUANT[variant]}"
+                    row["tensor_types"] = tensor_types(gguf)
+                    print(f"{arch}/{variant}: llama.cpp wrote {row['tensor_types']}", flush=True)
+                elif not base.exists():
                     synth_model(arch, args.preset, base, seed=args.seed)
                 if variant == "f32":
                     f32_copy(base, gguf)
                 elif variant == "yarn":
                     f32_copy(base, gguf, yarn_overrides(arch))
+            except (LlamaCppError, ConverterError) as exc:
+                row["error"] = f"llama.cpp's {type(exc).__name__[:-5].lower()} failed: {exc}"
+                print(f"{arch}/{variant}: {row['error']}")
+                note_issue(arch, args.preset, variant, str(exc))
+                continue
             except Exception as exc:
                 row["error"] = f"synth failed: {type(exc).__name__}: {exc}"
                 print(f"{arch}/{variant}: {row['error']}")
@@ -211,17 +356,37 @@ def main(argv: list[str] | None = None) -> int:
                 model = ReferenceModel(gguf)
                 tokens = rng.integers(0, model.config.n_vocab, size=args.tokens).tolist()
                 ref = model.forward(tokens)
+                if variant == "lf32":
+                    src_ref = ref
+                elif variant in LLAMA_QUANT and src_ref is None:
+                    src_ref = ReferenceModel(src32).forward(tokens)
             except Exception as exc:
                 row["error"] = f"reference failed: {type(exc).__name__}: {exc}"
                 traceback.print_exc()
                 continue
             row["t_reference_s"] = time.perf_counter() - t0
             row["n_vocab"] = int(ref.shape[1])
+            yard = src_ref if variant in LLAMA_QUANT else None
+            if yard is not None:
+                row["ref_vs_src"] = compare(ref, yard)
+            packed_ref = None
+            if variant in LLAMA_QUANT and not args.no_engine:
+                try:
+                    pgguf = work / f"{gguf.stem}-as-packed.gguf"
+                    packed_ref = ReferenceModel(packed_copy(gguf, pgguf)).forward(tokens)
+                    row["packed_ref_vs_ref"] = compare(packed_ref, ref)
+                except Exception as exc:
+                    row["packed_ref_error"] = f"{type(exc).__name__}: {exc}"
+                    traceback.print_exc()
             t0 = time.perf_counter()
             try:
-                lcpp = llama_logits(gguf, tokens, n_threads=args.threads, kv_f32=variant != "q4_0")
+                lcpp = llama_logits(
+                    gguf, tokens, n_threads=args.threads, kv_f32=variant in ("f32", "yarn", "lf32")
+                )
                 row["t_llamacpp_s"] = time.perf_counter() - t0
                 row["llamacpp_vs_ref"] = compare(lcpp, ref)
+                if yard is not None:
+                    row["llamacpp_vs_src"] = compare(lcpp, yard)
             except LlamaCppError as exc:
                 lcpp = None
                 row["llamacpp_error"] = str(exc)
@@ -234,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"top-1 {c['top1']:.3f}",
                     flush=True,
                 )
-            if variant == "q4_0" and not args.no_engine:
+            if (variant == "q4_0" or variant in LLAMA_QUANT) and not args.no_engine:
                 acts = [a.strip() for a in args.engine_acts.split(",") if a.strip()] or [""]
                 for n, act in enumerate(acts):
                     if n:  # one row per engine activation format
@@ -248,7 +413,12 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{arch}/{variant}: engine ({act}) skipped: {why}", flush=True)
                         continue
                     row["t_engine_s"] = time.perf_counter() - t0
+                    row["engine_requantized"] = requantized(work / (gguf.stem + ".estream"))
                     row["engine_vs_ref"] = compare(eng, ref)
+                    if yard is not None:
+                        row["engine_vs_src"] = compare(eng, yard)
+                    if packed_ref is not None:
+                        row["engine_vs_packed_ref"] = compare(eng, packed_ref)
                     if lcpp is not None:
                         row["engine_vs_llamacpp"] = compare(eng, lcpp)
                     c = row["engine_vs_ref"]
@@ -258,7 +428,14 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
 
+        _write(args, version, rows)  # after every architecture: a cut run keeps its rows
     _print_table(rows)
+    out = _write(args, version, rows)
+    print(f"wrote {out}")
+    return 0
+
+
+def _write(args: argparse.Namespace, version: str, rows: list[dict[str, Any]]) -> Path:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -272,9 +449,10 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {"rel_l2": TARGET_REL_L2, "top1": TARGET_TOP1},
         "rows": rows,
     }
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {out}")
-    return 0
+    tmp = out.with_name(out.name + ".part")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(out)
+    return out
 
 
 def _fmt(cmp: dict[str, float] | None) -> str:
@@ -308,6 +486,25 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             print(f"{'':<20} | llama.cpp error: {r['llamacpp_error'].splitlines()[0][:120]}")
         if "engine_note" in r:
             print(f"{'':<20} | engine: {r['engine_note'][:120]}")
+    src_rows = [r for r in rows if "ref_vs_src" in r]
+    if src_rows:
+        print(
+            "\nllama.cpp-quantized models against the reference of their F32 original (engine vs"
+            " packed: against the reference of the file as the packer re-quantized it):"
+        )
+        print(
+            f"{'arch':<9} {'weights':<14} | {'quantized ref':^17} | {'llama.cpp':^17} | "
+            f"{'engine':^17} | {'engine vs packed':^17} | engine re-quantized"
+        )
+        for r in src_rows:
+            label = r["variant"] + (f"/{r['engine_act']}" if r.get("engine_act") else "")
+            req = r.get("engine_requantized")
+            print(
+                f"{r['arch']:<9} {label:<14} | {_fmt(r.get('ref_vs_src'))} | "
+                f"{_fmt(r.get('llamacpp_vs_src'))} | {_fmt(r.get('engine_vs_src'))} | "
+                f"{_fmt(r.get('engine_vs_packed_ref'))} | "
+                f"{'-' if req is None else len(req)} tensors"
+            )
     print(f"targets (engine vs reference): rel L2 <= {TARGET_REL_L2:g}, top-1 >= {TARGET_TOP1:.0%}")
     print("weights/act: the engine's activation format (q8: int8 blocks, f32: float)")
     print("top-1 on decisive positions (reference margin > 4x the RMS logit error):")
