@@ -41,9 +41,9 @@ from estream_cli.memory import format_bytes, parse_bytes  # noqa: E402
 CACHE = ROOT / ".cache" / "models"
 RESULTS = ROOT / "bench-results"
 
-_LLAMA_CHILD = r"""
-import json, os, sys, time
-spec = json.loads(sys.argv[1])
+#: What a benchmark child process measures itself with: a /proc/self/status field and
+#: MemAvailable, in bytes (shared with bench_tasks' children).
+CHILD_MEMORY = r"""
 def status(key):
     with open("/proc/self/status") as f:
         for line in f:
@@ -55,6 +55,16 @@ def avail():
         for line in f:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
+    return 0
+"""
+
+_LLAMA_CHILD = (
+    r"""
+import json, os, sys, time
+spec = json.loads(sys.argv[1])
+"""
+    + CHILD_MEMORY
+    + r"""
 a0 = avail()
 import llama_cpp
 t0 = time.perf_counter()
@@ -71,6 +81,7 @@ ru = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"ttft_s": t2 - t1, "end_to_end_s": t2 - t0, "peak_rss_bytes": status("VmHWM"),
                   "mem_available_drop_bytes": max(0, a0 - avail()), "major_faults": ru.ru_majflt}))
 """
+)
 
 
 class Cgroup:

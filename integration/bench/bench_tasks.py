@@ -49,20 +49,7 @@ from estream_cli.memory import drop_file_cache, format_bytes, parse_bytes  # noq
 SETS = {"massive": 16, "winogrande": 23, "toxicchat": 66, "hellaswag": 80, "arc-c": 368}
 SYSTEMS = ("stream-batched", "stream", "resident", "llama.cpp")
 
-_STATUS = r"""
-def status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-def avail():
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-"""
+_STATUS = bench_engine.CHILD_MEMORY
 
 _ENGINE_CHILD = (
     r"""

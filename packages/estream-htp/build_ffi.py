@@ -53,6 +53,8 @@ SOURCES = [
     "htp_neon.c",
     "htp_backend.c",
     "htp_remote.c",
+    "htp_protocol.c",
+    "htp_executor.c",
 ]
 
 cflags, ldflags = _cfg.compile_flags(os.environ)

@@ -21,6 +21,7 @@ from typing import Any
 from . import evaluation
 from .errors import BadRequestError
 from .options import add_engine_opts, engine_from_args, positive_int
+from .task_commands import read_jsonl_named, read_text
 
 __all__ = ["add_eval_command", "write_json_atomic"]
 
@@ -135,16 +136,7 @@ class _Bar:
 
 
 def _read_text_file(path: str) -> tuple[str, str]:
-    if path == "-":
-        return sys.stdin.read(), "<stdin>"
-    try:
-        return Path(path).read_text(encoding="utf-8"), path
-    except UnicodeDecodeError as exc:
-        raise BadRequestError(
-            f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})"
-        ) from None
-    except OSError as exc:
-        raise BadRequestError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return read_text(path, "file")
 
 
 def _finish(
@@ -206,23 +198,9 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 
 # -- multiple choice ---------------------------------------------------------------------------
 def _read_jsonl(path: str) -> tuple[list[tuple[str, Any]], str]:
-    """(``FILE:LINE``, object) of every non-blank line; a malformed line or an empty file is
-    an error naming it."""
-    text, name = _read_text_file(path)
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BadRequestError(
-                f"{name}:{n}: not valid JSON ({exc.msg} at column {exc.colno})"
-            ) from None
-        out.append((f"{name}:{n}", obj))
-    if not out:
-        raise BadRequestError(f"{name} is empty: give one JSON object per line")
-    return out, name
+    """(``FILE:LINE``, object) of every non-blank line (the task commands' reader)."""
+    lines, name = read_jsonl_named(path)
+    return [(f"{name}:{n}", obj) for n, obj in lines], name
 
 
 def cmd_choice(args: argparse.Namespace) -> int:

@@ -28,18 +28,28 @@ __all__ = ["add_task_commands", "read_docs_file", "read_jsonl", "read_lines_file
 
 
 # -- input files -------------------------------------------------------------------------------
-def _read_text(path: str, what: str) -> tuple[str, str]:
+def read_text(path: str, what: str) -> tuple[str, str]:
+    """(text, name to cite) of a UTF-8 file (``-``: stdin), else one clear error."""
     if path == "-":
         return sys.stdin.read(), "<stdin>"
     try:
         return Path(path).read_text(encoding="utf-8"), path
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadRequestError(f"cannot read {what} {path}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise BadRequestError(
+            f"{what} {path} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
+    except OSError as exc:
+        raise BadRequestError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
 
 
 def read_jsonl(path: str) -> list[tuple[int, dict[str, Any]]]:
     """(line number, object) of every non-blank line of a JSON Lines file (``-``: stdin)."""
-    text, name = _read_text(path, "input file")
+    return read_jsonl_named(path)[0]
+
+
+def read_jsonl_named(path: str) -> tuple[list[tuple[int, dict[str, Any]]], str]:
+    """`read_jsonl` and the file's name to cite in errors (``<stdin>`` for ``-``)."""
+    text, name = read_text(path, "input file")
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -55,12 +65,12 @@ def read_jsonl(path: str) -> list[tuple[int, dict[str, Any]]]:
         out.append((n, obj))
     if not out:
         raise BadRequestError(f"{name} has no requests (it is empty)")
-    return out
+    return out, name
 
 
 def read_lines_file(path: str, what: str) -> list[str]:
     """One item per line; blank lines are skipped; an empty file is an error."""
-    text, name = _read_text(path, what)
+    text, name = read_text(path, what)
     items = [line for line in text.splitlines() if line.strip()]
     if not items:
         raise BadRequestError(f"{what} {name} is empty: give one per line")
@@ -69,7 +79,7 @@ def read_lines_file(path: str, what: str) -> list[str]:
 
 def read_docs_file(path: str) -> list[Any]:
     """Documents, one per line: ``{"id": …, "text": …}``, a JSON string, or plain text."""
-    text, name = _read_text(path, "docs file")
+    text, name = read_text(path, "docs file")
     docs: list[Any] = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():

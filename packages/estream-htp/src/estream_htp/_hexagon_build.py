@@ -40,6 +40,8 @@ SOURCES = [
     "htp_hvx.c",
     "htp_backend.c",
     "htp_remote.c",
+    "htp_protocol.c",
+    "htp_executor.c",
     "hexagon/hx_runtime.c",
     "hexagon/hx_math.c",
 ]
