@@ -31,12 +31,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 _CHILD = r"""
-import json, resource, sys
+import inspect, json, resource, sys
 import numpy as np
 from estream_cli.engine import Engine
 spec = json.loads(sys.argv[1])
 rng = np.random.default_rng(0)
-with Engine(spec["model"], mode=spec["mode"], n_threads=spec["threads"], act=spec["act"]) as e:
+kw = {"act": spec["act"]}
+if "attention" in inspect.signature(Engine).parameters:  # a build before it had none
+    kw["attention"] = spec["attention"]
+with Engine(spec["model"], mode=spec["mode"], n_threads=spec["threads"], **kw) as e:
     ids = rng.integers(0, e.hp.n_vocab, spec["tokens"])
     e.prefill(ids[:32])
     r0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -72,12 +75,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--act", default="q8", choices=["q8", "f32"])
+    ap.add_argument("--attention", default="f32", choices=["f32", "bf16"], help="the new build's")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mode", default="resident")
     args = ap.parse_args()
     spec = {
         "model": str(Path(args.model).resolve()),
         "tokens": args.tokens,
+        "attention": args.attention,
         "act": args.act,
         "threads": args.threads,
         "mode": args.mode,

@@ -223,3 +223,32 @@ def test_synth_refuses_a_preset_of_another_architecture(tmp_path, capsys):
     assert (tmp_path / "m.estream" / "manifest.json").is_file()
     assert main(["synth", "--arch", "olmoe", "--preset", "mixtral-8x7b", "-o", str(src)]) == 2
     assert "use --arch mixtral" in capsys.readouterr().err
+
+
+def test_attention_products_are_fp32_unless_bf16_is_asked_for(model, capsys, tmp_path):
+    """`--attention` chooses the attention kernel's products: the default is fp32 (the accuracy
+    every figure and tolerance describes); bf16 changes the logits a little, not a lot."""
+
+    def logits(*extra: str) -> tuple[np.ndarray, dict]:
+        npy = tmp_path / "l.npy"
+        rc, out, _ = run(
+            capsys, "prefill", str(model), "--tokens", ",".join(map(str, range(3, 90))),
+            "--all-logits", str(npy), "--json", "--act", "f32", *extra,
+        )  # fmt: skip
+        assert rc == 0
+        return np.load(npy).astype(np.float64), json.loads(out)["metrics"]
+
+    default, m0 = logits()
+    fp32, m1 = logits("--attention", "f32")
+    bf16, m2 = logits("--attention", "bf16")
+    assert (m0["attention"], m1["attention"], m2["attention"]) == ("f32", "f32", "bf16")
+    assert np.array_equal(default, fp32)
+    err = np.linalg.norm(bf16 - fp32) / np.linalg.norm(fp32)
+    assert 0 < err < 2e-2, err
+    with pytest.raises(SystemExit) as exit_:
+        run(capsys, "prefill", str(model), "--tokens", "1", "--attention", "f16")
+    assert exit_.value.code == 2 and "--attention" in capsys.readouterr().err
+    import estream
+
+    with pytest.raises(estream.BadRequestError, match="attention must be one of f32, bf16"):
+        estream.load(model, attention="fp8")

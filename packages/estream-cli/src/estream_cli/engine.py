@@ -36,6 +36,7 @@ from .packed import PackedModel
 
 __all__ = [
     "ACTS",
+    "ATTENTION",
     "DEFAULT_ACTIVATION_BYTES",
     "MODES",
     "BranchRequest",
@@ -52,6 +53,9 @@ MODES = ("stream", "resident", "naive", "layer")
 # How activations meet the Q4_0/Q8_0 weights: "q8" (int8 per 32-block, like GGML's Q8_0: fast)
 # or "f32" (dequantized weights, fp32 products: matches a float64 reference to ~1e-6).
 ACTS = ("q8", "f32")
+# How the attention kernel multiplies: "f32" (exact products) or "bf16" (q, k, v and the softmax
+# weights rounded to bfloat16, fp32 sums: faster at long prompts, a few 1e-3 off; opt-in).
+ATTENTION = ("f32", "bf16")
 # Where the dense kernel ops (GEMMs, norms, RoPE, attention, ...) run: this process's default
 # backend, or the expert backend (its executor process: the DSP for `hexagon`).
 DENSE_OPS = ("host", "backend")
@@ -168,6 +172,7 @@ class Engine:
         direct: bool | None = None,
         progress: bool = False,
         act: str = "q8",
+        attention: str = "f32",
         backend: str = "host",
         dense_ops: str | None = None,
     ) -> None:
@@ -181,6 +186,11 @@ class Engine:
         if act not in ACTS:
             raise BadRequestError(f"act must be one of {', '.join(ACTS)}, got {act!r}")
         self.act = act
+        if attention not in ATTENTION:
+            raise BadRequestError(
+                f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}"
+            )
+        self.attention = attention
         if backend not in htp.BACKENDS:
             raise BadRequestError(
                 f"backend must be one of {', '.join(htp.BACKENDS)}, got {backend!r}"
@@ -519,15 +529,13 @@ class Engine:
         memory.reset_peak()
         # Per-request bookkeeping only: a long-lived engine must not grow without bound.
         self.experts.reset()
-        # q8 activations are the fast, approximate path: attention products run in bfloat16
-        # there too; f32 keeps every product exact-ish.
         ops = Ops(
             hp,
             self.experts,
             layout,
             backend=self.backend if self.dense_ops == "backend" else None,
             shared=self._dense_shared,
-            attn_products="bf16" if self.act == "q8" else "f32",
+            attn_products=self.attention,
         )
         spans: list[tuple[str, int, float, float]] = []
         op_spans: list[tuple[str, int, float, float]] = []
@@ -599,6 +607,7 @@ class Engine:
             "threads": htp.get_num_threads(),
             "simd": htp.simd_level(),
             "act": self.act,
+            "attention": self.attention,
             "backend": self.backend.kind,
             "dense_ops": self.dense_ops,
             "load_s": self.load_s,

@@ -74,7 +74,7 @@ commands:
   estream eval choice MODEL --input F.jsonl [--output FILE] [--details FILE.jsonl]
   estream eval cloze MODEL --input F.jsonl | --text-file F [--output FILE] [--details FILE.jsonl]
 and the engine options of prefill: --mode --schedule --budget -G -Q -B --threads --verify
---act --backend.
+--act --attention --backend.
 'estream eval COMMAND --help' states each convention exactly.
 """
 
