@@ -49,21 +49,26 @@ from estream_cli.memory import drop_file_cache, format_bytes, parse_bytes  # noq
 SETS = {"massive": 16, "winogrande": 23, "toxicchat": 66, "hellaswag": 80, "arc-c": 368}
 SYSTEMS = ("stream-batched", "stream", "resident", "llama.cpp")
 
-_STATUS = bench_engine.CHILD_MEMORY
-
-_ENGINE_CHILD = (
+# Both children: measure themselves, read the spec and the request set, start the clock.
+_PRELUDE = (
     r"""
 import json, sys, time
 import numpy as np
 """
-    + _STATUS
+    + bench_engine.CHILD_MEMORY
     + r"""
 spec = json.loads(sys.argv[1])
 a0 = avail()
 t0 = time.perf_counter()
-import estream
 d = np.load(spec["requests"])
 reqs = np.split(d["tokens"], np.cumsum(d["lengths"])[:-1])
+"""
+)
+
+_ENGINE_CHILD = (
+    _PRELUDE
+    + r"""
+import estream
 kw = {"budget": spec["budget"]} if spec["budget"] else {}
 eng = estream.load(spec["model"], mode=spec["mode"], n_threads=spec["threads"], **kw)
 t1 = time.perf_counter()
@@ -83,18 +88,9 @@ print(json.dumps({"load_s": t1 - t0, "run_s": t2 - t1, "passes": passes,
 )
 
 _LLAMA_CHILD = (
-    r"""
-import json, sys, time
-import numpy as np
-"""
-    + _STATUS
+    _PRELUDE
     + r"""
-spec = json.loads(sys.argv[1])
-a0 = avail()
-t0 = time.perf_counter()
 import llama_cpp
-d = np.load(spec["requests"])
-reqs = np.split(d["tokens"], np.cumsum(d["lengths"])[:-1])
 longest = int(d["lengths"].max())
 llm = llama_cpp.Llama(model_path=spec["model"], n_ctx=longest + 8, n_batch=min(longest, 2048),
                       n_ubatch=512, n_threads=spec["threads"], n_threads_batch=spec["threads"],
