@@ -12,13 +12,18 @@ For each preset, one after the other (the files of one are deleted before the ne
    does not fit fails its own allocation rather than waking the system-wide OOM killer; a run
    that does not finish, or fails, is reported as such;
 5. a small sweep of (G, Q, B) around the configurator's choice under the run budget, at one
-   prompt length: its regret against the best point measured.
+   prompt length, in `--sweep-rounds` interleaved rounds (each round visits every point once,
+   starting one point later than the round before): the configurator's regret is its point's
+   median TTFT against the best point's median.
 
 Cold page cache before every run, 2 threads, one process per run (machinery shared with
 `bench_engine.py`). Prints tables and writes bench-results/bench_scale.{json,md}.
 
     nox -s bench_scale -- [--presets qwen3-30b-a3b,mixtral-8x7b] [--lengths 256,1024,4096]
-                          [--timeout 900] [--llama-timeout 900] [--sweep-length 1024] [--keep]
+                          [--timeout 900] [--llama-timeout 900] [--sweep-length 1024]
+                          [--sweep-rounds 3] [--no-runs] [--no-llama] [--keep]
+
+Without llama.cpp (`--no-llama`) the GGUF is deleted as soon as it is packed (unless `--keep`).
 """
 
 from __future__ import annotations
@@ -136,6 +141,32 @@ def sweep_points(choice: Any, profile: Any) -> list[tuple[int, int, int]]:
     return list(dict.fromkeys(pts))
 
 
+def summarize_point(s: dict[str, Any]) -> None:
+    """A sweep point's figures: the median-TTFT trial's metrics, plus every trial's TTFT."""
+    ok = sorted((t for t in s["trials"] if "ttft_s" in t), key=lambda t: t["ttft_s"])
+    for k in [k for k in s if k not in ("G", "Q", "B", "choice", "trials")]:
+        del s[k]
+    if not ok:
+        s["error"] = s["trials"][-1].get("error", "failed")
+        return
+    med = ok[(len(ok) - 1) // 2]  # the lower median: a trial that ran, not an average
+    s.update({k: v for k, v in med.items() if k not in s})
+    s["ttft_trials_s"] = [t["ttft_s"] for t in s["trials"] if "ttft_s" in t]
+
+
+def sweep_regret(sweep: list[dict[str, Any]]) -> dict[str, Any]:
+    """The configurator's regret: its point's median TTFT over the best point's, minus 1."""
+    done = [s for s in sweep if "ttft_s" in s]
+    chosen = [s for s in done if s["choice"]]
+    if not done or not chosen:
+        return {}
+    best = min(done, key=lambda s: s["ttft_s"])
+    return {
+        "sweep_best": {k: best[k] for k in ("G", "Q", "B", "ttft_s")},
+        "choice_regret": chosen[0]["ttft_s"] / best["ttft_s"] - 1.0,
+    }
+
+
 def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
     from estream_cli.config import configure_for_budget, stored_profile
     from estream_cli.errors import BudgetTooSmallError
@@ -165,6 +196,9 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
             return rec
         rec["pack"]["bytes"] = sum(f.stat().st_size for f in dst.iterdir())
         print(f"  {_step(rec['pack'])}", flush=True)
+    if not args.llama and not args.keep and src.exists():  # only llama.cpp reads the GGUF
+        src.unlink()
+        print(f"removed {src} (not needed without llama.cpp)", flush=True)
     model = PackedModel(dst)
     rec["experts_bytes"] = model.experts_path.stat().st_size
     rec["dense_bytes"] = int(model.dense_bytes)
@@ -209,7 +243,7 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
     systems = [("stream", args.timeout)] + (
         [("llama.cpp", args.llama_timeout)] if args.llama else []
     )
-    for system, timeout in systems:
+    for system, timeout in systems if args.runs else ():
         gave_up = None
         for T in lengths:
             if gave_up is not None:
@@ -226,28 +260,39 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
                 gave_up = f"{m['length']} tokens: {m['error']}"
         _save(args, preset, {**rec, "runs": runs})
     rec["runs"] = runs
-    # sweep around the configurator's choice, at one length
+    # sweep around the configurator's choice, at one length: `--sweep-rounds` rounds, each
+    # visiting every point once in a rotated order (so a slow spell of a shared machine does not
+    # land on one point), each point's median TTFT compared
     T = args.sweep_length
     sweep: list[dict[str, Any]] = []
     if T and args.sweep:
-        print(f"sweep around G={choice.G} Q={choice.Q} B={choice.B} at {T} tokens:", flush=True)
-        for g, q, b in sweep_points(choice, profile):
-            m = run_system(
-                "stream", T, timeout=args.timeout, engine_args=("-G", str(g), "-Q", str(q),
-                "-B", str(b)), label=f" G{g}Q{q}B{b}", **common,
-            )  # fmt: skip
-            m.update(
-                {"G": g, "Q": q, "B": b, "choice": (g, q, b) == (choice.G, choice.Q, choice.B)}
+        points = sweep_points(choice, profile)
+        print(
+            f"sweep around G={choice.G} Q={choice.Q} B={choice.B} at {T} tokens, "
+            f"{args.sweep_rounds} round(s) of {len(points)} points:",
+            flush=True,
+        )
+        sweep = [
+            {"G": g, "Q": q, "B": b, "choice": (g, q, b) == (choice.G, choice.Q, choice.B),
+             "trials": []}
+            for g, q, b in points
+        ]  # fmt: skip
+        for rnd in range(args.sweep_rounds):
+            for j in range(len(sweep)):
+                s = sweep[(j + rnd) % len(sweep)]
+                m = run_system(
+                    "stream", T, timeout=args.timeout, engine_args=("-G", str(s["G"]), "-Q",
+                    str(s["Q"]), "-B", str(s["B"])), label=f" G{s['G']}Q{s['Q']}B{s['B']}",
+                    **common,
+                )  # fmt: skip
+                s["trials"].append(m)
+                summarize_point(s)
+                _save(args, preset, {**rec, "sweep": sweep})
+        rec.update(sweep_regret(sweep))
+        if "choice_regret" in rec:
+            print(
+                f"  configurator regret vs sweep best (medians): {100 * rec['choice_regret']:.1f}%"
             )
-            sweep.append(m)
-            _save(args, preset, {**rec, "sweep": sweep})
-        done = [s for s in sweep if "ttft_s" in s]
-        chosen = [s for s in done if s["choice"]]
-        if done and chosen:
-            best = min(done, key=lambda s: s["ttft_s"])
-            rec["sweep_best"] = {k: best[k] for k in ("G", "Q", "B", "ttft_s")}
-            rec["choice_regret"] = chosen[0]["ttft_s"] / best["ttft_s"] - 1.0
-            print(f"  configurator regret vs sweep best: {100 * rec['choice_regret']:.1f}%")
     rec["sweep"] = sweep
     return rec
 
@@ -330,14 +375,20 @@ def table(doc: dict[str, Any]) -> str:
                     f"| {preset} | {b} | {c['G']} | {c['Q']} | {c['B']} | "
                     f"{format_bytes(c['memory_bytes'])} |"
                 )
-    lines += ["", "| model | G | Q | B | TTFT | peak (RSS) | |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| model | G | Q | B | median TTFT [trials] | peak (RSS) | |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for preset, rec in doc.get("presets", {}).items():
         for s in rec.get("sweep", []):
             mark = "configurator" if s.get("choice") else ""
             if rec.get("sweep_best") and all(rec["sweep_best"][k] == s[k] for k in "GQB"):
                 mark += " best" if mark else "best"
+            trials = ", ".join(f"{t:.2f}" for t in s.get("ttft_trials_s", []))
             lines.append(
-                f"| {preset} | {s['G']} | {s['Q']} | {s['B']} | {_ttft(s)} | {_peak(s)} | {mark} |"
+                f"| {preset} | {s['G']} | {s['Q']} | {s['B']} | {_ttft(s)} [{trials}] | "
+                f"{_peak(s)} | {mark} |"
             )
         if "choice_regret" in rec:
             lines.append(f"| {preset} | regret | | | {100 * rec['choice_regret']:.1f}% | | |")
@@ -374,11 +425,20 @@ def main() -> int:
     )
     ap.add_argument("--sweep-length", type=int, default=1024)
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
+    ap.add_argument(
+        "--sweep-rounds", type=int, default=3, help="rounds over the sweep points (medians)"
+    )
+    ap.add_argument(
+        "--no-runs", dest="runs", action="store_false",
+        help="skip the per-length stream and llama.cpp runs (configurator and sweep only)",
+    )  # fmt: skip
     ap.add_argument("--no-shape-check", dest="shape_check", action="store_false")
     ap.add_argument("--keep", action="store_true", help="keep the GGUF and pack afterwards")
     ap.add_argument("--out", default="bench_scale.json")
     ap.add_argument("--smoke", action="store_true", help="check the script on a small model")
     args = ap.parse_args()
+    if args.sweep_rounds < 1:
+        ap.error(f"--sweep-rounds must be at least 1, got {args.sweep_rounds}")
     if str(args.llama_reserve).lower() == "none":
         args.llama_reserve = None
     if args.smoke:

@@ -106,7 +106,7 @@ typedef enum htp_buffer_flags {
 
 typedef enum htp_opcode {
     HTP_OP_NOP = 0,        /* no operands: measures the submission round trip */
-    HTP_OP_GEMM = 1,       /* ref: w, x, y */
+    HTP_OP_GEMM = 1,       /* ref: w, x, y [, w_b, y_b [, w_c, y_c]] (see htp_gemm_params) */
     HTP_OP_EXPERT = 2,     /* ref: x, tokens, experts, weights, slot_of_expert, gate, up, down, y */
     HTP_OP_GET_ROWS = 3,   /* ref: table, ids, out */
     HTP_OP_RMS_NORM = 4,   /* ref: x, w (if has_weight), out */
@@ -152,9 +152,15 @@ typedef struct htp_ref {
 } htp_ref;
 
 /* ---- per-op parameters (one member of htp_op_params per opcode) ---- */
-typedef struct htp_gemm_params { /* y[t][ldy] (first n) = x[t][ldx] (first k) . W^T */
-    uint32_t format;             /* HTP_FMT_Q4_0_T32R4 or HTP_FMT_Q8_0_T32R4 */
+/* y[t][ldy] (first n) = x[t][ldx] (first k) . W^T. With n_more = 1 or 2 (appended fields: 0
+ * is the original one-matrix op) the same x also multiplies W_b [n_b][k] (and W_c [n_c][k]),
+ * same format, into y_b [t][n_b] (and y_c [t][n_c]): q/k/v or gate/up projections of one
+ * input, which is quantized once. Every output is bit-identical to a one-matrix GEMM. */
+typedef struct htp_gemm_params {
+    uint32_t format; /* HTP_FMT_Q4_0_T32R4 or HTP_FMT_Q8_0_T32R4 */
     uint32_t n, k, t, ldx, ldy;
+    uint32_t n_more; /* 0, 1 or 2 further matrices */
+    uint32_t n_b, n_c;
 } htp_gemm_params;
 
 typedef struct htp_expert_params {

@@ -252,7 +252,7 @@ static htp_status ref_get(htp_backend *b, const htp_ref *r, uint64_t bytes, int 
 static uint32_t refs_of(const htp_op_desc *op) {
     switch (op->opcode) {
     case HTP_OP_NOP: return 0;
-    case HTP_OP_GEMM: return 3;
+    case HTP_OP_GEMM: return op->p.gemm.n_more <= 2 ? 3 + 2 * op->p.gemm.n_more : UINT32_MAX;
     case HTP_OP_EXPERT: return 9;
     case HTP_OP_GET_ROWS: return 3;
     case HTP_OP_RMS_NORM: return op->p.rms_norm.has_weight ? 3 : 2;
@@ -370,13 +370,21 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
         const htp_gemm_params *p = &op->p.gemm;
         if (p->format != HTP_FMT_Q4_0_T32R4 && p->format != HTP_FMT_Q8_0_T32R4) return HTP_E_INVALID;
         if (p->k == 0 || p->k % 32 || p->n == 0 || p->ldx < p->k || p->ldy < p->n) return HTP_E_INVALID;
-        const uint8_t *w;
+        if ((p->n_more < 1 && p->n_b) || (p->n_more < 2 && p->n_c)) return HTP_E_BAD_OP;
+        if ((p->n_more >= 1 && !p->n_b) || (p->n_more >= 2 && !p->n_c)) return HTP_E_INVALID;
         const float *x;
-        float *y;
-        GET(0, htp_matrix_bytes(p->format, p->n, p->k), RD, 1, w);
+        htp_gemm_mat m[3];
+        GET(0, htp_matrix_bytes(p->format, p->n, p->k), RD, 1, m[0].w);
         GET(1, nbytes3(p->t, p->ldx, 4), RD, 4, x);
-        GET(2, nbytes3(p->t, p->ldy, 4), WR, 4, y);
-        return htp_exec_gemm(&b->ex, w, p->format, p->n, p->k, x, p->t, p->ldx, y, p->ldy, op->act);
+        GET(2, nbytes3(p->t, p->ldy, 4), WR, 4, m[0].y);
+        m[0].n = p->n, m[0].ldy = p->ldy;
+        const uint32_t more[2] = {p->n_b, p->n_c};
+        for (uint32_t i = 0; i < p->n_more; i++) {
+            GET(3 + 2 * i, htp_matrix_bytes(p->format, more[i], p->k), RD, 1, m[1 + i].w);
+            GET(4 + 2 * i, nbytes3(p->t, more[i], 4), WR, 4, m[1 + i].y);
+            m[1 + i].n = more[i], m[1 + i].ldy = more[i];
+        }
+        return htp_exec_gemm(&b->ex, m, 1 + p->n_more, p->format, p->k, x, p->t, p->ldx, op->act);
     }
     case HTP_OP_EXPERT: return exec_expert(b, op);
     case HTP_OP_GET_ROWS: return exec_get_rows(b, op);

@@ -144,14 +144,14 @@ void htp_gemm_tiles(const htp_isa *isa, const uint8_t *w, uint32_t fmt, uint32_t
     }
 }
 
-/* ---- dense GEMM op: quantize rows (q8), then row tiles split across threads ---- */
+/* ---- dense GEMM op: quantize rows (q8) once, then the row tiles of every matrix, as one
+ * range, split across threads ---- */
 typedef struct gemm_ctx {
     const htp_isa *isa;
     htp_pool *pool;
-    const uint8_t *w;
-    uint32_t fmt, n, k, t, ldx, ldy;
+    const htp_gemm_mat *m;
+    uint32_t n_mats, fmt, k, t, ldx, tiles;
     const float *x;
-    float *y;
     int8_t *q;
     float *qd;
     int32_t *qs;
@@ -170,24 +170,27 @@ static void gemm_task(void *arg, uint32_t ith, uint32_t nth) {
         htp_barrier(c->pool);
     }
     uint32_t tb, te;
-    htp_split((c->n + 31) / 32, ith, nth, &tb, &te);
-    if (tb == te) return;
-    if (c->use_q8) {
-        htp_act_q8 a = {c->q, c->qd, c->qs};
-        htp_gemm_tiles(c->isa, c->w, c->fmt, c->n, c->k, tb, te, &a, NULL, 0, c->t, c->y + (size_t)tb * 32,
-                       c->ldy, NULL);
-    } else {
-        float *panel = (float *)htp_scratch(c->pool, ith, 0, 0);
-        htp_gemm_tiles(c->isa, c->w, c->fmt, c->n, c->k, tb, te, NULL, c->x, c->ldx, c->t,
-                       c->y + (size_t)tb * 32, c->ldy, panel);
+    htp_split(c->tiles, ith, nth, &tb, &te);
+    float *panel = c->use_q8 ? NULL : (float *)htp_scratch(c->pool, ith, 0, 0);
+    const htp_act_q8 a = {c->q, c->qd, c->qs};
+    uint32_t base = 0; /* first tile of matrix i in the joint range */
+    for (uint32_t i = 0; i < c->n_mats && tb < te; i++) {
+        const htp_gemm_mat *m = &c->m[i];
+        const uint32_t nt = (m->n + 31) / 32;
+        const uint32_t b = HTP_MAX(tb, base), e = HTP_MIN(te, base + nt);
+        if (b < e)
+            htp_gemm_tiles(c->isa, m->w, c->fmt, m->n, c->k, b - base, e - base, c->use_q8 ? &a : NULL,
+                           c->use_q8 ? NULL : c->x, c->ldx, c->t, m->y + (size_t)(b - base) * 32, m->ldy,
+                           panel);
+        base += nt;
     }
 }
 
-htp_status htp_exec_gemm(htp_exec *e, const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,
-                         const float *x, uint32_t t, uint32_t ldx, float *y, uint32_t ldy,
-                         uint32_t act) {
+htp_status htp_exec_gemm(htp_exec *e, const htp_gemm_mat *mats, uint32_t n_mats, uint32_t fmt,
+                         uint32_t k, const float *x, uint32_t t, uint32_t ldx, uint32_t act) {
     if (t == 0) return HTP_OK;
-    gemm_ctx c = {e->isa, e->pool, w, fmt, n, k, t, ldx, ldy, x, y, NULL, NULL, NULL, act == HTP_ACT_Q8};
+    gemm_ctx c = {e->isa, e->pool, mats, n_mats, fmt, k, t, ldx, 0, x, NULL, NULL, NULL, act == HTP_ACT_Q8};
+    for (uint32_t i = 0; i < n_mats; i++) c.tiles += (mats[i].n + 31) / 32;
     void *buf = NULL;
     if (c.use_q8) {
         /* the backend's shared per-op buffer (kept between calls: no page faults per GEMM) */

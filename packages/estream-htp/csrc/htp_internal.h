@@ -219,9 +219,16 @@ typedef struct htp_exec {
     struct htp_expert_ws *ws; /* expert op working set, grown on demand */
 } htp_exec;
 
-htp_status htp_exec_gemm(htp_exec *e, const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,
-                         const float *x, uint32_t t, uint32_t ldx, float *y, uint32_t ldy,
-                         uint32_t act);
+/* One matrix of a GEMM op: W [n][k] (tiles) -> y [t][ldy] (first n columns). */
+typedef struct htp_gemm_mat {
+    const uint8_t *w;
+    uint32_t n, ldy;
+    float *y;
+} htp_gemm_mat;
+
+/* y_i = x . W_i^T for n_mats (1..3) matrices of one format sharing x (quantized once). */
+htp_status htp_exec_gemm(htp_exec *e, const htp_gemm_mat *mats, uint32_t n_mats, uint32_t fmt,
+                         uint32_t k, const float *x, uint32_t t, uint32_t ldx, uint32_t act);
 htp_status htp_exec_expert(htp_exec *e, const htp_expert_params *p, uint32_t act,
                            const float *x, const int32_t *tokens, const int32_t *experts,
                            const float *weights, const int32_t *slot_of_expert,

@@ -163,8 +163,11 @@ def _setup_gemm(be: htp.Backend, n: int = 40, k: int = 64, t: int = 5):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
     "corrupt",
-    ["buffer", "offset", "n_refs", "opcode", "reserved", "flags", "unused_ref", "shape"],
-)
+    [
+        "buffer", "offset", "n_refs", "opcode", "reserved", "flags", "unused_ref", "shape",
+        "n_more", "stray_n_b",
+    ],
+)  # fmt: skip
 def test_malformed_descriptor_is_rejected_and_not_executed(kind: str, corrupt: str) -> None:
     with htp.Backend(kind, n_threads=1) as be:
         c, w, _x, y = _setup_gemm(be)
@@ -187,6 +190,10 @@ def test_malformed_descriptor_is_rejected_and_not_executed(kind: str, corrupt: s
             d.ref[5].buffer = d.ref[0].buffer
         elif corrupt == "shape":
             d.p.gemm.t = 10**6  # more rows than x's buffer holds
+        elif corrupt == "n_more":
+            d.p.gemm.n_more = 3  # at most two further matrices
+        elif corrupt == "stray_n_b":
+            d.p.gemm.n_b = 8  # a second matrix's rows on a one-matrix op
         with pytest.raises(htp.HTPDescriptorError if corrupt != "shape" else htp.HTPError):
             be.run(c)
         assert np.isnan(y).all(), "a rejected op wrote its output"

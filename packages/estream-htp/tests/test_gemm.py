@@ -91,3 +91,48 @@ def test_gemm_rejects_bad_inputs() -> None:
         htp.gemm(np.asfortranarray(np.zeros((4, 64), np.float32)), buf, 40)
     with pytest.raises(htp.HTPInputError, match="fmt"):
         htp.gemm(x, buf, 40, fmt="q4_k")
+
+
+@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("act", ["f32", "q8"])
+@given(
+    t=st.integers(1, 23),
+    ns=st.lists(st.integers(1, 97), min_size=1, max_size=3),
+    kb=st.integers(1, 6),
+    fmt=st.sampled_from(["q4_0-t32r4", "q8_0-t32r4"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_gemm_shared_is_each_gemm_alone(simd, act, t, ns, kb, fmt, seed) -> None:
+    """Up to three matrices sharing one input in one op: every output is bit-identical to the
+    one-matrix GEMM of its matrix (one quantization of X serves all), and right against
+    float64; the partition over threads spans all matrices' tiles as one range."""
+    rng = np.random.default_rng(seed)
+    k = 32 * kb
+    x = (rng.standard_normal((t, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    pack = T.pack_q4_0_t32r4 if fmt == "q4_0-t32r4" else T.pack_q8_0_t32r4
+    mats = [(pack(rng.standard_normal((n, k)).astype(np.float32)), n) for n in ns]
+    outs = [np.full((t, n), np.nan, dtype=np.float32) for n in ns]
+    for threads in (1, 2):
+        with mode(simd=simd, act=act, threads=threads):
+            ys = htp.gemm_shared(x, mats, fmt, [o.copy() for o in outs])
+            alone = [htp.gemm(x, w, n, fmt, out=o.copy()) for (w, n), o in zip(mats, outs)]
+        for y, a in zip(ys, alone, strict=True):
+            assert np.array_equal(y, a)
+    xr = x if act == "f32" else T.ref_q8_activations(x)
+    for (w, n), y in zip(mats, ys, strict=True):
+        mag = T.ref_gemm_magnitude(xr, w, n, fmt)
+        assert T.rel_l2_floored(y, T.ref_gemm(xr, w, n, fmt), mag, k) <= F32_TOL
+
+
+def test_gemm_shared_rejects_bad_inputs() -> None:
+    x, buf = _case(4, 40, 2, 0, "q4_0-t32r4")
+    with pytest.raises(htp.HTPInputError, match="1 to 3 matrices, got 4"):
+        htp.gemm_shared(x, [(buf, 40)] * 4)
+    with pytest.raises(htp.HTPInputError, match="1 to 3 matrices, got 0"):
+        htp.gemm_shared(x, [])
+    with pytest.raises(htp.HTPInputError, match=r"w\[1\] holds .* needs"):
+        htp.gemm_shared(x, [(buf, 40), (buf[:-1], 40)])
+    with pytest.raises(htp.HTPInputError, match="2 matrices but 1 outputs"):
+        htp.gemm_shared(x, [(buf, 40), (buf, 40)], outs=[np.empty((4, 40), np.float32)])
+    with pytest.raises(htp.HTPInputError, match=r"outs\[1\] must have shape \(4, 8\)"):
+        htp.gemm_shared(x, [(buf, 40), (buf, 8)], outs=[np.empty((4, 40), np.float32)] * 2)

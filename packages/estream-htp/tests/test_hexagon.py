@@ -89,6 +89,24 @@ def test_gemm_bit_exact(
 
 
 @pytest.mark.parametrize("act", ["q8", "f32"])
+def test_gemm_shared_bit_exact(host: htp.Backend, hexagon: htp.Backend, act: str) -> None:
+    """Three matrices sharing one input in one op (x quantized once in the DSP process)."""
+    rng = np.random.default_rng(3)
+    k, t = 64, 5
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    mats = [
+        (htp.pack_q4_0_t32r4(rng.standard_normal((n, k)).astype(np.float32)), n)
+        for n in (40, 32, 7)
+    ]
+    outs = [_nan((t, n)) for _, n in mats]
+    a = htp.gemm_shared(x, mats, outs=[o.copy() for o in outs], act=act, backend=host)
+    b = htp.gemm_shared(x, mats, outs=[o.copy() for o in outs], act=act, backend=hexagon)
+    for ya, yb, (w, n) in zip(a, b, mats, strict=True):
+        assert _same(ya, yb)
+        assert _same(yb, htp.gemm(x, w, n, out=_nan((t, n)), act=act, backend=host))
+
+
+@pytest.mark.parametrize("act", ["q8", "f32"])
 def test_gemm_with_zero_subnormal_and_extreme_scales(
     host: htp.Backend, hexagon: htp.Backend, act: str
 ) -> None:

@@ -239,27 +239,66 @@ def gemm(
     backend: Backend | None = None,
 ) -> F32:
     """``Y[T, N] = X[T, K] · Wᵀ`` with ``W[N][K]`` in a tile format (flat uint8 buffer)."""
+    (y,) = gemm_shared(x, [(w, n)], fmt, None if out is None else [out], act=act, backend=backend)
+    return y
+
+
+#: matrices one GEMM op multiplies by the same input (htp_gemm_params.n_more + 1)
+GEMM_MAX_MATRICES = 3
+
+
+def gemm_shared(
+    x: F32,
+    mats: Sequence[tuple[Any, int]],
+    fmt: str = "q4_0-t32r4",
+    outs: Sequence[F32] | None = None,
+    *,
+    act: str | None = None,
+    backend: Backend | None = None,
+) -> list[F32]:
+    """``Y_i[T, N_i] = X[T, K] · W_iᵀ`` for up to three matrices ``(W_i, N_i)`` of one tile
+    format that share the input (q/k/v, gate/up): one op, ``X`` quantized once, each ``Y_i``
+    bit-identical to `gemm` of its matrix alone."""
     x = _arr(x, "x", np.float32, 2)
     t, k = x.shape
-    n = _u32(n, "n", 1)
     if fmt not in TILE_FORMATS:
         raise HTPInputError(f"fmt must be one of {sorted(TILE_FORMATS)}, got {fmt!r}")
     if k == 0 or k % 32:
         raise HTPInputError(f"x.shape[1] (K) must be a positive multiple of 32, got {k}")
-    wb = _bytes(w, "w")
-    need = matrix_nbytes(fmt, n, k)
-    if wb.size < need:
-        raise HTPInputError(f"w holds {wb.size} bytes but {fmt} W[{n}][{k}] needs {need}")
-    y = _out(out, (t, n))
+    if not 1 <= len(mats) <= GEMM_MAX_MATRICES:
+        raise HTPInputError(f"one GEMM takes 1 to {GEMM_MAX_MATRICES} matrices, got {len(mats)}")
+    if outs is not None and len(outs) != len(mats):
+        raise HTPInputError(f"{len(mats)} matrices but {len(outs)} outputs")
+    ws: list[np.ndarray] = []
+    ns: list[int] = []
+    ys: list[F32] = []
+    for i, (w, n) in enumerate(mats):
+        name = "w" if len(mats) == 1 else f"w[{i}]"
+        n = _u32(n, "n" if len(mats) == 1 else f"n[{i}]", 1)
+        wb = _bytes(w, name)
+        need = matrix_nbytes(fmt, n, k)
+        if wb.size < need:
+            raise HTPInputError(f"{name} holds {wb.size} bytes but {fmt} W[{n}][{k}] needs {need}")
+        ws.append(wb[:need])
+        ns.append(n)
+        oname = "out" if len(mats) == 1 else f"outs[{i}]"
+        ys.append(_out(None if outs is None else outs[i], (t, n), oname))
     be = _be(backend)
     if t:
         c = be.call(lib.HTP_OP_GEMM, _act(act, be))
         c.what = "gemm"
         p = c.p.gemm
-        p.format, p.n, p.k, p.t, p.ldx, p.ldy = _FMT[fmt], n, k, t, k, n
-        c.ref(wb[:need]).ref(x).ref(y, "w")
+        p.format, p.n, p.k, p.t, p.ldx, p.ldy = _FMT[fmt], ns[0], k, t, k, ns[0]
+        p.n_more = len(mats) - 1
+        if len(mats) > 1:
+            p.n_b = ns[1]
+        if len(mats) > 2:
+            p.n_c = ns[2]
+        c.ref(ws[0]).ref(x).ref(ys[0], "w")
+        for wb, y in zip(ws[1:], ys[1:], strict=True):
+            c.ref(wb).ref(y, "w")
         be.run(c)
-    return y
+    return ys
 
 
 # ---------------------------------------------------------------- expert op

@@ -201,12 +201,12 @@ def bind(model: PackedModel) -> Weights[Layer]:
 def mla_attention(ops: Ops, w: MLA, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
     """Multi-head latent attention of the normed ``h [T, d]``, decompressed per head."""
     t, n_head, nope, rope = h.shape[0], w.n_head, w.d_nope, w.d_rope
-    if w.wq is not None:
-        q = ops.matmul(h, w.wq)
-    else:
-        q = ops.matmul(ops.rms_norm(ops.matmul(h, w.wq_a), w.q_a_norm), w.wq_b)  # type: ignore[arg-type]
+    # q (or the q LoRA's down-projection) and the compressed KV share h: one op
+    q, kv = ops.matmuls(h, (w.wq if w.wq is not None else w.wq_a, w.wkv_a), "attn_q_kv_a")  # type: ignore[arg-type]
+    if w.wq is None:
+        q = ops.matmul(ops.rms_norm(q, w.q_a_norm), w.wq_b)  # type: ignore[arg-type]
     q = q.reshape(t, n_head, nope + rope)
-    kv = ops.matmul(h, w.wkv_a)  # [T, rank + rope]: compressed KV | shared RoPE key
+    # kv [T, rank + rope]: compressed KV | shared RoPE key
     latent = ops.rms_norm(np.ascontiguousarray(kv[:, : w.rank]), w.kv_a_norm)
     k_pe = np.ascontiguousarray(kv[:, None, w.rank :])  # [T, 1, rope]
     if w.wkv_b is not None:

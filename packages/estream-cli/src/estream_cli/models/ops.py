@@ -503,6 +503,21 @@ class Ops:
         self._span(op, t0)
         return y
 
+    def matmuls(self, x: np.ndarray, ws: Sequence[DenseTensor], op: str) -> list[np.ndarray]:
+        """`x @ w.T` for each of several resident matrices that share the input (q/k/v,
+        gate/up): the tiled ones of one format in one kernel op, ``x`` quantized once, each
+        result bit-identical to `matmul` of its matrix alone; timed together as ``op``."""
+        tiled = [w for w in ws if w.fmt != "f32"]
+        if len(tiled) < 2 or len({w.fmt for w in tiled}) > 1:
+            return [self.matmul(x, w, op) for w in ws]
+        t0 = time.perf_counter()
+        ys = htp.gemm_shared(
+            x, [(self._w(w.data), w.shape[0]) for w in tiled], tiled[0].fmt, backend=self.backend
+        )
+        self._span(op, t0)
+        done = iter(ys)
+        return [next(done) if w.fmt != "f32" else self.matmul(x, w, op) for w in ws]
+
     def linear_f32(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """`x @ w` for an f32 matrix stored [in, out] (the router): on the backend when the
         dense ops run there, else numpy's BLAS per request."""
@@ -549,9 +564,7 @@ class Ops:
         """q/k/v projections, q/k RMSNorm, RoPE, causal GQA attention, output projection."""
         t = h.shape[0]
         eps = self.hp.rms_eps
-        q = self.matmul(h, w.wq, "attn_q")
-        k = self.matmul(h, w.wk, "attn_k")
-        v = self.matmul(h, w.wv, "attn_v")
+        q, k, v = self.matmuls(h, (w.wq, w.wk, w.wv), "attn_qkv")
         be = self.backend
         t0 = time.perf_counter()
         if w.qk_norm == "full":
@@ -637,8 +650,7 @@ class Ops:
         return out
 
     def dense_ffn(self, h: np.ndarray, w: FFN) -> np.ndarray:
-        g = self.matmul(h, w.gate, "ffn")
-        u = self.matmul(h, w.up, "ffn")
+        g, u = self.matmuls(h, (w.gate, w.up), "ffn")
         t0 = time.perf_counter()
         a = htp.swiglu(g, u, backend=self.backend)
         self._span("ffn", t0)
