@@ -179,7 +179,9 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
     rec: dict[str, Any] = {"preset": preset, "arch": arch, "run_budget_bytes": run_budget}
     free = shutil.disk_usage(CACHE).free
     print(f"\n=== {preset} ({arch}); {format_bytes(free)} free on disk", flush=True)
-    if not src.exists():
+    packed = (dst / "manifest.json").exists()
+    need_src = not packed or args.llama  # the pack is made from it; llama.cpp reads it
+    if need_src and not src.exists():
         print(f"synthesizing {src} …", flush=True)
         rec["synth"] = run_measured(
             estream("synth", "--arch", arch, "--preset", preset, "-o", str(src))
@@ -188,8 +190,9 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
             return rec
         rec["synth"]["bytes"] = src.stat().st_size
         print(f"  {_step(rec['synth'])}", flush=True)
-    rec["gguf_bytes"] = src.stat().st_size
-    if not (dst / "manifest.json").exists():
+    if src.exists():
+        rec["gguf_bytes"] = src.stat().st_size
+    if not packed:
         print(f"packing {dst} …", flush=True)
         rec["pack"] = run_measured(estream("pack", str(src), "-o", str(dst), "--force"))
         if "error" in rec["pack"]:

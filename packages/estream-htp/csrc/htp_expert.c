@@ -3,7 +3,8 @@
  * Per pass of at most `capacity` routes: resolve each route's slot, count routes per slot,
  * prefix-sum into offsets, scatter route records by slot (stable, empty slots skipped), then in
  * one parallel region:
- *   (a) gather (and in Q8 mode quantize) the routed token rows, partitioned by record;
+ *   (a) gather the routed token rows (in Q8 mode: rows quantized once per token before the
+ *       passes), partitioned by record;
  *   (b) gate and up GEMMs + SwiGLU for every non-empty slot, partitioned by d_ff tile;
  *   (c) down GEMM + scatter-add weight*y, partitioned by d_model tile.
  * Every output element is produced by one thread in slot order, so results are bit-identical
@@ -27,6 +28,10 @@ struct htp_expert_ws {
     int8_t *xq, *hq; /* q8 mode */
     float *xd, *hd;
     int32_t *xs, *hs;
+    size_t tok_cap;  /* q8 mode: rows the per-token quantized input below holds */
+    int8_t *tq;      /* [T][d]: every token's row quantized once per op, gathered per route */
+    float *td;
+    int32_t *ts;
 };
 
 typedef struct run_ctx {
@@ -59,6 +64,9 @@ static void ws_release(struct htp_expert_ws *g) {
     free(g->hd);
     free(g->xs);
     free(g->hs);
+    free(g->tq);
+    free(g->td);
+    free(g->ts);
     uint32_t *counts = g->counts;
     const uint32_t counts_cap = g->counts_cap;
     memset(g, 0, sizeof(*g));
@@ -128,12 +136,14 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
     /* (a) gather */
     htp_split(c->nr, ith, nth, &b, &e);
     for (uint32_t i = b; i < e; i++) {
-        const int32_t tok = c->tokens[c->r0 + (uint32_t)g->rec_route[i]];
-        const float *src = c->x + (size_t)tok * d;
-        if (c->q8)
-            isa->quantize_row_q8(src, d, g->xq + (size_t)i * d, g->xd + (size_t)i * db, g->xs + (size_t)i * db);
-        else
-            memcpy(g->xg + (size_t)i * d, src, (size_t)d * 4);
+        const size_t tok = (size_t)c->tokens[c->r0 + (uint32_t)g->rec_route[i]];
+        if (c->q8) { /* the token's row, quantized once for all its routes */
+            memcpy(g->xq + (size_t)i * d, g->tq + tok * d, d);
+            memcpy(g->xd + (size_t)i * db, g->td + tok * db, (size_t)db * 4);
+            memcpy(g->xs + (size_t)i * db, g->ts + tok * db, (size_t)db * 4);
+        } else {
+            memcpy(g->xg + (size_t)i * d, c->x + tok * d, (size_t)d * 4);
+        }
     }
     htp_barrier(c->pool);
 
@@ -207,6 +217,42 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
     }
 }
 
+typedef struct quant_ctx {
+    const htp_isa *isa;
+    const float *x;
+    uint32_t t, d;
+    int8_t *q;
+    float *qd;
+    int32_t *qs;
+} quant_ctx;
+
+static void quant_task(void *arg, uint32_t ith, uint32_t nth) {
+    const quant_ctx *c = (const quant_ctx *)arg;
+    const uint32_t db = c->d / 32;
+    uint32_t b, e;
+    htp_split(c->t, ith, nth, &b, &e);
+    for (uint32_t i = b; i < e; i++)
+        c->isa->quantize_row_q8(c->x + (size_t)i * c->d, c->d, c->q + (size_t)i * c->d,
+                                c->qd + (size_t)i * db, c->qs + (size_t)i * db);
+}
+
+/* q8 mode: room for T tokens' quantized rows (grown, kept between calls). */
+static htp_status ws_reserve_tokens(struct htp_expert_ws *g, size_t t, size_t d) {
+    if (t <= g->tok_cap && d <= g->d) return HTP_OK;
+    free(g->tq), free(g->td), free(g->ts);
+    g->tq = malloc(t * d);
+    g->td = malloc(t * d / 32 * 4);
+    g->ts = malloc(t * d / 32 * 4);
+    if (!g->tq || !g->td || !g->ts) {
+        free(g->tq), free(g->td), free(g->ts);
+        g->tq = NULL, g->td = NULL, g->ts = NULL;
+        g->tok_cap = 0;
+        return HTP_E_NOMEM;
+    }
+    g->tok_cap = t;
+    return HTP_OK;
+}
+
 /* Validated by the caller (htp_host_execute): shapes, formats, every index, the slot range
  * against the planes' registered sizes. */
 htp_status htp_exec_expert(htp_exec *ex, const htp_expert_params *p, uint32_t act,
@@ -240,6 +286,11 @@ htp_status htp_exec_expert(htp_exec *ex, const htp_expert_params *p, uint32_t ac
             return HTP_E_NOMEM;
     const int q8 = act == HTP_ACT_Q8;
     if (ws_reserve(g, C, d, ff, q8) != HTP_OK) return HTP_E_NOMEM;
+    if (q8) { /* each token's row once, however many experts it is routed to */
+        if (ws_reserve_tokens(g, p->n_tokens, g->d) != HTP_OK) return HTP_E_NOMEM;
+        quant_ctx qc = {ex->isa, x, p->n_tokens, d, g->tq, g->td, g->ts};
+        htp_parallel(ex->pool, quant_task, &qc);
+    }
     const uint32_t P = (uint32_t)max_slot + 1;
     /* Passes are runs of consecutive slots holding at most `capacity` routes (a slot with more
      * routes is cut into capacity-sized pieces of its routes in route order), so each pass
