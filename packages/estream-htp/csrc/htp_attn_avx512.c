@@ -95,7 +95,7 @@ HTP_T_AVX512 void htp_attn_task_avx512(const htp_attn_ctx *c, uint32_t task, flo
         m[i] = -INFINITY;
         l[i] = 0.0f;
     }
-    const uint32_t kend = c->causal ? i0 + ni : t;
+    const uint32_t kend = htp_attn_key_end(c, i0 + ni - 1);
     for (uint32_t j0 = 0; j0 < kend; j0 += BK) {
         const uint32_t nj = HTP_MIN(BK, kend - j0);
         for (uint32_t i = 0; i < ni; i += 4) {
@@ -103,7 +103,7 @@ HTP_T_AVX512 void htp_attn_task_avx512(const htp_attn_ctx *c, uint32_t task, flo
             qk_4x64(qs + (size_t)i * dk, dk, kt_head + (size_t)(j0 / BK) * dk * BK, ldk, s + (size_t)i * BK, nr);
         }
         for (uint32_t i = 0; i < ni; i++) {
-            const uint32_t lim = c->causal ? HTP_MIN(nj, (i0 + i + 1 > j0) ? i0 + i + 1 - j0 : 0) : nj;
+            const uint32_t lim = htp_attn_key_lim(c, i0 + i, j0, nj);
             const uint64_t bits = lim >= 64 ? ~0ull : ((1ull << lim) - 1ull);
             float *sr = s + (size_t)i * BK;
             __m512 vmx = _mm512_set1_ps(m[i]);
@@ -127,7 +127,7 @@ HTP_T_AVX512 void htp_attn_task_avx512(const htp_attn_ctx *c, uint32_t task, flo
                 for (uint32_t d = 0; d < dv; d += 16) _mm512_storeu_ps(oi + d, _mm512_mul_ps(_mm512_loadu_ps(oi + d), vc));
             }
         }
-        const float *vb = c->vp + ((size_t)hk * t + j0) * dv;
+        const float *vb = c->vp + ((size_t)hk * c->tk + j0) * dv;
         for (uint32_t i = 0; i < ni; i += 4) {
             const int nr = (int)HTP_MIN(4u, ni - i);
             for (uint32_t d0 = 0; d0 < dv; d0 += 64)
@@ -153,7 +153,7 @@ HTP_T_BF16 static inline __m512 f32_of(__m256i h) {
 
 /* K and V of every KV head into bf16 pairs (see htp_attn_ctx), rows split across threads. */
 HTP_T_BF16 void htp_attn_bf16_pack_avx512(const htp_attn_ctx *c, uint32_t ith, uint32_t nth) {
-    const uint32_t BK = HTP_ATTN_BK, dk = c->dk, dv = c->dv, t = c->t;
+    const uint32_t BK = HTP_ATTN_BK, dk = c->dk, dv = c->dv, t = c->tk; /* key rows */
     const uint32_t dp = dk / 2;
     const size_t ks = (size_t)c->hkv * dk, vs = (size_t)c->hkv * dv;
     const uint32_t nblk = (uint32_t)c->kt_ld;
@@ -269,7 +269,7 @@ HTP_T_BF16 void htp_attn_bf16_task_avx512(const htp_attn_ctx *c, uint32_t task, 
         m[i] = -INFINITY;
         l[i] = 0.0f;
     }
-    const uint32_t kend = c->causal ? i0 + ni : t;
+    const uint32_t kend = htp_attn_key_end(c, i0 + ni - 1);
     for (uint32_t j0 = 0; j0 < kend; j0 += BK) {
         const uint32_t nj = HTP_MIN(BK, kend - j0);
         const uint32_t kb = j0 / BK;
@@ -278,7 +278,7 @@ HTP_T_BF16 void htp_attn_bf16_task_avx512(const htp_attn_ctx *c, uint32_t task, 
             qk_bf16_4x64(qw + (size_t)i * dp, dp, kw_head + (size_t)kb * dp * BK, s + (size_t)i * BK, nr);
         }
         for (uint32_t i = 0; i < ni; i++) {
-            const uint32_t lim = c->causal ? HTP_MIN(nj, (i0 + i + 1 > j0) ? i0 + i + 1 - j0 : 0) : nj;
+            const uint32_t lim = htp_attn_key_lim(c, i0 + i, j0, nj);
             const uint64_t bits = lim >= 64 ? ~0ull : ((1ull << lim) - 1ull);
             const float *sr = s + (size_t)i * BK;
             uint16_t *ph = (uint16_t *)(pw + (size_t)i * (BK / 2));
