@@ -200,9 +200,11 @@ def test_branches_and_batches_on_hexagon_match_host(any_arch, mode):
         with estream.load(any_arch, backend=backend, **kw) as eng:
             br = eng.prefill_branches(prefix, branches)
             batch = eng.prefill_batch(reqs, all_logits=True)
-            got[backend] = [br.prefix_logits, *br.branch_logits] + [
-                r.logits if hasattr(r, "logits") else r.prefix_logits for r in batch
-            ] + list(batch[1].branch_logits)
+            got[backend] = (
+                [br.prefix_logits, *br.branch_logits]
+                + [r.logits if hasattr(r, "logits") else r.prefix_logits for r in batch]
+                + list(batch[1].branch_logits)
+            )
     for a, b in zip(got["host"], got["hexagon"], strict=True):
         assert np.isfinite(b).all()
         assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)

@@ -131,7 +131,9 @@ class _RouteBuffers:
         return v
 
     def registered(self, a: np.ndarray) -> bool:
-        return a.flags.c_contiguous and self.backend._resolve(int(a.ctypes.data), a.nbytes) is not None
+        return (
+            a.flags.c_contiguous and self.backend._resolve(int(a.ctypes.data), a.nbytes) is not None
+        )
 
     def activation(self, name: str, a: np.ndarray) -> np.ndarray:
         return a if self.registered(a) else self.put(name, a)

@@ -1,7 +1,8 @@
 """estream-htp: the EStream kernel library (C behind a small stable ABI, wrapped with cffi).
 
 Ops (on a `Backend`: "host" in-process or "host-process" in an executor process): tile-major Q4_0/Q8_0 GEMM, the fused routed-expert op, RMSNorm, RoPE, attention, SiLU /
-SwiGLU, router top-k, embedding rows. See README.md for accuracy and performance figures.
+SwiGLU, router top-k, embedding rows, and the glue of a forward pass (add, mul, strided row
+copies, fill). See README.md for accuracy and performance figures.
 """
 
 from __future__ import annotations

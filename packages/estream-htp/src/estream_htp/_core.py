@@ -923,7 +923,12 @@ def _rows2d(a: Any, name: str, writeable: bool = False) -> tuple[np.ndarray, int
     if a.flags.c_contiguous:
         n = int(a.size)
         return a, (1 if n else 0), n, n
-    if a.ndim == 2 and a.strides[1] == 4 and a.strides[0] >= 4 * a.shape[1] and a.strides[0] % 4 == 0:
+    if (
+        a.ndim == 2
+        and a.strides[1] == 4
+        and a.strides[0] >= 4 * a.shape[1]
+        and a.strides[0] % 4 == 0
+    ):
         return a, a.shape[0], a.shape[1], a.strides[0] // 4
     raise HTPInputError(
         f"{name} must be C-contiguous or a 2-D view with contiguous rows (x[:, a:b]), got "
@@ -998,7 +1003,13 @@ def copy_rows(src: F32, dst: F32, rep: int = 1, *, backend: Backend | None = Non
         c = be.call(lib.HTP_OP_COPY_ROWS)
         c.what = "copy_rows"
         p = c.p.copy
-        p.rows, p.cols, p.ld_src, p.ld_dst, p.rep = _u32(rd, "rows"), _u32(cd, "cols"), lds, ldd, rep
+        p.rows, p.cols, p.ld_src, p.ld_dst, p.rep = (
+            _u32(rd, "rows"),
+            _u32(cd, "cols"),
+            lds,
+            ldd,
+            rep,
+        )
         c.ref_span(src, _span(rs, cs, lds))
         c.ref_span(dst, _span(rd, cd, ldd), "w")
         be.run(c)
@@ -1012,7 +1023,9 @@ def fill(out: np.ndarray, value: float = 0.0, *, backend: Backend | None = None)
     if not out.flags.c_contiguous or not out.flags.writeable:
         raise HTPInputError("out must be C-contiguous and writeable")
     if out.dtype == np.int32 and (
-        isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not -(2**31) <= value < 2**31
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or not -(2**31) <= value < 2**31
     ):
         raise HTPInputError(f"value must be an int32 for an int32 array, got {value!r}")
     bits = np.array([value], dtype=out.dtype).view(np.uint32)[0]

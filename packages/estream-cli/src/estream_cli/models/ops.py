@@ -759,8 +759,12 @@ class Ops:
             k = htp.rms_norm(k, self._w(w.k_norm), eps, self._out(k.shape), backend=be)
         elif w.qk_norm == "head":
             assert w.q_norm is not None and w.k_norm is not None  # checked at construction
-            q = htp.rms_norm_heads(q, self._w(w.q_norm), w.n_head, eps, self._out(q.shape), backend=be)  # type: ignore[arg-type]
-            k = htp.rms_norm_heads(k, self._w(w.k_norm), w.n_head_kv, eps, self._out(k.shape), backend=be)  # type: ignore[arg-type]
+            q = htp.rms_norm_heads(
+                q, self._w(w.q_norm), w.n_head, eps, self._out(q.shape), backend=be
+            )  # type: ignore[arg-type]
+            k = htp.rms_norm_heads(
+                k, self._w(w.k_norm), w.n_head_kv, eps, self._out(k.shape), backend=be
+            )  # type: ignore[arg-type]
         if w.qk_norm != "none":
             self._span("qk_norm", t0)
         q = np.ascontiguousarray(q.reshape(t, w.n_head, w.head_dim))
