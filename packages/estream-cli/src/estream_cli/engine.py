@@ -516,6 +516,7 @@ class Engine:
         except BaseException:
             if not self._closed:
                 self.experts.recover()
+            self.backend.trace = None  # the DSP queue of a failed pass is not kept
             raise
 
     def _forward_pass(

@@ -509,13 +509,13 @@ class Backend:
         with self._lock:
             b = self._handle()
             keep, after = c._finish(sync)
-            self.ops_submitted += 1
             out = ffi.new("uint64_t *")
             st = lib.htp_op_submit(b, c.desc, out)
             if st != lib.HTP_OK:
                 for fn in after:
                     fn()
                 self._check(st, c.what)
+            self.ops_submitted += 1
             f = Fence(self, int(out[0]), c.what, keep, after)
             self._pending.add(f)
             return f
