@@ -307,7 +307,8 @@ def hexagon(session: nox.Session) -> None:
     htp_tests = PKG / "estream-htp" / "tests"
     session.run(
         "python", "-m", "pytest", str(htp_tests / "test_hexagon.py"),
-        str(htp_tests / "test_backends.py"), "-k", "hexagon", "-q", "-p", "no:cacheprovider",
+        str(htp_tests / "test_backends.py"), str(htp_tests / "test_glue_ops.py"), "-k", "hexagon",
+        "-q", "-p", "no:cacheprovider",
         env={"HYPOTHESIS_PROFILE": "dev"},
     )  # fmt: skip
     _pytest(session, ROOT / "integration" / "test_hexagon.py")

@@ -116,7 +116,11 @@ typedef enum htp_opcode {
     HTP_OP_SWIGLU = 8,     /* ref: g, u, out */
     HTP_OP_ROUTER_TOPK = 9, /* ref: logits, bias (if has_bias), ids, weights */
     HTP_OP_CONV1D = 10,     /* ref: x, w, state (if has_state), out */
-    HTP_OP_MATMUL_F32 = 11  /* ref: x, w, y */
+    HTP_OP_MATMUL_F32 = 11, /* ref: x, w, y */
+    HTP_OP_ADD = 12,        /* ref: a, b, out (htp_binary_params) */
+    HTP_OP_MUL = 13,        /* ref: a, b, out (htp_binary_params) */
+    HTP_OP_COPY_ROWS = 14,  /* ref: src, dst */
+    HTP_OP_FILL = 15        /* ref: out */
 } htp_opcode;
 
 /* ---- backend and buffers ---- */
@@ -197,10 +201,14 @@ typedef struct htp_rope_params {
     float ext_factor, attn_factor, corr_low, corr_high;
 } htp_rope_params;
 
+/* t query rows attend to n_ctx + t key/value rows: query i sits at key position n_ctx + i, so
+ * causal attention lets it see keys 0 .. n_ctx + i (all the context, then its own segment up
+ * to itself: a branch continuing a prefix); n_ctx = 0 is plain self-attention over t rows. */
 typedef struct htp_attention_params {
     uint32_t t, n_q_heads, n_kv_heads, dk, dv, causal;
     float scale;
     uint32_t products; /* htp_products (appended: 0 is the original fp32 behaviour) */
+    uint32_t n_ctx;    /* appended: key rows before the first query's own row */
 } htp_attention_params;
 
 typedef struct htp_eltwise_params {
@@ -225,6 +233,26 @@ typedef struct htp_matmul_params {
     uint32_t t, k, n;
 } htp_matmul_params;
 
+/* fp32 element-wise add / multiply over rows with their own strides (views of wider rows):
+ * out[r * ldo + c] = a[r * lda + c] (+|*) b[r * ldb + c], r < rows, c < cols. */
+typedef struct htp_binary_params {
+    uint32_t rows, cols, lda, ldb, ldo;
+} htp_binary_params;
+
+/* A strided copy of 4-byte elements: dst[r * ld_dst + c] = src[(r / rep) * ld_src + c] for
+ * r < rows, c < cols (rep >= 1 repeats each source row rep times: a broadcast). Slices,
+ * head re-orderings and concatenations of activations; src and dst must not overlap. */
+typedef struct htp_copy_params {
+    uint32_t rows, cols, ld_src, ld_dst, rep;
+} htp_copy_params;
+
+/* out[i] = value for i < n (4-byte elements; value as fp32 bits). */
+typedef struct htp_fill_params {
+    uint64_t n;
+    uint32_t value;
+    uint32_t reserved;
+} htp_fill_params;
+
 typedef union htp_op_params {
     htp_gemm_params gemm;
     htp_expert_params expert;
@@ -236,6 +264,9 @@ typedef union htp_op_params {
     htp_router_params router;
     htp_conv1d_params conv1d;
     htp_matmul_params matmul;
+    htp_binary_params binary;
+    htp_copy_params copy;
+    htp_fill_params fill;
     uint8_t raw[64];
 } htp_op_params;
 
@@ -249,6 +280,13 @@ typedef struct htp_op_desc {
     htp_op_params p;
 } htp_op_desc;
 
+/* When the op of a fence ran, as CLOCK_MONOTONIC nanoseconds of this machine: submitted (by
+ * this process), started and completed (by the executing side: the executor process's clock,
+ * which is the same kernel clock for a process on this host, qemu-user included). */
+typedef struct htp_op_times {
+    uint64_t submitted_ns, started_ns, completed_ns, reserved;
+} htp_op_times;
+
 #ifdef __cplusplus
 }
 #endif
@@ -261,6 +299,7 @@ static_assert(sizeof(htp_expert_params) == 64, "htp_expert_params ABI");
 static_assert(sizeof(htp_op_params) == 64, "htp_op_params ABI");
 static_assert(sizeof(htp_rope_params) == 48, "htp_rope_params ABI");
 static_assert(sizeof(htp_op_desc) == 240, "htp_op_desc ABI");
+static_assert(sizeof(htp_op_times) == 32, "htp_op_times ABI");
 #elif defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
 _Static_assert(sizeof(htp_backend_desc) == 32, "htp_backend_desc ABI");
 _Static_assert(sizeof(htp_buffer_desc) == 32, "htp_buffer_desc ABI");
@@ -268,6 +307,7 @@ _Static_assert(sizeof(htp_ref) == 16, "htp_ref ABI");
 _Static_assert(sizeof(htp_expert_params) == 64, "htp_expert_params ABI");
 _Static_assert(sizeof(htp_op_params) == 64, "htp_op_params ABI");
 _Static_assert(sizeof(htp_op_desc) == 240, "htp_op_desc ABI");
+_Static_assert(sizeof(htp_op_times) == 32, "htp_op_times ABI");
 #endif
 
 #ifdef __cplusplus
@@ -302,6 +342,9 @@ htp_status htp_op_submit(htp_backend *backend, const htp_op_desc *op, uint64_t *
  * Returns HTP_E_TIMEOUT (fence still pending) or HTP_E_DEAD (executor gone). */
 htp_status htp_fence_wait(htp_backend *backend, uint64_t fence, uint32_t timeout_ms,
                           htp_status *op_status);
+/* htp_fence_wait that also returns the op's times. */
+htp_status htp_fence_wait_timed(htp_backend *backend, uint64_t fence, uint32_t timeout_ms,
+                                htp_status *op_status, htp_op_times *times);
 /* Submit + wait: the op's status. */
 htp_status htp_op_run(htp_backend *backend, const htp_op_desc *op);
 /* HOST backends: run one op whose references may also name n_tmp buffers registered for this

@@ -45,13 +45,13 @@ static void attn_worker(void *arg, uint32_t ith, uint32_t nth) {
                 float *dst = c->kt + (((size_t)hk * c->kt_ld + kb) * c->dk + d) * BK;
                 for (uint32_t jj = 0; jj < BK; jj++) {
                     const size_t j = kb * BK + jj;
-                    dst[jj] = j < c->t ? src[j * ks] : 0.0f;
+                    dst[jj] = j < c->tk ? src[j * ks] : 0.0f;
                 }
             }
         }
-        htp_split(c->hkv * c->t, ith, nth, &b, &e);
+        htp_split(c->hkv * c->tk, ith, nth, &b, &e);
         for (uint32_t rr = b; rr < e; rr++) {
-            const uint32_t hk = rr / c->t, j = rr % c->t;
+            const uint32_t hk = rr / c->tk, j = rr % c->tk;
             memcpy(c->vp + (size_t)rr * c->dv, c->v + (size_t)j * vs + (size_t)hk * c->dv, sizeof(float) * c->dv);
         }
         htp_barrier(c->pool);
@@ -69,13 +69,14 @@ htp_status htp_exec_attention(htp_exec *e, const htp_attention_params *p, const 
     if (t == 0) return HTP_OK;
     htp_attn_ctx c = {q, k, v, out, t, p->n_q_heads, p->n_kv_heads, p->dk, p->dv,
                       p->causal ? 1u : 0u, (t + HTP_ATTN_BQ - 1) / HTP_ATTN_BQ, p->scale,
-                      NULL, NULL, 0, p->products == HTP_PRODUCTS_BF16, NULL, NULL, e->pool, e->isa};
+                      NULL, NULL, 0, p->products == HTP_PRODUCTS_BF16, NULL, NULL, e->pool, e->isa,
+                      t + p->n_ctx, p->n_ctx};
     const size_t need = htp_attn_scratch_floats(&c) * sizeof(float);
     for (uint32_t i = 0; i < htp_pool_nth(e->pool); i++)
         if (!htp_scratch(e->pool, i, 1, need)) return HTP_E_NOMEM;
     const int aligned = c.dk % 16 == 0 && c.dv % 16 == 0;
     if (c.bf16 && aligned && e->isa->attention_bf16_task && htp_cpu_bf16()) {
-        c.kt_ld = ((size_t)t + HTP_ATTN_BK - 1) / HTP_ATTN_BK;
+        c.kt_ld = ((size_t)c.tk + HTP_ATTN_BK - 1) / HTP_ATTN_BK;
         /* re-laid K and V live in the backend's shared per-op buffer (kept between calls) */
         const size_t words = c.kt_ld * HTP_ATTN_BK * c.hkv / 2; /* per head dim pair / dim */
         c.kw = (uint32_t *)htp_scratch(e->pool, 0, 3, sizeof(uint32_t) * words * (c.dk + c.dv));
@@ -85,9 +86,9 @@ htp_status htp_exec_attention(htp_exec *e, const htp_attention_params *p, const 
         return HTP_OK;
     }
     if (e->isa->attention_wants_kt && aligned && !c.bf16) {
-        c.kt_ld = ((size_t)t + HTP_ATTN_BK - 1) / HTP_ATTN_BK;
+        c.kt_ld = ((size_t)c.tk + HTP_ATTN_BK - 1) / HTP_ATTN_BK;
         const size_t nk = c.kt_ld * HTP_ATTN_BK * c.hkv * c.dk;
-        c.kt = (float *)htp_scratch(e->pool, 0, 3, sizeof(float) * (nk + (size_t)t * c.hkv * c.dv));
+        c.kt = (float *)htp_scratch(e->pool, 0, 3, sizeof(float) * (nk + (size_t)c.tk * c.hkv * c.dv));
         if (!c.kt) return HTP_E_NOMEM;
         c.vp = c.kt + nk;
     }

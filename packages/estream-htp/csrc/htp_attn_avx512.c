@@ -69,80 +69,6 @@ HTP_T_AVX512 static inline void pv_4x64(const float *p, uint32_t nj, const float
         for (int c = 0; c < nc; c++) _mm512_storeu_ps(o + (size_t)r * ldo + 16 * c, acc[r][c]);
 }
 
-HTP_T_AVX512 void htp_attn_task_avx512(const htp_attn_ctx *c, uint32_t task, float *scratch) {
-    if (c->dk % 16 || c->dv % 16 || !c->kt) {
-        htp_attn_task_body(c, task, scratch);
-        return;
-    }
-    const uint32_t BQ = HTP_ATTN_BQ, BK = HTP_ATTN_BK;
-    const uint32_t h = task / c->n_qblk, qb = task % c->n_qblk;
-    const uint32_t hk = h / (c->hq / c->hkv);
-    const uint32_t dk = c->dk, dv = c->dv, t = c->t;
-    const uint32_t i0 = qb * BQ, ni = HTP_MIN(BQ, t - i0);
-    const size_t qstride = (size_t)c->hq * dk, vstride = dv, ostride = (size_t)c->hq * dv;
-    const size_t ldk = BK;
-    const float *kt_head = c->kt + (size_t)hk * c->kt_ld * dk * BK; /* [kblk][dk][BK] */
-    float *s = scratch;                    /* [BQ][64] */
-    float *o = s + (size_t)BQ * BK;        /* [BQ][dv] */
-    float *qs = o + (size_t)BQ * dv;       /* [BQ][dk] */
-    float m[HTP_ATTN_BQ], l[HTP_ATTN_BQ];
-    const __m512 vscale = _mm512_set1_ps(c->scale);
-    for (uint32_t i = 0; i < ni; i++) {
-        const float *qi = c->q + (size_t)(i0 + i) * qstride + (size_t)h * dk;
-        for (uint32_t d = 0; d < dk; d += 16)
-            _mm512_storeu_ps(qs + (size_t)i * dk + d, _mm512_mul_ps(_mm512_loadu_ps(qi + d), vscale));
-        for (uint32_t d = 0; d < dv; d += 16) _mm512_storeu_ps(o + (size_t)i * dv + d, _mm512_setzero_ps());
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
-    }
-    const uint32_t kend = c->causal ? i0 + ni : t;
-    for (uint32_t j0 = 0; j0 < kend; j0 += BK) {
-        const uint32_t nj = HTP_MIN(BK, kend - j0);
-        for (uint32_t i = 0; i < ni; i += 4) {
-            const int nr = (int)HTP_MIN(4u, ni - i);
-            qk_4x64(qs + (size_t)i * dk, dk, kt_head + (size_t)(j0 / BK) * dk * BK, ldk, s + (size_t)i * BK, nr);
-        }
-        for (uint32_t i = 0; i < ni; i++) {
-            const uint32_t lim = c->causal ? HTP_MIN(nj, (i0 + i + 1 > j0) ? i0 + i + 1 - j0 : 0) : nj;
-            const uint64_t bits = lim >= 64 ? ~0ull : ((1ull << lim) - 1ull);
-            float *sr = s + (size_t)i * BK;
-            __m512 vmx = _mm512_set1_ps(m[i]);
-            for (int cc = 0; cc < 4; cc++)
-                vmx = _mm512_mask_max_ps(vmx, (__mmask16)(bits >> (16 * cc)), vmx, _mm512_loadu_ps(sr + 16 * cc));
-            const float mx = _mm512_reduce_max_ps(vmx);
-            const __m512 vm = _mm512_set1_ps(mx);
-            __m512 vsum = _mm512_setzero_ps();
-            for (int cc = 0; cc < 4; cc++) {
-                const __mmask16 km = (__mmask16)(bits >> (16 * cc));
-                const __m512 pv = _mm512_maskz_mov_ps(km, exp_neg_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * cc), vm)));
-                _mm512_storeu_ps(sr + 16 * cc, pv);
-                vsum = _mm512_add_ps(vsum, pv);
-            }
-            const float corr = m[i] == -INFINITY ? 0.0f : htp_exp_neg(m[i] - mx);
-            l[i] = l[i] * corr + _mm512_reduce_add_ps(vsum);
-            m[i] = mx;
-            if (corr != 1.0f) {
-                const __m512 vc = _mm512_set1_ps(corr);
-                float *oi = o + (size_t)i * dv;
-                for (uint32_t d = 0; d < dv; d += 16) _mm512_storeu_ps(oi + d, _mm512_mul_ps(_mm512_loadu_ps(oi + d), vc));
-            }
-        }
-        const float *vb = c->vp + ((size_t)hk * t + j0) * dv;
-        for (uint32_t i = 0; i < ni; i += 4) {
-            const int nr = (int)HTP_MIN(4u, ni - i);
-            for (uint32_t d0 = 0; d0 < dv; d0 += 64)
-                pv_4x64(s + (size_t)i * BK, nj, vb + d0, vstride, o + (size_t)i * dv + d0, dv, nr,
-                        (int)HTP_MIN(64u, dv - d0));
-        }
-    }
-    for (uint32_t i = 0; i < ni; i++) {
-        float *dst = c->out + (size_t)(i0 + i) * ostride + (size_t)h * dv;
-        const __m512 inv = _mm512_set1_ps(1.0f / l[i]);
-        for (uint32_t d = 0; d < dv; d += 16)
-            _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)i * dv + d), inv));
-    }
-}
-
 /* ---- bf16 products ---- */
 /* 16 floats -> 16 bf16 (vcvtneps2bf16: nearest even, subnormals to zero, as htp_bf16_bits). */
 HTP_T_BF16 static inline __m256i bf16_of(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
@@ -153,7 +79,7 @@ HTP_T_BF16 static inline __m512 f32_of(__m256i h) {
 
 /* K and V of every KV head into bf16 pairs (see htp_attn_ctx), rows split across threads. */
 HTP_T_BF16 void htp_attn_bf16_pack_avx512(const htp_attn_ctx *c, uint32_t ith, uint32_t nth) {
-    const uint32_t BK = HTP_ATTN_BK, dk = c->dk, dv = c->dv, t = c->t;
+    const uint32_t BK = HTP_ATTN_BK, dk = c->dk, dv = c->dv, t = c->tk; /* key rows */
     const uint32_t dp = dk / 2;
     const size_t ks = (size_t)c->hkv * dk, vs = (size_t)c->hkv * dv;
     const uint32_t nblk = (uint32_t)c->kt_ld;
@@ -244,80 +170,14 @@ HTP_T_BF16 static inline void pv_bf16_4x64(const uint32_t *pw, uint32_t njp, con
         for (int cc = 0; cc < nc; cc++) _mm512_storeu_ps(o + (size_t)r * ldo + 16 * cc, acc[r][cc]);
 }
 
-HTP_T_BF16 void htp_attn_bf16_task_avx512(const htp_attn_ctx *c, uint32_t task, float *scratch) {
-    const uint32_t BQ = HTP_ATTN_BQ, BK = HTP_ATTN_BK;
-    const uint32_t h = task / c->n_qblk, qb = task % c->n_qblk;
-    const uint32_t hk = h / (c->hq / c->hkv);
-    const uint32_t dk = c->dk, dv = c->dv, t = c->t, dp = dk / 2;
-    const uint32_t i0 = qb * BQ, ni = HTP_MIN(BQ, t - i0);
-    const size_t qstride = (size_t)c->hq * dk, ostride = (size_t)c->hq * dv;
-    const uint32_t nblk = (uint32_t)c->kt_ld;
-    const uint32_t *kw_head = c->kw + (size_t)hk * nblk * dp * BK;       /* [kblk][dp][BK] */
-    const uint32_t *vw_head = c->vw + (size_t)hk * nblk * (BK / 2) * dv; /* [kblk][BK/2][dv] */
-    float *s = scratch;                               /* [BQ][BK] scores */
-    float *o = s + (size_t)BQ * BK;                   /* [BQ][dv] */
-    uint32_t *qw = (uint32_t *)(o + (size_t)BQ * dv); /* [BQ][dp] */
-    uint32_t *pw = qw + (size_t)BQ * dp;              /* [BQ][BK/2] */
-    float m[HTP_ATTN_BQ], l[HTP_ATTN_BQ];
-    const __m512 vscale = _mm512_set1_ps(c->scale);
-    for (uint32_t i = 0; i < ni; i++) {
-        const float *qi = c->q + (size_t)(i0 + i) * qstride + (size_t)h * dk;
-        uint16_t *qh = (uint16_t *)(qw + (size_t)i * dp);
-        for (uint32_t d = 0; d < dk; d += 16)
-            _mm256_storeu_si256((__m256i *)(qh + d), bf16_of(_mm512_mul_ps(_mm512_loadu_ps(qi + d), vscale)));
-        for (uint32_t d = 0; d < dv; d += 16) _mm512_storeu_ps(o + (size_t)i * dv + d, _mm512_setzero_ps());
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
-    }
-    const uint32_t kend = c->causal ? i0 + ni : t;
-    for (uint32_t j0 = 0; j0 < kend; j0 += BK) {
-        const uint32_t nj = HTP_MIN(BK, kend - j0);
-        const uint32_t kb = j0 / BK;
-        for (uint32_t i = 0; i < ni; i += 4) {
-            const int nr = (int)HTP_MIN(4u, ni - i);
-            qk_bf16_4x64(qw + (size_t)i * dp, dp, kw_head + (size_t)kb * dp * BK, s + (size_t)i * BK, nr);
-        }
-        for (uint32_t i = 0; i < ni; i++) {
-            const uint32_t lim = c->causal ? HTP_MIN(nj, (i0 + i + 1 > j0) ? i0 + i + 1 - j0 : 0) : nj;
-            const uint64_t bits = lim >= 64 ? ~0ull : ((1ull << lim) - 1ull);
-            const float *sr = s + (size_t)i * BK;
-            uint16_t *ph = (uint16_t *)(pw + (size_t)i * (BK / 2));
-            __m512 vmx = _mm512_set1_ps(m[i]);
-            for (int cc = 0; cc < 4; cc++)
-                vmx = _mm512_mask_max_ps(vmx, (__mmask16)(bits >> (16 * cc)), vmx, _mm512_loadu_ps(sr + 16 * cc));
-            const float mx = _mm512_reduce_max_ps(vmx);
-            const __m512 vm = _mm512_set1_ps(mx);
-            __m512 vsum = _mm512_setzero_ps();
-            for (int cc = 0; cc < 4; cc++) {
-                const __mmask16 km = (__mmask16)(bits >> (16 * cc));
-                const __m512 pv = _mm512_maskz_mov_ps(km, exp_neg_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * cc), vm)));
-                const __m256i pb = bf16_of(pv);
-                _mm256_storeu_si256((__m256i *)(ph + 16 * cc), pb);
-                vsum = _mm512_add_ps(vsum, f32_of(pb)); /* the weights actually applied */
-            }
-            const float corr = m[i] == -INFINITY ? 0.0f : htp_exp_neg(m[i] - mx);
-            l[i] = l[i] * corr + _mm512_reduce_add_ps(vsum);
-            m[i] = mx;
-            if (corr != 1.0f) {
-                const __m512 vc = _mm512_set1_ps(corr);
-                float *oi = o + (size_t)i * dv;
-                for (uint32_t d = 0; d < dv; d += 16) _mm512_storeu_ps(oi + d, _mm512_mul_ps(_mm512_loadu_ps(oi + d), vc));
-            }
-        }
-        const uint32_t *vb = vw_head + (size_t)kb * (BK / 2) * dv;
-        const uint32_t njp = (nj + 1) / 2;
-        for (uint32_t i = 0; i < ni; i += 4) {
-            const int nr = (int)HTP_MIN(4u, ni - i);
-            for (uint32_t d0 = 0; d0 < dv; d0 += 64)
-                pv_bf16_4x64(pw + (size_t)i * (BK / 2), njp, vb + d0, dv, o + (size_t)i * dv + d0, dv, nr,
-                             (int)HTP_MIN(64u, dv - d0));
-        }
-    }
-    for (uint32_t i = 0; i < ni; i++) {
-        float *dst = c->out + (size_t)(i0 + i) * ostride + (size_t)h * dv;
-        const __m512 inv = _mm512_set1_ps(1.0f / l[i]);
-        for (uint32_t d = 0; d < dv; d += 16)
-            _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)i * dv + d), inv));
-    }
-}
+/* The two task kernels: one body (htp_attn_avx512_task.h), instantiated per product kind. */
+#define ATTN_NAME htp_attn_task_avx512
+#define ATTN_TARGET HTP_T_AVX512
+#define ATTN_BF16 0
+#include "htp_attn_avx512_task.h"
+
+#define ATTN_NAME htp_attn_bf16_task_avx512
+#define ATTN_TARGET HTP_T_BF16
+#define ATTN_BF16 1
+#include "htp_attn_avx512_task.h"
 #endif

@@ -62,7 +62,7 @@ HTP_INLINE void htp_attn_task_body(const htp_attn_ctx *c, uint32_t task, float *
         m[i] = -INFINITY;
         l[i] = 0.0f;
     }
-    const uint32_t kend = c->causal ? i0 + ni : c->t;
+    const uint32_t kend = htp_attn_key_end(c, i0 + ni - 1);
     for (uint32_t j0 = 0; j0 < kend; j0 += BK) {
         const uint32_t nj = HTP_MIN(BK, kend - j0);
         for (uint32_t j = 0; j < nj; j++) {
@@ -84,7 +84,7 @@ HTP_INLINE void htp_attn_task_body(const htp_attn_ctx *c, uint32_t task, float *
                 for (uint32_t j = 0; j < BK; j++) sr[j] += qv * kr[j];
             }
             /* valid keys for row i: j0 + j < kend_i */
-            const uint32_t lim = c->causal ? HTP_MIN(nj, (i0 + i + 1 > j0) ? i0 + i + 1 - j0 : 0) : nj;
+            const uint32_t lim = htp_attn_key_lim(c, i0 + i, j0, nj);
             float mx = m[i];
             for (uint32_t j = 0; j < lim; j++) mx = sr[j] > mx ? sr[j] : mx;
             float *srow = s + (size_t)i * BK;

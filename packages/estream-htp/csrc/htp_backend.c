@@ -23,7 +23,14 @@ typedef struct htp_done {
     uint64_t fence;
     int32_t status;
     uint32_t consumed;
+    htp_op_times times;
 } htp_done;
+
+static uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 
 struct htp_backend {
     uint32_t kind;
@@ -263,6 +270,10 @@ static uint32_t refs_of(const htp_op_desc *op) {
     case HTP_OP_ROUTER_TOPK: return op->p.router.has_bias ? 4 : 3;
     case HTP_OP_CONV1D: return op->p.conv1d.has_state ? 4 : 3;
     case HTP_OP_MATMUL_F32: return 3;
+    case HTP_OP_ADD:
+    case HTP_OP_MUL: return 3;
+    case HTP_OP_COPY_ROWS: return 2;
+    case HTP_OP_FILL: return 1;
     default: return UINT32_MAX;
     }
 }
@@ -356,6 +367,19 @@ static htp_status exec_get_rows(htp_backend *b, const htp_op_desc *op) {
     return HTP_OK;
 }
 
+/* Bytes spanned by `rows` rows of `cols` 4-byte elements, `ld` elements apart (ld >= cols). */
+static uint64_t span_bytes(uint32_t rows, uint32_t cols, uint32_t ld) {
+    if (!rows || !cols) return 0;
+    uint64_t r;
+    if (!mul_ok((uint64_t)rows - 1, ld, &r) || r > UINT64_MAX / 8) return UINT64_MAX;
+    return (r + cols) * 4;
+}
+
+static int overlaps(const void *a, uint64_t na, const void *b, uint64_t nb) {
+    const uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return na && nb && x < y + nb && y < x + na;
+}
+
 htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
     const uint32_t n = refs_of(op);
     if (n == UINT32_MAX) return HTP_E_BAD_OP;
@@ -421,9 +445,11 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
             return HTP_E_INVALID;
         const float *q, *k, *v;
         float *out;
+        const uint64_t tk = (uint64_t)p->t + p->n_ctx; /* key rows */
+        if (tk > UINT32_MAX) return HTP_E_INVALID;
         GET(0, nbytes(nbytes3(p->t, p->n_q_heads, 1), (uint64_t)p->dk * 4), RD, 4, q);
-        GET(1, nbytes(nbytes3(p->t, p->n_kv_heads, 1), (uint64_t)p->dk * 4), RD, 4, k);
-        GET(2, nbytes(nbytes3(p->t, p->n_kv_heads, 1), (uint64_t)p->dv * 4), RD, 4, v);
+        GET(1, nbytes(nbytes3(tk, p->n_kv_heads, 1), (uint64_t)p->dk * 4), RD, 4, k);
+        GET(2, nbytes(nbytes3(tk, p->n_kv_heads, 1), (uint64_t)p->dv * 4), RD, 4, v);
         GET(3, nbytes(nbytes3(p->t, p->n_q_heads, 1), (uint64_t)p->dv * 4), WR, 4, out);
         return htp_exec_attention(&b->ex, p, q, k, v, out);
     }
@@ -474,6 +500,40 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
         GET(2, nbytes3(p->t, p->n, 4), WR, 4, y);
         return htp_exec_matmul_f32(&b->ex, p, x, w, y);
     }
+    case HTP_OP_ADD:
+    case HTP_OP_MUL: {
+        const htp_binary_params *p = &op->p.binary;
+        if (p->lda < p->cols || p->ldb < p->cols || p->ldo < p->cols) return HTP_E_INVALID;
+        const float *x, *y;
+        float *out;
+        GET(0, span_bytes(p->rows, p->cols, p->lda), RD, 4, x);
+        GET(1, span_bytes(p->rows, p->cols, p->ldb), RD, 4, y);
+        GET(2, span_bytes(p->rows, p->cols, p->ldo), WR, 4, out);
+        htp_exec_binary(op->opcode, p, x, y, out);
+        return HTP_OK;
+    }
+    case HTP_OP_COPY_ROWS: {
+        const htp_copy_params *p = &op->p.copy;
+        if (!p->rep || p->ld_src < p->cols || p->ld_dst < p->cols) return HTP_E_INVALID;
+        const uint32_t src_rows = p->rows ? (p->rows - 1) / p->rep + 1 : 0;
+        const uint64_t ns = span_bytes(src_rows, p->cols, p->ld_src);
+        const uint64_t nd = span_bytes(p->rows, p->cols, p->ld_dst);
+        const uint32_t *src;
+        uint32_t *dst;
+        GET(0, ns, RD, 4, src);
+        GET(1, nd, WR, 4, dst);
+        if (overlaps(src, ns, dst, nd)) return HTP_E_INVALID;
+        htp_exec_copy_rows(p, src, dst);
+        return HTP_OK;
+    }
+    case HTP_OP_FILL: {
+        const htp_fill_params *p = &op->p.fill;
+        if (p->reserved) return HTP_E_BAD_OP;
+        uint32_t *out;
+        GET(0, nbytes(p->n, 4), WR, 4, out);
+        htp_exec_fill(p, out);
+        return HTP_OK;
+    }
     default: return HTP_E_BAD_OP;
     }
 }
@@ -493,8 +553,12 @@ htp_status htp_op_submit(htp_backend *b, const htp_op_desc *op, uint64_t *fence)
             st = HTP_E_CAPACITY; /* HTP_QUEUE_DEPTH completions nobody has waited for */
         } else {
             htp_op_desc local;
+            slot->times.submitted_ns = mono_ns();
             memcpy(&local, op, sizeof local);
+            slot->times.started_ns = mono_ns();
             slot->status = (int32_t)htp_host_execute(b, &local);
+            slot->times.completed_ns = mono_ns();
+            slot->times.reserved = 0;
             slot->fence = f;
             slot->consumed = 0;
             b->next_fence = f;
@@ -507,11 +571,16 @@ htp_status htp_op_submit(htp_backend *b, const htp_op_desc *op, uint64_t *fence)
 }
 
 htp_status htp_fence_wait(htp_backend *b, uint64_t fence, uint32_t timeout_ms, htp_status *op_status) {
+    return htp_fence_wait_timed(b, fence, timeout_ms, op_status, NULL);
+}
+
+htp_status htp_fence_wait_timed(htp_backend *b, uint64_t fence, uint32_t timeout_ms,
+                                htp_status *op_status, htp_op_times *times) {
     if (!b || !op_status) return HTP_E_INVALID;
     enter(b);
     htp_status st;
     if (b->kind == HTP_BACKEND_REMOTE) {
-        st = htp_remote_wait(b->remote, fence, timeout_ms, op_status);
+        st = htp_remote_wait(b->remote, fence, timeout_ms, op_status, times);
     } else {
         htp_done *slot = &b->done[(fence ? fence - 1 : 0) % HTP_QUEUE_DEPTH];
         if (fence == 0 || fence > b->next_fence || slot->fence != fence || slot->consumed) {
@@ -519,6 +588,7 @@ htp_status htp_fence_wait(htp_backend *b, uint64_t fence, uint32_t timeout_ms, h
         } else {
             slot->consumed = 1;
             *op_status = (htp_status)slot->status;
+            if (times) *times = slot->times;
             st = HTP_OK;
         }
     }

@@ -388,6 +388,31 @@ htp_status htp_exec_conv1d(const htp_conv1d_params *p, const float *x, const flo
     return HTP_OK;
 }
 
+/* ---- element-wise add / multiply, strided copy, fill (validated by the caller) ----
+ * One portable body each for every ISA and backend: contiguous inner loops the compiler
+ * vectorises; one rounding per element, so every backend gives the same bits (and numpy's
+ * float32 a + b / a * b the same too). */
+void htp_exec_binary(uint32_t opcode, const htp_binary_params *p, const float *a, const float *b,
+                     float *out) {
+    for (size_t r = 0; r < p->rows; r++) {
+        const float *ar = a + r * p->lda, *br = b + r * p->ldb;
+        float *o = out + r * p->ldo;
+        if (opcode == HTP_OP_ADD)
+            for (size_t c = 0; c < p->cols; c++) o[c] = ar[c] + br[c];
+        else
+            for (size_t c = 0; c < p->cols; c++) o[c] = ar[c] * br[c];
+    }
+}
+
+void htp_exec_copy_rows(const htp_copy_params *p, const uint32_t *src, uint32_t *dst) {
+    for (size_t r = 0; r < p->rows; r++)
+        memcpy(dst + r * p->ld_dst, src + (r / p->rep) * p->ld_src, (size_t)p->cols * 4);
+}
+
+void htp_exec_fill(const htp_fill_params *p, uint32_t *out) {
+    for (uint64_t i = 0; i < p->n; i++) out[i] = p->value;
+}
+
 /* ---- fp32 matmul (validated by the caller): token rows split across the pool; each output
  * is summed over k in order, so results do not depend on the thread count ---- */
 typedef struct matmul_ctx {

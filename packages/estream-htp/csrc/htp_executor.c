@@ -80,8 +80,11 @@ int htp_executor_serve(int sock) {
             if (atomic_load_explicit(&q->submitted, memory_order_acquire) > done) {
                 queue_slot *slot = &q->slot[done % HTP_QUEUE_DEPTH];
                 htp_op_desc op;
+                const uint64_t t0 = now_ns();
                 memcpy(&op, &slot->op, sizeof op); /* validated and run from a private copy */
                 slot->status = (int32_t)htp_op_run(b, &op);
+                slot->started_ns = t0;
+                slot->completed_ns = now_ns();
                 atomic_store_explicit(&q->completed, ++done, memory_order_release);
                 atomic_thread_fence(memory_order_seq_cst);
                 if (atomic_load_explicit(&q->host_waiting, memory_order_relaxed)) {

@@ -113,7 +113,19 @@ typedef struct htp_attn_ctx {
     uint32_t *kw, *vw;
     htp_pool *pool;
     const struct htp_isa *isa;
+    uint32_t tk;   /* key/value rows: n_ctx + t (t counts the queries) */
+    uint32_t kofs; /* n_ctx: query i sits at key position kofs + i */
 } htp_attn_ctx;
+
+/* Keys query row i (0-based among the queries) may see: [0, end). */
+static inline uint32_t htp_attn_key_end(const htp_attn_ctx *c, uint32_t i) {
+    return c->causal ? c->kofs + i + 1 : c->tk;
+}
+/* Of key block [j0, j0 + nj), how many keys query row i sees. */
+static inline uint32_t htp_attn_key_lim(const htp_attn_ctx *c, uint32_t i, uint32_t j0, uint32_t nj) {
+    const uint32_t end = htp_attn_key_end(c, i);
+    return end > j0 ? HTP_MIN(nj, end - j0) : 0;
+}
 size_t htp_attn_scratch_floats(const htp_attn_ctx *c);
 
 /* fp32 -> bfloat16 bits, round to nearest even, subnormals to signed zero, NaN kept quiet (the
@@ -243,6 +255,10 @@ void htp_exec_rms_norm(htp_exec *e, const htp_rms_norm_params *p, const float *x
 htp_status htp_exec_rope(htp_exec *e, const htp_rope_params *p, float *x, const int32_t *pos);
 htp_status htp_exec_conv1d(const htp_conv1d_params *p, const float *x, const float *w,
                             const float *state, float *out);
+void htp_exec_binary(uint32_t opcode, const htp_binary_params *p, const float *a, const float *b,
+                     float *out);
+void htp_exec_copy_rows(const htp_copy_params *p, const uint32_t *src, uint32_t *dst);
+void htp_exec_fill(const htp_fill_params *p, uint32_t *out);
 htp_status htp_exec_matmul_f32(htp_exec *e, const htp_matmul_params *p, const float *x,
                                const float *w, float *y);
 htp_status htp_exec_router(const htp_router_params *p, const float *logits, const float *bias,
@@ -258,7 +274,7 @@ htp_status htp_remote_configure(htp_remote *r, uint32_t n_threads, uint32_t simd
                                 uint32_t *got_simd);
 htp_status htp_remote_submit(htp_remote *r, const htp_op_desc *op, uint64_t *fence);
 htp_status htp_remote_wait(htp_remote *r, uint64_t fence, uint32_t timeout_ms,
-                           htp_status *op_status);
+                           htp_status *op_status, htp_op_times *times);
 
 /* Run one descriptor on a HOST backend (validates every field and reference first). */
 htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op);

@@ -30,12 +30,15 @@ typedef struct ctl_msg {
 } ctl_msg;
 _Static_assert(sizeof(ctl_msg) == 48, "ctl_msg");
 
+/* started_ns / completed_ns: the executor's CLOCK_MONOTONIC around running the op (the DSP
+ * queue of a trace), written before `completed` is advanced past the slot. */
 typedef struct queue_slot {
     htp_op_desc op;
     int32_t status;
-    uint32_t reserved[3];
+    uint32_t reserved;
+    uint64_t started_ns, completed_ns;
 } queue_slot;
-_Static_assert(sizeof(queue_slot) == 256, "queue_slot");
+_Static_assert(sizeof(queue_slot) == 264, "queue_slot");
 
 typedef struct htp_queue {
     uint32_t magic, abi_version, depth, slot_bytes;

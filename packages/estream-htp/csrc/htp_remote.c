@@ -32,6 +32,7 @@ struct htp_remote {
     htp_queue *q;
     uint64_t submitted;
     uint64_t slot_fence[HTP_QUEUE_DEPTH];
+    uint64_t slot_submitted_ns[HTP_QUEUE_DEPTH];
     uint8_t consumed[HTP_QUEUE_DEPTH];
     int dead;
     uint32_t timeout_ms;
@@ -158,6 +159,8 @@ htp_status htp_remote_submit(htp_remote *r, const htp_op_desc *op, uint64_t *fen
     if (r->slot_fence[s] && !r->consumed[s]) return HTP_E_CAPACITY;
     memcpy(&r->q->slot[s].op, op, sizeof *op);
     r->q->slot[s].status = -1;
+    r->q->slot[s].started_ns = r->q->slot[s].completed_ns = 0;
+    r->slot_submitted_ns[s] = now_ns();
     atomic_store_explicit(&r->q->submitted, f, memory_order_release);
     r->submitted = f;
     r->slot_fence[s] = f;
@@ -183,7 +186,8 @@ static int peer_gone(int sock, short revents) {
     return 0;
 }
 
-htp_status htp_remote_wait(htp_remote *r, uint64_t f, uint32_t timeout_ms, htp_status *op_status) {
+htp_status htp_remote_wait(htp_remote *r, uint64_t f, uint32_t timeout_ms, htp_status *op_status,
+                           htp_op_times *times) {
     const uint32_t s = (uint32_t)((f ? f - 1 : 0) % HTP_QUEUE_DEPTH);
     if (f == 0 || f > r->submitted || r->slot_fence[s] != f || r->consumed[s]) return HTP_E_FENCE;
     htp_queue *q = r->q;
@@ -228,6 +232,12 @@ htp_status htp_remote_wait(htp_remote *r, uint64_t f, uint32_t timeout_ms, htp_s
         if (rc > 0 && peer_gone(r->sock, p[1].revents)) r->dead = 1;
     }
     *op_status = (htp_status)q->slot[s].status;
+    if (times) {
+        times->submitted_ns = r->slot_submitted_ns[s];
+        times->started_ns = q->slot[s].started_ns;
+        times->completed_ns = q->slot[s].completed_ns;
+        times->reserved = 0;
+    }
     r->consumed[s] = 1;
     return HTP_OK;
 }

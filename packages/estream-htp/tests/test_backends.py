@@ -294,6 +294,66 @@ def test_conv1d_descriptor_checked_executor_side(kind: str, corrupt: str) -> Non
         htp.nop(backend=be)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "corrupt",
+    ["add_ld", "add_rows", "copy_rep", "copy_ld", "copy_rows", "fill_reserved", "fill_n", "ctx"],
+)
+def test_glue_op_descriptors_checked_executor_side(kind: str, corrupt: str) -> None:
+    """add/mul, copy_rows, fill and attention's context: every malformed field or reference
+    reaching past its buffer is refused by the executing side with nothing written."""
+    with htp.Backend(kind, n_threads=1) as be:
+        a = be.share(np.ones((6, 40), np.float32))
+        y = be.empty((6, 40), np.float32)
+        y[...] = np.nan
+        op = corrupt.split("_")[0]
+        if op == "add":
+            c = _raw(be, lib.HTP_OP_ADD)
+            p = c.p.binary
+            p.rows, p.cols, p.lda, p.ldb, p.ldo = 6, 40, 40, 40, 40
+            c.ref(a).ref(a).ref(y, "w")
+        elif op == "copy":
+            c = _raw(be, lib.HTP_OP_COPY_ROWS)
+            p = c.p.copy
+            p.rows, p.cols, p.ld_src, p.ld_dst, p.rep = 6, 40, 40, 40, 1
+            c.ref(a).ref(y, "w")
+        elif op == "fill":
+            c = _raw(be, lib.HTP_OP_FILL)
+            c.p.fill.n = 240
+            c.ref(y, "w")
+        else:
+            q = be.share(np.ones((2, 2, 16), np.float32))
+            y = be.empty((2, 2, 16), np.float32)
+            y[...] = np.nan
+            c = _raw(be, lib.HTP_OP_ATTENTION)
+            p = c.p.attention
+            p.t, p.n_q_heads, p.n_kv_heads, p.dk, p.dv, p.causal, p.scale = 2, 2, 2, 16, 16, 1, 1.0
+            c.ref(q).ref(q).ref(q).ref(y, "w")
+        c._finish(sync=True)
+        c._ops.clear()
+        d = c.desc.p
+        if corrupt == "add_ld":
+            d.binary.ldo = 39  # rows would overlap
+        elif corrupt == "add_rows":
+            d.binary.rows = 1000  # far past the buffers
+        elif corrupt == "copy_rep":
+            d.copy.rep = 0
+        elif corrupt == "copy_ld":
+            d.copy.ld_src = 10
+        elif corrupt == "copy_rows":
+            d.copy.rows, d.copy.rep = 1000, 1  # far past the buffers
+        elif corrupt == "fill_reserved":
+            d.fill.reserved = 1
+        elif corrupt == "fill_n":
+            d.fill.n = 10**9
+        else:
+            d.attention.n_ctx = 10**6  # k, v hold 2 rows
+        with pytest.raises(htp.HTPError):
+            be.run(c)
+        assert np.isnan(y).all(), "a rejected op wrote its output"
+        htp.nop(backend=be)
+
+
 # ---------------------------------------------------------------------- fences
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_completion_is_delivered_once_and_depth_is_bounded(kind: str) -> None:

@@ -254,6 +254,48 @@ def _rel_max(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a.astype(np.float64) - b) / np.maximum(np.abs(b), 1e-30)))
 
 
+def test_glue_ops_bit_exact(host: htp.Backend, hexagon: htp.Backend) -> None:
+    """The ops of the full-accelerator pass: add/mul on row-strided views, copy_rows with a
+    broadcast, fill, attention of a segment continuing a context (f32 and bf16 products)."""
+    rng = np.random.default_rng(17)
+    base = rng.standard_normal((11, 77)).astype(np.float32)
+    q = rng.standard_normal((13, 4, 24)).astype(np.float32)
+    kv = rng.standard_normal((13 + 37, 2, 24)).astype(np.float32)
+    outs = []
+    for be in (host, hexagon):
+        x = be.share(base) if be.kind != "host" else base
+        r = []
+        for fn in (htp.add, htp.mul):
+            o = be.empty((11, 77), np.float32) if be.kind != "host" else _nan((11, 77))
+            o[...] = np.nan
+            fn(x[:, :25], x[:, 50:75], o[:, 3:28], backend=be)
+            r.append(np.array(o))
+        d = be.empty((33, 30), np.float32) if be.kind != "host" else _nan((33, 30))
+        d[...] = np.nan
+        htp.copy_rows(x[:, 40:69], d[:, 1:], 3, backend=be)
+        r.append(np.array(d))
+        f = be.empty(1000, np.float32) if be.kind != "host" else _nan((1000,))
+        f[...] = np.nan
+        htp.fill(f[1:-1], 3.25, backend=be)
+        r.append(np.array(f))
+        qq, kk = (be.share(a) for a in (q, kv)) if be.kind != "host" else (q, kv)
+        for products in ("f32", "bf16"):
+            o = be.empty((13, 4, 24), np.float32) if be.kind != "host" else _nan((13, 4, 24))
+            o[...] = np.nan
+            htp.attention(qq, kk, kk, 0.3, True, o, products=products, context=37, backend=be)
+            r.append(np.array(o))
+        outs.append(r)
+    for a, b in zip(*outs, strict=True):
+        assert _same(a, b)
+    ref = base[:, :25].astype(np.float64) + base[:, 50:75]
+    assert np.array_equal(outs[1][0][:, 3:28], ref.astype(np.float32))
+    assert np.isnan(outs[1][0][:, :3]).all() and np.isnan(outs[1][0][:, 28:]).all()
+    assert np.array_equal(outs[1][2][:, 1:], np.repeat(base[:, 40:69], 3, axis=0))
+    assert (outs[1][3][1:-1] == 3.25).all() and np.isnan(outs[1][3][[0, -1]]).all()
+    ref_att = T.ref_attention(q, kv, kv, 0.3, True, context=37)
+    assert T.rel_l2(outs[1][4], ref_att) < 1e-5 and T.rel_l2(outs[1][5], ref_att) < 1e-2
+
+
 @pytest.mark.parametrize("mode", ["normal", "neox"])
 @pytest.mark.parametrize("yarn", [False, True])
 def test_rope_within_1e6_of_host(

@@ -31,7 +31,7 @@ from .errors import BadRequestError, NonFiniteError
 from .experts import SCHEDULES, ExpertSource, GroupRecord, ResidentExperts, StreamedExperts
 from .metrics import build_events, op_times, run_metrics
 from .models import architecture
-from .models.ops import Ops, SeqLayout
+from .models.ops import ActivationPool, Ops, SeqLayout
 from .packed import PackedModel
 
 __all__ = [
@@ -236,6 +236,12 @@ class Engine:
         )
         # dense weights registered with the backend (dense_ops="backend"), on first use
         self._dense_shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # activations in memory registered with an executor backend (dense_ops="backend")
+        self._pool = (
+            ActivationPool(self.backend)
+            if dense_ops == "backend" and self.backend.kind != "host"
+            else None
+        )
         try:
             self.experts: ExpertSource
             if self.config is None:
@@ -510,6 +516,7 @@ class Engine:
         except BaseException:
             if not self._closed:
                 self.experts.recover()
+            self.backend.trace = None  # the DSP queue of a failed pass is not kept
             raise
 
     def _forward_pass(
@@ -529,6 +536,7 @@ class Engine:
         memory.reset_peak()
         # Per-request bookkeeping only: a long-lived engine must not grow without bound.
         self.experts.reset()
+        pool = self._pool
         ops = Ops(
             hp,
             self.experts,
@@ -536,11 +544,21 @@ class Engine:
             backend=self.backend if self.dense_ops == "backend" else None,
             shared=self._dense_shared,
             attn_products=self.attention,
+            pool=pool,
         )
         spans: list[tuple[str, int, float, float]] = []
         op_spans: list[tuple[str, int, float, float]] = []
         show = self.progress and sys.stderr.isatty()
+        be = self.backend
+        remote = be.kind != "host"
+        if remote:  # the DSP queue of the trace: every op the executor runs, with its times
+            be.trace = []
+            be.reset_stats()
         t_start = time.perf_counter()
+        if pool is not None:
+            pool.begin_pass()
+            pos = ops.input(pos)
+        ops.begin_stage()
         x = ops.embed(self.weights.head, ids)
         op_spans += [(name, -1, s0, s1) for name, s0, s1 in ops.op_spans]
         ops.op_spans.clear()
@@ -549,6 +567,7 @@ class Engine:
             t0 = time.perf_counter()
             if moe_layer is not None:
                 self.experts.begin_layer(moe_layer)  # reads start before attention
+            ops.begin_stage()
             x = self.arch.layer(ops, hp, w, x, pos)
             if moe_layer is not None:
                 self.experts.end_layer()
@@ -566,11 +585,15 @@ class Engine:
         t0 = time.perf_counter()
         head = self.weights.head
         _check_finite(x)
-        hn = ops.rms_norm(np.ascontiguousarray(x if rows is None else x[rows]), head.norm)
+        ops.begin_stage()
+        hn = ops.rms_norm(ops.take_rows(x, rows), head.norm)
         out = ops.output(head, hn, out_spans)
         hidden = None
         if return_hidden:
             hidden = hn if rows is None else ops.rms_norm(x, head.norm)
+        if pool is not None:  # the results leave the pool, which the next pass reuses
+            out = np.array(out)
+            hidden = None if hidden is None else np.array(hidden)
         t_end = time.perf_counter()
         spans.append(("output", -1, t0, t_end))
         op_spans += [(name, -1, s0, s1) for name, s0, s1 in ops.op_spans]
@@ -593,7 +616,13 @@ class Engine:
                 t_ne[layer] += s1 - s0
         metrics["layer_t_ne_s"] = t_ne
         metrics["op_time_s"] = op_times(op_spans)
-        events = build_events(t_start, spans, records, reads, op_spans)
+        dsp: list[tuple[str, float, float, float]] = []
+        if remote:
+            dsp, be.trace = be.trace or [], None
+            metrics.update({f"backend_{k}": v for k, v in be.stats().items()})
+            if pool is not None:
+                metrics["activation_pool_bytes"] = pool.nbytes
+        events = build_events(t_start, spans, records, reads, op_spans, dsp)
         extra = {"events": events, "records": records, "reads": list(reads)}
         return out, hidden, metrics, extra
 

@@ -112,6 +112,33 @@ class ExpertSource(Protocol):
     def close(self) -> None: ...
 
 
+class _RouteBuffers:
+    """Route arrays (tokens, experts, weights, slot maps: the expert op's descriptor data,
+    made on the host from the router's output) copied into cached shared buffers an executor
+    reads in place, grown when too small; activations already in registered memory are used
+    as they are."""
+
+    def __init__(self, backend: htp.Backend) -> None:
+        self.backend = backend
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def put(self, name: str, a: np.ndarray) -> np.ndarray:
+        buf = self._bufs.get(name)
+        if buf is None or buf.size < a.size or buf.dtype != a.dtype:
+            buf = self._bufs[name] = self.backend.empty(max(a.size, 1), a.dtype)
+        v = buf[: a.size].reshape(a.shape)
+        v[...] = a
+        return v
+
+    def registered(self, a: np.ndarray) -> bool:
+        return (
+            a.flags.c_contiguous and self.backend._resolve(int(a.ctypes.data), a.nbytes) is not None
+        )
+
+    def activation(self, name: str, a: np.ndarray) -> np.ndarray:
+        return a if self.registered(a) else self.put(name, a)
+
+
 class ResidentExperts:
     """All experts read into memory once: the I/O-free reference point (same kernels)."""
 
@@ -136,6 +163,7 @@ class ResidentExperts:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 raise ChecksumError(f"{model.path}: {problems[0]}{more}")
         self._base = self.pool.ctypes.data
+        self._routes = _RouteBuffers(graph.backend) if graph.backend.kind != "host" else None
 
     @property
     def memory_bytes(self) -> int:
@@ -165,7 +193,20 @@ class ResidentExperts:
         planes = tuple(self._base + layer.offset + off for off, _ in ext)
         strides = (layer.record_bytes,) * 3
         t0 = time.perf_counter()
-        self.graph.run(x, tokens, experts, w, layer.position, planes, strides, y)
+        slots = layer.position
+        rb = self._routes
+        if rb is not None:  # an executor: pass everything by reference, stage nothing
+            tokens, experts = rb.put("t", tokens), rb.put("e", experts)
+            w, slots = rb.put("w", w), rb.put("slots", slots)
+            x = rb.activation("x", x)
+            if not rb.registered(y):
+                ys = rb.put("y", y)
+                self.graph.run(x, tokens, experts, w, slots, planes, strides, ys)
+                y[...] = ys
+                t1 = time.perf_counter()
+                self.records.append(GroupRecord(layer.index, 0, int(tokens.size), t0, t0, t1))
+                return
+        self.graph.run(x, tokens, experts, w, slots, planes, strides, y)
         t1 = time.perf_counter()
         self.records.append(GroupRecord(layer.index, 0, int(tokens.size), t0, t0, t1))
 
@@ -226,7 +267,7 @@ class StreamedExperts:
         self._layer: ExpertLayer | None = None
         self._remote = self.graph.backend.kind != "host"
         self._buffers: list[int] = []
-        self._shared: dict[str, np.ndarray] = {}
+        self._routes = _RouteBuffers(self.graph.backend)
         if self._remote:
             try:
                 for j in range(3):
@@ -241,15 +282,6 @@ class StreamedExperts:
             except BaseException:
                 self.close()
                 raise
-
-    def _share(self, name: str, a: np.ndarray) -> np.ndarray:
-        """``a`` copied into a cached shared array (grown when too small) the executor reads."""
-        buf = self._shared.get(name)
-        if buf is None or buf.size < a.size or buf.dtype != a.dtype:
-            buf = self._shared[name] = self.graph.backend.empty(max(a.size, 1), a.dtype)
-        v = buf[: a.size].reshape(a.shape)
-        v[...] = a
-        return v
 
     def recover(self) -> None:
         """After a request failed half-way (a read or checksum error, Ctrl-C): stop its reads,
@@ -363,11 +395,14 @@ class StreamedExperts:
         routed: np.ndarray,
     ) -> None:
         """Submit each routed group's op; its bank is released at the op's completion fence."""
-        xs = self._share("x", x)
-        ts, es, ws = self._share("t", tokens), self._share("e", experts), self._share("w", w)
-        ys = self._share("y", np.zeros_like(y))
+        rb = self._routes
+        xs = rb.activation("x", x)
+        ts, es, ws = rb.put("t", tokens), rb.put("e", experts), rb.put("w", w)
+        # y in registered memory (the activation pool): the ops accumulate into it in place
+        direct = rb.registered(y)
+        ys = y if direct else rb.put("y", np.zeros_like(y))
         n_e = self._slot_of_expert.size
-        table = self._share("slots", np.full((max(len(routed), 1), n_e), -1, np.int32))
+        table = rb.put("slots", np.full((max(len(routed), 1), n_e), -1, np.int32))
         inflight: deque[tuple[Any, Any, int, float, float]] = deque()
         error: BaseException | None = None
 
@@ -415,7 +450,8 @@ class StreamedExperts:
                 retire()
         if error is not None:
             raise error
-        y += ys
+        if not direct:
+            y += ys
 
     def end_layer(self) -> None:
         self.loader.end_layer()

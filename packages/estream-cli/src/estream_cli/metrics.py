@@ -6,6 +6,8 @@
   intervals and T_exec the union of compute intervals.
 * Time by op: the summed duration of each kind of kernel call (q/k/v projections, attention,
   routed experts, output head, norms, ...), from the per-op spans the forward pass records.
+* DSP queue (executor backends): when each op was submitted, started and completed in the
+  executor process, from the times it returns with each completion.
 """
 
 from __future__ import annotations
@@ -67,11 +69,27 @@ def op_times(op_spans: list) -> dict[str, float]:
 
 
 def build_events(
-    t0: float, spans: list, records: list, reads: list, op_spans: list | None = None
+    t0: float,
+    spans: list,
+    records: list,
+    reads: list,
+    op_spans: list | None = None,
+    dsp_ops: list | None = None,
 ) -> list[es.TraceEvent]:
     """Timeline events (seconds from the start of the prefill) for Chrome trace export; the
-    per-op spans go on their own track ("ops") under the layer spans."""
+    per-op spans go on their own track ("ops") under the layer spans. ``dsp_ops``: the
+    executor's queue, ``(op, submitted, started, completed)`` per op in the host's clock
+    (`estream_htp.Backend.trace`): one event per op on the "dsp queue" track from start to
+    completion (its submission time in ``args``), and the time it waited in the queue
+    (submission to start) on "dsp queue (waiting)"."""
     ev: list[es.TraceEvent] = []
+    for i, (name, sub, start, end) in enumerate(dsp_ops or ()):
+        args = {"seq": i, "submitted_s": sub - t0, "queued_us": (start - sub) * 1e6}
+        ev.append(es.TraceEvent(name, "dsp queue", start - t0, end - t0, "dsp", args=args))
+        ev.append(
+            es.TraceEvent(name, "dsp queue (waiting)", sub - t0, start - t0, "dsp-wait",
+                          args={"seq": i})
+        )  # fmt: skip
     for name, layer, s, e in op_spans or ():
         label = name if layer < 0 else f"{name} L{layer}"
         ev.append(es.TraceEvent(label, "ops", s - t0, e - t0, "op", args={"layer": layer}))

@@ -1,7 +1,8 @@
 """estream-htp: the EStream kernel library (C behind a small stable ABI, wrapped with cffi).
 
 Ops (on a `Backend`: "host" in-process or "host-process" in an executor process): tile-major Q4_0/Q8_0 GEMM, the fused routed-expert op, RMSNorm, RoPE, attention, SiLU /
-SwiGLU, router top-k, embedding rows. See README.md for accuracy and performance figures.
+SwiGLU, router top-k, embedding rows, and the glue of a forward pass (add, mul, strided row
+copies, fill). See README.md for accuracy and performance figures.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from estream_htp._core import (
     HTPTimeoutError,
     HTPUnsupportedError,
     _init_from_env,
+    add,
     attention,
     conv1d_causal,
+    copy_rows,
     default_backend,
+    fill,
     gemm,
     gemm_shared,
     get_activation_format,
@@ -30,6 +34,7 @@ from estream_htp._core import (
     get_rows,
     matmul_f32,
     moe_ffn,
+    mul,
     nop,
     rms_norm,
     rms_norm_heads,
@@ -69,11 +74,14 @@ __all__ = [
     "HTPInputError",
     "HTPTimeoutError",
     "HTPUnsupportedError",
+    "add",
     "attention",
     "best_simd_level",
     "conv1d_causal",
+    "copy_rows",
     "default_backend",
     "dequantize_tiles",
+    "fill",
     "gemm",
     "gemm_shared",
     "get_activation_format",
@@ -82,6 +90,7 @@ __all__ = [
     "matmul_f32",
     "matrix_nbytes",
     "moe_ffn",
+    "mul",
     "nop",
     "pack_q4_0_t32r4",
     "pack_q8_0_t32r4",

@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -219,6 +220,13 @@ class Backend:
         self._null: np.ndarray | None = None
         self._dead: str | None = None
         self._pending: weakref.WeakSet[Fence] = weakref.WeakSet()
+        self.ops_submitted = 0  # descriptors submitted (run or submit)
+        self.ops_completed = 0  # of those, completions seen with the executing side's times
+        self.staged_bytes = 0  # bytes copied through staging (operands outside registered memory)
+        # When a list: one (op name, submitted, started, completed) per completed op, in
+        # `time.perf_counter` seconds (see `clock_offset`); None: not recorded.
+        self.trace: list[tuple[str, float, float, float]] | None = None
+        self.clock_offset = _clock_offset()
         if kind == "hexagon":
             n = 1 if n_threads is None else int(n_threads)
             if n != 1:
@@ -507,6 +515,7 @@ class Backend:
                 for fn in after:
                     fn()
                 self._check(st, c.what)
+            self.ops_submitted += 1
             f = Fence(self, int(out[0]), c.what, keep, after)
             self._pending.add(f)
             return f
@@ -519,7 +528,8 @@ class Backend:
                 f.done, f._error, f._keep, f._after = True, e, None, []
                 raise
             opst = ffi.new("htp_status *")
-            st = lib.htp_fence_wait(b, f.value, timeout_ms, opst)
+            tm = ffi.new("htp_op_times *")
+            st = lib.htp_fence_wait_timed(b, f.value, timeout_ms, opst, tm)
             if st == lib.HTP_E_TIMEOUT:
                 raise HTPTimeoutError(f"{f.what}: fence {f.value} still pending")
             try:
@@ -529,6 +539,18 @@ class Backend:
                 raise
             f.done = True
             self._pending.discard(f)
+            if tm.started_ns:
+                self.ops_completed += 1
+                if self.trace is not None:
+                    o = self.clock_offset
+                    self.trace.append(
+                        (
+                            f.what,
+                            tm.submitted_ns * 1e-9 + o,
+                            tm.started_ns * 1e-9 + o,
+                            tm.completed_ns * 1e-9 + o,
+                        )
+                    )
             try:
                 for fn in f._after:
                     fn()
@@ -547,9 +569,25 @@ class Backend:
             with self._lock:
                 b = self._handle()
                 tmp, n = c._host_tmp()
+                self.ops_submitted += 1
                 self._check(lib.htp_op_run_tmp(b, c.desc, tmp, n), c.what)
             return
         self._submit(c, sync=True).wait()
+
+    def stats(self) -> dict[str, int]:
+        """Counters since creation (or `reset_stats`): ``ops_submitted``; ``ops_completed``,
+        completions that carried the executing side's start/end times (every op waited for
+        through a fence; a host backend's synchronous `run` has none); ``staged_bytes``, bytes
+        copied through staging buffers in and out because an operand was not in memory
+        registered with the backend (0 when every operand is passed by reference)."""
+        return {
+            "ops_submitted": self.ops_submitted,
+            "ops_completed": self.ops_completed,
+            "staged_bytes": self.staged_bytes,
+        }
+
+    def reset_stats(self) -> None:
+        self.ops_submitted = self.ops_completed = self.staged_bytes = 0
 
     def submit(self, c: Call) -> Fence:
         """Queue an op; operands not in registered memory are copied into fresh shared buffers
@@ -587,6 +625,16 @@ class Call:
         """Operand: a C-contiguous array, read ("r"), written ("w") or both ("rw")."""
         i = len(self._ops)
         self._ops.append((i, arr, arr.__array_interface__["data"][0], arr.nbytes, mode))
+        self.desc.n_refs = i + 1
+        return self
+
+    def ref_span(self, arr: np.ndarray, nbytes: int, mode: str = "r") -> Call:
+        """Operand: the ``nbytes`` from the first element of ``arr`` (a row-strided view: its
+        rows lie inside that span). It must be in registered memory on an executor backend
+        (nothing is staged for it); a host backend registers the span for the op."""
+        i = len(self._ops)
+        addr = arr.__array_interface__["data"][0]
+        self._ops.append((i, arr if arr.flags.c_contiguous else None, addr, int(nbytes), mode))
         self.desc.n_refs = i + 1
         return self
 
@@ -653,6 +701,7 @@ class Call:
         keep.append(stage)
         for (slot, arr, _addr, nbytes, mode), off in zip(pending, offs):
             view = stage[off : off + nbytes]
+            be.staged_bytes += nbytes * (("r" in mode) + ("w" in mode))
             if "r" in mode:
                 view[...] = arr.reshape(-1).view(np.uint8)
             self.desc.ref[slot].buffer = base[0]
@@ -660,6 +709,22 @@ class Call:
             if "w" in mode:
                 after.append(lambda a=arr, v=view: a.reshape(-1).view(np.uint8).__setitem__(..., v))
         return keep, after
+
+
+def _clock_offset() -> float:
+    """``time.perf_counter()`` minus CLOCK_MONOTONIC (seconds): the executor stamps its op
+    times with CLOCK_MONOTONIC (under qemu-user the host kernel's, the same clock), the
+    host's spans use perf_counter. The two are the same clock on Linux (offset ~0); measured
+    anyway (the smallest of a few bracketing reads) so the conversion is explicit."""
+    best = None
+    for _ in range(5):
+        a = time.perf_counter()
+        m = time.clock_gettime(time.CLOCK_MONOTONIC)
+        b = time.perf_counter()
+        if best is None or b - a < best[0]:
+            best = (b - a, (a + b) / 2 - m)
+    assert best is not None
+    return best[1]
 
 
 # ---------------------------------------------------------------------- defaults

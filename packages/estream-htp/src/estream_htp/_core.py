@@ -46,15 +46,19 @@ __all__ = [
     "HTPInputError",
     "HTPTimeoutError",
     "HTPUnsupportedError",
+    "add",
     "attention",
     "conv1d_causal",
+    "copy_rows",
     "default_backend",
+    "fill",
     "gemm",
     "get_activation_format",
     "get_num_threads",
     "get_rows",
     "matmul_f32",
     "moe_ffn",
+    "mul",
     "rms_norm",
     "rms_norm_heads",
     "rope",
@@ -251,7 +255,7 @@ def gemm_shared(
     x: F32,
     mats: Sequence[tuple[Any, int]],
     fmt: str = "q4_0-t32r4",
-    outs: Sequence[F32] | None = None,
+    outs: Sequence[F32 | None] | None = None,
     *,
     act: str | None = None,
     backend: Backend | None = None,
@@ -707,10 +711,15 @@ def attention(
     out: F32 | None = None,
     *,
     products: str = "f32",
+    context: int = 0,
     backend: Backend | None = None,
 ) -> F32:
     """Softmax attention with grouped KV heads (query head ``h`` reads KV head
     ``h // (Hq // Hkv)``), tiled with an online softmax: memory O(T·d).
+
+    ``context``: ``k, v`` hold ``context + T`` rows and query ``i`` sits at key position
+    ``context + i``: causal attention sees every context row and then its own rows up to
+    itself (a segment continuing a prefix, e.g. a branch); 0 is plain self-attention.
 
     ``products``: "f32" (fp32 products, matches float64 to ~1e-6) or "bf16" (``q·scale``,
     ``k``, ``v`` and the softmax weights rounded to bfloat16, fp32 sums: twice the
@@ -721,8 +730,14 @@ def attention(
     k = _arr(k, "k", np.float32, 3)
     v = _arr(v, "v", np.float32, 3)
     t, hq, dk = q.shape
-    if k.shape[0] != t or v.shape[0] != t or k.shape[1] != v.shape[1]:
-        raise HTPInputError(f"k, v must be [T={t}, Hkv, D], got {k.shape}, {v.shape}")
+    context = _u32(context, "context")
+    tk = t + context
+    if k.shape[0] != tk or v.shape[0] != tk or k.shape[1] != v.shape[1]:
+        raise HTPInputError(
+            f"k, v must be [context + T = {context} + {t}, Hkv, D], got {k.shape}, {v.shape}"
+        )
+    if tk >= _U32:
+        raise HTPInputError(f"context + T must be < 2**32, got {tk}")
     hkv = k.shape[1]
     if k.shape[2] != dk:
         raise HTPInputError(f"k head dim {k.shape[2]} != q head dim {dk}")
@@ -739,7 +754,7 @@ def attention(
         p = c.p.attention
         p.t, p.n_q_heads, p.n_kv_heads, p.dk, p.dv = t, hq, hkv, dk, dv
         p.causal, p.scale = 1 if causal else 0, float(scale)
-        p.products = _PRODUCTS[products]
+        p.products, p.n_ctx = _PRODUCTS[products], context
         c.ref(q).ref(k).ref(v).ref(o, "w")
         be.run(c)
     return o
@@ -803,12 +818,14 @@ def router_topk(
     norm: bool = False,
     scale: float = 1.0,
     bias: F32 | None = None,
+    out: tuple[I32, F32] | None = None,
     *,
     backend: Backend | None = None,
 ) -> tuple[I32, F32]:
     """Top-k routing. softmax: ``p = softmax(logits)``, top-k of ``p`` (ties → lower id),
     ``w = p[top]``; sigmoid: ``p = sigmoid(logits)``, top-k of ``p + bias``, ``w = p[top]``.
-    Then ``w /= sum(w)`` if ``norm``, and ``w *= scale``."""
+    Then ``w /= sum(w)`` if ``norm``, and ``w *= scale``. ``out``: (ids i32[T, k],
+    weights f32[T, k]) to write into."""
     logits = _arr(logits, "logits", np.float32, 2)
     t, e = logits.shape
     k = _u32(k, "k", 1)
@@ -820,8 +837,14 @@ def router_topk(
         bias = _arr(bias, "bias", np.float32, 1)
         if bias.shape[0] != e:
             raise HTPInputError(f"bias must have shape ({e},), got {bias.shape}")
-    ids = np.empty((t, k), dtype=np.int32)
-    w = np.empty((t, k), dtype=np.float32)
+    if out is None:
+        ids = np.empty((t, k), dtype=np.int32)
+        w = np.empty((t, k), dtype=np.float32)
+    else:
+        ids = _arr(out[0], "out[0] (ids)", np.int32, 2)
+        w = _out(out[1], (t, k), "out[1] (weights)")
+        if ids.shape != (t, k) or not ids.flags.writeable:
+            raise HTPInputError(f"out[0] (ids) must be a writeable [{t}, {k}], got {ids.shape}")
     if t:
         be = _be(backend)
         c = be.call(lib.HTP_OP_ROUTER_TOPK)
@@ -885,7 +908,14 @@ def conv1d_causal(
 
 
 def get_rows(
-    table: Any, fmt: str, n_rows: int, n_cols: int, ids: I32, *, backend: Backend | None = None
+    table: Any,
+    fmt: str,
+    n_rows: int,
+    n_cols: int,
+    ids: I32,
+    out: F32 | None = None,
+    *,
+    backend: Backend | None = None,
 ) -> F32:
     """Embedding lookup: rows ``ids`` of a ``[n_rows, n_cols]`` table in ``fmt``
     ("q4_0-t32r4", "q8_0-t32r4", "f16", "f32"), as float32 ``[T, n_cols]``."""
@@ -907,7 +937,7 @@ def get_rows(
     ids = _arr(ids, "ids", np.int32, 1)
     if ids.size and (ids.min() < 0 or ids.max() >= n_rows):
         raise HTPInputError(f"ids must be in [0, {n_rows}), got range [{ids.min()}, {ids.max()}]")
-    out = np.empty((ids.shape[0], n_cols), dtype=np.float32)
+    out = _out(out, (ids.shape[0], n_cols))
     if ids.size:
         be = _be(backend)
         c = be.call(lib.HTP_OP_GET_ROWS)
@@ -915,6 +945,135 @@ def get_rows(
         p = c.p.get_rows
         p.format, p.n_rows, p.n_cols, p.t = _FMT[fmt], n_rows, n_cols, ids.shape[0]
         c.ref(tb[:need]).ref(ids).ref(out, "w")
+        be.run(c)
+    return out
+
+
+# ---------------------------------------------------------------- element-wise, copies, fill
+def _rows2d(a: Any, name: str, writeable: bool = False) -> tuple[np.ndarray, int, int, int]:
+    """A float32 operand as rows of contiguous elements: (array, rows, cols, row stride in
+    elements). C-contiguous arrays of any shape are one run of elements; a 2-D view with
+    contiguous rows (``x[:, a:b]``) keeps its row stride."""
+    if not isinstance(a, np.ndarray) or a.dtype != np.float32:
+        got = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
+        raise HTPInputError(f"{name} must be a numpy float32 array, got {got}")
+    if writeable and not a.flags.writeable:
+        raise HTPInputError(f"{name} must be writeable")
+    if a.flags.c_contiguous:
+        n = int(a.size)
+        return a, (1 if n else 0), n, n
+    if (
+        a.ndim == 2
+        and a.strides[1] == 4
+        and a.strides[0] >= 4 * a.shape[1]
+        and a.strides[0] % 4 == 0
+    ):
+        return a, a.shape[0], a.shape[1], a.strides[0] // 4
+    raise HTPInputError(
+        f"{name} must be C-contiguous or a 2-D view with contiguous rows (x[:, a:b]), got "
+        f"shape {a.shape} strides {a.strides}"
+    )
+
+
+def _span(rows: int, cols: int, ld: int) -> int:
+    return 0 if rows == 0 or cols == 0 else ((rows - 1) * ld + cols) * 4
+
+
+def _binary(opcode: int, what: str, a: Any, b: Any, out: Any, backend: Backend | None) -> F32:
+    a, ra, ca, lda = _rows2d(a, "a")
+    b, rb, cb, ldb = _rows2d(b, "b")
+    if a.shape != b.shape:
+        raise HTPInputError(f"a and b must have the same shape, got {a.shape}, {b.shape}")
+    if out is None:
+        out = np.empty(a.shape, dtype=np.float32)
+    o, ro, co, ldo = _rows2d(out, "out", writeable=True)
+    if o.shape != a.shape:
+        raise HTPInputError(f"out must have shape {a.shape}, got {o.shape}")
+    # one row layout for all three: contiguous operands of a strided one take its row shape
+    rows, cols = max((ra, ca), (rb, cb), (ro, co), key=lambda rc: rc[0])
+    lds = []
+    for r, c, ld in ((ra, ca, lda), (rb, cb, ldb), (ro, co, ldo)):
+        lds.append(cols if (r, c) != (rows, cols) else ld)
+    if a.size:
+        be = _be(backend)
+        _u32(rows, "rows")
+        _u32(cols, "cols")
+        c = be.call(opcode)
+        c.what = what
+        p = c.p.binary
+        p.rows, p.cols, p.lda, p.ldb, p.ldo = rows, cols, *lds
+        c.ref_span(a, _span(rows, cols, lds[0]))
+        c.ref_span(b, _span(rows, cols, lds[1]))
+        c.ref_span(o, _span(rows, cols, lds[2]), "w")
+        be.run(c)
+    return o
+
+
+def add(a: F32, b: F32, out: F32 | None = None, *, backend: Backend | None = None) -> F32:
+    """``a + b`` element-wise in fp32 (residual adds). Operands: C-contiguous, or 2-D views
+    with contiguous rows; ``out`` may be ``a`` or ``b`` (in place)."""
+    return _binary(lib.HTP_OP_ADD, "add", a, b, out, backend)
+
+
+def mul(a: F32, b: F32, out: F32 | None = None, *, backend: Backend | None = None) -> F32:
+    """``a * b`` element-wise in fp32 (gates), operands as for `add`."""
+    return _binary(lib.HTP_OP_MUL, "mul", a, b, out, backend)
+
+
+def copy_rows(src: F32, dst: F32, rep: int = 1, *, backend: Backend | None = None) -> F32:
+    """``dst[r] = src[r // rep]`` for every row of ``dst`` (``rows(dst) = rep · rows(src)``):
+    slices, re-orderings and broadcasts of activations as one op. ``src`` and ``dst`` are
+    C-contiguous (one row) or 2-D views with contiguous rows (``x[:, a:b]``), and must not
+    overlap. Returns ``dst``."""
+    rep = _u32(rep, "rep", 1)
+    src, rs, cs, lds = _rows2d(src, "src")
+    dst, rd, cd, ldd = _rows2d(dst, "dst", writeable=True)
+    if src.flags.c_contiguous and src.ndim == 2:  # contiguous 2-D: its own rows
+        rs, cs, lds = src.shape[0], src.shape[1], src.shape[1]
+    if dst.flags.c_contiguous and dst.ndim == 2:
+        rd, cd, ldd = dst.shape[0], dst.shape[1], dst.shape[1]
+    if cs != cd or rd != rs * rep:
+        raise HTPInputError(
+            f"dst must be [rep · rows(src) = {rep} x {rs}, {cs}], got [{rd}, {cd}] "
+            f"(src {src.shape}, dst {dst.shape})"
+        )
+    if rd and cd:
+        be = _be(backend)
+        c = be.call(lib.HTP_OP_COPY_ROWS)
+        c.what = "copy_rows"
+        p = c.p.copy
+        p.rows, p.cols, p.ld_src, p.ld_dst, p.rep = (
+            _u32(rd, "rows"),
+            _u32(cd, "cols"),
+            lds,
+            ldd,
+            rep,
+        )
+        c.ref_span(src, _span(rs, cs, lds))
+        c.ref_span(dst, _span(rd, cd, ldd), "w")
+        be.run(c)
+    return dst
+
+
+def fill(out: np.ndarray, value: float = 0.0, *, backend: Backend | None = None) -> np.ndarray:
+    """Every element of ``out`` (C-contiguous float32 or int32) set to ``value``."""
+    if not isinstance(out, np.ndarray) or out.dtype not in (np.float32, np.int32):
+        raise HTPInputError("out must be a numpy float32 or int32 array")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise HTPInputError("out must be C-contiguous and writeable")
+    if out.dtype == np.int32 and (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or not -(2**31) <= value < 2**31
+    ):
+        raise HTPInputError(f"value must be an int32 for an int32 array, got {value!r}")
+    bits = np.array([value], dtype=out.dtype).view(np.uint32)[0]
+    if out.size:
+        be = _be(backend)
+        c = be.call(lib.HTP_OP_FILL)
+        c.what = "fill"
+        c.p.fill.n, c.p.fill.value = out.size, int(bits)
+        c.ref(out, "w")
         be.run(c)
     return out
 

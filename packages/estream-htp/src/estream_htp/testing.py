@@ -170,8 +170,15 @@ def ref_rope(
 
 
 def ref_attention(
-    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, scale: float, causal: bool = True
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    scale: float,
+    causal: bool = True,
+    context: int = 0,
 ) -> F64:
+    """Float64 attention; ``context``: k, v hold ``context + T`` rows and query ``i`` sits at
+    key position ``context + i`` (causal: it sees keys ``0 .. context + i``)."""
     qq = np.asarray(q, dtype=np.float64)
     kk = np.asarray(k, dtype=np.float64)
     vv = np.asarray(v, dtype=np.float64)
@@ -181,7 +188,7 @@ def ref_attention(
     vv = np.repeat(vv, rep, axis=1)
     s = np.einsum("thd,shd->hts", qq, kk) * scale
     if causal:
-        s = s + np.triu(np.full((t, t), -np.inf), 1)
+        s = s + np.triu(np.full((t, kk.shape[0]), -np.inf), 1 + context)
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
     return np.einsum("hts,shd->thd", p, vv)

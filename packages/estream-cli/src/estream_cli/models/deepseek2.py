@@ -205,30 +205,36 @@ def mla_attention(ops: Ops, w: MLA, h: np.ndarray, pos: np.ndarray) -> np.ndarra
     q, kv = ops.matmuls(h, (w.wq if w.wq is not None else w.wq_a, w.wkv_a), "attn_q_kv_a")  # type: ignore[arg-type]
     if w.wq is None:
         q = ops.matmul(ops.rms_norm(q, w.q_a_norm), w.wq_b)  # type: ignore[arg-type]
-    q = q.reshape(t, n_head, nope + rope)
     # kv [T, rank + rope]: compressed KV | shared RoPE key
-    latent = ops.rms_norm(np.ascontiguousarray(kv[:, : w.rank]), w.kv_a_norm)
-    k_pe = np.ascontiguousarray(kv[:, None, w.rank :])  # [T, 1, rope]
+    latent = ops.rms_norm(ops.cols(kv, 0, w.rank), w.kv_a_norm)
+    k_pe = ops.cols(kv, w.rank, w.rank + rope).reshape(t, 1, rope)
     if w.wkv_b is not None:
-        kv_b = ops.matmul(latent, w.wkv_b).reshape(t, n_head, nope + w.d_v)
-        k_nope, v = kv_b[..., :nope], np.ascontiguousarray(kv_b[..., nope:])
+        kv_b = ops.matmul(latent, w.wkv_b).reshape(t * n_head, nope + w.d_v)
+        k_nope = kv_b[:, :nope]  # [T*H, nope], a view
+        v = ops.cols(kv_b, nope, nope + w.d_v).reshape(t, n_head, w.d_v)
     else:
-        k_nope = ops.matmul(latent, w.wk_b).reshape(t, n_head, nope)  # type: ignore[arg-type]
+        k_nope = ops.matmul(latent, w.wk_b).reshape(t * n_head, nope)  # type: ignore[arg-type]
         v = ops.matmul(latent, w.wv_b).reshape(t, n_head, w.d_v)  # type: ignore[arg-type]
-    qh = np.concatenate((q[..., nope:], q[..., :nope]), axis=-1)  # heads as [rope | nope]
-    kh = np.empty_like(qh)
+    # heads as [rope | nope], assembled by copy ops: rows are (token, head)
+    width = rope + nope
+    q2 = q.reshape(t * n_head, width)
+    qh = ops.empty((t, n_head, width))
+    kh = ops.empty((t, n_head, width))
+    qh2, kh2 = qh.reshape(t * n_head, width), kh.reshape(t * n_head, width)
+    ops.copy(q2[:, nope:], qh2[:, :rope])
+    ops.copy(q2[:, :nope], qh2[:, rope:])
     ops.rope(qh, pos, w.rope)
     ops.rope(k_pe, pos, w.rope)
-    kh[..., :rope] = k_pe  # one RoPE key, broadcast to every head
-    kh[..., rope:] = k_nope
+    ops.copy(k_pe.reshape(t, rope), kh2[:, :rope], rep=n_head)  # one RoPE key for every head
+    ops.copy(k_nope, kh2[:, rope:])
     a = ops.attend(qh, kh, v, w.scale)  # [T, H, v]
     return ops.matmul(np.ascontiguousarray(a.reshape(t, -1)), w.wo)
 
 
 def layer(ops: Ops, hp: ModelSpec, w: Layer, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    x = x + mla_attention(ops, w.attn, ops.rms_norm(x, w.attn_norm), pos)
+    x = ops.add(x, mla_attention(ops, w.attn, ops.rms_norm(x, w.attn_norm), pos))
     h = ops.rms_norm(x, w.ffn_norm)
     if w.moe is None:
-        return x + ops.dense_ffn(h, w.ffn)  # type: ignore[arg-type]
+        return ops.add(x, ops.dense_ffn(h, w.ffn))  # type: ignore[arg-type]
     y = ops.moe(h, w.moe)
-    return x + (y + ops.dense_ffn(h, w.shared) if w.shared is not None else y)
+    return ops.add(x, ops.add(y, ops.dense_ffn(h, w.shared)) if w.shared is not None else y)

@@ -74,12 +74,12 @@ def bind(model: PackedModel) -> Weights[Layer]:
 def layer(ops: Ops, hp: ModelSpec, w: Layer, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
     h = ops.rms_norm(x, w.attn_norm)
     if w.conv is not None:
-        x = x + ops.short_conv(w.conv, h)
+        x = ops.add(x, ops.short_conv(w.conv, h))
     else:
         assert w.attn is not None  # checked at construction
-        x = x + ops.attention(w.attn, h, pos)
+        x = ops.add(x, ops.attention(w.attn, h, pos))
     h = ops.rms_norm(x, w.ffn_norm)
     if w.moe is not None:
-        return x + ops.moe(h, w.moe)
+        return ops.add(x, ops.moe(h, w.moe))
     assert w.ffn is not None
-    return x + ops.dense_ffn(h, w.ffn)
+    return ops.add(x, ops.dense_ffn(h, w.ffn))

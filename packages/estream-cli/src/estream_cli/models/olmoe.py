@@ -36,5 +36,5 @@ def bind(model: PackedModel) -> Weights[Layer]:
 
 
 def layer(ops: Ops, hp: ModelSpec, w: Layer, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    x = x + ops.attention(w.attn, ops.rms_norm(x, w.attn_norm), pos)
-    return x + ops.moe(ops.rms_norm(x, w.ffn_norm), w.moe)
+    x = ops.add(x, ops.attention(w.attn, ops.rms_norm(x, w.attn_norm), pos))
+    return ops.add(x, ops.moe(ops.rms_norm(x, w.ffn_norm), w.moe))

@@ -33,6 +33,7 @@ from ..packed import DenseTensor, ExpertLayer, PackedModel
 
 __all__ = [
     "FFN",
+    "ActivationPool",
     "Attention",
     "Gating",
     "Head",
@@ -392,6 +393,95 @@ def dequantize(t: DenseTensor) -> np.ndarray:
     return dequantize_tiles(t.data, n, k, t.fmt).reshape(t.shape)
 
 
+class ActivationPool:
+    """Where the activations of a pass live on an executor backend: memory registered with it
+    (`Backend.empty`), so every op reads and writes its operands in place, by reference.
+
+    Three bump arenas: ``pass`` (the pass's inputs: token ids, positions, row indices), and two
+    that alternate stage by stage (the embedding, each layer, the head): a stage allocates from
+    its own arena, reset when the stage starts, and reads its input — the previous stage's
+    output — from the other one. So memory is bounded by about twice the largest stage's
+    activations (plus the inputs), whatever the number of layers, and is reused across layers
+    and passes. An arena that had to grow during a stage is coalesced into one chunk of the
+    size it reached at its next reset (registered once; steady passes register nothing)."""
+
+    ALIGN = 128  # bytes: HVX vector loads, cache lines
+
+    def __init__(self, backend: htp.Backend) -> None:
+        self.backend = backend
+        self._arenas = [_Arena(backend) for _ in range(3)]
+        self._stage = 0
+        self._cur = self._arenas[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of registered memory the pool holds."""
+        return sum(a.nbytes for a in self._arenas)
+
+    def begin_pass(self) -> None:
+        for a in self._arenas:
+            a.reset()
+        self._stage = 0
+        self._cur = self._arenas[0]
+
+    def begin_stage(self) -> None:
+        """The next stage of the pass (embedding, layer, head): its arena is reset."""
+        self._stage += 1
+        self._cur = self._arenas[1 + self._stage % 2]
+        self._cur.reset()
+
+    def empty(self, shape: tuple[int, ...], dtype: object = np.float32) -> np.ndarray:
+        return self._cur.alloc(shape, np.dtype(dtype))  # type: ignore[arg-type]
+
+    def owns(self, a: np.ndarray) -> bool:
+        addr = int(a.__array_interface__["data"][0])
+        return any(arena.owns(addr) for arena in self._arenas)
+
+    def put_input(self, a: np.ndarray) -> np.ndarray:
+        """A host array (token ids, positions) copied into the pass arena: the pass's input."""
+        dst = self._arenas[0].alloc(a.shape, a.dtype)
+        dst[...] = a
+        return dst
+
+
+class _Arena:
+    def __init__(self, backend: htp.Backend) -> None:
+        self.backend = backend
+        self.chunks: list[np.ndarray] = []
+        self.off = 0
+        self.grown = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+    def owns(self, addr: int) -> bool:
+        for c in self.chunks:
+            base = int(c.ctypes.data)
+            if base <= addr < base + c.nbytes:
+                return True
+        return False
+
+    def reset(self) -> None:
+        if len(self.chunks) > 1:  # grown during the last use: one chunk of that size from now
+            total = self.nbytes
+            self.chunks = []
+            self.chunks = [self.backend.empty(total, np.uint8)]
+        self.off = 0
+
+    def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        step = max(ActivationPool.ALIGN, -(-n // ActivationPool.ALIGN) * ActivationPool.ALIGN)
+        if not self.chunks or self.off + step > self.chunks[-1].nbytes:
+            last = self.chunks[-1].nbytes if self.chunks else 0
+            self.chunks.append(self.backend.empty(max(step, 2 * last, 1 << 20), np.uint8))
+            self.off = 0
+        c = self.chunks[-1]
+        out = c[self.off : self.off + n].view(dtype).reshape(shape)
+        self.off += step
+        return out
+
+
 # -- the operations a layer is written with -----------------------------------------------------
 class Ops:
     """The operations of one forward pass: kernels, the sequence layout, the expert source.
@@ -407,9 +497,13 @@ class Ops:
     activations).
 
     ``backend``: where the kernel ops run (None: this process's default backend). On an
-    executor backend the dense weights are registered with it once — copied into shared memory
-    the first time an op uses them, kept in ``shared`` (the engine's, across requests) — and
-    activations travel through the backend's staging buffer."""
+    executor backend *every* op of the pass runs there ("full accelerator"): the dense weights
+    are registered with it once — copied into shared memory the first time an op uses them,
+    kept in ``shared`` (the engine's, across requests) — and every activation is allocated in
+    ``pool`` (an `ActivationPool` registered with it), so operands are passed by reference and
+    nothing is staged; residual adds, gates, slices, broadcasts, zeroing and the attention of
+    continuing segments are kernel ops too. On the host (no executor) element-wise glue is
+    numpy, as fast as it gets in-process."""
 
     def __init__(
         self,
@@ -420,6 +514,7 @@ class Ops:
         backend: htp.Backend | None = None,
         shared: dict[int, tuple[np.ndarray, np.ndarray]] | None = None,
         attn_products: str = "f32",
+        pool: ActivationPool | None = None,
     ) -> None:
         self.hp = hp
         self.experts = experts
@@ -429,6 +524,11 @@ class Ops:
         self._shared = shared if shared is not None else {}
         self.attn_products = attn_products
         self.op_spans: list[tuple[str, float, float]] = []
+        self._remote = backend is not None and backend.kind != "host"
+        if self._remote and pool is None:
+            assert backend is not None
+            pool = ActivationPool(backend)
+        self.pool = pool if self._remote else None
 
     def _span(self, name: str, t0: float) -> None:
         self.op_spans.append((name, t0, time.perf_counter()))
@@ -452,7 +552,101 @@ class Ops:
         return hit[1]
 
     def _on_backend(self) -> bool:
-        return self.backend is not None and self.backend.kind != "host"
+        return self._remote
+
+    # activations
+    def empty(self, shape: tuple[int, ...], dtype: object = np.float32) -> np.ndarray:
+        """A new activation array: in the pool (registered memory) on an executor backend."""
+        if self.pool is not None:
+            return self.pool.empty(shape, dtype)
+        return np.empty(shape, dtype=dtype)  # type: ignore[call-overload]
+
+    def _out(self, shape: tuple[int, ...]) -> np.ndarray | None:
+        """``out=`` for a kernel: a pool array on an executor backend, else None (the wrapper
+        allocates)."""
+        return self.pool.empty(shape) if self.pool is not None else None
+
+    def input(self, a: np.ndarray) -> np.ndarray:
+        """A pass input made on the host (token ids, positions, row indices) as the ops read
+        it: copied once into the pool's pass arena on an executor backend."""
+        return self.pool.put_input(a) if self.pool is not None else a
+
+    def begin_stage(self) -> None:
+        """The engine starts the embedding, a layer or the head (see `ActivationPool`)."""
+        if self.pool is not None:
+            self.pool.begin_stage()
+
+    # element-wise glue: kernel ops on an executor backend, numpy on the host. The public
+    # methods are timed leaf ops; the underscored ones are for use inside another timed block.
+    def add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """``a + b`` (residual adds)."""
+        t0 = time.perf_counter()
+        y = self._add(a, b)
+        self._span("add", t0)
+        return y
+
+    def mul(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """``a * b`` (gates; ``a``, ``b`` may be column slices ``x[:, i:j]``)."""
+        t0 = time.perf_counter()
+        y = self._mul(a, b)
+        self._span("mul", t0)
+        return y
+
+    def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
+        t0 = time.perf_counter()
+        y = self._zeros(shape)
+        self._span("fill", t0)
+        return y
+
+    def cols(self, x: np.ndarray, a: int, b: int) -> np.ndarray:
+        """Columns ``a:b`` of ``x [T, N]`` as a contiguous array."""
+        if self.pool is None:
+            return np.ascontiguousarray(x[:, a:b])
+        return self.copy(x[:, a:b], self.pool.empty((x.shape[0], b - a)))
+
+    def copy(self, src: np.ndarray, dst: np.ndarray, rep: int = 1) -> np.ndarray:
+        """``dst[r] = src[r // rep]`` over 2-D row views (slices, head re-orderings,
+        broadcasts); returns ``dst``."""
+        t0 = time.perf_counter()
+        self._copy(src, dst, rep)
+        self._span("copy", t0)
+        return dst
+
+    def _add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        if self.pool is None:
+            return a + b
+        return htp.add(a, b, self.pool.empty(a.shape), backend=self.backend)
+
+    def _mul(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        if self.pool is None:
+            return a * b
+        return htp.mul(a, b, self.pool.empty(a.shape), backend=self.backend)
+
+    def _zeros(self, shape: tuple[int, ...]) -> np.ndarray:
+        if self.pool is None:
+            return np.zeros(shape, dtype=np.float32)
+        return htp.fill(self.pool.empty(shape), 0.0, backend=self.backend)
+
+    def _copy(self, src: np.ndarray, dst: np.ndarray, rep: int = 1) -> None:
+        if self.pool is None:
+            dst[...] = src if rep == 1 else np.repeat(src, rep, axis=0)
+        else:
+            htp.copy_rows(src, dst, rep, backend=self.backend)
+
+    def take_rows(self, x: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+        """Rows ``rows`` of ``x [T, d]`` (all of it if None), contiguous."""
+        if rows is None:
+            return np.ascontiguousarray(x)
+        if self.pool is None:
+            return np.ascontiguousarray(x[rows])
+        t0 = time.perf_counter()
+        ids = self.input(np.ascontiguousarray(rows, dtype=np.int32))
+        y = htp.get_rows(
+            x, "f32", x.shape[0], x.shape[1], ids, self.pool.empty((ids.size, x.shape[1])),
+            backend=self.backend,
+        )  # fmt: skip
+        self._span("rows", t0)
+        return y
 
     # primitives
     def per_request(
@@ -491,15 +685,18 @@ class Ops:
         The tiled kernels compute every row on its own (int8 quantization per row, one
         accumulator chain per row for any tile of tokens); f32 goes through BLAS per request."""
         t0 = time.perf_counter()
+        out = self._out((x.shape[0], w.shape[0]))
         if w.fmt == "f32":
             if self._on_backend():  # in-order sums: every row on its own, in any batch
                 wts = self._wt(w, lambda: w.f32().T)
-                y = htp.matmul_f32(np.ascontiguousarray(x, np.float32), wts, backend=self.backend)
+                y = htp.matmul_f32(
+                    np.ascontiguousarray(x, np.float32), wts, out, backend=self.backend
+                )
             else:
                 wt = w.f32().T
                 y = self.per_request(x, lambda a: a @ wt, spans)
         else:
-            y = htp.gemm(x, self._w(w.data), w.shape[0], w.fmt, backend=self.backend)
+            y = htp.gemm(x, self._w(w.data), w.shape[0], w.fmt, out, backend=self.backend)
         self._span(op, t0)
         return y
 
@@ -512,7 +709,11 @@ class Ops:
             return [self.matmul(x, w, op) for w in ws]
         t0 = time.perf_counter()
         ys = htp.gemm_shared(
-            x, [(self._w(w.data), w.shape[0]) for w in tiled], tiled[0].fmt, backend=self.backend
+            x,
+            [(self._w(w.data), w.shape[0]) for w in tiled],
+            tiled[0].fmt,
+            [self._out((x.shape[0], w.shape[0])) for w in tiled],  # type: ignore[misc]
+            backend=self.backend,
         )
         self._span(op, t0)
         done = iter(ys)
@@ -523,13 +724,14 @@ class Ops:
         dense ops run there, else numpy's BLAS per request."""
         if self._on_backend():
             return htp.matmul_f32(
-                np.ascontiguousarray(x, np.float32), self._w(w), backend=self.backend
-            )  # type: ignore[arg-type]
+                np.ascontiguousarray(x, np.float32), self._w(w),  # type: ignore[arg-type]
+                self._out((x.shape[0], w.shape[1])), backend=self.backend,
+            )  # fmt: skip
         return self.per_request(x, lambda a: a @ w)
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()
-        y = htp.rms_norm(x, self._w(w), self.hp.rms_eps, backend=self.backend)
+        y = htp.rms_norm(x, self._w(w), self.hp.rms_eps, self._out(x.shape), backend=self.backend)
         self._span("norm", t0)
         return y
 
@@ -546,9 +748,11 @@ class Ops:
     def embed(self, head: Head, ids: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()
         e = head.tok_embd
+        ids = self.input(ids)
         y = htp.get_rows(
-            self._w(e.data), e.fmt, self.hp.n_vocab, self.hp.n_embd, ids, backend=self.backend
-        )
+            self._w(e.data), e.fmt, self.hp.n_vocab, self.hp.n_embd, ids,
+            self._out((ids.shape[0], self.hp.n_embd)), backend=self.backend,
+        )  # fmt: skip
         self._span("embed", t0)
         return y
 
@@ -568,12 +772,16 @@ class Ops:
         be = self.backend
         t0 = time.perf_counter()
         if w.qk_norm == "full":
-            q = htp.rms_norm(q, self._w(w.q_norm), eps, backend=be)
-            k = htp.rms_norm(k, self._w(w.k_norm), eps, backend=be)
+            q = htp.rms_norm(q, self._w(w.q_norm), eps, self._out(q.shape), backend=be)
+            k = htp.rms_norm(k, self._w(w.k_norm), eps, self._out(k.shape), backend=be)
         elif w.qk_norm == "head":
             assert w.q_norm is not None and w.k_norm is not None  # checked at construction
-            q = htp.rms_norm_heads(q, self._w(w.q_norm), w.n_head, eps, backend=be)  # type: ignore[arg-type]
-            k = htp.rms_norm_heads(k, self._w(w.k_norm), w.n_head_kv, eps, backend=be)  # type: ignore[arg-type]
+            q = htp.rms_norm_heads(
+                q, self._w(w.q_norm), w.n_head, eps, self._out(q.shape), backend=be
+            )  # type: ignore[arg-type]
+            k = htp.rms_norm_heads(
+                k, self._w(w.k_norm), w.n_head_kv, eps, self._out(k.shape), backend=be
+            )  # type: ignore[arg-type]
         if w.qk_norm != "none":
             self._span("qk_norm", t0)
         q = np.ascontiguousarray(q.reshape(t, w.n_head, w.head_dim))
@@ -589,27 +797,55 @@ class Ops:
 
         A sequence's first segment goes through the tiled causal kernel on its own rows (as if
         it were prefilled alone); a continuing segment attends to its ancestors' rows and
-        causally to itself (`_continued_attention`). Nothing crosses requests."""
+        causally to itself: on an executor backend the same kernel with the ancestors' rows as
+        its context (their keys and values gathered with copy ops), on the host
+        `_continued_attention` (BLAS). Nothing crosses requests."""
         t0 = time.perf_counter()
         p = self.attn_products
         lay = self.layout
+        be = self.backend
+        shape = (q.shape[0], q.shape[1], v.shape[2])
         if lay is None or lay.single:
-            a = htp.attention(q, k, v, scale, causal=True, products=p, backend=self.backend)
+            a = htp.attention(q, k, v, scale, True, self._out(shape), products=p, backend=be)
             self._span("attention", t0)
             return a
-        out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=np.float32)
+        out = self.empty(shape)
         for i, s in enumerate(lay.segments):
             rows = slice(s.start, s.start + s.length)
             if s.parent < 0:
-                out[rows] = htp.attention(
-                    q[rows], k[rows], v[rows], scale, causal=True, products=p, backend=self.backend
+                htp.attention(
+                    q[rows], k[rows], v[rows], scale, True, out[rows], products=p, backend=be
                 )
-            else:
+            elif self.pool is None:
                 ctx = lay.context(i)
                 out[rows] = _continued_attention(
                     q[rows], _rows(k, [*ctx, s]), _rows(v, [*ctx, s]), scale, products=p
                 )
+            else:
+                segs = [*lay.context(i), s]
+                n_ctx = sum(c.length for c in segs[:-1])
+                kk = self._gather(k, segs)
+                vv = self._gather(v, segs)
+                htp.attention(
+                    q[rows], kk, vv, scale, True, out[rows], products=p, context=n_ctx,
+                    backend=be,
+                )  # fmt: skip
         self._span("attention", t0)
+        return out
+
+    def _gather(self, x: np.ndarray, segs: Sequence[Segment]) -> np.ndarray:
+        """The rows of ``segs`` of ``x`` back to back, by copy ops (executor backends)."""
+        n = sum(s.length for s in segs)
+        out = self.empty((n, *x.shape[1:]))
+        flat_x = x.reshape(x.shape[0], -1)
+        flat_o = out.reshape(n, -1)
+        r = 0
+        for s in segs:
+            htp.copy_rows(
+                flat_x[s.start : s.start + s.length], flat_o[r : r + s.length],
+                backend=self.backend,
+            )  # fmt: skip
+            r += s.length
         return out
 
     def short_conv(self, w: ShortConv, h: np.ndarray) -> np.ndarray:
@@ -617,8 +853,8 @@ class Ops:
         d = w.out_proj.shape[0]
         bcx = self.matmul(h, w.in_proj, "conv_in")
         t0 = time.perf_counter()
-        bx = bcx[:, :d] * bcx[:, 2 * d : 3 * d]
-        y = bcx[:, d : 2 * d] * self.causal_conv(bx, w.kernel)
+        bx = self._mul(bcx[:, :d], bcx[:, 2 * d : 3 * d])
+        y = self._mul(bcx[:, d : 2 * d], self.causal_conv(bx, w.kernel))
         self._span("short_conv", t0)
         return self.matmul(np.ascontiguousarray(y), w.out_proj, "conv_out")
 
@@ -632,27 +868,30 @@ class Ops:
         be, kernel_s = self.backend, self._w(kernel)
         lay = self.layout
         if lay is None or lay.single:
-            return htp.conv1d_causal(x, kernel_s, backend=be)  # type: ignore[arg-type]
+            return htp.conv1d_causal(x, kernel_s, None, self._out(x.shape), backend=be)  # type: ignore[arg-type]
         taps = kernel.shape[1]
-        out = np.empty_like(x)
+        out = self.empty(x.shape)
         for i, s in enumerate(lay.segments):
             rows = slice(s.start, s.start + s.length)
-            seg = np.ascontiguousarray(x[rows])
+            seg = x[rows]
             if s.parent < 0:
-                out[rows] = htp.conv1d_causal(seg, kernel_s, backend=be)  # type: ignore[arg-type]
+                htp.conv1d_causal(seg, kernel_s, None, out[rows], backend=be)  # type: ignore[arg-type]
                 continue
-            before = _rows(x, lay.context(i))
-            history = np.zeros((taps - 1, x.shape[1]), dtype=np.float32)
-            keep = min(taps - 1, before.shape[0])
-            if keep:
-                history[taps - 1 - keep :] = before[before.shape[0] - keep :]
-            out[rows] = htp.conv1d_causal(seg, kernel_s, history, backend=be)  # type: ignore[arg-type]
+            history = self._zeros((taps - 1, x.shape[1]))
+            keep = taps - 1
+            for c in reversed(lay.context(i)):  # the last rows before the branch, latest last
+                if keep == 0:
+                    break
+                n = min(keep, c.length)
+                self._copy(x[c.start + c.length - n : c.start + c.length], history[keep - n : keep])
+                keep -= n
+            htp.conv1d_causal(seg, kernel_s, history, out[rows], backend=be)  # type: ignore[arg-type]
         return out
 
     def dense_ffn(self, h: np.ndarray, w: FFN) -> np.ndarray:
         g, u = self.matmuls(h, (w.gate, w.up), "ffn")
         t0 = time.perf_counter()
-        a = htp.swiglu(g, u, backend=self.backend)
+        a = htp.swiglu(g, u, self._out(g.shape), backend=self.backend)
         self._span("ffn", t0)
         return self.matmul(a, w.down, "ffn")
 
@@ -664,12 +903,16 @@ class Ops:
         g = w.gating
         t0 = time.perf_counter()
         logits = self.linear_f32(h, w.router)
+        out = None
+        if self.pool is not None:
+            out = (self.pool.empty((h.shape[0], g.n_used), np.int32),
+                   self.pool.empty((h.shape[0], g.n_used)))  # fmt: skip
         ids, weights = htp.router_topk(
             logits, g.n_used, gating=g.func, norm=g.norm, scale=g.scale,
-            bias=self._w(w.bias), backend=self.backend,
+            bias=self._w(w.bias), out=out, backend=self.backend,
         )  # type: ignore[arg-type]  # fmt: skip
         self._span("router", t0)
-        y = np.zeros((h.shape[0], self.hp.n_embd), dtype=np.float32)
+        y = self.zeros((h.shape[0], self.hp.n_embd))
         t0 = time.perf_counter()
         self.experts.run_layer(w.experts, h, ids, weights, y)
         self.expert_phases.append((t0, time.perf_counter()))
