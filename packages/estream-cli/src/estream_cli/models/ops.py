@@ -400,10 +400,11 @@ class ActivationPool:
     Three bump arenas: ``pass`` (the pass's inputs: token ids, positions, row indices), and two
     that alternate stage by stage (the embedding, each layer, the head): a stage allocates from
     its own arena, reset when the stage starts, and reads its input — the previous stage's
-    output — from the other one. So memory is bounded by about twice the largest stage's
-    activations (plus the inputs), whatever the number of layers, and is reused across layers
-    and passes. An arena that had to grow during a stage is coalesced into one chunk of the
-    size it reached at its next reset (registered once; steady passes register nothing)."""
+    output — from the other one. An arena that had to grow during a stage (extra chunks) is
+    coalesced at its next reset into one chunk of what that stage used, so each settles at the
+    largest stage it served (at least 1 MiB) and the pool at about twice the largest stage's
+    activations plus the inputs, whatever the number of layers; it is reused across layers and
+    passes (registered once: steady passes register nothing) and keeps its size."""
 
     ALIGN = 128  # bytes: HVX vector loads, cache lines
 
@@ -449,7 +450,7 @@ class _Arena:
         self.backend = backend
         self.chunks: list[np.ndarray] = []
         self.off = 0
-        self.grown = False
+        self.used = 0  # bytes handed out since the last reset (the stage's activations)
 
     @property
     def nbytes(self) -> int:
@@ -463,11 +464,11 @@ class _Arena:
         return False
 
     def reset(self) -> None:
-        if len(self.chunks) > 1:  # grown during the last use: one chunk of that size from now
-            total = self.nbytes
+        if len(self.chunks) > 1:  # grown during the last use: one chunk of what it used
             self.chunks = []
-            self.chunks = [self.backend.empty(total, np.uint8)]
+            self.chunks = [self.backend.empty(max(self.used, 1 << 20), np.uint8)]
         self.off = 0
+        self.used = 0
 
     def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -479,6 +480,7 @@ class _Arena:
         c = self.chunks[-1]
         out = c[self.off : self.off + n].view(dtype).reshape(shape)
         self.off += step
+        self.used += step
         return out
 
 
