@@ -116,8 +116,8 @@ def any_arch(request, tmp_path_factory):
 
 # every kernel entry point the forward pass and the expert sources call
 _OPS = [
-    "gemm", "matmul_f32", "rms_norm", "rms_norm_heads", "rope", "attention", "swiglu",
-    "router_topk", "conv1d_causal", "get_rows", "add", "mul", "copy_rows", "fill",
+    "gemm", "gemm_shared", "matmul_f32", "rms_norm", "rms_norm_heads", "rope", "attention",
+    "swiglu", "router_topk", "conv1d_causal", "get_rows", "add", "mul", "copy_rows", "fill",
 ]  # fmt: skip
 
 
