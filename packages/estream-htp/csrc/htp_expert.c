@@ -29,9 +29,11 @@ struct htp_expert_ws {
     float *xd, *hd;
     int32_t *xs, *hs;
     size_t tok_cap;  /* q8 mode: rows the per-token quantized input below holds */
-    int8_t *tq;      /* [T][d]: every token's row quantized once per op, gathered per route */
+    int8_t *tq;      /* [T][d]: each routed token's row quantized once per op, gathered per route */
     float *td;
     int32_t *ts;
+    uint8_t *tseen;  /* [T] a token already listed */
+    int32_t *tlist;  /* [T] the distinct routed tokens */
 };
 
 typedef struct run_ctx {
@@ -67,6 +69,8 @@ static void ws_release(struct htp_expert_ws *g) {
     free(g->tq);
     free(g->td);
     free(g->ts);
+    free(g->tseen);
+    free(g->tlist);
     uint32_t *counts = g->counts;
     const uint32_t counts_cap = g->counts_cap;
     memset(g, 0, sizeof(*g));
@@ -220,8 +224,9 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
 typedef struct quant_ctx {
     const htp_isa *isa;
     const float *x;
-    uint32_t t, d;
-    int8_t *q;
+    const int32_t *list; /* the tokens to quantize */
+    uint32_t n, d;
+    int8_t *q; /* rows indexed by token */
     float *qd;
     int32_t *qs;
 } quant_ctx;
@@ -230,22 +235,25 @@ static void quant_task(void *arg, uint32_t ith, uint32_t nth) {
     const quant_ctx *c = (const quant_ctx *)arg;
     const uint32_t db = c->d / 32;
     uint32_t b, e;
-    htp_split(c->t, ith, nth, &b, &e);
-    for (uint32_t i = b; i < e; i++)
-        c->isa->quantize_row_q8(c->x + (size_t)i * c->d, c->d, c->q + (size_t)i * c->d,
-                                c->qd + (size_t)i * db, c->qs + (size_t)i * db);
+    htp_split(c->n, ith, nth, &b, &e);
+    for (uint32_t i = b; i < e; i++) {
+        const size_t tok = (size_t)c->list[i];
+        c->isa->quantize_row_q8(c->x + tok * c->d, c->d, c->q + tok * c->d, c->qd + tok * db, c->qs + tok * db);
+    }
 }
 
-/* q8 mode: room for T tokens' quantized rows (grown, kept between calls). */
+/* q8 mode: room for T tokens' quantized rows and the token list (grown, kept between calls). */
 static htp_status ws_reserve_tokens(struct htp_expert_ws *g, size_t t, size_t d) {
     if (t <= g->tok_cap && d <= g->d) return HTP_OK;
-    free(g->tq), free(g->td), free(g->ts);
+    free(g->tq), free(g->td), free(g->ts), free(g->tseen), free(g->tlist);
     g->tq = malloc(t * d);
     g->td = malloc(t * d / 32 * 4);
     g->ts = malloc(t * d / 32 * 4);
-    if (!g->tq || !g->td || !g->ts) {
-        free(g->tq), free(g->td), free(g->ts);
-        g->tq = NULL, g->td = NULL, g->ts = NULL;
+    g->tseen = malloc(t);
+    g->tlist = malloc(t * 4);
+    if (!g->tq || !g->td || !g->ts || !g->tseen || !g->tlist) {
+        free(g->tq), free(g->td), free(g->ts), free(g->tseen), free(g->tlist);
+        g->tq = NULL, g->td = NULL, g->ts = NULL, g->tseen = NULL, g->tlist = NULL;
         g->tok_cap = 0;
         return HTP_E_NOMEM;
     }
@@ -288,7 +296,15 @@ htp_status htp_exec_expert(htp_exec *ex, const htp_expert_params *p, uint32_t ac
     if (ws_reserve(g, C, d, ff, q8) != HTP_OK) return HTP_E_NOMEM;
     if (q8) { /* each token's row once, however many experts it is routed to */
         if (ws_reserve_tokens(g, p->n_tokens, g->d) != HTP_OK) return HTP_E_NOMEM;
-        quant_ctx qc = {ex->isa, x, p->n_tokens, d, g->tq, g->td, g->ts};
+        /* only the tokens routed in this call (a streamed group of one expert sees few) */
+        memset(g->tseen, 0, p->n_tokens);
+        uint32_t nt = 0;
+        for (uint32_t r = 0; r < R; r++)
+            if (!g->tseen[tokens[r]]) {
+                g->tseen[tokens[r]] = 1;
+                g->tlist[nt++] = tokens[r];
+            }
+        quant_ctx qc = {ex->isa, x, g->tlist, nt, d, g->tq, g->td, g->ts};
         htp_parallel(ex->pool, quant_task, &qc);
     }
     const uint32_t P = (uint32_t)max_slot + 1;
