@@ -4,7 +4,10 @@ Both sources run every expert through the same `estream_htp.ExpertGraph`, bound 
 the routes and to the weight addresses of the slots the experts sit in. The streamed source is
 the pipeline of docs/design.md §6: reads start when the layer starts (schedule ``early``), unrouted
 groups are dropped after routing, routed groups execute as their banks become ready and banks
-are recycled as soon as their group has run.
+are recycled as soon as their group has run. With ``early``, the first MoE layer's reads start
+as soon as the source opens its loader — while the engine loads its dense weights (and again
+after `StreamedExperts.recover`) — and the first pass takes that layer over instead of
+starting it.
 
 On a ``host-process`` backend the arena's memfd planes are registered with the executor, which
 maps them itself; each routed group's expert op is *submitted* and its bank stays InUse until the
@@ -71,8 +74,10 @@ class ExpertSource(Protocol):
     """Where the routed experts of a forward pass come from (resident memory or the arena).
 
     Per request: `reset`, then for each MoE layer `begin_layer` (at layer start, before
-    attention: a streaming source starts its reads there), `run_layer` once routing is known,
-    `end_layer`. `records`, `reads()` and `bytes_read` describe the current request."""
+    attention: a streaming source starts its reads there, or has started them already for the
+    first MoE layer), `run_layer` once routing is known, `end_layer`. `records`, `reads()` and
+    `bytes_read` describe the current request (reads started before it for its first layer
+    included)."""
 
     records: list[GroupRecord]
 
@@ -204,6 +209,8 @@ class StreamedExperts:
         self.on_group = on_group
         self._direct, self._verify = direct, verify
         self._strides = tuple(size for _, size in model.plane_extents)
+        # the first MoE layer: its reads start when the loader opens (schedule "early")
+        self._first = model.layers[min(model.layers)] if model.layers else None
         self._open()
 
     def _open(self) -> None:
@@ -224,11 +231,12 @@ class StreamedExperts:
             raise
         self._planes = tuple(self.arena.plane_address(j) for j in range(3))
         self._layer: ExpertLayer | None = None
+        self._started: ExpertLayer | None = None  # begun and submitted ahead of the pass
         self._remote = self.graph.backend.kind != "host"
         self._buffers: list[int] = []
         self._shared: dict[str, np.ndarray] = {}
-        if self._remote:
-            try:
+        try:
+            if self._remote:
                 for j in range(3):
                     self._buffers.append(
                         self.graph.backend.register_fd(
@@ -238,9 +246,12 @@ class StreamedExperts:
                             address=self._planes[j],
                         )
                     )
-            except BaseException:
-                self.close()
-                raise
+            if self.schedule == "early" and self._first is not None:
+                self._start_layer(self._first)
+                self._started = self._first
+        except BaseException:
+            self.close()
+            raise
 
     def _share(self, name: str, a: np.ndarray) -> np.ndarray:
         """``a`` copied into a cached shared array (grown when too small) the executor reads."""
@@ -272,7 +283,8 @@ class StreamedExperts:
 
     def reset(self) -> None:
         self.records.clear()
-        self.loader.reset_stats()
+        if self._started is None:  # else the reads of the layer started ahead are this pass's
+            self.loader.reset_stats()
 
     def _n_groups(self, layer: ExpertLayer) -> int:
         return -(-layer.n_experts // self.G)
@@ -288,12 +300,22 @@ class StreamedExperts:
             checksums=tuple(sums) if sums else None,
         )
 
-    def begin_layer(self, layer: ExpertLayer) -> None:
-        """The layer starts: with the ``early`` schedule, reads begin before routing is known."""
-        self._layer = layer
+    def _start_layer(self, layer: ExpertLayer) -> None:
         self.loader.begin_layer(layer.index)
         if self.schedule == "early":
             self.loader.submit([self._request(layer, k) for k in range(self._n_groups(layer))])
+
+    def begin_layer(self, layer: ExpertLayer) -> None:
+        """The layer starts: with the ``early`` schedule, reads begin before routing is known
+        (for the first MoE layer they began when the loader opened: the pass takes them over)."""
+        started, self._started = self._started, None
+        if started is not None and started.index != layer.index:  # not the first layer: the
+            self.loader.drop(range(self._n_groups(started)))  # reads started ahead are dropped
+            self.loader.end_layer()
+            started = None
+        self._layer = layer
+        if started is None:
+            self._start_layer(layer)
 
     def run_layer(
         self, layer: ExpertLayer, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, y: np.ndarray
