@@ -420,30 +420,35 @@ def test_read_error_in_the_early_window_reaches_the_first_pass(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A read started while the model loads fails (EIO): the load succeeds, the first pass
-    raises the read's error naming the first MoE layer, and the engine recovers: the next pass
-    (its own reads, and the first layer read ahead again) gives the good answer; nothing
-    leaks."""
+    """The extent of the first MoE layer's first group cannot be read (EIO) while the model
+    loads: the load succeeds, the first pass raises that read's error naming the layer, group
+    and offset, and the engine recovers: the next passes (the first layer read ahead again,
+    now readable) give the good answer; nothing leaks."""
     real = os.preadv
+    bad = Manifest.from_path(packs["a"]).layers[0].record_offset(0)
+    window = threading.Event()
     failed = []
 
-    def eio_once(fd, bufs, offset):  # type: ignore[no-untyped-def]
-        if len(bufs) >= 3 and not failed:
+    def eio_in_window(fd, bufs, offset):  # type: ignore[no-untyped-def]
+        nbytes = sum(len(memoryview(b)) for b in bufs)
+        if len(bufs) >= 3 and window.is_set() and offset <= bad < offset + nbytes:
             failed.append(offset)
             raise OSError(5, "Input/output error")
         return real(fd, bufs, offset)
 
     with no_leaks(tmp_path):
-        monkeypatch.setattr(os, "preadv", eio_once)
+        monkeypatch.setattr(os, "preadv", eio_in_window)
+        window.set()
         with estream.load(packs["a"], **STREAM) as eng:
             first = min(eng.model.layers)
             deadline = time.monotonic() + 10
-            while not failed and time.monotonic() < deadline:
+            while not eng.experts.loader.stats.n_failed and time.monotonic() < deadline:
                 time.sleep(0.005)
+            window.clear()
             assert failed, "no read started while the model loaded"
-            with pytest.raises(estream_arena.ReadError, match=f"layer {first}, group ") as ei:
+            with pytest.raises(estream_arena.ReadError, match=f"layer {first}, group 0, ") as ei:
                 eng.prefill(TOKENS)
-            assert ei.value.errno == 5 and ei.value.layer == first
+            assert ei.value.errno == 5 and ei.value.offset == bad
             assert np.array_equal(eng.prefill(TOKENS).logits, baseline["stream"])
             assert np.array_equal(eng.prefill(TOKENS).logits, baseline["stream"])
         monkeypatch.undo()

@@ -125,7 +125,7 @@ def dd_direct(path: Path, block: str) -> float:
     return nbytes / seconds
 
 
-def loader_bandwidth(path: Path, n_records: int, G: int, Q: int, B: int) -> dict:
+def loader_bandwidth(path: Path, n_records: int, G: int, Q: int, B: int, merge: int = 0) -> dict:
     rb = LAYOUT.record_bytes
     reqs = [
         GroupRequest(k, k * G * rb, min(G, n_records - k * G)) for k in range(-(-n_records // G))
@@ -133,7 +133,7 @@ def loader_bandwidth(path: Path, n_records: int, G: int, Q: int, B: int) -> dict
     with Arena(LAYOUT, B, G) as arena:
         for j in range(3):  # fault the memfd pages in now, not inside the timed reads
             arena.plane_view(j)[:] = 0
-        with GroupLoader(arena, path, Q, direct=True) as ld:
+        with GroupLoader(arena, path, Q, direct=True, merge_bytes=merge) as ld:
             ld.begin_layer(0)
             t0 = time.perf_counter()
             ld.submit(reqs)
@@ -148,6 +148,7 @@ def loader_bandwidth(path: Path, n_records: int, G: int, Q: int, B: int) -> dict
         G=G,
         Q=Q,
         B=B,
+        merge_bytes=merge,
         bytes=st.bytes_read,
         seconds=dt,
         bytes_per_s=st.bytes_read / dt,
@@ -165,6 +166,14 @@ def main() -> int:
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--repeat", type=int, default=3, help="passes; medians are reported")
     ap.add_argument("--extra-banks", type=int, default=2, help="B = Q + this")
+    ap.add_argument(
+        "--merge-mib",
+        type=float,
+        default=16.0,
+        help="also measure the loader merging adjacent groups into reads of up to this many MiB "
+        "(the engine's READ_MERGE_BYTES), for the G whose group is smaller; 0: only one group "
+        "per read",
+    )
     ap.add_argument(
         "--dd-blocks",
         default="1M,4M,16M,64M",
@@ -198,7 +207,11 @@ def main() -> int:
         raw_runs: dict[tuple[int, int], list[float]] = {c: [] for c in raw_cfgs}
         dd_blocks = [b.strip() for b in args.dd_blocks.split(",") if b.strip()]
         dd_runs: dict[str, list[float]] = {b: [] for b in dd_blocks}
-        runs: dict[tuple[int, int], list[dict]] = {}
+        runs: dict[tuple[int, int, int], list[dict]] = {}
+        merge = int(args.merge_mib * (1 << 20)) // 4096 * 4096
+        merges = {
+            G: [0] + ([merge] if merge >= 2 * G * LAYOUT.record_bytes else []) for G in args.groups
+        }
         for rep in range(args.repeat):  # interleaved: raw and loader see the same disk mood
             print(f"-- pass {rep + 1}/{args.repeat}")
             for block, threads in raw_cfgs:
@@ -213,13 +226,15 @@ def main() -> int:
                 print(f"dd iflag=direct bs={block:<4s}:        {bw / 1e6:8.1f} MB/s")
             for G in args.groups:
                 for Q in args.depths:
-                    methods.add(drop_cache(path))
-                    p = loader_bandwidth(path, n_records, G, Q, Q + args.extra_banks)
-                    runs.setdefault((G, Q), []).append(p)
-                    print(
-                        f"G={G:2d} Q={Q} B={p['B']:2d}: {p['bytes_per_s'] / 1e6:8.1f} MB/s, "
-                        f"{p['mean_read_ms']:.1f} ms/read"
-                    )
+                    for mg in merges[G]:
+                        methods.add(drop_cache(path))
+                        p = loader_bandwidth(path, n_records, G, Q, Q + args.extra_banks, mg)
+                        runs.setdefault((G, Q, mg), []).append(p)
+                        print(
+                            f"G={G:2d} Q={Q} B={p['B']:2d} merge={mg >> 20:2d} MiB: "
+                            f"{p['bytes_per_s'] / 1e6:8.1f} MB/s, {p['mean_read_ms']:.1f} ms/read, "
+                            f"{p['syscalls']} preadv"
+                        )
         raw = [
             dict(
                 block=b,
@@ -251,6 +266,8 @@ def main() -> int:
 
         q0_per_g: dict[int, int] = {}
         best_per_g: dict[int, dict] = {}
+        merged = [p for p in points if p["merge_bytes"]]
+        points = [p for p in points if not p["merge_bytes"]]  # one group per read
         for G in args.groups:
             row = [p for p in points if p["G"] == G]
             peak = max(p["bytes_per_s"] for p in row)
@@ -276,6 +293,14 @@ def main() -> int:
                 p = next(p for p in points if p["G"] == G and p["Q"] == Q)
                 cells.append(f"{p['bytes_per_s'] / 1e6:7.1f} ({p['ratio_to_dd']:.2f})")
             print(f"  {G:2d} | " + " | ".join(cells) + f" | {q0_per_g[G]}")
+        if merged:
+            print(f"merging adjacent groups into reads of up to {merge >> 20} MiB:")
+            for G in sorted({p["G"] for p in merged}):
+                cells = []
+                for Q in args.depths:
+                    p = next(p for p in merged if p["G"] == G and p["Q"] == Q)
+                    cells.append(f"{p['bytes_per_s'] / 1e6:7.1f} ({p['ratio_to_dd']:.2f})")
+                print(f"  {G:2d} | " + " | ".join(cells))
         print(
             f"best: G={best['G']} Q={best['Q']}: {best['bytes_per_s'] / 1e6:.1f} MB/s = "
             f"{best['ratio_to_dd']:.2f} x dd iflag=direct (target >= 0.90), "
@@ -307,6 +332,8 @@ def main() -> int:
             loadavg=os.getloadavg(),
             repeat=args.repeat,
             points=points,
+            merged_points=merged,
+            merge_bytes=merge,
             q0_rule="smallest Q with bandwidth >= 0.95 x max over Q, per G",
             q0_per_g={str(g): q for g, q in q0_per_g.items()},
             q0=max(q0_per_g.values()),

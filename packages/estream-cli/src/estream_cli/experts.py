@@ -45,6 +45,10 @@ __all__ = [
 
 SCHEDULES = ("early", "after-routing", "ondemand")
 ACQUIRE_TIMEOUT_S = float(os.environ.get("ESTREAM_ACQUIRE_TIMEOUT", "300"))
+#: The loader reads groups queued one after another whose extents follow each other in
+#: experts.bin with one preadv while it stays within this many bytes (0: one read per group).
+#: Small groups (G·record below it) then reach the disk's large-block O_DIRECT bandwidth.
+READ_MERGE_BYTES = int(os.environ.get("ESTREAM_READ_MERGE_BYTES", str(16 << 20)))
 
 
 @attrs.define
@@ -225,6 +229,7 @@ class StreamedExperts:
                 self.Q,
                 direct=self._direct,
                 verify=self._verify,
+                merge_bytes=READ_MERGE_BYTES,
             )
         except BaseException:
             self.arena.close()
