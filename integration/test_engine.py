@@ -245,3 +245,34 @@ def test_published_layouts_match_the_reference_in_every_mode(arch, dims, tmp_pat
         assert rel_l2(out.logits, base) <= 1e-5, kw
         first_moe = dims.get("n_leading_dense", 1)
         assert min(r.layer for r in out.records) == first_moe, kw  # dense layers run no experts
+
+
+def test_first_moe_layer_is_read_while_the_model_loads(packed):
+    """Stream mode (schedule ``early``) starts reading the first MoE layer's groups when its
+    loader opens, before the dense weights load; the first pass takes that layer over. That
+    pass's logits are bit-identical to a pass whose reads all started inside it (the second
+    one), and the reads done before it began are counted in it."""
+    import time
+
+    _, _, dst = packed
+    G, B = 2, 3
+    with estream.load(dst, G=G, Q=2, B=B) as eng:
+        first = eng.model.layers[min(eng.model.layers)]
+        n_ahead = min(B, -(-first.n_experts // G))  # every bank fills; none is released yet
+        loader = eng.experts.loader
+        deadline = time.monotonic() + 30
+        while loader.stats.n_reads < n_ahead and time.monotonic() < deadline:
+            time.sleep(0.005)
+        ahead = loader.stats.events
+        toks = _tokens(eng.hp.n_vocab, 61, seed=6)
+        a = eng.prefill(toks, all_logits=True)
+        b = eng.prefill(toks, all_logits=True)
+    assert sorted((e.layer, e.group) for e in ahead) == [(first.index, k) for k in range(n_ahead)]
+    expected = sum(min(G, first.n_experts - k * G) for k in range(n_ahead)) * first.record_bytes
+    assert a.metrics["bytes_read_before_pass"] == expected
+    assert b.metrics["bytes_read_before_pass"] == 0
+    assert np.array_equal(a.logits, b.logits)
+    read_a = {(r.layer, r.group) for r in a.reads}
+    assert {(r.layer, r.group) for r in a.records} <= read_a  # the early reads are the pass's
+    assert {(first.index, k) for k in range(n_ahead)} <= read_a
+    assert a.metrics["bytes_read"] == sum(r.nbytes for r in a.reads)

@@ -377,6 +377,83 @@ def test_engine_recovers_after_a_checksum_error(
         assert np.array_equal(eng.prefill(TOKENS).logits, baseline["stream"])
 
 
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), OSError(5, "Input/output error")])
+def test_error_while_loading_with_early_reads_in_flight_leaks_nothing(
+    packs: dict[str, Path],
+    baseline: dict[str, np.ndarray],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    exc: BaseException,
+) -> None:
+    """Stream mode starts the first MoE layer's reads before the dense weights load: an error
+    or Ctrl-C in the dense load, with such a read inside `preadv`, must stop and join the
+    loader and close its fds (the engine does not exist yet, nobody else can)."""
+    real = os.preadv
+    entered = threading.Event()
+
+    def slow_preadv(fd, bufs, offset):  # type: ignore[no-untyped-def]
+        if len(bufs) >= 3:  # a group's read (the O_DIRECT probe reads one buffer)
+            entered.set()
+            time.sleep(0.2)
+        return real(fd, bufs, offset)
+
+    seen = []
+
+    def failing_load_dense(self, **kw):  # type: ignore[no-untyped-def]
+        seen.append((entered.wait(10), len(_estream_threads())))
+        raise exc
+
+    with no_leaks(tmp_path):
+        monkeypatch.setattr(os, "preadv", slow_preadv)
+        monkeypatch.setattr(experts_mod.PackedModel, "load_dense", failing_load_dense)
+        with pytest.raises(type(exc)):
+            estream.load(packs["a"], **STREAM)
+        monkeypatch.undo()
+    assert seen and seen[0][0] and seen[0][1] >= STREAM["Q"]  # a read was in flight, threads up
+    with no_leaks(tmp_path), estream.load(packs["a"], **STREAM) as eng:
+        assert np.array_equal(eng.prefill(TOKENS).logits, baseline["stream"])
+
+
+def test_read_error_in_the_early_window_reaches_the_first_pass(
+    packs: dict[str, Path],
+    baseline: dict[str, np.ndarray],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The extent of the first MoE layer's first group cannot be read (EIO) while the model
+    loads: the load succeeds, the first pass raises that read's error naming the layer, group
+    and offset, and the engine recovers: the next passes (the first layer read ahead again,
+    now readable) give the good answer; nothing leaks."""
+    real = os.preadv
+    bad = Manifest.from_path(packs["a"]).layers[0].record_offset(0)
+    window = threading.Event()
+    failed = []
+
+    def eio_in_window(fd, bufs, offset):  # type: ignore[no-untyped-def]
+        nbytes = sum(len(memoryview(b)) for b in bufs)
+        if len(bufs) >= 3 and window.is_set() and offset <= bad < offset + nbytes:
+            failed.append(offset)
+            raise OSError(5, "Input/output error")
+        return real(fd, bufs, offset)
+
+    with no_leaks(tmp_path):
+        monkeypatch.setattr(os, "preadv", eio_in_window)
+        window.set()
+        with estream.load(packs["a"], **STREAM) as eng:
+            first = min(eng.model.layers)
+            deadline = time.monotonic() + 10
+            while not eng.experts.loader.stats.n_failed and time.monotonic() < deadline:
+                time.sleep(0.005)
+            window.clear()
+            assert failed, "no read started while the model loaded"
+            with pytest.raises(estream_arena.ReadError, match=f"layer {first}, group 0, ") as ei:
+                eng.prefill(TOKENS)
+            assert ei.value.errno == 5 and ei.value.offset == bad
+            assert np.array_equal(eng.prefill(TOKENS).logits, baseline["stream"])
+            assert np.array_equal(eng.prefill(TOKENS).logits, baseline["stream"])
+        monkeypatch.undo()
+
+
 def test_batch_reports_each_failure_and_goes_on(
     packs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:  # type: ignore[no-untyped-def]

@@ -125,6 +125,114 @@ def test_one_vectored_syscall_per_group(rfile) -> None:
         )
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_adjacent_groups_are_merged_into_one_read(rfile, verify) -> None:
+    """merge_bytes: groups queued one after another whose extents follow each other in the file
+    are read by one preadv (within merge_bytes, each into its own free bank), and every group
+    is still published on its own with its own bytes."""
+    G, B = 2, 6
+    rb = rfile.layout.record_bytes
+    rec = Recorder()
+    with (
+        Arena(rfile.layout, B, G) as arena,
+        GroupLoader(arena, rfile.path, 1, reader=rec, verify=verify, merge_bytes=3 * G * rb) as ld,
+    ):
+        rec.calls.clear()  # the O_DIRECT probe
+        for layer in range(2):
+            ld.begin_layer(layer)
+            reqs = groups_of(rfile, G)  # 12 groups, the last one of 1 record
+            ld.submit(reqs)
+            for r in reqs:
+                bank = ld.acquire(r.group, timeout=10)
+                check_bank(arena, rfile, bank, G)
+                ld.release(bank)
+                ld.check_valid()
+            ld.end_layer()
+        st = ld.stats
+    assert st.n_reads == 2 * len(reqs) and len(st.events) == st.n_reads
+    assert st.bytes_read == 2 * rfile.n_records * rb
+    sizes = [nbytes for _, _, nbytes in rec.calls]
+    assert st.n_syscalls == len(rec.calls) < st.n_reads
+    assert max(sizes) == 3 * G * rb  # three groups in one call, never more
+    assert sum(sizes) == st.bytes_read
+    n_seg = len(rfile.layout.segments())
+    assert all(nbuf == n_seg * nbytes // rb for _, nbuf, nbytes in rec.calls)
+    offsets = sorted(off for off, _, _ in rec.calls)
+    assert offsets[0] == 0 and offsets[1] == 0  # the file read twice, calls back to back
+    for ev in st.events:
+        assert (
+            ev.outcome == "published" and ev.nbytes == min(G, rfile.n_records - ev.group * G) * rb
+        )
+
+
+def test_only_adjacent_queued_groups_are_merged(rfile) -> None:
+    rb = rfile.layout.record_bytes
+    rec = Recorder()
+    gate = threading.Event()
+    with (
+        Arena(rfile.layout, 8, 1) as arena,
+        GroupLoader(arena, rfile.path, 1, reader=rec, merge_bytes=100 * rb) as ld,
+    ):
+        rec.calls.clear()
+        rec.gate = gate  # hold the first read until everything is queued
+        ld.begin_layer(0)
+        order = [0, 5, 1, 2, 3, 9, 10]
+        ld.submit([rfile.request(g, g, 1) for g in order])
+        gate.set()
+        for g in order:
+            ld.release(ld.acquire(g, timeout=10))
+        ld.end_layer()
+    calls = [(off // rb, nbytes // rb) for off, _, nbytes in rec.calls]
+    # 5 does not follow 0 in the file, 1-2-3 follow each other, 9 does not follow 3, 10 does 9
+    assert calls == [(0, 1), (5, 1), (1, 3), (9, 2)]
+
+
+def test_a_fault_in_a_merged_read_ends_only_its_group(rfile) -> None:
+    """A merged read that fails is read again group by group: only the group whose extent is
+    bad fails, with that group's layer, group and offset; its neighbours arrive intact."""
+    from estream_arena import ReadError
+
+    G = 1
+    rb = rfile.layout.record_bytes
+    bad = 4  # the group whose own read fails; merged reads that start before it fail too
+    inner = Recorder()
+
+    def reader(fd, buffers, offset):
+        nbytes = sum(len(memoryview(b)) for b in buffers)
+        if offset <= bad * rb < offset + nbytes and nbytes > ALIGN:
+            raise OSError(errno.EIO, "Input/output error")
+        return inner(fd, buffers, offset)
+
+    with (
+        Arena(rfile.layout, 8, G) as arena,
+        GroupLoader(arena, rfile.path, 2, reader=reader, merge_bytes=4 * rb) as ld,
+    ):
+        ld.begin_layer(0)
+        reqs = groups_of(rfile, G)
+        ld.submit(reqs)
+        for r in reqs:
+            if r.group == bad:
+                with pytest.raises(ReadError, match=f"layer 0, group {bad}, file offset") as ei:
+                    ld.acquire(r.group, timeout=10)
+                assert ei.value.errno == errno.EIO and ei.value.offset == bad * rb
+                assert ei.value.nbytes == rb
+                continue
+            bank = ld.acquire(r.group, timeout=10)
+            check_bank(arena, rfile, bank, G)
+            ld.release(bank)
+        ld.end_layer()
+        st = ld.stats
+    assert st.n_failed == 1 and st.n_reads == len(reqs) - 1
+    assert [e.group for e in st.events if e.outcome == "failed"] == [bad]
+
+
+def test_merge_bytes_is_checked(rfile) -> None:
+    with Arena(rfile.layout, 2, 1) as arena:
+        for bad in (-1, 1.5, True, "8"):
+            with pytest.raises(ValueError, match="merge_bytes"):
+                GroupLoader(arena, rfile.path, 1, merge_bytes=bad)
+
+
 def test_huge_group_is_split_at_iov_max(workdir) -> None:
     lay = RecordLayout.contiguous(ALIGN, ALIGN, ALIGN)
     rf = write_record_file(workdir / "big.bin", lay, 700)

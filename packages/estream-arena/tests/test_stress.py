@@ -75,8 +75,9 @@ class Layer:
             self.errors.append(e)
 
 
+@pytest.mark.parametrize("merge", [False, True], ids=["one-group-reads", "merged-reads"])
 @pytest.mark.parametrize("seed", range(8))
-def test_stress_random_layers_and_routes(workdir, seed: int) -> None:
+def test_stress_random_layers_and_routes(workdir, seed: int, merge: bool) -> None:
     rng = random.Random(seed)
     layout = random_layout(rng)
     G, B, Q = rng.randint(1, 4), rng.randint(1, 5), rng.randint(1, 4)
@@ -92,7 +93,12 @@ def test_stress_random_layers_and_routes(workdir, seed: int) -> None:
     with (
         Arena(layout, B, G) as arena,
         GroupLoader(
-            arena, rf.path, Q, verify=rng.random() < 0.5, reader=DelayedReader(0.002, seed)
+            arena,
+            rf.path,
+            Q,
+            verify=rng.random() < 0.5,
+            reader=DelayedReader(0.002, seed),
+            merge_bytes=3 * G * rb if merge else 0,  # up to 3 adjacent groups per read
         ) as ld,
     ):
         for step in range(steps):

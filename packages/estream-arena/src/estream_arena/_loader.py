@@ -122,9 +122,16 @@ class GroupLoader:
         direct: bool | None = None,
         verify: bool = False,
         reader: Reader | None = None,
+        merge_bytes: int = 0,
     ) -> None:
         if queue_depth < 1:
             raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
+        if isinstance(merge_bytes, bool) or not isinstance(merge_bytes, int) or merge_bytes < 0:
+            raise ValueError(f"merge_bytes must be an integer >= 0, got {merge_bytes!r}")
+        #: Queued groups whose extents follow each other in the file are read by one preadv
+        #: while it stays within this many bytes (0: one group per read).
+        self.merge_bytes = merge_bytes
+        self._max_records = max(arena.group_size, merge_bytes // arena.layout.record_bytes)
         self._arena = arena
         self._layout = arena.layout
         self._G = arena.group_size
@@ -225,7 +232,10 @@ class GroupLoader:
             raise FileChangedError(f"the file changed under the loader: {why}", **ctx)
 
     # -- worker --------------------------------------------------------------------------------
-    def _next_job(self) -> tuple[GroupRequest, int, int, float] | None:
+    def _next_job(self) -> tuple[list[tuple[GroupRequest, int, float]], int] | None:
+        """The next read: the first queued group in a free bank, plus (``merge_bytes``) the
+        groups queued right after it whose extents continue it in the file, each in a free bank,
+        while the read stays within ``merge_bytes``."""
         while True:
             if self._closed:
                 return None
@@ -233,17 +243,31 @@ class GroupLoader:
             while q and self._res.group_state(q[0][0].group) is not GroupState.PENDING:
                 q.popleft()  # dropped before it was read
             if q and self._res.n_available:
-                req, t_submit = q.popleft()
-                bank = self._res.reserve(req.group)
                 layer = self._res.layer
                 assert layer is not None
-                return req, bank, layer, t_submit
+                req, t_submit = q.popleft()
+                jobs = [(req, self._res.reserve(req.group), t_submit)]
+                rb = self._layout.record_bytes
+                nbytes = req.n_records * rb
+                while q and self._res.n_available:
+                    nxt, t_next = q[0]
+                    if self._res.group_state(nxt.group) is not GroupState.PENDING:
+                        q.popleft()
+                        continue
+                    nb = nxt.n_records * rb
+                    if nxt.offset != req.offset + nbytes or nbytes + nb > self.merge_bytes:
+                        break
+                    q.popleft()
+                    jobs.append((nxt, self._res.reserve(nxt.group), t_next))
+                    nbytes += nb
+                return jobs, layer
             self._cond.wait()
 
     def _worker(self) -> None:
         scratch = None
         if self._pad_per_record:
-            scratch = mmap.mmap(-1, self._pad_per_record * self._G)
+            scratch = mmap.mmap(-1, self._pad_per_record * self._max_records)
+        rb = self._layout.record_bytes
         try:
             while True:
                 with self._cond:
@@ -251,79 +275,127 @@ class GroupLoader:
                     if job is None:
                         return
                     self._inflight += 1
-                req, bank, layer, t_submit = job
+                jobs, layer = job
                 t_start = time.perf_counter()
-                err: BaseException | None = None
-                nbytes = req.n_records * self._layout.record_bytes
-                ctx = dict(
-                    layer=layer, group=req.group, offset=req.offset, nbytes=nbytes, path=self._path
-                )
-                n_sys = 0
-                try:
-                    n_sys = self._read_group(req, bank, scratch, ctx)
-                except ReadError as e:
-                    err = e
-                except BaseException as e:  # a bug, an odd reader, an interrupt: end the group
-                    err = ReadError(f"unexpected failure: {e!r}", **ctx)
-                    err.__cause__ = e
+                errs, n_sys = self._read_jobs(jobs, layer, scratch)
                 t_end = time.perf_counter()
-                if err is not None:
-                    _detach(err)
                 with self._cond:
                     self._inflight -= 1
                     st = self._stats
                     st.n_syscalls += n_sys
-                    if err is None:
-                        self._res.complete(bank)
-                        if self._res.group_state(req.group) is GroupState.DROPPED:
-                            self._res.retire(bank)
-                            outcome = "retired"
+                    for (req, bank, t_submit), err in zip(jobs, errs, strict=True):
+                        nbytes = req.n_records * rb
+                        if err is None:
+                            self._res.complete(bank)
+                            if self._res.group_state(req.group) is GroupState.DROPPED:
+                                self._res.retire(bank)
+                                outcome = "retired"
+                            else:
+                                self._res.publish(bank)
+                                outcome = "published"
+                            st.bytes_read += nbytes
+                            st.n_reads += 1
                         else:
-                            self._res.publish(bank)
-                            outcome = "published"
-                        st.bytes_read += nbytes
-                        st.n_reads += 1
-                    else:
-                        self._res.fail(bank, err)
-                        st.n_failed += 1
-                        outcome = "failed"
-                    st.events.append(
-                        ReadEvent(layer, req.group, bank, t_submit, t_start, t_end, nbytes, outcome)
-                    )
+                            self._res.fail(bank, err)
+                            st.n_failed += 1
+                            outcome = "failed"
+                        st.events.append(
+                            ReadEvent(
+                                layer, req.group, bank, t_submit, t_start, t_end, nbytes, outcome
+                            )
+                        )
                     self._cond.notify_all()
         finally:
             if scratch is not None:
                 with contextlib.suppress(BufferError):  # a caller still holds a view: GC frees it
                     scratch.close()
 
-    def _read_group(
-        self, req: GroupRequest, bank: int, scratch: mmap.mmap | None, ctx: dict[str, Any]
-    ) -> int:
-        """Read one group; returns the number of preadv calls. One call per group unless the
-        group exceeds IOV_MAX iovecs or 2 GiB, or the kernel returns a partial read."""
+    def _read_jobs(
+        self, jobs: list[tuple[GroupRequest, int, float]], layer: int, scratch: mmap.mmap | None
+    ) -> tuple[list[BaseException | None], int]:
+        """Read the (file-adjacent) groups of one job; each group's error or None, and the
+        number of preadv calls. A merged read that fails is read again group by group, so
+        that a fault ends only the group it concerns and names that group's extent."""
+        rb = self._layout.record_bytes
+        ctxs = [
+            dict(
+                layer=layer,
+                group=req.group,
+                offset=req.offset,
+                nbytes=req.n_records * rb,
+                path=self._path,
+            )
+            for req, _, _ in jobs
+        ]
+        n_sys = [0]
+        if len(jobs) > 1:
+            try:
+                return self._read_extent(jobs, ctxs, scratch, n_sys), n_sys[0]
+            except BaseException:  # read again group by group below, each keeping its error
+                pass
+        errs: list[BaseException | None] = []
+        for job, ctx in zip(jobs, ctxs, strict=True):
+            try:
+                errs += self._read_extent([job], [ctx], scratch, n_sys)
+            except ReadError as e:
+                errs.append(e)
+            except BaseException as e:  # a bug, an odd reader, an interrupt: end the group
+                err = ReadError(f"unexpected failure: {e!r}", **ctx)
+                err.__cause__ = e
+                errs.append(err)
+        for e in errs:
+            if e is not None:
+                _detach(e)
+        return errs, n_sys[0]
+
+    def _read_extent(
+        self,
+        jobs: list[tuple[GroupRequest, int, float]],
+        ctxs: list[dict[str, Any]],
+        scratch: mmap.mmap | None,
+        n_sys: list[int],
+    ) -> list[BaseException | None]:
+        """One vectored read of the consecutive extents of ``jobs`` (split only at IOV_MAX
+        iovecs or 2 GiB, or on a partial read) straight into their banks; raises ReadError if
+        the read fails; returns each group's checksum error or None."""
         rb = self._layout.record_bytes
         G = self._G
-        pad = self._pad_per_record
         smv = memoryview(scratch) if scratch is not None else None
-        per_chunk = max(
-            1, min(_IOV_MAX // len(self._segments), _MAX_SYSCALL_BYTES // rb, req.n_records)
-        )
         records: list[list[memoryview]] = []
-        for i in range(req.n_records):
-            slot = bank * G + i
-            parts: list[memoryview] = []
-            spos = i * pad
-            for _, size, j in self._segments:
-                if j < 0:
-                    assert smv is not None
-                    parts.append(smv[spos : spos + size])
-                    spos += size
-                else:
-                    s = self._slot_bytes[j]
-                    parts.append(self._planes[j][slot * s : slot * s + s])
-            records.append(parts)
+        spos = 0
+        for req, bank, _ in jobs:
+            for i in range(req.n_records):
+                slot = bank * G + i
+                parts: list[memoryview] = []
+                for _, size, j in self._segments:
+                    if j < 0:
+                        assert smv is not None
+                        parts.append(smv[spos : spos + size])
+                        spos += size
+                    else:
+                        sb = self._slot_bytes[j]
+                        parts.append(self._planes[j][slot * sb : slot * sb + sb])
+                records.append(parts)
+        ctx = ctxs[0]
+        if len(jobs) > 1:
+            ctx = dict(ctx, nbytes=len(records) * rb)
         try:
-            return self._read_records(req, records, per_chunk, ctx)
+            per_chunk = max(1, min(_IOV_MAX // len(self._segments), _MAX_SYSCALL_BYTES // rb))
+            off0 = jobs[0][0].offset
+            for first in range(0, len(records), per_chunk):
+                last = min(len(records), first + per_chunk)
+                iovs = [buf for rec in records[first:last] for buf in rec]
+                off = off0 + first * rb
+                n_sys[0] += self._read_fully(iovs, off, (last - first) * rb, ctx)
+                if not self.direct:
+                    os.posix_fadvise(self._fd, off, (last - first) * rb, os.POSIX_FADV_DONTNEED)
+            self._check_file(ctx)
+            errs: list[BaseException | None] = []
+            k = 0
+            for (req, _, _), c in zip(jobs, ctxs, strict=True):
+                errs.append(self._verify(req, records[k : k + req.n_records], c))
+                k += req.n_records
+            return errs
         finally:
             for parts in records:
                 for buf in parts:
@@ -331,39 +403,27 @@ class GroupLoader:
             if smv is not None:
                 smv.release()
 
-    def _read_records(
-        self,
-        req: GroupRequest,
-        records: list[list[memoryview]],
-        per_chunk: int,
-        ctx: dict[str, Any],
-    ) -> int:
+    def _verify(
+        self, req: GroupRequest, records: list[list[memoryview]], ctx: dict[str, Any]
+    ) -> ChecksumError | None:
+        if not self.verify or req.checksums is None:
+            return None
         rb = self._layout.record_bytes
-        n_sys = 0
-        for first in range(0, req.n_records, per_chunk):
-            last = min(req.n_records, first + per_chunk)
-            iovs = [buf for rec in records[first:last] for buf in rec]
-            off = req.offset + first * rb
-            n_sys += self._read_fully(iovs, off, (last - first) * rb, ctx)
-            if not self.direct:
-                os.posix_fadvise(self._fd, off, (last - first) * rb, os.POSIX_FADV_DONTNEED)
-        self._check_file(ctx)
-        if self.verify and req.checksums is not None:
-            for i, parts in enumerate(records):
-                crc = 0
-                for buf in parts:
-                    crc = zlib.crc32(buf, crc)
-                if crc != req.checksums[i]:
-                    raise ChecksumError(
-                        f"record {i} (file offset {req.offset + i * rb}) has crc32 {crc:#010x}, "
-                        f"expected {req.checksums[i]:#010x}: the file is corrupt or not the one "
-                        "the manifest describes",
-                        record=i,
-                        expected=req.checksums[i],
-                        actual=crc,
-                        **ctx,
-                    )
-        return n_sys
+        for i, parts in enumerate(records):
+            crc = 0
+            for buf in parts:
+                crc = zlib.crc32(buf, crc)
+            if crc != req.checksums[i]:
+                return ChecksumError(
+                    f"record {i} (file offset {req.offset + i * rb}) has crc32 {crc:#010x}, "
+                    f"expected {req.checksums[i]:#010x}: the file is corrupt or not the one "
+                    "the manifest describes",
+                    record=i,
+                    expected=req.checksums[i],
+                    actual=crc,
+                    **ctx,
+                )
+        return None
 
     def _read_fully(
         self, iovs: list[memoryview], offset: int, want: int, ctx: dict[str, Any]

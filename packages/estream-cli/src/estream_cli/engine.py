@@ -215,8 +215,6 @@ class Engine:
         self.config = resolve_config(self.model, mode, self.budget, G, Q, B)
         self.arch = architecture(self.hp)
         htp.set_num_threads(int(n_threads or DEFAULT_THREADS))
-        self.model.load_dense(verify=verify)
-        self.weights = self.arch.bind(self.model)
         hp = self.hp
         self._capacity = 4096
         # Expert ops run on the chosen backend; the other ops stay on this process's default one.
@@ -242,8 +240,8 @@ class Engine:
             if dense_ops == "backend" and self.backend.kind != "host"
             else None
         )
+        self.experts: ExpertSource | None = None  # type: ignore[assignment]
         try:
-            self.experts: ExpertSource
             if self.config is None:
                 self.experts = ResidentExperts(self.model, self.graph, verify=verify)
             else:
@@ -258,7 +256,13 @@ class Engine:
                     verify=verify,
                     direct=direct,
                 )
+            # Streamed (schedule "early"): the first MoE layer's reads are running by now, so
+            # the dense weights load and bind while they fill the arena.
+            self.model.load_dense(verify=verify)
+            self.weights = self.arch.bind(self.model)
         except BaseException:
+            if self.experts is not None:
+                self.experts.close()
             self.graph.close()
             if self.backend is not htp.default_backend():
                 self.backend.close()

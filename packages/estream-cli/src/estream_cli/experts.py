@@ -4,7 +4,10 @@ Both sources run every expert through the same `estream_htp.ExpertGraph`, bound 
 the routes and to the weight addresses of the slots the experts sit in. The streamed source is
 the pipeline of docs/design.md §6: reads start when the layer starts (schedule ``early``), unrouted
 groups are dropped after routing, routed groups execute as their banks become ready and banks
-are recycled as soon as their group has run.
+are recycled as soon as their group has run. With ``early``, the first MoE layer's reads start
+as soon as the source opens its loader — while the engine loads its dense weights (and again
+after `StreamedExperts.recover`) — and the first pass takes that layer over instead of
+starting it.
 
 On a ``host-process`` backend the arena's memfd planes are registered with the executor, which
 maps them itself; each routed group's expert op is *submitted* and its bank stays InUse until the
@@ -42,6 +45,10 @@ __all__ = [
 
 SCHEDULES = ("early", "after-routing", "ondemand")
 ACQUIRE_TIMEOUT_S = float(os.environ.get("ESTREAM_ACQUIRE_TIMEOUT", "300"))
+#: The loader reads groups queued one after another whose extents follow each other in
+#: experts.bin with one preadv while it stays within this many bytes (0: one read per group).
+#: Small groups (G·record below it) then reach the disk's large-block O_DIRECT bandwidth.
+READ_MERGE_BYTES = int(os.environ.get("ESTREAM_READ_MERGE_BYTES", str(16 << 20)))
 
 
 @attrs.define
@@ -71,8 +78,10 @@ class ExpertSource(Protocol):
     """Where the routed experts of a forward pass come from (resident memory or the arena).
 
     Per request: `reset`, then for each MoE layer `begin_layer` (at layer start, before
-    attention: a streaming source starts its reads there), `run_layer` once routing is known,
-    `end_layer`. `records`, `reads()` and `bytes_read` describe the current request."""
+    attention: a streaming source starts its reads there, or has started them already for the
+    first MoE layer), `run_layer` once routing is known, `end_layer`. `records`, `reads()` and
+    `bytes_read` describe the current request (reads started before it for its first layer
+    included)."""
 
     records: list[GroupRecord]
 
@@ -245,6 +254,8 @@ class StreamedExperts:
         self.on_group = on_group
         self._direct, self._verify = direct, verify
         self._strides = tuple(size for _, size in model.plane_extents)
+        # the first MoE layer: its reads start when the loader opens (schedule "early")
+        self._first = model.layers[min(model.layers)] if model.layers else None
         self._open()
 
     def _open(self) -> None:
@@ -259,17 +270,19 @@ class StreamedExperts:
                 self.Q,
                 direct=self._direct,
                 verify=self._verify,
+                merge_bytes=READ_MERGE_BYTES,
             )
         except BaseException:
             self.arena.close()
             raise
         self._planes = tuple(self.arena.plane_address(j) for j in range(3))
         self._layer: ExpertLayer | None = None
+        self._started: ExpertLayer | None = None  # begun and submitted ahead of the pass
         self._remote = self.graph.backend.kind != "host"
         self._buffers: list[int] = []
         self._routes = _RouteBuffers(self.graph.backend)
-        if self._remote:
-            try:
+        try:
+            if self._remote:
                 for j in range(3):
                     self._buffers.append(
                         self.graph.backend.register_fd(
@@ -279,9 +292,12 @@ class StreamedExperts:
                             address=self._planes[j],
                         )
                     )
-            except BaseException:
-                self.close()
-                raise
+            if self.schedule == "early" and self._first is not None:
+                self._start_layer(self._first)
+                self._started = self._first
+        except BaseException:
+            self.close()
+            raise
 
     def recover(self) -> None:
         """After a request failed half-way (a read or checksum error, Ctrl-C): stop its reads,
@@ -304,7 +320,8 @@ class StreamedExperts:
 
     def reset(self) -> None:
         self.records.clear()
-        self.loader.reset_stats()
+        if self._started is None:  # else the reads of the layer started ahead are this pass's
+            self.loader.reset_stats()
 
     def _n_groups(self, layer: ExpertLayer) -> int:
         return -(-layer.n_experts // self.G)
@@ -320,12 +337,22 @@ class StreamedExperts:
             checksums=tuple(sums) if sums else None,
         )
 
-    def begin_layer(self, layer: ExpertLayer) -> None:
-        """The layer starts: with the ``early`` schedule, reads begin before routing is known."""
-        self._layer = layer
+    def _start_layer(self, layer: ExpertLayer) -> None:
         self.loader.begin_layer(layer.index)
         if self.schedule == "early":
             self.loader.submit([self._request(layer, k) for k in range(self._n_groups(layer))])
+
+    def begin_layer(self, layer: ExpertLayer) -> None:
+        """The layer starts: with the ``early`` schedule, reads begin before routing is known
+        (for the first MoE layer they began when the loader opened: the pass takes them over)."""
+        started, self._started = self._started, None
+        if started is not None and started.index != layer.index:  # not the first layer: the
+            self.loader.drop(range(self._n_groups(started)))  # reads started ahead are dropped
+            self.loader.end_layer()
+            started = None
+        self._layer = layer
+        if started is None:
+            self._start_layer(layer)
 
     def run_layer(
         self, layer: ExpertLayer, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, y: np.ndarray

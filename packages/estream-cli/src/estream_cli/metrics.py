@@ -2,6 +2,10 @@
 
 * TTFT: tokens in → logits out, model already loaded.
 * I/O–compute overlap: the fraction of read time during which some compute ran.
+* Reads of the pass that ran before it started (the streamed source starts the first MoE
+  layer's reads while the model loads) count in ``bytes_read`` and, as
+  ``bytes_read_before_pass``, separately; the busy times and the overlap see only the part of
+  each read inside the pass.
 * Bubble rate: 1 − max(T_io, T_exec) / T_total (docs/design.md §6), where T_io is the union of read
   intervals and T_exec the union of compute intervals.
 * Time by op: the summed duration of each kind of kernel call (q/k/v projections, attention,
@@ -39,7 +43,8 @@ def run_metrics(
 ) -> dict[str, Any]:
     total = t_end - t_start
     comp = _compute_intervals(spans, records)
-    io = [(r.t_start, r.t_end) for r in reads]
+    io = [(max(r.t_start, t_start), min(r.t_end, t_end)) for r in reads if r.t_end > t_start]
+    early = sum(r.nbytes for r in reads if r.t_end <= t_start and r.outcome != "failed")
     t_exec = es.busy_time(comp)
     t_io = es.busy_time(io)
     stall = sum(max(0.0, r.t_start - r.t_wait) for r in records)
@@ -51,6 +56,7 @@ def run_metrics(
         "t_io_s": t_io,
         "expert_stall_s": stall,
         "bytes_read": int(bytes_read),
+        "bytes_read_before_pass": int(early),
         "io_compute_overlap": es.overlap(io, comp),
         "bubble_rate": es.bubble_rate(t_io, t_exec, total) if total > 0 else 0.0,
         "peak_rss_bytes": int(peak),

@@ -22,6 +22,7 @@ import estream_sched as es
 
 from .engine import Engine, PrefillResult
 from .errors import PackError
+from .experts import READ_MERGE_BYTES
 from .memory import drop_file_cache
 from .packed import PackedModel
 
@@ -56,7 +57,7 @@ def measure_bandwidth(
     drop_file_cache(model.experts_path)
     with (
         ea.Arena(layout, n_banks=q + 1, group_size=g) as arena,
-        ea.GroupLoader(arena, model.experts_path, q) as loader,
+        ea.GroupLoader(arena, model.experts_path, q, merge_bytes=READ_MERGE_BYTES) as loader,
     ):
         t0 = time.perf_counter()
         by_layer: dict[int, list[ea.GroupRequest]] = {}
@@ -136,6 +137,12 @@ def _layer_profiles(res: PrefillResult, model: PackedModel, g: int) -> list[es.L
     has no profile of its own: its time is added to the T_ne of the next MoE layer, so that the
     predicted request time still contains it."""
     reads = {(r.layer, r.group): r for r in res.reads}
+    # Groups read by one merged preadv (the loader's merge_bytes) share its stamps: each gets
+    # the share of its duration that its bytes are of the read's.
+    merged: dict[tuple[int, float, float], int] = {}
+    for r in res.reads:
+        key = (r.layer, r.t_start, r.t_end)
+        merged[key] = merged.get(key, 0) + r.nbytes
     t_ne_of_layer = res.metrics["layer_t_ne_s"]
     out = []
     carried = 0.0
@@ -160,7 +167,8 @@ def _layer_profiles(res: PrefillResult, model: PackedModel, g: int) -> list[es.L
         for k in range(n_groups):
             ev = reads.get((lay.index, k))
             if ev is not None:
-                read_t[k] = float(ev.t_end - ev.t_start)
+                share = ev.nbytes / merged[(ev.layer, ev.t_start, ev.t_end)]
+                read_t[k] = float(ev.t_end - ev.t_start) * share
         out.append(
             es.LayerProfile(
                 t_ne=float(t_ne_of_layer[lay.index]) + dense_before[lay.index],
