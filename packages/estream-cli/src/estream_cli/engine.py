@@ -261,6 +261,7 @@ class Engine:
             self.model.load_dense(verify=verify)
             self.weights = self.arch.bind(self.model)
         except BaseException:
+            self._closed = True  # nothing for close()/__del__ to do twice
             if self.experts is not None:
                 self.experts.close()
             self.graph.close()
