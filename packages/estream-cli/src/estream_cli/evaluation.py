@@ -335,6 +335,20 @@ def _where(where: str | None, msg: str) -> str:
     return f"{where}: {msg}" if where else msg
 
 
+def _json_item(obj: Any, where: str | None, fields: Sequence[str], required: Sequence[str]) -> None:
+    """Check that ``obj`` is a JSON object with only ``fields``, ``required`` among them."""
+    if not isinstance(obj, dict):
+        raise BadRequestError(_where(where, f"expected a JSON object, got {type(obj).__name__}"))
+    for k in obj:
+        if k not in fields:
+            raise BadRequestError(
+                _where(where, f"unknown field {k!r} (expected: {', '.join(fields)})")
+            )
+    for k in required:
+        if k not in obj:
+            raise BadRequestError(_where(where, f"missing field {k!r}"))
+
+
 @attrs.frozen
 class ChoiceItem:
     """One multiple-choice question: ``choices[gold]`` is the right continuation of
@@ -371,18 +385,7 @@ class ChoiceItem:
     @classmethod
     def from_dict(cls, obj: Any, where: str | None = None) -> ChoiceItem:
         """An item from its JSON object ``{"context", "choices", "gold", "id"?}``."""
-        if not isinstance(obj, dict):
-            raise BadRequestError(
-                _where(where, f"expected a JSON object, got {type(obj).__name__}")
-            )
-        for k in obj:
-            if k not in _CHOICE_FIELDS:
-                raise BadRequestError(
-                    _where(where, f"unknown field {k!r} (expected: {', '.join(_CHOICE_FIELDS)})")
-                )
-        for k in ("context", "choices", "gold"):
-            if k not in obj:
-                raise BadRequestError(_where(where, f"missing field {k!r}"))
+        _json_item(obj, where, _CHOICE_FIELDS, ("context", "choices", "gold"))
         if not isinstance(obj["choices"], list):
             raise BadRequestError(_where(where, "'choices' must be a list of strings"))
         return cls(obj["context"], obj["choices"], obj["gold"], obj.get("id"), where)
@@ -509,15 +512,7 @@ class ClozeItem:
     @classmethod
     def from_dict(cls, obj: Any, where: str | None = None) -> ClozeItem:
         """An item from its JSON object ``{"text", "id"?}``."""
-        if not isinstance(obj, dict):
-            raise BadRequestError(
-                _where(where, f"expected a JSON object, got {type(obj).__name__}")
-            )
-        for k in obj:
-            if k not in ("text", "id"):
-                raise BadRequestError(_where(where, f"unknown field {k!r} (expected: text, id)"))
-        if "text" not in obj:
-            raise BadRequestError(_where(where, "missing field 'text'"))
+        _json_item(obj, where, ("text", "id"), ("text",))
         return cls(obj["text"], obj.get("id"), where)
 
 
