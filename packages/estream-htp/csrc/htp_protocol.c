@@ -6,10 +6,13 @@
 #include <unistd.h>
 
 /* ---- control messages ---- */
+#define HTP_PROTO_MAX_SEND_FDS 4
+
 int htp_proto_send(int sock, const ctl_msg *m, const int *fds, int nfds) {
+    if (nfds > HTP_PROTO_MAX_SEND_FDS) return -1; /* the control buffer holds this many */
     struct iovec iov = {(void *)m, sizeof *m};
     union {
-        char buf[CMSG_SPACE(sizeof(int) * 4)];
+        char buf[CMSG_SPACE(sizeof(int) * HTP_PROTO_MAX_SEND_FDS)];
         struct cmsghdr align;
     } u;
     struct msghdr mh = {0};
