@@ -130,10 +130,19 @@ def test_profile_config_then_budget(model, capsys, tmp_path):
         "1,2",
         "--tokens",
         "16",
+        "--bw-rounds",
+        "2",
     )
     assert rc == 0
     man = json.loads((m / "manifest.json").read_text())
     assert man["profile"] is not None and man["config"] is None
+    prof = man["profile"]
+    assert prof["meta"]["bandwidth_rounds"] == 2
+    for g in ("1", "2", "4"):
+        for q in ("1", "2"):
+            got = prof["meta"]["bandwidth_samples"][g][q]
+            assert len(got) == 2 and all(x > 0 for x in got)
+            assert prof["bandwidth"][g][q] == pytest.approx(sum(got) / 2, rel=1e-12)
     rc, _, err = run(capsys, "config", str(m), "--budget", "1KiB")
     assert rc == 1 and "below the minimum" in err
     rc, out, _ = run(capsys, "config", str(m), "--budget", "4GiB", "--json")
@@ -146,6 +155,26 @@ def test_profile_config_then_budget(model, capsys, tmp_path):
     got = json.loads(out)["metrics"]
     assert (got["G"], got["Q"], got["B"]) == (cfg["G"], cfg["Q"], cfg["B"])
     assert got["config_source"] == "manifest"
+
+
+def test_bandwidth_rounds_interleave_and_keep_the_median():
+    from estream_cli.profiling import measure_bandwidth_table
+
+    order: list[tuple[int, int]] = []
+
+    def fake(_model, g, q):
+        order.append((g, q))
+        # the i-th call returns i: a point's samples are its positions in the visiting order
+        return float(len(order))
+
+    med, samples = measure_bandwidth_table(None, [1, 4], [1, 2], rounds=3, measure=fake)
+    pts = [(1, 1), (1, 2), (4, 1), (4, 2)]
+    assert order == pts + pts[1:] + pts[:1] + pts[2:] + pts[:2]
+    assert samples[1][1] == [1.0, 8.0, 11.0] and med[1][1] == 8.0
+    assert samples[4][2] == [4.0, 7.0, 10.0] and med[4][2] == 7.0
+    assert set(med) == {1, 4} and all(set(v) == {1, 2} for v in med.values())
+    with pytest.raises(ValueError, match="rounds"):
+        measure_bandwidth_table(None, [1], [1], rounds=0, measure=fake)
 
 
 def test_engine_releases_threads_on_error(model):

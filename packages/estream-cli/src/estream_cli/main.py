@@ -151,7 +151,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
     _log(f"profiling {args.model}: one calibration request per g ∈ {cands}, {args.tokens} tokens")
     t0 = time.perf_counter()
     prof = profile_model(
-        args.model, candidates=cands, queue_depths=qs, n_tokens=args.tokens, log=_log
+        args.model,
+        candidates=cands,
+        queue_depths=qs,
+        n_tokens=args.tokens,
+        bw_rounds=args.bw_rounds,
+        log=_log,
     )
     store_profile(PackedModel(args.model), prof)
     _log(f"profile stored in {args.model}/manifest.json ({time.perf_counter() - t0:.1f} s)")
@@ -298,6 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidates", default="1,2,4,8,16", help="group sizes g to profile")
     p.add_argument("--queue-depths", default="1,2,4,8", help="queue depths q for BW(g, q)")
     p.add_argument("--tokens", type=positive_int, default=256, help="calibration prompt length")
+    p.add_argument(
+        "--bw-rounds",
+        type=positive_int,
+        default=3,
+        help="interleaved rounds of BW(g, q) measurements; each point keeps its median",
+    )
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("config", help="choose (G, Q, B) for a memory budget from the profile")

@@ -3,7 +3,10 @@
 Profiling runs one calibration request per candidate group size `g` (docs/design.md §6): a prompt of
 `T` tokens streamed with `Q = 1` and enough banks that reads never wait for a bank, so that each
 group's read time is its pure service time and each group's execution time is measured alone.
-Grouped-read bandwidth `BW(g, q)` is measured with the real loader on a cold file. The resulting
+Grouped-read bandwidth `BW(g, q)` is measured with the real loader on a cold file, in interleaved
+rounds (every `(g, q)` once per round, each round starting one point later), and each point keeps
+the median of its rounds: one timed read of a noisy disk can be 20 % off, enough to move `Q0`
+(design §6) by a whole step. The resulting
 `estream_sched.Profile` is stored in the manifest; `config.configure_for_budget` turns it into
 `(G, Q, B)` for any memory budget in milliseconds.
 """
@@ -26,10 +29,11 @@ from .experts import READ_MERGE_BYTES
 from .memory import drop_file_cache
 from .packed import PackedModel
 
-__all__ = ["DEFAULT_CANDIDATES", "measure_bandwidth", "profile_model"]
+__all__ = ["DEFAULT_CANDIDATES", "measure_bandwidth", "measure_bandwidth_table", "profile_model"]
 
 DEFAULT_CANDIDATES = (1, 2, 4, 8, 16)
 DEFAULT_QS = (1, 2, 4, 8)
+DEFAULT_BW_ROUNDS = 3
 
 
 def measure_bandwidth(
@@ -73,17 +77,48 @@ def measure_bandwidth(
     return total / dt if dt > 0 else float("inf")
 
 
+def measure_bandwidth_table(
+    model: PackedModel,
+    groups: Sequence[int],
+    queue_depths: Sequence[int],
+    *,
+    rounds: int = DEFAULT_BW_ROUNDS,
+    max_bytes: int = 256 << 20,
+    measure: Callable[[PackedModel, int, int], float] | None = None,
+) -> tuple[dict[int, dict[int, float]], dict[int, dict[int, list[float]]]]:
+    """``BW(g, q)`` for every ``g`` and ``q``: the median of ``rounds`` interleaved measurements.
+
+    Round ``r`` visits the points in a fixed order rotated by ``r``, so that a slow spell of the
+    disk lands on different points in different rounds instead of on one point every time.
+    Returns the medians and the samples (in round order) behind them."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    points = [(int(g), int(q)) for g in groups for q in queue_depths]
+    if not points:
+        raise ValueError("no (g, q) point to measure")
+    run = measure or (lambda m, g, q: measure_bandwidth(m, g, q, max_bytes=max_bytes))
+    samples: dict[int, dict[int, list[float]]] = {g: {q: [] for _, q in points} for g, _ in points}
+    for r in range(rounds):
+        k = r % len(points)
+        for g, q in points[k:] + points[:k]:
+            samples[g][q].append(float(run(model, g, q)))
+    medians = {g: {q: float(np.median(v)) for q, v in by_q.items()} for g, by_q in samples.items()}
+    return medians, samples
+
+
 def profile_model(
     path: str | os.PathLike[str],
     *,
     candidates: Sequence[int] = DEFAULT_CANDIDATES,
     queue_depths: Sequence[int] = DEFAULT_QS,
     n_tokens: int = 256,
+    bw_rounds: int = DEFAULT_BW_ROUNDS,
     seed: int = 0,
     n_threads: int | None = None,
     log: Callable[[str], None] | None = None,
 ) -> es.Profile:
-    """Calibrate: one request per candidate g, plus BW(g, q). Returns an `estream_sched.Profile`."""
+    """Calibrate: one request per candidate g, plus BW(g, q) (median of ``bw_rounds``
+    interleaved rounds). Returns an `estream_sched.Profile`."""
     say = log or (lambda s: None)
     model = PackedModel(path)
     hp = model.hparams
@@ -97,7 +132,6 @@ def profile_model(
     W_e = model.record_bytes
     cand: dict[int, list[es.LayerProfile]] = {}
     m_other: dict[int, int] = {}
-    bandwidth: dict[int, dict[int, float]] = {}
     for g in gs:
         t0 = time.perf_counter()
         B = -(-hp.n_experts // g)
@@ -108,13 +142,29 @@ def profile_model(
         # process-owned memory only: MemAvailable also moves with other processes on the machine
         m_other[g] = max(0, int(res.metrics["peak_rss_bytes"]) - int(arena_bytes))
         cand[g] = _layer_profiles(res, model, g)
-        bandwidth[g] = {int(q): measure_bandwidth(model, g, int(q)) for q in queue_depths}
         say(
-            f"  g={g:<3d} B={B:<3d} ttft={res.metrics['ttft_s'] * 1e3:8.1f} ms  "
-            f"BW(q={','.join(str(q) for q in queue_depths)})="
-            + "/".join(f"{bandwidth[g][int(q)] / 1e9:.2f}" for q in queue_depths)
-            + f" GB/s  ({time.perf_counter() - t0:.1f} s)"
+            f"  g={g:<3d} B={B:<3d} ttft={res.metrics['ttft_s'] * 1e3:8.1f} ms"
+            f"  ({time.perf_counter() - t0:.1f} s)"
         )
+    t0 = time.perf_counter()
+    say(
+        f"  grouped-read bandwidth: {len(gs)} g × {len(queue_depths)} q,"
+        f" {bw_rounds} interleaved round(s), median per point"
+    )
+    bandwidth, samples = measure_bandwidth_table(model, gs, queue_depths, rounds=bw_rounds)
+    for g in gs:
+        say(
+            f"  g={g:<3d} BW(q={','.join(str(q) for q in queue_depths)})="
+            + "/".join(f"{bandwidth[g][q] / 1e9:.2f}" for q in queue_depths)
+            + " GB/s"
+            + (
+                "  [" + "; ".join(
+                    "/".join(f"{x / 1e9:.2f}" for x in samples[g][q]) for q in queue_depths
+                ) + "]"
+                if bw_rounds > 1 else ""
+            )
+        )
+    say(f"  bandwidth measured in {time.perf_counter() - t0:.1f} s")
     return es.Profile(
         model=str(model.manifest.get("source", {}).get("file", model.path.name)),
         device=_device_name(),
@@ -125,7 +175,14 @@ def profile_model(
         bandwidth=bandwidth,
         candidates=cand,
         q_measured=1,
-        meta={"tokens": T},  # the pass m_other was measured on (batch sizing reads it)
+        # tokens: the pass m_other was measured on (batch sizing reads it)
+        meta={
+            "tokens": T,
+            "bandwidth_rounds": bw_rounds,
+            "bandwidth_samples": {
+                str(g): {str(q): v for q, v in by_q.items()} for g, by_q in samples.items()
+            },
+        },
     )
 
 
