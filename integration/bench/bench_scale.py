@@ -343,8 +343,9 @@ _DOC: dict[str, Any] = {}
 def _save(args: argparse.Namespace, preset: str, rec: dict[str, Any]) -> None:
     """Write what is known so far: a long benchmark cut short still leaves its figures."""
     _DOC.setdefault("presets", {})[preset] = rec
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / args.out).write_text(json.dumps(_DOC, indent=1, default=str))
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(json.dumps(_DOC, indent=1, default=str))
+    tmp.replace(args.out)  # a reader never sees half a file
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -437,11 +438,25 @@ def main() -> int:
     )  # fmt: skip
     ap.add_argument("--no-shape-check", dest="shape_check", action="store_false")
     ap.add_argument("--keep", action="store_true", help="keep the GGUF and pack afterwards")
-    ap.add_argument("--out", default="bench_scale.json")
+    ap.add_argument(
+        "--out",
+        default="bench_scale.json",
+        help="results file (JSON, and a .md beside it): a bare name goes in bench-results/",
+    )
     ap.add_argument("--smoke", action="store_true", help="check the script on a small model")
     args = ap.parse_args()
     if args.sweep_rounds < 1:
         ap.error(f"--sweep-rounds must be at least 1, got {args.sweep_rounds}")
+    # resolved and checked now, not when the first figures are saved minutes or hours later
+    out = Path(args.out)
+    if out.parent == Path():
+        RESULTS.mkdir(exist_ok=True)
+        out = RESULTS / out
+    if not out.parent.is_dir():
+        ap.error(f"--out: directory {out.parent} does not exist")
+    if out.suffix != ".json":
+        ap.error(f"--out: {out} should end in .json (a .md table is written beside it)")
+    args.out = out
     if str(args.llama_reserve).lower() == "none":
         args.llama_reserve = None
     if args.smoke:
@@ -461,8 +476,8 @@ def main() -> int:
         _save(args, preset, rec)
     md = table(_DOC)
     print("\n" + md)
-    (RESULTS / args.out).with_suffix(".md").write_text(md + "\n")
-    print(f"wrote {RESULTS / args.out} and {(RESULTS / args.out).with_suffix('.md')}")
+    args.out.with_suffix(".md").write_text(md + "\n")
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
     return 0
 
 
