@@ -2,6 +2,7 @@
  * element-wise / row ops. Nothing here is mutable global state: the tables are const, and all
  * per-run state lives in the backend (htp_backend.c). */
 #include "htp_gemm_body.h"
+#include "htp_matmul_body.h"
 
 /* ---- portable table ---- */
 static void q4q8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
@@ -38,6 +39,7 @@ const htp_isa htp_isa_portable = {
     .attention_bf16_pack = NULL,
     .attention_bf16_task = NULL,
     .swiglu = htp_swiglu_portable,
+    .matmul_f32 = htp_matmul_f32_portable,
     .dot_peak = NULL,
     .dot_macs_per_iter = 0,
 };
@@ -158,6 +160,14 @@ typedef struct gemm_ctx {
     int use_q8;
 } gemm_ctx;
 
+/* Tokens per chunk of the q8 GEMM: about 384 KiB of quantized rows (k bytes each, plus
+ * scales), a multiple of 8 tokens, at least 8. */
+static uint32_t htp_gemm_token_chunk(uint32_t k) {
+    const uint32_t per_row = k + k / 32 * 8;
+    const uint32_t n = (384u << 10) / (per_row ? per_row : 1);
+    return HTP_MAX(8u, n / 8 * 8);
+}
+
 static void gemm_task(void *arg, uint32_t ith, uint32_t nth) {
     gemm_ctx *c = (gemm_ctx *)arg;
     const uint32_t kb = c->k / 32;
@@ -172,17 +182,26 @@ static void gemm_task(void *arg, uint32_t ith, uint32_t nth) {
     uint32_t tb, te;
     htp_split(c->tiles, ith, nth, &tb, &te);
     float *panel = c->use_q8 ? NULL : (float *)htp_scratch(c->pool, ith, 0, 0);
-    const htp_act_q8 a = {c->q, c->qd, c->qs};
-    uint32_t base = 0; /* first tile of matrix i in the joint range */
-    for (uint32_t i = 0; i < c->n_mats && tb < te; i++) {
-        const htp_gemm_mat *m = &c->m[i];
-        const uint32_t nt = (m->n + 31) / 32;
-        const uint32_t b = HTP_MAX(tb, base), e = HTP_MIN(te, base + nt);
-        if (b < e)
-            htp_gemm_tiles(c->isa, m->w, c->fmt, m->n, c->k, b - base, e - base, c->use_q8 ? &a : NULL,
-                           c->use_q8 ? NULL : c->x, c->ldx, c->t, m->y + (size_t)(b - base) * 32, m->ldy,
-                           panel);
-        base += nt;
+    /* q8: tokens in chunks whose quantized rows stay in this core's L2 while every row tile
+     * of the thread's range passes over them (a whole prompt's rows would stream from L3 once
+     * per tile, which two cores cannot sustain). f32 keeps one chunk: its strips are
+     * dequantized once per chunk. Every output is computed the same way in any chunking. */
+    const uint32_t chunk = c->use_q8 ? htp_gemm_token_chunk(c->k) : c->t;
+    for (uint32_t t0 = 0; t0 < c->t; t0 += chunk) {
+        const uint32_t n_tok = HTP_MIN(chunk, c->t - t0);
+        htp_act_q8 a = {NULL, NULL, NULL};
+        if (c->use_q8) a = (htp_act_q8){c->q + (size_t)t0 * c->k, c->qd + (size_t)t0 * kb, c->qs + (size_t)t0 * kb};
+        uint32_t base = 0; /* first tile of matrix i in the joint range */
+        for (uint32_t i = 0; i < c->n_mats && tb < te; i++) {
+            const htp_gemm_mat *m = &c->m[i];
+            const uint32_t nt = (m->n + 31) / 32;
+            const uint32_t b = HTP_MAX(tb, base), e = HTP_MIN(te, base + nt);
+            if (b < e)
+                htp_gemm_tiles(c->isa, m->w, c->fmt, m->n, c->k, b - base, e - base, c->use_q8 ? &a : NULL,
+                               c->use_q8 ? NULL : c->x, c->ldx, n_tok,
+                               m->y + (size_t)t0 * m->ldy + (size_t)(b - base) * 32, m->ldy, panel);
+            base += nt;
+        }
     }
 }
 
@@ -414,8 +433,15 @@ void htp_exec_fill(const htp_fill_params *p, uint32_t *out) {
 }
 
 /* ---- fp32 matmul (validated by the caller): token rows split across the pool; each output
- * is summed over k in order, so results do not depend on the thread count ---- */
+ * is summed over k in order (the table's body), so results do not depend on the thread count,
+ * the instruction set or the backend ---- */
+void htp_matmul_f32_portable(const float *x, const float *w, uint32_t k, uint32_t n, uint32_t i0,
+                             uint32_t i1, float *y) {
+    htp_matmul_f32_body(x, w, k, n, i0, i1, y);
+}
+
 typedef struct matmul_ctx {
+    const htp_isa *isa;
     const htp_matmul_params *p;
     const float *x, *w;
     float *y;
@@ -423,24 +449,14 @@ typedef struct matmul_ctx {
 
 static void matmul_task(void *arg, uint32_t ith, uint32_t nth) {
     const matmul_ctx *c = (const matmul_ctx *)arg;
-    const size_t k = c->p->k, n = c->p->n;
     uint32_t b, e;
     htp_split(c->p->t, ith, nth, &b, &e);
-    for (uint32_t i = b; i < e; i++) {
-        float *yr = c->y + (size_t)i * n;
-        const float *xr = c->x + (size_t)i * k;
-        for (size_t j = 0; j < n; j++) yr[j] = 0.0f;
-        for (size_t kk = 0; kk < k; kk++) {
-            const float xv = xr[kk];
-            const float *wr = c->w + kk * n;
-            for (size_t j = 0; j < n; j++) yr[j] += xv * wr[j];
-        }
-    }
+    if (b < e) c->isa->matmul_f32(c->x, c->w, c->p->k, c->p->n, b, e, c->y);
 }
 
 htp_status htp_exec_matmul_f32(htp_exec *e, const htp_matmul_params *p, const float *x,
                                const float *w, float *y) {
-    matmul_ctx c = {p, x, w, y};
+    matmul_ctx c = {e->isa, p, x, w, y};
     if (p->t) htp_parallel(e->pool, matmul_task, &c);
     return HTP_OK;
 }

@@ -175,6 +175,9 @@ typedef struct htp_isa {
     void (*attention_bf16_pack)(const htp_attn_ctx *c, uint32_t ith, uint32_t nth);
     void (*attention_bf16_task)(const htp_attn_ctx *c, uint32_t task, float *scratch);
     void (*swiglu)(const float *g, const float *u, uint64_t n, float *out); /* u may be NULL */
+    /* rows [i0, i1) of y[t][n] = x[t][k] @ w[k][n], each output summed over k in order */
+    void (*matmul_f32)(const float *x, const float *w, uint32_t k, uint32_t n, uint32_t i0,
+                       uint32_t i1, float *y);
     /* diagnostics: 12 chains x iters of the level's int8 dot instruction; NULL if none */
     int32_t (*dot_peak)(uint64_t iters);
     uint32_t dot_macs_per_iter;
@@ -213,6 +216,8 @@ void htp_f32_strip_portable(const float *panel, uint32_t k, const float *x, uint
 void htp_quantize_q8_portable(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s);
 void htp_attn_task_portable(const htp_attn_ctx *c, uint32_t task, float *scratch);
 void htp_swiglu_portable(const float *g, const float *u, uint64_t n, float *out);
+void htp_matmul_f32_portable(const float *x, const float *w, uint32_t k, uint32_t n, uint32_t i0,
+                             uint32_t i1, float *y);
 
 /* ---- generic drivers (written once for every instruction set) ---- */
 /* GEMM over row tiles [tile_b, tile_e) of W for t tokens: out[tt*ldo + (it-tile_b)*32 + r].

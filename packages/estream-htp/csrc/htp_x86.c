@@ -6,6 +6,7 @@
 #ifdef HTP_X86
 #include "htp_attn_body.h"
 #include "htp_gemm_body.h"
+#include "htp_matmul_body.h"
 
 #include <immintrin.h>
 
@@ -32,6 +33,11 @@
     }                                                                                            \
     TARGET static void swiglu_##SUFFIX(const float *g, const float *u, uint64_t n, float *out) { \
         htp_swiglu_body(g, u, n, out);                                                           \
+    }                                                                                            \
+    TARGET HTP_NO_CONTRACT static void matmul_f32_##SUFFIX(const float *x, const float *w,       \
+                                                           uint32_t k, uint32_t n, uint32_t i0,  \
+                                                           uint32_t i1, float *y) {              \
+        htp_matmul_f32_body(x, w, k, n, i0, i1, y);                                              \
     }
 
 HTP_INSTANTIATE(avx2, HTP_T_AVX2)
@@ -302,6 +308,7 @@ const htp_isa htp_isa_avx2 = {
     .attention_bf16_pack = NULL,
     .attention_bf16_task = NULL,
     .swiglu = swiglu_avx2,
+    .matmul_f32 = matmul_f32_avx2,
     .dot_peak = NULL,
     .dot_macs_per_iter = 0,
 };
@@ -321,6 +328,7 @@ const htp_isa htp_isa_avx512 = {
     .attention_bf16_pack = htp_attn_bf16_pack_avx512,
     .attention_bf16_task = htp_attn_bf16_task_avx512,
     .swiglu = swiglu_avx512,
+    .matmul_f32 = matmul_f32_avx512,
     .dot_peak = peak_bw,
     .dot_macs_per_iter = 12 * 64,
     .fma_peak = peak_fma,
@@ -344,6 +352,7 @@ const htp_isa htp_isa_avx512vnni = {
     .attention_bf16_pack = htp_attn_bf16_pack_avx512,
     .attention_bf16_task = htp_attn_bf16_task_avx512,
     .swiglu = swiglu_avx512,
+    .matmul_f32 = matmul_f32_avx512,
     .dot_peak = peak_vnni,
     .dot_macs_per_iter = 12 * 64,
     .fma_peak = peak_fma,

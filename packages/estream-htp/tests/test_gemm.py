@@ -77,6 +77,26 @@ def test_gemm_paths_and_thread_counts_agree(act: str) -> None:
         assert T.rel_l2(ys[0], base) <= 1e-6, simd
 
 
+@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_q8_token_chunks(simd: str, threads: int) -> None:
+    """Long prompts are cut into token chunks (~384 KiB of int8 rows: 72 tokens at k = 4096).
+    Awkward t spans several chunks and a ragged last one; every row must give the bits it
+    gives alone, and match float64, in both matrices of a shared-input GEMM."""
+    x, buf = _case(203, 75, 128, 11, "q4_0-t32r4")
+    _, buf2 = _case(1, 40, 128, 12, "q4_0-t32r4")
+    xq = T.ref_q8_activations(x)
+    with mode(simd=simd, act="q8", threads=threads):
+        y = htp.gemm(x, buf, 75, out=np.full((203, 75), np.nan, np.float32))
+        ya, yb = htp.gemm_shared(x, [(buf, 75), (buf2, 40)])
+        alone = np.concatenate([htp.gemm(x[i : i + 1], buf, 75) for i in (0, 71, 72, 143, 144, 202)])
+    assert y.tobytes() == ya.tobytes()
+    assert alone.tobytes() == y[[0, 71, 72, 143, 144, 202]].tobytes()
+    for out, b, n in ((y, buf, 75), (yb, buf2, 40)):
+        mag = T.ref_gemm_magnitude(xq, b, n, "q4_0-t32r4")
+        assert T.rel_l2_floored(out, T.ref_gemm(xq, b, n, "q4_0-t32r4"), mag, 4096) <= Q8_EXACT_TOL
+
+
 def test_gemm_rejects_bad_inputs() -> None:
     x, buf = _case(4, 40, 2, 0, "q4_0-t32r4")
     with pytest.raises(htp.HTPInputError, match="dtype float32"):

@@ -485,7 +485,7 @@ class Engine:
             n_out += r.size
         every = n_out == n_rows  # every row's logits (plain requests, all_logits)
         out, hidden, metrics, extra = self._forward(
-            ids, layout, None if every else np.concatenate(rows), out_spans, return_hidden
+            ids, layout, None if every else np.concatenate(rows), return_hidden
         )
         metrics["requests"] = len(parts)
         metrics["pass_id"] = self._n_passes
@@ -529,7 +529,6 @@ class Engine:
         ids: np.ndarray,
         layout: SeqLayout,
         rows: np.ndarray | None,
-        out_spans: list[tuple[int, int]],
         return_hidden: bool,
     ) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any], dict[str, Any]]:
         if self._closed:
@@ -592,7 +591,7 @@ class Engine:
         _check_finite(x)
         ops.begin_stage()
         hn = ops.rms_norm(ops.take_rows(x, rows), head.norm)
-        out = ops.output(head, hn, out_spans)
+        out = ops.output(head, hn)
         hidden = None
         if return_hidden:
             hidden = hn if rows is None else ops.rms_norm(x, head.norm)

@@ -545,12 +545,14 @@ class Ops:
         return hit[1]
 
     def _wt(self, key: object, make: Callable[[], np.ndarray]) -> np.ndarray:
-        """A derived weight array (e.g. a transposed f32 matrix) in shared memory, made once."""
+        """A derived weight array (e.g. a transposed f32 matrix), made once; in shared memory
+        for an executor backend."""
         hit = self._shared.get(id(key))
         if hit is None or hit[0] is not key:
-            assert self.backend is not None
             arr = np.ascontiguousarray(make(), dtype=np.float32)
-            hit = self._shared[id(key)] = (key, self.backend.share(arr))  # type: ignore[assignment]
+            if self.backend is not None and self.backend.kind != "host":
+                arr = self.backend.share(arr)
+            hit = self._shared[id(key)] = (key, arr)  # type: ignore[assignment]
         return hit[1]
 
     def _on_backend(self) -> bool:
@@ -651,52 +653,24 @@ class Ops:
         return y
 
     # primitives
-    def per_request(
-        self,
-        x: np.ndarray,
-        f: Callable[[np.ndarray], np.ndarray],
-        spans: Sequence[tuple[int, int]] | None = None,
-    ) -> np.ndarray:
-        """``f`` over each request's rows of ``x``, stacked (``f(x)`` for a single request).
-
-        For row-wise maths whose rounding depends on the number of rows (numpy/BLAS products
-        choose kernels by shape), so that a request gives the same bits in any batch.
-        ``spans``: the requests' row ranges in ``x`` (default: the layout's)."""
-        lay = self.layout
-        if spans is None and lay is not None and x.shape[0] == lay.n_rows:
-            spans = lay.requests
-        elif spans is None and lay is not None and len(lay.requests) > 1:
-            raise ValueError(
-                f"{x.shape[0]} rows in a pass of {lay.n_rows}: say which rows are which request"
-            )
-        if spans is None or len(spans) == 1:
-            return f(x)
-        return np.concatenate([f(x[a:b]) for a, b in spans])
-
     def matmul(
         self,
         x: np.ndarray,
         w: DenseTensor,
         op: str = "matmul",
-        *,
-        spans: Sequence[tuple[int, int]] | None = None,
     ) -> np.ndarray:
-        """`x @ w.T` for a resident matrix (tiled Q4_0/Q8_0 through the kernels, or f32);
+        """`x @ w.T` for a resident matrix (tiled Q4_0/Q8_0 or f32, through the kernels);
         timed as ``op``.
 
-        The tiled kernels compute every row on its own (int8 quantization per row, one
-        accumulator chain per row for any tile of tokens); f32 goes through BLAS per request."""
+        The kernels compute every row on its own (int8 quantization per row, one accumulator
+        chain per row for any tile of tokens; f32 sums over k in order), so a request gives the
+        same bits in any batch. No numpy/BLAS product runs here: BLAS worker threads left
+        spinning after a call take cores from the kernels' pool."""
         t0 = time.perf_counter()
         out = self._out((x.shape[0], w.shape[0]))
         if w.fmt == "f32":
-            if self._on_backend():  # in-order sums: every row on its own, in any batch
-                wts = self._wt(w, lambda: w.f32().T)
-                y = htp.matmul_f32(
-                    np.ascontiguousarray(x, np.float32), wts, out, backend=self.backend
-                )
-            else:
-                wt = w.f32().T
-                y = self.per_request(x, lambda a: a @ wt, spans)
+            wts = self._wt(w, lambda: w.f32().T)  # [in, out], made once
+            y = htp.matmul_f32(np.ascontiguousarray(x, np.float32), wts, out, backend=self.backend)
         else:
             y = htp.gemm(x, self._w(w.data), w.shape[0], w.fmt, out, backend=self.backend)
         self._span(op, t0)
@@ -722,14 +696,12 @@ class Ops:
         return [next(done) if w.fmt != "f32" else self.matmul(x, w, op) for w in ws]
 
     def linear_f32(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """`x @ w` for an f32 matrix stored [in, out] (the router): on the backend when the
-        dense ops run there, else numpy's BLAS per request."""
-        if self._on_backend():
-            return htp.matmul_f32(
-                np.ascontiguousarray(x, np.float32), self._w(w),  # type: ignore[arg-type]
-                self._out((x.shape[0], w.shape[1])), backend=self.backend,
-            )  # fmt: skip
-        return self.per_request(x, lambda a: a @ w)
+        """`x @ w` for an f32 matrix stored [in, out] (the router), through the kernel op on
+        every backend: in-order sums, so each row's bits do not depend on the batch."""
+        return htp.matmul_f32(
+            np.ascontiguousarray(x, np.float32), self._w(w),  # type: ignore[arg-type]
+            self._out((x.shape[0], w.shape[1])), backend=self.backend,
+        )  # fmt: skip
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()
@@ -758,12 +730,9 @@ class Ops:
         self._span("embed", t0)
         return y
 
-    def output(
-        self, head: Head, h: np.ndarray, spans: Sequence[tuple[int, int]] | None = None
-    ) -> np.ndarray:
-        """Logits `[rows, n_vocab]` of final-normed hidden states `h` (``spans``: each
-        request's rows in ``h``)."""
-        return self.matmul(h, head.output, "output_head", spans=spans)[:, : self.hp.n_vocab]
+    def output(self, head: Head, h: np.ndarray) -> np.ndarray:
+        """Logits `[rows, n_vocab]` of final-normed hidden states `h`."""
+        return self.matmul(h, head.output, "output_head")[:, : self.hp.n_vocab]
 
     # blocks
     def attention(self, w: Attention, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
