@@ -20,12 +20,13 @@ void htp_swiglu_portable(const float *g, const float *u, uint64_t n, float *out)
 
 static void attn_worker(void *arg, uint32_t ith, uint32_t nth) {
     const htp_attn_ctx *c = (const htp_attn_ctx *)arg;
+    uint32_t *next = &((htp_attn_ctx *)arg)->next; /* the one field the threads update */
     float *scratch = (float *)htp_scratch(c->pool, ith, 1, 0);
     const uint32_t n_tasks = c->hq * c->n_qblk;
     if (c->kw) {
         c->isa->attention_bf16_pack(c, ith, nth);
         htp_barrier(c->pool);
-        for (uint32_t i = ith; i < n_tasks; i += nth) {
+        for (uint32_t i; (i = htp_next(next)) < n_tasks;) {
             const uint32_t h = i % c->hq, qb = c->n_qblk - 1 - i / c->hq;
             c->isa->attention_bf16_task(c, h * c->n_qblk + qb, scratch);
         }
@@ -56,8 +57,8 @@ static void attn_worker(void *arg, uint32_t ith, uint32_t nth) {
         }
         htp_barrier(c->pool);
     }
-    /* Heavy (late) causal blocks first, dealt round-robin. */
-    for (uint32_t i = ith; i < n_tasks; i += nth) {
+    /* Heavy (late) causal blocks first, handed out as threads come free. */
+    for (uint32_t i; (i = htp_next(next)) < n_tasks;) {
         const uint32_t h = i % c->hq, qb = c->n_qblk - 1 - i / c->hq;
         c->isa->attention_task(c, h * c->n_qblk + qb, scratch);
     }
@@ -70,7 +71,7 @@ htp_status htp_exec_attention(htp_exec *e, const htp_attention_params *p, const 
     htp_attn_ctx c = {q, k, v, out, t, p->n_q_heads, p->n_kv_heads, p->dk, p->dv,
                       p->causal ? 1u : 0u, (t + HTP_ATTN_BQ - 1) / HTP_ATTN_BQ, p->scale,
                       NULL, NULL, 0, p->products == HTP_PRODUCTS_BF16, NULL, NULL, e->pool, e->isa,
-                      t + p->n_ctx, p->n_ctx};
+                      t + p->n_ctx, p->n_ctx, 0};
     const size_t need = htp_attn_scratch_floats(&c) * sizeof(float);
     for (uint32_t i = 0; i < htp_pool_nth(e->pool); i++)
         if (!htp_scratch(e->pool, i, 1, need)) return HTP_E_NOMEM;

@@ -158,7 +158,10 @@ typedef struct gemm_ctx {
     float *qd;
     int32_t *qs;
     int use_q8;
+    uint32_t next; /* the next (token chunk, tile block) item (htp_next) */
 } gemm_ctx;
+
+#define HTP_GEMM_BLOCK_TILES 4 /* row tiles per work item */
 
 /* Tokens per chunk of the q8 GEMM: about 384 KiB of quantized rows (k bytes each, plus
  * scales), a multiple of 8 tokens, at least 8. */
@@ -179,26 +182,29 @@ static void gemm_task(void *arg, uint32_t ith, uint32_t nth) {
                                     c->qd + (size_t)i * kb, c->qs + (size_t)i * kb);
         htp_barrier(c->pool);
     }
-    uint32_t tb, te;
-    htp_split(c->tiles, ith, nth, &tb, &te);
     float *panel = c->use_q8 ? NULL : (float *)htp_scratch(c->pool, ith, 0, 0);
-    /* q8: tokens in chunks whose quantized rows stay in this core's L2 while every row tile
-     * of the thread's range passes over them (a whole prompt's rows would stream from L3 once
-     * per tile, which two cores cannot sustain). f32 keeps one chunk: its strips are
-     * dequantized once per chunk. Every output is computed the same way in any chunking. */
+    /* q8: tokens in chunks whose quantized rows stay in L2 while row tiles pass over them (a
+     * whole prompt's rows would stream from L3 once per tile, which two cores cannot sustain).
+     * f32 keeps one chunk: its strips are dequantized once per chunk. Work items are (chunk,
+     * block of row tiles of the joint range of every matrix), chunk-major, handed out as
+     * threads come free. Every output is computed the same way in any chunking. */
     const uint32_t chunk = c->use_q8 ? htp_gemm_token_chunk(c->k) : c->t;
-    for (uint32_t t0 = 0; t0 < c->t; t0 += chunk) {
-        const uint32_t n_tok = HTP_MIN(chunk, c->t - t0);
+    const uint32_t n_chunks = (c->t + chunk - 1) / chunk;
+    const uint32_t n_blk = (c->tiles + HTP_GEMM_BLOCK_TILES - 1) / HTP_GEMM_BLOCK_TILES;
+    for (uint32_t item; (item = htp_next(&c->next)) < n_chunks * n_blk;) {
+        const uint32_t t0 = item / n_blk * chunk, n_tok = HTP_MIN(chunk, c->t - t0);
+        const uint32_t tb = item % n_blk * HTP_GEMM_BLOCK_TILES;
+        const uint32_t te = HTP_MIN(c->tiles, tb + HTP_GEMM_BLOCK_TILES);
         htp_act_q8 a = {NULL, NULL, NULL};
         if (c->use_q8) a = (htp_act_q8){c->q + (size_t)t0 * c->k, c->qd + (size_t)t0 * kb, c->qs + (size_t)t0 * kb};
         uint32_t base = 0; /* first tile of matrix i in the joint range */
-        for (uint32_t i = 0; i < c->n_mats && tb < te; i++) {
+        for (uint32_t i = 0; i < c->n_mats && base < te; i++) {
             const htp_gemm_mat *m = &c->m[i];
             const uint32_t nt = (m->n + 31) / 32;
             const uint32_t b = HTP_MAX(tb, base), e = HTP_MIN(te, base + nt);
             if (b < e)
                 htp_gemm_tiles(c->isa, m->w, c->fmt, m->n, c->k, b - base, e - base, c->use_q8 ? &a : NULL,
-                               c->use_q8 ? NULL : c->x, c->ldx, n_tok,
+                               c->use_q8 ? NULL : c->x + (size_t)t0 * c->ldx, c->ldx, n_tok,
                                m->y + (size_t)t0 * m->ldy + (size_t)(b - base) * 32, m->ldy, panel);
             base += nt;
         }
@@ -208,7 +214,7 @@ static void gemm_task(void *arg, uint32_t ith, uint32_t nth) {
 htp_status htp_exec_gemm(htp_exec *e, const htp_gemm_mat *mats, uint32_t n_mats, uint32_t fmt,
                          uint32_t k, const float *x, uint32_t t, uint32_t ldx, uint32_t act) {
     if (t == 0) return HTP_OK;
-    gemm_ctx c = {e->isa, e->pool, mats, n_mats, fmt, k, t, ldx, 0, x, NULL, NULL, NULL, act == HTP_ACT_Q8};
+    gemm_ctx c = {e->isa, e->pool, mats, n_mats, fmt, k, t, ldx, 0, x, NULL, NULL, NULL, act == HTP_ACT_Q8, 0};
     for (uint32_t i = 0; i < n_mats; i++) c.tiles += (mats[i].n + 31) / 32;
     void *buf = NULL;
     if (c.use_q8) {

@@ -5,13 +5,17 @@
  * one parallel region:
  *   (a) gather the routed token rows (in Q8 mode: rows quantized once per token before the
  *       passes), partitioned by record;
- *   (b) gate and up GEMMs + SwiGLU for every non-empty slot, partitioned by d_ff tile;
- *   (c) down GEMM + scatter-add weight*y, partitioned by d_model tile.
+ *   (b) gate and up GEMMs + SwiGLU: work items (up to SUB routes of one slot, a block of d_ff
+ *       tiles), handed out as threads come free;
+ *   (c) down GEMM + scatter-add weight*y: work items (a block of d_model tiles, over every
+ *       slot in order), handed out the same way.
  * Every output element is produced by one thread in slot order, so results are bit-identical
- * for any thread count. */
+ * for any thread count and whichever thread takes an item. */
 #include "htp_internal.h"
 
-#define SUB 128 /* routes per GEMM call inside a slot (bounds per-thread scratch) */
+#define SUB 128  /* routes per GEMM call inside a slot (bounds per-thread scratch) */
+#define FBLK 4   /* d_ff tiles per gate/up work item */
+#define DBLK 2   /* d_model tiles per down work item */
 
 /* The working set of a backend's expert op, grown to the largest (capacity, d_model, d_ff)
  * seen and kept between calls (one op at a time per backend). */
@@ -21,6 +25,7 @@ struct htp_expert_ws {
     int32_t *route_slot;
     int32_t *stage; /* [C] route ids selected for the current pass, before sorting */
     int32_t *seg_slot, *seg_begin, *seg_len; /* [C] non-empty slots */
+    int32_t *sub_seg, *sub_r0; /* [C] pieces of at most SUB routes of one slot: (segment, first) */
     uint32_t *counts;
     uint32_t counts_cap;
     float *xg;       /* f32 mode: [C][d] */
@@ -47,8 +52,9 @@ typedef struct run_ctx {
     const int32_t *tokens;
     const float *weights;
     float *y;
-    uint32_t r0, nr, nseg;
+    uint32_t r0, nr, nseg, nsub;
     int q8;
+    uint32_t next_b, next_c; /* the next work item of phases (b) and (c) (htp_next) */
 } run_ctx;
 
 static void ws_release(struct htp_expert_ws *g) {
@@ -58,6 +64,8 @@ static void ws_release(struct htp_expert_ws *g) {
     free(g->seg_slot);
     free(g->seg_begin);
     free(g->seg_len);
+    free(g->sub_seg);
+    free(g->sub_r0);
     free(g->xg);
     free(g->h);
     free(g->xq);
@@ -97,7 +105,10 @@ static htp_status ws_reserve(struct htp_expert_ws *g, size_t c, size_t d, size_t
         g->seg_slot = malloc(c * 4);
         g->seg_begin = malloc(c * 4);
         g->seg_len = malloc(c * 4);
-        if (!g->rec_route || !g->route_slot || !g->stage || !g->seg_slot || !g->seg_begin || !g->seg_len) {
+        g->sub_seg = malloc(c * 4);
+        g->sub_r0 = malloc(c * 4);
+        if (!g->rec_route || !g->route_slot || !g->stage || !g->seg_slot || !g->seg_begin || !g->seg_len ||
+            !g->sub_seg || !g->sub_r0) {
             ws_release(g);
             return HTP_E_NOMEM;
         }
@@ -154,68 +165,69 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
     float *tmp = (float *)htp_scratch(c->pool, ith, 2, 0);
     float *panel = (float *)htp_scratch(c->pool, ith, 0, 0);
 
-    /* (b) gate, up, SwiGLU over this thread's d_ff tiles */
-    htp_split(fb, ith, nth, &b, &e);
-    const uint32_t ncol = (e - b) * 32;
-    if (ncol) {
-        for (uint32_t s = 0; s < c->nseg; s++) {
-            const uint64_t slot = (uint64_t)g->seg_slot[s];
-            const uint8_t *wg = c->planes[0] + slot * c->stride[0];
-            const uint8_t *wu = c->planes[1] + slot * c->stride[1];
-            for (uint32_t r0 = 0; r0 < (uint32_t)g->seg_len[s]; r0 += SUB) {
-                const uint32_t rec = (uint32_t)g->seg_begin[s] + r0;
-                const uint32_t n = HTP_MIN(SUB, (uint32_t)g->seg_len[s] - r0);
-                float *tg = tmp, *tu = tmp + (size_t)SUB * ncol;
-                if (c->q8) {
-                    htp_act_q8 a = {g->xq + (size_t)rec * d, g->xd + (size_t)rec * db, g->xs + (size_t)rec * db};
-                    htp_gemm_tiles(isa, wg, HTP_FMT_Q4_0_T32R4, ff, d, b, e, &a, NULL, 0, n, tg, ncol, NULL);
-                    htp_gemm_tiles(isa, wu, HTP_FMT_Q4_0_T32R4, ff, d, b, e, &a, NULL, 0, n, tu, ncol, NULL);
-                } else {
-                    const float *xa = g->xg + (size_t)rec * d;
-                    htp_gemm_tiles(isa, wg, HTP_FMT_Q4_0_T32R4, ff, d, b, e, NULL, xa, d, n, tg, ncol, panel);
-                    htp_gemm_tiles(isa, wu, HTP_FMT_Q4_0_T32R4, ff, d, b, e, NULL, xa, d, n, tu, ncol, panel);
+    /* (b) gate, up, SwiGLU: items (piece of a slot's routes, block of d_ff tiles) */
+    const uint32_t n_fblk = (fb + FBLK - 1) / FBLK;
+    for (uint32_t item; (item = htp_next(&c->next_b)) < c->nsub * n_fblk;) {
+        const uint32_t sub = item / n_fblk;
+        b = item % n_fblk * FBLK, e = HTP_MIN(fb, b + FBLK);
+        const uint32_t ncol = (e - b) * 32;
+        const uint32_t s = (uint32_t)g->sub_seg[sub], r0 = (uint32_t)g->sub_r0[sub];
+        const uint64_t slot = (uint64_t)g->seg_slot[s];
+        const uint8_t *wg = c->planes[0] + slot * c->stride[0];
+        const uint8_t *wu = c->planes[1] + slot * c->stride[1];
+        const uint32_t rec = (uint32_t)g->seg_begin[s] + r0;
+        const uint32_t n = HTP_MIN(SUB, (uint32_t)g->seg_len[s] - r0);
+        float *tg = tmp, *tu = tmp + (size_t)SUB * ncol;
+        if (c->q8) {
+            htp_act_q8 a = {g->xq + (size_t)rec * d, g->xd + (size_t)rec * db, g->xs + (size_t)rec * db};
+            htp_gemm_tiles(isa, wg, HTP_FMT_Q4_0_T32R4, ff, d, b, e, &a, NULL, 0, n, tg, ncol, NULL);
+            htp_gemm_tiles(isa, wu, HTP_FMT_Q4_0_T32R4, ff, d, b, e, &a, NULL, 0, n, tu, ncol, NULL);
+        } else {
+            const float *xa = g->xg + (size_t)rec * d;
+            htp_gemm_tiles(isa, wg, HTP_FMT_Q4_0_T32R4, ff, d, b, e, NULL, xa, d, n, tg, ncol, panel);
+            htp_gemm_tiles(isa, wu, HTP_FMT_Q4_0_T32R4, ff, d, b, e, NULL, xa, d, n, tu, ncol, panel);
+        }
+        for (uint32_t i = 0; i < n; i++) {
+            float *gi = tg + (size_t)i * ncol;
+            const float *ui = tu + (size_t)i * ncol;
+            isa->swiglu(gi, ui, ncol, gi);
+            if (c->q8) {
+                for (uint32_t blk = 0; blk < e - b; blk++) {
+                    const size_t o = (size_t)(rec + i) * fb + b + blk;
+                    isa->quantize_row_q8(gi + blk * 32, 32, g->hq + o * 32, g->hd + o, g->hs + o);
                 }
-                for (uint32_t i = 0; i < n; i++) {
-                    float *gi = tg + (size_t)i * ncol;
-                    const float *ui = tu + (size_t)i * ncol;
-                    isa->swiglu(gi, ui, ncol, gi);
-                    if (c->q8) {
-                        for (uint32_t blk = 0; blk < e - b; blk++) {
-                            const size_t o = (size_t)(rec + i) * fb + b + blk;
-                            isa->quantize_row_q8(gi + blk * 32, 32, g->hq + o * 32, g->hd + o, g->hs + o);
-                        }
-                    } else {
-                        memcpy(g->h + (size_t)(rec + i) * ff + (size_t)b * 32, gi, (size_t)ncol * 4);
-                    }
-                }
+            } else {
+                memcpy(g->h + (size_t)(rec + i) * ff + (size_t)b * 32, gi, (size_t)ncol * 4);
             }
         }
     }
     htp_barrier(c->pool);
 
-    /* (c) down + scatter-add over this thread's d_model tiles */
-    htp_split(db, ith, nth, &b, &e);
-    const uint32_t dcol = (e - b) * 32;
-    if (!dcol) return;
-    for (uint32_t s = 0; s < c->nseg; s++) {
-        const uint64_t slot = (uint64_t)g->seg_slot[s];
-        const uint8_t *wd = c->planes[2] + slot * c->stride[2];
-        for (uint32_t r0 = 0; r0 < (uint32_t)g->seg_len[s]; r0 += SUB) {
-            const uint32_t rec = (uint32_t)g->seg_begin[s] + r0;
-            const uint32_t n = HTP_MIN(SUB, (uint32_t)g->seg_len[s] - r0);
-            if (c->q8) {
-                htp_act_q8 a = {g->hq + (size_t)rec * ff, g->hd + (size_t)rec * fb, g->hs + (size_t)rec * fb};
-                htp_gemm_tiles(isa, wd, HTP_FMT_Q4_0_T32R4, d, ff, b, e, &a, NULL, 0, n, tmp, dcol, NULL);
-            } else {
-                htp_gemm_tiles(isa, wd, HTP_FMT_Q4_0_T32R4, d, ff, b, e, NULL, g->h + (size_t)rec * ff, ff, n,
-                               tmp, dcol, panel);
-            }
-            for (uint32_t i = 0; i < n; i++) {
-                const uint32_t route = c->r0 + (uint32_t)g->rec_route[rec + i];
-                const float wgt = c->weights[route];
-                float *yr = c->y + (size_t)c->tokens[route] * d + (size_t)b * 32;
-                const float *src = tmp + (size_t)i * dcol;
-                for (uint32_t col = 0; col < dcol; col++) yr[col] += wgt * src[col];
+    /* (c) down + scatter-add: items (block of d_model tiles), each over every slot in order */
+    const uint32_t n_dblk = (db + DBLK - 1) / DBLK;
+    for (uint32_t item; (item = htp_next(&c->next_c)) < n_dblk;) {
+        b = item * DBLK, e = HTP_MIN(db, b + DBLK);
+        const uint32_t dcol = (e - b) * 32;
+        for (uint32_t s = 0; s < c->nseg; s++) {
+            const uint64_t slot = (uint64_t)g->seg_slot[s];
+            const uint8_t *wd = c->planes[2] + slot * c->stride[2];
+            for (uint32_t r0 = 0; r0 < (uint32_t)g->seg_len[s]; r0 += SUB) {
+                const uint32_t rec = (uint32_t)g->seg_begin[s] + r0;
+                const uint32_t n = HTP_MIN(SUB, (uint32_t)g->seg_len[s] - r0);
+                if (c->q8) {
+                    htp_act_q8 a = {g->hq + (size_t)rec * ff, g->hd + (size_t)rec * fb, g->hs + (size_t)rec * fb};
+                    htp_gemm_tiles(isa, wd, HTP_FMT_Q4_0_T32R4, d, ff, b, e, &a, NULL, 0, n, tmp, dcol, NULL);
+                } else {
+                    htp_gemm_tiles(isa, wd, HTP_FMT_Q4_0_T32R4, d, ff, b, e, NULL, g->h + (size_t)rec * ff, ff,
+                                   n, tmp, dcol, panel);
+                }
+                for (uint32_t i = 0; i < n; i++) {
+                    const uint32_t route = c->r0 + (uint32_t)g->rec_route[rec + i];
+                    const float wgt = c->weights[route];
+                    float *yr = c->y + (size_t)c->tokens[route] * d + (size_t)b * 32;
+                    const float *src = tmp + (size_t)i * dcol;
+                    for (uint32_t col = 0; col < dcol; col++) yr[col] += wgt * src[col];
+                }
             }
         }
     }
@@ -354,9 +366,16 @@ htp_status htp_exec_expert(htp_exec *ex, const htp_expert_params *p, uint32_t ac
                 off += cnt;
                 nseg++;
             }
+            uint32_t nsub = 0; /* the pieces of at most SUB routes phase (b) hands out */
+            for (uint32_t sg = 0; sg < nseg; sg++)
+                for (uint32_t r0 = 0; r0 < (uint32_t)g->seg_len[sg]; r0 += SUB) {
+                    g->sub_seg[nsub] = (int32_t)sg;
+                    g->sub_r0[nsub] = (int32_t)r0;
+                    nsub++;
+                }
             for (uint32_t i = 0; i < nr; i++) g->rec_route[g->counts[g->route_slot[i]]++] = g->stage[i];
             run_ctx c = {g, ex->isa, ex->pool, d, ff, planes, p->slot_stride, x, tokens, weights, y,
-                         0, nr, nseg, q8};
+                         0, nr, nseg, nsub, q8, 0, 0};
             htp_parallel(ex->pool, run_task, &c);
         }
         sa = sb;

@@ -62,6 +62,16 @@ static inline void htp_split(uint32_t n, uint32_t ith, uint32_t nth, uint32_t *b
     *e = (uint32_t)(((uint64_t)n * (ith + 1)) / nth);
 }
 
+/* Dynamic work sharing inside one parallel region: each call returns the next unclaimed item
+ * of a counter the region's threads share (start it at 0 before htp_parallel). Work handed out
+ * this way, instead of fixed parts per thread, keeps both cores busy when one of them is
+ * preempted (by the loader, by I/O interrupts): a fixed split makes the whole op wait for the
+ * thread that lost its core. Each item is computed by one thread, so results do not depend on
+ * which thread takes it. */
+static inline uint32_t htp_next(uint32_t *counter) {
+    return __atomic_fetch_add(counter, 1u, __ATOMIC_RELAXED);
+}
+
 /* ---- half floats ---- */
 static inline float htp_f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -115,6 +125,7 @@ typedef struct htp_attn_ctx {
     const struct htp_isa *isa;
     uint32_t tk;   /* key/value rows: n_ctx + t (t counts the queries) */
     uint32_t kofs; /* n_ctx: query i sits at key position kofs + i */
+    uint32_t next; /* the next (head, query block) task to hand out (htp_next) */
 } htp_attn_ctx;
 
 /* Keys query row i (0-based among the queries) may see: [0, end). */

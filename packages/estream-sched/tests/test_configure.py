@@ -72,16 +72,30 @@ def minimum_memory(profile: Profile, q: int) -> int:
 
 def test_choose_q0_examples() -> None:
     bw = {1: {1: 1.0, 2: 1.9, 4: 2.0}, 8: {1: 1.5, 2: 2.0, 4: 2.0}}
-    assert choose_q0(bw) == 2  # 1.9 / 2.0 = 0.95 reaches the threshold exactly
+    assert choose_q0(bw, rule="every-g") == 2  # 1.9 / 2.0 = 0.95 reaches the threshold exactly
+    assert choose_q0(bw) == 2
     bw[1][2] = 1.89
-    assert choose_q0(bw) == 4  # one g below 95% at q=2 forces the deeper queue for all
-    assert choose_q0(bw, threshold=0.9) == 2
-    assert choose_q0({4: {3: 5.0}}) == 3
+    assert choose_q0(bw, rule="every-g") == 4  # one g below 95% at q=2 forces the deeper queue
+    assert choose_q0(bw, rule="every-g", threshold=0.9) == 2
+    assert choose_q0(bw) == 2  # pooled: the device's curve at q=2 is 97% of its peak
+    assert choose_q0({4: {3: 5.0}}) == 3 == choose_q0({4: {3: 5.0}}, rule="every-g")
+    # a noisy flat disk (the Mixtral-8x7B profile of bench_scale, GB/s): one g peaks at q=8 and
+    # the per-g rule takes the deepest queue; the device curve peaks at q=4
+    noisy = {
+        1: {1: 1.08, 2: 1.32, 4: 1.25, 8: 1.16},
+        2: {1: 1.06, 2: 1.53, 4: 1.10, 8: 1.37},
+        4: {1: 1.26, 2: 1.08, 4: 1.39, 8: 1.12},
+        8: {1: 1.44, 2: 1.02, 4: 1.42, 8: 1.06},
+    }
+    assert choose_q0(noisy, rule="every-g") == 8
+    assert choose_q0(noisy) == 4
+    with pytest.raises(ValueError, match="rule"):
+        choose_q0(noisy, rule="median")  # type: ignore[arg-type]
 
 
 @given(bandwidth_tables())
 def test_choose_q0_is_the_smallest_depth_reaching_95_percent_for_every_g(bw) -> None:
-    q0 = choose_q0(bw)
+    q0 = choose_q0(bw, rule="every-g")
     qs = sorted(next(iter(bw.values())))
 
     def worst(q: int) -> float:
@@ -93,6 +107,32 @@ def test_choose_q0_is_the_smallest_depth_reaching_95_percent_for_every_g(bw) -> 
     else:  # fallback: the best worst-case ratio, shallowest on ties
         assert worst(q0) == max(worst(q) for q in qs)
         assert not any(worst(q) == worst(q0) for q in qs if q < q0)
+
+
+@given(bandwidth_tables())
+def test_choose_q0_pooled_is_the_smallest_depth_of_the_device_curve(bw) -> None:
+    q0 = choose_q0(bw)
+    qs = sorted(next(iter(bw.values())))
+    rows = [[row[q] / (sum(row[x] for x in qs) / len(qs)) for q in qs] for row in bw.values()]
+    curve = {q: float(np.median([r[i] for r in rows])) for i, q in enumerate(qs)}
+    top = max(curve.values())
+    assert curve[q0] >= 0.95 * top * (1 - 1e-12)
+    assert not any(curve[q] >= 0.95 * top * (1 + 1e-12) for q in qs if q < q0)
+
+
+@given(
+    st.lists(st.floats(0.05, 1.0), min_size=1, max_size=5),
+    st.lists(st.floats(1e6, 1e10), min_size=1, max_size=5),
+)
+def test_choose_q0_rules_agree_when_every_g_has_the_device_curve(shape, scale) -> None:
+    """BW(g, q) = A(g) · S(q): queue depth is then purely a device property and both rules
+    must pick the same depth (the pooled rule only differs once the g's curves disagree)."""
+    qs = [1, 2, 4, 8, 16][: len(shape)]
+    bw = {g: {q: a * s for q, s in zip(qs, shape)} for g, a in zip([1, 2, 4, 8, 16], scale)}
+    top = max(shape)
+    # away from the threshold, where rounding of the two computations could differ
+    assume(all(abs(s / top - 0.95) > 1e-9 for s in shape))
+    assert choose_q0(bw) == choose_q0(bw, rule="every-g")
 
 
 @given(profiles(), st.floats(0.0, 1.0), st.sampled_from(["calibrated", "bandwidth", "measured"]))

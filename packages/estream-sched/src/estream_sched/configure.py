@@ -63,17 +63,34 @@ def format_bytes(n: float) -> str:
     return f"{mib:.0f} MiB" if float(mib).is_integer() else f"{mib:.2f} MiB"
 
 
+Q0Rule = Literal["pooled", "every-g"]
+_Q0_RULES = ("pooled", "every-g")
+
+
 def choose_q0(
     bandwidth: Mapping[int, Mapping[int, float]],
     *,
     threshold: float = 0.95,
     groups: list[int] | None = None,
+    rule: Q0Rule = "pooled",
 ) -> int:
-    """Smallest queue depth reaching ``threshold`` of the peak grouped-read bandwidth, for
-    EVERY group size: ``Q0 = min{q : min_g BW(g,q) / max_q' BW(g,q') >= threshold}``.
+    """The smallest queue depth reaching ``threshold`` of the peak grouped-read bandwidth.
 
-    Only depths measured for every ``g`` are considered. If none reaches the threshold, the
-    depth maximising ``min_g BW(g,q) / max_q' BW(g,q')`` is returned (the shallowest on ties)."""
+    ``rule="pooled"`` (default): queue depth is treated as a property of the device, as the
+    paper characterises it once per device. Each ``g``'s row is divided by its mean over the
+    depths, the device curve is the median over ``g``, ``S(q) = median_g BW(g,q) / mean_q'
+    BW(g,q')``, and ``Q0 = min{q : S(q) >= threshold · max_q' S(q')}``. When every ``g`` has the
+    same shape of curve (``BW(g, q) = A(g)·S(q)``) this is exactly the per-``g`` rule below; on
+    a noisy disk it does not let the one ``g`` whose noisy peak landed at a deep ``q`` decide
+    for all of them (the minimum over ``g`` amplifies noise, the median does not).
+
+    ``rule="every-g"``: the literal rule of design §6, ``Q0 = min{q : min_g BW(g,q) / max_q'
+    BW(g,q') >= threshold}``; if no depth reaches it for every ``g`` at once, the depth
+    maximising that worst-case ratio (the shallowest on ties).
+
+    Only depths measured for every ``g`` are considered."""
+    if rule not in _Q0_RULES:
+        raise ValueError(f"rule must be one of {_Q0_RULES}, got {rule!r}")
     gs = sorted(bandwidth) if groups is None else sorted(groups)
     if not gs:
         raise ValueError("bandwidth table is empty")
@@ -81,6 +98,14 @@ def choose_q0(
     qs = sorted(set.intersection(*qsets))
     if not qs:
         raise ValueError("no queue depth was measured for every g")
+    if rule == "pooled":
+        rel = np.array(
+            [[bandwidth[g][q] for q in qs] for g in gs], dtype=np.float64
+        )  # [g, q] over the common depths
+        rel /= rel.mean(axis=1, keepdims=True)
+        curve = np.median(rel, axis=0)
+        top = float(curve.max())
+        return int(next(q for q, v in zip(qs, curve.tolist()) if v >= threshold * top))
     ratio = {q: min(bandwidth[g][q] / max(bandwidth[g].values()) for g in gs) for q in qs}
     for q in qs:
         if ratio[q] >= threshold:
