@@ -38,16 +38,21 @@ static void attn_worker(void *arg, uint32_t ith, uint32_t nth) {
         const uint32_t BK = HTP_ATTN_BK;
         const size_t ks = (size_t)c->hkv * c->dk, vs = (size_t)c->hkv * c->dv;
         uint32_t b, e;
-        htp_split(c->hkv * c->dk, ith, nth, &b, &e);
-        for (uint32_t rr = b; rr < e; rr++) {
-            const uint32_t hk = rr / c->dk, d = rr % c->dk;
-            const float *src = c->k + (size_t)hk * c->dk + d;
-            for (size_t kb = 0; kb < c->kt_ld; kb++) {
-                float *dst = c->kt + (((size_t)hk * c->kt_ld + kb) * c->dk + d) * BK;
-                for (uint32_t jj = 0; jj < BK; jj++) {
-                    const size_t j = kb * BK + jj;
-                    dst[jj] = j < c->tk ? src[j * ks] : 0.0f;
-                }
+        /* one (KV head, key block) at a time, key by key: each key's row is read once,
+         * contiguously, and the dk destination lines it scatters into stay in L1 for the
+         * block's BK keys (walking a dimension across all keys instead touches a new line of
+         * K for every element) */
+        htp_split((uint32_t)(c->hkv * c->kt_ld), ith, nth, &b, &e);
+        for (uint32_t it = b; it < e; it++) {
+            const uint32_t hk = it / (uint32_t)c->kt_ld, kb = it % (uint32_t)c->kt_ld;
+            float *dst = c->kt + ((size_t)hk * c->kt_ld + kb) * c->dk * BK;
+            for (uint32_t jj = 0; jj < BK; jj++) {
+                const size_t j = (size_t)kb * BK + jj;
+                const float *src = c->k + j * ks + (size_t)hk * c->dk;
+                if (j < c->tk)
+                    for (uint32_t d = 0; d < c->dk; d++) dst[(size_t)d * BK + jj] = src[d];
+                else
+                    for (uint32_t d = 0; d < c->dk; d++) dst[(size_t)d * BK + jj] = 0.0f;
             }
         }
         htp_split(c->hkv * c->tk, ith, nth, &b, &e);

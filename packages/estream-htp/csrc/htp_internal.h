@@ -107,7 +107,7 @@ typedef struct htp_act_q8 {
 } htp_act_q8;
 
 /* ---- attention ---- */
-#define HTP_ATTN_BQ 32
+#define HTP_ATTN_BQ 64
 #define HTP_ATTN_BK 64
 typedef struct htp_attn_ctx {
     const float *q, *k, *v;
