@@ -8,14 +8,15 @@
  *   (b) gate and up GEMMs + SwiGLU: work items (up to SUB routes of one slot, a block of d_ff
  *       tiles), handed out as threads come free;
  *   (c) down GEMM + scatter-add weight*y: work items (a block of d_model tiles, over every
- *       slot in order), handed out the same way.
+ *       slot in order), handed out the same way. Each item reads every routed row of h once,
+ *       so there are only ~4 per thread: more would multiply that traffic (32 MB of h at
+ *       4K tokens) for no better balance.
  * Every output element is produced by one thread in slot order, so results are bit-identical
  * for any thread count and whichever thread takes an item. */
 #include "htp_internal.h"
 
 #define SUB 128  /* routes per GEMM call inside a slot (bounds per-thread scratch) */
 #define FBLK 4   /* d_ff tiles per gate/up work item */
-#define DBLK 2   /* d_model tiles per down work item */
 
 /* The working set of a backend's expert op, grown to the largest (capacity, d_model, d_ff)
  * seen and kept between calls (one op at a time per backend). */
@@ -204,9 +205,10 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
     htp_barrier(c->pool);
 
     /* (c) down + scatter-add: items (block of d_model tiles), each over every slot in order */
-    const uint32_t n_dblk = (db + DBLK - 1) / DBLK;
+    const uint32_t dblk = HTP_MAX(2u, db / (4 * nth)); /* d_model tiles per item */
+    const uint32_t n_dblk = (db + dblk - 1) / dblk;
     for (uint32_t item; (item = htp_next(&c->next_c)) < n_dblk;) {
-        b = item * DBLK, e = HTP_MIN(db, b + DBLK);
+        b = item * dblk, e = HTP_MIN(db, b + dblk);
         const uint32_t dcol = (e - b) * 32;
         for (uint32_t s = 0; s < c->nseg; s++) {
             const uint64_t slot = (uint64_t)g->seg_slot[s];
