@@ -89,7 +89,9 @@ def test_gemm_q8_token_chunks(simd: str, threads: int) -> None:
     with mode(simd=simd, act="q8", threads=threads):
         y = htp.gemm(x, buf, 75, out=np.full((203, 75), np.nan, np.float32))
         ya, yb = htp.gemm_shared(x, [(buf, 75), (buf2, 40)])
-        alone = np.concatenate([htp.gemm(x[i : i + 1], buf, 75) for i in (0, 71, 72, 143, 144, 202)])
+        alone = np.concatenate(
+            [htp.gemm(x[i : i + 1], buf, 75) for i in (0, 71, 72, 143, 144, 202)]
+        )
     assert y.tobytes() == ya.tobytes()
     assert alone.tobytes() == y[[0, 71, 72, 143, 144, 202]].tobytes()
     for out, b, n in ((y, buf, 75), (yb, buf2, 40)):

@@ -158,10 +158,11 @@ def profile_model(
             + "/".join(f"{bandwidth[g][q] / 1e9:.2f}" for q in queue_depths)
             + " GB/s"
             + (
-                "  [" + "; ".join(
-                    "/".join(f"{x / 1e9:.2f}" for x in samples[g][q]) for q in queue_depths
-                ) + "]"
-                if bw_rounds > 1 else ""
+                "  ["
+                + "; ".join("/".join(f"{x / 1e9:.2f}" for x in samples[g][q]) for q in queue_depths)
+                + "]"
+                if bw_rounds > 1
+                else ""
             )
         )
     say(f"  bandwidth measured in {time.perf_counter() - t0:.1f} s")
