@@ -124,6 +124,35 @@ def test_expert_op_threads_bit_identical_and_paths_agree(act: str) -> None:
 
 
 @pytest.mark.parametrize("act", ["f32", "q8"])
+def test_expert_op_slot_with_more_routes_than_one_gemm_piece(act: str) -> None:
+    """A slot with 300 routes is cut into pieces of 128 (gate/up work items with a non-zero
+    first route); d_ff of 7 tiles leaves a ragged last block of 4, d_model of 5 tiles a ragged
+    down item. Against float64 and bit for bit across thread counts."""
+    rng = np.random.default_rng(21)
+    d, ff, n_exp, t, r = 160, 224, 3, 97, 420
+    tokens = rng.integers(0, t, r).astype(np.int32)
+    experts = np.where(np.arange(r) < 300, 1, rng.integers(0, n_exp, r)).astype(np.int32)
+    rng.shuffle(experts)
+    weights = rng.uniform(-1, 1, r).astype(np.float32)
+    (gate, up, down), planes, slots = _planes(rng, n_exp, d, ff, list(range(n_exp)))
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    mag = T.ref_expert_op(x, tokens, experts, weights, gate, up, down, ff, magnitude=True)
+    if act == "f32":
+        ref, tol = T.ref_expert_op(x, tokens, experts, weights, gate, up, down, ff), F32_TOL
+    else:
+        ref = T.ref_expert_op(x, tokens, experts, weights, gate, up, down, ff, q8=True)
+        tol = Q8_EMU_TOL
+    outs = []
+    for th in (1, 2):
+        y = np.full((t, d), 0.5, np.float32)
+        with mode(act=act, threads=th), htp.ExpertGraph(d, ff, r, t) as g:
+            _run(g, x, tokens, experts, weights, slots, planes, y)
+        outs.append(y)
+        assert T.rel_l2_floored(y - 0.5, ref, mag, ff) <= tol, th
+    assert np.array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("act", ["f32", "q8"])
 def test_expert_op_result_does_not_depend_on_capacity(act: str) -> None:
     # passes are cut along slots, and y receives contributions slot by slot in route order
     rng = np.random.default_rng(8)

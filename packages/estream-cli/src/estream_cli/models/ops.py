@@ -550,13 +550,11 @@ class Ops:
         hit = self._shared.get(id(key))
         if hit is None or hit[0] is not key:
             arr = np.ascontiguousarray(make(), dtype=np.float32)
-            if self.backend is not None and self.backend.kind != "host":
+            if self._remote:
+                assert self.backend is not None
                 arr = self.backend.share(arr)
             hit = self._shared[id(key)] = (key, arr)  # type: ignore[assignment]
         return hit[1]
-
-    def _on_backend(self) -> bool:
-        return self._remote
 
     # activations
     def empty(self, shape: tuple[int, ...], dtype: object = np.float32) -> np.ndarray:
