@@ -375,6 +375,13 @@ def bench_tasks(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_vs_llama(session: nox.Session) -> None:
+    """Prefill tokens/s vs a llama-bench you built (ik_llama.cpp or llama.cpp) on one GGUF:
+    `nox -s bench_vs_llama -- MODEL.gguf --llama-bench PATH` (see the script's docstring)."""
+    _bench(session, ROOT / "integration" / "bench" / "vs_llama_bench.py", all_pkgs=True)
+
+
+@nox.session
 def bench_scale(session: nox.Session) -> None:
     """Qwen3-30B-A3B and Mixtral-8x7B shapes streamed within 2/4 GiB (≈ 80 GB of disk, hours)."""
     _bench(session, ROOT / "integration" / "bench" / "bench_scale.py", all_pkgs=True)

@@ -276,3 +276,48 @@ def test_first_moe_layer_is_read_while_the_model_loads(packed):
     assert {(r.layer, r.group) for r in a.records} <= read_a  # the early reads are the pass's
     assert {(first.index, k) for k in range(n_ahead)} <= read_a
     assert a.metrics["bytes_read"] == sum(r.nbytes for r in a.reads)
+
+
+@pytest.mark.parametrize("backend", ["host", "host-process"])
+def test_streamed_layer_input_is_quantized_once_for_all_its_groups(packed, backend, monkeypatch):
+    """With int8 products a streamed MoE layer quantizes its input once (`htp.quantize_q8`)
+    and every group's expert op reads those rows: one quantization per MoE layer, every op
+    given the shared rows, and logits bit-identical to each group quantizing its tokens."""
+    import estream_htp as htp
+    from estream_cli import experts as ex
+
+    _, _, dst = packed
+    calls: list[int] = []
+    inputs: list[str] = []
+    real_q, real_run, real_submit = htp.quantize_q8, htp.ExpertGraph.run, htp.ExpertGraph.submit
+
+    def quantize(x, out=None, **kw):
+        calls.append(x.shape[0])
+        return real_q(x, out, **kw)
+
+    def run(self, x, *a, **kw):
+        inputs.append(type(x).__name__)
+        return real_run(self, x, *a, **kw)
+
+    def submit(self, x, *a, **kw):
+        inputs.append(type(x).__name__)
+        return real_submit(self, x, *a, **kw)
+
+    monkeypatch.setattr(htp, "quantize_q8", quantize)
+    monkeypatch.setattr(htp.ExpertGraph, "run", run)
+    monkeypatch.setattr(htp.ExpertGraph, "submit", submit)
+    toks = _tokens(50, 43, seed=9)
+    with estream.load(dst, G=2, Q=2, B=3, backend=backend) as eng:
+        assert eng.act == "q8"
+        toks = toks % eng.hp.n_vocab
+        shared = eng.prefill(toks, all_logits=True)
+    n_moe = len({r.layer for r in shared.records})
+    assert calls == [len(toks)] * n_moe
+    assert inputs and set(inputs) == {"Q8Rows"}
+    assert len(inputs) == len(shared.records)  # one op per routed group, each on shared rows
+    calls.clear(), inputs.clear()
+    monkeypatch.setattr(ex.StreamedExperts, "_shared_input", lambda self, x: x)
+    with estream.load(dst, G=2, Q=2, B=3, backend=backend) as eng:
+        own = eng.prefill(toks, all_logits=True)
+    assert calls == [] and set(inputs) == {"ndarray"}
+    assert np.array_equal(shared.logits, own.logits)

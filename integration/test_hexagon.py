@@ -118,6 +118,7 @@ def any_arch(request, tmp_path_factory):
 _OPS = [
     "gemm", "gemm_shared", "matmul_f32", "rms_norm", "rms_norm_heads", "rope", "attention",
     "swiglu", "router_topk", "conv1d_causal", "get_rows", "add", "mul", "copy_rows", "fill",
+    "quantize_q8",
 ]  # fmt: skip
 
 
@@ -126,6 +127,8 @@ def _operands(args, kwargs):
         for x in a if isinstance(a, tuple) else (a,):
             if isinstance(x, np.ndarray):
                 yield x
+            elif type(x).__name__ == "Q8Rows":  # a layer input quantized once for its groups
+                yield x.data
 
 
 @pytest.mark.parametrize("mode", ["resident", "stream"])

@@ -120,7 +120,8 @@ typedef enum htp_opcode {
     HTP_OP_ADD = 12,        /* ref: a, b, out (htp_binary_params) */
     HTP_OP_MUL = 13,        /* ref: a, b, out (htp_binary_params) */
     HTP_OP_COPY_ROWS = 14,  /* ref: src, dst */
-    HTP_OP_FILL = 15        /* ref: out */
+    HTP_OP_FILL = 15,       /* ref: out */
+    HTP_OP_QUANTIZE = 16    /* ref: x, out (htp_quantize_params): Q8 rows, see below */
 } htp_opcode;
 
 /* ---- backend and buffers ---- */
@@ -174,7 +175,8 @@ typedef struct htp_expert_params {
     uint32_t n_experts;     /* E: entries of slot_of_expert */
     uint32_t capacity;      /* routes per internal pass (larger route sets are split) */
     uint32_t format;        /* HTP_FMT_Q4_0_T32R4 */
-    uint32_t reserved;
+    uint32_t x_q8;          /* 0: x is [T][d_model] fp32; 1: x is T Q8 rows (HTP_OP_QUANTIZE's
+                               output, act must be Q8): several ops on one input share them */
     uint64_t slot_stride[3]; /* gate, up, down: bytes between consecutive slots of a plane */
     uint64_t reserved2;
 } htp_expert_params;
@@ -253,6 +255,14 @@ typedef struct htp_fill_params {
     uint32_t reserved;
 } htp_fill_params;
 
+/* Q8 rows: t rows of x[t][d] (d a multiple of 32) quantized as the Q8 GEMM and expert op do
+ * it (per 32-element block: int8 values, an fp32 scale, the int32 sum of the values), laid out
+ * as [t][d] int8, then [t][d/32] fp32 scales, then [t][d/32] int32 sums: t * (d + d/4) bytes.
+ * An expert op given them (x_q8 = 1) computes the bits it computes from the fp32 rows. */
+typedef struct htp_quantize_params {
+    uint32_t t, d;
+} htp_quantize_params;
+
 typedef union htp_op_params {
     htp_gemm_params gemm;
     htp_expert_params expert;
@@ -267,6 +277,7 @@ typedef union htp_op_params {
     htp_binary_params binary;
     htp_copy_params copy;
     htp_fill_params fill;
+    htp_quantize_params quantize;
     uint8_t raw[64];
 } htp_op_params;
 

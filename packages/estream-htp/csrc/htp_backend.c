@@ -248,6 +248,12 @@ static htp_status ref_get(htp_backend *b, const htp_ref *r, uint64_t bytes, int 
     return HTP_OK;
 }
 
+/* Bytes of t Q8 rows of d values (htp.h): [t][d] int8, [t][d/32] fp32, [t][d/32] int32;
+ * UINT64_MAX (fails every bounds check) on overflow. */
+static uint64_t q8_rows_bytes(uint32_t t, uint32_t d) {
+    return nbytes3(t, (uint64_t)d + d / 4, 1);
+}
+
 #define GET(i, bytes, wr, align, var)                                                    \
     do {                                                                                 \
         void *p_;                                                                        \
@@ -274,6 +280,7 @@ static uint32_t refs_of(const htp_op_desc *op) {
     case HTP_OP_MUL: return 3;
     case HTP_OP_COPY_ROWS: return 2;
     case HTP_OP_FILL: return 1;
+    case HTP_OP_QUANTIZE: return 2;
     default: return UINT32_MAX;
     }
 }
@@ -281,13 +288,16 @@ static uint32_t refs_of(const htp_op_desc *op) {
 static htp_status exec_expert(htp_backend *b, const htp_op_desc *op) {
     const htp_expert_params *p = &op->p.expert;
     if (p->format != HTP_FMT_Q4_0_T32R4) return HTP_E_UNSUPPORTED;
-    if (p->reserved || p->reserved2) return HTP_E_BAD_OP;
+    if (p->x_q8 > 1 || p->reserved2) return HTP_E_BAD_OP;
     const uint32_t d = p->d_model, ff = p->d_ff, T = p->n_tokens, R = p->n_routes, E = p->n_experts;
     if (!d || !ff || d % 32 || ff % 32 || !p->capacity) return HTP_E_INVALID;
-    const float *x, *w;
+    if (p->x_q8 && op->act != HTP_ACT_Q8) return HTP_E_INVALID; /* Q8 rows need Q8 products */
+    const float *x = NULL, *w;
     const int32_t *tok_s, *exp_s, *slot_s;
+    const uint8_t *xr = NULL;
     float *y;
-    GET(0, nbytes3(T, d, 4), RD, 4, x);
+    if (p->x_q8) GET(0, q8_rows_bytes(T, d), RD, 4, xr);
+    else GET(0, nbytes3(T, d, 4), RD, 4, x);
     GET(1, nbytes(R, 4), RD, 4, tok_s);
     GET(2, nbytes(R, 4), RD, 4, exp_s);
     GET(3, nbytes(R, 4), RD, 4, w);
@@ -329,7 +339,9 @@ static htp_status exec_expert(htp_backend *b, const htp_op_desc *op) {
         st = ref_get(b, &op->ref[5 + j], span + need[j], RD, 1, &pp);
         planes[j] = (const uint8_t *)pp;
     }
-    if (st == HTP_OK) st = htp_exec_expert(&b->ex, p, op->act, x, tokens, experts, w, slot, planes, y);
+    const htp_act_q8 rows = xr ? htp_q8_rows(xr, T, d) : (htp_act_q8){NULL, NULL, NULL};
+    if (st == HTP_OK)
+        st = htp_exec_expert(&b->ex, p, op->act, x, tokens, experts, w, slot, planes, y, xr ? &rows : NULL);
     free(idx);
     return st;
 }
@@ -532,6 +544,16 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
         uint32_t *out;
         GET(0, nbytes(p->n, 4), WR, 4, out);
         htp_exec_fill(p, out);
+        return HTP_OK;
+    }
+    case HTP_OP_QUANTIZE: {
+        const htp_quantize_params *p = &op->p.quantize;
+        if (p->d == 0 || p->d % 32) return HTP_E_INVALID;
+        const float *x;
+        uint8_t *out;
+        GET(0, nbytes3(p->t, p->d, 4), RD, 4, x);
+        GET(1, q8_rows_bytes(p->t, p->d), WR, 4, out);
+        htp_exec_quantize(&b->ex, p, x, out);
         return HTP_OK;
     }
     default: return HTP_E_BAD_OP;

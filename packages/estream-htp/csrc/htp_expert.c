@@ -4,7 +4,7 @@
  * prefix-sum into offsets, scatter route records by slot (stable, empty slots skipped), then in
  * one parallel region:
  *   (a) gather the routed token rows (in Q8 mode: rows quantized once per token before the
- *       passes), partitioned by record;
+ *       passes, or by the caller once for several ops: x_q8), partitioned by record;
  *   (b) gate and up GEMMs + SwiGLU: work items (up to SUB routes of one slot, a block of d_ff
  *       tiles), handed out as threads come free;
  *   (c) down GEMM + scatter-add weight*y: work items (a block of d_model tiles, over every
@@ -50,6 +50,7 @@ typedef struct run_ctx {
     const uint8_t *const *planes;
     const uint64_t *stride;
     const float *x;
+    const htp_act_q8 *rows; /* q8 mode: the quantized rows of x, indexed by token */
     const int32_t *tokens;
     const float *weights;
     float *y;
@@ -154,9 +155,9 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
     for (uint32_t i = b; i < e; i++) {
         const size_t tok = (size_t)c->tokens[c->r0 + (uint32_t)g->rec_route[i]];
         if (c->q8) { /* the token's row, quantized once for all its routes */
-            memcpy(g->xq + (size_t)i * d, g->tq + tok * d, d);
-            memcpy(g->xd + (size_t)i * db, g->td + tok * db, (size_t)db * 4);
-            memcpy(g->xs + (size_t)i * db, g->ts + tok * db, (size_t)db * 4);
+            memcpy(g->xq + (size_t)i * d, c->rows->q + tok * d, d);
+            memcpy(g->xd + (size_t)i * db, c->rows->d + tok * db, (size_t)db * 4);
+            memcpy(g->xs + (size_t)i * db, c->rows->s + tok * db, (size_t)db * 4);
         } else {
             memcpy(g->xg + (size_t)i * d, c->x + tok * d, (size_t)d * 4);
         }
@@ -238,7 +239,7 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
 typedef struct quant_ctx {
     const htp_isa *isa;
     const float *x;
-    const int32_t *list; /* the tokens to quantize */
+    const int32_t *list; /* the tokens to quantize (NULL: tokens 0 .. n-1) */
     uint32_t n, d;
     int8_t *q; /* rows indexed by token */
     float *qd;
@@ -251,9 +252,23 @@ static void quant_task(void *arg, uint32_t ith, uint32_t nth) {
     uint32_t b, e;
     htp_split(c->n, ith, nth, &b, &e);
     for (uint32_t i = b; i < e; i++) {
-        const size_t tok = (size_t)c->list[i];
+        const size_t tok = c->list ? (size_t)c->list[i] : i;
         c->isa->quantize_row_q8(c->x + tok * c->d, c->d, c->q + tok * c->d, c->qd + tok * db, c->qs + tok * db);
     }
+}
+
+htp_act_q8 htp_q8_rows(const uint8_t *rows, uint32_t t, uint32_t d) {
+    const size_t vals = (size_t)t * d, blocks = (size_t)t * (d / 32);
+    htp_act_q8 a = {(const int8_t *)rows, (const float *)(rows + vals),
+                    (const int32_t *)(rows + vals + blocks * 4)};
+    return a;
+}
+
+/* Validated by the caller (htp_host_execute): d a multiple of 32, both buffers' sizes. */
+void htp_exec_quantize(htp_exec *ex, const htp_quantize_params *p, const float *x, uint8_t *out) {
+    const htp_act_q8 a = htp_q8_rows(out, p->t, p->d);
+    quant_ctx qc = {ex->isa, x, NULL, p->t, p->d, (int8_t *)a.q, (float *)a.d, (int32_t *)a.s};
+    htp_parallel(ex->pool, quant_task, &qc);
 }
 
 /* q8 mode: room for T tokens' quantized rows and the token list (grown, kept between calls). */
@@ -280,7 +295,7 @@ static htp_status ws_reserve_tokens(struct htp_expert_ws *g, size_t t, size_t d)
 htp_status htp_exec_expert(htp_exec *ex, const htp_expert_params *p, uint32_t act,
                            const float *x, const int32_t *tokens, const int32_t *experts,
                            const float *weights, const int32_t *slot_of_expert,
-                           const uint8_t *const planes[3], float *y) {
+                           const uint8_t *const planes[3], float *y, const htp_act_q8 *xq) {
     const uint32_t R = p->n_routes;
     if (R == 0) return HTP_OK;
     const uint32_t d = p->d_model, ff = p->d_ff, C = p->capacity;
@@ -308,7 +323,10 @@ htp_status htp_exec_expert(htp_exec *ex, const htp_expert_params *p, uint32_t ac
             return HTP_E_NOMEM;
     const int q8 = act == HTP_ACT_Q8;
     if (ws_reserve(g, C, d, ff, q8) != HTP_OK) return HTP_E_NOMEM;
-    if (q8) { /* each token's row once, however many experts it is routed to */
+    htp_act_q8 rows = {NULL, NULL, NULL}; /* q8 mode: every routed token's quantized row */
+    if (q8 && xq) {
+        rows = *xq; /* quantized by the caller, once for every op on this input */
+    } else if (q8) { /* each token's row once, however many experts it is routed to */
         if (ws_reserve_tokens(g, p->n_tokens, g->d) != HTP_OK) return HTP_E_NOMEM;
         /* only the tokens routed in this call (a streamed group of one expert sees few) */
         memset(g->tseen, 0, p->n_tokens);
@@ -320,6 +338,7 @@ htp_status htp_exec_expert(htp_exec *ex, const htp_expert_params *p, uint32_t ac
             }
         quant_ctx qc = {ex->isa, x, g->tlist, nt, d, g->tq, g->td, g->ts};
         htp_parallel(ex->pool, quant_task, &qc);
+        rows.q = g->tq, rows.d = g->td, rows.s = g->ts;
     }
     const uint32_t P = (uint32_t)max_slot + 1;
     /* Passes are runs of consecutive slots holding at most `capacity` routes (a slot with more
@@ -376,8 +395,8 @@ htp_status htp_exec_expert(htp_exec *ex, const htp_expert_params *p, uint32_t ac
                     nsub++;
                 }
             for (uint32_t i = 0; i < nr; i++) g->rec_route[g->counts[g->route_slot[i]]++] = g->stage[i];
-            run_ctx c = {g, ex->isa, ex->pool, d, ff, planes, p->slot_stride, x, tokens, weights, y,
-                         0, nr, nseg, nsub, q8, 0, 0};
+            run_ctx c = {g, ex->isa, ex->pool, d, ff, planes, p->slot_stride, x, &rows, tokens, weights,
+                         y, 0, nr, nseg, nsub, q8, 0, 0};
             htp_parallel(ex->pool, run_task, &c);
         }
         sa = sb;

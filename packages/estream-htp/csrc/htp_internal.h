@@ -260,7 +260,10 @@ htp_status htp_exec_gemm(htp_exec *e, const htp_gemm_mat *mats, uint32_t n_mats,
 htp_status htp_exec_expert(htp_exec *e, const htp_expert_params *p, uint32_t act,
                            const float *x, const int32_t *tokens, const int32_t *experts,
                            const float *weights, const int32_t *slot_of_expert,
-                           const uint8_t *const planes[3], float *y);
+                           const uint8_t *const planes[3], float *y, const htp_act_q8 *xq);
+/* Q8 rows (htp.h, htp_quantize_params) of x[t][d]; the parts of `out` as an htp_act_q8. */
+htp_act_q8 htp_q8_rows(const uint8_t *rows, uint32_t t, uint32_t d);
+void htp_exec_quantize(htp_exec *e, const htp_quantize_params *p, const float *x, uint8_t *out);
 void htp_expert_ws_free(struct htp_expert_ws *ws);
 htp_status htp_exec_attention(htp_exec *e, const htp_attention_params *p, const float *q,
                               const float *k, const float *v, float *out);

@@ -54,11 +54,11 @@ HTP_INSTANTIATE(avx512, HTP_T_AVX512)
         const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s,    \
         uint32_t k, float *out, uint32_t ldo, uint32_t rows, const int NT) {                     \
         const __m512i m4 = _mm512_set1_epi8(0x0f);                                               \
-        __m512 acc[4][2];                                                                        \
+        __m512 acc[6][2];                                                                        \
         for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();                \
         for (uint32_t j = 0; j < kb; j++) {                                                      \
             const uint8_t *tile = strip + (size_t)j * HTP_Q4_TILE_BYTES;                        \
-            __m512i ia[4][2]; /* start at -8 * sum(block): the +8 offset of the nibbles */       \
+            __m512i ia[6][2]; /* start at -8 * sum(block): the +8 offset of the nibbles */       \
             for (int u = 0; u < NT; u++)                                                         \
                 ia[u][0] = ia[u][1] = _mm512_set1_epi32(-8 * s[(size_t)u * kb + j]);              \
             for (int g = 0; g < 4; g++) {                                                        \
@@ -103,6 +103,8 @@ HTP_INSTANTIATE(avx512, HTP_T_AVX512)
                                            uint32_t nt, float *out, uint32_t ldo, uint32_t rows) { \
         const uint32_t k = kb * 32;                                                              \
         switch (nt) {                                                                            \
+        case 6: q4q8_block_##SUFFIX(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, 6); break;   \
+        case 5: q4q8_block_##SUFFIX(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, 5); break;   \
         case 4: q4q8_block_##SUFFIX(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, 4); break;   \
         case 3: q4q8_block_##SUFFIX(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, 3); break;   \
         case 2: q4q8_block_##SUFFIX(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, 2); break;   \
@@ -340,7 +342,7 @@ const htp_isa htp_isa_avx512 = {
 const htp_isa htp_isa_avx512vnni = {
     .level = HTP_SIMD_AVX512VNNI,
     .q4q8_strip = q4q8_strip_vnni,
-    .q4q8_nt = 4,
+    .q4q8_nt = 6,
     .q8q8_strip = q8q8_strip_avx512,
     .q8q8_nt = 4,
     .dequant_tile = dequant_avx512,

@@ -248,3 +248,109 @@ def test_expert_op_errors() -> None:
         _run(g, x, tok, exp, w, np.array([0, 1], np.int32), planes, y)
     with pytest.raises(htp.HTPInputError, match="multiple of 32"):
         htp.ExpertGraph(48, 64, 8, 4)
+
+
+# ------------------------------------------------------------------ shared Q8 rows
+@pytest.mark.parametrize("simd", LEVELS)
+@given(
+    t=st.integers(0, 23),
+    nb=st.integers(1, 7),
+    seed=st.integers(0, 2**32 - 1),
+    zero_block=st.booleans(),
+)
+def test_quantize_q8_matches_reference(simd: str, t: int, nb: int, seed: int, zero_block) -> None:
+    """Values, scales and block sums against a float64 reading of the Q8 rule (d = amax/127,
+    q = rint(x/d) in fp32); the output is poisoned first, and an all-zero block (d = 0) and
+    block maxima (|q| = 127) occur."""
+    rng = np.random.default_rng(seed)
+    d = 32 * nb
+    x = (rng.standard_normal((t, d)) * rng.uniform(0.01, 100)).astype(np.float32)
+    if zero_block and t:
+        x[rng.integers(0, t), :32] = 0.0
+    out = htp.Q8Rows(t, d)
+    out.data[:] = 0xA5  # poison
+    with mode(simd=simd):
+        got = htp.quantize_q8(x, out)
+    assert got is out
+    q, sc, sm = got.parts()
+    b = x.reshape(t, nb, 32)
+    amax = np.abs(b).max(axis=2) if t else np.zeros((0, nb), np.float32)
+    ref_d = (amax / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(ref_d != 0, np.float32(1.0) / ref_d, np.float32(0.0)).astype(np.float32)
+    ref_q = np.rint(b * inv[..., None]).astype(np.int64)
+    assert np.array_equal(sc, ref_d)
+    assert np.array_equal(q.reshape(t, nb, 32).astype(np.int64), ref_q)
+    assert np.array_equal(sm.astype(np.int64), ref_q.sum(axis=2))
+    if t:  # dequantized, the rows are what the int8 path sees
+        deq = q.reshape(t, nb, 32).astype(np.float64) * sc[..., None]
+        assert np.array_equal(deq.reshape(t, d).astype(np.float32), T.ref_q8_activations(x))
+        qmax = np.abs(q.reshape(t, nb, 32).astype(np.int64)).max(axis=2)
+        assert np.array_equal(qmax, np.where(amax > 0, 127, 0))  # every nonzero block reaches 127
+
+
+@pytest.mark.parametrize("simd", LEVELS)
+def test_expert_op_from_q8_rows_is_bit_identical(simd: str) -> None:
+    """The groups of a streamed layer: the input quantized once, then one expert op per group
+    of experts, each from the shared rows, gives the bits of each op quantizing x itself and
+    of one op over every expert; on 1 and 2 threads."""
+    rng = np.random.default_rng(8)
+    d, ff, n_exp, t, r = 96, 160, 6, 37, 140
+    tokens = rng.integers(0, t, r).astype(np.int32)
+    experts = rng.integers(0, n_exp, r).astype(np.int32)
+    weights = rng.uniform(0, 1, r).astype(np.float32)
+    (gate, up, down), planes, slots = _planes(rng, n_exp, d, ff, list(range(n_exp)))
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    # groups of 3 consecutive slots, routes in group order (as a streamed layer runs them):
+    # contributions then reach y in the order of one op over every slot
+    group = slots[experts] // 3
+    order = np.argsort(group, kind="stable")
+    tokens, experts, weights, group = tokens[order], experts[order], weights[order], group[order]
+    outs = []
+    for th in (1, 2):
+        with mode(simd=simd, act="q8", threads=th), htp.ExpertGraph(d, ff, 64, t) as g:
+            rows = htp.quantize_q8(x)
+            y_all = np.full((t, d), 0.5, np.float32)
+            _run(g, x, tokens, experts, weights, slots, planes, y_all)
+            for src in (x, rows):
+                y = np.full((t, d), 0.5, np.float32)
+                for grp in np.unique(group):
+                    sel = group == grp
+                    _run(g, src, tokens[sel], experts[sel], weights[sel], slots, planes, y)
+                outs.append(y)
+            assert np.array_equal(outs[-2], outs[-1])
+            assert np.array_equal(outs[-1], y_all)
+    assert np.array_equal(outs[0], outs[2])
+    emu = T.ref_expert_op(x, tokens, experts, weights, gate, up, down, ff, q8=True)
+    mag = T.ref_expert_op(x, tokens, experts, weights, gate, up, down, ff, magnitude=True)
+    assert T.rel_l2_floored(outs[-1] - 0.5, emu, mag, ff) <= Q8_EMU_TOL
+
+
+def test_q8_rows_errors() -> None:
+    rng = np.random.default_rng(4)
+    d, ff = 64, 64
+    _, planes, _ = _planes(rng, 2, d, ff, [0, 1])
+    x = rng.standard_normal((4, d)).astype(np.float32)
+    y = np.zeros((4, d), np.float32)
+    tok, exp, w = np.array([0, 3], np.int32), np.array([0, 1], np.int32), np.ones(2, np.float32)
+    slots = np.array([0, 1], np.int32)
+    with pytest.raises(htp.HTPInputError, match="multiple of 32"):
+        htp.quantize_q8(np.zeros((2, 40), np.float32))
+    with pytest.raises(htp.HTPInputError, match="multiple of 32"):
+        htp.Q8Rows(2, 40)
+    with pytest.raises(htp.HTPInputError, match="holds 5 rows of 64"):
+        htp.quantize_q8(x, htp.Q8Rows(5, d))
+    with pytest.raises(htp.HTPInputError, match="must be a Q8Rows"):
+        htp.quantize_q8(x, np.zeros(320, np.uint8))  # type: ignore[arg-type]
+    rows = htp.quantize_q8(x)
+    with htp.ExpertGraph(d, ff, 8, 4) as g:
+        with mode(act="f32"), pytest.raises(htp.HTPInputError, match="needs act='q8'"):
+            _run(g, rows, tok, exp, w, slots, planes, y)
+        with mode(act="q8"):
+            with pytest.raises(htp.HTPInputError, match="d_model=64"):
+                _run(
+                    g, htp.quantize_q8(np.zeros((4, 32), np.float32)), tok, exp, w, slots, planes, y
+                )
+            with pytest.raises(htp.HTPInputError, match="tokens must be in"):
+                _run(g, htp.quantize_q8(x[:3]), tok, exp, w, slots, planes, y[:3])
+    assert htp.q8_rows_nbytes(4, d) == rows.data.nbytes == 4 * (64 + 16)

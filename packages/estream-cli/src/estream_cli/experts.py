@@ -281,6 +281,7 @@ class StreamedExperts:
         self._remote = self.graph.backend.kind != "host"
         self._buffers: list[int] = []
         self._routes = _RouteBuffers(self.graph.backend)
+        self._rows: htp.Q8Rows | None = None  # the layer input, quantized once (q8 products)
         try:
             if self._remote:
                 for j in range(3):
@@ -372,8 +373,9 @@ class StreamedExperts:
                 self.loader.drop(int(k) for k in unrouted)
         elif self.schedule == "after-routing":
             self.loader.submit([self._request(layer, int(k)) for k in routed])
+        xs = self._shared_input(x)
         if self._remote:
-            self._run_submitted(layer, x, y, tokens, experts, w, counts, starts, routed)
+            self._run_submitted(layer, xs, y, tokens, experts, w, counts, starts, routed)
             return
         slot_of_expert = self._slot_of_expert
         for k in routed:
@@ -390,7 +392,7 @@ class StreamedExperts:
                 slot_of_expert[members] = np.asarray(bank.slots, dtype=np.int32)
                 sl = slice(int(starts[k]), int(starts[k + 1]))
                 self.graph.run(
-                    x,
+                    xs,
                     tokens[sl],
                     experts[sl],
                     w[sl],
@@ -404,6 +406,18 @@ class StreamedExperts:
                 self.loader.release(bank)
             self._record(GroupRecord(layer.index, k, int(counts[k]), t_wait, t0, t1))
 
+    def _shared_input(self, x: np.ndarray) -> np.ndarray | htp.Q8Rows:
+        """With int8 products, ``x`` quantized once for every group's op of the layer (the
+        same bits as each op quantizing it); the rows' buffer is kept between layers."""
+        be = self.graph.backend
+        if be.act != "q8":
+            return x
+        t, d = x.shape
+        if self._rows is None or (self._rows.t, self._rows.d) != (t, d):
+            self._rows = None  # the old buffer goes before the new one is allocated
+            self._rows = htp.Q8Rows(t, d, backend=be)
+        return htp.quantize_q8(x, self._rows, backend=be)
+
     def _record(self, rec: GroupRecord) -> None:
         self.records.append(rec)
         if self.on_group is not None:
@@ -412,7 +426,7 @@ class StreamedExperts:
     def _run_submitted(
         self,
         layer: ExpertLayer,
-        x: np.ndarray,
+        x: np.ndarray | htp.Q8Rows,
         y: np.ndarray,
         tokens: np.ndarray,
         experts: np.ndarray,
@@ -423,7 +437,7 @@ class StreamedExperts:
     ) -> None:
         """Submit each routed group's op; its bank is released at the op's completion fence."""
         rb = self._routes
-        xs = rb.activation("x", x)
+        xs = x if isinstance(x, htp.Q8Rows) else rb.activation("x", x)
         ts, es, ws = rb.put("t", tokens), rb.put("e", experts), rb.put("w", w)
         # y in registered memory (the activation pool): the ops accumulate into it in place
         direct = rb.registered(y)

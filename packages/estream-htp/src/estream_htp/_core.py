@@ -46,6 +46,7 @@ __all__ = [
     "HTPInputError",
     "HTPTimeoutError",
     "HTPUnsupportedError",
+    "Q8Rows",
     "add",
     "attention",
     "conv1d_causal",
@@ -59,6 +60,8 @@ __all__ = [
     "matmul_f32",
     "moe_ffn",
     "mul",
+    "q8_rows_nbytes",
+    "quantize_q8",
     "rms_norm",
     "rms_norm_heads",
     "rope",
@@ -305,6 +308,61 @@ def gemm_shared(
     return ys
 
 
+# ---------------------------------------------------------------- shared Q8 rows
+class Q8Rows:
+    """``t`` rows of an fp32 ``x[t, d]`` quantized once by `quantize_q8`, as the Q8 GEMM and
+    expert op quantize them (per 32-element block: int8 values, an fp32 scale, the int32 sum),
+    for several expert ops on the same input: the groups of a streamed layer. ``data`` holds
+    ``t * (d + d // 4)`` bytes: ``[t][d]`` int8, ``[t][d/32]`` fp32, ``[t][d/32]`` int32."""
+
+    __slots__ = ("d", "data", "t")
+
+    def __init__(self, t: int, d: int, *, backend: Backend | None = None) -> None:
+        self.t, self.d = _u32(t, "t"), _u32(d, "d", 1)
+        if self.d % 32:
+            raise HTPInputError(f"d must be a multiple of 32, got {d}")
+        n = q8_rows_nbytes(self.t, self.d)
+        be = _be(backend)
+        # in shared memory on an executor backend, so that queued ops read it in place
+        self.data = np.empty(n, np.uint8) if be.kind == "host" else be.empty(n, np.uint8)
+
+    def parts(self) -> tuple[npt.NDArray[np.int8], F32, I32]:
+        """Views of the values ``[t, d]``, scales ``[t, d/32]`` and block sums ``[t, d/32]``."""
+        t, d, db = self.t, self.d, self.d // 32
+        q = self.data[: t * d].view(np.int8).reshape(t, d)
+        sc = self.data[t * d : t * d + t * db * 4].view(np.float32).reshape(t, db)
+        sm = self.data[t * d + t * db * 4 :].view(np.int32).reshape(t, db)
+        return q, sc, sm
+
+
+def q8_rows_nbytes(t: int, d: int) -> int:
+    """Bytes of `Q8Rows` for ``t`` rows of ``d`` values."""
+    return int(t) * (int(d) + int(d) // 4)
+
+
+def quantize_q8(x: F32, out: Q8Rows | None = None, *, backend: Backend | None = None) -> Q8Rows:
+    """``x[t, d]`` (``d`` a multiple of 32) quantized once into `Q8Rows` (``out`` when given:
+    the same ``t`` and ``d``, reused between layers), for `ExpertGraph.run` with ``act="q8"``."""
+    x = _arr(x, "x", np.float32, 2)
+    t, d = x.shape
+    if d == 0 or d % 32:
+        raise HTPInputError(f"x.shape[1] must be a positive multiple of 32, got {d}")
+    be = _be(backend)
+    if out is None:
+        out = Q8Rows(t, d, backend=be)
+    elif not isinstance(out, Q8Rows):
+        raise HTPInputError(f"out must be a Q8Rows, got {type(out).__name__}")
+    elif (out.t, out.d) != (t, d):
+        raise HTPInputError(f"out holds {out.t} rows of {out.d}, x is {t} x {d}")
+    if t:
+        c = be.call(lib.HTP_OP_QUANTIZE)
+        c.what = "quantize_q8"
+        c.p.quantize.t, c.p.quantize.d = t, d
+        c.ref(x).ref(out.data, "w")
+        be.run(c)
+    return out
+
+
 # ---------------------------------------------------------------- expert op
 class ExpertGraph:
     """The fused routed-expert op for ``d_model``/``d_ff``, cut into passes of ``capacity``
@@ -352,7 +410,7 @@ class ExpertGraph:
 
     def run(
         self,
-        x: F32,
+        x: F32 | Q8Rows,
         tokens: I32,
         experts: I32,
         weights: F32,
@@ -368,14 +426,15 @@ class ExpertGraph:
         ``planes``: addresses (in this process) of slot 0 of the gate/up/down planes, inside
         memory registered with the backend (host backends also take unregistered memory);
         ``strides``: bytes between slots of each plane; expert ``e`` lives in slot
-        ``slot_of_expert[e]``."""
+        ``slot_of_expert[e]``. ``x`` may be `Q8Rows` (`quantize_q8`) with ``act="q8"``: the
+        same bits as from the fp32 rows, quantized once for every op on that input."""
         c = self._call(x, tokens, experts, weights, slot_of_expert, planes, strides, y, act)
         if c is not None:
             self.backend.run(c)
 
     def submit(
         self,
-        x: F32,
+        x: F32 | Q8Rows,
         tokens: I32,
         experts: I32,
         weights: F32,
@@ -405,7 +464,7 @@ class ExpertGraph:
 
     def _call(
         self,
-        x: F32,
+        x: F32 | Q8Rows,
         tokens: I32,
         experts: I32,
         weights: F32,
@@ -417,8 +476,14 @@ class ExpertGraph:
     ) -> Any:
         if self._closed:
             raise HTPInputError("ExpertGraph is closed")
-        x = _arr(x, "x", np.float32, 2)
-        t, d = x.shape
+        rows = isinstance(x, Q8Rows)
+        if rows:
+            t, d = x.t, x.d
+            if _act(act, self.backend) != "q8":
+                raise HTPInputError("x given as Q8Rows needs act='q8' (quantized products)")
+        else:
+            x = _arr(x, "x", np.float32, 2)
+            t, d = x.shape
         if d != self.d_model:
             raise HTPInputError(f"x.shape[1] must be d_model={self.d_model}, got {d}")
         if t > self.t_max:
@@ -470,8 +535,9 @@ class ExpertGraph:
         p = c.p.expert
         p.d_model, p.d_ff, p.n_tokens, p.n_routes, p.n_experts = d, self.d_ff, t, r, e
         p.capacity, p.format = self.capacity, lib.HTP_FMT_Q4_0_T32R4
+        p.x_q8 = int(rows)
         p.slot_stride = strides_i
-        c.ref(x).ref(tokens).ref(experts).ref(weights).ref(slot_of_expert)
+        c.ref(x.data if rows else x).ref(tokens).ref(experts).ref(weights).ref(slot_of_expert)
         for j in range(3):
             c.ref_address(planes_i[j], max_slot * strides_i[j] + self._need[j])
         c.ref(y, "rw")

@@ -1,0 +1,146 @@
+"""EStream's prefill tokens/s against a llama.cpp-family `llama-bench` on the same GGUF, in turns.
+
+Any build of `llama-bench` works: mainline llama.cpp, or ik_llama.cpp (the fastest CPU fork
+for MoE prefill that we know of: fused MoE kernels, row-interleaved quant layouts with
+``-rtr 1``). Nothing is downloaded: build it yourself and pass its path. Both sides get the
+weights in memory before the timed pass (llama-bench: its warm-up run over an mmap'd file;
+EStream: a warm-up prefill in the same process, ``resident`` mode), so this compares
+compute, not loading; ``stream`` mode reads the experts from storage in every pass (O_DIRECT).
+
+Runs ``--rounds`` rounds; in each, every side once, in an order that rotates between rounds,
+and prints medians of tokens/s and of the per-round ratios (EStream ÷ llama-bench) with their
+range. Writes bench-results/vs_llama_bench.json.
+
+    python integration/bench/vs_llama_bench.py MODEL.gguf --llama-bench /path/to/llama-bench \\
+        [--pack MODEL.estream] [--tokens 1024] [--rounds 3] [--threads 2] \\
+        [--modes resident,stream] [--llama-args "-rtr 1"]
+
+The GGUF must be one that both run: ik_llama.cpp has no ``olmoe`` architecture, so for
+OLMoE's shapes synthesize ``estream synth --arch qwen3moe --preset olmoe-1b-7b``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_CHILD = r"""
+import json, resource, sys
+import numpy as np
+from estream_cli.engine import Engine
+spec = json.loads(sys.argv[1])
+rng = np.random.default_rng(0)
+with Engine(spec["model"], mode=spec["mode"], n_threads=spec["threads"]) as e:
+    ids = rng.integers(0, e.hp.n_vocab, spec["tokens"])
+    e.prefill(ids)  # warm-up: the same length, as llama-bench's warm-up run
+    res = e.prefill(ids)
+print(json.dumps({"ttft_s": res.metrics["ttft_s"], "peak_rss_mib": res.metrics["peak_rss_bytes"] / 2**20}))
+"""
+
+
+def run_estream(pack: Path, mode: str, tokens: int, threads: int) -> dict:
+    spec = {"model": str(pack), "mode": mode, "tokens": tokens, "threads": threads}
+    p = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(spec)], capture_output=True, text=True
+    )
+    if p.returncode != 0:
+        raise SystemExit(f"estream {mode} failed:\n{p.stderr[-4000:]}")
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out["tokens_per_s"] = tokens / out["ttft_s"]
+    return out
+
+
+def run_llama_bench(exe: str, gguf: Path, tokens: int, threads: int, extra: list[str]) -> dict:
+    cmd = [exe, "-m", str(gguf), "-p", str(tokens), "-n", "0", "-t", str(threads), "-r", "1"]
+    cmd += ["-o", "json", *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"{shlex.join(cmd)} failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    start = p.stdout.find("[")
+    if start < 0:
+        raise SystemExit(f"{shlex.join(cmd)} printed no JSON:\n{p.stdout[-2000:]}")
+    rows = [r for r in json.loads(p.stdout[start:]) if int(r.get("n_prompt", 0)) == tokens]
+    if not rows:
+        raise SystemExit(f"{shlex.join(cmd)}: no pp{tokens} result in its output")
+    return {"tokens_per_s": float(rows[0]["avg_ts"]), "ttft_s": float(rows[0]["avg_ns"]) / 1e9}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("gguf", type=Path)
+    ap.add_argument("--llama-bench", default=os.environ.get("ESTREAM_LLAMA_BENCH"),
+                    help="path of a llama-bench executable (or $ESTREAM_LLAMA_BENCH)")  # fmt: skip
+    ap.add_argument("--pack", type=Path, help="EStream pack of the GGUF (default: GGUF.estream, "
+                    "packed first if missing)")  # fmt: skip
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--modes", default="resident,stream")
+    ap.add_argument("--llama-args", default="", help="extra llama-bench arguments, e.g. '-rtr 1'")
+    args = ap.parse_args()
+    if not args.llama_bench:
+        ap.error("--llama-bench (or $ESTREAM_LLAMA_BENCH) is required: build llama-bench first")
+    if not args.gguf.is_file():
+        ap.error(f"{args.gguf}: no such file")
+    modes = [m for m in args.modes.split(",") if m]
+    if any(m not in ("resident", "stream") for m in modes):
+        ap.error(f"--modes: resident and/or stream, got {args.modes!r}")
+    pack = args.pack or args.gguf.with_suffix(".estream")
+    if not (pack / "manifest.json").exists():
+        print(f"packing {pack} …", flush=True)
+        subprocess.run([sys.executable, "-m", "estream_cli.main", "pack", str(args.gguf), "-o",
+                        str(pack)], check=True)  # fmt: skip
+    extra = shlex.split(args.llama_args)
+    label = "llama-bench" + (f" {args.llama_args}" if extra else "")
+    sides = [label, *modes]
+    runs: dict[str, list[dict]] = {s: [] for s in sides}
+    load = [os.getloadavg()[0]]
+    for i in range(args.rounds):
+        order = sides[i % len(sides) :] + sides[: i % len(sides)]
+        for s in order:
+            t0 = time.perf_counter()
+            if s == label:
+                r = run_llama_bench(args.llama_bench, args.gguf, args.tokens, args.threads, extra)
+            else:
+                r = run_estream(pack, s, args.tokens, args.threads)
+            r["process_wall_s"] = time.perf_counter() - t0
+            runs[s].append(r)
+            print(f"  round {i + 1} {s:24s} {r['tokens_per_s']:8.1f} tokens/s", flush=True)
+        load.append(os.getloadavg()[0])
+    print(f"{args.rounds} rounds, {args.tokens} tokens, {args.threads} threads, {args.gguf.name}")
+    summary: dict[str, dict] = {}
+    base = [r["tokens_per_s"] for r in runs[label]]
+    for s in sides:
+        tps = [r["tokens_per_s"] for r in runs[s]]
+        summary[s] = {"tokens_per_s_median": statistics.median(tps), "tokens_per_s": tps}
+        line = f"  {s:24s} {statistics.median(tps):8.1f} tokens/s"
+        if s != label:
+            ratios = [a / b for a, b in zip(tps, base, strict=True)]
+            summary[s]["over_llama_bench_median"] = statistics.median(ratios)
+            summary[s]["over_llama_bench_range"] = [min(ratios), max(ratios)]
+            line += f"   ÷ llama-bench {statistics.median(ratios):.3f} ({min(ratios):.3f}..{max(ratios):.3f})"
+        print(line)
+    print(f"  load average (1 min) during the run: {min(load):.1f}..{max(load):.1f}")
+    out = ROOT / "bench-results"
+    out.mkdir(exist_ok=True)
+    doc = {
+        "gguf": str(args.gguf), "pack": str(pack), "llama_bench": args.llama_bench,
+        "llama_args": args.llama_args, "tokens": args.tokens, "threads": args.threads,
+        "summary": summary, "runs": runs, "load_average": load,
+    }  # fmt: skip
+    tmp = out / "vs_llama_bench.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=2))
+    tmp.replace(out / "vs_llama_bench.json")
+
+
+if __name__ == "__main__":
+    main()
