@@ -279,17 +279,24 @@ def test_first_moe_layer_is_read_while_the_model_loads(packed):
 
 
 @pytest.mark.parametrize("backend", ["host", "host-process"])
-def test_streamed_layer_input_is_quantized_once_for_all_its_groups(packed, backend, monkeypatch):
-    """With int8 products a streamed MoE layer quantizes its input once (`htp.quantize_q8`)
-    and every group's expert op reads those rows: one quantization per MoE layer, every op
-    given the shared rows, and logits bit-identical to each group quantizing its tokens."""
+@pytest.mark.parametrize("mode", ["stream", "resident"])
+def test_moe_layer_input_is_quantized_once_for_all_its_consumers(
+    packed, mode, backend, monkeypatch
+):
+    """With int8 products an MoE layer quantizes its input once (`htp.quantize_q8`) and every
+    op that reads it gets those rows: each group's expert op (stream), the one expert op
+    (resident), the shared experts' gate/up (deepseek2). One quantization per MoE layer, and
+    logits bit-identical to every op quantizing its input itself."""
     import estream_htp as htp
     from estream_cli import experts as ex
+    from estream_cli.models import ops as ops_mod
 
-    _, _, dst = packed
+    arch, _, dst = packed
     calls: list[int] = []
     inputs: list[str] = []
+    gemm_rows: list[int] = []
     real_q, real_run, real_submit = htp.quantize_q8, htp.ExpertGraph.run, htp.ExpertGraph.submit
+    real_gemm_shared = htp.gemm_shared
 
     def quantize(x, out=None, **kw):
         calls.append(x.shape[0])
@@ -303,21 +310,29 @@ def test_streamed_layer_input_is_quantized_once_for_all_its_groups(packed, backe
         inputs.append(type(x).__name__)
         return real_submit(self, x, *a, **kw)
 
+    def gemm_shared(x, *a, **kw):
+        if isinstance(x, htp.Q8Rows):
+            gemm_rows.append(x.t)
+        return real_gemm_shared(x, *a, **kw)
+
     monkeypatch.setattr(htp, "quantize_q8", quantize)
+    monkeypatch.setattr(htp, "gemm_shared", gemm_shared)
     monkeypatch.setattr(htp.ExpertGraph, "run", run)
     monkeypatch.setattr(htp.ExpertGraph, "submit", submit)
-    toks = _tokens(50, 43, seed=9)
-    with estream.load(dst, G=2, Q=2, B=3, backend=backend) as eng:
+    kw = {"mode": "stream", "G": 2, "Q": 2, "B": 3} if mode == "stream" else {"mode": mode}
+    with estream.load(dst, backend=backend, **kw) as eng:
         assert eng.act == "q8"
-        toks = toks % eng.hp.n_vocab
+        toks = _tokens(eng.hp.n_vocab, 43, seed=9)
         shared = eng.prefill(toks, all_logits=True)
     n_moe = len({r.layer for r in shared.records})
     assert calls == [len(toks)] * n_moe
     assert inputs and set(inputs) == {"Q8Rows"}
     assert len(inputs) == len(shared.records)  # one op per routed group, each on shared rows
-    calls.clear(), inputs.clear()
+    assert gemm_rows == ([len(toks)] * n_moe if arch == "deepseek2" else [])
+    calls.clear(), inputs.clear(), gemm_rows.clear()
+    monkeypatch.setattr(ops_mod.Ops, "quantize_input", lambda self, h: None)
     monkeypatch.setattr(ex.StreamedExperts, "_shared_input", lambda self, x: x)
-    with estream.load(dst, G=2, Q=2, B=3, backend=backend) as eng:
+    with estream.load(dst, backend=backend, **kw) as eng:
         own = eng.prefill(toks, all_logits=True)
-    assert calls == [] and set(inputs) == {"ndarray"}
+    assert calls == [] and gemm_rows == [] and set(inputs) == {"ndarray"}
     assert np.array_equal(shared.logits, own.logits)

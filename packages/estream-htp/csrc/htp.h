@@ -166,6 +166,8 @@ typedef struct htp_gemm_params {
     uint32_t n, k, t, ldx, ldy;
     uint32_t n_more; /* 0, 1 or 2 further matrices */
     uint32_t n_b, n_c;
+    uint32_t x_q8; /* appended (0: x is fp32 [t][ldx]); 1: x is t Q8 rows of k values
+                      (HTP_OP_QUANTIZE's output; act Q8, ldx = k): an input quantized once */
 } htp_gemm_params;
 
 typedef struct htp_expert_params {

@@ -408,10 +408,14 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
         if (p->k == 0 || p->k % 32 || p->n == 0 || p->ldx < p->k || p->ldy < p->n) return HTP_E_INVALID;
         if ((p->n_more < 1 && p->n_b) || (p->n_more < 2 && p->n_c)) return HTP_E_BAD_OP;
         if ((p->n_more >= 1 && !p->n_b) || (p->n_more >= 2 && !p->n_c)) return HTP_E_INVALID;
-        const float *x;
+        if (p->x_q8 > 1) return HTP_E_BAD_OP;
+        if (p->x_q8 && (op->act != HTP_ACT_Q8 || p->ldx != p->k)) return HTP_E_INVALID;
+        const float *x = NULL;
+        const uint8_t *xr = NULL;
         htp_gemm_mat m[3];
         GET(0, htp_matrix_bytes(p->format, p->n, p->k), RD, 1, m[0].w);
-        GET(1, nbytes3(p->t, p->ldx, 4), RD, 4, x);
+        if (p->x_q8) GET(1, q8_rows_bytes(p->t, p->k), RD, 4, xr);
+        else GET(1, nbytes3(p->t, p->ldx, 4), RD, 4, x);
         GET(2, nbytes3(p->t, p->ldy, 4), WR, 4, m[0].y);
         m[0].n = p->n, m[0].ldy = p->ldy;
         const uint32_t more[2] = {p->n_b, p->n_c};
@@ -420,7 +424,9 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
             GET(4 + 2 * i, nbytes3(p->t, more[i], 4), WR, 4, m[1 + i].y);
             m[1 + i].n = more[i], m[1 + i].ldy = more[i];
         }
-        return htp_exec_gemm(&b->ex, m, 1 + p->n_more, p->format, p->k, x, p->t, p->ldx, op->act);
+        const htp_act_q8 rows = xr ? htp_q8_rows(xr, p->t, p->k) : (htp_act_q8){NULL, NULL, NULL};
+        return htp_exec_gemm(&b->ex, m, 1 + p->n_more, p->format, p->k, x, p->t, p->ldx, op->act,
+                             xr ? &rows : NULL);
     }
     case HTP_OP_EXPERT: return exec_expert(b, op);
     case HTP_OP_GET_ROWS: return exec_get_rows(b, op);

@@ -158,6 +158,7 @@ typedef struct gemm_ctx {
     float *qd;
     int32_t *qs;
     int use_q8;
+    int quantize; /* q8: quantize x first (0: the caller's Q8 rows) */
     uint32_t next; /* the next (token chunk, tile block) item (htp_next) */
 } gemm_ctx;
 
@@ -174,7 +175,7 @@ static uint32_t htp_gemm_token_chunk(uint32_t k) {
 static void gemm_task(void *arg, uint32_t ith, uint32_t nth) {
     gemm_ctx *c = (gemm_ctx *)arg;
     const uint32_t kb = c->k / 32;
-    if (c->use_q8) {
+    if (c->quantize) {
         uint32_t b, e;
         htp_split(c->t, ith, nth, &b, &e);
         for (uint32_t i = b; i < e; i++)
@@ -212,12 +213,16 @@ static void gemm_task(void *arg, uint32_t ith, uint32_t nth) {
 }
 
 htp_status htp_exec_gemm(htp_exec *e, const htp_gemm_mat *mats, uint32_t n_mats, uint32_t fmt,
-                         uint32_t k, const float *x, uint32_t t, uint32_t ldx, uint32_t act) {
+                         uint32_t k, const float *x, uint32_t t, uint32_t ldx, uint32_t act,
+                         const htp_act_q8 *xq) {
     if (t == 0) return HTP_OK;
-    gemm_ctx c = {e->isa, e->pool, mats, n_mats, fmt, k, t, ldx, 0, x, NULL, NULL, NULL, act == HTP_ACT_Q8, 0};
+    gemm_ctx c = {e->isa, e->pool, mats, n_mats, fmt, k, t, ldx, 0, x, NULL, NULL, NULL, act == HTP_ACT_Q8, 0, 0};
     for (uint32_t i = 0; i < n_mats; i++) c.tiles += (mats[i].n + 31) / 32;
     void *buf = NULL;
-    if (c.use_q8) {
+    if (c.use_q8 && xq) { /* quantized by the caller, once for every op on this input */
+        c.q = (int8_t *)xq->q, c.qd = (float *)xq->d, c.qs = (int32_t *)xq->s;
+    } else if (c.use_q8) {
+        c.quantize = 1;
         /* the backend's shared per-op buffer (kept between calls: no page faults per GEMM) */
         const size_t kb = k / 32;
         buf = htp_scratch(e->pool, 0, 3, (size_t)t * k + (size_t)t * kb * 8 + 64);

@@ -193,11 +193,9 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
             float *gi = tg + (size_t)i * ncol;
             const float *ui = tu + (size_t)i * ncol;
             isa->swiglu(gi, ui, ncol, gi);
-            if (c->q8) {
-                for (uint32_t blk = 0; blk < e - b; blk++) {
-                    const size_t o = (size_t)(rec + i) * fb + b + blk;
-                    isa->quantize_row_q8(gi + blk * 32, 32, g->hq + o * 32, g->hd + o, g->hs + o);
-                }
+            if (c->q8) { /* the item's blocks of this route's h are contiguous: one call */
+                const size_t o = (size_t)(rec + i) * fb + b;
+                isa->quantize_row_q8(gi, ncol, g->hq + o * 32, g->hd + o, g->hs + o);
             } else {
                 memcpy(g->h + (size_t)(rec + i) * ff + (size_t)b * 32, gi, (size_t)ncol * 4);
             }

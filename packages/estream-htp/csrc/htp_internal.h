@@ -256,7 +256,8 @@ typedef struct htp_gemm_mat {
 
 /* y_i = x . W_i^T for n_mats (1..3) matrices of one format sharing x (quantized once). */
 htp_status htp_exec_gemm(htp_exec *e, const htp_gemm_mat *mats, uint32_t n_mats, uint32_t fmt,
-                         uint32_t k, const float *x, uint32_t t, uint32_t ldx, uint32_t act);
+                         uint32_t k, const float *x, uint32_t t, uint32_t ldx, uint32_t act,
+                         const htp_act_q8 *xq);
 htp_status htp_exec_expert(htp_exec *e, const htp_expert_params *p, uint32_t act,
                            const float *x, const int32_t *tokens, const int32_t *experts,
                            const float *weights, const int32_t *slot_of_expert,

@@ -126,8 +126,9 @@ def test_gemm_rejects_bad_inputs() -> None:
 )
 def test_gemm_shared_is_each_gemm_alone(simd, act, t, ns, kb, fmt, seed) -> None:
     """Up to three matrices sharing one input in one op: every output is bit-identical to the
-    one-matrix GEMM of its matrix (one quantization of X serves all), and right against
-    float64; the partition over threads spans all matrices' tiles as one range."""
+    one-matrix GEMM of its matrix (one quantization of X serves all) and, with int8 products,
+    to the op reading X quantized beforehand (`quantize_q8`); right against float64; the
+    partition over threads spans all matrices' tiles as one range."""
     rng = np.random.default_rng(seed)
     k = 32 * kb
     x = (rng.standard_normal((t, k)) * rng.uniform(0.1, 10)).astype(np.float32)
@@ -138,6 +139,12 @@ def test_gemm_shared_is_each_gemm_alone(simd, act, t, ns, kb, fmt, seed) -> None
         with mode(simd=simd, act=act, threads=threads):
             ys = htp.gemm_shared(x, mats, fmt, [o.copy() for o in outs])
             alone = [htp.gemm(x, w, n, fmt, out=o.copy()) for (w, n), o in zip(mats, outs)]
+            if act == "q8":  # from the input quantized once beforehand: the same bits
+                rows = htp.quantize_q8(x)
+                from_rows = htp.gemm_shared(rows, mats, fmt, [o.copy() for o in outs])
+                for y, r in zip(ys, from_rows, strict=True):
+                    assert np.array_equal(y, r)
+                assert np.array_equal(htp.gemm(rows, *mats[0], fmt), ys[0])
         for y, a in zip(ys, alone, strict=True):
             assert np.array_equal(y, a)
     xr = x if act == "f32" else T.ref_q8_activations(x)
@@ -158,3 +165,31 @@ def test_gemm_shared_rejects_bad_inputs() -> None:
         htp.gemm_shared(x, [(buf, 40), (buf, 40)], outs=[np.empty((4, 40), np.float32)])
     with pytest.raises(htp.HTPInputError, match=r"outs\[1\] must have shape \(4, 8\)"):
         htp.gemm_shared(x, [(buf, 40), (buf, 8)], outs=[np.empty((4, 40), np.float32)] * 2)
+
+
+def test_gemm_from_q8_rows_rejects_bad_inputs() -> None:
+    x, buf = _case(4, 40, 2, 0, "q4_0-t32r4")
+    rows = htp.quantize_q8(x)
+    with mode(act="f32"), pytest.raises(htp.HTPInputError, match="needs act='q8'"):
+        htp.gemm(rows, buf, 40)
+    with mode(act="q8"):
+        with pytest.raises(htp.HTPInputError, match=r"holds .* needs"):  # K=96 from the rows
+            htp.gemm(htp.quantize_q8(np.zeros((4, 96), np.float32)), buf, 40)
+        with pytest.raises(htp.HTPInputError, match=r"out must have shape \(4, 40\)"):
+            htp.gemm(rows, buf, 40, out=np.empty((3, 40), np.float32))
+        # a descriptor claiming fp32 products for Q8 rows is refused by the C validator
+        be = htp.default_backend()
+        c = be.call(htp._core.lib.HTP_OP_GEMM, "f32")
+        p = c.p.gemm
+        p.format, p.n, p.k, p.t, p.ldx, p.ldy, p.x_q8 = (
+            htp._core._FMT["q4_0-t32r4"],
+            40,
+            64,
+            4,
+            64,
+            40,
+            1,
+        )
+        c.ref(buf).ref(rows.data).ref(np.empty((4, 40), np.float32), "w")
+        with pytest.raises(htp.HTPInputError, match="kernel rejected"):
+            be.run(c)

@@ -111,9 +111,15 @@ class ExpertSource(Protocol):
     def begin_layer(self, layer: ExpertLayer) -> None: ...
 
     def run_layer(
-        self, layer: ExpertLayer, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, y: np.ndarray
+        self,
+        layer: ExpertLayer,
+        x: np.ndarray | htp.Q8Rows,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        y: np.ndarray,
     ) -> None:
-        """Add ``Σ_k weights[t, k] · expert_{ids[t, k]}(x[t])`` to ``y[t]`` for every token."""
+        """Add ``Σ_k weights[t, k] · expert_{ids[t, k]}(x[t])`` to ``y[t]`` for every token;
+        ``x`` may be given quantized (`htp.Q8Rows`, int8 products)."""
         ...
 
     def end_layer(self) -> None: ...
@@ -195,7 +201,12 @@ class ResidentExperts:
         pass
 
     def run_layer(
-        self, layer: ExpertLayer, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, y: np.ndarray
+        self,
+        layer: ExpertLayer,
+        x: np.ndarray | htp.Q8Rows,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        y: np.ndarray,
     ) -> None:
         tokens, experts, w = flatten_routes(ids, weights)
         ext = layer.plane_extents
@@ -207,7 +218,8 @@ class ResidentExperts:
         if rb is not None:  # an executor: pass everything by reference, stage nothing
             tokens, experts = rb.put("t", tokens), rb.put("e", experts)
             w, slots = rb.put("w", w), rb.put("slots", slots)
-            x = rb.activation("x", x)
+            if not isinstance(x, htp.Q8Rows):  # Q8 rows are in shared memory already
+                x = rb.activation("x", x)
             if not rb.registered(y):
                 ys = rb.put("y", y)
                 self.graph.run(x, tokens, experts, w, slots, planes, strides, ys)
@@ -356,7 +368,12 @@ class StreamedExperts:
             self._start_layer(layer)
 
     def run_layer(
-        self, layer: ExpertLayer, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, y: np.ndarray
+        self,
+        layer: ExpertLayer,
+        x: np.ndarray | htp.Q8Rows,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        y: np.ndarray,
     ) -> None:
         assert self._layer is layer, "begin_layer() must be called first"
         tokens, experts, w = flatten_routes(ids, weights)
@@ -406,11 +423,12 @@ class StreamedExperts:
                 self.loader.release(bank)
             self._record(GroupRecord(layer.index, k, int(counts[k]), t_wait, t0, t1))
 
-    def _shared_input(self, x: np.ndarray) -> np.ndarray | htp.Q8Rows:
+    def _shared_input(self, x: np.ndarray | htp.Q8Rows) -> np.ndarray | htp.Q8Rows:
         """With int8 products, ``x`` quantized once for every group's op of the layer (the
-        same bits as each op quantizing it); the rows' buffer is kept between layers."""
+        same bits as each op quantizing it), unless the caller did (`Ops.quantize_input`);
+        the rows' buffer is kept between layers."""
         be = self.graph.backend
-        if be.act != "q8":
+        if be.act != "q8" or isinstance(x, htp.Q8Rows):  # not quantized / quantized already
             return x
         t, d = x.shape
         if self._rows is None or (self._rows.t, self._rows.d) != (t, d):

@@ -236,7 +236,7 @@ def _init_from_env() -> None:
 
 # ---------------------------------------------------------------- GEMM
 def gemm(
-    x: F32,
+    x: F32 | Q8Rows,
     w: Any,
     n: int,
     fmt: str = "q4_0-t32r4",
@@ -245,7 +245,8 @@ def gemm(
     act: str | None = None,
     backend: Backend | None = None,
 ) -> F32:
-    """``Y[T, N] = X[T, K] · Wᵀ`` with ``W[N][K]`` in a tile format (flat uint8 buffer)."""
+    """``Y[T, N] = X[T, K] · Wᵀ`` with ``W[N][K]`` in a tile format (flat uint8 buffer).
+    ``x`` may be `Q8Rows` (`quantize_q8`) with ``act="q8"``: the same bits as from the rows."""
     (y,) = gemm_shared(x, [(w, n)], fmt, None if out is None else [out], act=act, backend=backend)
     return y
 
@@ -255,7 +256,7 @@ GEMM_MAX_MATRICES = 3
 
 
 def gemm_shared(
-    x: F32,
+    x: F32 | Q8Rows,
     mats: Sequence[tuple[Any, int]],
     fmt: str = "q4_0-t32r4",
     outs: Sequence[F32 | None] | None = None,
@@ -265,9 +266,16 @@ def gemm_shared(
 ) -> list[F32]:
     """``Y_i[T, N_i] = X[T, K] · W_iᵀ`` for up to three matrices ``(W_i, N_i)`` of one tile
     format that share the input (q/k/v, gate/up): one op, ``X`` quantized once, each ``Y_i``
-    bit-identical to `gemm` of its matrix alone."""
-    x = _arr(x, "x", np.float32, 2)
-    t, k = x.shape
+    bit-identical to `gemm` of its matrix alone. ``x`` may be `Q8Rows` with ``act="q8"``."""
+    be = _be(backend)
+    rows = isinstance(x, Q8Rows)
+    if rows:
+        t, k = x.t, x.d
+        if _act(act, be) != "q8":
+            raise HTPInputError("x given as Q8Rows needs act='q8' (quantized products)")
+    else:
+        x = _arr(x, "x", np.float32, 2)
+        t, k = x.shape
     if fmt not in TILE_FORMATS:
         raise HTPInputError(f"fmt must be one of {sorted(TILE_FORMATS)}, got {fmt!r}")
     if k == 0 or k % 32:
@@ -290,7 +298,6 @@ def gemm_shared(
         ns.append(n)
         oname = "out" if len(mats) == 1 else f"outs[{i}]"
         ys.append(_out(None if outs is None else outs[i], (t, n), oname))
-    be = _be(backend)
     if t:
         c = be.call(lib.HTP_OP_GEMM, _act(act, be))
         c.what = "gemm"
@@ -301,7 +308,8 @@ def gemm_shared(
             p.n_b = ns[1]
         if len(mats) > 2:
             p.n_c = ns[2]
-        c.ref(ws[0]).ref(x).ref(ys[0], "w")
+        p.x_q8 = int(rows)
+        c.ref(ws[0]).ref(x.data if rows else x).ref(ys[0], "w")
         for wb, y in zip(ws[1:], ys[1:], strict=True):
             c.ref(wb).ref(y, "w")
         be.run(c)
@@ -312,7 +320,8 @@ def gemm_shared(
 class Q8Rows:
     """``t`` rows of an fp32 ``x[t, d]`` quantized once by `quantize_q8`, as the Q8 GEMM and
     expert op quantize them (per 32-element block: int8 values, an fp32 scale, the int32 sum),
-    for several expert ops on the same input: the groups of a streamed layer. ``data`` holds
+    for several ops on the same input (`ExpertGraph.run`, `gemm`, `gemm_shared`): the groups
+    of a streamed layer, the shared experts beside the routed ones. ``data`` holds
     ``t * (d + d // 4)`` bytes: ``[t][d]`` int8, ``[t][d/32]`` fp32, ``[t][d/32]`` int32."""
 
     __slots__ = ("d", "data", "t")
@@ -325,6 +334,11 @@ class Q8Rows:
         be = _be(backend)
         # in shared memory on an executor backend, so that queued ops read it in place
         self.data = np.empty(n, np.uint8) if be.kind == "host" else be.empty(n, np.uint8)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(t, d)``: the shape of the fp32 input these rows quantize."""
+        return self.t, self.d
 
     def parts(self) -> tuple[npt.NDArray[np.int8], F32, I32]:
         """Views of the values ``[t, d]``, scales ``[t, d/32]`` and block sums ``[t, d/32]``."""
@@ -342,7 +356,8 @@ def q8_rows_nbytes(t: int, d: int) -> int:
 
 def quantize_q8(x: F32, out: Q8Rows | None = None, *, backend: Backend | None = None) -> Q8Rows:
     """``x[t, d]`` (``d`` a multiple of 32) quantized once into `Q8Rows` (``out`` when given:
-    the same ``t`` and ``d``, reused between layers), for `ExpertGraph.run` with ``act="q8"``."""
+    the same ``t`` and ``d``, reused between layers), for `ExpertGraph.run`, `gemm` and
+    `gemm_shared` with ``act="q8"``."""
     x = _arr(x, "x", np.float32, 2)
     t, d = x.shape
     if d == 0 or d % 32:

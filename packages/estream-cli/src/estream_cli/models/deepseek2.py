@@ -236,5 +236,4 @@ def layer(ops: Ops, hp: ModelSpec, w: Layer, x: np.ndarray, pos: np.ndarray) -> 
     h = ops.rms_norm(x, w.ffn_norm)
     if w.moe is None:
         return ops.add(x, ops.dense_ffn(h, w.ffn))  # type: ignore[arg-type]
-    y = ops.moe(h, w.moe)
-    return ops.add(x, ops.add(y, ops.dense_ffn(h, w.shared)) if w.shared is not None else y)
+    return ops.add(x, ops.moe(h, w.moe, shared=w.shared))

@@ -531,6 +531,7 @@ class Ops:
             assert backend is not None
             pool = ActivationPool(backend)
         self.pool = pool if self._remote else None
+        self._rows: htp.Q8Rows | None = None  # an MoE layer's input, quantized once
 
     def _span(self, name: str, t0: float) -> None:
         self.op_spans.append((name, t0, time.perf_counter()))
@@ -674,16 +675,22 @@ class Ops:
         self._span(op, t0)
         return y
 
-    def matmuls(self, x: np.ndarray, ws: Sequence[DenseTensor], op: str) -> list[np.ndarray]:
+    def matmuls(
+        self, x: np.ndarray, ws: Sequence[DenseTensor], op: str, rows: htp.Q8Rows | None = None
+    ) -> list[np.ndarray]:
         """`x @ w.T` for each of several resident matrices that share the input (q/k/v,
-        gate/up): the tiled ones of one format in one kernel op, ``x`` quantized once, each
-        result bit-identical to `matmul` of its matrix alone; timed together as ``op``."""
+        gate/up): the tiled ones of one format in one kernel op, ``x`` quantized once (or
+        given quantized: ``rows``), each result bit-identical to `matmul` of its matrix alone;
+        timed together as ``op``."""
         tiled = [w for w in ws if w.fmt != "f32"]
-        if len(tiled) < 2 or len({w.fmt for w in tiled}) > 1:
+        if not tiled or (rows is None and (len(tiled) < 2 or len({w.fmt for w in tiled}) > 1)):
             return [self.matmul(x, w, op) for w in ws]
+        if len({w.fmt for w in tiled}) > 1:  # rows given: each tiled matrix on its own
+            return [self.matmul(x, w, op) if w.fmt == "f32" else self.matmuls(x, [w], op, rows)[0]
+                    for w in ws]  # fmt: skip
         t0 = time.perf_counter()
         ys = htp.gemm_shared(
-            x,
+            x if rows is None else rows,
             [(self._w(w.data), w.shape[0]) for w in tiled],
             tiled[0].fmt,
             [self._out((x.shape[0], w.shape[0])) for w in tiled],  # type: ignore[misc]
@@ -857,15 +864,33 @@ class Ops:
             htp.conv1d_causal(seg, kernel_s, history, out[rows], backend=be)  # type: ignore[arg-type]
         return out
 
-    def dense_ffn(self, h: np.ndarray, w: FFN) -> np.ndarray:
-        g, u = self.matmuls(h, (w.gate, w.up), "ffn")
+    def dense_ffn(self, h: np.ndarray, w: FFN, rows: htp.Q8Rows | None = None) -> np.ndarray:
+        """SwiGLU FFN; ``rows``: ``h`` already quantized (`quantize_input`), for gate/up."""
+        g, u = self.matmuls(h, (w.gate, w.up), "ffn", rows)
         t0 = time.perf_counter()
         a = htp.swiglu(g, u, self._out(g.shape), backend=self.backend)
         self._span("ffn", t0)
         return self.matmul(a, w.down, "ffn")
 
-    def moe(self, h: np.ndarray, w: MoE) -> np.ndarray:
-        """Route each token to its top-k experts and sum their SwiGLU outputs, weighted.
+    def quantize_input(self, h: np.ndarray) -> htp.Q8Rows | None:
+        """With int8 products, ``h`` quantized once (`htp.quantize_q8`) for every op that
+        reads it (the routed experts of every group, the shared experts); None with fp32
+        products. The rows' buffer is kept between layers."""
+        be = self.backend if self.backend is not None else htp.default_backend()
+        if be.act != "q8":
+            return None
+        t0 = time.perf_counter()
+        t, d = h.shape
+        if self._rows is None or (self._rows.t, self._rows.d) != (t, d):
+            self._rows = None  # the old buffer goes before the new one is allocated
+            self._rows = htp.Q8Rows(t, d, backend=be)
+        rows = htp.quantize_q8(np.ascontiguousarray(h, np.float32), self._rows, backend=be)
+        self._span("quantize", t0)
+        return rows
+
+    def moe(self, h: np.ndarray, w: MoE, shared: FFN | None = None) -> np.ndarray:
+        """Route each token to its top-k experts and sum their SwiGLU outputs, weighted, plus
+        the always-on ``shared`` experts' FFN if given; all read ``h`` quantized once.
 
         The router runs here (resident); the experts run through the expert source, which the
         engine's loop told at layer start to begin reading this layer's experts."""
@@ -881,10 +906,13 @@ class Ops:
             bias=self._w(w.bias), out=out, backend=self.backend,
         )  # type: ignore[arg-type]  # fmt: skip
         self._span("router", t0)
+        rows = self.quantize_input(h)
         y = self.zeros((h.shape[0], self.hp.n_embd))
         t0 = time.perf_counter()
-        self.experts.run_layer(w.experts, h, ids, weights, y)
+        self.experts.run_layer(w.experts, h if rows is None else rows, ids, weights, y)
         self.expert_phases.append((t0, time.perf_counter()))
+        if shared is not None:
+            y = self.add(y, self.dense_ffn(h, shared, rows))
         return y
 
 
