@@ -288,7 +288,6 @@ def test_moe_layer_input_is_quantized_once_for_all_its_consumers(
     (resident), the shared experts' gate/up (deepseek2). One quantization per MoE layer, and
     logits bit-identical to every op quantizing its input itself."""
     import estream_htp as htp
-    from estream_cli import experts as ex
     from estream_cli.models import ops as ops_mod
 
     arch, _, dst = packed
@@ -331,7 +330,6 @@ def test_moe_layer_input_is_quantized_once_for_all_its_consumers(
     assert gemm_rows == ([len(toks)] * n_moe if arch == "deepseek2" else [])
     calls.clear(), inputs.clear(), gemm_rows.clear()
     monkeypatch.setattr(ops_mod.Ops, "quantize_input", lambda self, h: None)
-    monkeypatch.setattr(ex.StreamedExperts, "_shared_input", lambda self, x: x)
     with estream.load(dst, backend=backend, **kw) as eng:
         own = eng.prefill(toks, all_logits=True)
     assert calls == [] and gemm_rows == [] and set(inputs) == {"ndarray"}

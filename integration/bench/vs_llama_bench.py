@@ -9,7 +9,7 @@ compute, not loading; ``stream`` mode reads the experts from storage in every pa
 
 Runs ``--rounds`` rounds; in each, every side once, in an order that rotates between rounds,
 and prints medians of tokens/s and of the per-round ratios (EStream ÷ llama-bench) with their
-range. Writes bench-results/vs_llama_bench.json.
+range. Writes bench-results/vs_llama_bench.json (``--out``).
 
     python integration/bench/vs_llama_bench.py MODEL.gguf --llama-bench /path/to/llama-bench \\
         [--pack MODEL.estream] [--tokens 1024] [--rounds 3] [--threads 2] \\
@@ -28,6 +28,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,16 +63,22 @@ def run_estream(pack: Path, mode: str, tokens: int, threads: int) -> dict:
 def run_llama_bench(exe: str, gguf: Path, tokens: int, threads: int, extra: list[str]) -> dict:
     cmd = [exe, "-m", str(gguf), "-p", str(tokens), "-n", "0", "-t", str(threads), "-r", "1"]
     cmd += ["-o", "json", *extra]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"{shlex.join(cmd)} failed ({p.returncode}):\n{p.stderr[-4000:]}")
-    start = p.stdout.find("[")
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode != 0:
+        raise SystemExit(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{stderr[-4000:]}")
+    start = stdout.find("[")
     if start < 0:
-        raise SystemExit(f"{shlex.join(cmd)} printed no JSON:\n{p.stdout[-2000:]}")
-    rows = [r for r in json.loads(p.stdout[start:]) if int(r.get("n_prompt", 0)) == tokens]
+        raise SystemExit(f"{shlex.join(cmd)} printed no JSON:\n{stdout[-2000:]}")
+    rows = [r for r in json.loads(stdout[start:]) if int(r.get("n_prompt", 0)) == tokens]
     if not rows:
         raise SystemExit(f"{shlex.join(cmd)}: no pp{tokens} result in its output")
-    return {"tokens_per_s": float(rows[0]["avg_ts"]), "ttft_s": float(rows[0]["avg_ns"]) / 1e9}
+    return {"tokens_per_s": float(rows[0]["avg_ts"]), "ttft_s": float(rows[0]["avg_ns"]) / 1e9,
+            "peak_rss_mib": usage.ru_maxrss / 1024}  # fmt: skip
 
 
 def main() -> None:
@@ -86,6 +93,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--modes", default="resident,stream")
     ap.add_argument("--llama-args", default="", help="extra llama-bench arguments, e.g. '-rtr 1'")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "vs_llama_bench.json")
     args = ap.parse_args()
     if not args.llama_bench:
         ap.error("--llama-bench (or $ESTREAM_LLAMA_BENCH) is required: build llama-bench first")
@@ -121,8 +129,10 @@ def main() -> None:
     base = [r["tokens_per_s"] for r in runs[label]]
     for s in sides:
         tps = [r["tokens_per_s"] for r in runs[s]]
-        summary[s] = {"tokens_per_s_median": statistics.median(tps), "tokens_per_s": tps}
-        line = f"  {s:24s} {statistics.median(tps):8.1f} tokens/s"
+        rss = statistics.median(r["peak_rss_mib"] for r in runs[s])
+        summary[s] = {"tokens_per_s_median": statistics.median(tps), "tokens_per_s": tps,
+                      "peak_rss_mib_median": rss}  # fmt: skip
+        line = f"  {s:24s} {statistics.median(tps):8.1f} tokens/s  peak RSS {rss:8.0f} MiB"
         if s != label:
             ratios = [a / b for a, b in zip(tps, base, strict=True)]
             summary[s]["over_llama_bench_median"] = statistics.median(ratios)
@@ -130,16 +140,16 @@ def main() -> None:
             line += f"   ÷ llama-bench {statistics.median(ratios):.3f} ({min(ratios):.3f}..{max(ratios):.3f})"
         print(line)
     print(f"  load average (1 min) during the run: {min(load):.1f}..{max(load):.1f}")
-    out = ROOT / "bench-results"
-    out.mkdir(exist_ok=True)
     doc = {
         "gguf": str(args.gguf), "pack": str(pack), "llama_bench": args.llama_bench,
         "llama_args": args.llama_args, "tokens": args.tokens, "threads": args.threads,
         "summary": summary, "runs": runs, "load_average": load,
     }  # fmt: skip
-    tmp = out / "vs_llama_bench.json.tmp"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2))
-    tmp.replace(out / "vs_llama_bench.json")
+    tmp.replace(args.out)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

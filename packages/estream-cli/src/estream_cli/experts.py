@@ -293,7 +293,6 @@ class StreamedExperts:
         self._remote = self.graph.backend.kind != "host"
         self._buffers: list[int] = []
         self._routes = _RouteBuffers(self.graph.backend)
-        self._rows: htp.Q8Rows | None = None  # the layer input, quantized once (q8 products)
         try:
             if self._remote:
                 for j in range(3):
@@ -390,7 +389,9 @@ class StreamedExperts:
                 self.loader.drop(int(k) for k in unrouted)
         elif self.schedule == "after-routing":
             self.loader.submit([self._request(layer, int(k)) for k in routed])
-        xs = self._shared_input(x)
+        # x: with int8 products, the layer input quantized once for every group (Ops.moe);
+        # fp32 rows otherwise (or from another caller: then each group's op quantizes them)
+        xs = x
         if self._remote:
             self._run_submitted(layer, xs, y, tokens, experts, w, counts, starts, routed)
             return
@@ -422,19 +423,6 @@ class StreamedExperts:
             finally:
                 self.loader.release(bank)
             self._record(GroupRecord(layer.index, k, int(counts[k]), t_wait, t0, t1))
-
-    def _shared_input(self, x: np.ndarray | htp.Q8Rows) -> np.ndarray | htp.Q8Rows:
-        """With int8 products, ``x`` quantized once for every group's op of the layer (the
-        same bits as each op quantizing it), unless the caller did (`Ops.quantize_input`);
-        the rows' buffer is kept between layers."""
-        be = self.graph.backend
-        if be.act != "q8" or isinstance(x, htp.Q8Rows):  # not quantized / quantized already
-            return x
-        t, d = x.shape
-        if self._rows is None or (self._rows.t, self._rows.d) != (t, d):
-            self._rows = None  # the old buffer goes before the new one is allocated
-            self._rows = htp.Q8Rows(t, d, backend=be)
-        return htp.quantize_q8(x, self._rows, backend=be)
 
     def _record(self, rec: GroupRecord) -> None:
         self.records.append(rec)

@@ -1,0 +1,58 @@
+"""The benchmark scripts that compare against outside programs, run against a stand-in."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from estream_layout import synth_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# a llama-bench stand-in: prints llama-bench's JSON for -p N at a known rate, 250 tokens/s
+FAKE_LLAMA_BENCH = r"""#!/usr/bin/env python3
+import json, sys
+a = sys.argv
+n = int(a[a.index("-p") + 1])
+assert a[a.index("-n") + 1] == "0" and a[a.index("-o") + 1] == "json", a
+print("some log line")
+print(json.dumps([{"n_prompt": n, "n_gen": 0, "avg_ns": int(n / 250 * 1e9), "avg_ts": 250.0}]))
+"""
+
+
+def test_vs_llama_bench_reports_ratios_per_round(tmp_path: Path) -> None:
+    gguf = tmp_path / "m.gguf"
+    synth_model("qwen3moe", "tiny", gguf, seed=3)
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_LLAMA_BENCH)
+    fake.chmod(0o755)
+    out = tmp_path / "r.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "integration" / "bench" / "vs_llama_bench.py"), str(gguf),
+         "--llama-bench", str(fake), "--tokens", "40", "--rounds", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(out.read_text())
+    assert (tmp_path / "m.estream" / "manifest.json").exists()  # packed first
+    s = doc["summary"]
+    assert s["llama-bench"]["tokens_per_s"] == [250.0, 250.0]
+    for mode in ("resident", "stream"):
+        runs = doc["runs"][mode]
+        assert len(runs) == 2
+        ratios = [r["tokens_per_s"] / 250.0 for r in runs]
+        assert s[mode]["over_llama_bench_range"] == [min(ratios), max(ratios)]
+        assert all(abs(r["tokens_per_s"] - 40 / r["ttft_s"]) < 1e-6 for r in runs)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_vs_llama_bench_refuses_a_missing_executable(tmp_path: Path) -> None:
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "integration" / "bench" / "vs_llama_bench.py"), str(gguf)],
+        capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode == 2 and "--llama-bench" in done.stderr
