@@ -130,7 +130,7 @@ def main() -> int:
     for bud in draws[: max(args.runs // 8, 20)]:
         gb, t = timed(baseline_select, profile, int(bud), q0)
         base.append(t)
-        c, t = timed(es.configure, profile, int(bud))
+        c, t = timed(es.configure, profile, int(bud), q_rule="pooled")  # the same depth, Q0
         paired.append(t)
         assert gb == (c.G, c.B), (gb, c)
 
@@ -140,7 +140,8 @@ def main() -> int:
     regret_rows = []
     choices = []
     for bud in budgets:
-        c = es.configure(profile, bud)
+        c = es.configure(profile, bud, q_rule="pooled")
+        by_model = es.configure(profile, bud)
         choices.append(c)
         best = (math.inf, 0, 0, 0)
         for q, sw in sweeps.items():
@@ -159,6 +160,8 @@ def main() -> int:
                 "best_any_q": [best[1], best[2], best[3]],
                 "best_any_q_s": best[0] * profile.n_layers,
                 "regret_pct": 100 * (c.per_layer_s / best[0] - 1),
+                "model_rule": [by_model.G, by_model.Q, by_model.B],
+                "model_rule_regret_pct": 100 * (by_model.per_layer_s / best[0] - 1),
             }
         )
 

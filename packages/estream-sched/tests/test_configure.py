@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import assume, given
@@ -19,6 +20,7 @@ from estream_sched import (
     choose_q0,
     configure,
     pipeline_time,
+    sweep,
     synthetic_profile,
 )
 from estream_sched.testing import bandwidth_tables, profiles
@@ -135,64 +137,117 @@ def test_choose_q0_rules_agree_when_every_g_has_the_device_curve(shape, scale) -
     assert choose_q0(bw) == choose_q0(bw, rule="every-g")
 
 
+def _depths(p: Profile, q_rule: str) -> list[int]:
+    """The queue depths a rule lets the configurator consider."""
+    if q_rule == "model":
+        return sorted(set.intersection(*[set(p.bandwidth[g]) for g in p.groups]))
+    return [choose_q0(p.bandwidth, rule=q_rule)]
+
+
+@pytest.mark.parametrize("q_rule", ["model", "pooled"])
 @given(profiles(), st.floats(0.0, 1.0), st.sampled_from(["calibrated", "bandwidth", "measured"]))
-def test_zero_regret_against_exhaustive_sweep(p: Profile, frac: float, read_model: str) -> None:
-    # The configurator fixes Q = Q0, so the exhaustive sweep is over every feasible (g, b) at Q0.
-    q0 = choose_q0(p.bandwidth)
-    assume(any(math.ceil(p.n_experts / g) >= q0 for g in p.groups))
-    lo = minimum_memory(p, q0)
+def test_zero_regret_against_exhaustive_sweep(
+    q_rule: str, p: Profile, frac: float, read_model: str
+) -> None:
+    # "model": the exhaustive sweep is over every feasible (g, q, b) with q any depth measured
+    # for every g; "pooled": over every feasible (g, b) at Q = Q0.
+    depths = [
+        q for q in _depths(p, q_rule) if any(math.ceil(p.n_experts / g) >= q for g in p.groups)
+    ]
+    assume(depths)
+    lo = min(minimum_memory(p, q) for q in depths)
     hi = max(p.m_other[g] + math.ceil(p.n_experts / g) * g * p.expert_bytes for g in p.groups)
     budget = int(lo + frac * (hi - lo))
-    choice = configure(p, budget, read_model=read_model)
-    sweep = exhaustive(p, budget, q0, read_model)
+    choice = configure(p, budget, q_rule=q_rule, read_model=read_model)
+    sweep = {
+        (g, q, b): v for q in depths for (g, b), v in exhaustive(p, budget, q, read_model).items()
+    }
     best = min(sweep.values())
-    mine = sweep[(choice.G, choice.B)]  # evaluated by the test's own model, not the configurator's
+    mine = sweep[(choice.G, choice.Q, choice.B)]  # evaluated by the test's own model
     assert mine <= best * (1 + 1e-12)
-    assert q0 == choice.Q
+    assert choice.Q in depths
     assert choice.memory_bytes <= budget
     assert choice.memory_bytes == p.m_other[choice.G] + choice.B * choice.G * p.expert_bytes
     assert choice.per_layer_s == pytest.approx(mine, rel=1e-12, abs=0)
     assert choice.predicted_s == pytest.approx(p.n_layers * mine, rel=1e-12, abs=0)
-    # the table covers the whole (g, b) landscape at Q0 and marks exactly the feasible rows
-    feasible = {(r.g, r.b) for r in choice.table if r.feasible}
+    # the table covers the whole (g, q, b) landscape and marks exactly the feasible rows
+    feasible = {(r.g, r.q, r.b) for r in choice.table if r.feasible}
     assert feasible == set(sweep)
     for r in choice.table:
         assert r.feasible == (r.memory_bytes <= budget)
         if r.feasible:
-            assert r.per_layer_s == pytest.approx(sweep[(r.g, r.b)], rel=1e-12, abs=0)
+            assert r.per_layer_s == pytest.approx(sweep[(r.g, r.q, r.b)], rel=1e-12, abs=0)
 
 
+def test_model_rule_weighs_every_depth_and_q0_still_fixes_it() -> None:
+    """The Mixtral-8x7B profile's bandwidths of 2026-12-02 (GB/s, flat within noise): the
+    pooled Q0 rule takes q=4; the model rule evaluates every measured depth and is never
+    predicted slower; ``q0=`` still fixes the depth under either rule."""
+    from estream_sched.synthetic import synthetic_profile
+
+    p = synthetic_profile(seed=3)
+    mixtral = (0.83, 1.06, 0.98, 1.00), (1.09, 0.95, 1.13, 1.03), (0.89, 0.95, 0.99, 0.96)
+    bw = {
+        g: dict(zip((1, 2, 4, 8), (v * 1e9 for v in mixtral[i % 3])))
+        for i, g in enumerate(p.groups)
+    }
+    p = attrs.evolve(p, bandwidth=bw)
+    budget = 4 << 30
+    model = configure(p, budget)
+    pooled = configure(p, budget, q_rule="pooled")
+    assert choose_q0(bw) == pooled.Q
+    assert {r.q for r in model.table} == {1, 2, 4, 8}
+    assert {r.q for r in pooled.table} == {pooled.Q}
+    assert model.predicted_s <= pooled.predicted_s
+    for rule in ("model", "pooled"):
+        assert configure(p, budget, q0=2, q_rule=rule).Q == 2  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="q_rule must be one of"):
+        configure(p, budget, q_rule="deepest")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("q_rule", ["model", "pooled"])
 @given(profiles(), st.integers(0, 2**20))
-def test_budget_below_minimum_raises_with_the_minimum(p: Profile, short: int) -> None:
-    q0 = choose_q0(p.bandwidth)
-    assume(any(math.ceil(p.n_experts / g) >= q0 for g in p.groups))
+def test_budget_below_minimum_raises_with_the_minimum(q_rule: str, p: Profile, short: int) -> None:
+    depths = [
+        q for q in _depths(p, q_rule) if any(math.ceil(p.n_experts / g) >= q for g in p.groups)
+    ]
+    assume(depths)
+    q0 = min(depths)
     minimum = minimum_memory(p, q0)
     with pytest.raises(BudgetError) as exc:
-        configure(p, minimum - 1 - short)
+        configure(p, minimum - 1 - short, q_rule=q_rule)
     assert exc.value.minimum_bytes == minimum
     assert f"({minimum} B)" in str(exc.value)
     g, q, b = exc.value.minimum_config
     assert (q, b) == (q0, q0)
     assert p.m_other[g] + b * g * p.expert_bytes == minimum
-    ok = configure(p, minimum)
+    ok = configure(p, minimum, q_rule=q_rule)
     assert ok.memory_bytes <= minimum
 
 
 def test_budget_error_message() -> None:
     p = synthetic_profile(SyntheticSpec(n_layers=2, m_other_base=400 * 2**20, m_other_per_g=0))
     with pytest.raises(BudgetError) as exc:
-        configure(p, 300 * 2**20)
+        configure(p, 300 * 2**20, q_rule="pooled")  # Q = Q0 = 2
     assert str(exc.value) == (
         "budget 300 MiB (314572800 B) is below the minimum 406.75 MiB (426508288 B) "
         "(G=1, Q=2, B=2); raise the budget to at least 426508288 bytes"
+    )
+    with pytest.raises(BudgetError) as exc:  # the model rule may go down to the shallowest depth
+        configure(p, 300 * 2**20)
+    assert str(exc.value) == (
+        "budget 300 MiB (314572800 B) is below the minimum 403.38 MiB (422969344 B) "
+        "(G=1, Q=1, B=1); raise the budget to at least 422969344 bytes"
     )
 
 
 @given(profiles(), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
 def test_more_memory_never_predicts_slower(p: Profile, f1: float, f2: float) -> None:
-    q0 = choose_q0(p.bandwidth)
-    assume(any(math.ceil(p.n_experts / g) >= q0 for g in p.groups))
-    lo = minimum_memory(p, q0)
+    depths = [
+        q for q in _depths(p, "model") if any(math.ceil(p.n_experts / g) >= q for g in p.groups)
+    ]
+    assume(depths)
+    lo = min(minimum_memory(p, q) for q in depths)
     span = p.n_experts * p.expert_bytes * 2
     small, big = sorted((int(lo + f1 * span), int(lo + f2 * span)))
     assert configure(p, big).per_layer_s <= configure(p, small).per_layer_s
@@ -216,5 +271,31 @@ def test_realistic_profile_choice_and_manifest_entry() -> None:
 def test_no_group_size_can_hold_q0_banks() -> None:
     spec = SyntheticSpec(n_experts=4, n_layers=1, groups=(4,), queue_depths=(1, 2))
     p = synthetic_profile(spec)
-    with pytest.raises(ProfileError, match=r"at least Q0=2 groups"):
+    with pytest.raises(ProfileError, match=r"at least Q=2 groups"):
         configure(p, 2**40, q0=2)
+
+
+@given(profiles(), st.lists(st.floats(0.0, 1.0), min_size=2, max_size=4))
+def test_cached_sweeps_give_what_a_fresh_profile_gives(p: Profile, fracs: list[float]) -> None:
+    """The budget-independent sweep is cached on the profile: a run of budgets on one profile
+    chooses what each budget chooses on a freshly loaded copy, and the cache is read-only."""
+    depths = [
+        q for q in _depths(p, "model") if any(math.ceil(p.n_experts / g) >= q for g in p.groups)
+    ]
+    assume(depths)
+    lo = min(minimum_memory(p, q) for q in depths)
+    hi = max(p.m_other[g] + math.ceil(p.n_experts / g) * g * p.expert_bytes for g in p.groups)
+    for f in fracs:
+        budget = int(lo + f * (hi - lo))
+        warm = configure(p, budget)
+        fresh = configure(Profile.from_dict(p.to_dict()), budget)
+        assert (warm.G, warm.Q, warm.B, warm.per_layer_s) == (
+            fresh.G,
+            fresh.Q,
+            fresh.B,
+            fresh.per_layer_s,
+        )
+        assert warm.table == fresh.table
+    (_bs, mean), *_ = sweep(p, q=depths[0]).values()
+    with pytest.raises(ValueError):
+        mean[0] = 0.0

@@ -233,6 +233,10 @@ def sweep(
     q0 = choose_q0(profile.bandwidth) if q is None else int(q)
     if q0 < 1:
         raise ValueError(f"q must be >= 1, got {q0}")
+    key = ("sweep", q0, read_model)  # budget-independent: one evaluation per profile and depth
+    hit = profile._cache.get(key)
+    if hit is not None:
+        return dict(hit)  # type: ignore[arg-type]
     models = model_arrays(profile, q0, read_model)
     out: dict[int, tuple[NDArray[np.int64], NDArray[np.float64]]] = {}
     for g in profile.groups:
@@ -245,36 +249,23 @@ def sweep(
         mean = f.mean(axis=0)
         if b_top > b_hi:
             mean = np.concatenate([mean, np.full(b_top - b_hi, mean[-1])])
-        out[g] = (np.arange(q0, b_top + 1, dtype=np.int64), mean)
+        bs = np.arange(q0, b_top + 1, dtype=np.int64)
+        bs.setflags(write=False), mean.setflags(write=False)  # shared by every later call
+        out[g] = (bs, mean)
+    profile._cache[key] = out
     return out
 
 
-def configure(
-    profile: Profile,
-    budget_bytes: int,
-    *,
-    q0: int | None = None,
-    read_model: ReadModel = "calibrated",
-) -> Choice:
-    """Choose ``(G, Q, B)`` for a process-memory budget (bytes).
+QRule = Literal["model", "pooled", "every-g"]
+_Q_RULES = ("model", "pooled", "every-g")
 
-    ``Q = Q0`` (``choose_q0`` of the profile's bandwidth table unless given);
-    ``B_max(g) = min(floor((budget - M_other(g)) / (g W_e)), ceil(N_e / g))``;
-    ``B*(g) = argmin_{Q0 <= b <= B_max(g)} mean_w T_pipe``; ``G* = argmin_g`` over ``g`` with
-    ``B_max(g) >= Q0``. Ties go to the smaller memory, then the smaller ``g``. ``predicted_s`` is
-    ``n_layers ×`` the mean per-layer ``T_pipe`` (the MoE layers of one calibration-sized request).
-    Raises :class:`BudgetError` (with ``.minimum_bytes``) when no configuration fits.
-    """
-    budget = int(budget_bytes)
-    Q = choose_q0(profile.bandwidth) if q0 is None else int(q0)
+
+def _configure_at(
+    profile: Profile, budget: int, Q: int, read_model: ReadModel
+) -> tuple[list[Row], tuple[float, int, int, int] | None, dict[int, Any]]:
+    """Every ``(g, b)`` at queue depth ``Q``: the table rows and the best feasible
+    ``(value, memory, g, b)`` (None if none fits)."""
     sw = sweep(profile, q=Q, read_model=read_model)
-    if not sw:
-        raise ProfileError(
-            "candidates",
-            f"no candidate group size g splits the {profile.n_experts} experts into at least "
-            f"Q0={Q} groups (ceil(n_experts/g) >= Q0 is needed to keep Q0 reads in flight); "
-            "profile a smaller g or pass a smaller q0",
-        )
     W_e = profile.expert_bytes
     nl = profile.n_layers
     rows: list[Row] = []
@@ -300,8 +291,67 @@ def configure(
         cand = (float(mean[j]), _memory(profile, g, Q + j), g, Q + j)
         if best is None or cand < best:
             best = cand
+    return rows, best, sw
+
+
+def configure(
+    profile: Profile,
+    budget_bytes: int,
+    *,
+    q0: int | None = None,
+    q_rule: QRule = "model",
+    read_model: ReadModel = "calibrated",
+) -> Choice:
+    """Choose ``(G, Q, B)`` for a process-memory budget (bytes).
+
+    ``q_rule="model"`` (default): every queue depth ``q`` the bandwidth table holds for every
+    ``g`` is a candidate, and the model decides it like ``g`` and ``b``: a read at depth ``q``
+    takes ``bytes · q / BW(g, q)`` (``q`` reads share the disk), so a deeper queue pays in
+    latency what it does not win in bandwidth. The pipeline time is minimised over
+    ``(g, q, b)``; ties go to the smaller memory, then the smaller ``q``, ``g``.
+    ``q_rule="pooled"`` / ``"every-g"``: ``Q = Q0`` from `choose_q0` of the bandwidth table
+    first (design §6), then ``(g, b)`` at that depth. ``q0`` fixes ``Q`` (any rule).
+
+    At a depth ``Q``: ``B_max(g) = min(floor((budget - M_other(g)) / (g W_e)), ceil(N_e / g))``;
+    ``B*(g) = argmin_{Q <= b <= B_max(g)} mean_w T_pipe``; ``G* = argmin_g`` over ``g`` with
+    ``B_max(g) >= Q``. ``predicted_s`` is ``n_layers ×`` the mean per-layer ``T_pipe`` (the MoE
+    layers of one calibration-sized request). Raises :class:`BudgetError` (with
+    ``.minimum_bytes``) when no configuration fits.
+    """
+    if q_rule not in _Q_RULES:
+        raise ValueError(f"q_rule must be one of {_Q_RULES}, got {q_rule!r}")
+    budget = int(budget_bytes)
+    if q0 is not None:
+        depths = [int(q0)]
+    elif q_rule == "model":
+        gs = sorted(profile.bandwidth)
+        depths = sorted(set.intersection(*[set(profile.bandwidth[g]) for g in gs]))
+        if not depths:
+            raise ProfileError("bandwidth", "no queue depth was measured for every g")
+    else:
+        depths = [choose_q0(profile.bandwidth, rule=q_rule)]
+    rows: list[Row] = []
+    best: tuple[float, int, int, int, int] | None = None  # (value, memory, q, g, b)
+    sweeps: dict[int, dict[int, Any]] = {}
+    for Q in depths:
+        r, b_at, sw = _configure_at(profile, budget, Q, read_model)
+        rows += r
+        if sw:
+            sweeps[Q] = sw
+        if b_at is not None:
+            cand = (b_at[0], b_at[1], Q, b_at[2], b_at[3])
+            if best is None or cand < best:
+                best = cand
+    if not sweeps:
+        raise ProfileError(
+            "candidates",
+            f"no candidate group size g splits the {profile.n_experts} experts into at least "
+            f"Q={depths[0]} groups (ceil(n_experts/g) >= Q is needed to keep Q reads in "
+            "flight); profile a smaller g or pass a smaller q0",
+        )
     if best is None:
-        g_min = min(sw, key=lambda g: (_memory(profile, g, Q), g))
+        Q = min(sweeps)
+        g_min = min(sweeps[Q], key=lambda g: (_memory(profile, g, Q), g))
         minimum = _memory(profile, g_min, Q)
         raise BudgetError(
             f"budget {format_bytes(budget)} ({budget} B) is below the minimum "
@@ -313,7 +363,8 @@ def configure(
             q=Q,
             b=Q,
         )
-    v, mem, g, b = best
+    v, mem, Q, g, b = best
+    nl = profile.n_layers
     return Choice(
         G=g,
         Q=Q,
