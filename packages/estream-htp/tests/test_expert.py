@@ -354,3 +354,12 @@ def test_q8_rows_errors() -> None:
             with pytest.raises(htp.HTPInputError, match="tokens must be in"):
                 _run(g, htp.quantize_q8(x[:3]), tok, exp, w, slots, planes, y[:3])
     assert htp.q8_rows_nbytes(4, d) == rows.data.nbytes == 4 * (64 + 16)
+    # over a caller's buffer (an activation pool's): the rows are written there, in place
+    buf = np.full(htp.q8_rows_nbytes(4, d) + 8, 0xA5, np.uint8)
+    mine = htp.quantize_q8(x, htp.Q8Rows(4, d, data=buf[:-8]))
+    assert np.shares_memory(mine.data, buf) and np.array_equal(buf[:-8], rows.data)
+    assert np.all(buf[-8:] == 0xA5)  # nothing written past the rows
+    with pytest.raises(htp.HTPInputError, match="must be 320 writeable bytes, got 321"):
+        htp.Q8Rows(4, d, data=np.zeros(321, np.uint8))
+    with pytest.raises(htp.HTPInputError, match="data must have dtype uint8"):
+        htp.Q8Rows(4, d, data=np.zeros(80, np.float32))  # type: ignore[arg-type]

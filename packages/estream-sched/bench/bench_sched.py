@@ -231,15 +231,16 @@ def main() -> int:
     print(f"  profile JSON: {size / 1024:.0f} KiB")
     print()
     print(
-        f"  {'budget MiB':>10} {'chosen G,Q,B':>13} {'pred s':>8} {'mem MiB':>8} "
-        f"{'best any q':>11} {'pred s':>8} {'regret':>7}"
+        f"  {'budget MiB':>10} {'Q0 rule G,Q,B':>13} {'pred s':>8} {'mem MiB':>8} "
+        f"{'best any q':>11} {'pred s':>8} {'regret':>7} {'model G,Q,B':>12} {'regret':>7}"
     )
     for r in regret_rows:
         print(
             f"  {r['budget_mib']:>10.1f} {','.join(map(str, r['chosen'])):>13} "
             f"{r['predicted_s']:>8.3f} {r['memory_mib']:>8.1f} "
             f"{','.join(map(str, r['best_any_q'])):>11} {r['best_any_q_s']:>8.3f} "
-            f"{r['regret_pct']:>6.2f}%"
+            f"{r['regret_pct']:>6.2f}% {','.join(map(str, r['model_rule'])):>12} "
+            f"{r['model_rule_regret_pct']:>6.2f}%"
         )
 
     c = first

@@ -391,9 +391,8 @@ class StreamedExperts:
             self.loader.submit([self._request(layer, int(k)) for k in routed])
         # x: with int8 products, the layer input quantized once for every group (Ops.moe);
         # fp32 rows otherwise (or from another caller: then each group's op quantizes them)
-        xs = x
         if self._remote:
-            self._run_submitted(layer, xs, y, tokens, experts, w, counts, starts, routed)
+            self._run_submitted(layer, x, y, tokens, experts, w, counts, starts, routed)
             return
         slot_of_expert = self._slot_of_expert
         for k in routed:
@@ -410,7 +409,7 @@ class StreamedExperts:
                 slot_of_expert[members] = np.asarray(bank.slots, dtype=np.int32)
                 sl = slice(int(starts[k]), int(starts[k + 1]))
                 self.graph.run(
-                    xs,
+                    x,
                     tokens[sl],
                     experts[sl],
                     w[sl],

@@ -326,13 +326,28 @@ class Q8Rows:
 
     __slots__ = ("d", "data", "t")
 
-    def __init__(self, t: int, d: int, *, backend: Backend | None = None) -> None:
+    def __init__(
+        self,
+        t: int,
+        d: int,
+        *,
+        backend: Backend | None = None,
+        data: npt.NDArray[np.uint8] | None = None,
+    ) -> None:
+        """New rows, in memory of their own (shared memory on an executor backend, so that
+        queued ops read it in place), or over ``data``: a caller's C-contiguous uint8 buffer of
+        exactly `q8_rows_nbytes` bytes (e.g. from an activation pool)."""
         self.t, self.d = _u32(t, "t"), _u32(d, "d", 1)
         if self.d % 32:
             raise HTPInputError(f"d must be a multiple of 32, got {d}")
         n = q8_rows_nbytes(self.t, self.d)
+        if data is not None:
+            data = _arr(data, "data", np.uint8, 1)
+            if data.size != n or not data.flags.writeable:
+                raise HTPInputError(f"data must be {n} writeable bytes, got {data.size}")
+            self.data = data
+            return
         be = _be(backend)
-        # in shared memory on an executor backend, so that queued ops read it in place
         self.data = np.empty(n, np.uint8) if be.kind == "host" else be.empty(n, np.uint8)
 
     @property

@@ -683,11 +683,11 @@ class Ops:
         given quantized: ``rows``), each result bit-identical to `matmul` of its matrix alone;
         timed together as ``op``."""
         tiled = [w for w in ws if w.fmt != "f32"]
-        if not tiled or (rows is None and (len(tiled) < 2 or len({w.fmt for w in tiled}) > 1)):
+        fmts = {w.fmt for w in tiled}
+        if rows is not None and (len(tiled) != len(ws) or len(fmts) != 1):
+            rows = None  # mixed formats (rare): each matrix quantizes its input itself
+        if len(fmts) != 1 or (rows is None and len(tiled) < 2):
             return [self.matmul(x, w, op) for w in ws]
-        if len({w.fmt for w in tiled}) > 1:  # rows given: each tiled matrix on its own
-            return [self.matmul(x, w, op) if w.fmt == "f32" else self.matmuls(x, [w], op, rows)[0]
-                    for w in ws]  # fmt: skip
         t0 = time.perf_counter()
         ys = htp.gemm_shared(
             x if rows is None else rows,
@@ -875,16 +875,23 @@ class Ops:
     def quantize_input(self, h: np.ndarray) -> htp.Q8Rows | None:
         """With int8 products, ``h`` quantized once (`htp.quantize_q8`) for every op that
         reads it (the routed experts of every group, the shared experts); None with fp32
-        products. The rows' buffer is kept between layers."""
+        products. With the dense ops on an executor the rows are an activation of its pool;
+        otherwise one buffer per pass, in the memory the expert ops read (shared memory when
+        they run in an executor), kept between layers."""
         be = self.backend if self.backend is not None else htp.default_backend()
         if be.act != "q8":
             return None
         t0 = time.perf_counter()
         t, d = h.shape
-        if self._rows is None or (self._rows.t, self._rows.d) != (t, d):
-            self._rows = None  # the old buffer goes before the new one is allocated
-            self._rows = htp.Q8Rows(t, d, backend=be)
-        rows = htp.quantize_q8(np.ascontiguousarray(h, np.float32), self._rows, backend=be)
+        if self.pool is not None:  # an executor: a stage activation of the pool, like ids
+            rows = htp.Q8Rows(t, d, data=self.pool.empty((htp.q8_rows_nbytes(t, d),), np.uint8))
+        else:  # one buffer for the pass, reused by every layer, where the expert ops read it
+            if self._rows is None or (self._rows.t, self._rows.d) != (t, d):
+                graph = getattr(self.experts, "graph", None)  # an executor's: shared memory
+                self._rows = None  # the old buffer goes before the new one is allocated
+                self._rows = htp.Q8Rows(t, d, backend=graph.backend if graph else be)
+            rows = self._rows
+        rows = htp.quantize_q8(np.ascontiguousarray(h, np.float32), rows, backend=be)
         self._span("quantize", t0)
         return rows
 
