@@ -1,7 +1,11 @@
 """llama.cpp (through llama-cpp-python) as an oracle: install it once, run it in a subprocess.
 
 llama-cpp-python compiles llama.cpp from source (~10 min on 2 cores), so the built wheel is
-cached under ``<repo>/.cache/wheels`` (gitignored) and reused by every later install. Each
+cached under ``<repo>/.cache/wheels/llama-cpp-noamx`` (gitignored) and reused by every later
+install. The build leaves out llama.cpp's AMX path: on Intel Xeons with AMX its Q4_0 matmul
+crashes with SIGSEGV in ``ggml_backend_amx_mul_mat`` (seen here on a synthetic OLMoE; upstream
+ggml-org/llama.cpp#20824, closed unfixed), so every benchmark would lose its baseline. AVX-512,
+VNNI, BF16 and the weight repacking stay on. Each
 evaluation (and each run of llama.cpp's quantizer, :func:`llama_quantize`) runs in a child process: a GGUF llama.cpp refuses can end in ``GGML_ASSERT`` →
 ``abort()``, and we want the exact message it printed, not a dead benchmark.
 """
@@ -29,13 +33,15 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-WHEEL_DIR = ROOT / ".cache" / "wheels"
+WHEEL_DIR = ROOT / ".cache" / "wheels" / "llama-cpp-noamx"
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 BUILD_LOG = Path(tempfile.gettempdir()) / "llamacpp-build.log"
 # A plain CPU build tuned for this machine; no tools/examples/tests/multimodal, no curl.
+# GCC keeps an explicit -mno-* over what -march=native turns on, whatever their order.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CMAKE_ARGS = (
     "-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
-    "-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF"
+    f"-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF '-DCMAKE_C_FLAGS={NO_AMX}' '-DCMAKE_CXX_FLAGS={NO_AMX}'"
 )
 
 
@@ -48,8 +54,13 @@ class LlamaCppError(RuntimeError):
 
 
 def _importable(python: str) -> bool:
-    probe = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True)
-    return probe.returncode == 0
+    """llama_cpp imports, and is a build without the AMX path (an older cached build had it)."""
+    probe = subprocess.run(
+        [python, "-c", "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"],
+        capture_output=True,
+        text=True,
+    )
+    return probe.returncode == 0 and "AMX_INT8 = 1" not in probe.stdout
 
 
 def _cached_wheel() -> Path | None:
@@ -70,14 +81,25 @@ def ensure_llama_cpp(python: str = sys.executable) -> None:
         env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS, CMAKE_BUILD_PARALLEL_LEVEL="2")
         with BUILD_LOG.open("w") as log:
             done = subprocess.run(
-                ["nice", "-n", "10", python, "-m", "pip", "wheel", "--no-deps",
+                ["nice", "-n", "10", python, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir",
                  LLAMA_CPP_PYTHON, "-w", str(WHEEL_DIR)],
                 stdout=log, stderr=subprocess.STDOUT, env=env,
             )  # fmt: skip
         if done.returncode != 0 or _cached_wheel() is None:
             raise LlamaCppError(f"building {LLAMA_CPP_PYTHON} failed; see {BUILD_LOG}")
     subprocess.run(
-        [python, "-m", "pip", "install", "-q", "--find-links", str(WHEEL_DIR), LLAMA_CPP_PYTHON],
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--force-reinstall",
+            "--no-deps",
+            "--find-links",
+            str(WHEEL_DIR),
+            LLAMA_CPP_PYTHON,
+        ],
         check=True,
     )
 

@@ -12,6 +12,7 @@ bench-results/bench_kernels.json.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -62,9 +63,27 @@ def blas_best_of(fn, reps: int = 3) -> tuple[float, float | None]:
 
 
 def measure_peak() -> float:
-    """vpdpbusd throughput (int8 GOP/s, 2 ops per multiply-add), best of several short runs on
-    the pool's threads; this VM's 2 vCPUs are shared, so it is measured at start and end."""
-    return max(_core._dot_peak(5_000_000) for _ in range(7)) * 2 / 1e9
+    """int8 dot throughput (GOP/s, 2 ops per multiply-add) of the level's instruction
+    (vpdpbusd; tdpbssd tiles on amx), best of several short runs on the pool's threads; this
+    VM's 2 vCPUs are shared, so it is measured at start and end."""
+    iters = 500_000 if htp.simd_level() == "amx" else 5_000_000
+    return max(_core._dot_peak(iters) for _ in range(7)) * 2 / 1e9
+
+
+@contextlib.contextmanager
+def simd(level: str):
+    """Run a comparison row at another SIMD level (same threads), then switch back."""
+    old = htp.simd_level()
+    _core._set_simd_level(level)
+    try:
+        yield
+    finally:
+        _core._set_simd_level(old)
+
+
+#: On an AMX CPU the q8 rows are also run at the AVX-512 VNNI level: the same bits, the ratio
+#: between the two kernels measured in one run.
+VNNI_TOO = htp.simd_level() == "amx"
 
 
 def measure_peaks() -> dict[str, float | None]:
@@ -73,9 +92,13 @@ def measure_peaks() -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for kind in ("int8", "fp32", "bf16"):
         try:
-            out[kind] = max(_core._mac_peak(kind, 2_000_000) for _ in range(5)) * 2 / 1e9
+            iters = 200_000 if kind == "int8" and VNNI_TOO else 2_000_000
+            out[kind] = max(_core._mac_peak(kind, iters) for _ in range(5)) * 2 / 1e9
         except htp.HTPError:
             out[kind] = None
+    if VNNI_TOO:  # the peak of the VNNI comparison rows
+        with simd("avx512vnni"):
+            out["int8_vnni"] = max(_core._mac_peak("int8", 2_000_000) for _ in range(5)) * 2 / 1e9
     return out
 
 
@@ -115,6 +138,11 @@ def bench_gemm(rng: np.random.Generator, row, n: int, k: int, t: int) -> None:
             t_blas,
             {"rel_l2_vs_blas_f32": T.rel_l2(out, ref)},
         )
+        if act == "q8" and VNNI_TOO:
+            with simd("avx512vnni"):
+                t_v = best_of(lambda: htp.gemm(x, buf, n, out=out))
+            row(f"gemm q4_0 {n}x{k} T={t} act=q8 avx512vnni", 2.0 * t * n * k, t_v, t_blas,
+                {"peak": "int8_vnni", "amx_speedup": t_v / t_h})  # fmt: skip
 
 
 def blas_moe(x, tokens, experts, weights, deq) -> np.ndarray:
@@ -171,6 +199,11 @@ def bench_experts(rng: np.random.Generator, row) -> None:
                     t_blas,
                     {"rel_l2_vs_blas_f32": T.rel_l2(y, ref)},
                 )
+                if act == "q8" and VNNI_TOO:
+                    with simd("avx512vnni"):
+                        t_v = best_of(run, reps=2)
+                    row(f"expert op OLMoE T={t} act=q8 avx512vnni", flops, t_v, t_blas,
+                        {"peak": "int8_vnni", "amx_speedup": t_v / t_h})  # fmt: skip
 
 
 def blas_attention(q, k, v, scale: float, bq: int = 512) -> np.ndarray:
@@ -362,7 +395,8 @@ def main() -> None:
     except htp.HTPError:
         results["peak_int8_gops"] = None
     print(
-        f"SIMD {htp.simd_level()}, {THREADS} threads; measured vpdpbusd peak: "
+        f"SIMD {htp.simd_level()}, {THREADS} threads; measured int8 dot peak "
+        f"({'tdpbssd tiles' if VNNI_TOO else 'vpdpbusd'}): "
         f"{results['peak_int8_gops'] or 0:.0f} GOP/s (int8 mul+add); BLAS: {results['machine']['blas']}"
     )
     results["peaks_start"] = measure_peaks()
@@ -387,7 +421,7 @@ def main() -> None:
         end_peak = measure_peak()
         results["peak_int8_gops_start_end"] = [results["peak_int8_gops"], end_peak]
         results["peak_int8_gops"] = max(results["peak_int8_gops"], end_peak)
-        print(f"vpdpbusd peak (max of start/end): {results['peak_int8_gops']:.0f} GOP/s")
+        print(f"int8 dot peak (max of start/end): {results['peak_int8_gops']:.0f} GOP/s")
     results["peaks_end"] = measure_peaks()
     results["load_average_end"] = os.getloadavg()
     print(

@@ -62,6 +62,7 @@ typedef enum htp_simd {
     HTP_SIMD_AVX512VNNI = 3,
     HTP_SIMD_NEON = 4,
     HTP_SIMD_HVX = 5, /* Hexagon HVX (128-byte vectors): only in the Hexagon executor */
+    HTP_SIMD_AMX = 6, /* AVX-512 VNNI with Intel AMX int8 tiles for the Q4_0 x Q8 products */
     HTP_SIMD_BEST = 255 /* in htp_backend_desc: the best level this CPU and build support */
 } htp_simd;
 

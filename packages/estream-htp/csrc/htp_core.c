@@ -60,6 +60,8 @@ static int cpu_supports(uint32_t level) {
                cpu_supports(HTP_SIMD_AVX2);
     case HTP_SIMD_AVX512VNNI:
         return __builtin_cpu_supports("avx512vnni") && cpu_supports(HTP_SIMD_AVX512);
+    case HTP_SIMD_AMX:
+        return cpu_supports(HTP_SIMD_AVX512VNNI) && htp_amx_usable();
 #endif
 #ifdef HTP_ARM64
     case HTP_SIMD_NEON: return htp_neon_dotprod_supported();
@@ -79,6 +81,7 @@ const htp_isa *htp_isa_for(uint32_t level) {
     case HTP_SIMD_AVX2: return &htp_isa_avx2;
     case HTP_SIMD_AVX512: return &htp_isa_avx512;
     case HTP_SIMD_AVX512VNNI: return &htp_isa_avx512vnni;
+    case HTP_SIMD_AMX: return &htp_isa_amx;
 #endif
 #ifdef HTP_ARM64
     case HTP_SIMD_NEON: return &htp_isa_neon;
@@ -100,7 +103,7 @@ int htp_cpu_bf16(void) {
 }
 
 uint32_t htp_simd_best(void) {
-    for (uint32_t l = HTP_SIMD_HVX + 1; l-- > 0;)
+    for (uint32_t l = HTP_SIMD_AMX + 1; l-- > 0;)
         if (cpu_supports(l)) return l;
     return HTP_SIMD_PORTABLE;
 }

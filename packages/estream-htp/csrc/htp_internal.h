@@ -207,6 +207,12 @@ void htp_attn_bf16_task_avx512(const htp_attn_ctx *c, uint32_t task, float *scra
 extern const htp_isa htp_isa_avx2;
 extern const htp_isa htp_isa_avx512;
 extern const htp_isa htp_isa_avx512vnni;
+extern const htp_isa htp_isa_amx;
+/* htp_amx.c: whether this CPU has AMX-INT8 and the OS granted the tile state (asks once) */
+int htp_amx_usable(void);
+void htp_q4q8_strip_amx(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                        float *out, uint32_t ldo, uint32_t rows);
+int32_t htp_amx_peak(uint64_t iters);
 #endif
 #ifdef HTP_ARM64
 int htp_neon_dotprod_supported(void);

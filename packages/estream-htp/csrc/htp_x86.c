@@ -362,4 +362,30 @@ const htp_isa htp_isa_avx512vnni = {
     .bf16_peak = peak_bf16,
     .bf16_macs_per_iter = 12 * 32,
 };
+
+/* AMX: the VNNI table with the Q4_0 x Q8 strip on the tile unit (htp_amx.c); its peak is the
+ * tile multiply's */
+const htp_isa htp_isa_amx = {
+    .level = HTP_SIMD_AMX,
+    .q4q8_strip = htp_q4q8_strip_amx,
+    .q4q8_nt = 64,
+    .q8q8_strip = q8q8_strip_avx512,
+    .q8q8_nt = 4,
+    .dequant_tile = dequant_avx512,
+    .f32_strip = f32_strip_fast_avx512,
+    .f32_nt = 8,
+    .quantize_row_q8 = quantize_q8_fast_avx512,
+    .attention_task = htp_attn_task_avx512,
+    .attention_wants_kt = 1,
+    .attention_bf16_pack = htp_attn_bf16_pack_avx512,
+    .attention_bf16_task = htp_attn_bf16_task_avx512,
+    .swiglu = swiglu_avx512,
+    .matmul_f32 = matmul_f32_avx512,
+    .dot_peak = htp_amx_peak,
+    .dot_macs_per_iter = 4 * 16 * 16 * 64,
+    .fma_peak = peak_fma,
+    .fma_macs_per_iter = 12 * 16,
+    .bf16_peak = peak_bf16,
+    .bf16_macs_per_iter = 12 * 32,
+};
 #endif

@@ -10,7 +10,9 @@ import estream_htp as htp
 from estream_htp import _core
 
 LEVELS = [
-    lvl for lvl in ("portable", "avx2", "avx512", "avx512vnni", "neon") if htp.simd_supported(lvl)
+    lvl
+    for lvl in ("portable", "avx2", "avx512", "avx512vnni", "amx", "neon")
+    if htp.simd_supported(lvl)
 ]
 
 

@@ -123,6 +123,29 @@ def test_expert_op_threads_bit_identical_and_paths_agree(act: str) -> None:
         assert T.rel_l2(outs[simd, 1], outs["portable", 1]) <= tol, simd
 
 
+@pytest.mark.skipif(not htp.simd_supported("amx"), reason="needs AMX-INT8 (hardware)")
+def test_expert_op_amx_bits_equal_vnni() -> None:
+    """Slots of 1..150 routes (token tiles with tails, a slot past the kernel's 64 tokens) and
+    d_ff / d_model of 3 and 5 tiles: the AMX level's q8 expert op gives the VNNI level's bits."""
+    rng = np.random.default_rng(8)
+    d, ff, n_exp, t, r = 160, 96, 6, 90, 300
+    experts = np.concatenate([np.full(150, 0), rng.integers(1, n_exp, r - 150)]).astype(np.int32)
+    tokens = rng.integers(0, t, r).astype(np.int32)
+    weights = rng.uniform(0, 1, r).astype(np.float32)
+    (gate, up, down), planes, slots = _planes(rng, n_exp, d, ff, list(range(n_exp)))
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    outs = {}
+    for simd in ("avx512vnni", "amx"):
+        y = np.full((t, d), 0.5, np.float32)
+        with mode(simd=simd, act="q8", threads=2), htp.ExpertGraph(d, ff, 64, t) as g:
+            _run(g, x, tokens, experts, weights, slots, planes, y)
+        outs[simd] = y
+    assert outs["amx"].tobytes() == outs["avx512vnni"].tobytes()
+    emu = T.ref_expert_op(x, tokens, experts, weights, gate, up, down, ff, q8=True)
+    mag = T.ref_expert_op(x, tokens, experts, weights, gate, up, down, ff, magnitude=True)
+    assert T.rel_l2_floored(outs["amx"] - 0.5, emu, mag, ff) <= Q8_EMU_TOL
+
+
 @pytest.mark.parametrize("act", ["f32", "q8"])
 def test_expert_op_slot_with_more_routes_than_one_gemm_piece(act: str) -> None:
     """A slot with 300 routes is cut into pieces of 128 (gate/up work items with a non-zero

@@ -193,3 +193,37 @@ def test_gemm_from_q8_rows_rejects_bad_inputs() -> None:
         c.ref(buf).ref(rows.data).ref(np.empty((4, 40), np.float32), "w")
         with pytest.raises(htp.HTPInputError, match="kernel rejected"):
             be.run(c)
+
+
+AMX = htp.simd_supported("amx")
+
+
+@pytest.mark.skipif(not AMX, reason="needs a CPU with AMX-INT8 the OS enables (hardware)")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "t,n,kb",
+    [
+        (1, 32, 1),  # one token: a short tile block, zero-padded
+        (5, 17, 3),  # rows < 32 (one half), odd block count (no second tile set)
+        (16, 40, 32),  # exactly one token tile; a ragged second strip
+        (17, 64, 33),  # a one-token tail; k spans two unpack chunks
+        (64, 33, 64),  # the kernel's 64 tokens at once; one row in the last strip
+        (65, 96, 70),  # past 64 tokens (two calls per strip); chunks of 32 + 32 + 6 blocks
+        (203, 75, 128),  # several token chunks of the GEMM driver, odd rows
+    ],
+)
+def test_amx_q4_bits_equal_vnni(t: int, n: int, kb: int, threads: int) -> None:
+    """The AMX Q4_0 x Q8 strip computes each block's integer dot product on the tile unit and
+    runs the VNNI kernel's fp32 epilogue: the outputs must be the VNNI kernel's, bit for bit
+    (a wrong tile layout, scale index or padding row changes bits, not only the tolerance)."""
+    x, buf = _case(t, n, kb, 31 * t + n, "q4_0-t32r4")
+    ys = {}
+    for simd in ("avx512vnni", "amx"):
+        out = np.full((t, n), np.nan, np.float32)
+        with mode(simd=simd, act="q8", threads=threads):
+            ys[simd] = htp.gemm(x, buf, n, out=out)
+    assert ys["amx"].tobytes() == ys["avx512vnni"].tobytes()
+    xq = T.ref_q8_activations(x)
+    mag = T.ref_gemm_magnitude(xq, buf, n, "q4_0-t32r4")
+    ref = T.ref_gemm(xq, buf, n, "q4_0-t32r4")
+    assert T.rel_l2_floored(ys["amx"], ref, mag, x.shape[1]) <= Q8_EXACT_TOL

@@ -58,6 +58,7 @@ SIMD_LEVELS = {
     "avx512vnni": lib.HTP_SIMD_AVX512VNNI,
     "neon": lib.HTP_SIMD_NEON,
     "hvx": lib.HTP_SIMD_HVX,
+    "amx": lib.HTP_SIMD_AMX,
 }
 SIMD_NAMES = {v: k for k, v in SIMD_LEVELS.items()}
 ACT = {"f32": lib.HTP_ACT_F32, "q8": lib.HTP_ACT_Q8}

@@ -177,7 +177,7 @@ def get_num_threads() -> int:
 
 
 def simd_level() -> str:
-    """The default backend's kernel set: "portable", "avx2", "avx512", "avx512vnni", "neon"."""
+    """The default backend's kernel set: "portable", "avx2", "avx512", "avx512vnni", "amx", "neon"."""
     return default_backend().simd
 
 
