@@ -5,7 +5,8 @@ On the synthetic `olmoe-1b-7b` preset (OLMoE-1B-7B's real shapes, Q4_0, ≈ 4 GB
 LFM2-8B-A1B's shapes, ≈ 4.7 GB), prompts of
 256/1024/4096 tokens, cold page cache before every run, 2 threads, one fresh process per run:
 
-* engine `stream` under the configurator's choice for a 1.5 GiB budget,
+* engine `stream` under the configurator's choice for a 1.5 GiB budget and that prompt length
+  (`estream prefill --budget`: the profile's times scaled to the request, see estream-sched),
 * engine `resident` (all experts in memory, same kernels),
 * llama.cpp CPU through llama-cpp-python (same GGUF, same tokens, same threads),
 
@@ -221,6 +222,16 @@ def configure_and_store(dst: Path, budget: int) -> Any:
     return choice
 
 
+def config_for_length(dst: Path, budget: int, T: int) -> dict[str, Any]:
+    """The (G, Q, B) `prefill --budget` chooses for a prompt of T tokens (printed and kept)."""
+    from estream_cli.config import configure_for_budget
+    from estream_cli.packed import PackedModel
+
+    c = configure_for_budget(PackedModel(dst), budget, T)
+    print(f"  (stream at T={T}: G={c.G} Q={c.Q} B={c.B}, predicted {c.predicted_s:.2f} s)")
+    return {"G": c.G, "Q": c.Q, "B": c.B, "predicted_s": c.predicted_s}
+
+
 def prepare(preset: str, budget: int, seed: int = 0, arch: str = "olmoe") -> tuple[Path, Path]:
     from estream_layout import LayoutError, Manifest, pack_model, synth_model
 
@@ -332,10 +343,15 @@ def main() -> int:
 
     def one(system: str, T: int, cg: Cgroup | None) -> dict[str, Any]:
         timeout = args.cgroup_timeout if cg else 3600.0
-        return run_system(
+        # stream: the budget's configuration for this prompt length, chosen by `prefill` itself
+        extra = ("--budget", str(budget)) if system == "stream" else ()
+        m = run_system(
             system, T, src=src, dst=dst, n_vocab=hp.n_vocab, threads=args.threads,
-            timeout=timeout, cgroup=cg,
+            timeout=timeout, cgroup=cg, engine_args=extra,
         )  # fmt: skip
+        if system == "stream":
+            m["config_for_length"] = config_for_length(dst, budget, T)
+        return m
 
     if not args.skip_free:
         for T in lengths:

@@ -155,6 +155,28 @@ def test_profile_config_then_budget(model, capsys, tmp_path):
     got = json.loads(out)["metrics"]
     assert (got["G"], got["Q"], got["B"]) == (cfg["G"], cfg["Q"], cfg["B"])
     assert got["config_source"] == "manifest"
+    # for another prompt length: the profile's times scaled to it (estream_sched.configure)
+    import estream_sched as es
+
+    profile = es.Profile.from_dict(man["profile"])
+    want = es.configure(profile, 4 << 30, tokens=128)
+    rc, out, _ = run(capsys, "config", str(m), "--budget", "4GiB", "--tokens", "128", "--json")
+    assert rc == 0
+    cfg128 = json.loads(out)["config"]
+    assert (cfg128["G"], cfg128["Q"], cfg128["B"]) == (want.G, want.Q, want.B)
+    assert cfg128["predicted_s"] == pytest.approx(want.predicted_s, rel=1e-12)
+    assert want.predicted_s > es.configure(profile, 4 << 30).predicted_s  # 8x the tokens
+    with pytest.raises(SystemExit) as exit_:
+        run(capsys, "config", str(m), "--budget", "4GiB", "--tokens", "0")
+    assert exit_.value.code == 2 and "--tokens: must be >= 1" in capsys.readouterr().err
+    # prefill --budget configures for the request's own length
+    ids = ",".join(str(i % 50 + 1) for i in range(40))
+    rc, out, _ = run(capsys, "prefill", str(m), "--tokens", ids, "--budget", "4GiB", "--json")
+    assert rc == 0
+    got = json.loads(out)["metrics"]
+    want40 = es.configure(profile, 4 << 30, tokens=40)
+    assert (got["G"], got["Q"], got["B"]) == (want40.G, want40.Q, want40.B)
+    assert got["config_source"] == "budget"
 
 
 def test_bandwidth_rounds_interleave_and_keep_the_median():

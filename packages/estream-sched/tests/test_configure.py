@@ -299,3 +299,58 @@ def test_cached_sweeps_give_what_a_fresh_profile_gives(p: Profile, fracs: list[f
     (_bs, mean), *_ = sweep(p, q=depths[0]).values()
     with pytest.raises(ValueError):
         mean[0] = 0.0
+
+
+def test_scaled_exec_times_keep_the_fixed_part_per_op() -> None:
+    """X = a + c·routes scales to a + c·routes·s (the fixed part per op stays); routes too alike
+    to fit a slope scale proportionally; unrouted groups stay unscheduled (0)."""
+    from estream_sched.configure import scaled_exec_times
+
+    routes = np.array([[10, 0, 30, 20], [5, 40, 0, 25]])
+    execs = np.where(routes > 0, 2e-3 + 1e-4 * routes, 0.0)
+    got = scaled_exec_times(routes, execs, 4.0)
+    assert np.allclose(got, np.where(routes > 0, 2e-3 + 4e-4 * routes, 0.0), rtol=1e-12)
+    assert np.array_equal(scaled_exec_times(routes, execs, 1.0), execs)
+    flat = np.array([[7, 7, 0]])
+    assert np.allclose(scaled_exec_times(flat, np.array([[1.0, 2.0, 0.0]]), 3.0), [[3, 6, 0]])
+    falling = np.array([[10, 20, 30]])  # a negative slope: proportional, never negative times
+    assert np.allclose(scaled_exec_times(falling, np.array([[3.0, 2.0, 1.0]]), 2.0), [[6, 4, 2]])
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 3 << 30])
+def test_configure_for_a_longer_prompt_than_the_calibration(budget: int) -> None:
+    """Calibrated at 256 tokens, configured for 2048: the choice is the one a calibration at
+    2048 tokens makes (its true time within 0.5 % of the best there), while the choice for the
+    calibration length, whose per-op fixed costs hide behind reads at 256 tokens, is slower."""
+    cal = synthetic_profile(SyntheticSpec(tokens=256, noise=0.0, c_group=1e-3), seed=3)
+    # the truth at 2048 tokens: same router popularity, 8x the routes and the non-expert time
+    true = synthetic_profile(
+        SyntheticSpec(tokens=2048, noise=0.0, c_group=1e-3, t_ne=8 * 15e-3), seed=3
+    )
+    best = configure(true, budget)
+    times = {(r.g, r.q, r.b): r.predicted_s for r in best.table if r.feasible}
+    long = configure(cal, budget, tokens=2048)
+    short = configure(cal, budget)
+    assert long.tokens == 2048 and short.tokens == 256
+    assert long.to_dict()["tokens"] == 2048
+    assert times[(long.G, long.Q, long.B)] <= 1.005 * best.predicted_s
+    assert abs(long.predicted_s - times[(long.G, long.Q, long.B)]) <= 0.02 * long.predicted_s
+    assert times[(short.G, short.Q, short.B)] >= 1.05 * best.predicted_s
+    # the calibration length itself: the measured times, the same choice as without tokens
+    same = configure(cal, budget, tokens=256)
+    assert (same.G, same.Q, same.B, same.predicted_s) == (
+        short.G,
+        short.Q,
+        short.B,
+        short.predicted_s,
+    )
+
+
+def test_configure_tokens_errors() -> None:
+    p = synthetic_profile(SyntheticSpec(n_layers=2), seed=1)
+    with pytest.raises(ValueError, match="tokens must be >= 1"):
+        configure(p, 2**40, tokens=0)
+    bare = attrs.evolve(p, meta={})
+    with pytest.raises(ProfileError, match="calibration prompt length"):
+        configure(bare, 2**40, tokens=512)
+    assert configure(bare, 2**40).tokens is None

@@ -45,8 +45,10 @@ def resolve_config(
     G: int | None,
     Q: int | None,
     B: int | None,
+    tokens: int | None = None,
 ) -> StreamConfig | None:
-    """`(G, Q, B)` for a stream-kind mode; None for ``resident`` (no arena)."""
+    """`(G, Q, B)` for a stream-kind mode; None for ``resident`` (no arena). ``tokens``: the
+    prompt length a budget's configuration is chosen for (default: the calibration length)."""
     hp = model.hparams
     if mode == "resident":
         return None
@@ -60,7 +62,7 @@ def resolve_config(
         b = B or max(q, 2)
         cfg = StreamConfig(min(g, hp.n_experts), q, b, "explicit")
     elif budget is not None:
-        choice = configure_for_budget(model, budget)
+        choice = configure_for_budget(model, budget, tokens)
         cfg = StreamConfig(int(choice.G), int(choice.Q), int(choice.B), "budget")
     elif stored := model.manifest.get("config"):
         cfg = StreamConfig(int(stored["G"]), int(stored["Q"]), int(stored["B"]), "manifest")
@@ -80,11 +82,12 @@ def stored_profile(model: PackedModel) -> es.Profile:
     return es.Profile.from_dict(prof)
 
 
-def configure_for_budget(model: PackedModel, budget: int) -> es.Choice:
-    """(G, Q, B) for a memory budget from the stored profile; clear error below the minimum."""
+def configure_for_budget(model: PackedModel, budget: int, tokens: int | None = None) -> es.Choice:
+    """(G, Q, B) for a memory budget from the stored profile, for prompts of ``tokens`` tokens
+    (default: the profile's calibration length); clear error below the minimum."""
     profile = stored_profile(model)
     try:
-        return es.configure(profile, int(budget))
+        return es.configure(profile, int(budget), tokens=tokens)
     except es.BudgetError as exc:
         raise BudgetTooSmallError(str(exc), exc.minimum_bytes) from None
 

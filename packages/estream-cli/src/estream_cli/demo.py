@@ -96,7 +96,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(
             f"    G={choice.G} Q={choice.Q} B={choice.B}: predicted memory "
             f"{memory.format_bytes(choice.memory_bytes)}, predicted "
-            f"{choice.predicted_s * 1e3:.1f} ms per calibration request, selected in {dt * 1e3:.2f} ms"
+            f"{choice.predicted_s * 1e3:.1f} ms per request of {choice.tokens or '?'} tokens, selected in {dt * 1e3:.2f} ms"
         )
         rng = np.random.default_rng(1)
         tokens = rng.integers(0, hp.n_vocab, size=args.tokens)

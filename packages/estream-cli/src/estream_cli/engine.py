@@ -164,6 +164,7 @@ class Engine:
         mode: str = "stream",
         schedule: str = "early",
         budget: int | str | None = None,
+        budget_tokens: int | None = None,
         G: int | None = None,
         Q: int | None = None,
         B: int | None = None,
@@ -212,7 +213,14 @@ class Engine:
         self.model = PackedModel(path)
         self.hp = self.model.hparams
         self.budget = memory.parse_bytes(budget) if budget is not None else None
-        self.config = resolve_config(self.model, mode, self.budget, G, Q, B)
+        if budget_tokens is not None and (
+            isinstance(budget_tokens, bool)
+            or not isinstance(budget_tokens, int)
+            or budget_tokens < 1
+        ):
+            raise BadRequestError(f"budget_tokens must be an int >= 1, got {budget_tokens!r}")
+        self.budget_tokens = budget_tokens
+        self.config = resolve_config(self.model, mode, self.budget, G, Q, B, budget_tokens)
         self.arch = architecture(self.hp)
         htp.set_num_threads(int(n_threads or DEFAULT_THREADS))
         hp = self.hp
@@ -445,7 +453,9 @@ class Engine:
         per_token = pass_bytes_per_token(self.hp, all_logits=all_logits)
         allowance = DEFAULT_ACTIVATION_BYTES
         if self.budget is not None and self.config is not None and self.config.source == "budget":
-            predicted = int(configure_for_budget(self.model, self.budget).memory_bytes)
+            predicted = int(
+                configure_for_budget(self.model, self.budget, self.budget_tokens).memory_bytes
+            )
             prof = self.model.manifest.get("profile") or {}
             prof_tokens = int(prof.get("meta", {}).get("tokens", PROFILE_TOKENS))
             allowance = self.budget - predicted + prof_tokens * per_token

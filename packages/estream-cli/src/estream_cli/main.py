@@ -105,7 +105,7 @@ def _piece(tok: Any, i: int) -> str:
 def cmd_prefill(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     ids, tok = _tokens_from_args(args)
-    with engine_from_args(args, progress=not args.json) as engine:
+    with engine_from_args(args, progress=not args.json, tokens=max(1, len(ids))) as engine:
         res = engine.prefill(ids, all_logits=bool(args.all_logits))
     m = dict(res.metrics)
     m["end_to_end_s"] = time.perf_counter() - t0
@@ -170,7 +170,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     model = PackedModel(args.model)
     budget = memory.parse_bytes(args.budget)
     t0 = time.perf_counter()
-    choice = configure_for_budget(model, budget)
+    choice = configure_for_budget(model, budget, args.tokens)
     dt = time.perf_counter() - t0
     cfg = store_config(model, choice, budget)
     if args.json:
@@ -199,7 +199,7 @@ def _table_rows(choice: Any) -> list[dict[str, Any]]:
 def _print_choice(choice: Any, budget: int, dt: float) -> None:
     print(
         f"budget {memory.format_bytes(budget)} → G={choice.G} Q={choice.Q} B={choice.B}: "
-        f"predicted {choice.predicted_s * 1e3:.1f} ms per calibration request, "
+        f"predicted {choice.predicted_s * 1e3:.1f} ms per request of {choice.tokens or '?'} tokens, "
         f"memory {memory.format_bytes(choice.memory_bytes)} (selected in {dt * 1e3:.2f} ms)"
     )
     rows = _table_rows(choice)
@@ -314,6 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="choose (G, Q, B) for a memory budget from the profile")
     p.add_argument("model")
     p.add_argument("--budget", required=True, help="e.g. 1.5GiB")
+    p.add_argument(
+        "--tokens",
+        type=positive_int,
+        help="prompt length to configure for (default: the profile's calibration length; "
+        "`estream prefill --budget` uses each request's own)",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="PNG", help="plot the latency–memory frontier")
     p.set_defaults(func=cmd_config)

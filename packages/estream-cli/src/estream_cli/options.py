@@ -62,13 +62,17 @@ def add_engine_opts(p: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_from_args(args: argparse.Namespace, *, progress: bool) -> Engine:
-    """Load the engine with the options `add_engine_opts` added to a sub-command."""
+def engine_from_args(
+    args: argparse.Namespace, *, progress: bool, tokens: int | None = None
+) -> Engine:
+    """Load the engine with the options `add_engine_opts` added to a sub-command; ``tokens``:
+    the prompt length a ``--budget`` configuration is chosen for (one request's length)."""
     return load(
         args.model,
         mode=args.mode,
         schedule=args.schedule,
         budget=args.budget,
+        budget_tokens=tokens if args.budget is not None else None,
         G=args.G,
         Q=args.Q,
         B=args.B,

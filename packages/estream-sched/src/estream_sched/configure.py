@@ -15,6 +15,14 @@ Service-time model (see README "Modelling choices"):
   measured read time by the same bandwidth ratio.
 * ``X_k(g)`` — the execution time measured for that group in the calibration run of that ``g``.
 * ``T_ne`` — per layer, pooled (averaged) across the ``g`` runs (it does not depend on ``g``).
+* A request of ``T`` tokens (``configure(..., tokens=T)``), ``s = T / T_cal`` times the
+  calibration prompt: a group's time is a fixed part per op (weights through the caches, thread
+  hand-offs) plus a part per route, ``X ≈ a(g) + c(g) · routes``, fitted per ``g`` by least
+  squares over the routed groups of the calibration run; each group keeps its measured time and
+  gains ``c(g) · routes_k · (s - 1)``. Where the fit has no positive slope (route counts too
+  alike to tell), ``X_k · s``. ``T_ne · s`` (linear: attention's quadratic share is
+  understated at long prompts, which only makes reads look more exposed than they are). Reads
+  do not change with ``T``.
 * Groups with zero routes are dropped from the schedule, as the runtime drops them.
 """
 
@@ -34,10 +42,12 @@ __all__ = [
     "BudgetError",
     "Choice",
     "Row",
+    "calibration_tokens",
     "choose_q0",
     "configure",
     "format_bytes",
     "model_arrays",
+    "scaled_exec_times",
     "sweep",
 ]
 
@@ -141,6 +151,7 @@ class Choice:
     per_layer_s: float
     read_model: str
     table: tuple[Row, ...] = attrs.field(repr=False)
+    tokens: int | None = None  # the prompt length the choice was made for
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest's ``config`` entry."""
@@ -153,6 +164,7 @@ class Choice:
             "memory_bytes": self.memory_bytes,
             "per_layer_s": self.per_layer_s,
             "read_model": self.read_model,
+            "tokens": self.tokens,
         }
 
 
@@ -164,13 +176,51 @@ class _GroupModel:
     k_max: int
 
 
+def calibration_tokens(profile: Profile) -> int:
+    """The prompt length the profile's calibration request had (``meta["tokens"]``)."""
+    t = profile.meta.get("tokens")
+    if not isinstance(t, int) or isinstance(t, bool) or t < 1:
+        raise ProfileError(
+            "meta.tokens",
+            "the calibration prompt length is not recorded (profiles from `estream profile` "
+            "record it); configure without tokens, or re-profile",
+        )
+    return t
+
+
+def scaled_exec_times(routes: NDArray[Any], execs: NDArray[Any], scale: float) -> NDArray[Any]:
+    """Group execution times for a request ``scale`` times the calibration prompt (module
+    docstring): ``X_k + c · routes_k · (scale - 1)`` with ``c`` the least-squares slope of
+    ``X ≈ a + c · routes`` over the routed groups, or ``X_k · scale`` if that slope is not
+    positive. Unrouted groups stay 0 (they are not scheduled)."""
+    execs = np.asarray(execs, dtype=np.float64)
+    if scale == 1.0:
+        return execs
+    r = np.asarray(routes, dtype=np.float64)
+    routed = r > 0
+    x, y = r[routed], execs[routed]
+    slope = 0.0
+    if x.size >= 2 and np.ptp(x) > 0:
+        xc = x - x.mean()
+        slope = float(np.dot(xc, y - y.mean()) / np.dot(xc, xc))
+    if slope > 0.0:
+        out = np.where(routed, execs + slope * r * (scale - 1.0), 0.0)
+    else:
+        out = np.where(routed, execs * scale, 0.0)
+    return np.maximum(out, 0.0)
+
+
 def model_arrays(
-    profile: Profile, q: int, read_model: ReadModel = "calibrated"
+    profile: Profile, q: int, read_model: ReadModel = "calibrated", tokens: int | None = None
 ) -> dict[int, _GroupModel]:
-    """Per ``g``: ``L``, ``X`` (``[W, K_max]``) and pooled ``t_ne`` (``[W]``) at queue depth ``q``.
+    """Per ``g``: ``L``, ``X`` (``[W, K_max]``) and pooled ``t_ne`` (``[W]``) at queue depth ``q``,
+    for a request of ``tokens`` tokens (default: the calibration prompt's length).
 
     Cached on the profile (it is budget independent)."""
-    key = ("model", q, read_model)
+    t_scale = 1.0 if tokens is None else int(tokens) / calibration_tokens(profile)
+    if t_scale <= 0:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    key = ("model", q, read_model, t_scale)
     hit = profile._cache.get(key)
     if hit is not None:
         return hit  # type: ignore[no-any-return]
@@ -178,7 +228,7 @@ def model_arrays(
         raise ValueError(f"read_model must be one of {_READ_MODELS}, got {read_model!r}")
     qm = profile.q_measured
     gs = profile.groups
-    t_ne = np.mean(
+    t_ne = t_scale * np.mean(
         np.array([[lp.t_ne for lp in profile.candidates[g]] for g in gs], dtype=np.float64), axis=0
     )
     out: dict[int, _GroupModel] = {}
@@ -192,7 +242,7 @@ def model_arrays(
         routes = np.stack([lp.routes for lp in layers])
         nbytes = np.stack([lp.group_bytes for lp in layers]).astype(np.float64)
         reads = np.stack([lp.read_times for lp in layers])
-        execs = np.stack([lp.exec_times for lp in layers])
+        execs = scaled_exec_times(routes, np.stack([lp.exec_times for lp in layers]), t_scale)
         routed = routes > 0
         scale = (q / bw[q]) / (qm / bw[qm])
         if read_model == "bandwidth":
@@ -222,7 +272,11 @@ def _memory(profile: Profile, g: int, b: int | NDArray[np.int64]) -> Any:
 
 
 def sweep(
-    profile: Profile, *, q: int | None = None, read_model: ReadModel = "calibrated"
+    profile: Profile,
+    *,
+    q: int | None = None,
+    read_model: ReadModel = "calibrated",
+    tokens: int | None = None,
 ) -> dict[int, tuple[NDArray[np.int64], NDArray[np.float64]]]:
     """Mean per-layer ``T_pipe`` for every ``g`` and every ``b`` in ``q..ceil(N_e/g)``.
 
@@ -233,11 +287,11 @@ def sweep(
     q0 = choose_q0(profile.bandwidth) if q is None else int(q)
     if q0 < 1:
         raise ValueError(f"q must be >= 1, got {q0}")
-    key = ("sweep", q0, read_model)  # budget-independent: one evaluation per profile and depth
+    key = ("sweep", q0, read_model, tokens)  # budget-independent: once per profile and depth
     hit = profile._cache.get(key)
     if hit is not None:
         return dict(hit)  # type: ignore[arg-type]
-    models = model_arrays(profile, q0, read_model)
+    models = model_arrays(profile, q0, read_model, tokens)
     out: dict[int, tuple[NDArray[np.int64], NDArray[np.float64]]] = {}
     for g in profile.groups:
         b_top = n_groups(profile.n_experts, g)
@@ -261,11 +315,11 @@ _Q_RULES = ("model", "pooled", "every-g")
 
 
 def _configure_at(
-    profile: Profile, budget: int, Q: int, read_model: ReadModel
+    profile: Profile, budget: int, Q: int, read_model: ReadModel, tokens: int | None
 ) -> tuple[list[Row], tuple[float, int, int, int] | None, dict[int, Any]]:
     """Every ``(g, b)`` at queue depth ``Q``: the table rows and the best feasible
     ``(value, memory, g, b)`` (None if none fits)."""
-    sw = sweep(profile, q=Q, read_model=read_model)
+    sw = sweep(profile, q=Q, read_model=read_model, tokens=tokens)
     W_e = profile.expert_bytes
     nl = profile.n_layers
     rows: list[Row] = []
@@ -301,8 +355,14 @@ def configure(
     q0: int | None = None,
     q_rule: QRule = "model",
     read_model: ReadModel = "calibrated",
+    tokens: int | None = None,
 ) -> Choice:
     """Choose ``(G, Q, B)`` for a process-memory budget (bytes).
+
+    ``tokens``: the prompt length to configure for (module docstring: the groups' execution
+    times and ``T_ne`` are scaled from the calibration prompt's); default the calibration
+    length. At long prompts compute outweighs reads, and fewer, larger groups save the per-op
+    fixed costs that a short calibration prompt hides behind its reads.
 
     ``q_rule="model"`` (default): every queue depth ``q`` the bandwidth table holds for every
     ``g`` is a candidate, and the model decides it like ``g`` and ``b``: a read at depth ``q``
@@ -321,6 +381,12 @@ def configure(
     if q_rule not in _Q_RULES:
         raise ValueError(f"q_rule must be one of {_Q_RULES}, got {q_rule!r}")
     budget = int(budget_bytes)
+    if tokens is not None:
+        tokens = int(tokens)
+        if tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {tokens}")
+        if tokens == calibration_tokens(profile):
+            tokens = None  # the measured times as they are (one cache entry)
     if q0 is not None:
         depths = [int(q0)]
     elif q_rule == "model":
@@ -334,7 +400,7 @@ def configure(
     best: tuple[float, int, int, int, int] | None = None  # (value, memory, q, g, b)
     sweeps: dict[int, dict[int, Any]] = {}
     for Q in depths:
-        r, b_at, sw = _configure_at(profile, budget, Q, read_model)
+        r, b_at, sw = _configure_at(profile, budget, Q, read_model, tokens)
         rows += r
         if sw:
             sweeps[Q] = sw
@@ -375,4 +441,5 @@ def configure(
         per_layer_s=v,
         read_model=read_model,
         table=tuple(rows),
+        tokens=tokens if tokens is not None else profile.meta.get("tokens"),
     )
