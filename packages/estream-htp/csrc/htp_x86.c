@@ -315,77 +315,42 @@ const htp_isa htp_isa_avx2 = {
     .dot_macs_per_iter = 0,
 };
 
+/* The AVX-512 levels share every kernel but the Q4_0 x Q8 strip and the int8 peak. */
+#define HTP_AVX512_COMMON                                                                        \
+    .q8q8_strip = q8q8_strip_avx512, .q8q8_nt = 4, .dequant_tile = dequant_avx512,              \
+    .f32_strip = f32_strip_fast_avx512, .f32_nt = 8, .quantize_row_q8 = quantize_q8_fast_avx512, \
+    .attention_task = htp_attn_task_avx512, .attention_wants_kt = 1,                           \
+    .attention_bf16_pack = htp_attn_bf16_pack_avx512,                                          \
+    .attention_bf16_task = htp_attn_bf16_task_avx512, .swiglu = swiglu_avx512,                 \
+    .matmul_f32 = matmul_f32_avx512, .fma_peak = peak_fma, .fma_macs_per_iter = 12 * 16,        \
+    .bf16_peak = peak_bf16, .bf16_macs_per_iter = 12 * 32
+
 const htp_isa htp_isa_avx512 = {
     .level = HTP_SIMD_AVX512,
     .q4q8_strip = q4q8_strip_bw,
     .q4q8_nt = 4,
-    .q8q8_strip = q8q8_strip_avx512,
-    .q8q8_nt = 4,
-    .dequant_tile = dequant_avx512,
-    .f32_strip = f32_strip_fast_avx512,
-    .f32_nt = 8,
-    .quantize_row_q8 = quantize_q8_fast_avx512,
-    .attention_task = htp_attn_task_avx512,
-    .attention_wants_kt = 1,
-    .attention_bf16_pack = htp_attn_bf16_pack_avx512,
-    .attention_bf16_task = htp_attn_bf16_task_avx512,
-    .swiglu = swiglu_avx512,
-    .matmul_f32 = matmul_f32_avx512,
     .dot_peak = peak_bw,
     .dot_macs_per_iter = 12 * 64,
-    .fma_peak = peak_fma,
-    .fma_macs_per_iter = 12 * 16,
-    .bf16_peak = peak_bf16,
-    .bf16_macs_per_iter = 12 * 32,
+    HTP_AVX512_COMMON,
 };
 
 const htp_isa htp_isa_avx512vnni = {
     .level = HTP_SIMD_AVX512VNNI,
     .q4q8_strip = q4q8_strip_vnni,
     .q4q8_nt = 6,
-    .q8q8_strip = q8q8_strip_avx512,
-    .q8q8_nt = 4,
-    .dequant_tile = dequant_avx512,
-    .f32_strip = f32_strip_fast_avx512,
-    .f32_nt = 8,
-    .quantize_row_q8 = quantize_q8_fast_avx512,
-    .attention_task = htp_attn_task_avx512,
-    .attention_wants_kt = 1,
-    .attention_bf16_pack = htp_attn_bf16_pack_avx512,
-    .attention_bf16_task = htp_attn_bf16_task_avx512,
-    .swiglu = swiglu_avx512,
-    .matmul_f32 = matmul_f32_avx512,
     .dot_peak = peak_vnni,
     .dot_macs_per_iter = 12 * 64,
-    .fma_peak = peak_fma,
-    .fma_macs_per_iter = 12 * 16,
-    .bf16_peak = peak_bf16,
-    .bf16_macs_per_iter = 12 * 32,
+    HTP_AVX512_COMMON,
 };
 
-/* AMX: the VNNI table with the Q4_0 x Q8 strip on the tile unit (htp_amx.c); its peak is the
- * tile multiply's */
+/* AMX: the VNNI table with the Q4_0 x Q8 strip on the tile unit (htp_amx.c); its int8 peak is
+ * the tile multiply's */
 const htp_isa htp_isa_amx = {
     .level = HTP_SIMD_AMX,
     .q4q8_strip = htp_q4q8_strip_amx,
     .q4q8_nt = 64,
-    .q8q8_strip = q8q8_strip_avx512,
-    .q8q8_nt = 4,
-    .dequant_tile = dequant_avx512,
-    .f32_strip = f32_strip_fast_avx512,
-    .f32_nt = 8,
-    .quantize_row_q8 = quantize_q8_fast_avx512,
-    .attention_task = htp_attn_task_avx512,
-    .attention_wants_kt = 1,
-    .attention_bf16_pack = htp_attn_bf16_pack_avx512,
-    .attention_bf16_task = htp_attn_bf16_task_avx512,
-    .swiglu = swiglu_avx512,
-    .matmul_f32 = matmul_f32_avx512,
     .dot_peak = htp_amx_peak,
     .dot_macs_per_iter = 4 * 16 * 16 * 64,
-    .fma_peak = peak_fma,
-    .fma_macs_per_iter = 12 * 16,
-    .bf16_peak = peak_bf16,
-    .bf16_macs_per_iter = 12 * 32,
+    HTP_AVX512_COMMON,
 };
 #endif
