@@ -213,6 +213,9 @@ int htp_amx_usable(void);
 void htp_q4q8_strip_amx(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                         float *out, uint32_t ldo, uint32_t rows);
 int32_t htp_amx_peak(uint64_t iters);
+#define HTP_Q4_VNNI_NT 6 /* tokens per call of the VNNI Q4_0 x Q8 strip */
+void htp_q4q8_strip_vnni(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                         float *out, uint32_t ldo, uint32_t rows);
 #endif
 #ifdef HTP_ARM64
 int htp_neon_dotprod_supported(void);

@@ -120,6 +120,12 @@ HTP_INSTANTIATE(avx512, HTP_T_AVX512)
 Q4_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)
 Q4_KERNEL(bw, HTP_T_AVX512, DOT_BW)
 
+/* The VNNI strip for the AMX kernel's short token tails (nt <= HTP_Q4_VNNI_NT). */
+void htp_q4q8_strip_vnni(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                         float *out, uint32_t ldo, uint32_t rows) {
+    q4q8_strip_vnni(strip, kb, a, nt, out, ldo, rows);
+}
+
 /* ---- Q4_0 x Q8 tile kernel, AVX2: same scheme with 8-row registers, 2 tokens x 16 rows per
  * pass (16 ymm registers), vpmaddubsw + vpmaddwd for the 4-term dot products. */
 HTP_T_AVX2 static inline __attribute__((always_inline)) void q4q8_half_avx2(
@@ -337,7 +343,7 @@ const htp_isa htp_isa_avx512 = {
 const htp_isa htp_isa_avx512vnni = {
     .level = HTP_SIMD_AVX512VNNI,
     .q4q8_strip = q4q8_strip_vnni,
-    .q4q8_nt = 6,
+    .q4q8_nt = HTP_Q4_VNNI_NT,
     .dot_peak = peak_vnni,
     .dot_macs_per_iter = 12 * 64,
     HTP_AVX512_COMMON,

@@ -203,19 +203,20 @@ AMX = htp.simd_supported("amx")
 @pytest.mark.parametrize(
     "t,n,kb",
     [
-        (1, 32, 1),  # one token: a short tile block, zero-padded
-        (5, 17, 3),  # rows < 32 (one half), odd block count (no second tile set)
-        (16, 40, 32),  # exactly one token tile; a ragged second strip
-        (17, 64, 33),  # a one-token tail; k spans two unpack chunks
+        (1, 32, 1),  # one token: all on the VNNI kernel (fewer than 32 per call)
+        (27, 40, 5),  # 27 tokens: VNNI in calls of 6; a ragged second strip
+        (32, 17, 3),  # two tile blocks; rows < 32 (one half), an odd block count (no 2nd set)
+        (40, 64, 33),  # 32 on the tile unit + an 8-token VNNI tail; k spans two unpack chunks
         (64, 33, 64),  # the kernel's 64 tokens at once; one row in the last strip
-        (65, 96, 70),  # past 64 tokens (two calls per strip); chunks of 32 + 32 + 6 blocks
-        (203, 75, 128),  # several token chunks of the GEMM driver, odd rows
+        (65, 96, 70),  # 64 + 1 (two calls per strip); chunks of 32 + 32 + 6 blocks
+        (203, 75, 128),  # token chunks of the GEMM driver: calls of 64, 64, 56 (48 + 8), odd rows
     ],
 )
 def test_amx_q4_bits_equal_vnni(t: int, n: int, kb: int, threads: int) -> None:
     """The AMX Q4_0 x Q8 strip computes each block's integer dot product on the tile unit and
-    runs the VNNI kernel's fp32 epilogue: the outputs must be the VNNI kernel's, bit for bit
-    (a wrong tile layout, scale index or padding row changes bits, not only the tolerance)."""
+    runs the VNNI kernel's fp32 epilogue (token tails go to the VNNI kernel itself): the outputs
+    must be the VNNI kernel's, bit for bit (a wrong tile layout, scale index or tail split
+    changes bits, not only the tolerance)."""
     x, buf = _case(t, n, kb, 31 * t + n, "q4_0-t32r4")
     ys = {}
     for simd in ("avx512vnni", "amx"):
