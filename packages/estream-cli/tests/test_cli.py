@@ -177,6 +177,12 @@ def test_profile_config_then_budget(model, capsys, tmp_path):
     want40 = es.configure(profile, 4 << 30, tokens=40)
     assert (got["G"], got["Q"], got["B"]) == (want40.G, want40.Q, want40.B)
     assert got["config_source"] == "budget"
+    from estream_cli import load
+    from estream_cli.errors import BadRequestError
+
+    for bad in (0, True, 2.5):
+        with pytest.raises(BadRequestError, match="budget_tokens must be an int >= 1"):
+            load(m, budget="4GiB", budget_tokens=bad)
 
 
 def test_bandwidth_rounds_interleave_and_keep_the_median():

@@ -203,6 +203,12 @@ class Engine:
                 f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}"
             )
         _check_counts(G=G, Q=Q, B=B, n_threads=n_threads)
+        if budget_tokens is not None and (
+            isinstance(budget_tokens, bool)
+            or not isinstance(budget_tokens, int)
+            or budget_tokens < 1
+        ):
+            raise BadRequestError(f"budget_tokens must be an int >= 1, got {budget_tokens!r}")
         t0 = time.perf_counter()
         self._closed = False
         self._n_passes = 0  # passes run, numbering each pass's metrics ("pass_id")
@@ -213,12 +219,6 @@ class Engine:
         self.model = PackedModel(path)
         self.hp = self.model.hparams
         self.budget = memory.parse_bytes(budget) if budget is not None else None
-        if budget_tokens is not None and (
-            isinstance(budget_tokens, bool)
-            or not isinstance(budget_tokens, int)
-            or budget_tokens < 1
-        ):
-            raise BadRequestError(f"budget_tokens must be an int >= 1, got {budget_tokens!r}")
         self.budget_tokens = budget_tokens
         self.config = resolve_config(self.model, mode, self.budget, G, Q, B, budget_tokens)
         self.arch = architecture(self.hp)
