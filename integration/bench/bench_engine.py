@@ -222,16 +222,6 @@ def configure_and_store(dst: Path, budget: int) -> Any:
     return choice
 
 
-def config_for_length(dst: Path, budget: int, T: int) -> dict[str, Any]:
-    """The (G, Q, B) `prefill --budget` chooses for a prompt of T tokens (printed and kept)."""
-    from estream_cli.config import configure_for_budget
-    from estream_cli.packed import PackedModel
-
-    c = configure_for_budget(PackedModel(dst), budget, T)
-    print(f"  (stream at T={T}: G={c.G} Q={c.Q} B={c.B}, predicted {c.predicted_s:.2f} s)")
-    return {"G": c.G, "Q": c.Q, "B": c.B, "predicted_s": c.predicted_s}
-
-
 def prepare(preset: str, budget: int, seed: int = 0, arch: str = "olmoe") -> tuple[Path, Path]:
     from estream_layout import LayoutError, Manifest, pack_model, synth_model
 
@@ -349,8 +339,8 @@ def main() -> int:
             system, T, src=src, dst=dst, n_vocab=hp.n_vocab, threads=args.threads,
             timeout=timeout, cgroup=cg, engine_args=extra,
         )  # fmt: skip
-        if system == "stream":
-            m["config_for_length"] = config_for_length(dst, budget, T)
+        if system == "stream" and "G" in m:  # what the run used (its own metrics)
+            print(f"  (stream at T={T} ran with G={m['G']} Q={m['Q']} B={m['B']})", flush=True)
         return m
 
     if not args.skip_free:

@@ -87,21 +87,10 @@ def ensure_llama_cpp(python: str = sys.executable) -> None:
             )  # fmt: skip
         if done.returncode != 0 or _cached_wheel() is None:
             raise LlamaCppError(f"building {LLAMA_CPP_PYTHON} failed; see {BUILD_LOG}")
-    subprocess.run(
-        [
-            python,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--force-reinstall",
-            "--no-deps",
-            "--find-links",
-            str(WHEEL_DIR),
-            LLAMA_CPP_PYTHON,
-        ],
-        check=True,
-    )
+    # deps first (a no-op when present), then this wheel over any other build of the version
+    pip = [python, "-m", "pip", "install", "-q", "--find-links", str(WHEEL_DIR)]
+    subprocess.run([*pip, LLAMA_CPP_PYTHON], check=True)
+    subprocess.run([*pip, "--force-reinstall", "--no-deps", LLAMA_CPP_PYTHON], check=True)
 
 
 def llama_cpp_version(python: str = sys.executable) -> str:

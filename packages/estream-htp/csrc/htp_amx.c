@@ -6,7 +6,7 @@
  * the VNNI layout: 8 rows of 16 lanes x 4 k-values) into 16 x 16 int32. That is the per-block
  * integer dot product of the VNNI kernel, exactly; the block's fp32 epilogue is the same
  * instruction sequence (cvt, dw * da, fma into the running sum, blocks in order), so every output
- * is bit-identical to the AVX-512 VNNI and AVX2 kernels.
+ * is bit-identical to the AVX-512 VNNI kernel's (tested).
  *
  * Our tile layout already is the B layout after a nibble split: the low nibbles of group g of a
  * 32x32 tile are, for rows 0..15 (first 64 bytes) and 16..31 (next 64), k-values 4g..4g+3 (B row
@@ -48,9 +48,8 @@ typedef struct __attribute__((packed, aligned(64))) tilecfg {
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
+/* the AVX-512 VNNI half of the level is checked by the caller (cpu_supports) */
 static int amx_probe(void) {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw")) return 0;
     unsigned a, b, c, d;
     __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
     if (!((d >> 24) & 1) || !((d >> 25) & 1)) return 0; /* AMX-TILE, AMX-INT8 */
@@ -70,14 +69,15 @@ int htp_amx_usable(void) {
     return s;
 }
 
-/* tiles: 0/5 A (m x 32 bytes), 1/2 B (8 x 64), 3/4 C (m x 64): two sets, so the tile unit works
- * on block j+1 while the vector units finish block j */
-HTP_T_AMX static void config(tilecfg *cfg, uint32_t m) {
+/* tiles: 0/5 A (16 tokens x 32 bytes), 1/2 B (8 x 64), 3/4 C (16 x 64). Two sets, so that the
+ * tile unit could work on block j+1 while the vector unit finishes block j; on the Xeon this was
+ * measured on, the two did not overlap (see the README) */
+HTP_T_AMX static void config(tilecfg *cfg) {
     memset(cfg, 0, sizeof *cfg);
     cfg->palette = 1;
-    cfg->colsb[0] = cfg->colsb[5] = 32, cfg->rows[0] = cfg->rows[5] = (uint8_t)m;
+    cfg->colsb[0] = cfg->colsb[5] = 32, cfg->rows[0] = cfg->rows[5] = TB;
     cfg->colsb[1] = cfg->colsb[2] = 64, cfg->rows[1] = cfg->rows[2] = 8;
-    cfg->colsb[3] = cfg->colsb[4] = 64, cfg->rows[3] = cfg->rows[4] = (uint8_t)m;
+    cfg->colsb[3] = cfg->colsb[4] = 64, cfg->rows[3] = cfg->rows[4] = TB;
     _tile_loadconfig(cfg);
 }
 
@@ -178,7 +178,7 @@ HTP_T_AMX void htp_q4q8_strip_amx(const uint8_t *strip, uint32_t kb, const htp_a
     tilecfg cfg;
     const uint32_t k = kb * 32, nblk = nt / TB, halves = rows > 16 ? 2 : 1;
     memset(acc, 0, sizeof acc);
-    config(&cfg, TB);
+    config(&cfg);
     for (uint32_t j0 = 0; j0 < kb; j0 += KC) {
         const uint32_t nb = HTP_MIN(KC, kb - j0);
         unpack(strip, j0, nb, bt);
