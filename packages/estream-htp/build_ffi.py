@@ -50,6 +50,7 @@ SOURCES = [
     "htp_expert.c",
     "htp_x86.c",
     "htp_attn_avx512.c",
+    "htp_attn_avx2.c",
     "htp_amx.c",
     "htp_neon.c",
     "htp_backend.c",

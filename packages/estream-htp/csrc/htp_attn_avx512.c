@@ -1,5 +1,5 @@
-/* AVX-512 attention tasks: register-blocked QKᵀ (4 query rows x 64 keys) and PV (4 rows x 64
- * value dims), vector exp via scalef, K pre-transposed once per call. Head dims must be
+/* AVX-512 attention tasks (the body is htp_attn_task.h): register-blocked QKᵀ (4 query rows x
+ * 64 keys) and PV (4 rows x 64 value dims), vector exp via scalef, K pre-transposed once per call. Head dims must be
  * multiples of 16 (else the generic body runs). The bf16 variant (AVX512_BF16) does both
  * products with vdpbf16ps on K and V packed once per call as bf16 pairs: two multiply-adds per
  * 32-bit lane, twice the fp32 FMA rate. */
@@ -24,49 +24,6 @@ HTP_T_AVX512 static inline __m512 exp_neg_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
-}
-
-/* S[4][64] = Qs[4][dk] · Kt[dk][j0..j0+64) ; kt row stride ldk. */
-HTP_T_AVX512 static inline void qk_4x64(const float *qs, uint32_t dk, const float *kt, size_t ldk,
-                                        float *s, int nr) {
-    __m512 acc[4][4];
-    for (int r = 0; r < 4; r++)
-        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
-    for (uint32_t d = 0; d < dk; d++) {
-        const float *kr = kt + (size_t)d * ldk;
-        const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16);
-        const __m512 k2 = _mm512_loadu_ps(kr + 32), k3 = _mm512_loadu_ps(kr + 48);
-        for (int r = 0; r < 4; r++) {
-            const __m512 b = _mm512_set1_ps(qs[(size_t)(r < nr ? r : 0) * dk + d]);
-            acc[r][0] = _mm512_fmadd_ps(b, k0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(b, k1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(b, k2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(b, k3, acc[r][3]);
-        }
-    }
-    for (int r = 0; r < nr; r++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(s + r * 64 + 16 * c, acc[r][c]);
-}
-
-/* O[4][64 dims at dv0] += P[4][nj] · V[nj][dv0..dv0+64) */
-HTP_T_AVX512 static inline void pv_4x64(const float *p, uint32_t nj, const float *v, size_t ldv,
-                                        float *o, uint32_t ldo, int nr, int ncol) {
-    __m512 acc[4][4];
-    const int nc = ncol / 16;
-    for (int r = 0; r < 4; r++)
-        for (int c = 0; c < 4; c++)
-            acc[r][c] = (r < nr && c < nc) ? _mm512_loadu_ps(o + (size_t)r * ldo + 16 * c) : _mm512_setzero_ps();
-    for (uint32_t j = 0; j < nj; j++) {
-        const float *vr = v + (size_t)j * ldv;
-        __m512 vv[4];
-        for (int c = 0; c < 4; c++) vv[c] = c < nc ? _mm512_loadu_ps(vr + 16 * c) : _mm512_setzero_ps();
-        for (int r = 0; r < 4; r++) {
-            const __m512 b = _mm512_set1_ps(p[(r < nr ? r : 0) * 64 + j]);
-            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(b, vv[c], acc[r][c]);
-        }
-    }
-    for (int r = 0; r < nr; r++)
-        for (int c = 0; c < nc; c++) _mm512_storeu_ps(o + (size_t)r * ldo + 16 * c, acc[r][c]);
 }
 
 /* ---- bf16 products ---- */
@@ -170,14 +127,34 @@ HTP_T_BF16 static inline void pv_bf16_4x64(const uint32_t *pw, uint32_t njp, con
         for (int cc = 0; cc < nc; cc++) _mm512_storeu_ps(o + (size_t)r * ldo + 16 * cc, acc[r][cc]);
 }
 
-/* The two task kernels: one body (htp_attn_avx512_task.h), instantiated per product kind. */
+/* The two task kernels: one body (htp_attn_task.h), instantiated per product kind with the
+ * AVX-512 vector vocabulary; the fp32 register block is 4 query rows x 64 columns. */
+#define VF __m512
+#define VW 16
+#define V_LOAD(p) _mm512_loadu_ps(p)
+#define V_STORE(p, x) _mm512_storeu_ps((p), (x))
+#define V_SET1(x) _mm512_set1_ps(x)
+#define V_ZERO() _mm512_setzero_ps()
+#define V_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define V_MUL(a, b) _mm512_mul_ps((a), (b))
+#define V_SUB(a, b) _mm512_sub_ps((a), (b))
+#define V_ADD(a, b) _mm512_add_ps((a), (b))
+#define V_EXPNEG(x) exp_neg_ps(x)
+#define V_RMAX(x) _mm512_reduce_max_ps(x)
+#define V_RADD(x) _mm512_reduce_add_ps(x)
+#define V_FIRST(n) ((n) >= 16 ? (__mmask16)0xffff : (n) <= 0 ? (__mmask16)0 : (__mmask16)((1u << (n)) - 1u))
+#define V_MAXM(a, m, x) _mm512_mask_max_ps((a), (m), (a), (x))
+#define V_ANDM(m, x) _mm512_maskz_mov_ps((m), (x))
+#define ATTN_MR 4
+#define ATTN_MC 4
+
 #define ATTN_NAME htp_attn_task_avx512
 #define ATTN_TARGET HTP_T_AVX512
 #define ATTN_BF16 0
-#include "htp_attn_avx512_task.h"
+#include "htp_attn_task.h"
 
 #define ATTN_NAME htp_attn_bf16_task_avx512
 #define ATTN_TARGET HTP_T_BF16
 #define ATTN_BF16 1
-#include "htp_attn_avx512_task.h"
+#include "htp_attn_task.h"
 #endif

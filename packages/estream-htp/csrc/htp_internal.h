@@ -202,6 +202,7 @@ typedef struct htp_isa {
 extern const htp_isa htp_isa_portable;
 #ifdef HTP_X86
 void htp_attn_task_avx512(const htp_attn_ctx *c, uint32_t task, float *scratch);
+void htp_attn_task_avx2(const htp_attn_ctx *c, uint32_t task, float *scratch);
 void htp_attn_bf16_pack_avx512(const htp_attn_ctx *c, uint32_t ith, uint32_t nth);
 void htp_attn_bf16_task_avx512(const htp_attn_ctx *c, uint32_t task, float *scratch);
 extern const htp_isa htp_isa_avx2;

@@ -28,9 +28,6 @@
                                             int32_t *s) {                                        \
         htp_quantize_row_q8_body(x, k, q, d, s);                                                 \
     }                                                                                            \
-    TARGET static void attn_##SUFFIX(const htp_attn_ctx *c, uint32_t task, float *scratch) {     \
-        htp_attn_task_body(c, task, scratch);                                                    \
-    }                                                                                            \
     TARGET static void swiglu_##SUFFIX(const float *g, const float *u, uint64_t n, float *out) { \
         htp_swiglu_body(g, u, n, out);                                                           \
     }                                                                                            \
@@ -126,66 +123,67 @@ void htp_q4q8_strip_vnni(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
     q4q8_strip_vnni(strip, kb, a, nt, out, ldo, rows);
 }
 
-/* ---- Q4_0 x Q8 tile kernel, AVX2: same scheme with 8-row registers, 2 tokens x 16 rows per
- * pass (16 ymm registers), vpmaddubsw + vpmaddwd for the 4-term dot products. */
-HTP_T_AVX2 static inline __attribute__((always_inline)) void q4q8_half_avx2(
+/* ---- Q4_0 x Q8 tile kernel, AVX2: the same scheme with 8-row registers. One pass covers 8 rows
+ * (a ymm of 32-bit lanes) for up to 4 tokens, so each weight load and nibble split serves 4
+ * tokens. vpmaddubsw (u8 nibbles x s8 activations) sums adjacent pairs into 16 bits; a block's
+ * 4 groups x (low + high) stay in 16 bits (|sum| <= 8 x 2 x 15 x 127 = 30480 < 2^15, the
+ * activations being within +-127) and one vpmaddwd per block widens them. The integer sums are
+ * exact, and the fp32 epilogue is the AVX-512 one (convert, dw·da, FMA, blocks in order). */
+HTP_T_AVX2 static inline __attribute__((always_inline)) void q4q8_rows8_avx2(
     const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s, uint32_t k,
-    float *out, uint32_t ldo, uint32_t rows, int half, const int NT) {
+    float *out, uint32_t ldo, uint32_t rows, uint32_t pass, const int NT) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[2][2];
-    for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm256_setzero_ps();
+    __m256 acc[4];
+    for (int u = 0; u < NT; u++) acc[u] = _mm256_setzero_ps();
     for (uint32_t j = 0; j < kb; j++) {
         const uint8_t *tile = strip + (size_t)j * HTP_Q4_TILE_BYTES;
-        __m256i ia[2][2];
-        for (int u = 0; u < NT; u++) ia[u][0] = ia[u][1] = _mm256_setzero_si256();
+        __m256i p16[4];
+        for (int u = 0; u < NT; u++) p16[u] = _mm256_setzero_si256();
         for (int g = 0; g < 4; g++) {
-            const uint8_t *gp = tile + 64 + 128 * g + 64 * half;
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)gp);
-            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(gp + 32));
-            const __m256i l0 = _mm256_and_si256(v0, m4), l1 = _mm256_and_si256(v1, m4);
-            const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
-            const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(tile + 64 + 128 * g + 32 * pass));
+            const __m256i lo = _mm256_and_si256(v, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
             for (int u = 0; u < NT; u++) {
                 const int8_t *qa = q + (size_t)u * k + 32 * j + 4 * g;
                 int32_t alo, ahi;
                 memcpy(&alo, qa, 4);
                 memcpy(&ahi, qa + 16, 4);
-                const __m256i bl = _mm256_set1_epi32(alo), bh = _mm256_set1_epi32(ahi);
-                const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(l0, bl), _mm256_maddubs_epi16(h0, bh));
-                const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(l1, bl), _mm256_maddubs_epi16(h1, bh));
-                ia[u][0] = _mm256_add_epi32(ia[u][0], _mm256_madd_epi16(p0, ones));
-                ia[u][1] = _mm256_add_epi32(ia[u][1], _mm256_madd_epi16(p1, ones));
+                p16[u] = _mm256_add_epi16(p16[u], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(alo)));
+                p16[u] = _mm256_add_epi16(p16[u], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ahi)));
             }
         }
-        const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 32 * half)));
-        const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 32 * half + 16)));
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 16 * pass)));
         for (int u = 0; u < NT; u++) {
             const __m256 da = _mm256_set1_ps(d[(size_t)u * kb + j]);
             const __m256i s8 = _mm256_set1_epi32(8 * s[(size_t)u * kb + j]);
-            const __m256 f0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(ia[u][0], s8));
-            const __m256 f1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(ia[u][1], s8));
-            acc[u][0] = _mm256_fmadd_ps(f0, _mm256_mul_ps(dw0, da), acc[u][0]);
-            acc[u][1] = _mm256_fmadd_ps(f1, _mm256_mul_ps(dw1, da), acc[u][1]);
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(p16[u], ones), s8));
+            acc[u] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, da), acc[u]);
         }
     }
+    const uint32_t r0 = 8u * pass, live = rows - r0 < 8 ? rows - r0 : 8;
     for (int u = 0; u < NT; u++) {
-        float tmp[16];
-        _mm256_storeu_ps(tmp, acc[u][0]);
-        _mm256_storeu_ps(tmp + 8, acc[u][1]);
-        const uint32_t r0 = 16u * (uint32_t)half;
-        for (uint32_t r = 0; r < 16 && r0 + r < rows; r++) out[(size_t)u * ldo + r0 + r] = tmp[r];
+        if (live == 8) {
+            _mm256_storeu_ps(out + (size_t)u * ldo + r0, acc[u]);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, acc[u]);
+            for (uint32_t r = 0; r < live; r++) out[(size_t)u * ldo + r0 + r] = tmp[r];
+        }
     }
 }
 
 HTP_T_AVX2 static void q4q8_strip_avx2(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
                                        uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
     const uint32_t k = kb * 32;
-    for (int half = 0; half < (rows > 16 ? 2 : 1); half++) {
-        if (nt == 2)
-            q4q8_half_avx2(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, half, 2);
-        else
-            q4q8_half_avx2(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, half, 1);
+    for (uint32_t pass = 0; 8 * pass < rows; pass++) {
+        switch (nt) {
+        case 4: q4q8_rows8_avx2(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, pass, 4); break;
+        case 3: q4q8_rows8_avx2(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, pass, 3); break;
+        case 2: q4q8_rows8_avx2(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, pass, 2); break;
+        case 1: q4q8_rows8_avx2(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, pass, 1); break;
+        default: break;
+        }
     }
 }
 
@@ -263,15 +261,16 @@ HTP_T_VNNI static int32_t peak_vnni(uint64_t iters) {
     return _mm512_reduce_add_epi32(r);
 }
 
+/* AVX-512 without VNNI: 12 chains of vpmaddubsw on zmm (64 multiply-adds each), fed back as
+ * in the AVX2 peak */
 HTP_T_AVX512 static int32_t peak_bw(uint64_t iters) {
-    __m512i acc[12];
-    const __m512i a = _mm512_set1_epi32(0x01020304), b = _mm512_set1_epi32(0x05060708);
-    for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_epi32(i);
-    for (uint64_t it = 0; it < iters; it++) {
-        for (int i = 0; i < 12; i++) acc[i] = DOT_BW(acc[i], a, b);
-    }
-    __m512i r = acc[0];
-    for (int i = 1; i < 12; i++) r = _mm512_add_epi32(r, acc[i]);
+    __m512i x[12];
+    const __m512i b = _mm512_set1_epi32(0x05060708);
+    for (int i = 0; i < 12; i++) x[i] = _mm512_set1_epi32(0x01020304 + i);
+    for (uint64_t it = 0; it < iters; it++)
+        for (int i = 0; i < 12; i++) x[i] = _mm512_maddubs_epi16(x[i], b);
+    __m512i r = x[0];
+    for (int i = 1; i < 12; i++) r = _mm512_add_epi32(r, x[i]);
     return _mm512_reduce_add_epi32(r);
 }
 
@@ -300,25 +299,53 @@ HTP_T_BF16 static int32_t peak_bf16(uint64_t iters) {
     return (int32_t)_mm512_reduce_add_ps(r);
 }
 
+/* AVX2: 12 independent chains of vpmaddubsw, the instruction the AVX2 kernel multiplies with
+ * (u8 x s8, adjacent pairs summed: 32 multiply-adds per ymm; each chain feeds its result back as
+ * the u8 operand, so nothing is loop-invariant), and of vfmadd231ps on ymm (8 MACs each) */
+HTP_T_AVX2 static int32_t peak_dot_avx2(uint64_t iters) {
+    __m256i x[12];
+    const __m256i b = _mm256_set1_epi32(0x05060708);
+    for (int i = 0; i < 12; i++) x[i] = _mm256_set1_epi32(0x01020304 + i);
+    for (uint64_t it = 0; it < iters; it++)
+        for (int i = 0; i < 12; i++) x[i] = _mm256_maddubs_epi16(x[i], b);
+    __m256i r = x[0];
+    for (int i = 1; i < 12; i++) r = _mm256_add_epi32(r, x[i]);
+    return _mm256_extract_epi32(r, 0) + _mm256_extract_epi32(r, 7);
+}
+
+HTP_T_AVX2 static int32_t peak_fma_avx2(uint64_t iters) {
+    __m256 acc[12];
+    const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
+    for (int i = 0; i < 12; i++) acc[i] = _mm256_set1_ps((float)i);
+    for (uint64_t it = 0; it < iters; it++) {
+        for (int i = 0; i < 12; i++) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
+    }
+    __m256 r = acc[0];
+    for (int i = 1; i < 12; i++) r = _mm256_add_ps(r, acc[i]);
+    return (int32_t)_mm256_cvtss_f32(r);
+}
+
 /* ---- the tables ---- */
 const htp_isa htp_isa_avx2 = {
     .level = HTP_SIMD_AVX2,
     .q4q8_strip = q4q8_strip_avx2,
-    .q4q8_nt = 2,
+    .q4q8_nt = 4,
     .q8q8_strip = q8q8_strip_avx2,
     .q8q8_nt = 4,
     .dequant_tile = dequant_avx2,
     .f32_strip = f32_strip_avx2,
     .f32_nt = 4,
     .quantize_row_q8 = quantize_q8_avx2,
-    .attention_task = attn_avx2,
-    .attention_wants_kt = 0,
+    .attention_task = htp_attn_task_avx2,
+    .attention_wants_kt = 1,
     .attention_bf16_pack = NULL,
     .attention_bf16_task = NULL,
     .swiglu = swiglu_avx2,
     .matmul_f32 = matmul_f32_avx2,
-    .dot_peak = NULL,
-    .dot_macs_per_iter = 0,
+    .dot_peak = peak_dot_avx2,
+    .dot_macs_per_iter = 12 * 32,
+    .fma_peak = peak_fma_avx2,
+    .fma_macs_per_iter = 12 * 8,
 };
 
 /* The AVX-512 levels share every kernel but the Q4_0 x Q8 strip and the int8 peak. */

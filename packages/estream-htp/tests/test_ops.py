@@ -142,6 +142,34 @@ def test_attention(
     assert T.rel_l2(y, T.ref_attention(q, k, v, 1.0 / np.sqrt(dk), causal)) <= TOL
 
 
+@pytest.mark.parametrize("simd", LEVELS)
+@settings(max_examples=25, deadline=None)
+@given(
+    t=st.integers(1, 200),
+    hkv=st.integers(1, 2),
+    rep=st.integers(1, 3),
+    dk=st.sampled_from([16, 32, 48, 64, 128]),
+    dv=st.sampled_from([16, 32, 80, 128]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_attention_register_blocks(
+    simd: str, t: int, hkv: int, rep: int, dk: int, dv: int, causal: bool, seed: int
+) -> None:
+    """Head dims that are multiples of 16 take the SIMD levels' register-blocked kernels (K
+    re-laid once per call, query rows in blocks of 4 or 6, partial key blocks on the causal
+    diagonal, value dims not a multiple of the column block): float64 reference, NaN-poisoned
+    output, several query and key blocks."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((t, hkv * rep, dk)).astype(np.float32)
+    k = rng.standard_normal((t, hkv, dk)).astype(np.float32)
+    v = rng.standard_normal((t, hkv, dv)).astype(np.float32)
+    out = np.full((t, hkv * rep, dv), np.nan, np.float32)
+    with mode(simd=simd):
+        y = htp.attention(q, k, v, 1.0 / np.sqrt(dk), causal, out=out)
+    assert T.rel_l2(y, T.ref_attention(q, k, v, 1.0 / np.sqrt(dk), causal)) <= TOL
+
+
 TOL_BF16 = 1e-2  # bf16 products (rounded q*scale, k, v, softmax weights) vs float64: ~3e-3
 TOL_BF16_EMU = 1e-4  # native bf16 kernels vs the portable emulation of the same rounding
 

@@ -110,11 +110,13 @@ def test_expert_graph_del_swallows_an_interrupt(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.parametrize("level", LEVELS)
 def test_mac_peaks(level: str) -> None:
     """The peak micro-measures exist exactly where the level has the instruction: int8 dot
-    and fp32 FMA on the AVX-512 levels, bf16 dot there when the CPU has AVX512_BF16 (the
+    and fp32 FMA on the AVX2 and AVX-512 levels, bf16 dot there when the CPU has AVX512_BF16 (the
     native bf16 attention condition); a positive finite rate when they run."""
     with htp.Backend("host", n_threads=1, simd=level) as be:
         for kind in ("int8", "fp32", "bf16"):
-            has = level in ("avx512", "avx512vnni", "amx") and (kind != "bf16" or _has_bf16())
+            has = (level in ("avx512", "avx512vnni", "amx") and (kind != "bf16" or _has_bf16())) or (
+                level == "avx2" and kind != "bf16"
+            )
             if has:
                 rate = _core._mac_peak(kind, 1000, backend=be)
                 assert 0 < rate < float("inf")

@@ -1,0 +1,160 @@
+/* The SIMD attention task, written once for every vector width: one (head, query block) with an
+ * online softmax over key blocks of HTP_ATTN_BK. Included once per (instruction set, product
+ * kind) by htp_attn_avx512.c and htp_attn_avx2.c, with
+ *   ATTN_NAME    the function's name,
+ *   ATTN_TARGET  its target attribute,
+ *   ATTN_BF16    0: fp32 products (q·scale and K pre-transposed as floats, P·V in fp32);
+ *                1: bf16 products (AVX-512 BF16 only: q·scale, K, V and the softmax weights
+ *                   rounded to bfloat16, vdpbf16ps with fp32 sums; the row sums add the weights
+ *                   actually applied; the includer supplies qk_bf16_4x64, pv_bf16_4x64,
+ *                   bf16_of and f32_of),
+ *   ATTN_MR, ATTN_MC  the fp32 register block: MR query rows x MC vectors of columns,
+ * and the vector vocabulary of its instruction set:
+ *   VF (the float vector type), VW (its lanes), VM (a lane mask), V_LOAD, V_STORE, V_SET1,
+ *   V_ZERO, V_FMA(a, b, c) = a·b + c, V_MUL, V_SUB, V_ADD, V_EXPNEG (exp of lanes <= 0),
+ *   V_RMAX, V_RADD (horizontal max and sum), V_FIRST(n) (mask of the first n lanes; n may be
+ *   <= 0 or >= VW), V_MAXM(a, m, x) (max(a, x) where m, else a), V_ANDM(m, x) (x where m, else 0).
+ * Everything else — the block loop, the key limits of causal and context attention, the
+ * running max and sum, the rescaling of O, the final normalisation and the fp32 register block
+ * for both products — is shared. Each output element sums its products in one fixed order
+ * (over d for S, over keys for O), whatever the block shape. */
+
+/* C[MR][MC·VW] (+)= A[MR][kd] · B[kd][MC·VW]: A rows broadcast lane by lane, B rows loaded as
+ * vectors (row stride ldb); nr rows and nc vectors are live. acc != 0 adds to C. */
+#define ATTN_CAT2(a, b) a##b
+#define ATTN_CAT(a, b) ATTN_CAT2(a, b)
+#define ATTN_MK ATTN_CAT(ATTN_NAME, _mk)
+
+#if !ATTN_BF16
+ATTN_TARGET static inline __attribute__((always_inline)) void ATTN_MK(
+    const float *a, size_t lda, uint32_t kd, const float *b, size_t ldb, float *cm, size_t ldc,
+    int nr, int nc, int acc_in) {
+    VF acc[ATTN_MR][ATTN_MC];
+    for (int r = 0; r < ATTN_MR; r++)
+        for (int q = 0; q < ATTN_MC; q++)
+            acc[r][q] = (acc_in && r < nr && q < nc) ? V_LOAD(cm + (size_t)r * ldc + VW * q) : V_ZERO();
+    for (uint32_t d = 0; d < kd; d++) {
+        const float *br = b + (size_t)d * ldb;
+        VF bv[ATTN_MC];
+        for (int q = 0; q < ATTN_MC; q++) bv[q] = q < nc ? V_LOAD(br + VW * q) : V_ZERO();
+        for (int r = 0; r < ATTN_MR; r++) {
+            const VF x = V_SET1(a[(size_t)(r < nr ? r : 0) * lda + d]);
+            for (int q = 0; q < ATTN_MC; q++) acc[r][q] = V_FMA(x, bv[q], acc[r][q]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int q = 0; q < nc; q++) V_STORE(cm + (size_t)r * ldc + VW * q, acc[r][q]);
+}
+#endif
+
+ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch) {
+#if !ATTN_BF16
+    if (c->dk % 16 || c->dv % 16 || !c->kt) {
+        htp_attn_task_body(c, task, scratch);
+        return;
+    }
+#endif
+    const uint32_t BQ = HTP_ATTN_BQ, BK = HTP_ATTN_BK;
+    const uint32_t h = task / c->n_qblk, qb = task % c->n_qblk;
+    const uint32_t hk = h / (c->hq / c->hkv);
+    const uint32_t dk = c->dk, dv = c->dv, t = c->t;
+    const uint32_t i0 = qb * BQ, ni = HTP_MIN(BQ, t - i0);
+    const size_t qstride = (size_t)c->hq * dk, ostride = (size_t)c->hq * dv;
+    float *s = scratch;             /* [BQ][BK] scores */
+    float *o = s + (size_t)BQ * BK; /* [BQ][dv] unnormalised output rows */
+#if ATTN_BF16
+    const uint32_t dp = dk / 2, nblk = (uint32_t)c->kt_ld;
+    const uint32_t *k_head = c->kw + (size_t)hk * nblk * dp * BK;       /* [kblk][dp][BK] pairs */
+    const uint32_t *v_head = c->vw + (size_t)hk * nblk * (BK / 2) * dv; /* [kblk][BK/2][dv] pairs */
+    uint32_t *qw = (uint32_t *)(o + (size_t)BQ * dv);                    /* [BQ][dp] q·scale pairs */
+    uint32_t *pw = qw + (size_t)BQ * dp;                                 /* [BQ][BK/2] P pairs */
+#else
+    const float *k_head = c->kt + (size_t)hk * c->kt_ld * dk * BK; /* [kblk][dk][BK] */
+    const float *v_head = c->vp + (size_t)hk * c->tk * dv;         /* [key][dv] */
+    float *qs = o + (size_t)BQ * dv;                               /* [BQ][dk] q·scale */
+    const uint32_t CB = ATTN_MC * VW;                              /* columns per register block */
+#endif
+    float m[HTP_ATTN_BQ], l[HTP_ATTN_BQ];
+    const VF vscale = V_SET1(c->scale);
+    for (uint32_t i = 0; i < ni; i++) {
+        const float *qi = c->q + (size_t)(i0 + i) * qstride + (size_t)h * dk;
+        for (uint32_t d = 0; d < dk; d += VW) {
+            const VF x = V_MUL(V_LOAD(qi + d), vscale);
+#if ATTN_BF16
+            _mm256_storeu_si256((__m256i *)((uint16_t *)(qw + (size_t)i * dp) + d), bf16_of(x));
+#else
+            V_STORE(qs + (size_t)i * dk + d, x);
+#endif
+        }
+        for (uint32_t d = 0; d < dv; d += VW) V_STORE(o + (size_t)i * dv + d, V_ZERO());
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    const uint32_t kend = htp_attn_key_end(c, i0 + ni - 1);
+    for (uint32_t j0 = 0; j0 < kend; j0 += BK) {
+        const uint32_t nj = HTP_MIN(BK, kend - j0), kb = j0 / BK;
+        /* S = (q·scale) Kᵀ for the block */
+#if ATTN_BF16
+        for (uint32_t i = 0; i < ni; i += 4)
+            qk_bf16_4x64(qw + (size_t)i * dp, dp, k_head + (size_t)kb * dp * BK, s + (size_t)i * BK,
+                         (int)HTP_MIN(4u, ni - i));
+#else
+        for (uint32_t i = 0; i < ni; i += ATTN_MR)
+            for (uint32_t c0 = 0; c0 < BK; c0 += CB)
+                ATTN_MK(qs + (size_t)i * dk, dk, dk, k_head + (size_t)kb * dk * BK + c0, BK,
+                        s + (size_t)i * BK + c0, BK, (int)HTP_MIN((uint32_t)ATTN_MR, ni - i), ATTN_MC, 0);
+#endif
+        /* online softmax: new running max, P = exp(S - max) on the visible keys, rescale O */
+        for (uint32_t i = 0; i < ni; i++) {
+            const int lim = (int)htp_attn_key_lim(c, i0 + i, j0, nj);
+            float *sr = s + (size_t)i * BK;
+            VF vmx = V_SET1(m[i]);
+            for (uint32_t cc = 0; cc < BK; cc += VW)
+                vmx = V_MAXM(vmx, V_FIRST(lim - (int)cc), V_LOAD(sr + cc));
+            const float mx = V_RMAX(vmx);
+            const VF vm = V_SET1(mx);
+            VF vsum = V_ZERO();
+            for (uint32_t cc = 0; cc < BK; cc += VW) {
+                const VF pv = V_ANDM(V_FIRST(lim - (int)cc), V_EXPNEG(V_SUB(V_LOAD(sr + cc), vm)));
+#if ATTN_BF16
+                const __m256i pb = bf16_of(pv);
+                _mm256_storeu_si256((__m256i *)((uint16_t *)(pw + (size_t)i * (BK / 2)) + cc), pb);
+                vsum = V_ADD(vsum, f32_of(pb)); /* the weights actually applied */
+#else
+                V_STORE(sr + cc, pv);
+                vsum = V_ADD(vsum, pv);
+#endif
+            }
+            const float corr = m[i] == -INFINITY ? 0.0f : htp_exp_neg(m[i] - mx);
+            l[i] = l[i] * corr + V_RADD(vsum);
+            m[i] = mx;
+            if (corr != 1.0f) {
+                const VF vc = V_SET1(corr);
+                float *oi = o + (size_t)i * dv;
+                for (uint32_t d = 0; d < dv; d += VW) V_STORE(oi + d, V_MUL(V_LOAD(oi + d), vc));
+            }
+        }
+        /* O += P V */
+#if ATTN_BF16
+        for (uint32_t i = 0; i < ni; i += 4)
+            for (uint32_t d0 = 0; d0 < dv; d0 += 64)
+                pv_bf16_4x64(pw + (size_t)i * (BK / 2), (nj + 1) / 2, v_head + (size_t)kb * (BK / 2) * dv + d0, dv,
+                             o + (size_t)i * dv + d0, dv, (int)HTP_MIN(4u, ni - i), (int)HTP_MIN(64u, dv - d0));
+#else
+        for (uint32_t i = 0; i < ni; i += ATTN_MR)
+            for (uint32_t d0 = 0; d0 < dv; d0 += CB)
+                ATTN_MK(s + (size_t)i * BK, BK, nj, v_head + (size_t)j0 * dv + d0, dv, o + (size_t)i * dv + d0,
+                        dv, (int)HTP_MIN((uint32_t)ATTN_MR, ni - i), (int)(HTP_MIN(CB, dv - d0) / VW), 1);
+#endif
+    }
+    for (uint32_t i = 0; i < ni; i++) {
+        float *dst = c->out + (size_t)(i0 + i) * ostride + (size_t)h * dv;
+        const VF inv = V_SET1(1.0f / l[i]);
+        for (uint32_t d = 0; d < dv; d += VW) V_STORE(dst + d, V_MUL(V_LOAD(o + (size_t)i * dv + d), inv));
+    }
+}
+
+#undef ATTN_MK
+#undef ATTN_NAME
+#undef ATTN_TARGET
+#undef ATTN_BF16
