@@ -114,9 +114,9 @@ def test_mac_peaks(level: str) -> None:
     native bf16 attention condition); a positive finite rate when they run."""
     with htp.Backend("host", n_threads=1, simd=level) as be:
         for kind in ("int8", "fp32", "bf16"):
-            has = (level in ("avx512", "avx512vnni", "amx") and (kind != "bf16" or _has_bf16())) or (
-                level == "avx2" and kind != "bf16"
-            )
+            has = (
+                level in ("avx512", "avx512vnni", "amx") and (kind != "bf16" or _has_bf16())
+            ) or (level == "avx2" and kind != "bf16")
             if has:
                 rate = _core._mac_peak(kind, 1000, backend=be)
                 assert 0 < rate < float("inf")
