@@ -129,59 +129,65 @@ void htp_q4q8_strip_vnni(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
  * 4 groups x (low + high) stay in 16 bits (|sum| <= 8 x 2 x 15 x 127 = 30480 < 2^15, the
  * activations being within +-127) and one vpmaddwd per block widens them. The integer sums are
  * exact, and the fp32 epilogue is the AVX-512 one (convert, dw·da, FMA, blocks in order). */
-HTP_T_AVX2 static inline __attribute__((always_inline)) void q4q8_rows8_avx2(
+HTP_T_AVX2 static inline __attribute__((always_inline)) void q4q8_rows16_avx2(
     const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s, uint32_t k,
     float *out, uint32_t ldo, uint32_t rows, uint32_t pass, const int NT) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[4];
-    for (int u = 0; u < NT; u++) acc[u] = _mm256_setzero_ps();
+    float acc[4][16]; /* fp32 sums in L1: the registers hold the 16-bit block sums */
+    for (int u = 0; u < NT; u++)
+        for (int r = 0; r < 16; r++) acc[u][r] = 0.0f;
     for (uint32_t j = 0; j < kb; j++) {
         const uint8_t *tile = strip + (size_t)j * HTP_Q4_TILE_BYTES;
-        __m256i p16[4];
-        for (int u = 0; u < NT; u++) p16[u] = _mm256_setzero_si256();
+        __m256i p16[4][2];
+        for (int u = 0; u < NT; u++) p16[u][0] = p16[u][1] = _mm256_setzero_si256();
         for (int g = 0; g < 4; g++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(tile + 64 + 128 * g + 32 * pass));
-            const __m256i lo = _mm256_and_si256(v, m4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            const uint8_t *gp = tile + 64 + 128 * g + 64 * pass;
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)gp);
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(gp + 32));
+            const __m256i l0 = _mm256_and_si256(v0, m4), l1 = _mm256_and_si256(v1, m4);
+            const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+            const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
             for (int u = 0; u < NT; u++) {
                 const int8_t *qa = q + (size_t)u * k + 32 * j + 4 * g;
                 int32_t alo, ahi;
                 memcpy(&alo, qa, 4);
                 memcpy(&ahi, qa + 16, 4);
-                p16[u] = _mm256_add_epi16(p16[u], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(alo)));
-                p16[u] = _mm256_add_epi16(p16[u], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ahi)));
+                const __m256i bl = _mm256_set1_epi32(alo), bh = _mm256_set1_epi32(ahi);
+                p16[u][0] = _mm256_add_epi16(p16[u][0], _mm256_maddubs_epi16(l0, bl));
+                p16[u][1] = _mm256_add_epi16(p16[u][1], _mm256_maddubs_epi16(l1, bl));
+                p16[u][0] = _mm256_add_epi16(p16[u][0], _mm256_maddubs_epi16(h0, bh));
+                p16[u][1] = _mm256_add_epi16(p16[u][1], _mm256_maddubs_epi16(h1, bh));
+                /* keep each sum in one register, added in order: without this gcc
+                 * re-associates the 16-bit adds into a tree of products spilled to the stack */
+                __asm__("" : "+x"(p16[u][0]), "+x"(p16[u][1]));
             }
         }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 16 * pass)));
+        const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 32 * pass)));
+        const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 32 * pass + 16)));
         for (int u = 0; u < NT; u++) {
             const __m256 da = _mm256_set1_ps(d[(size_t)u * kb + j]);
             const __m256i s8 = _mm256_set1_epi32(8 * s[(size_t)u * kb + j]);
-            const __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(p16[u], ones), s8));
-            acc[u] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, da), acc[u]);
+            const __m256 f0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(p16[u][0], ones), s8));
+            const __m256 f1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(p16[u][1], ones), s8));
+            _mm256_storeu_ps(acc[u], _mm256_fmadd_ps(f0, _mm256_mul_ps(dw0, da), _mm256_loadu_ps(acc[u])));
+            _mm256_storeu_ps(acc[u] + 8, _mm256_fmadd_ps(f1, _mm256_mul_ps(dw1, da), _mm256_loadu_ps(acc[u] + 8)));
         }
     }
-    const uint32_t r0 = 8u * pass, live = rows - r0 < 8 ? rows - r0 : 8;
-    for (int u = 0; u < NT; u++) {
-        if (live == 8) {
-            _mm256_storeu_ps(out + (size_t)u * ldo + r0, acc[u]);
-        } else {
-            float tmp[8];
-            _mm256_storeu_ps(tmp, acc[u]);
-            for (uint32_t r = 0; r < live; r++) out[(size_t)u * ldo + r0 + r] = tmp[r];
-        }
-    }
+    const uint32_t r0 = 16u * pass, live = rows - r0 < 16 ? rows - r0 : 16;
+    for (int u = 0; u < NT; u++)
+        for (uint32_t r = 0; r < live; r++) out[(size_t)u * ldo + r0 + r] = acc[u][r];
 }
 
 HTP_T_AVX2 static void q4q8_strip_avx2(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
                                        uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
     const uint32_t k = kb * 32;
-    for (uint32_t pass = 0; 8 * pass < rows; pass++) {
+    for (uint32_t pass = 0; 16 * pass < rows; pass++) {
         switch (nt) {
-        case 4: q4q8_rows8_avx2(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, pass, 4); break;
-        case 3: q4q8_rows8_avx2(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, pass, 3); break;
-        case 2: q4q8_rows8_avx2(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, pass, 2); break;
-        case 1: q4q8_rows8_avx2(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, pass, 1); break;
+        case 4: q4q8_rows16_avx2(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, pass, 4); break;
+        case 3: q4q8_rows16_avx2(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, pass, 3); break;
+        case 2: q4q8_rows16_avx2(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, pass, 2); break;
+        case 1: q4q8_rows16_avx2(strip, kb, a->q, a->d, a->s, k, out, ldo, rows, pass, 1); break;
         default: break;
         }
     }
