@@ -18,6 +18,15 @@ void htp_swiglu_portable(const float *g, const float *u, uint64_t n, float *out)
     htp_swiglu_body(g, u, n, out);
 }
 
+/* The i-th task handed out: heads one after another (the threads share one head's K and V,
+ * a few MiB that stay in the last-level cache, instead of each streaming a different head's
+ * from memory), and within a head the heavy (late) causal query blocks first, so the light
+ * ones even out the threads at the end. */
+static inline uint32_t attn_task_of(const htp_attn_ctx *c, uint32_t i) {
+    const uint32_t h = i / c->n_qblk, qb = c->n_qblk - 1 - i % c->n_qblk;
+    return h * c->n_qblk + qb;
+}
+
 static void attn_worker(void *arg, uint32_t ith, uint32_t nth) {
     const htp_attn_ctx *c = (const htp_attn_ctx *)arg;
     uint32_t *next = &((htp_attn_ctx *)arg)->next; /* the one field the threads update */
@@ -27,15 +36,14 @@ static void attn_worker(void *arg, uint32_t ith, uint32_t nth) {
         c->isa->attention_bf16_pack(c, ith, nth);
         htp_barrier(c->pool);
         for (uint32_t i; (i = htp_next(next)) < n_tasks;) {
-            const uint32_t h = i % c->hq, qb = c->n_qblk - 1 - i / c->hq;
-            c->isa->attention_bf16_task(c, h * c->n_qblk + qb, scratch);
+            c->isa->attention_bf16_task(c, attn_task_of(c, i), scratch);
         }
         return;
     }
     if (c->kt) {
         /* Re-lay K and V once per call so that the blocks a task streams are contiguous (the
          * natural [t][h][d] strides put every row of a block in the same L1 set). */
-        const uint32_t BK = HTP_ATTN_BK;
+        const uint32_t BK = HTP_ATTN_BK, cols = c->isa->attention_kt_cols;
         const size_t ks = (size_t)c->hkv * c->dk, vs = (size_t)c->hkv * c->dv;
         uint32_t b, e;
         /* one (KV head, key block) at a time, key by key: each key's row is read once,
@@ -49,10 +57,12 @@ static void attn_worker(void *arg, uint32_t ith, uint32_t nth) {
             for (uint32_t jj = 0; jj < BK; jj++) {
                 const size_t j = (size_t)kb * BK + jj;
                 const float *src = c->k + j * ks + (size_t)hk * c->dk;
+                /* panel jj / cols holds [dk][cols]: a register block's columns are contiguous */
+                float *col = dst + (size_t)(jj / cols) * c->dk * cols + jj % cols;
                 if (j < c->tk)
-                    for (uint32_t d = 0; d < c->dk; d++) dst[(size_t)d * BK + jj] = src[d];
+                    for (uint32_t d = 0; d < c->dk; d++) col[(size_t)d * cols] = src[d];
                 else
-                    for (uint32_t d = 0; d < c->dk; d++) dst[(size_t)d * BK + jj] = 0.0f;
+                    for (uint32_t d = 0; d < c->dk; d++) col[(size_t)d * cols] = 0.0f;
             }
         }
         htp_split(c->hkv * c->tk, ith, nth, &b, &e);
@@ -62,11 +72,7 @@ static void attn_worker(void *arg, uint32_t ith, uint32_t nth) {
         }
         htp_barrier(c->pool);
     }
-    /* Heavy (late) causal blocks first, handed out as threads come free. */
-    for (uint32_t i; (i = htp_next(next)) < n_tasks;) {
-        const uint32_t h = i % c->hq, qb = c->n_qblk - 1 - i / c->hq;
-        c->isa->attention_task(c, h * c->n_qblk + qb, scratch);
-    }
+    for (uint32_t i; (i = htp_next(next)) < n_tasks;) c->isa->attention_task(c, attn_task_of(c, i), scratch);
 }
 
 htp_status htp_exec_attention(htp_exec *e, const htp_attention_params *p, const float *q,
@@ -91,7 +97,7 @@ htp_status htp_exec_attention(htp_exec *e, const htp_attention_params *p, const 
         htp_parallel(e->pool, attn_worker, &c);
         return HTP_OK;
     }
-    if (e->isa->attention_wants_kt && aligned && !c.bf16) {
+    if (e->isa->attention_kt_cols && aligned && !c.bf16) {
         c.kt_ld = ((size_t)c.tk + HTP_ATTN_BK - 1) / HTP_ATTN_BK;
         const size_t nk = c.kt_ld * HTP_ATTN_BK * c.hkv * c.dk;
         c.kt = (float *)htp_scratch(e->pool, 0, 3, sizeof(float) * (nk + (size_t)c.tk * c.hkv * c.dv));

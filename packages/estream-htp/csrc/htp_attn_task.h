@@ -69,7 +69,9 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
     uint32_t *qw = (uint32_t *)(o + (size_t)BQ * dv);                    /* [BQ][dp] q·scale pairs */
     uint32_t *pw = qw + (size_t)BQ * dp;                                 /* [BQ][BK/2] P pairs */
 #else
-    const float *k_head = c->kt + (size_t)hk * c->kt_ld * dk * BK; /* [kblk][dk][BK] */
+    /* [kblk][BK / CB panels][dk][CB]: the driver lays K in panels of the table's
+     * attention_kt_cols, which is this register block's CB */
+    const float *k_head = c->kt + (size_t)hk * c->kt_ld * dk * BK;
     const float *v_head = c->vp + (size_t)hk * c->tk * dv;         /* [key][dv] */
     float *qs = o + (size_t)BQ * dv;                               /* [BQ][dk] q·scale */
     const uint32_t CB = ATTN_MC * VW;                              /* columns per register block */
@@ -99,9 +101,10 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
             qk_bf16_4x64(qw + (size_t)i * dp, dp, k_head + (size_t)kb * dp * BK, s + (size_t)i * BK,
                          (int)HTP_MIN(4u, ni - i));
 #else
-        for (uint32_t i = 0; i < ni; i += ATTN_MR)
-            for (uint32_t c0 = 0; c0 < BK; c0 += CB)
-                ATTN_MK(qs + (size_t)i * dk, dk, dk, k_head + (size_t)kb * dk * BK + c0, BK,
+        /* column blocks outside: one block of K's columns stays in L1 for every row block */
+        for (uint32_t c0 = 0; c0 < BK; c0 += CB)
+            for (uint32_t i = 0; i < ni; i += ATTN_MR)
+                ATTN_MK(qs + (size_t)i * dk, dk, dk, k_head + (size_t)kb * dk * BK + (size_t)c0 * dk, CB,
                         s + (size_t)i * BK + c0, BK, (int)HTP_MIN((uint32_t)ATTN_MR, ni - i), ATTN_MC, 0);
 #endif
         /* online softmax: new running max, P = exp(S - max) on the visible keys, rescale O */
@@ -141,8 +144,8 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
                 pv_bf16_4x64(pw + (size_t)i * (BK / 2), (nj + 1) / 2, v_head + (size_t)kb * (BK / 2) * dv + d0, dv,
                              o + (size_t)i * dv + d0, dv, (int)HTP_MIN(4u, ni - i), (int)HTP_MIN(64u, dv - d0));
 #else
-        for (uint32_t i = 0; i < ni; i += ATTN_MR)
-            for (uint32_t d0 = 0; d0 < dv; d0 += CB)
+        for (uint32_t d0 = 0; d0 < dv; d0 += CB)
+            for (uint32_t i = 0; i < ni; i += ATTN_MR)
                 ATTN_MK(s + (size_t)i * BK, BK, nj, v_head + (size_t)j0 * dv + d0, dv, o + (size_t)i * dv + d0,
                         dv, (int)HTP_MIN((uint32_t)ATTN_MR, ni - i), (int)(HTP_MIN(CB, dv - d0) / VW), 1);
 #endif

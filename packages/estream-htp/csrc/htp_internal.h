@@ -180,7 +180,9 @@ typedef struct htp_isa {
     /* row of k floats -> k int8 + k/32 scales + k/32 block sums */
     void (*quantize_row_q8)(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s);
     void (*attention_task)(const htp_attn_ctx *c, uint32_t task, float *scratch);
-    uint32_t attention_wants_kt; /* the driver re-lays K/V (needs dk, dv % 16 == 0) */
+    /* > 0: the driver re-lays K into panels of this many key columns per (key block, head dim)
+     * and V into [head][key][dv] (needs dk, dv % 16 == 0); 0: the task reads K and V as given */
+    uint32_t attention_kt_cols;
     /* bf16 products, used when the CPU has AVX512_BF16 and dk, dv % 16 == 0 (else the generic
      * body emulates the same rounding): pack c->kw/c->vw (thread ith of nth), then tasks */
     void (*attention_bf16_pack)(const htp_attn_ctx *c, uint32_t ith, uint32_t nth);

@@ -343,7 +343,7 @@ const htp_isa htp_isa_avx2 = {
     .f32_nt = 4,
     .quantize_row_q8 = quantize_q8_avx2,
     .attention_task = htp_attn_task_avx2,
-    .attention_wants_kt = 1,
+    .attention_kt_cols = 16, /* the 6x16 register block's columns */
     .attention_bf16_pack = NULL,
     .attention_bf16_task = NULL,
     .swiglu = swiglu_avx2,
@@ -358,7 +358,7 @@ const htp_isa htp_isa_avx2 = {
 #define HTP_AVX512_COMMON                                                                        \
     .q8q8_strip = q8q8_strip_avx512, .q8q8_nt = 4, .dequant_tile = dequant_avx512,              \
     .f32_strip = f32_strip_fast_avx512, .f32_nt = 8, .quantize_row_q8 = quantize_q8_fast_avx512, \
-    .attention_task = htp_attn_task_avx512, .attention_wants_kt = 1,                           \
+    .attention_task = htp_attn_task_avx512, .attention_kt_cols = 64,                            \
     .attention_bf16_pack = htp_attn_bf16_pack_avx512,                                          \
     .attention_bf16_task = htp_attn_bf16_task_avx512, .swiglu = swiglu_avx512,                 \
     .matmul_f32 = matmul_f32_avx512, .fma_peak = peak_fma, .fma_macs_per_iter = 12 * 16,        \
