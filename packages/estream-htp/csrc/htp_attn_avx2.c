@@ -1,6 +1,7 @@
 /* AVX2 attention task (the body is htp_attn_task.h, fp32 products): register-blocked QKᵀ and PV
- * of 6 query rows x 16 columns (12 ymm accumulators, 2 column loads, 1 broadcast), vector exp by
- * exponent-field construction, K pre-transposed once per call. Head dims must be multiples of 16
+ * of 6 query rows x 16 columns (12 ymm accumulators, 2 column loads, 1 broadcast), the shared vector
+ * exp (htp_attn_vexp.h) with 2^n built in the exponent field, K laid in 16-column panels once
+ * per call. Head dims must be multiples of 16
  * (else the generic body runs). */
 #include "htp_internal.h"
 
@@ -9,21 +10,8 @@
 
 #include "htp_attn_body.h"
 
-/* exp(x) for lanes x <= 0: the scalar htp_exp_neg's reduction and polynomial, 2^n built in the
- * exponent field (n >= -126 after the clamp, so 2^n is a normal float). */
-HTP_T_AVX2 static inline __m256 exp_neg_ps8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+/* p·2^n for integral n >= -126 (the exp's clamp): 2^n built in the exponent field */
+HTP_T_AVX2 static inline __m256 scale2_ps8(__m256 p, __m256 n) {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
@@ -57,7 +45,7 @@ HTP_T_AVX2 static inline __m256 first_ps8(int n) {
 #define V_MUL(a, b) _mm256_mul_ps((a), (b))
 #define V_SUB(a, b) _mm256_sub_ps((a), (b))
 #define V_ADD(a, b) _mm256_add_ps((a), (b))
-#define V_EXPNEG(x) exp_neg_ps8(x)
+#define V_EXPNEG(x) htp_vexp_neg(x)
 #define V_RMAX(x) rmax_ps8(x)
 #define V_RADD(x) radd_ps8(x)
 #define V_FIRST(n) first_ps8(n)
@@ -65,6 +53,12 @@ HTP_T_AVX2 static inline __m256 first_ps8(int n) {
 #define V_ANDM(m, x) _mm256_and_ps((m), (x))
 #define ATTN_MR 6
 #define ATTN_MC 2
+#define V_MAX(a, b) _mm256_max_ps((a), (b))
+#define V_ROUND(x) _mm256_round_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define V_FNMADD(a, b, c) _mm256_fnmadd_ps((a), (b), (c))
+#define V_SCALE2(p, n) scale2_ps8((p), (n))
+#define VEXP_TARGET HTP_T_AVX2
+#include "htp_attn_vexp.h"
 
 #define ATTN_NAME htp_attn_task_avx2
 #define ATTN_TARGET HTP_T_AVX2

@@ -1,6 +1,7 @@
 /* AVX-512 attention tasks (the body is htp_attn_task.h): register-blocked QKᵀ (4 query rows x
- * 64 keys) and PV (4 rows x 64 value dims), vector exp via scalef, K pre-transposed once per call. Head dims must be
- * multiples of 16 (else the generic body runs). The bf16 variant (AVX512_BF16) does both
+ * 64 keys) and PV (4 rows x 64 value dims), the shared vector exp (htp_attn_vexp.h) with
+ * scalef, K pre-transposed once per call. Head dims must be multiples of 16 (else the generic
+ * body runs). The bf16 variant (AVX512_BF16) does both
  * products with vdpbf16ps on K and V packed once per call as bf16 pairs: two multiply-adds per
  * 32-bit lane, twice the fp32 FMA rate. */
 #include "htp_internal.h"
@@ -10,21 +11,32 @@
 
 #include "htp_attn_body.h"
 
-HTP_T_AVX512 static inline __m512 exp_neg_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+/* The AVX-512 vector vocabulary of htp_attn_task.h; the fp32 register block is 4 query rows
+ * x 64 columns. */
+#define VF __m512
+#define VW 16
+#define V_LOAD(p) _mm512_loadu_ps(p)
+#define V_STORE(p, x) _mm512_storeu_ps((p), (x))
+#define V_SET1(x) _mm512_set1_ps(x)
+#define V_ZERO() _mm512_setzero_ps()
+#define V_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define V_MUL(a, b) _mm512_mul_ps((a), (b))
+#define V_SUB(a, b) _mm512_sub_ps((a), (b))
+#define V_ADD(a, b) _mm512_add_ps((a), (b))
+#define V_EXPNEG(x) htp_vexp_neg(x)
+#define V_RMAX(x) _mm512_reduce_max_ps(x)
+#define V_RADD(x) _mm512_reduce_add_ps(x)
+#define V_FIRST(n) ((n) >= 16 ? (__mmask16)0xffff : (n) <= 0 ? (__mmask16)0 : (__mmask16)((1u << (n)) - 1u))
+#define V_MAXM(a, m, x) _mm512_mask_max_ps((a), (m), (a), (x))
+#define V_ANDM(m, x) _mm512_maskz_mov_ps((m), (x))
+#define ATTN_MR 4
+#define ATTN_MC 4
+#define V_MAX(a, b) _mm512_max_ps((a), (b))
+#define V_ROUND(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define V_FNMADD(a, b, c) _mm512_fnmadd_ps((a), (b), (c))
+#define V_SCALE2(p, n) _mm512_scalef_ps((p), (n))
+#define VEXP_TARGET HTP_T_AVX512
+#include "htp_attn_vexp.h"
 
 /* ---- bf16 products ---- */
 /* 16 floats -> 16 bf16 (vcvtneps2bf16: nearest even, subnormals to zero, as htp_bf16_bits). */
@@ -127,26 +139,7 @@ HTP_T_BF16 static inline void pv_bf16_4x64(const uint32_t *pw, uint32_t njp, con
         for (int cc = 0; cc < nc; cc++) _mm512_storeu_ps(o + (size_t)r * ldo + 16 * cc, acc[r][cc]);
 }
 
-/* The two task kernels: one body (htp_attn_task.h), instantiated per product kind with the
- * AVX-512 vector vocabulary; the fp32 register block is 4 query rows x 64 columns. */
-#define VF __m512
-#define VW 16
-#define V_LOAD(p) _mm512_loadu_ps(p)
-#define V_STORE(p, x) _mm512_storeu_ps((p), (x))
-#define V_SET1(x) _mm512_set1_ps(x)
-#define V_ZERO() _mm512_setzero_ps()
-#define V_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
-#define V_MUL(a, b) _mm512_mul_ps((a), (b))
-#define V_SUB(a, b) _mm512_sub_ps((a), (b))
-#define V_ADD(a, b) _mm512_add_ps((a), (b))
-#define V_EXPNEG(x) exp_neg_ps(x)
-#define V_RMAX(x) _mm512_reduce_max_ps(x)
-#define V_RADD(x) _mm512_reduce_add_ps(x)
-#define V_FIRST(n) ((n) >= 16 ? (__mmask16)0xffff : (n) <= 0 ? (__mmask16)0 : (__mmask16)((1u << (n)) - 1u))
-#define V_MAXM(a, m, x) _mm512_mask_max_ps((a), (m), (a), (x))
-#define V_ANDM(m, x) _mm512_maskz_mov_ps((m), (x))
-#define ATTN_MR 4
-#define ATTN_MC 4
+/* The two task kernels: one body (htp_attn_task.h), instantiated per product kind. */
 
 #define ATTN_NAME htp_attn_task_avx512
 #define ATTN_TARGET HTP_T_AVX512

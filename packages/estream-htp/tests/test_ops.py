@@ -119,6 +119,20 @@ def test_rope_yarn_ramp_is_applied() -> None:
         htp.rope(x.copy(), pos, 8, 1e4, 0.25, "normal", ext_factor=float("nan"))
 
 
+def _check_attention(
+    simd: str, t: int, hkv: int, rep: int, dk: int, dv: int, causal: bool, seed: int
+) -> None:
+    """fp32 attention at one level against float64, into a NaN-poisoned output."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((t, hkv * rep, dk)).astype(np.float32)
+    k = rng.standard_normal((t, hkv, dk)).astype(np.float32)
+    v = rng.standard_normal((t, hkv, dv)).astype(np.float32)
+    out = np.full((t, hkv * rep, dv), np.nan, np.float32)
+    with mode(simd=simd):
+        y = htp.attention(q, k, v, 1.0 / np.sqrt(dk), causal, out=out)
+    assert T.rel_l2(y, T.ref_attention(q, k, v, 1.0 / np.sqrt(dk), causal)) <= TOL
+
+
 @pytest.mark.parametrize("simd", LEVELS)
 @given(
     t=st.integers(1, 100),
@@ -132,14 +146,7 @@ def test_rope_yarn_ramp_is_applied() -> None:
 def test_attention(
     simd: str, t: int, hkv: int, rep: int, dk: int, dv: int, causal: bool, seed: int
 ) -> None:
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((t, hkv * rep, dk)).astype(np.float32)
-    k = rng.standard_normal((t, hkv, dk)).astype(np.float32)
-    v = rng.standard_normal((t, hkv, dv)).astype(np.float32)
-    out = np.full((t, hkv * rep, dv), np.nan, np.float32)
-    with mode(simd=simd):
-        y = htp.attention(q, k, v, 1.0 / np.sqrt(dk), causal, out=out)
-    assert T.rel_l2(y, T.ref_attention(q, k, v, 1.0 / np.sqrt(dk), causal)) <= TOL
+    _check_attention(simd, t, hkv, rep, dk, dv, causal, seed)
 
 
 @pytest.mark.parametrize("simd", LEVELS)
@@ -160,14 +167,7 @@ def test_attention_register_blocks(
     re-laid once per call, query rows in blocks of 4 or 6, partial key blocks on the causal
     diagonal, value dims not a multiple of the column block): float64 reference, NaN-poisoned
     output, several query and key blocks."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((t, hkv * rep, dk)).astype(np.float32)
-    k = rng.standard_normal((t, hkv, dk)).astype(np.float32)
-    v = rng.standard_normal((t, hkv, dv)).astype(np.float32)
-    out = np.full((t, hkv * rep, dv), np.nan, np.float32)
-    with mode(simd=simd):
-        y = htp.attention(q, k, v, 1.0 / np.sqrt(dk), causal, out=out)
-    assert T.rel_l2(y, T.ref_attention(q, k, v, 1.0 / np.sqrt(dk), causal)) <= TOL
+    _check_attention(simd, t, hkv, rep, dk, dv, causal, seed)
 
 
 TOL_BF16 = 1e-2  # bf16 products (rounded q*scale, k, v, softmax weights) vs float64: ~3e-3
