@@ -10,7 +10,7 @@
  *                   bf16_of and f32_of),
  *   ATTN_MR, ATTN_MC  the fp32 register block: MR query rows x MC vectors of columns,
  * and the vector vocabulary of its instruction set:
- *   VF (the float vector type), VW (its lanes), VM (a lane mask), V_LOAD, V_STORE, V_SET1,
+ *   VF (the float vector type), VW (its lanes), V_LOAD, V_STORE, V_SET1,
  *   V_ZERO, V_FMA(a, b, c) = a·b + c, V_MUL, V_SUB, V_ADD, V_EXPNEG (exp of lanes <= 0),
  *   V_RMAX, V_RADD (horizontal max and sum), V_FIRST(n) (mask of the first n lanes; n may be
  *   <= 0 or >= VW), V_MAXM(a, m, x) (max(a, x) where m, else a), V_ANDM(m, x) (x where m, else 0).

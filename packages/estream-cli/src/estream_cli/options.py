@@ -43,7 +43,8 @@ def add_engine_opts(p: argparse.ArgumentParser) -> None:
         choices=ATTENTION,
         default="f32",
         help="attention products: f32 (default) or bf16 (q, k, v and the softmax weights "
-        "rounded to bfloat16, fp32 sums: faster on long prompts, ~3e-3 relative per op)",
+        "rounded to bfloat16, fp32 sums, ~3e-3 relative per op: faster on long prompts where the "
+        "CPU has AVX512_BF16; emulated, and several times slower, elsewhere)",
     )
     p.add_argument(
         "--backend",
