@@ -1,8 +1,7 @@
-/* AVX2 attention task (the body is htp_attn_task.h, fp32 products): register-blocked QKᵀ and PV
- * of 6 query rows x 16 columns (12 ymm accumulators, 2 column loads, 1 broadcast), the shared vector
- * exp (htp_attn_vexp.h) with 2^n built in the exponent field, K laid in 16-column panels once
- * per call. Head dims must be multiples of 16
- * (else the generic body runs). */
+/* AVX2 attention task (the body is htp_attn_task.h, fp32 products): register-blocked QKᵀ and
+ * PV of 6 query rows x 16 columns (12 ymm accumulators, 2 column loads, 1 broadcast), the shared
+ * vector exp (htp_attn_vexp.h) with 2^n built in the exponent field, K laid in 16-column panels
+ * once per call. Head dims must be multiples of 16 (else the generic body runs). */
 #include "htp_internal.h"
 
 #ifdef HTP_X86
@@ -53,6 +52,7 @@ HTP_T_AVX2 static inline __m256 first_ps8(int n) {
 #define V_ANDM(m, x) _mm256_and_ps((m), (x))
 #define ATTN_MR 6
 #define ATTN_MC 2
+_Static_assert(ATTN_MC * VW == HTP_ATTN_COLS_AVX2, "the K panels the table asks for are the register block's columns");
 #define V_MAX(a, b) _mm256_max_ps((a), (b))
 #define V_ROUND(x) _mm256_round_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define V_FNMADD(a, b, c) _mm256_fnmadd_ps((a), (b), (c))

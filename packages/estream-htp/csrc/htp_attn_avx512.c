@@ -1,9 +1,8 @@
 /* AVX-512 attention tasks (the body is htp_attn_task.h): register-blocked QKᵀ (4 query rows x
  * 64 keys) and PV (4 rows x 64 value dims), the shared vector exp (htp_attn_vexp.h) with
  * scalef, K pre-transposed once per call. Head dims must be multiples of 16 (else the generic
- * body runs). The bf16 variant (AVX512_BF16) does both
- * products with vdpbf16ps on K and V packed once per call as bf16 pairs: two multiply-adds per
- * 32-bit lane, twice the fp32 FMA rate. */
+ * body runs). The bf16 variant (AVX512_BF16) does both products with vdpbf16ps on K and V packed
+ * once per call as bf16 pairs: two multiply-adds per 32-bit lane, twice the fp32 FMA rate. */
 #include "htp_internal.h"
 
 #ifdef HTP_X86
@@ -31,6 +30,7 @@
 #define V_ANDM(m, x) _mm512_maskz_mov_ps((m), (x))
 #define ATTN_MR 4
 #define ATTN_MC 4
+_Static_assert(ATTN_MC * VW == HTP_ATTN_COLS_AVX512, "the K panels the table asks for are the register block's columns");
 #define V_MAX(a, b) _mm512_max_ps((a), (b))
 #define V_ROUND(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define V_FNMADD(a, b, c) _mm512_fnmadd_ps((a), (b), (c))

@@ -203,6 +203,10 @@ typedef struct htp_isa {
 
 extern const htp_isa htp_isa_portable;
 #ifdef HTP_X86
+/* key columns per register block of the SIMD attention tasks: the K panel width their tables
+ * ask the driver for (each task file asserts it equals its ATTN_MC * VW) */
+#define HTP_ATTN_COLS_AVX512 64
+#define HTP_ATTN_COLS_AVX2 16
 void htp_attn_task_avx512(const htp_attn_ctx *c, uint32_t task, float *scratch);
 void htp_attn_task_avx2(const htp_attn_ctx *c, uint32_t task, float *scratch);
 void htp_attn_bf16_pack_avx512(const htp_attn_ctx *c, uint32_t ith, uint32_t nth);

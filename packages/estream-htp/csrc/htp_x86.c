@@ -123,9 +123,9 @@ void htp_q4q8_strip_vnni(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
     q4q8_strip_vnni(strip, kb, a, nt, out, ldo, rows);
 }
 
-/* ---- Q4_0 x Q8 tile kernel, AVX2: the same scheme with 8-row registers. One pass covers 8 rows
- * (a ymm of 32-bit lanes) for up to 4 tokens, so each weight load and nibble split serves 4
- * tokens. vpmaddubsw (u8 nibbles x s8 activations) sums adjacent pairs into 16 bits; a block's
+/* ---- Q4_0 x Q8 tile kernel, AVX2: the same scheme with 8-row registers. One pass covers 16
+ * rows (two ymm of 32-bit lanes) for up to 4 tokens, so each weight load and nibble split serves
+ * 4 tokens; the fp32 sums wait in L1, leaving the registers to the 16-bit sums. vpmaddubsw (u8 nibbles x s8 activations) sums adjacent pairs into 16 bits; a block's
  * 4 groups x (low + high) stay in 16 bits (|sum| <= 8 x 2 x 15 x 127 = 30480 < 2^15, the
  * activations being within +-127) and one vpmaddwd per block widens them. The integer sums are
  * exact, and the fp32 epilogue is the AVX-512 one (convert, dw·da, FMA, blocks in order). */
@@ -343,7 +343,7 @@ const htp_isa htp_isa_avx2 = {
     .f32_nt = 4,
     .quantize_row_q8 = quantize_q8_avx2,
     .attention_task = htp_attn_task_avx2,
-    .attention_kt_cols = 16, /* the 6x16 register block's columns */
+    .attention_kt_cols = HTP_ATTN_COLS_AVX2,
     .attention_bf16_pack = NULL,
     .attention_bf16_task = NULL,
     .swiglu = swiglu_avx2,
@@ -358,7 +358,7 @@ const htp_isa htp_isa_avx2 = {
 #define HTP_AVX512_COMMON                                                                        \
     .q8q8_strip = q8q8_strip_avx512, .q8q8_nt = 4, .dequant_tile = dequant_avx512,              \
     .f32_strip = f32_strip_fast_avx512, .f32_nt = 8, .quantize_row_q8 = quantize_q8_fast_avx512, \
-    .attention_task = htp_attn_task_avx512, .attention_kt_cols = 64,                            \
+    .attention_task = htp_attn_task_avx512, .attention_kt_cols = HTP_ATTN_COLS_AVX512,          \
     .attention_bf16_pack = htp_attn_bf16_pack_avx512,                                          \
     .attention_bf16_task = htp_attn_bf16_task_avx512, .swiglu = swiglu_avx512,                 \
     .matmul_f32 = matmul_f32_avx512, .fma_peak = peak_fma, .fma_macs_per_iter = 12 * 16,        \
