@@ -13,7 +13,12 @@ range. Writes bench-results/vs_llama_bench.json (``--out``).
 
     python integration/bench/vs_llama_bench.py MODEL.gguf --llama-bench /path/to/llama-bench \\
         [--pack MODEL.estream] [--tokens 1024] [--rounds 3] [--threads 2] \\
-        [--modes resident,stream] [--llama-args "-rtr 1"]
+        [--modes resident,stream] [--llama-args "-rtr 1"] [--budget 1GiB]
+
+``stream`` runs under the pack's stored configuration (``estream config``) or the default one; with
+``--budget`` it runs under the configurator's (G, Q, B) for that memory budget and this prompt
+length, as ``estream prefill --budget`` does (the pack is profiled first if it has no profile).
+The configuration each run used is printed and written with its result.
 
 The GGUF must be one that both run: ik_llama.cpp has no ``olmoe`` architecture, so for
 OLMoE's shapes synthesize ``estream synth --arch qwen3moe --preset olmoe-1b-7b``.
@@ -40,16 +45,26 @@ import numpy as np
 from estream_cli.engine import Engine
 spec = json.loads(sys.argv[1])
 rng = np.random.default_rng(0)
-with Engine(spec["model"], mode=spec["mode"], n_threads=spec["threads"]) as e:
+budget = spec.get("budget") if spec["mode"] == "stream" else None
+with Engine(spec["model"], mode=spec["mode"], n_threads=spec["threads"], budget=budget,
+            budget_tokens=spec["tokens"] if budget else None) as e:
     ids = rng.integers(0, e.hp.n_vocab, spec["tokens"])
     e.prefill(ids)  # warm-up: the same length, as llama-bench's warm-up run
     res = e.prefill(ids)
-print(json.dumps({"ttft_s": res.metrics["ttft_s"], "peak_rss_mib": res.metrics["peak_rss_bytes"] / 2**20}))
+m = res.metrics
+cfg = {k: m[k] for k in ("G", "Q", "B", "config_source") if k in m}
+print(json.dumps({"ttft_s": m["ttft_s"], "peak_rss_mib": m["peak_rss_bytes"] / 2**20, "config": cfg}))
 """
 
 
-def run_estream(pack: Path, mode: str, tokens: int, threads: int) -> dict:
-    spec = {"model": str(pack), "mode": mode, "tokens": tokens, "threads": threads}
+def run_estream(pack: Path, mode: str, tokens: int, threads: int, budget: int | None) -> dict:
+    spec = {
+        "model": str(pack),
+        "mode": mode,
+        "tokens": tokens,
+        "threads": threads,
+        "budget": budget,
+    }
     p = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(spec)], capture_output=True, text=True
     )
@@ -81,6 +96,14 @@ def run_llama_bench(exe: str, gguf: Path, tokens: int, threads: int, extra: list
             "peak_rss_mib": usage.ru_maxrss / 1024}  # fmt: skip
 
 
+def ensure_profile(pack: Path) -> None:
+    """Profile the pack (stored in its manifest) unless it has a profile: --budget needs one."""
+    if json.loads((pack / "manifest.json").read_text()).get("profile"):
+        return
+    print(f"profiling {pack} (needed for --budget) …", flush=True)
+    subprocess.run([sys.executable, "-m", "estream_cli.main", "profile", str(pack)], check=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("gguf", type=Path)
@@ -93,6 +116,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--modes", default="resident,stream")
     ap.add_argument("--llama-args", default="", help="extra llama-bench arguments, e.g. '-rtr 1'")
+    ap.add_argument("--budget", help="memory budget for stream, e.g. 1GiB (see above)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "vs_llama_bench.json")
     args = ap.parse_args()
     if not args.llama_bench:
@@ -107,6 +131,12 @@ def main() -> None:
         print(f"packing {pack} …", flush=True)
         subprocess.run([sys.executable, "-m", "estream_cli.main", "pack", str(args.gguf), "-o",
                         str(pack)], check=True)  # fmt: skip
+    budget = None
+    if args.budget:
+        from estream_cli.memory import parse_bytes
+
+        budget = parse_bytes(args.budget)
+        ensure_profile(pack)
     extra = shlex.split(args.llama_args)
     label = "llama-bench" + (f" {args.llama_args}" if extra else "")
     sides = [label, *modes]
@@ -119,10 +149,14 @@ def main() -> None:
             if s == label:
                 r = run_llama_bench(args.llama_bench, args.gguf, args.tokens, args.threads, extra)
             else:
-                r = run_estream(pack, s, args.tokens, args.threads)
+                r = run_estream(pack, s, args.tokens, args.threads, budget)
             r["process_wall_s"] = time.perf_counter() - t0
             runs[s].append(r)
-            print(f"  round {i + 1} {s:24s} {r['tokens_per_s']:8.1f} tokens/s", flush=True)
+            cfg = r.get("config") or {}
+            how = (
+                f"  G={cfg['G']} Q={cfg['Q']} B={cfg['B']} ({cfg['config_source']})" if cfg else ""
+            )
+            print(f"  round {i + 1} {s:24s} {r['tokens_per_s']:8.1f} tokens/s{how}", flush=True)
         load.append(os.getloadavg()[0])
     print(f"{args.rounds} rounds, {args.tokens} tokens, {args.threads} threads, {args.gguf.name}")
     summary: dict[str, dict] = {}
@@ -143,6 +177,7 @@ def main() -> None:
     doc = {
         "gguf": str(args.gguf), "pack": str(pack), "llama_bench": args.llama_bench,
         "llama_args": args.llama_args, "tokens": args.tokens, "threads": args.threads,
+        "budget_bytes": budget,
         "summary": summary, "runs": runs, "load_average": load,
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

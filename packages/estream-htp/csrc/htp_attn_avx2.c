@@ -1,7 +1,8 @@
 /* AVX2 attention task (the body is htp_attn_task.h, fp32 products): register-blocked QKᵀ and
  * PV of 6 query rows x 16 columns (12 ymm accumulators, 2 column loads, 1 broadcast), the shared
  * vector exp (htp_attn_vexp.h) with 2^n built in the exponent field, K laid in 16-column panels
- * once per call. Head dims must be multiples of 16 (else the generic body runs). */
+ * once per call. Head dims must be multiples of 16 (else the generic body runs). The same
+ * vocabulary and exp give the AVX2 SwiGLU (htp_vswiglu.h). */
 #include "htp_internal.h"
 
 #ifdef HTP_X86
@@ -59,6 +60,11 @@ _Static_assert(ATTN_MC * VW == HTP_ATTN_COLS_AVX2, "the K panels the table asks 
 #define V_SCALE2(p, n) scale2_ps8((p), (n))
 #define VEXP_TARGET HTP_T_AVX2
 #include "htp_attn_vexp.h"
+
+#define V_DIV(a, b) _mm256_div_ps((a), (b))
+#define V_SEL_GE0(x, a, b) _mm256_blendv_ps((b), (a), _mm256_cmp_ps((x), _mm256_setzero_ps(), _CMP_GE_OQ))
+#define VSWIGLU_NAME htp_swiglu_avx2
+#include "htp_vswiglu.h"
 
 #define ATTN_NAME htp_attn_task_avx2
 #define ATTN_TARGET HTP_T_AVX2

@@ -2,7 +2,8 @@
  * 64 keys) and PV (4 rows x 64 value dims), the shared vector exp (htp_attn_vexp.h) with
  * scalef, K pre-transposed once per call. Head dims must be multiples of 16 (else the generic
  * body runs). The bf16 variant (AVX512_BF16) does both products with vdpbf16ps on K and V packed
- * once per call as bf16 pairs: two multiply-adds per 32-bit lane, twice the fp32 FMA rate. */
+ * once per call as bf16 pairs: two multiply-adds per 32-bit lane, twice the fp32 FMA rate.
+ * The same vocabulary and exp give the AVX-512 SwiGLU (htp_vswiglu.h). */
 #include "htp_internal.h"
 
 #ifdef HTP_X86
@@ -37,6 +38,11 @@ _Static_assert(ATTN_MC * VW == HTP_ATTN_COLS_AVX512, "the K panels the table ask
 #define V_SCALE2(p, n) _mm512_scalef_ps((p), (n))
 #define VEXP_TARGET HTP_T_AVX512
 #include "htp_attn_vexp.h"
+
+#define V_DIV(a, b) _mm512_div_ps((a), (b))
+#define V_SEL_GE0(x, a, b) _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), _mm512_setzero_ps(), _CMP_GE_OQ), (b), (a))
+#define VSWIGLU_NAME htp_swiglu_avx512
+#include "htp_vswiglu.h"
 
 /* ---- bf16 products ---- */
 /* 16 floats -> 16 bf16 (vcvtneps2bf16: nearest even, subnormals to zero, as htp_bf16_bits). */

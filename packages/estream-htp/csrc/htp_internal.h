@@ -243,6 +243,9 @@ void htp_f32_strip_portable(const float *panel, uint32_t k, const float *x, uint
 void htp_quantize_q8_portable(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s);
 void htp_attn_task_portable(const htp_attn_ctx *c, uint32_t task, float *scratch);
 void htp_swiglu_portable(const float *g, const float *u, uint64_t n, float *out);
+/* the vector SwiGLU (htp_vswiglu.h), in the attention task's translation units */
+void htp_swiglu_avx2(const float *g, const float *u, uint64_t n, float *out);
+void htp_swiglu_avx512(const float *g, const float *u, uint64_t n, float *out);
 void htp_matmul_f32_portable(const float *x, const float *w, uint32_t k, uint32_t n, uint32_t i0,
                              uint32_t i1, float *y);
 

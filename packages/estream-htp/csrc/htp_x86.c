@@ -28,9 +28,6 @@
                                             int32_t *s) {                                        \
         htp_quantize_row_q8_body(x, k, q, d, s);                                                 \
     }                                                                                            \
-    TARGET static void swiglu_##SUFFIX(const float *g, const float *u, uint64_t n, float *out) { \
-        htp_swiglu_body(g, u, n, out);                                                           \
-    }                                                                                            \
     TARGET HTP_NO_CONTRACT static void matmul_f32_##SUFFIX(const float *x, const float *w,       \
                                                            uint32_t k, uint32_t n, uint32_t i0,  \
                                                            uint32_t i1, float *y) {              \
@@ -346,7 +343,7 @@ const htp_isa htp_isa_avx2 = {
     .attention_kt_cols = HTP_ATTN_COLS_AVX2,
     .attention_bf16_pack = NULL,
     .attention_bf16_task = NULL,
-    .swiglu = swiglu_avx2,
+    .swiglu = htp_swiglu_avx2,
     .matmul_f32 = matmul_f32_avx2,
     .dot_peak = peak_dot_avx2,
     .dot_macs_per_iter = 12 * 32,
@@ -360,7 +357,7 @@ const htp_isa htp_isa_avx2 = {
     .f32_strip = f32_strip_fast_avx512, .f32_nt = 8, .quantize_row_q8 = quantize_q8_fast_avx512, \
     .attention_task = htp_attn_task_avx512, .attention_kt_cols = HTP_ATTN_COLS_AVX512,          \
     .attention_bf16_pack = htp_attn_bf16_pack_avx512,                                          \
-    .attention_bf16_task = htp_attn_bf16_task_avx512, .swiglu = swiglu_avx512,                 \
+    .attention_bf16_task = htp_attn_bf16_task_avx512, .swiglu = htp_swiglu_avx512,                 \
     .matmul_f32 = matmul_f32_avx512, .fma_peak = peak_fma, .fma_macs_per_iter = 12 * 16,        \
     .bf16_peak = peak_bf16, .bf16_macs_per_iter = 12 * 32
 
