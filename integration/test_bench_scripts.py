@@ -45,7 +45,41 @@ def test_vs_llama_bench_reports_ratios_per_round(tmp_path: Path) -> None:
         ratios = [r["tokens_per_s"] / 250.0 for r in runs]
         assert s[mode]["over_llama_bench_range"] == [min(ratios), max(ratios)]
         assert all(abs(r["tokens_per_s"] - 40 / r["ttft_s"]) < 1e-6 for r in runs)
+    assert [r["config"]["config_source"] for r in doc["runs"]["stream"]] == ["default"] * 2
+    assert doc["runs"]["resident"][0]["config"] == {}
+    assert doc["budget_bytes"] is None
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_vs_llama_bench_budget_streams_under_the_configurators_choice(tmp_path: Path) -> None:
+    """--budget profiles the pack first (it has no profile), then every stream run takes the
+    configurator's (G, Q, B) for that budget, recorded with the run; a bad budget is refused."""
+    gguf = tmp_path / "m.gguf"
+    synth_model("qwen3moe", "tiny", gguf, seed=4)
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_LLAMA_BENCH)
+    fake.chmod(0o755)
+    script = str(ROOT / "integration" / "bench" / "vs_llama_bench.py")
+    bad = subprocess.run(
+        [sys.executable, script, str(gguf), "--llama-bench", str(fake), "--budget", "lots"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--budget" in bad.stderr and "lots" in bad.stderr
+    out = tmp_path / "r.json"
+    done = subprocess.run(
+        [sys.executable, script, str(gguf), "--llama-bench", str(fake), "--tokens", "24",
+         "--rounds", "1", "--modes", "stream", "--budget", "2GiB", "--out", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((tmp_path / "m.estream" / "manifest.json").read_text())
+    assert manifest.get("profile")  # profiled first
+    doc = json.loads(out.read_text())
+    assert doc["budget_bytes"] == 2 << 30
+    (run,) = doc["runs"]["stream"]
+    cfg = run["config"]
+    assert cfg["config_source"] == "budget" and min(cfg["G"], cfg["Q"], cfg["B"]) >= 1
+    assert f"G={cfg['G']} Q={cfg['Q']} B={cfg['B']} (budget)" in done.stdout
 
 
 def test_vs_llama_bench_refuses_a_missing_executable(tmp_path: Path) -> None:

@@ -133,9 +133,13 @@ def main() -> None:
                         str(pack)], check=True)  # fmt: skip
     budget = None
     if args.budget:
+        from estream_cli.errors import BadRequestError
         from estream_cli.memory import parse_bytes
 
-        budget = parse_bytes(args.budget)
+        try:
+            budget = parse_bytes(args.budget)
+        except BadRequestError as exc:
+            ap.error(f"--budget: {exc}")
         ensure_profile(pack)
     extra = shlex.split(args.llama_args)
     label = "llama-bench" + (f" {args.llama_args}" if extra else "")
