@@ -96,14 +96,6 @@ def run_llama_bench(exe: str, gguf: Path, tokens: int, threads: int, extra: list
             "peak_rss_mib": usage.ru_maxrss / 1024}  # fmt: skip
 
 
-def ensure_profile(pack: Path) -> None:
-    """Profile the pack (stored in its manifest) unless it has a profile: --budget needs one."""
-    if json.loads((pack / "manifest.json").read_text()).get("profile"):
-        return
-    print(f"profiling {pack} (needed for --budget) …", flush=True)
-    subprocess.run([sys.executable, "-m", "estream_cli.main", "profile", str(pack)], check=True)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("gguf", type=Path)
@@ -140,6 +132,9 @@ def main() -> None:
             budget = parse_bytes(args.budget)
         except BadRequestError as exc:
             ap.error(f"--budget: {exc}")
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_engine import ensure_profile  # the profile --budget needs, stored once
+
         ensure_profile(pack)
     extra = shlex.split(args.llama_args)
     label = "llama-bench" + (f" {args.llama_args}" if extra else "")
