@@ -251,94 +251,49 @@ HTP_T_AVX512 static void quantize_q8_fast_avx512(const float *x, uint32_t k, int
     }
 }
 
-/* ---- instruction-mix peak: 12 independent vpdpbusd chains per thread ---- */
-HTP_T_VNNI static int32_t peak_vnni(uint64_t iters) {
-    __m512i acc[12];
-    const __m512i a = _mm512_set1_epi32(0x01020304), b = _mm512_set1_epi32(0x05060708);
-    for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_epi32(i);
-    for (uint64_t it = 0; it < iters; it++) {
-        for (int i = 0; i < 12; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+/* ---- instruction-mix peaks: one measure written once, instantiated per instruction ----
+ * Twelve independent chains x = STEP(x) of the instruction, in named variables (on an array gcc
+ * kept the AVX2 chains in memory, a store and a reload per step: ~150 instead of ~200 G
+ * multiply-adds per core on Zen 3), summed at the end so no chain is dead. vpmaddubsw steps are
+ * asm, as even named intrinsics left a few spills; each feeds its result back as the u8
+ * operand, so nothing is loop-invariant. */
+#define HTP_PEAK(NAME, TARGET, VT, INIT, STEP, ADD, OUT)                                        \
+    TARGET static int32_t NAME(uint64_t iters) {                                                 \
+        VT x0 = INIT(0), x1 = INIT(1), x2 = INIT(2), x3 = INIT(3), x4 = INIT(4), x5 = INIT(5);  \
+        VT x6 = INIT(6), x7 = INIT(7), x8 = INIT(8), x9 = INIT(9), x10 = INIT(10), x11 = INIT(11); \
+        for (uint64_t it = 0; it < iters; it++) {                                                \
+            STEP(x0); STEP(x1); STEP(x2); STEP(x3); STEP(x4); STEP(x5);                          \
+            STEP(x6); STEP(x7); STEP(x8); STEP(x9); STEP(x10); STEP(x11);                        \
+        }                                                                                        \
+        const VT r = ADD(ADD(ADD(ADD(x0, x1), ADD(x2, x3)), ADD(ADD(x4, x5), ADD(x6, x7))),      \
+                         ADD(ADD(x8, x9), ADD(x10, x11)));                                       \
+        return OUT(r);                                                                           \
     }
-    __m512i r = acc[0];
-    for (int i = 1; i < 12; i++) r = _mm512_add_epi32(r, acc[i]);
-    return _mm512_reduce_add_epi32(r);
-}
 
-/* AVX-512 without VNNI: 12 chains of vpmaddubsw on zmm (64 multiply-adds each), fed back as
- * in the AVX2 peak */
-HTP_T_AVX512 static int32_t peak_bw(uint64_t iters) {
-    __m512i x[12];
-    const __m512i b = _mm512_set1_epi32(0x05060708);
-    for (int i = 0; i < 12; i++) x[i] = _mm512_set1_epi32(0x01020304 + i);
-    for (uint64_t it = 0; it < iters; it++)
-        for (int i = 0; i < 12; i++) {
-            x[i] = _mm512_maddubs_epi16(x[i], b);
-        }
-    __m512i r = x[0];
-    for (int i = 1; i < 12; i++) r = _mm512_add_epi32(r, x[i]);
-    return _mm512_reduce_add_epi32(r);
-}
+#define PK_I512(i) _mm512_set1_epi32(0x01020304 + (i))
+#define PK_I256(i) _mm256_set1_epi32(0x01020304 + (i))
+#define PK_F512(i) _mm512_set1_ps((float)(i))
+#define PK_F256(i) _mm256_set1_ps((float)(i))
+#define PK_OUT_I512(r) _mm512_reduce_add_epi32(r)
+#define PK_OUT_F512(r) (int32_t)_mm512_reduce_add_ps(r)
+#define PK_OUT_I256(r) (_mm256_extract_epi32((r), 0) + _mm256_extract_epi32((r), 7))
+#define PK_OUT_F256(r) (int32_t)_mm256_cvtss_f32(r)
+/* vpdpbusd (64 MACs per zmm), vpmaddubsw zmm (64) and ymm (32), vfmadd231ps zmm (16) and ymm
+ * (8), vdpbf16ps (32) */
+#define PK_VNNI(v) v = _mm512_dpbusd_epi32((v), _mm512_set1_epi32(0x01020304), _mm512_set1_epi32(0x05060708))
+#define PK_BW(v) __asm__("vpmaddubsw %1, %0, %0" : "+v"(v) : "v"(_mm512_set1_epi32(0x05060708)))
+#define PK_DOT2(v) __asm__("vpmaddubsw %1, %0, %0" : "+x"(v) : "x"(_mm256_set1_epi32(0x05060708)))
+#define PK_FMA512(v) v = _mm512_fmadd_ps((v), _mm512_set1_ps(0.999f), _mm512_set1_ps(1e-3f))
+#define PK_FMA256(v) v = _mm256_fmadd_ps((v), _mm256_set1_ps(0.999f), _mm256_set1_ps(1e-3f))
+#define PK_BF16(v)                                                                               \
+    v = _mm512_dpbf16_ps((v), (__m512bh)_mm512_set1_epi32(0x3f803f80), (__m512bh)_mm512_set1_epi32(0x3a833a83))
 
-/* 12 independent vfmadd231ps chains (16 MACs each) and vdpbf16ps chains (32 MACs each) */
-HTP_T_AVX512 static int32_t peak_fma(uint64_t iters) {
-    __m512 acc[12];
-    const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
-    for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_ps((float)i);
-    for (uint64_t it = 0; it < iters; it++) {
-        for (int i = 0; i < 12; i++) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
-    }
-    __m512 r = acc[0];
-    for (int i = 1; i < 12; i++) r = _mm512_add_ps(r, acc[i]);
-    return (int32_t)_mm512_reduce_add_ps(r);
-}
-
-HTP_T_BF16 static int32_t peak_bf16(uint64_t iters) {
-    __m512 acc[12];
-    const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = (__m512bh)_mm512_set1_epi32(0x3a833a83);
-    for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_ps((float)i);
-    for (uint64_t it = 0; it < iters; it++) {
-        for (int i = 0; i < 12; i++) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-    }
-    __m512 r = acc[0];
-    for (int i = 1; i < 12; i++) r = _mm512_add_ps(r, acc[i]);
-    return (int32_t)_mm512_reduce_add_ps(r);
-}
-
-/* AVX2: 12 independent chains of vpmaddubsw, the instruction the AVX2 kernel multiplies with
- * (u8 x s8, adjacent pairs summed: 32 multiply-adds per ymm; each chain feeds its result back as
- * the u8 operand, so nothing is loop-invariant), and of vfmadd231ps on ymm (8 MACs each) */
-HTP_T_AVX2 static int32_t peak_dot_avx2(uint64_t iters) {
-    /* twelve named chains, each step one vpmaddubsw in asm: from intrinsics on an array gcc
-     * kept the chains in memory (a store and a reload per step), which measured ~150 instead
-     * of ~200 G multiply-adds per core here (Zen 3, two vpmaddubsw per cycle) */
-    const __m256i b = _mm256_set1_epi32(0x05060708);
-    __m256i x0 = _mm256_set1_epi32(0x01020304), x1 = _mm256_add_epi32(x0, x0), x2 = _mm256_add_epi32(x1, x0);
-    __m256i x3 = _mm256_add_epi32(x2, x0), x4 = _mm256_add_epi32(x3, x0), x5 = _mm256_add_epi32(x4, x0);
-    __m256i x6 = _mm256_add_epi32(x5, x0), x7 = _mm256_add_epi32(x6, x0), x8 = _mm256_add_epi32(x7, x0);
-    __m256i x9 = _mm256_add_epi32(x8, x0), x10 = _mm256_add_epi32(x9, x0), x11 = _mm256_add_epi32(x10, x0);
-    for (uint64_t it = 0; it < iters; it++) {
-#define PEAK_STEP(v) __asm__("vpmaddubsw %1, %0, %0" : "+x"(v) : "x"(b))
-        PEAK_STEP(x0); PEAK_STEP(x1); PEAK_STEP(x2); PEAK_STEP(x3); PEAK_STEP(x4); PEAK_STEP(x5);
-        PEAK_STEP(x6); PEAK_STEP(x7); PEAK_STEP(x8); PEAK_STEP(x9); PEAK_STEP(x10); PEAK_STEP(x11);
-#undef PEAK_STEP
-    }
-    __m256i r = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(x0, x1), _mm256_add_epi32(x2, x3)),
-                                 _mm256_add_epi32(_mm256_add_epi32(x4, x5), _mm256_add_epi32(x6, x7)));
-    r = _mm256_add_epi32(r, _mm256_add_epi32(_mm256_add_epi32(x8, x9), _mm256_add_epi32(x10, x11)));
-    return _mm256_extract_epi32(r, 0) + _mm256_extract_epi32(r, 7);
-}
-
-HTP_T_AVX2 static int32_t peak_fma_avx2(uint64_t iters) {
-    __m256 acc[12];
-    const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
-    for (int i = 0; i < 12; i++) acc[i] = _mm256_set1_ps((float)i);
-    for (uint64_t it = 0; it < iters; it++) {
-        for (int i = 0; i < 12; i++) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
-    }
-    __m256 r = acc[0];
-    for (int i = 1; i < 12; i++) r = _mm256_add_ps(r, acc[i]);
-    return (int32_t)_mm256_cvtss_f32(r);
-}
+HTP_PEAK(peak_vnni, HTP_T_VNNI, __m512i, PK_I512, PK_VNNI, _mm512_add_epi32, PK_OUT_I512)
+HTP_PEAK(peak_bw, HTP_T_AVX512, __m512i, PK_I512, PK_BW, _mm512_add_epi32, PK_OUT_I512)
+HTP_PEAK(peak_fma, HTP_T_AVX512, __m512, PK_F512, PK_FMA512, _mm512_add_ps, PK_OUT_F512)
+HTP_PEAK(peak_bf16, HTP_T_BF16, __m512, PK_F512, PK_BF16, _mm512_add_ps, PK_OUT_F512)
+HTP_PEAK(peak_dot_avx2, HTP_T_AVX2, __m256i, PK_I256, PK_DOT2, _mm256_add_epi32, PK_OUT_I256)
+HTP_PEAK(peak_fma_avx2, HTP_T_AVX2, __m256, PK_F256, PK_FMA256, _mm256_add_ps, PK_OUT_F256)
 
 /* ---- the tables ---- */
 const htp_isa htp_isa_avx2 = {
