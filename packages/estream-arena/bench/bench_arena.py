@@ -125,13 +125,15 @@ def dd_direct(path: Path, block: str) -> float:
     return nbytes / seconds
 
 
-def loader_bandwidth(path: Path, n_records: int, G: int, Q: int, B: int, merge: int = 0) -> dict:
+def loader_bandwidth(
+    path: Path, n_records: int, G: int, Q: int, B: int, merge: int = 0, shared: bool = False
+) -> dict:
     rb = LAYOUT.record_bytes
     reqs = [
         GroupRequest(k, k * G * rb, min(G, n_records - k * G)) for k in range(-(-n_records // G))
     ]
-    with Arena(LAYOUT, B, G) as arena:
-        for j in range(3):  # fault the memfd pages in now, not inside the timed reads
+    with Arena(LAYOUT, B, G, shared=shared) as arena:
+        for j in range(3):  # fault the pages in now, not inside the timed reads
             arena.plane_view(j)[:] = 0
         with GroupLoader(arena, path, Q, direct=True, merge_bytes=merge) as ld:
             ld.begin_layer(0)
@@ -143,6 +145,7 @@ def loader_bandwidth(path: Path, n_records: int, G: int, Q: int, B: int, merge: 
             ld.end_layer()
             st = ld.stats
         arena_bytes = arena.total_bytes
+        huge = arena.huge_page_bytes
     busy = sum(e.t_end - e.t_start for e in st.events)
     return dict(
         G=G,
@@ -155,6 +158,8 @@ def loader_bandwidth(path: Path, n_records: int, G: int, Q: int, B: int, merge: 
         syscalls=st.n_syscalls,
         mean_read_ms=1e3 * busy / len(st.events),
         arena_bytes=arena_bytes,
+        arena="shared" if shared else "private",
+        huge_page_bytes=huge,
     )
 
 
@@ -178,6 +183,13 @@ def main() -> int:
         "--dd-blocks",
         default="1M,4M,16M,64M",
         help="dd bs= values (comma-separated) for the dd iflag=direct reference",
+    )
+    ap.add_argument(
+        "--arena",
+        choices=("private", "shared", "both"),
+        default="private",
+        help="arena planes: private (anonymous, huge pages: the host backend's, default), "
+        "shared (memfd: an executor process's), or both, interleaved",
     )
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "bench_arena.json")
     args = ap.parse_args()
@@ -207,7 +219,8 @@ def main() -> int:
         raw_runs: dict[tuple[int, int], list[float]] = {c: [] for c in raw_cfgs}
         dd_blocks = [b.strip() for b in args.dd_blocks.split(",") if b.strip()]
         dd_runs: dict[str, list[float]] = {b: [] for b in dd_blocks}
-        runs: dict[tuple[int, int, int], list[dict]] = {}
+        runs: dict[tuple[int, int, int, bool], list[dict]] = {}
+        arenas = {"private": [False], "shared": [True], "both": [False, True]}[args.arena]
         merge = int(args.merge_mib * (1 << 20)) // 4096 * 4096
         merges = {
             G: [0] + ([merge] if merge >= 2 * G * LAYOUT.record_bytes else []) for G in args.groups
@@ -227,14 +240,18 @@ def main() -> int:
             for G in args.groups:
                 for Q in args.depths:
                     for mg in merges[G]:
-                        methods.add(drop_cache(path))
-                        p = loader_bandwidth(path, n_records, G, Q, Q + args.extra_banks, mg)
-                        runs.setdefault((G, Q, mg), []).append(p)
-                        print(
-                            f"G={G:2d} Q={Q} B={p['B']:2d} merge={mg >> 20:2d} MiB: "
-                            f"{p['bytes_per_s'] / 1e6:8.1f} MB/s, {p['mean_read_ms']:.1f} ms/read, "
-                            f"{p['syscalls']} preadv"
-                        )
+                        for sh in arenas:
+                            methods.add(drop_cache(path))
+                            p = loader_bandwidth(
+                                path, n_records, G, Q, Q + args.extra_banks, mg, sh
+                            )
+                            runs.setdefault((G, Q, mg, sh), []).append(p)
+                            print(
+                                f"G={G:2d} Q={Q} B={p['B']:2d} merge={mg >> 20:2d} MiB "
+                                f"{p['arena']:7s}: {p['bytes_per_s'] / 1e6:8.1f} MB/s, "
+                                f"{p['mean_read_ms']:.1f} ms/read, {p['syscalls']} preadv, "
+                                f"{p['huge_page_bytes'] >> 20} MiB on huge pages"
+                            )
         raw = [
             dict(
                 block=b,
@@ -266,6 +283,9 @@ def main() -> int:
 
         q0_per_g: dict[int, int] = {}
         best_per_g: dict[int, dict] = {}
+        primary = "shared" if arenas == [True] else "private"
+        other = [p for p in points if p["arena"] != primary and not p["merge_bytes"]]
+        points = [p for p in points if p["arena"] == primary]  # the summary's arena
         merged = [p for p in points if p["merge_bytes"]]
         points = [p for p in points if not p["merge_bytes"]]  # one group per read
         for G in args.groups:
@@ -301,6 +321,18 @@ def main() -> int:
                     p = next(p for p in merged if p["G"] == G and p["Q"] == Q)
                     cells.append(f"{p['bytes_per_s'] / 1e6:7.1f} ({p['ratio_to_dd']:.2f})")
                 print(f"  {G:2d} | " + " | ".join(cells))
+        if other:
+            print("shared (memfd) arena, MB/s (ratio to the private arena's, same passes):")
+            for G in args.groups:
+                cells = []
+                for Q in args.depths:
+                    p = next(p for p in other if p["G"] == G and p["Q"] == Q)
+                    q = next(q for q in points if q["G"] == G and q["Q"] == Q)
+                    cells.append(
+                        f"{p['bytes_per_s'] / 1e6:7.1f} ({p['bytes_per_s'] / q['bytes_per_s']:.2f})"
+                    )
+                print(f"  {G:2d} | " + " | ".join(cells))
+        print(f"arena: {primary}")
         print(
             f"best: G={best['G']} Q={best['Q']}: {best['bytes_per_s'] / 1e6:.1f} MB/s = "
             f"{best['ratio_to_dd']:.2f} x dd iflag=direct (target >= 0.90), "
@@ -333,6 +365,8 @@ def main() -> int:
             repeat=args.repeat,
             points=points,
             merged_points=merged,
+            arena=primary,
+            other_arena_points=other,
             merge_bytes=merge,
             q0_rule="smallest Q with bandwidth >= 0.95 x max over Q, per G",
             q0_per_g={str(g): q for g, q in q0_per_g.items()},

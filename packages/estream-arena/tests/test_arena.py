@@ -138,3 +138,52 @@ def test_arena_close_is_idempotent_and_final() -> None:
 def test_arena_rejects_empty() -> None:
     with pytest.raises(ValueError):
         Arena(RecordLayout.contiguous(ALIGN, ALIGN, ALIGN), 0, 4)
+
+
+def _thp_mode() -> str:
+    """The bracketed word of the kernel's THP setting ('always', 'madvise', 'never'), or ''."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else ""
+
+
+@pytest.mark.parametrize(("B", "G"), [(1, 1), (3, 4)])
+def test_private_arena_has_the_same_geometry_and_no_fd(B: int, G: int) -> None:
+    """shared=False: the same slots, strides and views as a shared arena, private to the process."""
+    lay = RecordLayout(7 * ALIGN, ((0, 2 * ALIGN), (3 * ALIGN, ALIGN), (4 * ALIGN, 3 * ALIGN)))
+    with Arena(lay, B, G) as shared, Arena(lay, B, G, shared=False) as private:
+        assert shared.shared and not private.shared
+        assert private.total_bytes == shared.total_bytes
+        for j in range(3):
+            base = private.plane_address(j)
+            assert base % mmap.PAGESIZE == 0
+            assert private.plane_view(j).nbytes == shared.plane_view(j).nbytes
+            for s in range(private.n_slots):
+                private.slot_view(j, s)[:] = (j * 17 + s) % 253
+            for s in range(private.n_slots):
+                assert private.slot_address(j, s) == base + s * private.slot_bytes[j]
+                assert np.all(private.slot_view(j, s) == (j * 17 + s) % 253)
+        with pytest.raises(ArenaError, match="shared=False"):
+            private.fd(0)
+        assert shared.fd(0) >= 0
+
+
+def test_private_arena_is_on_huge_pages_where_the_kernel_grants_them() -> None:
+    """Written private planes are backed by 2 MiB pages when THP is 'always' or 'madvise' (the
+    arena advises them); where THP is 'never', huge_page_bytes says 0 rather than guessing."""
+    mib = 1 << 20
+    lay = RecordLayout.contiguous(4 * mib, 4 * mib, 4 * mib)
+    with Arena(lay, 2, 2, shared=False) as arena:
+        assert arena.huge_page_bytes == 0  # nothing is written yet: no page at all
+        for j in range(3):
+            arena.plane_view(j)[:] = 1
+        huge = arena.huge_page_bytes
+        assert 0 <= huge <= arena.total_bytes
+        if _thp_mode() in ("always", "madvise"):
+            assert huge >= arena.total_bytes // 2, (huge, arena.total_bytes)
+        elif _thp_mode() == "never":
+            assert huge == 0
+    assert arena.huge_page_bytes == 0  # closed

@@ -71,11 +71,12 @@ class Recorder:
                 self.active -= 1
 
 
+@pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("direct", [None, True, False])
 @pytest.mark.parametrize(("B", "G", "Q"), [(1, 1, 1), (3, 4, 2), (4, 3, 4), (2, 5, 1)])
-def test_every_group_lands_in_its_bank(rfile, B, G, Q, direct) -> None:
+def test_every_group_lands_in_its_bank(rfile, B, G, Q, direct, shared) -> None:
     with (
-        Arena(rfile.layout, B, G) as arena,
+        Arena(rfile.layout, B, G, shared=shared) as arena,
         GroupLoader(arena, rfile.path, Q, direct=direct, verify=True) as ld,
     ):
         assert ld.direct is (direct is not False)  # ext4/tmp accept O_DIRECT

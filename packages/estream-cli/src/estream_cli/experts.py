@@ -274,7 +274,9 @@ class StreamedExperts:
         layout = ea.RecordLayout(
             record_bytes=self.model.record_bytes, planes=self.model.plane_extents
         )
-        self.arena = ea.Arena(layout, n_banks=self.B, group_size=self.G)
+        # private (and on huge pages) unless an executor process must map the planes too
+        shared = self.graph.backend.kind != "host"
+        self.arena = ea.Arena(layout, n_banks=self.B, group_size=self.G, shared=shared)
         try:
             self.loader = ea.GroupLoader(
                 self.arena,

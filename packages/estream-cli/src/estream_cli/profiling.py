@@ -42,8 +42,11 @@ def measure_bandwidth(
     q: int,
     *,
     max_bytes: int = 256 << 20,
+    shared: bool = False,
 ) -> float:
-    """Grouped-read bandwidth (bytes/s) of the real loader at group size g, queue depth q."""
+    """Grouped-read bandwidth (bytes/s) of the real loader at group size g, queue depth q, into
+    an arena like the runtime's (``shared``: memfd planes, as for an executor process; else
+    private ones on huge pages, as for the in-process host backend)."""
     layers = sorted(model.layers.values(), key=lambda lay: lay.index)
     reqs: list[tuple[int, ea.GroupRequest]] = []
     total = 0
@@ -60,7 +63,7 @@ def measure_bandwidth(
     layout = ea.RecordLayout(record_bytes=model.record_bytes, planes=model.plane_extents)
     drop_file_cache(model.experts_path)
     with (
-        ea.Arena(layout, n_banks=q + 1, group_size=g) as arena,
+        ea.Arena(layout, n_banks=q + 1, group_size=g, shared=shared) as arena,
         ea.GroupLoader(arena, model.experts_path, q, merge_bytes=READ_MERGE_BYTES) as loader,
     ):
         t0 = time.perf_counter()
