@@ -317,6 +317,50 @@ def test_scaled_exec_times_keep_the_fixed_part_per_op() -> None:
     assert np.allclose(scaled_exec_times(falling, np.array([[3.0, 2.0, 1.0]]), 2.0), [[6, 4, 2]])
 
 
+def test_route_slope_is_one_slope_with_an_intercept_per_run() -> None:
+    """X = a_i + c·routes in every run, with a different fixed cost a_i per run: the common
+    slope is c exactly; runs with fewer than two routed groups, or alike routes, add nothing."""
+    from estream_sched.configure import route_slope
+
+    rng = np.random.default_rng(7)
+    c = 3.7e-5
+    runs = []
+    for a in (1e-3, 4e-3, 0.0):
+        r = rng.integers(0, 300, size=(5, 9))
+        runs.append((r, np.where(r > 0, a + c * r, 0.0)))
+    lone = np.array([[0, 12, 0]])
+    runs.append((lone, np.where(lone > 0, 9.0, 0.0)))  # one routed group: no slope in it
+    flat = np.array([[5, 5, 5]])
+    runs.append((flat, np.array([[1.0, 2.0, 3.0]])))  # alike routes: no slope in it
+    assert route_slope(runs) == pytest.approx(c, rel=1e-9)
+    assert route_slope([(lone, np.ones((1, 3))), (flat, np.ones((1, 3)))]) == 0.0
+    # and the slope passed in is the one used
+    from estream_sched.configure import scaled_exec_times
+
+    r, x = runs[0]
+    assert np.allclose(
+        scaled_exec_times(r, x, 3.0, slope=1e-4), np.where(r > 0, x + 1e-4 * r * 2.0, 0.0)
+    )
+
+
+def test_a_longer_prompt_adds_the_same_route_time_to_every_g() -> None:
+    """Every g routes the same tokens, so a longer prompt adds the same per-route time to each
+    g's layers; noisy calibration times must not turn into different per-route costs per g
+    (slopes fitted per g did: their noise, times the new routes, chose G)."""
+    from estream_sched.configure import model_arrays
+
+    p = synthetic_profile(SyntheticSpec(tokens=256, noise=0.05), seed=11)
+    at_cal = model_arrays(p, 1)
+    at_4x = model_arrays(p, 1, tokens=1024)
+    added = {g: float((at_4x[g].X - at_cal[g].X).sum()) for g in p.groups}
+    routes = {g: float(np.stack([lp.routes for lp in p.candidates[g]]).sum()) for g in p.groups}
+    assert len(set(routes.values())) == 1  # the premise: the same routes for every g
+    ref = added[p.groups[0]]
+    assert ref > 0
+    for g in p.groups:
+        assert added[g] == pytest.approx(ref, rel=1e-9), (g, added)
+
+
 @pytest.mark.parametrize("budget", [1 << 30, 3 << 30])
 def test_configure_for_a_longer_prompt_than_the_calibration(budget: int) -> None:
     """Calibrated at 256 tokens, configured for 2048: the choice is the one a calibration at

@@ -17,10 +17,11 @@ Service-time model (see README "Modelling choices"):
 * ``T_ne`` — per layer, pooled (averaged) across the ``g`` runs (it does not depend on ``g``).
 * A request of ``T`` tokens (``configure(..., tokens=T)``), ``s = T / T_cal`` times the
   calibration prompt: a group's time is a fixed part per op (weights through the caches, thread
-  hand-offs) plus a part per route, ``X ≈ a(g) + c(g) · routes``, fitted per ``g`` by least
-  squares over the routed groups of the calibration run; each group keeps its measured time and
-  gains ``c(g) · routes_k · (s - 1)``. Where the fit has no positive slope (route counts too
-  alike to tell), ``X_k · s``. ``T_ne · s`` (linear: attention's quadratic share is
+  hand-offs) plus a part per route, ``X ≈ a(g) + c · routes``: one intercept per ``g`` and
+  one slope ``c`` for every ``g`` (a route costs the kernel the same whatever the grouping),
+  fitted by least squares over the routed groups of every calibration run (`route_slope`);
+  each group keeps its measured time and gains ``c · routes_k · (s - 1)``. Where the fit has no
+  positive slope (route counts too alike to tell), ``X_k · s``. ``T_ne · s`` (linear: attention's quadratic share is
   understated at long prompts, which only makes reads look more exposed than they are). Reads
   do not change with ``T``.
 * Groups with zero routes are dropped from the schedule, as the runtime drops them.
@@ -28,7 +29,7 @@ Service-time model (see README "Modelling choices"):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -47,6 +48,7 @@ __all__ = [
     "configure",
     "format_bytes",
     "model_arrays",
+    "route_slope",
     "scaled_exec_times",
     "sweep",
 ]
@@ -188,21 +190,47 @@ def calibration_tokens(profile: Profile) -> int:
     return t
 
 
-def scaled_exec_times(routes: NDArray[Any], execs: NDArray[Any], scale: float) -> NDArray[Any]:
+def route_slope(runs: Sequence[tuple[NDArray[Any], NDArray[Any]]]) -> float:
+    """The seconds one route adds to a group's execution: the common slope ``c`` of
+    ``X ≈ a_i + c · routes`` over the routed groups of every run ``i`` (``(routes, execs)``
+    pairs, one per calibration run), each run with its own intercept ``a_i`` (its fixed cost
+    per op). 0.0 when no run has two routed groups with different route counts.
+
+    Why one slope: the per-route work (a token through one expert's projections) is the same
+    whatever ``g`` groups the experts, and every ``g`` routes the same total. Slopes fitted per
+    ``g`` differ by noise alone (a run of 16-expert groups has four groups a layer, with alike
+    route counts), and that noise, multiplied by the routes of a longer prompt, decided ``G``:
+    on OLMoE shapes per-``g`` slopes 3.4e-5 (``g=2``) and 4.7e-5 s/route (``g=16``) put 1.3 s
+    between the two at 1K tokens that were not there (measured ``g=16`` 3 % faster)."""
+    num = den = 0.0
+    for routes, execs in runs:
+        r = np.asarray(routes, dtype=np.float64).reshape(-1)
+        y = np.asarray(execs, dtype=np.float64).reshape(-1)
+        routed = r > 0
+        x, y = r[routed], y[routed]
+        if x.size < 2:
+            continue
+        xc = x - x.mean()
+        num += float(np.dot(xc, y - y.mean()))
+        den += float(np.dot(xc, xc))
+    return num / den if den > 0 else 0.0
+
+
+def scaled_exec_times(
+    routes: NDArray[Any], execs: NDArray[Any], scale: float, slope: float | None = None
+) -> NDArray[Any]:
     """Group execution times for a request ``scale`` times the calibration prompt (module
-    docstring): ``X_k + c · routes_k · (scale - 1)`` with ``c`` the least-squares slope of
-    ``X ≈ a + c · routes`` over the routed groups, or ``X_k · scale`` if that slope is not
-    positive. Unrouted groups stay 0 (they are not scheduled)."""
+    docstring): ``X_k + c · routes_k · (scale - 1)`` with ``c = slope``, by default the
+    least-squares slope of ``X ≈ a + c · routes`` over these routed groups (`route_slope` of
+    this one run), or ``X_k · scale`` if that slope is not positive. Unrouted groups stay 0
+    (they are not scheduled)."""
     execs = np.asarray(execs, dtype=np.float64)
     if scale == 1.0:
         return execs
     r = np.asarray(routes, dtype=np.float64)
     routed = r > 0
-    x, y = r[routed], execs[routed]
-    slope = 0.0
-    if x.size >= 2 and np.ptp(x) > 0:
-        xc = x - x.mean()
-        slope = float(np.dot(xc, y - y.mean()) / np.dot(xc, xc))
+    if slope is None:
+        slope = route_slope([(r, execs)])
     if slope > 0.0:
         out = np.where(routed, execs + slope * r * (scale - 1.0), 0.0)
     else:
@@ -232,6 +260,17 @@ def model_arrays(
         np.array([[lp.t_ne for lp in profile.candidates[g]] for g in gs], dtype=np.float64), axis=0
     )
     out: dict[int, _GroupModel] = {}
+    slope = None
+    if t_scale != 1.0:  # one per-route cost for every g (route_slope)
+        slope = route_slope(
+            [
+                (
+                    np.stack([lp.routes for lp in profile.candidates[g]]),
+                    np.stack([lp.exec_times for lp in profile.candidates[g]]),
+                )
+                for g in gs
+            ]
+        )
     for g in gs:
         bw = profile.bandwidth[g]
         if q not in bw:
@@ -242,7 +281,9 @@ def model_arrays(
         routes = np.stack([lp.routes for lp in layers])
         nbytes = np.stack([lp.group_bytes for lp in layers]).astype(np.float64)
         reads = np.stack([lp.read_times for lp in layers])
-        execs = scaled_exec_times(routes, np.stack([lp.exec_times for lp in layers]), t_scale)
+        execs = scaled_exec_times(
+            routes, np.stack([lp.exec_times for lp in layers]), t_scale, slope
+        )
         routed = routes > 0
         scale = (q / bw[q]) / (qm / bw[qm])
         if read_model == "bandwidth":
