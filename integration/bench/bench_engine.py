@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from estream_cli.bench import drop_page_cache  # noqa: E402
+from estream_cli.bench import cpu_steal_s, drop_page_cache  # noqa: E402
 from estream_cli.memory import format_bytes, parse_bytes  # noqa: E402
 
 CACHE = ROOT / ".cache" / "models"
@@ -145,8 +145,13 @@ def _run(
     t0 = time.perf_counter()
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     preexec = cgroup.preexec() if cgroup else _data_limit(data_limit) if data_limit else None
+    steal0 = cpu_steal_s()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec)
     wall = time.perf_counter() - t0
+    steal1 = cpu_steal_s()
+    # the hypervisor's steal over the whole child (machine-wide): on this project's VMs streamed
+    # runs lose wall-clock time to it while their reads are served, resident ones do not
+    steal = steal1 - steal0 if steal0 is not None and steal1 is not None else None
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     # CPU seconds of the whole child (load and prefill), user + system: on a machine shared
     # with other jobs the wall-clock times stretch with the load, its CPU time much less so
@@ -167,6 +172,8 @@ def _run(
     m["wall_s"] = wall
     m["child_cpu_s"] = cpu
     m["loadavg_1min"] = load
+    if steal is not None:
+        m["steal_s"] = steal
     m["peak_memory_bytes"] = max(
         int(m.get("peak_rss_bytes", 0)), int(m.get("mem_available_drop_bytes", 0))
     )
@@ -280,6 +287,8 @@ def run_system(
     extra = f"  majflt {m['major_faults']}" if "major_faults" in m else ""
     if "child_cpu_s" in m:
         extra += f"  cpu {m['child_cpu_s']:.1f} s  load {m['loadavg_1min']:.1f}"
+    if "steal_s" in m:
+        extra += f"  steal {m['steal_s']:.2f} s"
     print(
         f"T={T:<5d} {system + label:<10s} TTFT {ttft}  peak {peak:>11s} (RSS {rss:>11s}){cap}"
         f"{extra}",

@@ -20,7 +20,30 @@ import numpy as np
 from . import memory
 from .errors import BadRequestError
 
-__all__ = ["drop_page_cache", "run_bench", "run_one"]
+__all__ = ["cpu_steal_s", "drop_page_cache", "parse_steal_ticks", "run_bench", "run_one"]
+
+
+def parse_steal_ticks(stat: str) -> int | None:
+    """The machine's steal ticks (all CPUs) from the text of /proc/stat, or None when the kernel
+    does not report them: the eighth field of the ``cpu`` line, time the hypervisor ran something
+    else while a virtual CPU of this machine had work."""
+    for line in stat.splitlines():
+        f = line.split()
+        if f and f[0] == "cpu":
+            return int(f[8]) if len(f) > 8 else None
+    return None
+
+
+def cpu_steal_s() -> float | None:
+    """Seconds of steal so far, summed over this machine's CPUs (None off Linux or when the
+    kernel does not count it). On a virtual machine a run's steal is wall-clock time its busy
+    threads did not get: take the difference around a run and report it beside its times."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = parse_steal_ticks(f.read())
+    except OSError:
+        return None
+    return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
 
 
 def drop_page_cache(paths: list[Path]) -> str:
@@ -57,10 +80,15 @@ def run_one(
         "--json",
         *(extra or []),
     ]
+    steal0 = cpu_steal_s()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    steal1 = cpu_steal_s()
     if proc.returncode != 0:
         raise RuntimeError(f"prefill ({mode}, T={len(tokens)}) failed: {proc.stderr.strip()}")
-    return json.loads(proc.stdout)["metrics"]
+    m = json.loads(proc.stdout)["metrics"]
+    if steal0 is not None and steal1 is not None:
+        m["steal_s"] = steal1 - steal0
+    return m
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -100,7 +128,8 @@ def run_bench(args: argparse.Namespace) -> int:
                         f"T={T:<6d} {mode:<9s} ttft {m['ttft_s'] * 1e3:9.1f} ms   peak "
                         f"{memory.format_bytes(m['peak_memory_bytes']):>11s}   read "
                         f"{memory.format_bytes(m['bytes_read']):>11s}   overlap "
-                        f"{m['io_compute_overlap'] * 100:5.1f} %   bubble {m['bubble_rate'] * 100:5.1f} %",
+                        f"{m['io_compute_overlap'] * 100:5.1f} %   bubble {m['bubble_rate'] * 100:5.1f} %"
+                        + (f"   steal {m['steal_s']:.2f} s" if "steal_s" in m else ""),
                         flush=True,
                     )
     if args.json:
