@@ -29,9 +29,17 @@ def test_steal_missing_on_old_kernels() -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
 def test_live_counter_reads_and_never_runs_backwards() -> None:
-    with open("/proc/stat") as f:
-        ticks = parse_steal_ticks(f.read())
+    def ticks() -> int:
+        with open("/proc/stat") as f:
+            t = parse_steal_ticks(f.read())
+        assert t is not None
+        return t
+
+    hz = os.sysconf("SC_CLK_TCK")
+    t0 = ticks()
     a = cpu_steal_s()
     b = cpu_steal_s()
+    t1 = ticks()
     assert a is not None and b is not None
-    assert a >= ticks / os.sysconf("SC_CLK_TCK") and b >= a
+    # seconds, not ticks, between the counter read before and after
+    assert t0 / hz <= a <= b <= t1 / hz
