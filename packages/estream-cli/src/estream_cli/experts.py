@@ -32,7 +32,7 @@ from estream_layout import ChecksumError
 from estream_layout.verify import check_record_checksums
 
 from .errors import PackError
-from .packed import ExpertLayer, PackedModel
+from .packed import ExpertLayer, PackedModel, read_whole
 
 __all__ = [
     "SCHEDULES",
@@ -162,7 +162,7 @@ class ResidentExperts:
         self.graph = graph
         self.records: list[GroupRecord] = []
         if graph.backend.kind == "host":
-            self.pool = np.fromfile(model.experts_path, dtype=np.uint8)
+            self.pool = read_whole(model.experts_path)
         else:  # the executor reads the pool in place: shared memory
             self.pool = graph.backend.empty(os.path.getsize(model.experts_path), np.uint8)
             with open(model.experts_path, "rb") as f:

@@ -1,0 +1,72 @@
+"""`read_whole`: a file's exact bytes, in private memory advised onto transparent huge pages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from estream_cli import packed
+
+
+def _thp_mode() -> str:
+    """The bracketed word of the kernel's THP setting ('always', 'madvise', 'never'), or ''."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else ""
+
+
+def _anon_huge_bytes(lo: int, hi: int) -> int:
+    """AnonHugePages of the /proc/self/smaps mappings overlapping [lo, hi)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and not head.endswith(":"):
+                a, _, b = head.partition("-")
+                inside = int(a, 16) < hi and lo < int(b, 16)
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 3 * 4096, 3 * 4096 + 5])
+def test_exact_bytes_across_read_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    monkeypatch.setattr(packed, "READ_CHUNK", 4096)  # several reads, one partial at the end
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    path = tmp_path / "blob.bin"
+    data.tofile(path)
+    out = packed.read_whole(path)
+    assert out.dtype == np.uint8 and out.shape == (size,)
+    assert np.array_equal(out, data)
+    if size:
+        out[0] ^= 0xFF  # private and writable: the file is untouched
+        assert path.read_bytes()[0] == data[0]
+
+
+def test_missing_file_is_an_oserror(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        packed.read_whole(tmp_path / "absent.bin")
+
+
+def test_on_huge_pages_where_the_kernel_grants_them(tmp_path: Path) -> None:
+    """A 16 MiB file lands in 2 MiB pages where THP is 'always' or 'madvise' (read_whole advises
+    them); where THP is 'never', none."""
+    size = 16 << 20
+    path = tmp_path / "big.bin"
+    np.full(size, 7, np.uint8).tofile(path)
+    out = packed.read_whole(path)
+    lo = out.ctypes.data
+    huge = _anon_huge_bytes(lo, lo + size)
+    assert 0 <= huge <= size + (2 << 20)
+    assert int(out[::4096].sum()) == 7 * (size // 4096)
+    if _thp_mode() in ("always", "madvise"):
+        assert huge >= size // 2, huge
+    elif _thp_mode() == "never":
+        assert huge == 0
