@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from estream_arena import ALIGN, Arena, ArenaError, RecordLayout
+from estream_arena import ALIGN, Arena, ArenaError, RecordLayout, thp_mode
 
 OLMOE = RecordLayout.contiguous(1_179_648, 1_179_648, 1_179_648)
 
@@ -140,16 +140,6 @@ def test_arena_rejects_empty() -> None:
         Arena(RecordLayout.contiguous(ALIGN, ALIGN, ALIGN), 0, 4)
 
 
-def _thp_mode() -> str:
-    """The bracketed word of the kernel's THP setting ('always', 'madvise', 'never'), or ''."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            text = f.read()
-    except OSError:
-        return ""
-    return text[text.index("[") + 1 : text.index("]")] if "[" in text else ""
-
-
 @pytest.mark.parametrize(("B", "G"), [(1, 1), (3, 4)])
 def test_private_arena_has_the_same_geometry_and_no_fd(B: int, G: int) -> None:
     """shared=False: the same slots, strides and views as a shared arena, private to the process."""
@@ -182,8 +172,8 @@ def test_private_arena_is_on_huge_pages_where_the_kernel_grants_them() -> None:
             arena.plane_view(j)[:] = 1
         huge = arena.huge_page_bytes
         assert 0 <= huge <= arena.total_bytes
-        if _thp_mode() in ("always", "madvise"):
+        if thp_mode() in ("always", "madvise"):
             assert huge >= arena.total_bytes // 2, (huge, arena.total_bytes)
-        elif _thp_mode() == "never":
+        elif thp_mode() == "never":
             assert huge == 0
     assert arena.huge_page_bytes == 0  # closed

@@ -8,17 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from estream_arena import thp_mode
 from estream_cli import packed
-
-
-def _thp_mode() -> str:
-    """The bracketed word of the kernel's THP setting ('always', 'madvise', 'never'), or ''."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            text = f.read()
-    except OSError:
-        return ""
-    return text[text.index("[") + 1 : text.index("]")] if "[" in text else ""
 
 
 def _anon_huge_bytes(lo: int, hi: int) -> int:
@@ -68,7 +59,7 @@ def test_on_huge_pages_where_the_kernel_grants_them(tmp_path: Path) -> None:
     huge = _anon_huge_bytes(lo, lo + size)
     assert 0 <= huge <= size + (2 << 20)
     assert int(out[::4096].sum()) == 7 * (size // 4096)
-    if _thp_mode() in ("always", "madvise"):
+    if thp_mode() in ("always", "madvise"):
         assert huge >= size // 2, huge
-    elif _thp_mode() == "never":
+    elif thp_mode() == "never":
         assert huge == 0

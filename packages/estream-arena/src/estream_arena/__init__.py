@@ -6,7 +6,7 @@ kernels — so any runtime can embed it (see the README).
 
 from __future__ import annotations
 
-from ._arena import ALIGN, PLANES, Arena, RecordLayout
+from ._arena import ALIGN, PLANES, Arena, RecordLayout, thp_mode
 from ._errors import (
     ArenaError,
     ChecksumError,
@@ -43,4 +43,5 @@ __all__ = [
     "Residency",
     "ShortReadError",
     "__version__",
+    "thp_mode",
 ]

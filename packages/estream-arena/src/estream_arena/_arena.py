@@ -258,6 +258,18 @@ class Arena:
         return f"Arena(B={self.n_banks}, G={self.group_size}, {mib:.1f} MiB, closed={self._closed})"
 
 
+def thp_mode() -> str:
+    """The kernel's transparent-huge-page setting: ``'always'``, ``'madvise'``, ``'never'``, or
+    ``''`` where it cannot be read (not Linux, no THP). Private memory the arena advises gets
+    2 MiB pages under ``'always'`` and ``'madvise'``."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else ""
+
+
 def _advise_huge(mm: mmap.mmap) -> None:
     """Ask for transparent huge pages; a kernel without them (or a refusal) is not an error."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
