@@ -41,11 +41,11 @@ def read_whole(path: str | Path) -> np.ndarray:
     """A whole file read into a page-aligned private anonymous mapping advised onto transparent
     huge pages, in ``READ_CHUNK`` reads.
 
-    ``np.fromfile`` reads into malloc's buffer, which starts 16 bytes past a page boundary; on
-    this project's machines the kernel's copy from the page cache into it ran 1.3-5x slower than
-    into a page-aligned buffer (3.4 GiB: 1.7-5.4 s against 0.95-1.3 s), and 4 KiB pages instead
-    of 2 MiB ones cost 2.6-3.9 s against 0.7-1.8 s in page faults. The mapping lives as long as the returned
-    array (numpy holds the buffer). Raises OSError from open/read."""
+    ``np.fromfile`` reads into malloc's buffer, which starts 16 bytes past a page boundary. On
+    this project's machines, reading 3.4 GiB from the page cache took 1.7-5.4 s into that
+    buffer, 0.95-1.3 s into the same buffer page-aligned, 2.6-3.9 s into a page-aligned mapping
+    on 4 KiB pages and 0.7-1.8 s into this one. The mapping lives as long as the returned array
+    (numpy holds the buffer). Raises OSError from open/read."""
     with open(path, "rb", buffering=0) as f:
         n = os.fstat(f.fileno()).st_size
         mm = mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20))
