@@ -446,6 +446,26 @@ def test_matmul_f32_vs_float64(t: int, k: int, n: int, threads: int, seed: int) 
         assert y.tobytes() == seq.tobytes()
 
 
+@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matmul_f32_sequential_bits_on_every_column_path(simd: str, threads: int) -> None:
+    """Every column path (blocks of 64, 16, 8, single columns, and their mixes) at every SIMD
+    level gives the bits of a sequential fp32 loop (each product rounded, then added, k in
+    order), into a poisoned output, for awkward t, k, n."""
+    rng = np.random.default_rng(17)
+    with mode(simd=simd, threads=threads):
+        for n in (1, 7, 8, 9, 16, 17, 24, 31, 32, 33, 63, 64, 65, 88, 130):
+            for k in (1, 3, 37, 300):
+                t = int(rng.integers(1, 14))
+                x = rng.standard_normal((t, k)).astype(np.float32)
+                w = rng.standard_normal((k, n)).astype(np.float32)
+                y = htp.matmul_f32(x, w, out=np.full((t, n), np.nan, np.float32))
+                seq = np.zeros((t, n), np.float32)
+                for kk in range(k):
+                    seq += x[:, kk : kk + 1] * w[kk]
+                assert y.tobytes() == seq.tobytes(), (simd, t, k, n)
+
+
 def test_matmul_f32_bad_input() -> None:
     x = np.ones((3, 4), np.float32)
     with pytest.raises(htp.HTPInputError, match="K=4"):
