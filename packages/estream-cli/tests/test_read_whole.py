@@ -63,3 +63,19 @@ def test_on_huge_pages_where_the_kernel_grants_them(tmp_path: Path) -> None:
         assert huge >= size // 2, huge
     elif thp_mode() == "never":
         assert huge == 0
+
+
+def test_a_mapping_refused_is_a_memory_error_naming_file_and_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "pool.bin"
+    np.zeros(3 << 20, np.uint8).tofile(path)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(packed.mmap, "mmap", refuse)
+    with pytest.raises(
+        MemoryError, match=r"pool\.bin: cannot allocate 3\.00 MiB .*Cannot allocate"
+    ):
+        packed.read_whole(path)

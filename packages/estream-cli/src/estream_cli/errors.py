@@ -6,6 +6,7 @@ __all__ = [
     "BadRequestError",
     "BudgetTooSmallError",
     "EStreamError",
+    "InsufficientMemoryError",
     "NonFiniteError",
     "PackError",
     "UnsupportedModelError",
@@ -28,6 +29,10 @@ class UnsupportedModelError(EStreamError):
 
 class NonFiniteError(EStreamError):
     """A forward pass produced NaN or infinite activations (corrupt weights or overflow)."""
+
+
+class InsufficientMemoryError(EStreamError):
+    """What the chosen mode must hold in memory cannot be allocated."""
 
 
 class BadRequestError(EStreamError):

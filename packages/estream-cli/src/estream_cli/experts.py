@@ -31,7 +31,7 @@ import estream_htp as htp
 from estream_layout import ChecksumError
 from estream_layout.verify import check_record_checksums
 
-from .errors import PackError
+from .errors import InsufficientMemoryError, PackError
 from .packed import ExpertLayer, PackedModel, read_whole
 
 __all__ = [
@@ -162,7 +162,13 @@ class ResidentExperts:
         self.graph = graph
         self.records: list[GroupRecord] = []
         if graph.backend.kind == "host":
-            self.pool = read_whole(model.experts_path)
+            try:
+                self.pool = read_whole(model.experts_path)
+            except MemoryError as exc:
+                raise InsufficientMemoryError(
+                    f"resident mode holds every expert in memory, and {exc}; stream the experts "
+                    "instead (--mode stream, with --budget BYTES to cap the memory)"
+                ) from exc
         else:  # the executor reads the pool in place: shared memory
             self.pool = graph.backend.empty(os.path.getsize(model.experts_path), np.uint8)
             with open(model.experts_path, "rb") as f:

@@ -22,6 +22,7 @@ from estream_layout.manifest import read_manifest_doc
 from estream_layout.verify import check_dense_checksums, nonfinite_dense
 
 from .errors import PackError
+from .memory import format_bytes
 
 __all__ = [
     "DenseTensor",
@@ -45,10 +46,19 @@ def read_whole(path: str | Path) -> np.ndarray:
     this project's machines, reading 3.4 GiB from the page cache took 1.7-5.4 s into that
     buffer, 0.95-1.3 s into the same buffer page-aligned, 2.6-3.9 s into a page-aligned mapping
     on 4 KiB pages and 0.7-1.8 s into this one. The mapping lives as long as the returned array
-    (numpy holds the buffer). Raises OSError from open/read."""
+    (numpy holds the buffer). Raises OSError from open/read, MemoryError (naming the file and
+    the size) when the mapping cannot be made."""
     with open(path, "rb", buffering=0) as f:
         n = os.fstat(f.fileno()).st_size
-        mm = mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20))
+        try:
+            mm = mmap.mmap(
+                -1, max(n, 1), flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
+            )
+        except OSError as exc:  # ENOMEM: more than the process may map (ulimit -v, overcommit)
+            raise MemoryError(
+                f"{path}: cannot allocate {format_bytes(n)} to read it into memory "
+                f"({exc.strerror or exc})"
+            ) from exc
         advice = getattr(mmap, "MADV_HUGEPAGE", None)
         if advice is not None:
             with contextlib.suppress(OSError):  # no THP in this kernel: 4 KiB pages, still right
