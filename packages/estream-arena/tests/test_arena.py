@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from estream_arena import ALIGN, Arena, ArenaError, RecordLayout, thp_mode
+from estream_arena import (
+    ALIGN,
+    Arena,
+    ArenaError,
+    RecordLayout,
+    huge_page_bytes_in,
+    private_mapping,
+    thp_mode,
+)
 
 OLMOE = RecordLayout.contiguous(1_179_648, 1_179_648, 1_179_648)
 
@@ -177,3 +185,23 @@ def test_private_arena_is_on_huge_pages_where_the_kernel_grants_them() -> None:
         elif thp_mode() == "never":
             assert huge == 0
     assert arena.huge_page_bytes == 0  # closed
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, mmap.PAGESIZE + 3, 6 << 20])
+def test_private_mapping_is_aligned_writable_and_at_least_a_page(nbytes: int) -> None:
+    mm = private_mapping(nbytes)
+    try:
+        assert len(mm) == max(nbytes, 1)
+        view = np.frombuffer(mm, dtype=np.uint8)
+        assert view.ctypes.data % mmap.PAGESIZE == 0
+        view[:] = 0xA5
+        assert int(view.min()) == int(view.max()) == 0xA5
+        lo = view.ctypes.data
+        huge = huge_page_bytes_in([(lo, lo + view.nbytes)])
+        if nbytes >= 6 << 20 and thp_mode() in ("always", "madvise"):
+            assert huge >= 2 << 20, huge  # at least the one aligned 2 MiB page inside 6 MiB
+        elif thp_mode() == "never":
+            assert huge == 0
+        del view
+    finally:
+        mm.close()

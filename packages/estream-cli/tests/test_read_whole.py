@@ -8,22 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from estream_arena import thp_mode
+from estream_arena import huge_page_bytes_in, thp_mode
 from estream_cli import packed
-
-
-def _anon_huge_bytes(lo: int, hi: int) -> int:
-    """AnonHugePages of the /proc/self/smaps mappings overlapping [lo, hi)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(" ", 1)[0]
-            if "-" in head and not head.endswith(":"):
-                a, _, b = head.partition("-")
-                inside = int(a, 16) < hi and lo < int(b, 16)
-            elif inside and head == "AnonHugePages:":
-                total += int(line.split()[1]) * 1024
-    return total
 
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 3 * 4096, 3 * 4096 + 5])
@@ -56,7 +42,7 @@ def test_on_huge_pages_where_the_kernel_grants_them(tmp_path: Path) -> None:
     np.full(size, 7, np.uint8).tofile(path)
     out = packed.read_whole(path)
     lo = out.ctypes.data
-    huge = _anon_huge_bytes(lo, lo + size)
+    huge = huge_page_bytes_in([(lo, lo + size)])
     assert 0 <= huge <= size + (2 << 20)
     assert int(out[::4096].sum()) == 7 * (size // 4096)
     if thp_mode() in ("always", "madvise"):
@@ -74,7 +60,7 @@ def test_a_mapping_refused_is_a_memory_error_naming_file_and_size(
     def refuse(*args: object, **kwargs: object) -> None:
         raise OSError(12, "Cannot allocate memory")
 
-    monkeypatch.setattr(packed.mmap, "mmap", refuse)
+    monkeypatch.setattr(packed.ea, "private_mapping", refuse)
     with pytest.raises(
         MemoryError, match=r"pool\.bin: cannot allocate 3\.00 MiB .*Cannot allocate"
     ):

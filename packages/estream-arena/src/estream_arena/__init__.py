@@ -6,7 +6,15 @@ kernels — so any runtime can embed it (see the README).
 
 from __future__ import annotations
 
-from ._arena import ALIGN, PLANES, Arena, RecordLayout, thp_mode
+from ._arena import (
+    ALIGN,
+    PLANES,
+    Arena,
+    RecordLayout,
+    huge_page_bytes_in,
+    private_mapping,
+    thp_mode,
+)
 from ._errors import (
     ArenaError,
     ChecksumError,
@@ -43,5 +51,7 @@ __all__ = [
     "Residency",
     "ShortReadError",
     "__version__",
+    "huge_page_bytes_in",
+    "private_mapping",
     "thp_mode",
 ]

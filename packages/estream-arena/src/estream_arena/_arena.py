@@ -141,10 +141,11 @@ class Arena:
                     self._fds.append(fd)
                     os.ftruncate(fd, size)
                     mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                    self._maps.append(mm)
+                    _advise_huge(mm)
                 else:
-                    mm = mmap.mmap(-1, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-                self._maps.append(mm)
-                _advise_huge(mm)
+                    mm = private_mapping(size)
+                    self._maps.append(mm)
                 view = np.frombuffer(mm, dtype=np.uint8)
                 if view.ctypes.data % ALIGN:
                     raise ArenaError(f"{name} plane mapping is not {ALIGN}-aligned")
@@ -216,7 +217,7 @@ class Arena:
         if self._closed:
             return 0
         spans = [(v.ctypes.data, v.ctypes.data + v.nbytes) for v in self._views if v.nbytes]
-        return _huge_bytes_in(spans)
+        return huge_page_bytes_in(spans)
 
     def _register(self, closer: Any) -> None:
         """Objects (loaders) that write into the arena; closed before the planes are unmapped."""
@@ -270,6 +271,15 @@ def thp_mode() -> str:
     return text[text.index("[") + 1 : text.index("]")] if "[" in text else ""
 
 
+def private_mapping(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of private anonymous read-write memory (at least one page), page-aligned and
+    advised onto transparent huge pages: what a private arena plane is, and what a runtime can
+    read whole weight files into. Raises OSError when the kernel refuses the mapping."""
+    mm = mmap.mmap(-1, max(int(nbytes), 1), mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    _advise_huge(mm)
+    return mm
+
+
 def _advise_huge(mm: mmap.mmap) -> None:
     """Ask for transparent huge pages; a kernel without them (or a refusal) is not an error."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -281,8 +291,9 @@ def _advise_huge(mm: mmap.mmap) -> None:
 _HUGE_FIELDS = ("AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:")
 
 
-def _huge_bytes_in(spans: list[tuple[int, int]]) -> int:
-    """Sum of the huge-page fields of the ``/proc/self/smaps`` entries inside ``spans``."""
+def huge_page_bytes_in(spans: list[tuple[int, int]]) -> int:
+    """Bytes backed by huge pages (the huge-page fields of ``/proc/self/smaps``) in the mappings
+    that overlap any ``(start, end)`` address span; 0 where the kernel does not say."""
     try:
         with open("/proc/self/smaps") as f:
             text = f.read()

@@ -7,8 +7,6 @@ read whole into memory (resident mode).
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import os
 import zlib
 from pathlib import Path
@@ -17,6 +15,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+import estream_arena as ea
 from estream_layout import ChecksumError, LayoutError, Manifest, ModelSpec, update_manifest
 from estream_layout.manifest import read_manifest_doc
 from estream_layout.verify import check_dense_checksums, nonfinite_dense
@@ -40,7 +39,8 @@ READ_CHUNK = 64 << 20
 
 def read_whole(path: str | Path) -> np.ndarray:
     """A whole file read into a page-aligned private anonymous mapping advised onto transparent
-    huge pages, in ``READ_CHUNK`` reads.
+    huge pages (``estream_arena.private_mapping``, what a private arena plane is), in
+    ``READ_CHUNK`` reads.
 
     ``np.fromfile`` reads into malloc's buffer, which starts 16 bytes past a page boundary. On
     this project's machines, reading 3.4 GiB from the page cache took 1.7-5.4 s into that
@@ -51,18 +51,12 @@ def read_whole(path: str | Path) -> np.ndarray:
     with open(path, "rb", buffering=0) as f:
         n = os.fstat(f.fileno()).st_size
         try:
-            mm = mmap.mmap(
-                -1, max(n, 1), flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
-            )
+            mm = ea.private_mapping(n)
         except OSError as exc:  # ENOMEM: more than the process may map (ulimit -v, overcommit)
             raise MemoryError(
                 f"{path}: cannot allocate {format_bytes(n)} to read it into memory "
                 f"({exc.strerror or exc})"
             ) from exc
-        advice = getattr(mmap, "MADV_HUGEPAGE", None)
-        if advice is not None:
-            with contextlib.suppress(OSError):  # no THP in this kernel: 4 KiB pages, still right
-                mm.madvise(advice)
         out = np.frombuffer(mm, dtype=np.uint8, count=n)
         view = memoryview(out).cast("B")
         off = 0
