@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 from collections.abc import Iterator
 
 import pytest
@@ -9,10 +10,23 @@ import pytest
 import estream_htp as htp
 from estream_htp import _core
 
-LEVELS = [
-    lvl
-    for lvl in ("portable", "avx2", "avx512", "avx512vnni", "amx", "neon")
-    if htp.simd_supported(lvl)
+_HOST_LEVELS = (
+    ("portable", "neon")
+    if platform.machine().lower() in ("aarch64", "arm64")
+    else ("portable", "avx2", "avx512", "avx512vnni", "amx")
+)
+# The kernel tables this CPU runs (loops over levels use these) ...
+LEVELS = [lvl for lvl in _HOST_LEVELS if htp.simd_supported(lvl)]
+# ... and, for parametrize, every table of this architecture: the ones this CPU cannot run show
+# up as skips naming the missing instructions, so a run says which kernels it did not check.
+SIMD_PARAMS = [
+    pytest.param(
+        lvl,
+        marks=pytest.mark.skipif(
+            lvl not in LEVELS, reason=f"this CPU lacks the {lvl} instructions (hardware)"
+        ),
+    )
+    for lvl in _HOST_LEVELS
 ]
 
 

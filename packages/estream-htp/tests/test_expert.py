@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import LEVELS, mode
+from helpers import LEVELS, SIMD_PARAMS, mode
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -77,7 +77,7 @@ def _run(g, x, tokens, experts, weights, slots, planes, y):
     )
 
 
-@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
 @pytest.mark.parametrize("act", ["f32", "q8"])
 @given(sc=scenarios())
 def test_expert_op_matches_float64(simd: str, act: str, sc) -> None:
@@ -274,7 +274,7 @@ def test_expert_op_errors() -> None:
 
 
 # ------------------------------------------------------------------ shared Q8 rows
-@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
 @given(
     t=st.integers(0, 23),
     nb=st.integers(1, 7),
@@ -312,7 +312,7 @@ def test_quantize_q8_matches_reference(simd: str, t: int, nb: int, seed: int, ze
         assert np.array_equal(qmax, np.where(amax > 0, 127, 0))  # every nonzero block reaches 127
 
 
-@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
 def test_expert_op_from_q8_rows_is_bit_identical(simd: str) -> None:
     """The groups of a streamed layer: the input quantized once, then one expert op per group
     of experts, each from the shared rows, gives the bits of each op quantizing x itself and

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import LEVELS, mode
+from helpers import LEVELS, SIMD_PARAMS, mode
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -28,7 +28,7 @@ def _case(t: int, n: int, kb: int, seed: int, fmt: str):
     return x, buf
 
 
-@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
 @pytest.mark.parametrize("fmt", ["q4_0-t32r4", "q8_0-t32r4"])
 @given(shape=shapes)
 def test_gemm_f32_matches_float64(simd: str, fmt: str, shape) -> None:
@@ -42,7 +42,7 @@ def test_gemm_f32_matches_float64(simd: str, fmt: str, shape) -> None:
     assert T.rel_l2_floored(y, T.ref_gemm(x, buf, n, fmt), mag, x.shape[1]) <= F32_TOL
 
 
-@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
 @pytest.mark.parametrize("fmt", ["q4_0-t32r4", "q8_0-t32r4"])
 @given(shape=shapes)
 def test_gemm_q8_matches_float64(simd: str, fmt: str, shape) -> None:
@@ -77,7 +77,7 @@ def test_gemm_paths_and_thread_counts_agree(act: str) -> None:
         assert T.rel_l2(ys[0], base) <= 1e-6, simd
 
 
-@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gemm_q8_token_chunks(simd: str, threads: int) -> None:
     """Long prompts are cut into token chunks (~384 KiB of int8 rows: 72 tokens at k = 4096).
@@ -115,7 +115,7 @@ def test_gemm_rejects_bad_inputs() -> None:
         htp.gemm(x, buf, 40, fmt="q4_k")
 
 
-@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
 @pytest.mark.parametrize("act", ["f32", "q8"])
 @given(
     t=st.integers(1, 23),

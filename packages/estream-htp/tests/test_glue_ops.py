@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import KINDS, LEVELS, REMOTE_KINDS, mode
+from helpers import KINDS, REMOTE_KINDS, SIMD_PARAMS, mode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -147,7 +147,7 @@ def test_attention_with_context(be, t, ctx, hkv, rep, dk, dv, causal, seed) -> N
     assert y is out and T.rel_l2(y, ref) <= 1e-5
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", SIMD_PARAMS)
 @pytest.mark.parametrize("products", ["f32", "bf16"])
 def test_attention_with_context_is_the_full_prefill_rows(level, products) -> None:
     """A continuing segment with its context gives, bit for bit, the rows the causal kernel

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import LEVELS, mode
+from helpers import LEVELS, SIMD_PARAMS, mode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -133,7 +133,7 @@ def _check_attention(
     assert T.rel_l2(y, T.ref_attention(q, k, v, 1.0 / np.sqrt(dk), causal)) <= TOL
 
 
-@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
 @given(
     t=st.integers(1, 100),
     hkv=st.integers(1, 3),
@@ -149,7 +149,7 @@ def test_attention(
     _check_attention(simd, t, hkv, rep, dk, dv, causal, seed)
 
 
-@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
 @settings(max_examples=25, deadline=None)
 @given(
     t=st.integers(1, 200),
@@ -174,7 +174,7 @@ TOL_BF16 = 1e-2  # bf16 products (rounded q*scale, k, v, softmax weights) vs flo
 TOL_BF16_EMU = 1e-4  # native bf16 kernels vs the portable emulation of the same rounding
 
 
-@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
 @given(
     t=st.integers(1, 150),
     hkv=st.integers(1, 3),
@@ -251,7 +251,7 @@ def test_attention_long_sequence_threads_agree() -> None:
         assert T.rel_l2(a, T.ref_attention(q, k, v, 0.125)) <= TOL_BF16
 
 
-@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
 @given(n=st.integers(0, 300), seed=st.integers(0, 2**32 - 1))
 def test_silu_swiglu(simd: str, n: int, seed: int) -> None:
     """Every level against float64, on lengths that leave vector tails, with gates far out in
@@ -446,7 +446,7 @@ def test_matmul_f32_vs_float64(t: int, k: int, n: int, threads: int, seed: int) 
         assert y.tobytes() == seq.tobytes()
 
 
-@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_matmul_f32_sequential_bits_on_every_column_path(simd: str, threads: int) -> None:
     """Every column path (blocks of 64, 16, 8, single columns, and their mixes) at every SIMD

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import LEVELS
+from helpers import LEVELS, SIMD_PARAMS
 
 import estream_htp as htp
 from estream_htp import _buildcfg, _core
@@ -18,7 +18,7 @@ def _child(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", SIMD_PARAMS)
 def test_env_forces_simd_level(level: str) -> None:
     r = _child("import estream_htp as h; print(h.simd_level())", ESTREAM_HTP_SIMD=level)
     assert r.returncode == 0, r.stderr
@@ -107,7 +107,7 @@ def test_expert_graph_del_swallows_an_interrupt(monkeypatch: pytest.MonkeyPatch)
     g.__del__()  # must not raise
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", SIMD_PARAMS)
 def test_mac_peaks(level: str) -> None:
     """The peak micro-measures exist exactly where the level has the instruction: int8 dot
     and fp32 FMA on the AVX2 and AVX-512 levels, bf16 dot there when the CPU has AVX512_BF16 (the
