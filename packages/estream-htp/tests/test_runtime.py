@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
 import pytest
-from helpers import LEVELS, SIMD_PARAMS
+from helpers import LEVELS, SIMD_PARAMS, cpu_flags
 
 import estream_htp as htp
 from estream_htp import _buildcfg, _core
@@ -115,7 +116,8 @@ def test_mac_peaks(level: str) -> None:
     with htp.Backend("host", n_threads=1, simd=level) as be:
         for kind in ("int8", "fp32", "bf16"):
             has = (
-                level in ("avx512", "avx512vnni", "amx") and (kind != "bf16" or _has_bf16())
+                level in ("avx512", "avx512vnni", "amx")
+                and (kind != "bf16" or "avx512_bf16" in cpu_flags())
             ) or (level == "avx2" and kind != "bf16")
             if has:
                 rate = _core._mac_peak(kind, 1000, backend=be)
@@ -127,6 +129,21 @@ def test_mac_peaks(level: str) -> None:
             _core._mac_peak("fp64", 1000, backend=be)
 
 
-def _has_bf16() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return any("avx512_bf16" in line.split() for line in f if line.startswith("flags"))
+# The x86 kernel sets and the /proc/cpuinfo flags each one needs.
+_X86_NEEDS = {
+    "avx2": {"avx2", "fma"},
+    "avx512": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
+    "avx512vnni": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"},
+}
+
+
+@pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 kernel sets (x86 only)"
+)
+@pytest.mark.parametrize("level", sorted(_X86_NEEDS))
+def test_simd_detection_agrees_with_cpuinfo(level: str) -> None:
+    """A kernel set is offered exactly when the CPU lists its instructions: the SIMD tests skip
+    what this CPU lacks, and this keeps a detection bug from passing as a missing feature."""
+    assert htp.simd_supported(level) == (_X86_NEEDS[level] <= cpu_flags()), sorted(
+        _X86_NEEDS[level] - cpu_flags()
+    )
