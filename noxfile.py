@@ -213,6 +213,8 @@ def _check_dists(name: str) -> list[str]:
     if name == "cli" and sorted(r.name for r in siblings) != sorted(f"estream-{n}" for n in LOWER):
         problems.append(f"{wheel.name}: requires {siblings}, expected all of {LOWER}")
     expected = [f"{module}/__init__.py", f"{module}/py.typed"]
+    if name == "cli":  # the `estream` library ships beside the `estream_cli` command
+        expected += ["estream/__init__.py", "estream/py.typed"]
     if name == "htp":
         ext = [f for f in files if re.fullmatch(r"estream_htp/_ffi\..*(so|pyd)", f)]
         if not ext:

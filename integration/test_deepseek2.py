@@ -18,8 +18,8 @@ from gguf import GGMLQuantizationType as Q
 from reference import reference_forward
 
 import estream
-from estream_cli import tasks
-from estream_cli.errors import UnsupportedModelError
+from estream import tasks
+from estream.errors import UnsupportedModelError
 from estream_layout import pack_model, synth_model
 from estream_layout.testing import mutate_gguf
 
@@ -130,7 +130,7 @@ def synth_tiny(tmp_path_factory) -> Path:
 def test_score_and_classify_run_on_deepseek2(synth_tiny) -> None:
     """Task commands on deepseek2: score's log-likelihoods (one pass, choices as branches of a
     shared prefix) equal sums over separate plain prefills."""
-    from estream_cli.tokenizer import Tokenizer
+    from estream.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(synth_tiny)
     with estream.load(synth_tiny, G=2, Q=2, B=2, act="f32") as eng:

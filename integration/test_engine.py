@@ -288,7 +288,7 @@ def test_moe_layer_input_is_quantized_once_for_all_its_consumers(
     (resident), the shared experts' gate/up (deepseek2). One quantization per MoE layer, and
     logits bit-identical to every op quantizing its input itself."""
     import estream_htp as htp
-    from estream_cli.models import ops as ops_mod
+    from estream.models import ops as ops_mod
 
     arch, _, dst = packed
     calls: list[int] = []

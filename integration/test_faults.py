@@ -1,4 +1,4 @@
-"""Fault injection across the packages (issue 12): corrupted packs, models and arguments,
+"""Fault injection across the packages: corrupted packs, models and arguments,
 signals and concurrent writers, through the engine, the `estream` command and `estream-pack`.
 
 For every fault the suite asserts what a user needs: a clear error naming the file or field,
@@ -30,9 +30,9 @@ import pytest
 
 import estream
 import estream_arena
-from estream_cli import experts as experts_mod
+from estream import experts as experts_mod
+from estream.packed import update_config
 from estream_cli.main import main
-from estream_cli.packed import update_config
 from estream_layout import LayoutError, Manifest, PackFormatError, pack_model, synth_model
 from estream_layout.cli import pack_main, synth_main
 from estream_layout.testing import manifest_mutations, reseal
@@ -174,8 +174,9 @@ def test_consistently_corrupted_manifests_never_answer_wrongly(
 def test_the_engine_load_runs_the_layout_validator(
     packs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str
 ) -> None:
-    """Defects 1 and 4: a layer offset past experts.bin, a duplicated `order` entry, an absurd
-    n_experts — a segfault, wrong logits or an OOM before; now one line naming the field."""
+    """A layer offset past experts.bin, a duplicated `order` entry or an absurd n_experts is
+    one error line naming the field — never a segfault, wrong logits or an allocation without
+    bound."""
     root = _copy(packs["a"], tmp_path)
     doc = json.loads((root / "manifest.json").read_text())
     cases = [
@@ -237,7 +238,7 @@ def test_corrupted_files_through_every_reader(
     how: str,
 ) -> None:
     """Every file x {truncated, one flipped bit, swapped with another model's}: with --verify
-    (streamed and — defect 5 — resident) and with `estream-pack --verify` it is an error naming
+    (streamed and resident alike) and with `estream-pack --verify` it is an error naming
     the file; without --verify a size change or any change of the small model.gguf is still an
     error, and nothing crashes."""
     root = _copy(packs["a"], tmp_path)
@@ -262,9 +263,9 @@ def test_corrupted_files_through_every_reader(
 def test_nan_in_an_expert_record_is_an_error_not_a_plausible_answer(
     packs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Defect 5: int8 activations turned NaN into finite numbers, so a NaN weight gave a
-    plausible distribution with exit 0. Here a record's Q4_0 scale is NaN (checksum not
-    updated, no --verify): both activation formats and both modes fail clearly."""
+    """A NaN weight never yields a plausible distribution with exit 0 (int8 activations must
+    not turn NaN into finite numbers): with a record's Q4_0 scale NaN (checksum not updated,
+    no --verify), both activation formats and both modes fail clearly."""
     root = _copy(packs["a"], tmp_path)
     m = Manifest.from_path(root)
     la = m.layers[0]
@@ -298,7 +299,7 @@ def test_nan_in_dense_weights_is_refused_at_load(
 def test_model_gguf_of_another_model_is_refused(
     packs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Defect 7: a foreign model.gguf. Another model's metadata with the same size passes the
+    """A foreign model.gguf is refused: another model's metadata of the same size passes the
     size check, but its hyper-parameters must match the manifest's."""
     other = tmp_path / "o.gguf"
     synth_model("olmoe", "tiny", other, seed=11, n_layers=3)
@@ -346,8 +347,8 @@ def test_engine_recovers_after_an_error_mid_forward(
     mode: str,
     exc: BaseException,
 ) -> None:
-    """Defect 6: after any error mid-forward every later prefill raised `ProtocolError: layer N
-    is still open`, and the layer's loader threads and fds leaked."""
+    """After any error mid-forward the next prefill works (no `ProtocolError: layer N is still
+    open`), and the layer's loader threads and fds are not leaked."""
     kw = STREAM if mode == "stream" else {}
     with no_leaks(tmp_path), estream.load(packs["a"], mode=mode, **kw) as eng:
         cls = experts_mod.StreamedExperts if mode == "stream" else experts_mod.ResidentExperts
@@ -457,7 +458,7 @@ def test_read_error_in_the_early_window_reaches_the_first_pass(
 def test_batch_reports_each_failure_and_goes_on(
     packs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:  # type: ignore[no-untyped-def]
-    """Defect 6: in batch mode the first engine error ended the whole batch."""
+    """In batch mode an engine error fails only its own request; the batch goes on."""
     reqs = tmp_path / "r.jsonl"
     reqs.write_text("".join(json.dumps({"id": i, "prompt": f"hello {i}"}) + "\n" for i in range(4)))
     # one request per pass: the request whose pass failed reports it, the others go on
@@ -502,7 +503,8 @@ def test_batch_reports_each_failure_and_goes_on(
 def test_bad_numbers_are_rejected_not_defaulted(
     packs: dict[str, Path], capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], needle: str
 ) -> None:
-    """Defect 10: 0 silently meant "the default" and --top-k -3 printed everything."""
+    """A zero or negative count (e.g. --top-k 0 or -3) is refused with one error line, never
+    taken silently as "the default" or "everything"."""
     rc, out, err = _run(capsys, "prefill", str(packs["a"]), "--tokens", "1,2", *argv)
     assert rc == 2 and needle in err and out == "" and "Traceback" not in err
 
@@ -556,8 +558,8 @@ def test_synth_with_a_missing_vocabulary_is_an_error(
 def test_cannot_start_a_thread_is_reported_and_leaks_nothing(
     packs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Defect 9: `RuntimeError: cannot join thread before it is started` hid "can't start new
-    thread", and the loader's fd leaked."""
+    """When a loader thread cannot start, the error says so ("can't start new thread", not
+    `RuntimeError: cannot join thread before it is started`), and the loader's fd is closed."""
     started = []
     orig = threading.Thread.start
 
@@ -592,7 +594,7 @@ def _cli(*argv: str) -> subprocess.Popen:  # type: ignore[type-arg]
 
 
 def test_broken_pipe_is_quiet(packs: dict[str, Path]) -> None:
-    """Defect 9: `estream tokenize ... | head` printed a BrokenPipeError traceback."""
+    """`estream tokenize ... | head` ends quietly, without a BrokenPipeError traceback."""
     p = _cli("tokenize", str(packs["a"]), "hello world " * 8000)
     assert p.stdout is not None and p.stderr is not None
     p.stdout.read(10)
@@ -649,7 +651,7 @@ def test_signals_during_a_pack_leave_nothing(
 def test_concurrent_config_writers_keep_the_manifest_valid(
     packs: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Defect 2: concurrent `estream config` corrupted manifest.json for good."""
+    """Concurrent `estream config` writers leave manifest.json valid."""
     root = _copy(packs["a"], tmp_path)
     errors: list[BaseException] = []
 
@@ -672,7 +674,8 @@ def test_concurrent_config_writers_keep_the_manifest_valid(
 
 
 def test_concurrent_estream_config_commands(packs: dict[str, Path], tmp_path: Path) -> None:
-    """Defect 2 through the command: `estream profile` and several `estream config` at once."""
+    """`estream profile` and several `estream config` commands at once leave manifest.json
+    valid."""
     root = _copy(packs["a"], tmp_path)
     prof = (
         "profile",

@@ -1,7 +1,7 @@
 """Before/after prefill timing of two builds of the engine, alternating fresh processes.
 
 Each side is a ``PYTHONPATH`` (``os.pathsep``-separated source roots that hold a built
-``estream_htp`` — its ``_ffi`` extension compiled in place — and ``estream_cli``; the other
+``estream_htp`` — its ``_ffi`` extension compiled in place — and ``estream``; the other
 packages come from the environment). Runs ``--pairs`` pairs A/B, B/A, A/B, ... of one
 ``resident`` (or ``--mode``) prefill of ``--tokens`` random tokens each, after a short warm-up
 in the same process, and prints for TTFT, prefill CPU time (user + system), whole-process wall
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _CHILD = r"""
 import inspect, json, resource, sys
 import numpy as np
-from estream_cli.engine import Engine
+from estream import Engine  # the public name, which every build exports
 spec = json.loads(sys.argv[1])
 rng = np.random.default_rng(0)
 kw = {"act": spec["act"]}

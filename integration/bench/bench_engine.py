@@ -36,8 +36,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
+from estream.memory import format_bytes, parse_bytes  # noqa: E402
 from estream_cli.bench import cpu_steal_s, drop_page_cache  # noqa: E402
-from estream_cli.memory import format_bytes, parse_bytes  # noqa: E402
 
 CACHE = ROOT / ".cache" / "models"
 RESULTS = ROOT / "bench-results"
@@ -200,9 +200,9 @@ def model_paths(arch: str, preset: str, seed: int = 0) -> tuple[Path, Path]:
 
 def ensure_profile(dst: Path) -> None:
     """Profile the packed model once (stored in its manifest, reused by later runs)."""
-    from estream_cli.config import store_profile
-    from estream_cli.packed import PackedModel
-    from estream_cli.profiling import profile_model
+    from estream.config import store_profile
+    from estream.packed import PackedModel
+    from estream.profiling import profile_model
 
     model = PackedModel(dst)
     if not model.manifest.get("profile"):
@@ -215,8 +215,8 @@ def ensure_profile(dst: Path) -> None:
 
 def configure_and_store(dst: Path, budget: int) -> Any:
     """The configurator's (G, Q, B) for `budget`, stored in the manifest (used by `prefill`)."""
-    from estream_cli.config import configure_for_budget, store_config
-    from estream_cli.packed import PackedModel
+    from estream.config import configure_for_budget, store_config
+    from estream.packed import PackedModel
 
     model = PackedModel(dst)
     choice = configure_for_budget(model, budget)
@@ -325,7 +325,7 @@ def main() -> int:
 
     arch = args.arch or PRESET_ARCH.get(args.preset, "olmoe")
     src, dst = prepare(args.preset, budget, arch=arch)
-    from estream_cli.packed import PackedModel
+    from estream.packed import PackedModel
 
     hp = PackedModel(dst).hparams
     llama_ok = False

@@ -50,7 +50,7 @@ from bench_engine import (  # noqa: E402
     run_system,
 )
 
-from estream_cli.memory import format_bytes, parse_bytes  # noqa: E402
+from estream.memory import format_bytes, parse_bytes  # noqa: E402
 
 # preset -> (architecture, budget the streamed runs use: the aim for that model)
 PRESETS: dict[str, tuple[str, str]] = {
@@ -168,9 +168,9 @@ def sweep_regret(sweep: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
-    from estream_cli.config import configure_for_budget, stored_profile
-    from estream_cli.errors import BudgetTooSmallError
-    from estream_cli.packed import PackedModel
+    from estream.config import configure_for_budget, stored_profile
+    from estream.errors import BudgetTooSmallError
+    from estream.packed import PackedModel
 
     arch, run_budget_s = PRESETS[preset]
     run_budget = parse_bytes(run_budget_s)

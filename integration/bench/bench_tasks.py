@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE))
 import bench_engine  # noqa: E402
 from bench_engine import _run, prepare  # noqa: E402
 
-from estream_cli.memory import drop_file_cache, format_bytes, parse_bytes  # noqa: E402
+from estream.memory import drop_file_cache, format_bytes, parse_bytes  # noqa: E402
 
 #: Mean request length (tokens) of each set, after the datasets' published statistics.
 SETS = {"massive": 16, "winogrande": 23, "toxicchat": 66, "hellaswag": 80, "arc-c": 368}
@@ -258,7 +258,7 @@ def main() -> int:
     }
     try:
         src, dst = prepare(args.preset, budget, arch=args.arch)
-        from estream_cli.packed import PackedModel
+        from estream.packed import PackedModel
 
         hp = PackedModel(dst).hparams
         for name in sets:

@@ -50,9 +50,9 @@ def _logsoftmax(z: np.ndarray) -> np.ndarray:
 
 def run_arch(arch: str, args: argparse.Namespace, text: str, work: Path) -> dict[str, Any]:
     import estream
-    from estream_cli import evaluation, tasks
-    from estream_cli.tokenizer import Tokenizer
-    from estream_cli.tokenizer.testing import find_vocab_dir
+    from estream import evaluation, tasks
+    from estream.tokenizer import Tokenizer
+    from estream.tokenizer.testing import find_vocab_dir
     from estream_layout import pack_model, synth_model
 
     src = work / f"{arch}.gguf"

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _CHILD = r"""
 import json, resource, sys
 import numpy as np
-from estream_cli.engine import Engine
+from estream.engine import Engine
 spec = json.loads(sys.argv[1])
 rng = np.random.default_rng(0)
 budget = spec.get("budget") if spec["mode"] == "stream" else None
@@ -125,8 +125,8 @@ def main() -> None:
                         str(pack)], check=True)  # fmt: skip
     budget = None
     if args.budget:
-        from estream_cli.errors import BadRequestError
-        from estream_cli.memory import parse_bytes
+        from estream.errors import BadRequestError
+        from estream.memory import parse_bytes
 
         try:
             budget = parse_bytes(args.budget)

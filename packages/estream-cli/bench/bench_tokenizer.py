@@ -32,8 +32,8 @@ from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from estream_cli.tokenizer import TokenAttr, Tokenizer, _pretok, read_tokenizer_metadata
-from estream_cli.tokenizer.testing import (
+from estream.tokenizer import TokenAttr, Tokenizer, _pretok, read_tokenizer_metadata
+from estream.tokenizer.testing import (
     find_vocab_dir,
     read_vocab_tests,
     vocab_files,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 import estream_htp as htp
-from estream_cli.models.ops import ActivationPool
+from estream.models.ops import ActivationPool
 
 
 def _span(a: np.ndarray) -> tuple[int, int]:

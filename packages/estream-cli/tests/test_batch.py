@@ -10,7 +10,7 @@ import pytest
 
 import estream
 from estream import BranchRequest
-from estream_cli.engine import pass_bytes_per_token
+from estream.engine import pass_bytes_per_token
 from estream_layout import pack_model, synth_model
 
 ARCHS = ["olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe"]
@@ -157,7 +157,7 @@ def test_prefill_many_default_budget_formula(model):
 
 
 def estream_cli_default() -> int:
-    from estream_cli.engine import DEFAULT_ACTIVATION_BYTES
+    from estream.engine import DEFAULT_ACTIVATION_BYTES
 
     return DEFAULT_ACTIVATION_BYTES
 

@@ -95,7 +95,7 @@ def test_bad_requests(model, capsys, argv, needle, code):
 def test_resident_without_the_memory_for_its_experts(model, capsys, monkeypatch):
     """`resident` where the expert pool cannot be mapped: one line naming the size and the way
     out (stream), exit 1, no traceback."""
-    from estream_cli import packed
+    from estream import packed
 
     def refuse(*args, **kwargs):
         raise OSError(12, "Cannot allocate memory")
@@ -109,7 +109,7 @@ def test_resident_without_the_memory_for_its_experts(model, capsys, monkeypatch)
 
 
 def test_prompt_longer_than_context(model, capsys):
-    from estream_cli.packed import PackedModel
+    from estream.packed import PackedModel
 
     n_ctx = PackedModel(model).hparams.n_ctx
     toks = ",".join(["1"] * (n_ctx + 1))
@@ -193,8 +193,8 @@ def test_profile_config_then_budget(model, capsys, tmp_path):
     want40 = es.configure(profile, 4 << 30, tokens=40)
     assert (got["G"], got["Q"], got["B"]) == (want40.G, want40.Q, want40.B)
     assert got["config_source"] == "budget"
-    from estream_cli import load
-    from estream_cli.errors import BadRequestError
+    from estream import load
+    from estream.errors import BadRequestError
 
     for bad in (0, True, 2.5):
         with pytest.raises(BadRequestError, match="budget_tokens must be an int >= 1"):
@@ -202,7 +202,7 @@ def test_profile_config_then_budget(model, capsys, tmp_path):
 
 
 def test_bandwidth_rounds_interleave_and_keep_the_median():
-    from estream_cli.profiling import measure_bandwidth_table
+    from estream.profiling import measure_bandwidth_table
 
     order: list[tuple[int, int]] = []
 

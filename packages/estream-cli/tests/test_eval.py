@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 import estream
-from estream_cli import evaluation
-from estream_cli.errors import BadRequestError
+from estream import evaluation
+from estream.errors import BadRequestError
+from estream.tokenizer import Tokenizer
+from estream.tokenizer.testing import find_vocab_dir
 from estream_cli.main import main
-from estream_cli.tokenizer import Tokenizer
-from estream_cli.tokenizer.testing import find_vocab_dir
 from estream_layout import pack_model, synth_model
 
 RTOL = 1e-5

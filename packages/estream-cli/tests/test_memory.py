@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import platform
 
-from estream_cli import memory
+from estream import memory
 
 
 def test_keep_freed_heap_on_glibc() -> None:

@@ -9,12 +9,12 @@ import attrs
 import numpy as np
 import pytest
 
-from estream_cli import UnsupportedModelError
-from estream_cli.engine import load
-from estream_cli.models import ARCHITECTURES, architecture
-from estream_cli.models.ops import FFN, MoE, Ops, Weights, bind_ffn, bind_head, bind_moe
-from estream_cli.packed import ExpertLayer, PackedModel
-from estream_cli.profiling import _layer_profiles
+from estream import UnsupportedModelError
+from estream.engine import load
+from estream.models import ARCHITECTURES, architecture
+from estream.models.ops import FFN, MoE, Ops, Weights, bind_ffn, bind_head, bind_moe
+from estream.packed import ExpertLayer, PackedModel
+from estream.profiling import _layer_profiles
 from estream_layout import ModelSpec, pack_model, synth_model
 
 

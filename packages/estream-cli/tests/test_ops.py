@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import estream_htp as htp
-from estream_cli.engine import load
+from estream.engine import load
+from estream.models.ops import Ops
+from estream.packed import DenseTensor
 from estream_cli.main import main
-from estream_cli.models.ops import Ops
-from estream_cli.packed import DenseTensor
 from estream_layout import pack_model, synth_model
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from estream import packed
 from estream_arena import huge_page_bytes_in, thp_mode
-from estream_cli import packed
 
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 3 * 4096, 3 * 4096 + 5])

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import estream
-from estream_cli import tasks
-from estream_cli.tokenizer import Tokenizer
-from estream_cli.tokenizer.testing import find_vocab_dir
+from estream import tasks
+from estream.tokenizer import Tokenizer
+from estream.tokenizer.testing import find_vocab_dir
 from estream_layout import pack_model, synth_model
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}

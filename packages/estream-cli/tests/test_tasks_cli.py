@@ -12,10 +12,10 @@ import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 import estream
-from estream_cli import tasks
+from estream import tasks
+from estream.template import ChatTemplate, NoChatTemplateError, TemplateRenderError
+from estream.tokenizer import Tokenizer
 from estream_cli.main import main
-from estream_cli.template import ChatTemplate, NoChatTemplateError, TemplateRenderError
-from estream_cli.tokenizer import Tokenizer
 from estream_layout import pack_model, synth_model
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from estream_cli.tokenizer import (
+from estream.tokenizer import (
     GGUFReadError,
     MissingTokenizerError,
     TokenAttr,
@@ -23,8 +23,8 @@ from estream_cli.tokenizer import (
     VocabularyError,
     read_tokenizer_metadata,
 )
-from estream_cli.tokenizer._tokenizer import _clean_spaces
-from estream_cli.tokenizer.testing import find_vocab_dir, read_vocab_tests, vocab_files
+from estream.tokenizer._tokenizer import _clean_spaces
+from estream.tokenizer.testing import find_vocab_dir, read_vocab_tests, vocab_files
 
 VOCAB_DIR = find_vocab_dir()
 _MISSING = "<vocab dir empty>"

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from estream_cli.tokenizer import Tokenizer, read_tokenizer_metadata, supported_pre_tokenizers
-from estream_cli.tokenizer._merge import bpe_merge_heap, bpe_merge_scan, spm_merge, spm_merge_heap
-from estream_cli.tokenizer._pretok import pre_tokenizer_for
-from estream_cli.tokenizer._unicode import collapse, is_whitespace
-from estream_cli.tokenizer.testing import find_vocab_dir
+from estream.tokenizer import Tokenizer, read_tokenizer_metadata, supported_pre_tokenizers
+from estream.tokenizer._merge import bpe_merge_heap, bpe_merge_scan, spm_merge, spm_merge_heap
+from estream.tokenizer._pretok import pre_tokenizer_for
+from estream.tokenizer._unicode import collapse, is_whitespace
+from estream.tokenizer.testing import find_vocab_dir
 
 VOCAB_DIR = find_vocab_dir()
 

@@ -1,4 +1,4 @@
-"""Integrity and fault safety of packs (issue 12): the manifest validator, checksums, finite
+"""Integrity and fault safety of packs: the manifest validator, checksums, finite
 weights, metadata sanity, and a packer that never deletes what it did not create."""
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ def test_permuted_but_valid_order_is_caught_by_the_manifest_digest(pack: dict[st
 def test_resident_crash_reproductions_are_refused(
     pack: dict[str, Path], field: str, value: object, needle: str
 ) -> None:
-    """The manifests that crashed `--mode resident` (defect 1) or allocated without bound
-    (defect 4), even with a matching digest: refused before anything is read or allocated."""
+    """Manifests whose layer fields would crash `--mode resident` or allocate without bound are
+    refused, even with a matching digest, before anything is read or allocated."""
     doc = _doc(pack["a"])
     doc["layers"][0][field] = value
     tracemalloc.start()
@@ -192,9 +192,8 @@ def test_file_sizes_checked_on_every_read(
 def test_verify_catches_flipped_bytes_and_files_of_another_model(
     pack: dict[str, Path], tmp_path: Path, name: str, change: str
 ) -> None:
-    """Defect 5: a flipped byte or another model's file of the same size in dense.bin (which had
-    no checksum), model.gguf or experts.bin: validation passes (sizes match), --verify fails
-    naming the file."""
+    """A flipped byte or another model's file of the same size in dense.bin, model.gguf or
+    experts.bin: validation passes (sizes match), --verify fails naming the file."""
     root = _copy(pack, tmp_path)
     f = root / name
     m = Manifest.from_path(root)
@@ -253,8 +252,8 @@ def _bump_profile(root: str, n: int) -> None:
 def test_concurrent_manifest_writers_lose_nothing_and_leave_no_temp(
     pack: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Defect 2: writers shared one temporary name and had no lock. Four processes x 15
-    read-modify-writes: every update is kept and the manifest stays valid."""
+    """Concurrent manifest writers (four processes x 15 read-modify-writes) keep every update
+    and leave the manifest valid: a lock and a unique temporary name per writer."""
     root = _copy(pack, tmp_path)
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_bump_profile, args=(str(root), 15)) for _ in range(4)]
@@ -293,7 +292,8 @@ def _tree(path: Path) -> dict[str, bytes]:
 
 
 def test_force_never_deletes_a_users_directory(pack: dict[str, Path], tmp_path: Path) -> None:
-    """Defect 3: --force removed any directory at the target."""
+    """--force refuses a directory at the target that is not an EStream pack, and leaves it
+    as it was."""
     user = tmp_path / "photos"
     (user / "2024").mkdir(parents=True)
     (user / "2024" / "cat.jpg").write_bytes(b"meow")
@@ -363,8 +363,8 @@ def _appear_during_pack(monkeypatch: pytest.MonkeyPatch, action) -> None:  # typ
 def test_a_target_that_appears_while_packing_is_left_alone(
     pack: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str
 ) -> None:
-    """Defect 3 (check-then-act): a directory created at the target while packing was replaced
-    (rename(2) silently replaces an empty directory)."""
+    """A directory created at the target while packing is not replaced (rename(2) would
+    silently replace an empty one): the pack fails and the directory stays."""
     dst = tmp_path / "m.estream"
 
     def appear() -> None:
@@ -407,7 +407,7 @@ def _pack_quietly(src: str, dst: str, q: multiprocessing.Queue) -> None:  # type
 
 
 def test_two_packs_to_one_new_path_one_fails_clearly(pack: dict[str, Path], tmp_path: Path) -> None:
-    """Defect 3: two packs to the same new path both reported success."""
+    """Of two packs to the same new path, exactly one reports success."""
     dst = tmp_path / "m.estream"
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
@@ -490,8 +490,8 @@ A = "olmoe."
 def test_nonsense_metadata_is_refused_at_pack_time_naming_the_key(
     pack: dict[str, Path], tmp_path: Path, kv: dict, needle: str
 ) -> None:
-    """Defects 5 and 8: metadata that failed later with kernel errors (or, for block_count,
-    silently ran fewer layers) is refused when packing, naming the key."""
+    """Metadata that would fail later with kernel errors (or, for block_count, silently run
+    fewer layers) is refused when packing, naming the key."""
     bad = mutate_gguf(pack["src"], tmp_path / "bad.gguf", set_kv=kv)
     with pytest.raises(InvalidGGUFError if "experts" not in needle else Exception, match=needle):
         pack_model(bad, tmp_path / "bad.estream", progress=False)
@@ -517,7 +517,7 @@ def _tensor_offset_field(path: Path, name: str) -> int:
 
 
 def test_overlapping_tensor_data_is_a_clear_error(pack: dict[str, Path], tmp_path: Path) -> None:
-    """Defect 9: overlapping tensor data raised `AssertionError: source read out of order`."""
+    """Overlapping tensor data is a clear InvalidGGUFError, not an internal assertion."""
     bad = tmp_path / "bad.gguf"
     shutil.copyfile(pack["src"], bad)
     first, second = sorted(read_header(bad).tensors, key=lambda t: t.offset)[:2]

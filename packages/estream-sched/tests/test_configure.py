@@ -180,7 +180,7 @@ def test_zero_regret_against_exhaustive_sweep(
 
 
 def test_model_rule_weighs_every_depth_and_q0_still_fixes_it() -> None:
-    """The Mixtral-8x7B profile's bandwidths of 2026-12-02 (GB/s, flat within noise): the
+    """Bandwidths of a measured Mixtral-8x7B profile (GB/s, flat within noise): the
     pooled Q0 rule takes q=4; the model rule evaluates every measured depth and is never
     predicted slower; ``q0=`` still fixes the depth under either rule."""
     from estream_sched.synthetic import synthetic_profile

@@ -1,21 +1,30 @@
-"""EStream: `estream.load(path, budget=...)` then `engine.prefill(tokens)`."""
+"""EStream: streamed prefill-only MoE inference, as a library.
+
+`estream.load(path, budget=...)` then `engine.prefill(tokens)`. The engine, the architectures'
+forward passes (`estream.models`), the expert sources, the tokenizer (`estream.tokenizer`), tasks
+and evaluation live here; the `estream` command is the separate `estream_cli` package, which
+imports this one and is never imported by it.
+"""
 
 from __future__ import annotations
 
-from estream_cli import (
+from .engine import (
     MODES,
-    BadRequestError,
     BranchRequest,
     BranchResult,
-    BudgetTooSmallError,
     Engine,
+    PrefillResult,
+    StreamConfig,
+    load,
+)
+from .errors import (
+    BadRequestError,
+    BudgetTooSmallError,
     EStreamError,
     InsufficientMemoryError,
     NonFiniteError,
     PackError,
-    PrefillResult,
     UnsupportedModelError,
-    load,
 )
 
 __all__ = [
@@ -30,6 +39,8 @@ __all__ = [
     "NonFiniteError",
     "PackError",
     "PrefillResult",
+    "StreamConfig",
     "UnsupportedModelError",
     "load",
 ]
+__version__ = "0.1.0"

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from . import memory
-from .errors import BadRequestError
+from estream import memory
+from estream.errors import BadRequestError
 
 __all__ = ["cpu_steal_s", "drop_page_cache", "parse_steal_ticks", "run_bench", "run_one"]
 
@@ -97,8 +97,8 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError:
         raise BadRequestError(f"--lengths takes integers, got {args.lengths!r}") from None
     modes = [m for m in args.modes.split(",") if m]
-    from .engine import MODES
-    from .packed import PackedModel
+    from estream.engine import MODES
+    from estream.packed import PackedModel
 
     for m in modes:
         if m not in MODES:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import memory
+from estream import memory
 
 __all__ = ["DEMO_DIMS", "run_demo"]
 
@@ -38,12 +38,12 @@ def _step(msg: str) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from estream.config import configure_for_budget, store_config, store_profile
+    from estream.engine import load
+    from estream.packed import PackedModel
+    from estream.profiling import profile_model
     from estream_layout import pack_model, synth_model
 
-    from .config import configure_for_budget, store_config, store_profile
-    from .engine import load
-    from .packed import PackedModel
-    from .profiling import profile_model
     from .report import print_metrics
 
     t_all = time.perf_counter()

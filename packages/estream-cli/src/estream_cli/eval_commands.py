@@ -1,7 +1,7 @@
 """`estream eval …`: accuracy evaluation commands, registered into the `estream` parser.
 
 Each command reads and checks its whole input before the model loads, runs the evaluation of
-`estream_cli.evaluation`, prints one JSON object on stdout (and, with ``--output FILE``, writes
+`estream.evaluation`, prints one JSON object on stdout (and, with ``--output FILE``, writes
 the same object there atomically), and a one-line summary on stderr. A progress bar is drawn on
 stderr when it is a terminal. Bad input is a one-line error naming the file (and line) with
 exit code 2.
@@ -18,8 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import evaluation
-from .errors import BadRequestError
+from estream import evaluation
+from estream.errors import BadRequestError
+
 from .options import add_engine_opts, engine_from_args, positive_int
 from .task_commands import read_jsonl_named, read_text
 
@@ -156,7 +157,7 @@ def _finish(
 def _run(
     args: argparse.Namespace, name: str, body: Callable[[Any, Any, _Bar], tuple[Any, str, Any]]
 ) -> int:
-    from .tokenizer import Tokenizer
+    from estream.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
     _check_writable(args.output, "--output")

@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from . import memory
-from .errors import BadRequestError, EStreamError
+from estream import memory
+from estream.errors import BadRequestError, EStreamError
+
 from .options import add_engine_opts, engine_from_args, positive_int
 from .report import print_metrics, public_metrics, write_trace
 
@@ -63,7 +64,7 @@ def _check_text_args(args: argparse.Namespace) -> None:
 
 
 def _tokenizer(model: str | Path) -> Any:
-    from .tokenizer import Tokenizer
+    from estream.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(model)
 
@@ -142,9 +143,9 @@ def _save_npy(path: str, arr: np.ndarray) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from .config import store_profile
-    from .packed import PackedModel
-    from .profiling import profile_model
+    from estream.config import store_profile
+    from estream.packed import PackedModel
+    from estream.profiling import profile_model
 
     cands = tuple(int(x) for x in args.candidates.split(","))
     qs = tuple(int(x) for x in args.queue_depths.split(","))
@@ -164,8 +165,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from .config import configure_for_budget, store_config
-    from .packed import PackedModel
+    from estream.config import configure_for_budget, store_config
+    from estream.packed import PackedModel
 
     model = PackedModel(args.model)
     budget = memory.parse_bytes(args.budget)

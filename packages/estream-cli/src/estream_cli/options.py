@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .engine import ACTS, ATTENTION, DENSE_OPS, MODES, Engine, load
-from .experts import SCHEDULES
+from estream.engine import ACTS, ATTENTION, DENSE_OPS, MODES, Engine, load
+from estream.experts import SCHEDULES
 
 __all__ = ["add_engine_opts", "engine_from_args", "positive_int"]
 

@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import estream_sched as es
-
-from . import memory
+from estream import memory
 
 __all__ = ["print_metrics", "public_metrics", "write_trace"]
 

@@ -20,8 +20,9 @@ from typing import Any
 
 import attrs
 
-from . import tasks
-from .errors import BadRequestError, EStreamError
+from estream import tasks
+from estream.errors import BadRequestError, EStreamError
+
 from .options import add_engine_opts, engine_from_args, positive_int
 
 __all__ = ["add_task_commands", "read_docs_file", "read_jsonl", "read_lines_file"]
@@ -284,7 +285,7 @@ def _run(args: argparse.Namespace, task: _Task) -> int:
     others go on (a failed pass is re-run request by request); the exit code is then 2 (1
     when a request failed for another reason than its content: a read or checksum error, NaN,
     ...)."""
-    from .tokenizer import Tokenizer
+    from estream.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
     reqs = list(_requests(args, task))  # all checked before the model loads

@@ -29,7 +29,7 @@ positions (llama-perplexity's ``--ppl-stride`` scoring), so no token is scored t
 **Multiple choice** (`multiple_choice`): one item is a context, its choices and the index of the
 gold choice. Each choice is scored as the continuation of the context by `tasks.score` (one
 shared-prefix pass per item, the choices its branches; the context/choice boundary follows the
-in-context rule of `estream_cli.tasks`: a space joins them, the choice's ids are those of
+in-context rule of `estream.tasks`: a space joins them, the choice's ids are those of
 ``context + choice`` tokenized whole after the context's ids). Four predictions per item, the
 argmax (ties: the lower index) of: the summed log-probability of the choice (``acc``), the
 average log-probability per token of the choice (``acc_per_token``: llama.cpp's HellaSwag

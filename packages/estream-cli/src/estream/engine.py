@@ -1,6 +1,6 @@
 """The streamed prefill engine: one causal forward pass over a prompt, experts through the arena.
 
-The forward pass of each architecture is its own module in `estream_cli.models` (llama.cpp's
+The forward pass of each architecture is its own module in `estream.models` (llama.cpp's
 `src/models/<arch>.cpp`), written over the shared blocks of `models.ops`. This module holds the
 generic loop around it: embedding, for each layer "tell the expert source the layer starts, run
 the layer", final norm and output head; and all the bookkeeping (spans, metrics, progress) that
