@@ -177,11 +177,14 @@ typedef struct htp_expert_params {
     uint32_t n_routes;      /* R: entries of tokens/experts/weights */
     uint32_t n_experts;     /* E: entries of slot_of_expert */
     uint32_t capacity;      /* routes per internal pass (larger route sets are split) */
-    uint32_t format;        /* HTP_FMT_Q4_0_T32R4 */
+    uint32_t format;        /* the gate projection's tile format (HTP_FMT_Q4_0_T32R4 or
+                               HTP_FMT_Q8_0_T32R4); also up's and down's where 0 below */
     uint32_t x_q8;          /* 0: x is [T][d_model] fp32; 1: x is T Q8 rows (HTP_OP_QUANTIZE's
                                output, act must be Q8): several ops on one input share them */
     uint64_t slot_stride[3]; /* gate, up, down: bytes between consecutive slots of a plane */
-    uint64_t reserved2;
+    uint32_t format_up;      /* appended (was reserved, 0): up's tile format, 0 = `format` */
+    uint32_t format_down;    /* down's tile format, 0 = `format` (a file may mix the types of
+                                an expert's projections, e.g. Q4_K_M's Q6_K ffn_down) */
 } htp_expert_params;
 
 typedef struct htp_get_rows_params {

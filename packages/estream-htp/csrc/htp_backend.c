@@ -287,8 +287,9 @@ static uint32_t refs_of(const htp_op_desc *op) {
 
 static htp_status exec_expert(htp_backend *b, const htp_op_desc *op) {
     const htp_expert_params *p = &op->p.expert;
-    if (p->format != HTP_FMT_Q4_0_T32R4) return HTP_E_UNSUPPORTED;
-    if (p->x_q8 > 1 || p->reserved2) return HTP_E_BAD_OP;
+    if (p->x_q8 > 1) return HTP_E_BAD_OP;
+    uint32_t fmt[3];
+    if (htp_expert_formats(p, fmt) != HTP_OK) return HTP_E_UNSUPPORTED;
     const uint32_t d = p->d_model, ff = p->d_ff, T = p->n_tokens, R = p->n_routes, E = p->n_experts;
     if (!d || !ff || d % 32 || ff % 32 || !p->capacity) return HTP_E_INVALID;
     if (p->x_q8 && op->act != HTP_ACT_Q8) return HTP_E_INVALID; /* Q8 rows need Q8 products */
@@ -321,9 +322,8 @@ static htp_status exec_expert(htp_backend *b, const htp_op_desc *op) {
         else if (slot[experts[r]] > max_slot) max_slot = slot[experts[r]];
     }
     const uint8_t *planes[3] = {NULL, NULL, NULL};
-    const uint64_t need[3] = {htp_matrix_bytes(HTP_FMT_Q4_0_T32R4, ff, d),
-                              htp_matrix_bytes(HTP_FMT_Q4_0_T32R4, ff, d),
-                              htp_matrix_bytes(HTP_FMT_Q4_0_T32R4, d, ff)};
+    const uint64_t need[3] = {htp_matrix_bytes(fmt[0], ff, d), htp_matrix_bytes(fmt[1], ff, d),
+                              htp_matrix_bytes(fmt[2], d, ff)};
     for (int j = 0; j < 3 && st == HTP_OK; j++) {
         /* slots must not overlap, and the highest routed slot must end inside the plane */
         if (max_slot > 0 && p->slot_stride[j] < need[j]) {

@@ -47,6 +47,7 @@ typedef struct run_ctx {
     const htp_isa *isa;
     htp_pool *pool;
     uint32_t d, ff;
+    uint32_t fmt[3]; /* tile formats of gate, up, down */
     const uint8_t *const *planes;
     const uint64_t *stride;
     const float *x;
@@ -182,12 +183,12 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
         float *tg = tmp, *tu = tmp + (size_t)SUB * ncol;
         if (c->q8) {
             htp_act_q8 a = {g->xq + (size_t)rec * d, g->xd + (size_t)rec * db, g->xs + (size_t)rec * db};
-            htp_gemm_tiles(isa, wg, HTP_FMT_Q4_0_T32R4, ff, d, b, e, &a, NULL, 0, n, tg, ncol, NULL);
-            htp_gemm_tiles(isa, wu, HTP_FMT_Q4_0_T32R4, ff, d, b, e, &a, NULL, 0, n, tu, ncol, NULL);
+            htp_gemm_tiles(isa, wg, c->fmt[0], ff, d, b, e, &a, NULL, 0, n, tg, ncol, NULL);
+            htp_gemm_tiles(isa, wu, c->fmt[1], ff, d, b, e, &a, NULL, 0, n, tu, ncol, NULL);
         } else {
             const float *xa = g->xg + (size_t)rec * d;
-            htp_gemm_tiles(isa, wg, HTP_FMT_Q4_0_T32R4, ff, d, b, e, NULL, xa, d, n, tg, ncol, panel);
-            htp_gemm_tiles(isa, wu, HTP_FMT_Q4_0_T32R4, ff, d, b, e, NULL, xa, d, n, tu, ncol, panel);
+            htp_gemm_tiles(isa, wg, c->fmt[0], ff, d, b, e, NULL, xa, d, n, tg, ncol, panel);
+            htp_gemm_tiles(isa, wu, c->fmt[1], ff, d, b, e, NULL, xa, d, n, tu, ncol, panel);
         }
         for (uint32_t i = 0; i < n; i++) {
             float *gi = tg + (size_t)i * ncol;
@@ -217,9 +218,9 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
                 const uint32_t n = HTP_MIN(SUB, (uint32_t)g->seg_len[s] - r0);
                 if (c->q8) {
                     htp_act_q8 a = {g->hq + (size_t)rec * ff, g->hd + (size_t)rec * fb, g->hs + (size_t)rec * fb};
-                    htp_gemm_tiles(isa, wd, HTP_FMT_Q4_0_T32R4, d, ff, b, e, &a, NULL, 0, n, tmp, dcol, NULL);
+                    htp_gemm_tiles(isa, wd, c->fmt[2], d, ff, b, e, &a, NULL, 0, n, tmp, dcol, NULL);
                 } else {
-                    htp_gemm_tiles(isa, wd, HTP_FMT_Q4_0_T32R4, d, ff, b, e, NULL, g->h + (size_t)rec * ff, ff,
+                    htp_gemm_tiles(isa, wd, c->fmt[2], d, ff, b, e, NULL, g->h + (size_t)rec * ff, ff,
                                    n, tmp, dcol, panel);
                 }
                 for (uint32_t i = 0; i < n; i++) {
@@ -285,6 +286,16 @@ static htp_status ws_reserve_tokens(struct htp_expert_ws *g, size_t t, size_t d)
         return HTP_E_NOMEM;
     }
     g->tok_cap = t;
+    return HTP_OK;
+}
+
+htp_status htp_expert_formats(const htp_expert_params *p, uint32_t fmt[3]) {
+    const uint32_t given[3] = {p->format, p->format_up ? p->format_up : p->format,
+                               p->format_down ? p->format_down : p->format};
+    for (int j = 0; j < 3; j++) {
+        if (given[j] != HTP_FMT_Q4_0_T32R4 && given[j] != HTP_FMT_Q8_0_T32R4) return HTP_E_UNSUPPORTED;
+        fmt[j] = given[j];
+    }
     return HTP_OK;
 }
 
@@ -393,8 +404,9 @@ htp_status htp_exec_expert(htp_exec *ex, const htp_expert_params *p, uint32_t ac
                     nsub++;
                 }
             for (uint32_t i = 0; i < nr; i++) g->rec_route[g->counts[g->route_slot[i]]++] = g->stage[i];
-            run_ctx c = {g, ex->isa, ex->pool, d, ff, planes, p->slot_stride, x, &rows, tokens, weights,
+            run_ctx c = {g, ex->isa, ex->pool, d, ff, {0, 0, 0}, planes, p->slot_stride, x, &rows, tokens, weights,
                          y, 0, nr, nseg, nsub, q8, 0, 0};
+            htp_expert_formats(p, c.fmt);
             htp_parallel(ex->pool, run_task, &c);
         }
         sa = sb;

@@ -277,6 +277,9 @@ typedef struct htp_gemm_mat {
 htp_status htp_exec_gemm(htp_exec *e, const htp_gemm_mat *mats, uint32_t n_mats, uint32_t fmt,
                          uint32_t k, const float *x, uint32_t t, uint32_t ldx, uint32_t act,
                          const htp_act_q8 *xq);
+/* The tile formats of an expert's gate, up and down (`format`, `format_up`, `format_down`, 0 =
+ * `format`): HTP_E_UNSUPPORTED unless each is a weight tile format the expert op computes. */
+htp_status htp_expert_formats(const htp_expert_params *p, uint32_t fmt[3]);
 htp_status htp_exec_expert(htp_exec *e, const htp_expert_params *p, uint32_t act,
                            const float *x, const int32_t *tokens, const int32_t *experts,
                            const float *weights, const int32_t *slot_of_expert,

@@ -273,6 +273,80 @@ def test_expert_op_errors() -> None:
         htp.ExpertGraph(48, 64, 8, 4)
 
 
+Q4, Q8 = "q4_0-t32r4", "q8_0-t32r4"
+# every projection Q8_0; and the mixes a quantizer writes (another type for down only, or for
+# gate and down)
+FORMAT_MIXES = [(Q8, Q8, Q8), (Q4, Q4, Q8), (Q8, Q4, Q8)]
+
+
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
+@pytest.mark.parametrize("act", ["f32", "q8"])
+@pytest.mark.parametrize("formats", FORMAT_MIXES)
+def test_expert_op_q8_0_weights_match_float64(simd: str, act: str, formats) -> None:
+    """Q8_0 weights (every projection, or mixed per projection with Q4_0) at awkward sizes
+    (d_model 3 tiles, d_ff 5 tiles, 43 tokens, slots with 1..40 routes, padded planes): the
+    op's accumulated result matches the float64 reference of the same tiles (f32 products),
+    or that reference with the int8 activation rounding applied (q8); with a NaN-poisoned
+    plane padding and 1 and 2 threads giving the same bits."""
+    rng = np.random.default_rng(21)
+    d, ff, n_exp, t = 96, 160, 5, 43
+    gate, up, down = T.random_experts(rng, n_exp, d, ff, formats)
+    experts = np.concatenate([np.full(40, 2), [0], rng.integers(0, n_exp, 60)]).astype(np.int32)
+    r = experts.size
+    tokens = rng.integers(0, t, r).astype(np.int32)
+    weights = rng.uniform(-1, 1, r).astype(np.float32)
+    slots = np.array([4, 0, 6, 2, 5], np.int32)
+    planes = []
+    for p in (gate, up, down):
+        stride = -(-p.shape[1] // 4096) * 4096
+        plane = np.full((7, stride), 0xFF, np.uint8)  # 0xFFFF scales: NaN if ever read
+        for e in range(n_exp):
+            plane[slots[e], : p.shape[1]] = p[e]
+        planes.append(plane)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    y0 = rng.standard_normal((t, d)).astype(np.float32)
+    outs = []
+    for th in (1, 2):
+        y = y0.copy()
+        with (
+            mode(simd=simd, act=act, threads=th),
+            htp.ExpertGraph(d, ff, 37, t, formats=formats) as g,
+        ):
+            _run(g, x, tokens, experts, weights, slots, planes, y)
+        outs.append(y)
+    assert np.array_equal(outs[0], outs[1])
+    y = outs[0]
+    assert np.isfinite(y).all()
+    args = (x, tokens, experts, weights, gate, up, down, ff)
+    mag = T.ref_expert_op(*args, magnitude=True, formats=formats)
+    if act == "f32":
+        ref = T.ref_expert_op(*args, formats=formats)
+        assert T.rel_l2_floored(y - y0, ref, mag, ff) <= F32_TOL
+    else:
+        emu = T.ref_expert_op(*args, q8=True, formats=formats)
+        assert T.rel_l2_floored(y - y0, emu, mag, ff) <= Q8_EMU_TOL
+
+
+def test_expert_op_format_errors() -> None:
+    """An unknown or unsupported expert format is refused by name; a stride that fits Q4_0
+    tiles but not the larger Q8_0 ones is refused by the backend."""
+    with pytest.raises(htp.HTPInputError, match="formats must be"):
+        htp.ExpertGraph(64, 64, 8, 4, formats="q4_k")
+    with pytest.raises(htp.HTPInputError, match="formats must be"):
+        htp.ExpertGraph(64, 64, 8, 4, formats=(Q4, Q8))
+    rng = np.random.default_rng(4)
+    d, ff = 64, 64
+    _, planes, _ = _planes(rng, 2, d, ff, [0, 1])  # Q4_0-sized slots (576 * 4 B each)
+    x = np.zeros((4, d), np.float32)
+    y = np.zeros((4, d), np.float32)
+    two = np.array([0, 1], np.int32)
+    q4_stride = [2 * 2 * 576] * 3
+    g = htp.ExpertGraph(d, ff, 8, 4, formats=(Q4, Q4, Q8))
+    with pytest.raises(htp.HTPInputError, match="rejected"):
+        g.run(x, two, two, np.ones(2, np.float32), two,
+              [p.ctypes.data for p in planes], q4_stride, y)  # fmt: skip
+
+
 # ------------------------------------------------------------------ shared Q8 rows
 @pytest.mark.parametrize("simd", SIMD_PARAMS)
 @given(

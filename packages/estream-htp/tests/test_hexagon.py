@@ -162,6 +162,42 @@ def test_expert_op_bit_exact(
         assert T.rel_l2(b, ref) < 1e-5
 
 
+@settings(max_examples=4 * _X)
+@given(
+    t=st.integers(1, 9),
+    n_e=st.integers(1, 4),
+    formats=st.sampled_from([("q8_0-t32r4",) * 3, ("q4_0-t32r4", "q4_0-t32r4", "q8_0-t32r4")]),
+    act=st.sampled_from(["q8", "f32"]),
+    seed=st.integers(0, 2**16),
+)
+def test_expert_op_q8_0_weights_bit_exact(
+    host: htp.Backend,
+    hexagon: htp.Backend,
+    t: int,
+    n_e: int,
+    formats: tuple[str, str, str],
+    act: str,
+    seed: int,
+) -> None:
+    """Q8_0 expert weights (all projections, or down only next to Q4_0 gate/up): the executor
+    gives the host's bits, and with f32 products the float64 reference within 1e-5."""
+    rng = np.random.default_rng(seed)
+    d, ff, k = 64, 64, min(2, n_e)
+    gate, up, down = T.random_experts(rng, n_e, d, ff, formats)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    ids = np.stack([rng.permutation(n_e)[:k] for _ in range(t)]).astype(np.int32)
+    wts = rng.random((t, k)).astype(np.float32)
+    a = htp.moe_ffn(x, gate, up, down, ids, wts, act=act, backend=host, formats=formats)
+    b = htp.moe_ffn(x, gate, up, down, ids, wts, act=act, backend=hexagon, formats=formats)
+    assert _same(a, b) and np.isfinite(b).all()
+    if act == "f32":
+        tokens = np.repeat(np.arange(t, dtype=np.int32), k)
+        ref = T.ref_expert_op(
+            x, tokens, ids.reshape(-1), wts.reshape(-1), gate, up, down, ff, formats=formats
+        )
+        assert T.rel_l2(b, ref) < 1e-5
+
+
 def test_expert_op_routes_past_capacity_and_scattered_slots(
     host: htp.Backend, hexagon: htp.Backend
 ) -> None:

@@ -394,10 +394,25 @@ def quantize_q8(x: F32, out: Q8Rows | None = None, *, backend: Backend | None = 
 
 
 # ---------------------------------------------------------------- expert op
+EXPERT_FORMATS = ("q4_0-t32r4", "q8_0-t32r4")
+
+
+def _expert_formats(formats: str | Sequence[str]) -> tuple[str, str, str]:
+    fs = (formats,) * 3 if isinstance(formats, str) else tuple(formats)
+    if len(fs) != 3 or any(f not in EXPERT_FORMATS for f in fs):
+        raise HTPInputError(
+            f"formats must be one tile format or 3 (gate, up, down), each one of "
+            f"{list(EXPERT_FORMATS)}, got {formats!r}"
+        )
+    return fs  # type: ignore[return-value]
+
+
 class ExpertGraph:
     """The fused routed-expert op for ``d_model``/``d_ff``, cut into passes of ``capacity``
     routes, accepting up to ``t_max`` tokens, on a backend (default: the default backend).
-    The working buffers live in the backend and are reused for every expert and layer."""
+    ``formats``: the tile format of every projection, or of gate, up and down each (a file may
+    store an expert's projections in different types). The working buffers live in the backend
+    and are reused for every expert and layer."""
 
     def __init__(
         self,
@@ -407,18 +422,21 @@ class ExpertGraph:
         t_max: int,
         *,
         backend: Backend | None = None,
+        formats: str | Sequence[str] = "q4_0-t32r4",
     ) -> None:
         for v, nm in ((d_model, "d_model"), (d_ff, "d_ff")):
             if _u32(v, nm, 1) % 32:
                 raise HTPInputError(f"{nm} must be a multiple of 32, got {v}")
         self.d_model, self.d_ff = int(d_model), int(d_ff)
         self.capacity, self.t_max = _u32(capacity, "capacity", 1), _u32(t_max, "t_max", 1)
+        self.formats = _expert_formats(formats)
         self.backend = _be(backend)
         self._closed = False
+        fg, fu, fd = self.formats
         self._need = (
-            matrix_nbytes("q4_0-t32r4", self.d_ff, self.d_model),
-            matrix_nbytes("q4_0-t32r4", self.d_ff, self.d_model),
-            matrix_nbytes("q4_0-t32r4", self.d_model, self.d_ff),
+            matrix_nbytes(fg, self.d_ff, self.d_model),
+            matrix_nbytes(fu, self.d_ff, self.d_model),
+            matrix_nbytes(fd, self.d_model, self.d_ff),
         )
 
     def close(self) -> None:
@@ -564,7 +582,8 @@ class ExpertGraph:
         c.what = "ExpertGraph.run"
         p = c.p.expert
         p.d_model, p.d_ff, p.n_tokens, p.n_routes, p.n_experts = d, self.d_ff, t, r, e
-        p.capacity, p.format = self.capacity, lib.HTP_FMT_Q4_0_T32R4
+        p.capacity, p.format = self.capacity, _FMT[self.formats[0]]
+        p.format_up, p.format_down = _FMT[self.formats[1]], _FMT[self.formats[2]]
         p.x_q8 = int(rows)
         p.slot_stride = strides_i
         c.ref(x.data if rows else x).ref(tokens).ref(experts).ref(weights).ref(slot_of_expert)
@@ -585,11 +604,14 @@ def moe_ffn(
     *,
     act: str | None = None,
     backend: Backend | None = None,
+    formats: str | Sequence[str] = "q4_0-t32r4",
 ) -> F32:
-    """Routed SwiGLU experts over packed ``q4_0-t32r4`` byte arrays ``[E, nbytes]``.
+    """Routed SwiGLU experts over packed tile-format byte arrays ``[E, nbytes]`` (``formats``:
+    one for all three projections, or gate's, up's and down's).
 
     Returns ``Y[T, d] = Σ_k w[t,k] · down_e(silu(gate_e(x[t])) * up_e(x[t]))`` with
     ``e = topk_ids[t, k]``. ``ff`` is inferred from the gate byte count when not given."""
+    fmts = _expert_formats(formats)
     x = _arr(x, "x", np.float32, 2)
     t, d = x.shape
     if d == 0 or d % 32:
@@ -603,7 +625,7 @@ def moe_ffn(
         raise HTPInputError(
             f"gate, up, down must have the same number of experts, got {[p.shape[0] for p in planes]}"
         )
-    row_bytes = (d // 32) * TILE_FORMATS["q4_0-t32r4"]
+    row_bytes = (d // 32) * TILE_FORMATS[fmts[0]]
     if ff is None:
         ff = (planes[0].shape[1] // row_bytes) * 32
         if ff == 0:
@@ -613,7 +635,8 @@ def moe_ffn(
     ff = _u32(ff, "ff", 1)
     if ff % 32:
         raise HTPInputError(f"ff must be a multiple of 32, got {ff}")
-    need = [matrix_nbytes("q4_0-t32r4", ff, d)] * 2 + [matrix_nbytes("q4_0-t32r4", d, ff)]
+    need = [matrix_nbytes(fmts[0], ff, d), matrix_nbytes(fmts[1], ff, d)]
+    need.append(matrix_nbytes(fmts[2], d, ff))
     for name, p, nb in zip(("gate", "up", "down"), planes, need):
         if p.shape[1] < nb:
             raise HTPInputError(
@@ -632,7 +655,7 @@ def moe_ffn(
         return y
     tokens = np.repeat(np.arange(t, dtype=np.int32), k)
     shared = [be.share(p) for p in planes] if be.kind != "host" else planes
-    with ExpertGraph(d, ff, capacity=min(t * k, 8192), t_max=t, backend=be) as g:
+    with ExpertGraph(d, ff, capacity=min(t * k, 8192), t_max=t, backend=be, formats=fmts) as g:
         g.run(
             x,
             tokens,

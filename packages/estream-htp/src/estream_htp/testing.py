@@ -32,6 +32,7 @@ __all__ = [
     "quantize_q8_0",
     "random_experts",
     "random_q4_0_blocks",
+    "random_q8_0_blocks",
     "ref_attention",
     "ref_conv1d_causal",
     "ref_expert_op",
@@ -91,13 +92,37 @@ def random_q4_0_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[
     return b
 
 
+def random_q8_0_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[np.uint8]:
+    """Random valid Q8_0 blocks ``uint8[n, k/32, 34]`` (finite fp16 scales, any int8, -128
+    included)."""
+    b = np.empty((n, k // 32, 34), dtype=np.uint8)
+    d = (rng.standard_normal((n, k // 32)) * 0.005).astype(np.float16)
+    b[..., :2] = d[..., None].view(np.uint8)
+    b[..., 2:] = rng.integers(0, 256, size=(n, k // 32, 32), dtype=np.uint8)
+    return b
+
+
+def _random_tiles(rng: np.random.Generator, fmt: str, n: int, k: int) -> npt.NDArray[np.uint8]:
+    if fmt == "q8_0-t32r4":
+        return pack_q8_0_t32r4(random_q8_0_blocks(rng, n, k))
+    if fmt == "q4_0-t32r4":
+        return pack_q4_0_t32r4(random_q4_0_blocks(rng, n, k))
+    raise ValueError(f"no random expert weights for format {fmt!r}")
+
+
 def random_experts(
-    rng: np.random.Generator, n_experts: int, d: int, ff: int
+    rng: np.random.Generator,
+    n_experts: int,
+    d: int,
+    ff: int,
+    formats: tuple[str, str, str] = ("q4_0-t32r4",) * 3,
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], npt.NDArray[np.uint8]]:
-    """Packed ``q4_0-t32r4`` gate/up/down planes ``uint8[E, nbytes]`` of random experts."""
-    gate = np.stack([pack_q4_0_t32r4(random_q4_0_blocks(rng, ff, d)) for _ in range(n_experts)])
-    up = np.stack([pack_q4_0_t32r4(random_q4_0_blocks(rng, ff, d)) for _ in range(n_experts)])
-    down = np.stack([pack_q4_0_t32r4(random_q4_0_blocks(rng, d, ff)) for _ in range(n_experts)])
+    """Packed gate/up/down planes ``uint8[E, nbytes]`` of random experts, in the tile formats
+    ``formats`` (gate, up, down)."""
+    fg, fu, fd = formats
+    gate = np.stack([_random_tiles(rng, fg, ff, d) for _ in range(n_experts)])
+    up = np.stack([_random_tiles(rng, fu, ff, d) for _ in range(n_experts)])
+    down = np.stack([_random_tiles(rng, fd, d, ff) for _ in range(n_experts)])
     return gate, up, down
 
 
@@ -245,8 +270,10 @@ def ref_expert_op(
     ff: int,
     magnitude: bool = False,
     q8: bool = False,
+    formats: tuple[str, str, str] = ("q4_0-t32r4",) * 3,
 ) -> F64:
-    """float64 ``Σ_r w_r · down_e(silu(gate_e(x_t)) * up_e(x_t))`` (planes ``[E, nbytes]``).
+    """float64 ``Σ_r w_r · down_e(silu(gate_e(x_t)) * up_e(x_t))`` (planes ``[E, nbytes]`` in
+    the tile formats ``formats``: gate, up, down).
 
     ``magnitude=True`` returns ``Σ_r |w_r| · |down_e| · |h_r|`` instead (the rounding scale);
     ``q8=True`` feeds x and h through the int8 activation rounding as the q8 path does."""
@@ -258,9 +285,9 @@ def ref_expert_op(
         e = int(e)
         if e not in cache:
             cache[e] = (
-                dequantize_tiles(gate[e], "q4_0-t32r4", ff, d).astype(np.float64),
-                dequantize_tiles(up[e], "q4_0-t32r4", ff, d).astype(np.float64),
-                dequantize_tiles(down[e], "q4_0-t32r4", d, ff).astype(np.float64),
+                dequantize_tiles(gate[e], formats[0], ff, d).astype(np.float64),
+                dequantize_tiles(up[e], formats[1], ff, d).astype(np.float64),
+                dequantize_tiles(down[e], formats[2], d, ff).astype(np.float64),
             )
         wg, wu, wd = cache[e]
         g = wg @ xx[tok]
