@@ -2,7 +2,9 @@
 
 `nox -s tests` runs every package's tests, each package installed on its own (built, not
 editable) in its own virtualenv, then the cross-package `integration/` tests. `nox -s demo` is
-the main job. Benchmarks are `bench_*` sessions and are never part of the default run.
+the main job. Benchmarks are `bench_*` sessions and are never part of the default run; each
+records its run in benchmarks/results/, and `nox -s bench_report` renders the newest of each
+into docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import email.parser
 import os
 import re
+import shlex
 import shutil
+import sys
 import tarfile
 import tomllib
 import zipfile
@@ -21,6 +25,11 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).parent
 PKG = ROOT / "packages"
+sys.path.insert(0, str(ROOT))  # benchmarks/: the results recorder and report (stdlib only)
+
+from benchmarks import record as bench_record  # noqa: E402
+from benchmarks import report as bench_report_module  # noqa: E402
+
 nox.options.default_venv_backend = "virtualenv"
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
@@ -299,8 +308,7 @@ def sanitize(session: nox.Session) -> None:
 def hexagon(session: nox.Session) -> None:
     """The hexagon backend at length under qemu-hexagon: the op tests with more examples, every
     architecture's prefill in resident and stream mode, the packet count of the HVX tile
-    kernel (bench-results/hexagon_packets.json) and the protocol's round trips
-    (bench-results/bench_hexagon.json)."""
+    kernel and the protocol's round trips (both recorded in benchmarks/results/)."""
     _install_all(session, "test", hexagon=True)
     session.install(pkg("htp", "test"))
     if "ESTREAM_HTP_REQUIRE_HEXAGON" not in session.env:
@@ -314,12 +322,40 @@ def hexagon(session: nox.Session) -> None:
         env={"HYPOTHESIS_PROFILE": "dev"},
     )  # fmt: skip
     _pytest(session, ROOT / "integration" / "test_hexagon.py")
+    packets = ROOT / "bench-results" / bench_record.BENCHES["hexagon_packets"]
+    _recorded(session, "hexagon_packets", PKG / "estream-htp" / "tools" / "hexagon_packets.py",
+              "--json", str(packets))  # fmt: skip
+    _recorded(session, "bench_hexagon", PKG / "estream-htp" / "bench" / "bench_hexagon.py")
+
+
+def _repo_relative(arg: str) -> str:
+    return arg[len(str(ROOT)) + 1 :] if arg.startswith(f"{ROOT}/") else arg
+
+
+def _recorded(session: nox.Session, bench: str, script: Path, *args: str) -> None:
+    """Run a benchmark script and record its run (benchmarks/record.py): the machine, its load
+    average and steal around the run, the commit, the command and the figures the script wrote
+    to bench-results/, as benchmarks/results/<bench>/<UTC time>-<commit>.json."""
+    figures = bench_record.BENCHES[bench]
+    if any(a == "--out" or a.startswith("--out=") for a in args):
+        session.error(
+            f"{bench}: the session records bench-results/{figures}, so it takes no --out; "
+            f"run {script.relative_to(ROOT)} directly to write elsewhere"
+        )
     (ROOT / "bench-results").mkdir(exist_ok=True)
-    session.run(
-        "python", str(PKG / "estream-htp" / "tools" / "hexagon_packets.py"),
-        "--json", str(ROOT / "bench-results" / "hexagon_packets.json"),
-    )  # fmt: skip
-    session.run("python", str(PKG / "estream-htp" / "bench" / "bench_hexagon.py"))
+    before = bench_record.sample()
+    if session.run("python", str(script), *args) is None:
+        return  # --install-only: nothing ran, nothing to record
+    after = bench_record.sample()
+    typed = ["nox", "-s", session.name, *(["--", *session.posargs] if session.posargs else [])]
+    try:
+        path = bench_record.record(
+            bench, before=before, after=after, command=shlex.join(typed),
+            script_command=["python", *map(_repo_relative, [str(script), *args])],
+        )  # fmt: skip
+    except bench_record.ResultError as exc:
+        session.error(str(exc))
+    session.log(f"recorded {_repo_relative(str(path))}; `nox -s bench_report` renders it")
 
 
 def _bench(session: nox.Session, script: Path, *, all_pkgs: bool = False, name: str = "") -> None:
@@ -330,8 +366,7 @@ def _bench(session: nox.Session, script: Path, *, all_pkgs: bool = False, name: 
             _clean_htp_build()
         session.install("--force-reinstall", "--no-deps", pkg(name))
         session.install(pkg(name, "bench"))
-    (ROOT / "bench-results").mkdir(exist_ok=True)
-    session.run("python", str(script), *session.posargs)
+    _recorded(session, session.name, script, *session.posargs)
 
 
 @nox.session
@@ -400,3 +435,12 @@ def parity(session: nox.Session) -> None:
 def eval_parity(session: nox.Session) -> None:
     """`estream eval perplexity` on streamed models vs llama.cpp on the same GGUF and windows."""
     _bench(session, ROOT / "integration" / "bench" / "eval_parity.py", all_pkgs=True)
+
+
+@nox.session(venv_backend="none")
+def bench_report(session: nox.Session) -> None:
+    """docs/benchmarks.md from the newest result of each benchmark in benchmarks/results/, and
+    README.md's headline table between its bench:headline markers (`-- --check`: only check
+    that both are up to date)."""
+    if bench_report_module.main(session.posargs) != 0:
+        session.error("bench_report failed (see above)")

@@ -1,0 +1,628 @@
+"""docs/benchmarks.md from the latest result of each benchmark in benchmarks/results/, and the
+README's headline table (bench_engine at 1K and 4K tokens) between its markers.
+
+    nox -s bench_report            # or: python -m benchmarks.report [--check]
+
+Each benchmark has a renderer here (`BENCHES`): the figures its script writes, as one table.
+A result whose 1-minute load average, before or after the run, exceeds `LOADED_PER_CORE` per
+core (1.5 on a 2-core machine) is marked as not a result: other work shared its CPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: python benchmarks/report.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import record
+
+ROOT = record.ROOT
+PAGE = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
+RESULTS_SHOWN = record.RESULTS.relative_to(ROOT).as_posix()  # how the page names results
+HEADLINE_START = "<!-- bench:headline:start -->"
+HEADLINE_END = "<!-- bench:headline:end -->"
+
+#: A run is on a loaded machine when its 1-minute load average exceeds this many per core.
+LOADED_PER_CORE = 0.75
+
+Figures = dict[str, Any]
+
+
+class ReportError(ValueError):
+    """Results or a target file the report cannot use, with the reason."""
+
+
+@dataclass
+class Table:
+    headers: list[str]
+    rows: list[list[str]]
+    notes: list[str] = field(default_factory=list)
+
+    def markdown(self) -> list[str]:
+        out = ["| " + " | ".join(self.headers) + " |", "|" + "---|" * len(self.headers)]
+        out += ["| " + " | ".join(r) + " |" for r in self.rows]
+        return out
+
+
+# -- formatting ---------------------------------------------------------------------------------
+
+
+def num(v: float | None) -> str:
+    """Three significant figures, whole numbers from 100 up; '–' for a missing figure."""
+    if v is None:
+        return "–"
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def size(n: float | None) -> str:
+    if n is None:
+        return "–"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def prompt(t: int) -> str:
+    return f"{t // 1024}K" if t % 1024 == 0 else str(t)
+
+
+def ttft(run: dict[str, Any] | None) -> str:
+    if not run:
+        return "–"
+    return f"{run['ttft_s']:.2f} s" if "ttft_s" in run else str(run.get("error", "–"))
+
+
+def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str = "ttft_s") -> str:
+    if a and b and a.get(key) and b.get(key):
+        return f"{a[key] / b[key]:.3f}"
+    return "–"
+
+
+# -- one renderer per benchmark -----------------------------------------------------------------
+
+
+def _engine_run(f: Figures, system: str, length: int, cgroup: bool) -> dict[str, Any] | None:
+    for r in f["runs"]:
+        if r["system"] == system and r["length"] == length and bool(r.get("cgroup")) == cgroup:
+            return r
+    return None
+
+
+def _engine_lengths(f: Figures, cgroup: bool) -> list[int]:
+    return sorted({r["length"] for r in f["runs"] if bool(r.get("cgroup")) == cgroup})
+
+
+def render_engine(f: Figures) -> Table:
+    t = Table(
+        ["prompt", "stream", "resident", "llama.cpp", "stream ÷ resident", "stream ÷ llama.cpp",
+         "peak: stream / resident / llama.cpp", "steal: stream / resident", "stream G, Q, B"],
+        [],
+    )  # fmt: skip
+    for T in _engine_lengths(f, False):
+        s, r, ll = (_engine_run(f, x, T, False) for x in ("stream", "resident", "llama.cpp"))
+        peaks = " / ".join(size((x or {}).get("peak_memory_bytes")) for x in (s, r, ll))
+        steal = " / ".join(num((x or {}).get("steal_s")) for x in (s, r)) + " s"
+        cfg = ", ".join(str(s[k]) for k in "GQB") if s and all(k in s for k in "GQB") else "–"
+        t.rows.append(
+            [prompt(T), ttft(s), ttft(r), ttft(ll), ratio(s, r), ratio(s, ll), peaks, steal, cfg]
+        )
+    budget = size(f.get("budget_bytes"))
+    for T in _engine_lengths(f, True):
+        s, ll = (_engine_run(f, x, T, True) for x in ("stream", "llama.cpp"))
+        peaks = " / ".join(size((x or {}).get("peak_memory_bytes")) for x in (s, None, ll))
+        steal = num((s or {}).get("steal_s")) + " s"
+        t.rows.append(
+            [f"{prompt(T)} in a {budget} cgroup", ttft(s), "–", ttft(ll), "–", ratio(s, ll),
+             peaks, steal, "–"]
+        )  # fmt: skip
+    t.notes.append(
+        f"Time to first token, cold page cache, one fresh process per run; `stream` under the "
+        f"configurator's choice for a {budget} budget, {f.get('threads', '–')} threads."
+    )
+    if f.get("cgroup_note"):
+        t.notes.append(f"Memory-capped runs: {f['cgroup_note']}.")
+    return t
+
+
+def render_tasks(f: Figures) -> Table:
+    t = Table(["set (mean tokens)", "system", "req/s cold", "req/s warm", "passes", "peak memory",
+               "load average"], [])  # fmt: skip
+    for s in f["sets"]:
+        n = s["requests"]
+        for m in s["runs"]:
+            name = f"{s['name']} ({s['mean_tokens']:.1f})"
+            if "error" in m:
+                t.rows.append([name, m["system"], str(m["error"]), "", "", "", m.get("load", "")])
+                continue
+            t.rows.append([name, m["system"], num(n / m["wall_s"]), num(n / m["run_s"]),
+                           str(m["passes"]), size(m["peak_memory_bytes"]), m.get("load", "")])  # fmt: skip
+        for k, v in s.get("ratios", {}).items():
+            t.notes.append(f"{s['name']}: `stream-batched` is {v:.2f}× faster than {k}.")
+    t.notes.append(f"{f.get('threads', '–')} threads; {f.get('cold', '')}.")
+    return t
+
+
+def render_vs_llama(f: Figures) -> Table:
+    t = Table(["side", "tokens/s (median)", "÷ llama-bench (median, range)", "peak RSS"], [])
+    for side, s in f["summary"].items():
+        over = "–"
+        if "over_llama_bench_median" in s:
+            lo, hi = s["over_llama_bench_range"]
+            over = f"{s['over_llama_bench_median']:.3f} ({lo:.3f}–{hi:.3f})"
+        t.rows.append([side, num(s["tokens_per_s_median"]), over,
+                       f"{s['peak_rss_mib_median']:.0f} MiB"])  # fmt: skip
+    t.notes.append(
+        f"{Path(f['gguf']).name}, {f['tokens']} tokens, {f['threads']} threads, "
+        f"{len(next(iter(f['runs'].values()), []))} rounds."
+    )
+    return t
+
+
+def render_scale(f: Figures) -> Table:
+    t = Table(["model", "prompt", "stream TTFT", "tokens/s", "stream peak", "llama.cpp TTFT",
+               "llama.cpp peak"], [])  # fmt: skip
+    for preset, rec in f.get("presets", {}).items():
+        runs = rec.get("runs", [])
+        for T in sorted({r["length"] for r in runs}):
+            s = next((r for r in runs if r["system"] == "stream" and r["length"] == T), None)
+            ll = next((r for r in runs if r["system"] == "llama.cpp" and r["length"] == T), None)
+            tps = num(T / s["ttft_s"]) if s and "ttft_s" in s else "–"
+            t.rows.append([preset, prompt(T), ttft(s), tps, size((s or {}).get("peak_memory_bytes")),
+                           ttft(ll), size((ll or {}).get("peak_memory_bytes"))])  # fmt: skip
+    t.notes.append("The configurations and the (G, Q, B) sweep are in the result file.")
+    return t
+
+
+def render_kernels(f: Figures) -> Table:
+    t = Table(["op", "htp GFLOP/s", "share of peak", "best BLAS GFLOP/s", "htp ÷ best BLAS"], [])
+    for r in f["rows"]:
+        share = r.get("pct_of_best_peak", r.get("pct_of_peak"))
+        blas = [v for v in (r.get("blas_gflops"), r.get("blas_1thread_gflops")) if v is not None]
+        t.rows.append([
+            r["op"], num(r["htp_gflops"]),
+            f"{share:.0f} % {r['peak_kind']}" if share is not None else "–",
+            num(max(blas)) if blas else "–",
+            f"{r['speedup_vs_best_blas']:.1f}×" if r.get("speedup_vs_best_blas") else "–",
+        ])  # fmt: skip
+    if f.get("peaks_best"):
+        peaks = ", ".join(f"{k} {num(v)}" for k, v in f["peaks_best"].items())
+        t.notes.append(f"Peaks (better of start and end of the run, GOP/s): {peaks}.")
+    t.notes.append(
+        "BLAS: numpy float32 matmul on the same dequantized weights; the better of 2 and 1 threads."
+    )
+    return t
+
+
+def render_arena(f: Figures) -> Table:
+    qs = sorted({p["Q"] for p in f["points"]})
+    t = Table(["G \\ Q", *[f"Q={q}" for q in qs], "Q0"], [])
+
+    def cells(points: list[dict[str, Any]]) -> list[str]:
+        by_q = {p["Q"]: p for p in points}
+        return [
+            f"{by_q[q]['bytes_per_s'] / 1e6:.0f} ({by_q[q]['ratio_to_dd']:.2f}×)" if q in by_q
+            else "–" for q in qs
+        ]  # fmt: skip
+
+    q0 = f.get("q0_per_g", {})
+    for G in sorted({p["G"] for p in f["points"]}):
+        t.rows.append([str(G), *cells([p for p in f["points"] if p["G"] == G]), str(q0.get(str(G), "–"))])  # fmt: skip
+    for G in sorted({p["G"] for p in f.get("merged_points", [])}):
+        pts = [p for p in f["merged_points"] if p["G"] == G]
+        t.rows.append([f"{G}, merged ≤ {size(pts[0]['merge_bytes'])}", *cells(pts), ""])
+    t.notes.append(
+        f"Loader MB/s (ratio to `dd iflag=direct`, {f['dd_bytes_per_s'] / 1e6:.0f} MB/s at "
+        f"bs={f['dd_best_bs']}) on a cold {f['file_bytes'] / 1e9:.1f} GB file, B = Q + 2, "
+        f"medians of {f['repeat']} passes. Q0: the smallest Q within 5 % of the best, per G."
+    )
+    return t
+
+
+def render_layout(f: Figures) -> Table:
+    t = Table(["step", "time", "MB/s", "÷ disk write"], [])
+    write = f["write_mb_per_s"]
+    for label, secs, rate in (
+        ("write the same bytes (O_DIRECT + fsync; the disk)", "write_seconds", "write_mb_per_s"),
+        ("copy the source file", "copy_seconds", "copy_mb_per_s"),
+        ("convert only (nothing written)", "convert_seconds", "convert_mb_per_s"),
+        ("**pack, end to end**", "pack_seconds", "pack_expert_mb_per_s"),
+        ("verify checksums", "verify_seconds", "verify_mb_per_s"),
+    ):
+        secs_v = f.get(secs)
+        t.rows.append([label, f"{secs_v:.1f} s" if secs_v is not None else "–",
+                       num(f[rate]), f"{f[rate] / write:.2f}"])  # fmt: skip
+    t.notes.append(
+        f"{f['arch']} {f['preset']}: {size(f['source_bytes'])} source, "
+        f"{size(f['expert_bytes'])} of experts. Peak RSS while packing "
+        f"{f['pack_peak_rss_mib']:.0f} MiB; targets (≥ 300 MB/s of expert bytes, < 1 GiB) "
+        f"{'met' if f['met'] else 'not met'}."
+    )
+    return t
+
+
+def render_sched(f: Figures) -> Table:
+    t = Table(["selection for a new budget", "wall median", "wall p99", "CPU median", "CPU p99",
+               "budgets"], [])  # fmt: skip
+    for label, key in (
+        ("`configure`, warm profile", "selection_warm"),
+        ("`configure`, freshly loaded profile", "selection_cold"),
+        ("baseline: one (g, b) at a time", "baseline_one_candidate_at_a_time"),
+    ):
+        s = f[key]
+        ms = [f"{num(s.get(k))} ms" if s.get(k) is not None else "–"
+              for k in ("median_ms", "p99_ms", "cpu_median_ms", "cpu_p99_ms")]  # fmt: skip
+        t.rows.append([label, *ms, str(s.get("n") or "–")])
+    p = f.get("profile", {})
+    if p:
+        t.notes.append(
+            f"Profile: {p.get('n_experts')} experts, {p.get('calibration_layers')} calibration "
+            f"layers, g in {p.get('groups')}, Q0 = {p.get('Q0')}."
+        )
+    if f.get("speedup_vs_baseline"):
+        t.notes.append(f"Speed-up over the baseline (CPU time): {f['speedup_vs_baseline']:.1f}×.")
+    return t
+
+
+def render_tokenizer(f: Figures) -> Table:
+    t = Table(["vocabulary", "text", "tokens", "EStream cold tok/s", "EStream warm tok/s",
+               "HF tok/s", "llama.cpp tok/s", "cold ÷ HF", "cold ÷ llama.cpp", "same tokens"], [])  # fmt: skip
+
+    def agree(v: Any) -> str:
+        return "–" if v is None else "yes" if v else "NO"
+
+    for r in f["rows"]:
+        t.rows.append([
+            r["vocab"], r["corpus"], str(r["tokens"]), num(r["estream_cold_tok_s"]),
+            num(r["estream_warm_tok_s"]), num(r.get("hf_tok_s")), num(r.get("llama_cpp_tok_s")),
+            num(r.get("estream_cold_vs_hf")), num(r.get("estream_cold_vs_llama_cpp")),
+            f"HF {agree(r.get('hf_agrees'))}, llama.cpp {agree(r.get('llama_cpp_agrees'))}",
+        ])  # fmt: skip
+    t.notes.append(f"{f['text_kib']} KiB texts, best of {f['repeat']} runs.")
+    return t
+
+
+def _l2_top1(c: dict[str, Any] | None) -> list[str]:
+    return [f"{c['rel_l2']:.2e}", f"{c['top1']:.3f}"] if c else ["–", "–"]
+
+
+def render_parity(f: Figures) -> Table:
+    t = Table(["arch", "weights", "engine act", "engine rel L2", "engine top-1",
+               "llama.cpp rel L2", "llama.cpp top-1", "note"], [])  # fmt: skip
+    for r in f["rows"]:
+        note = r.get("error") or r.get("llamacpp_error") or r.get("engine_note") or ""
+        t.rows.append([
+            r["arch"], r["variant"], r.get("engine_act") or "–",
+            *_l2_top1(r.get("engine_vs_ref")), *_l2_top1(r.get("llamacpp_vs_ref")),
+            note.splitlines()[0] if note else "",
+        ])  # fmt: skip
+    t.notes.append(
+        f"Logits against a float64 reference, {f['tokens']} tokens, preset rows as listed; "
+        f"llama-cpp-python {f.get('llama_cpp_python', '–')}."
+    )
+    return t
+
+
+def render_eval_parity(f: Figures) -> Table:
+    t = Table(["arch", "context", "windows", "EStream perplexity", "llama.cpp perplexity",
+               "ratio", "top-1 agreement"], [])  # fmt: skip
+    for r in f["rows"]:
+        t.rows.append([
+            r["arch"], str(r["ctx"]), str(r["windows"]), f"{r['estream']['perplexity']:.4f}",
+            f"{r['llama_cpp']['perplexity']:.4f}", f"{r['ppl_ratio']:.5f}",
+            f"{r['top1_agreement']:.3f}",
+        ])  # fmt: skip
+    t.notes.append(f"`estream eval perplexity` on {f['text']} ({f['chars']} characters).")
+    return t
+
+
+def render_hexagon(f: Figures) -> Table:
+    kinds = ("host", "host-process", "hexagon")
+    t = Table(["", "host", "host-process", "hexagon (executor under qemu)"], [])
+
+    def rt(key: str) -> str:
+        s = f.get(key)
+        if not s:
+            return "–"
+        spread = f" ({num(s['p10_us'])}–{num(s['p90_us'])})" if s.get("p10_us") is not None else ""
+        return f"{num(s['median_us'])} µs{spread}"
+
+    t.rows.append(["C call `htp_op_run`", *[rt(f"c_{k}") for k in kinds]])
+    t.rows.append(["Python `htp.nop`", *[rt(f"py_{k}") for k in kinds]])
+    start = f.get("start_s", {})
+    t.rows.append(["backend start (to the first op done)",
+                   *[f"{num(start[k] * 1e3)} ms" if k in start else "–" for k in kinds]])  # fmt: skip
+    t.notes.append("Empty-op round trips: median (p10–p90), one thread each side.")
+    return t
+
+
+def render_packets(f: Figures) -> Table:
+    t = Table(
+        ["strip kernel", "setup per 32×32 tile", "per token", "tile at 1 / 8 / 64 tokens"], []
+    )
+    for name, c in f.items():
+        if not isinstance(c, dict) or "per_tile" not in c:
+            continue
+        per = " / ".join(f"{c['per_tile'][n]:.0f}" for n in ("1", "8", "64"))
+        t.rows.append([name, f"{c['per_tile_setup']:.0f}", f"{c['per_tile_per_token']:.0f}", per])
+    t.notes.append("Hexagon packets executed (QEMU's execution log), one 32-row strip.")
+    return t
+
+
+@dataclass(frozen=True)
+class Bench:
+    title: str
+    render: Callable[[Figures], Table]
+
+
+#: How each benchmark is shown (same names as `record.BENCHES`, in page order).
+BENCHES: dict[str, Bench] = {
+    "bench_engine": Bench("End-to-end prefill: stream vs resident vs llama.cpp", render_engine),
+    "bench_tasks": Bench("Many short requests: batched vs one by one", render_tasks),
+    "bench_vs_llama": Bench("Prefill tokens/s against llama-bench on one GGUF", render_vs_llama),
+    "bench_scale": Bench("Models larger than memory", render_scale),
+    "bench_kernels": Bench("Kernels against numpy/BLAS float32", render_kernels),
+    "bench_arena": Bench("Loader bandwidth over G × Q against dd", render_arena),
+    "bench_layout": Bench("Packing throughput and peak memory", render_layout),
+    "bench_sched": Bench("Configurator selection time", render_sched),
+    "bench_tokenizer": Bench("Tokenization speed", render_tokenizer),
+    "parity": Bench("Logits against a float64 reference, engine and llama.cpp", render_parity),
+    "eval_parity": Bench("Perplexity against llama.cpp", render_eval_parity),
+    "bench_hexagon": Bench("Host side of the hexagon protocol", render_hexagon),
+    "hexagon_packets": Bench("Hexagon tile kernel, packets", render_packets),
+}
+
+
+# -- results ------------------------------------------------------------------------------------
+
+
+def load_results(results: Path = record.RESULTS) -> dict[str, list[tuple[Path, dict[str, Any]]]]:
+    """Every result file under `results/<bench>/`, validated, per benchmark."""
+    out: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
+    for path in sorted(results.glob("*/*.json")):
+        where = str(path.relative_to(results.parent))
+        try:
+            doc = json.loads(path.read_text())
+        except ValueError as exc:
+            raise ReportError(f"{where}: not JSON ({exc})") from None
+        try:
+            record.validate(doc, where)
+        except record.ResultError as exc:
+            raise ReportError(str(exc)) from None
+        if doc["bench"] != path.parent.name:
+            raise ReportError(f"{where}: a {doc['bench']} result in the {path.parent.name} folder")
+        out.setdefault(doc["bench"], []).append((path, doc))
+    return out
+
+
+def latest(entries: list[tuple[Path, dict[str, Any]]]) -> tuple[Path, dict[str, Any]]:
+    """The newest result: by date (a recorded run's full time sorts after a bare date), then by
+    file name."""
+    return max(entries, key=lambda e: (e[1]["date"] or "", e[0].name))
+
+
+def load_state(doc: dict[str, Any]) -> tuple[float | None, int | None]:
+    """The highest 1-minute load average known for the run (recorded, or stated by the text a
+    transcribed result came from) and the core count."""
+    if doc["load_average_1min"] is not None:
+        loads = [v for v in doc["load_average_1min"].values() if v is not None]
+    else:
+        loads = list(doc.get("stated_load_average") or [])
+    return (max(loads) if loads else None), doc["machine"].get("cores")
+
+
+def is_loaded(doc: dict[str, Any]) -> bool:
+    """Whether the run shared its CPUs: load average above `LOADED_PER_CORE` per core."""
+    load, cores = load_state(doc)
+    return load is not None and bool(cores) and load / cores > LOADED_PER_CORE
+
+
+def _machine(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
+    if m.get("description"):
+        return m["description"]
+    simd = " ".join(m["simd_flags"]) or "none listed"
+    return f"{m['cpu_model'] or 'unknown CPU'}, {m['cores']} cores ({m['arch']}; SIMD: {simd})"
+
+
+def _date(doc: dict[str, Any]) -> str:
+    d = doc["date"]
+    if d is None:
+        return "not stated"
+    return d.replace("T", " ").replace("Z", " UTC") if "T" in d else d
+
+
+def _commit(doc: dict[str, Any]) -> str:
+    if doc["transcribed"]:
+        src = doc["source"]
+        return f"not recorded (figures transcribed from {src['file']} at `{src['commit'][:10]}`)"
+    if doc["commit"] is None:
+        return "not recorded (not a git checkout)"
+    return f"`{doc['commit'][:10]}`" + (" with uncommitted changes" if doc["dirty"] else "")
+
+
+def _load(doc: dict[str, Any]) -> str:
+    cores = doc["machine"].get("cores")
+    on = f" on {cores} cores" if cores else ""
+    la = doc["load_average_1min"]
+    if la is None:
+        stated = doc.get("stated_load_average")
+        if stated:
+            lo, hi = min(stated), max(stated)
+            text = f"{lo:g}" if lo == hi else f"{lo:g}–{hi:g}"
+            return f"not recorded by the run; the text states {text}{on}"
+        return "not recorded"
+    b, a = (num(la[k]) if la[k] is not None else "unknown" for k in ("before", "after"))
+    return f"{b} before, {a} after{on}"
+
+
+def status(doc: dict[str, Any]) -> str:
+    """The verdict shown above a result's table."""
+    marks = []
+    if is_loaded(doc):
+        load, cores = load_state(doc)
+        marks.append(
+            f"**loaded machine: not a result** (load average {load:g} on {cores} cores, above "
+            f"{LOADED_PER_CORE} per core)"
+        )
+    if doc["transcribed"]:
+        stated = " by the run (stated in the text)" if doc.get("stated_load_average") else ""
+        marks.append(f"transcribed; load average not recorded{stated}")
+    elif doc["load_average_1min"] is None or None in doc["load_average_1min"].values():
+        marks.append("load average not recorded")
+    return "; ".join(marks) or "ok"
+
+
+OK = f"> measured; load average within {LOADED_PER_CORE} per core"
+
+
+def section(name: str, path: Path, doc: dict[str, Any]) -> list[str]:
+    bench = BENCHES[name]
+    try:
+        table = bench.render(doc["figures"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise ReportError(
+            f"{path.name} ({name}): figures not as its renderer expects: {exc!r}"
+        ) from None
+    steal = doc["steal_s"]
+    lines = [
+        f"## {name}: {bench.title}",
+        "",
+        f"> {status(doc)}" if status(doc) != "ok" else OK,
+        "",
+        "| | |",
+        "|---|---|",
+        f"| machine | {_machine(doc)} |",
+        f"| date | {_date(doc)} |",
+        f"| commit | {_commit(doc)} |",
+        f"| command | `{doc['command']}` |" if doc["command"] else "| command | not recorded |",
+        f"| load average (1 min) | {_load(doc)} |",
+        f"| steal during the run | {num(steal) + ' s' if steal is not None else 'not recorded'} |",
+        f"| result file | `{RESULTS_SHOWN}/{name}/{path.name}` |",
+        "",
+        *table.markdown(),
+        "",
+    ]
+    if doc["transcribed"]:
+        table.notes.append(doc["note"])
+    lines += [*table.notes, ""] if table.notes else []
+    return lines
+
+
+def render_page(results: dict[str, list[tuple[Path, dict[str, Any]]]]) -> str:
+    """The whole of docs/benchmarks.md: a function of the result files alone."""
+    lines = [
+        "# Benchmarks",
+        "",
+        "<!-- Generated by `nox -s bench_report` from benchmarks/results/. Do not edit: "
+        "regenerate. -->",
+        "",
+        "Generated by `nox -s bench_report` from the newest result of each benchmark in",
+        "`benchmarks/results/`. Every `nox -s bench_*` session (and `parity`, `eval_parity`,",
+        "`hexagon`) records its run there as one JSON file: the machine (CPU model and flags,",
+        "cores), the 1-minute load average before and after, the hypervisor's steal during the",
+        "run, the commit, the date, the exact command and the script's own figures. Earlier runs",
+        "stay in git's history of that folder.",
+        "",
+        f"A run whose load average exceeded {LOADED_PER_CORE} per core (1.5 on a 2-core machine) "
+        "before or after it",
+        "is marked **loaded machine: not a result**: other work shared its CPUs, so its times",
+        "are not the code's. *Transcribed* results were copied from earlier documentation; their",
+        "load average was not recorded.",
+        "",
+    ]
+    missing = [n for n in BENCHES if n not in results]
+    for name in BENCHES:
+        if name in results:
+            path, doc = latest(results[name])
+            lines += section(name, path, doc)
+    if missing:
+        lines += ["## Not yet recorded", "", ", ".join(f"`{n}`" for n in missing) + ".", ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def headline(results: dict[str, list[tuple[Path, dict[str, Any]]]]) -> str:
+    """The README's headline: bench_engine's 1K and 4K rows from its newest result."""
+    if "bench_engine" not in results:
+        raise ReportError("no bench_engine result in benchmarks/results/ for the headline")
+    path, doc = latest(results["bench_engine"])
+    f = doc["figures"]
+    t = Table(["prompt", "stream", "resident", "llama.cpp", "stream ÷ resident",
+               "stream ÷ llama.cpp", "peak: stream / resident / llama.cpp"], [])  # fmt: skip
+    for T in (1024, 4096):
+        s, r, ll = (_engine_run(f, x, T, False) for x in ("stream", "resident", "llama.cpp"))
+        if s or r or ll:
+            peaks = " / ".join(size((x or {}).get("peak_memory_bytes")) for x in (s, r, ll))
+            t.rows.append([f"{prompt(T)} tokens", ttft(s), ttft(r), ttft(ll), ratio(s, r),
+                           ratio(s, ll), peaks])  # fmt: skip
+    if not t.rows:
+        raise ReportError(f"{path.name}: the newest bench_engine result has no 1K or 4K run")
+    mark = f" ({status(doc)})" if status(doc) != "ok" else ""
+    return "\n".join([
+        *t.markdown(),
+        "",
+        f"`nox -s bench_engine` on {_machine(doc)}, {_date(doc)}{mark}.",
+    ])  # fmt: skip
+
+
+def replace_between(text: str, block: str, where: str) -> str:
+    """`text` with what lies between the headline markers replaced by `block`."""
+    starts, ends = text.count(HEADLINE_START), text.count(HEADLINE_END)
+    if starts != 1 or ends != 1 or text.index(HEADLINE_START) > text.index(HEADLINE_END):
+        raise ReportError(
+            f"{where}: needs exactly one {HEADLINE_START} followed by one {HEADLINE_END} "
+            f"(found {starts} and {ends}); put them where the headline table belongs"
+        )
+    head, rest = text.split(HEADLINE_START)
+    _, tail = rest.split(HEADLINE_END)
+    return f"{head}{HEADLINE_START}\n{block}\n{HEADLINE_END}{tail}"
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="bench_report", description="Render docs/benchmarks.md and the README headline."
+    )
+    ap.add_argument("--results", type=Path, default=record.RESULTS, help="results folder")
+    ap.add_argument("--page", type=Path, default=PAGE, help="the page to write")
+    ap.add_argument("--readme", type=Path, default=README, help="the README with the markers")
+    ap.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if either file is out of date"
+    )
+    args = ap.parse_args(argv)
+    try:
+        results = load_results(args.results)
+        page = render_page(results)
+        readme_text = args.readme.read_text() if args.readme.exists() else None
+        if readme_text is None:
+            raise ReportError(f"{args.readme}: no such file")
+        readme = replace_between(readme_text, headline(results), str(args.readme))
+    except ReportError as exc:
+        print(f"bench_report: error: {exc}", file=sys.stderr)
+        return 2
+    stale = [
+        p for p, text in ((args.page, page), (args.readme, readme))
+        if not p.exists() or p.read_text() != text
+    ]  # fmt: skip
+    if args.check:
+        for p in stale:
+            print(f"bench_report: {p} is out of date; run `nox -s bench_report`", file=sys.stderr)
+        return 1 if stale else 0
+    _write(args.page, page)
+    _write(args.readme, readme)
+    print(f"bench_report: wrote {args.page} ({sum(len(v) for v in results.values())} results)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,257 @@
+"""Benchmark results and the generated benchmark page (benchmarks/record.py, benchmarks/report.py):
+what a recorded run holds, how the page marks runs on a loaded machine, and that the committed
+page and README headline are exactly what the committed results render to."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import record, report  # noqa: E402
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse4_2 avx2 fma avx512f avx512_vnni sha_ni
+processor\t: 1
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse4_2 avx2 fma avx512f avx512_vnni sha_ni
+"""
+
+
+def engine_figures(stream: float = 2.0, resident: float = 4.0) -> dict[str, Any]:
+    """bench_engine's output shape: one run per system and length, no memory cap."""
+    runs = []
+    for T in (1024, 4096):
+        for system, t in (("stream", stream), ("resident", resident), ("llama.cpp", 8.0)):
+            runs.append({"system": system, "length": T, "cgroup": False, "ttft_s": t * T / 1024,
+                         "peak_memory_bytes": 600 * 2**20, "steal_s": 0.5})  # fmt: skip
+    return {"budget_bytes": 1536 * 2**20, "threads": 2, "runs": runs, "cgroup_note": None}
+
+
+def recorded(
+    tmp_path: Path, bench: str, figures: dict[str, Any], load: tuple[float, float]
+) -> dict[str, Any]:
+    """A result written through `record.record`, as the nox sessions do, with given loads."""
+    fig_dir = tmp_path / "bench-results"
+    fig_dir.mkdir(exist_ok=True)
+    before = {**record.sample(), "loadavg_1min": load[0]}
+    (fig_dir / record.BENCHES[bench]).write_text(json.dumps(figures))
+    after = {**record.sample(), "loadavg_1min": load[1]}
+    path = record.record(
+        bench, before=before, after=after, command=f"nox -s {bench} -- --x 1",
+        script_command=["python", "s.py", "--x", "1"], figures_dir=fig_dir,
+        results=tmp_path / "results",
+    )  # fmt: skip
+    return json.loads(path.read_text())
+
+
+def test_a_recorded_run_holds_every_field(tmp_path: Path) -> None:
+    """record() writes valid JSON with every schema field: this machine's CPU, cores, load
+    before/after, steal, the checked-out commit, a UTC date, the command and the figures as
+    the script wrote them; the file is named by time and commit and no temp file is left."""
+    figures = engine_figures()
+    doc = recorded(tmp_path, "bench_engine", figures, (0.25, 0.5))
+    assert list(doc) == list(record.KEYS)
+    assert doc["schema"] == 1 and doc["bench"] == "bench_engine" and doc["transcribed"] is False
+    assert doc["figures"] == figures
+    assert doc["load_average_1min"] == {"before": 0.25, "after": 0.5}
+    assert doc["command"] == "nox -s bench_engine -- --x 1"
+    assert doc["script_command"] == ["python", "s.py", "--x", "1"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    assert doc["commit"] == head.stdout.strip() and isinstance(doc["dirty"], bool)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", doc["date"])
+    assert doc["machine"]["cores"] == os.cpu_count()
+    assert set(doc["machine"]["simd_flags"]) <= set(doc["machine"]["cpu_flags"])
+    if Path("/proc/stat").exists():
+        assert doc["steal_s"] is not None and doc["steal_s"] >= 0
+    assert doc["wall_s"] >= 0
+    files = list((tmp_path / "results" / "bench_engine").iterdir())
+    stamp = doc["date"].replace("-", "").replace(":", "")
+    assert [f.name for f in files] == [f"{stamp}-{doc['commit'][:10]}.json"]
+
+
+def test_cpuinfo_and_steal_are_parsed() -> None:
+    """The CPU model, all flags and their SIMD subset come from /proc/cpuinfo's first CPU; the
+    steal is the eighth number of /proc/stat's cpu line, in seconds."""
+    info = record.parse_cpuinfo(CPUINFO)
+    assert info["cpu_model"] == "AMD EPYC 7B13"
+    assert info["cpu_flags"] == sorted(["fpu", "sse4_2", "avx2", "fma", "avx512f",
+                                        "avx512_vnni", "sha_ni"])  # fmt: skip
+    assert info["simd_flags"] == ["sse4_2", "avx2", "fma", "avx512f", "avx512_vnni"]
+    stat = "cpu  10 0 20 300 4 0 1 250 0 0\ncpu0 5 0 10 150 2 0 1 125 0 0\n"
+    assert record.parse_steal_s(stat, 100) == 2.5
+    assert record.parse_steal_s("cpu  1 2 3 4\n", 100) is None
+
+
+def test_stale_or_missing_figures_are_refused(tmp_path: Path) -> None:
+    """A figures file older than the run (the script wrote nothing this time) or absent is not
+    recorded: ResultError naming the file, and no result written."""
+    fig = tmp_path / record.BENCHES["bench_sched"]
+    before = record.sample()
+    kwargs = {"before": before, "after": before, "command": "c", "script_command": [],
+              "figures_dir": tmp_path, "results": tmp_path / "results"}  # fmt: skip
+    with pytest.raises(record.ResultError, match="wrote no figures file"):
+        record.record("bench_sched", **kwargs)
+    fig.write_text("{}")
+    os.utime(fig, (time.time() - 60, time.time() - 60))
+    with pytest.raises(record.ResultError, match="not rewritten by this run"):
+        record.record("bench_sched", **kwargs)
+    assert not (tmp_path / "results").exists()
+
+
+def test_validate_names_the_missing_field(tmp_path: Path) -> None:
+    """A result without one of the schema's fields is rejected, naming the field, and the
+    report refuses a results folder holding it."""
+    doc = recorded(tmp_path, "bench_engine", engine_figures(), (0.1, 0.1))
+    del doc["steal_s"]
+    with pytest.raises(record.ResultError, match="missing steal_s"):
+        record.validate(doc)
+    bad = tmp_path / "results" / "bench_engine" / "20990101T000000Z-x.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(report.ReportError, match="missing steal_s"):
+        report.load_results(tmp_path / "results")
+
+
+@pytest.mark.parametrize(
+    ("load", "loaded"), [((0.2, 1.6), True), ((1.6, 0.2), True), ((1.5, 1.5), False)]
+)
+def test_a_loaded_run_is_marked_not_a_result(
+    tmp_path: Path, load: tuple[float, float], loaded: bool
+) -> None:
+    """On 2 cores a run whose load average exceeded 1.5 before or after it (0.75 per core) is
+    marked 'loaded machine: not a result' on the page and in the headline; at 1.5 it is not."""
+    recorded(tmp_path, "bench_engine", engine_figures(), load)
+    results = report.load_results(tmp_path / "results")
+    _, doc = report.latest(results["bench_engine"])
+    doc["machine"]["cores"] = 2
+    page, head = report.render_page(results), report.headline(results)
+    mark = "**loaded machine: not a result**"
+    assert (f"> {mark}" in page) is loaded and (mark in head) is loaded
+    assert ("measured; load average within 0.75 per core" in page) is not loaded
+
+
+def test_engine_table_and_headline_figures(tmp_path: Path) -> None:
+    """The bench_engine table and the README headline show each system's time to first token
+    and the ratios computed from them, at 1K and 4K."""
+    recorded(tmp_path, "bench_engine", engine_figures(stream=3.0, resident=4.0), (0.1, 0.1))
+    head = report.headline(report.load_results(tmp_path / "results"))
+    assert "| 1K tokens | 3.00 s | 4.00 s | 8.00 s | 0.750 | 0.375 |" in head
+    assert "| 4K tokens | 12.00 s | 16.00 s | 32.00 s | 0.750 | 0.375 |" in head
+
+
+def test_the_newest_result_is_rendered(tmp_path: Path) -> None:
+    """Of several results of one benchmark the page shows the newest by date, and a recorded
+    run is newer than a transcribed one of the same day."""
+    recorded(tmp_path, "bench_engine", engine_figures(stream=3.0), (0.1, 0.1))
+    results = report.load_results(tmp_path / "results")
+    _, new = report.latest(results["bench_engine"])
+    old = {**new, "date": "2000-01-01T00:00:00Z", "figures": engine_figures(stream=7.0)}
+    same_day = {**new, "transcribed": True, "date": new["date"][:10], "load_average_1min": None,
+                "source": {"file": "README.md", "commit": "0" * 40}, "note": "n"}  # fmt: skip
+    for name, doc in (("20000101T000000Z-a.json", old), ("29991231-transcribed.json", same_day)):
+        (tmp_path / "results" / "bench_engine" / name).write_text(json.dumps(doc))
+    results = report.load_results(tmp_path / "results")
+    assert report.latest(results["bench_engine"])[1]["figures"] == new["figures"]
+    assert "| 1K | 3.00 s |" in report.render_page(results)
+
+
+def test_every_benchmark_session_is_recorded_and_rendered() -> None:
+    """Every session that runs a benchmark script through `_bench` (and the hexagon session's
+    two) has a figures file in record.BENCHES and a renderer in report.BENCHES, and nothing
+    else does."""
+    nox_src = (ROOT / "noxfile.py").read_text()
+    sessions = set(re.findall(r"def (\w+)\(session: nox.Session\) -> None:\n(?:.*\n){0,4}?"
+                              r"\s+_bench\(session", nox_src))  # fmt: skip
+    assert {"bench_engine", "bench_kernels", "parity", "eval_parity"} <= sessions
+    assert sessions | {"bench_hexagon", "hexagon_packets"} == set(record.BENCHES)
+    assert set(report.BENCHES) == set(record.BENCHES)
+
+
+def test_committed_page_and_headline_are_what_the_results_render() -> None:
+    """docs/benchmarks.md and README.md's headline block are exactly what the committed
+    results in benchmarks/results/ render to (`bench_report --check`), so neither can drift;
+    rendering twice gives the same text."""
+    results = report.load_results()
+    page = report.render_page(results)
+    assert page == report.render_page(report.load_results())
+    assert report.PAGE.read_text() == page
+    readme = report.README.read_text()
+    assert report.replace_between(readme, report.headline(results), "README.md") == readme
+    assert report.main(["--check"]) == 0
+
+
+def test_the_page_is_a_function_of_the_result_files(tmp_path: Path) -> None:
+    """The committed results copied elsewhere render to the same page byte for byte (nothing
+    from the clock, the machine or the checkout enters it)."""
+    shutil.copytree(record.RESULTS, tmp_path / "results")
+    assert report.render_page(report.load_results(tmp_path / "results")) == (
+        report.render_page(report.load_results())
+    )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "# R\n\nno markers\n",
+        f"# R\n{report.HEADLINE_END}\nold\n{report.HEADLINE_START}\n",
+        f"# R\n{report.HEADLINE_START}\nold\n",
+        f"{report.HEADLINE_START}\n{report.HEADLINE_END}\n{report.HEADLINE_START}\n",
+    ],
+)
+def test_missing_markers_are_one_clear_error_and_nothing_is_written(
+    tmp_path: Path, text: str
+) -> None:
+    """A README without exactly one start marker followed by one end marker: exit status 2,
+    one line naming the file and both markers, no traceback, and neither file written."""
+    readme, page = tmp_path / "README.md", tmp_path / "benchmarks.md"
+    readme.write_text(text)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "report.py"), "--readme", str(readme),
+         "--page", str(page)], capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 2
+    err = done.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"bench_report: error: {readme}: ")
+    assert report.HEADLINE_START in err[0] and report.HEADLINE_END in err[0]
+    assert readme.read_text() == text and not page.exists()
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_report_rewrites_only_between_the_markers(tmp_path: Path) -> None:
+    """bench_report replaces the headline between the markers and leaves the rest of the README
+    as it was, byte for byte."""
+    readme, page = tmp_path / "README.md", tmp_path / "benchmarks.md"
+    readme.write_text(f"# R\nbefore\n{report.HEADLINE_START}\nold table\n{report.HEADLINE_END}\n"
+                      "after\n")  # fmt: skip
+    assert report.main(["--readme", str(readme), "--page", str(page)]) == 0
+    text = readme.read_text()
+    assert text.startswith(f"# R\nbefore\n{report.HEADLINE_START}\n| prompt |")
+    assert text.endswith(f"{report.HEADLINE_END}\nafter\n") and "old table" not in text
+    assert page.read_text() == report.PAGE.read_text()
+
+
+def test_transcribed_results_are_marked() -> None:
+    """Every committed transcribed result names its source and shows as transcribed with its
+    load average not recorded; one whose text states a high load is also marked loaded."""
+    results = report.load_results()
+    transcribed = [d for v in results.values() for _, d in v if d["transcribed"]]
+    assert transcribed
+    for doc in transcribed:
+        assert doc["source"]["file"] and len(doc["source"]["commit"]) == 40
+        assert "transcribed; load average not recorded" in report.status(doc)
+        stated = doc.get("stated_load_average")
+        high = bool(stated) and max(stated) / doc["machine"]["cores"] > report.LOADED_PER_CORE
+        assert ("loaded machine" in report.status(doc)) is high
