@@ -138,6 +138,8 @@ def read_header(path: str | Path) -> GGUFHeader:
             key = cur.string()
             vtype = GGUFValueType(cur.unpack("<I"))
             val, sub = cur.value(vtype)
+            if key in kv:
+                raise ValueError(f"metadata key {key!r} appears twice")
             kv[key] = val
             kv_types[key] = (vtype, sub)
         kv_end = cur.pos
@@ -151,7 +153,12 @@ def read_header(path: str | Path) -> GGUFHeader:
             ggml_type = cur.unpack("<I")
             offset = cur.unpack("<Q")
             raw_tensors.append((name, ne, ggml_type, offset))
-        alignment = int(kv.get("general.alignment", 32))
+        alignment = kv.get("general.alignment", 32)
+        # llama.cpp asserts a power of two; 0, a string or a list must not divide by zero later
+        if isinstance(alignment, bool) or not isinstance(alignment, int):
+            raise ValueError(f"general.alignment {alignment!r} is not an integer")
+        if not 1 <= alignment <= 1 << 16 or alignment & (alignment - 1):
+            raise ValueError(f"general.alignment {alignment} is not a power of two up to 65536")
         data_offset = -(-cur.pos // alignment) * alignment
     tensors = tuple(
         HeaderTensor(name, ne, ggml_type, data_offset + offset)

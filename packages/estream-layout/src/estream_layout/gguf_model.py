@@ -41,6 +41,7 @@ __all__ = [
     "ModelSpec",
     "TensorInfo",
     "TensorReader",
+    "dense_tensor_problems",
     "dequantize_tensor",
     "expert_tensor_name",
     "parse_expert_tensor_name",
@@ -93,6 +94,18 @@ QK_NORM: Final = {
 _GATING_KEY: Final = {"deepseek2": "optional", "lfm2moe": "required"}
 # llama_expert_gating_func_type values (src/llama-hparams.h).
 _GATING_FUNCS: Final = {1: "softmax", 2: "sigmoid"}
+
+# Sane ranges for metadata, far beyond any published model, so that a corrupt or hostile value
+# is refused before anything is sized by it (block_count 2**31 must not build 2**31 of anything).
+MAX_LAYERS: Final = 1 << 12
+MAX_WIDTH: Final = 1 << 20  # embedding, FFN, head and LoRA widths
+MAX_HEADS: Final = 1 << 14
+MAX_EXPERTS: Final = 1 << 16
+MAX_VOCAB: Final = 1 << 24
+MAX_CONTEXT: Final = 1 << 24  # tokens
+MIN_CONTEXT: Final = 16  # tokens: a context shorter than this is not a language model's
+MAX_CONV_CACHE: Final = 1 << 10
+MAX_INT: Final = (1 << 63) - 1
 
 # RoPE scaling types llama.cpp knows (llama_rope_scaling_type); the engine computes none,
 # linear and yarn and refuses the others by name.
@@ -179,7 +192,7 @@ def _open_header(path: Path) -> GGUFHeader:
             f"{path} ({size} bytes) is truncated inside its header ({e}); the download or "
             "copy was interrupted, fetch it again"
         ) from None
-    except (ValueError, UnicodeDecodeError, OverflowError, MemoryError) as e:
+    except (ValueError, UnicodeDecodeError, OverflowError, MemoryError, RecursionError) as e:
         raise InvalidGGUFError(f"{path}: corrupt GGUF header ({e})") from None
     return header
 
@@ -235,29 +248,153 @@ def _get(fields: Mapping[str, Any], key: str, arch: str, default: Any = None) ->
     return fields.get(key.format(arch=arch), default)
 
 
-def _first_int(v: Any, default: int = 0) -> int:
-    if v is None:
-        return default
-    if isinstance(v, list | tuple):
-        return int(max(v)) if v else default
-    return int(v)
-
-
-def _gating(path: Path, family: str, value: Any) -> str:
+def _gating(meta: _Meta, family: str) -> str:
     rule = _GATING_KEY.get(family)
     if rule is None:
         return "softmax"
-    if value is None:
+    key = Keys.LLM.EXPERT_GATING_FUNC
+    if meta.fields.get(meta.key(key)) is None:
         if rule == "required":
-            raise InvalidGGUFError(f"{path}: {family} needs {family}.expert_gating_func")
+            raise meta.fail(key, f"is missing ({family} needs it)")
         return "softmax"
-    func = _GATING_FUNCS.get(_first_int(value))
+    value = meta.integer(key, hi=1 << 31)
+    func = _GATING_FUNCS.get(value)
     if func is None:
-        raise InvalidGGUFError(
-            f"{path}: expert_gating_func {value!r} is not one llama.cpp defines for {family} "
-            "(1 = softmax, 2 = sigmoid)"
+        raise meta.fail(
+            key, f"= {value} is not one llama.cpp defines for {family} (1 = softmax, 2 = sigmoid)"
         )
     return func
+
+
+def _span(layers: tuple[int, ...]) -> str:
+    """A list of layers, short whatever its length: `[1, 2, 3]`, or `1..47` for a long run."""
+    if len(layers) <= 8:
+        return str(list(layers))
+    if layers == tuple(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}..{layers[-1]}"
+    return str(list(layers[:8]))[:-1] + (", ...]" if len(layers) > 8 else "]")
+
+
+def _show(v: Any) -> str:
+    """A metadata value for an error message: its repr, cut short (a value may be huge)."""
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_vocabulary(meta: _Meta, tensors: Mapping[str, TensorInfo]) -> int:
+    """The vocabulary size, consistent across `vocab_size`, the token list and the embedding
+    (llama.cpp sizes token_embd by the token list), and every special token id inside it."""
+    fields = meta.fields
+    emb = tensors.get("token_embd.weight")
+    if emb is None or len(emb.shape) != 2:
+        raise InvalidGGUFError(
+            f"{meta.path}: token_embd.weight is "
+            + ("missing" if emb is None else f"of shape {emb.shape}, not [n_vocab, n_embd]")
+        )
+    n_vocab = emb.shape[0]
+    tokens = fields.get(Keys.Tokenizer.LIST)
+    if tokens is not None:
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            raise InvalidMetadataError(
+                f"{meta.path}: metadata {Keys.Tokenizer.LIST} is not an array of strings"
+            )
+        if len(tokens) != n_vocab:
+            raise InvalidMetadataError(
+                f"{meta.path}: metadata {Keys.Tokenizer.LIST} has {len(tokens)} tokens, but "
+                f"token_embd.weight has {n_vocab} rows"
+            )
+    size = meta.integer(Keys.LLM.VOCAB_SIZE, n_vocab, lo=1, hi=MAX_VOCAB)
+    if size != n_vocab:
+        raise meta.fail(Keys.LLM.VOCAB_SIZE, f"= {size}, but token_embd.weight has {n_vocab} rows")
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        v = fields.get(key)
+        if v is not None and (not isinstance(v, list) or len(v) != n_vocab):
+            raise InvalidMetadataError(
+                f"{meta.path}: metadata {key} must be an array of one entry per token "
+                f"({n_vocab}), got {_show(v)}"
+            )
+    merges = fields.get("tokenizer.ggml.merges")
+    if merges is not None and (
+        not isinstance(merges, list) or not all(isinstance(m, str) for m in merges)
+    ):
+        raise InvalidMetadataError(
+            f"{meta.path}: metadata tokenizer.ggml.merges is not an array of strings"
+        )
+    for key in sorted(fields):
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
+            meta.integer(key, lo=0, hi=n_vocab - 1)  # a token of this vocabulary
+        elif key.startswith("tokenizer.ggml.add_"):
+            meta.boolean(key, False)
+    return n_vocab
+
+
+def dense_tensor_problems(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """What is wrong with the non-expert tensors `shapes` (name -> numpy shape) for `spec`: every
+    tensor the family's layers are built from must be there with the shape llama.cpp creates it
+    with (where a family has two forms, e.g. DeepSeek's q LoRA, the form present decides).
+    The one check both packing (against the GGUF's tensors) and loading (against the manifest's
+    dense tensors) run. Returns messages, empty when everything is there."""
+    d, nh = spec.n_embd, spec.n_head
+    want: dict[str, tuple[int, ...]] = {"token_embd.weight": (spec.n_vocab, d)}
+    want["token_embd_norm.weight" if spec.family == "lfm2moe" else "output_norm.weight"] = (d,)
+    optional: dict[str, tuple[int, ...]] = {"output.weight": (spec.n_vocab, d)}
+    moe = set(spec.moe_layers)
+    for i in range(spec.n_layers):
+        p = f"blk.{i}."
+        want[p + "attn_norm.weight"] = want[p + "ffn_norm.weight"] = (d,)
+        if spec.family == "deepseek2":
+            k, v, rope = spec.head_dim_k_mla, spec.head_dim_v_mla, spec.rope_dims
+            if p + "attn_q.weight" in shapes:
+                want[p + "attn_q.weight"] = (nh * k, d)
+            else:
+                want[p + "attn_q_a.weight"] = (spec.q_lora_rank, d)
+                want[p + "attn_q_a_norm.weight"] = (spec.q_lora_rank,)
+                want[p + "attn_q_b.weight"] = (nh * k, spec.q_lora_rank)
+            want[p + "attn_kv_a_mqa.weight"] = (spec.kv_lora_rank + rope, d)
+            want[p + "attn_kv_a_norm.weight"] = (spec.kv_lora_rank,)
+            if p + "attn_kv_b.weight" in shapes:
+                want[p + "attn_kv_b.weight"] = (nh * (k - rope + v), spec.kv_lora_rank)
+            else:
+                want[p + "attn_k_b.weight"] = (nh, spec.kv_lora_rank, k - rope)
+                want[p + "attn_v_b.weight"] = (nh, v, spec.kv_lora_rank)
+            want[p + "attn_output.weight"] = (d, nh * v)
+        elif spec.n_head_kv[i] > 0:
+            kv, hk, hv = spec.n_head_kv[i], spec.head_dim_k, spec.head_dim_v
+            want[p + "attn_q.weight"] = (nh * hk, d)
+            want[p + "attn_k.weight"] = (kv * hk, d)
+            want[p + "attn_v.weight"] = (kv * hv, d)
+            want[p + "attn_output.weight"] = (d, nh * hv)
+            if spec.qk_norm != "none":
+                norm = (nh * hk,) if spec.qk_norm == "full" else (hk,)
+                want[p + "attn_q_norm.weight"] = want[p + "attn_k_norm.weight"] = norm
+        else:  # lfm2moe's short convolution
+            want[p + "shortconv.conv.weight"] = (d, spec.shortconv_l_cache)
+            want[p + "shortconv.in_proj.weight"] = (3 * d, d)
+            want[p + "shortconv.out_proj.weight"] = (d, d)
+        if i in moe:
+            want[p + "ffn_gate_inp.weight"] = (spec.n_experts, d)
+            bias = (spec.n_experts,)
+            (want if spec.family == "lfm2moe" else optional)[p + "exp_probs_b.bias"] = bias
+            if spec.n_ff_shexp:
+                want[p + "ffn_gate_shexp.weight"] = (spec.n_ff_shexp, d)
+                want[p + "ffn_up_shexp.weight"] = (spec.n_ff_shexp, d)
+                want[p + "ffn_down_shexp.weight"] = (d, spec.n_ff_shexp)
+        else:
+            want[p + "ffn_gate.weight"] = want[p + "ffn_up.weight"] = (spec.n_ff, d)
+            want[p + "ffn_down.weight"] = (d, spec.n_ff)
+    problems = []
+    for name, shape in want.items():
+        if name not in shapes:
+            problems.append(f"tensor {name} is missing ({spec.family} needs it)")
+        elif tuple(shapes[name]) != shape:
+            problems.append(
+                f"tensor {name} has shape {list(shapes[name])}, expected {list(shape)} from the "
+                "model's dimensions"
+            )
+    for name, shape in optional.items():
+        if name in shapes and tuple(shapes[name]) != shape:
+            problems.append(f"tensor {name} has shape {list(shapes[name])}, expected {list(shape)}")
+    return problems
 
 
 def _check_spec_ranges(kw: Mapping[str, Any]) -> None:
@@ -274,6 +411,8 @@ def _check_spec_ranges(kw: Mapping[str, Any]) -> None:
     for name in ("n_experts", "n_ff_exp", "rope_dims"):
         if kw[name] < 1:
             raise bad(name, "must be >= 1")
+    if not MIN_CONTEXT <= kw["n_ctx"] <= MAX_CONTEXT:
+        raise bad("n_ctx", f"must be between {MIN_CONTEXT} and {MAX_CONTEXT} tokens")
     n = kw["n_layers"]
     if len(kw["n_head_kv"]) != n:
         raise bad("n_head_kv", f"must have one entry per layer ({n})")
@@ -346,7 +485,7 @@ def _check_lfm2moe(
     (> 1) with a `[n_embd, l_cache]` kernel per convolution layer, MoE exactly from layer
     `leading_dense_block_count` on, each MoE layer's selection bias `exp_probs_b` (`[E]`), and
     attention as wide as the model (`attn_output` is `[n_embd, n_embd]`)."""
-    l_cache = meta.integer(Keys.ShortConv.L_CACHE, lo=2)
+    l_cache = meta.integer(Keys.ShortConv.L_CACHE, lo=2, hi=MAX_CONV_CACHE)
     for i, h in enumerate(n_head_kv):
         name = f"blk.{i}.shortconv.conv.weight"
         if h == 0 and (name not in tensors or tensors[name].shape != (n_embd, l_cache)):
@@ -355,13 +494,6 @@ def _check_lfm2moe(
                 f"{meta.path}: layer {i} has no KV heads (a short convolution), so it needs "
                 f"{name} of shape ({n_embd}, {l_cache}) [n_embd, shortconv.l_cache]; got {got}"
             )
-    lead = meta.integer(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0)
-    if moe_layers != tuple(range(lead, len(n_head_kv))):
-        raise meta.fail(
-            Keys.LLM.LEADING_DENSE_BLOCK_COUNT,
-            f"= {lead}, but the expert tensors are in layers {list(moe_layers)}; llama.cpp runs "
-            f"experts in every layer from {lead} on",
-        )
     for i in moe_layers:
         name = f"blk.{i}.exp_probs_b.bias"
         if name not in tensors or tensors[name].shape != (n_experts,):
@@ -407,7 +539,9 @@ class _Meta:
     def fail(self, key: str, msg: str) -> InvalidMetadataError:
         return InvalidMetadataError(f"{self.path}: metadata {self.key(key)} {msg}")
 
-    def integer(self, key: str, default: int | None = None, lo: int = 0) -> int:
+    def integer(self, key: str, default: int | None = None, lo: int = 0, hi: int = MAX_INT) -> int:
+        """An integer (the largest entry of a per-layer array) in `[lo, hi]`; `default` when
+        the key is absent (missing and no default: an error)."""
         v = self.fields.get(self.key(key))
         if v is None:
             if default is None:
@@ -417,22 +551,48 @@ class _Meta:
         if not items:
             raise self.fail(key, "is an empty array")
         for x in items:
-            if isinstance(x, bool | str) or not float(x).is_integer():
-                raise self.fail(key, f"= {v!r} is not an integer")
+            if isinstance(x, bool) or not isinstance(x, int | float):
+                raise self.fail(key, f"= {_show(v)} is not an integer")
+            if isinstance(x, float) and not (math.isfinite(x) and x.is_integer()):
+                raise self.fail(key, f"= {_show(v)} is not an integer")
             if int(x) < lo:
                 raise self.fail(key, f"= {int(x)} must be >= {lo}")
+            if int(x) > hi:
+                raise self.fail(key, f"= {int(x)} must be <= {hi}")
         return int(max(items))
 
-    def number(self, key: str, default: float, *, positive: bool = True) -> float:
+    def number(
+        self,
+        key: str,
+        default: float,
+        *,
+        positive: bool = True,
+        lo: float = -math.inf,
+        hi: float = math.inf,
+    ) -> float:
+        """A finite number (`positive`: > 0) in `[lo, hi]`; `default` when absent."""
         v = self.fields.get(self.key(key))
         if v is None:
             return default
-        if isinstance(v, bool | str | list | tuple):
-            raise self.fail(key, f"= {v!r} is not a number")
-        f = float(v)
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise self.fail(key, f"= {_show(v)} is not a number")
+        try:
+            f = float(v)
+        except OverflowError:
+            f = math.inf
         if not math.isfinite(f) or (positive and f <= 0):
             raise self.fail(key, f"= {f:.6g} must be a finite number > 0")
+        if not lo <= f <= hi:
+            raise self.fail(key, f"= {f:.6g} must be between {lo:g} and {hi:g}")
         return f
+
+    def boolean(self, key: str, default: bool) -> bool:
+        v = self.fields.get(self.key(key))
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise self.fail(key, f"= {_show(v)} is not true/false")
+        return v
 
 
 @attrs.frozen(eq=False)
@@ -512,6 +672,10 @@ class ModelSpec:
         arch = fields.get(Keys.General.ARCHITECTURE)
         if arch is None:
             raise InvalidGGUFError(f"{p} has no general.architecture key")
+        if not isinstance(arch, str):
+            raise InvalidMetadataError(
+                f"{p}: metadata general.architecture = {_show(arch)} is not a string"
+            )
         family = FAMILIES.get(arch)
         if family is None:
             raise UnsupportedArchitectureError(
@@ -521,7 +685,7 @@ class ModelSpec:
         g = lambda key, default=None: _get(fields, key, arch, default)  # noqa: E731
         meta = _Meta(p, fields, arch)
 
-        n_experts = meta.integer(Keys.LLM.EXPERT_COUNT, 0)
+        n_experts = meta.integer(Keys.LLM.EXPERT_COUNT, 0, hi=MAX_EXPERTS)
         experts: dict[int, dict[str, TensorInfo]] = {}
         for name, info in tensors.items():
             parsed = parse_expert_tensor_name(name)
@@ -569,15 +733,57 @@ class ModelSpec:
                         f"{info.shape[-1]}, not a multiple of 32; the tile format needs K % 32 == 0"
                     )
 
-        n_layers = meta.integer(Keys.LLM.BLOCK_COUNT, lo=1)
-        n_embd = meta.integer(Keys.LLM.EMBEDDING_LENGTH, lo=1)
+        n_layers = meta.integer(Keys.LLM.BLOCK_COUNT, lo=1, hi=MAX_LAYERS)
+        # Against the tensors first, before anything is sized by n_layers.
+        blocks = {b for b in map(_layer_index, tensors) if b is not None}
+        beyond = sorted(b for b in blocks if b >= n_layers)
+        if beyond:
+            raise meta.fail(
+                Keys.LLM.BLOCK_COUNT,
+                f"= {n_layers}, but the file has tensors of layer {beyond[0]} (blk.{beyond[0]}.*); "
+                "the model would silently run fewer layers",
+            )
+        if len(blocks) != n_layers:
+            first = min(set(range(n_layers)) - blocks)
+            raise meta.fail(
+                Keys.LLM.BLOCK_COUNT,
+                f"= {n_layers}, but the file has no tensors for layer {first}",
+            )
+        lead = meta.integer(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0, hi=n_layers)
+        if family in ("deepseek2", "lfm2moe"):
+            if moe_layers != tuple(range(lead, n_layers)):
+                raise meta.fail(
+                    Keys.LLM.LEADING_DENSE_BLOCK_COUNT,
+                    f"= {lead}, but the expert tensors are in layers {_span(moe_layers)}; "
+                    f"llama.cpp runs experts in every layer from {lead} on",
+                )
+        elif lead:
+            raise meta.fail(
+                Keys.LLM.LEADING_DENSE_BLOCK_COUNT,
+                f"= {lead}: {family} has no leading dense layers (every layer is a mixture of "
+                "experts)",
+            )
+        elif moe_layers != tuple(range(n_layers)):
+            dense = min(set(range(n_layers)) - set(moe_layers))
+            raise InvalidGGUFError(
+                f"{p}: layer {dense} has no expert tensors (blk.{dense}.ffn_*_exps.weight); "
+                f"every layer of a {family} model is a mixture of experts"
+            )
+        n_embd = meta.integer(Keys.LLM.EMBEDDING_LENGTH, lo=1, hi=MAX_WIDTH)
         if n_embd != n_embd_t:
             raise meta.fail(
                 Keys.LLM.EMBEDDING_LENGTH,
                 f"= {n_embd}, but the expert tensors are {n_embd_t} wide",
             )
-        n_head = meta.integer(Keys.Attention.HEAD_COUNT, lo=1)
-        meta.integer(Keys.Attention.HEAD_COUNT_KV, n_head)  # type check
+        n_ff_exp_key = meta.integer(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, 0, lo=1, hi=MAX_WIDTH)
+        if n_ff_exp_key and n_ff_exp_key != n_ff_exp:
+            raise meta.fail(
+                Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
+                f"= {n_ff_exp_key}, but the expert tensors are {n_ff_exp} wide",
+            )
+        n_ff = meta.integer(Keys.LLM.FEED_FORWARD_LENGTH, 0, lo=1, hi=MAX_WIDTH)
+        n_head = meta.integer(Keys.Attention.HEAD_COUNT, lo=1, hi=MAX_HEADS)
+        meta.integer(Keys.Attention.HEAD_COUNT_KV, n_head, hi=MAX_HEADS)  # type and range check
         kv = g(Keys.Attention.HEAD_COUNT_KV, n_head)
         if isinstance(kv, list | tuple):
             n_head_kv = tuple(int(x) for x in kv)
@@ -602,8 +808,8 @@ class ModelSpec:
                 "attention.key_length)",
             )
         head_dim = n_embd // n_head
-        head_dim_k = meta.integer(Keys.Attention.KEY_LENGTH, head_dim, lo=1)
-        head_dim_v = meta.integer(Keys.Attention.VALUE_LENGTH, head_dim, lo=1)
+        head_dim_k = meta.integer(Keys.Attention.KEY_LENGTH, head_dim, lo=1, hi=MAX_WIDTH)
+        head_dim_v = meta.integer(Keys.Attention.VALUE_LENGTH, head_dim, lo=1, hi=MAX_WIDTH)
         if (n_head * head_dim_k) % 32 or head_dim_k % 2:
             raise meta.fail(
                 Keys.Attention.KEY_LENGTH,
@@ -615,51 +821,37 @@ class ModelSpec:
             raise meta.fail(
                 Keys.LLM.EXPERT_USED_COUNT, f"= {n_experts_used} exceeds expert_count = {n_experts}"
             )
-        rms_eps = meta.number(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6)
+        rms_eps = meta.number(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6, hi=1.0)
         rope_base = meta.number(Keys.Rope.FREQ_BASE, 10000.0)
-        rope_dims = meta.integer(Keys.Rope.DIMENSION_COUNT, head_dim_k, lo=1)
+        rope_dims = meta.integer(Keys.Rope.DIMENSION_COUNT, head_dim_k, lo=1, hi=MAX_WIDTH)
         if rope_dims > head_dim_k or rope_dims % 2:
             raise meta.fail(
                 Keys.Rope.DIMENSION_COUNT,
                 f"= {rope_dims} must be even and at most key_length = {head_dim_k}",
             )
-        n_ctx = meta.integer(Keys.LLM.CONTEXT_LENGTH, 0, lo=1)
-        blocks = {_layer_index(n) for n in tensors} - {None}
-        beyond = sorted(b for b in blocks if b is not None and b >= n_layers)
-        if beyond:
-            raise meta.fail(
-                Keys.LLM.BLOCK_COUNT,
-                f"= {n_layers}, but the file has tensors of layer {beyond[0]} (blk.{beyond[0]}.*); "
-                "the model would silently run fewer layers",
-            )
-        missing_blocks = sorted(set(range(n_layers)) - blocks)
-        if missing_blocks:
-            raise meta.fail(
-                Keys.LLM.BLOCK_COUNT,
-                f"= {n_layers}, but the file has no tensors for layer {missing_blocks[0]}",
-            )
-        tokens = fields.get(Keys.Tokenizer.LIST)
-        emb = tensors.get("token_embd.weight")
-        n_vocab = _first_int(
-            g(Keys.LLM.VOCAB_SIZE),
-            len(tokens) if tokens is not None else (emb.shape[0] if emb else 0),
-        )
-        scaling_type = str(g(Keys.Rope.SCALING_TYPE, "none"))
+        n_ctx = meta.integer(Keys.LLM.CONTEXT_LENGTH, lo=MIN_CONTEXT, hi=MAX_CONTEXT)
+        n_vocab = _check_vocabulary(meta, tensors)
+        scaling_type = g(Keys.Rope.SCALING_TYPE, "none")
         if scaling_type not in ROPE_SCALING_TYPES:
             raise meta.fail(
                 Keys.Rope.SCALING_TYPE,
-                f"= {scaling_type!r} is not one of llama.cpp's {', '.join(ROPE_SCALING_TYPES)}",
+                f"= {_show(scaling_type)} is not one of llama.cpp's "
+                f"{', '.join(ROPE_SCALING_TYPES)}",
             )
-        # llama.cpp: rope_freq_scale = 1 / rope.scaling.factor (or the legacy rope.scale_linear)
-        factor = float(
-            g(Keys.Rope.SCALING_FACTOR, 0.0) or g("{arch}.rope.scale_linear", 0.0) or 0.0
+        # llama.cpp: rope_freq_scale = 1 / rope.scaling.factor (or the legacy rope.scale_linear);
+        # a factor of 0 means none
+        factor = meta.number(Keys.Rope.SCALING_FACTOR, 0.0, positive=False, lo=0.0, hi=1e4)
+        factor = factor or meta.number(
+            "{arch}.rope.scale_linear", 0.0, positive=False, lo=0.0, hi=1e4
         )
+        if 0 < factor < 1e-4:
+            raise meta.fail(Keys.Rope.SCALING_FACTOR, f"= {factor:.6g} must be 0 (none) or >= 1e-4")
         freq_scale = 1.0 / factor if factor else 1.0
         if family == "deepseek2":
-            norm_w = bool(g(Keys.LLM.EXPERT_WEIGHTS_NORM, False))
+            norm_w = meta.boolean(Keys.LLM.EXPERT_WEIGHTS_NORM, False)
         else:
             norm_w = _NORM_TOPK[family]
-        gating = _gating(p, family, g(Keys.LLM.EXPERT_GATING_FUNC))
+        gating = _gating(meta, family)
         qk_norm = QK_NORM[family]
         _check_qk_norm(p, qk_norm, tensors, n_head * head_dim_k, head_dim_k)
         if family == "lfm2moe":
@@ -669,10 +861,10 @@ class ModelSpec:
             )
         else:
             attention_layers = tuple(range(n_layers))
-        q_lora = meta.integer(Keys.Attention.Q_LORA_RANK, 0)
-        kv_lora = meta.integer(Keys.Attention.KV_LORA_RANK, 0)
-        k_mla = meta.integer(Keys.Attention.KEY_LENGTH_MLA, 0)
-        v_mla = meta.integer(Keys.Attention.VALUE_LENGTH_MLA, 0)
+        q_lora = meta.integer(Keys.Attention.Q_LORA_RANK, 0, hi=MAX_WIDTH)
+        kv_lora = meta.integer(Keys.Attention.KV_LORA_RANK, 0, hi=MAX_WIDTH)
+        k_mla = meta.integer(Keys.Attention.KEY_LENGTH_MLA, 0, hi=MAX_WIDTH)
+        v_mla = meta.integer(Keys.Attention.VALUE_LENGTH_MLA, 0, hi=MAX_WIDTH)
         if family == "deepseek2":
             # llama.cpp: without key/value_length_mla (early converters, attn_kv_b) the MLA head
             # dims are key/value_length themselves.
@@ -684,26 +876,35 @@ class ModelSpec:
                     Keys.Rope.DIMENSION_COUNT,
                     f"= {rope_dims} must be below the MLA key head dim {k_mla} (nope + rope)",
                 )
-        n_groups = meta.integer(Keys.LLM.EXPERT_GROUP_COUNT, 0)
-        n_groups_used = meta.integer(Keys.LLM.EXPERT_GROUP_USED_COUNT, 0)
+        n_groups = meta.integer(Keys.LLM.EXPERT_GROUP_COUNT, 0, hi=n_experts)
+        n_groups_used = meta.integer(Keys.LLM.EXPERT_GROUP_USED_COUNT, 0, hi=n_experts)
         if n_groups > 1 and (n_experts % n_groups or not 1 <= n_groups_used <= n_groups):
             raise meta.fail(
                 Keys.LLM.EXPERT_GROUP_COUNT,
                 f"= {n_groups} must divide expert_count = {n_experts}, with "
                 f"expert_group_used_count = {n_groups_used} between 1 and it",
             )
+        n_shared = meta.integer(Keys.LLM.EXPERT_SHARED_COUNT, 0, hi=n_experts)
         shexp = tensors.get(f"blk.{moe_layers[0]}.ffn_gate_shexp.weight")
+        n_ff_shexp = shexp.shape[0] if shexp is not None and shexp.shape else 0
+        if family == "deepseek2" and n_ff_shexp != n_ff_exp * n_shared:
+            raise meta.fail(
+                Keys.LLM.EXPERT_SHARED_COUNT,
+                f"= {n_shared}: the shared experts must be {n_shared} x {n_ff_exp} = "
+                f"{n_ff_exp * n_shared} wide, but ffn_gate_shexp is "
+                + (f"{n_ff_shexp} wide" if shexp is not None else "missing"),
+            )
         types = sorted({experts[la][j].ggml_type for la in moe_layers for j in EXPERT_PROJECTIONS})
         expert_type = types[0] if len(types) == 1 else "mixed:" + ",".join(types)
-        return cls(
+        spec = cls(
             path=str(p),
             file_bytes=p.stat().st_size,
             arch=arch,
             family=family,
-            name=str(fields.get(Keys.General.NAME, p.stem)),
+            name=str(fields.get(Keys.General.NAME, p.stem))[:256],
             n_layers=n_layers,
             n_embd=n_embd,
-            n_ff=_first_int(g(Keys.LLM.FEED_FORWARD_LENGTH)),
+            n_ff=n_ff,
             n_ff_exp=int(n_ff_exp),
             n_head=n_head,
             n_head_kv=n_head_kv,
@@ -718,10 +919,10 @@ class ModelSpec:
             rms_eps=rms_eps,
             n_experts=n_experts,
             n_experts_used=n_experts_used,
-            n_shared_experts=_first_int(g(Keys.LLM.EXPERT_SHARED_COUNT)),
-            n_leading_dense=_first_int(g(Keys.LLM.LEADING_DENSE_BLOCK_COUNT)),
+            n_shared_experts=n_shared,
+            n_leading_dense=lead,
             expert_weights_norm=norm_w,
-            expert_weights_scale=meta.number(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0),
+            expert_weights_scale=meta.number(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0, hi=1e4),
             expert_gating_func=gating,
             moe_layers=moe_layers,
             attention_layers=attention_layers,
@@ -730,17 +931,22 @@ class ModelSpec:
             kv_lora_rank=kv_lora,
             head_dim_k_mla=k_mla,
             head_dim_v_mla=v_mla,
-            shortconv_l_cache=_first_int(g(Keys.ShortConv.L_CACHE)),
-            n_ff_shexp=shexp.shape[0] if shexp is not None else 0,
+            shortconv_l_cache=meta.integer(Keys.ShortConv.L_CACHE, 0, hi=MAX_CONV_CACHE),
+            n_ff_shexp=n_ff_shexp,
             expert_group_count=n_groups,
             expert_group_used_count=n_groups_used,
-            rope_n_ctx_orig=meta.integer(_ROPE_ORIG_CTX, 0) or n_ctx,
-            rope_attn_factor=meta.number(_ROPE_ATTN_FACTOR, 1.0),
-            rope_yarn_log_mul=meta.number(_ROPE_YARN_LOG_MUL, 0.0, positive=False),
+            rope_n_ctx_orig=meta.integer(_ROPE_ORIG_CTX, 0, hi=MAX_CONTEXT) or n_ctx,
+            rope_attn_factor=meta.number(_ROPE_ATTN_FACTOR, 1.0, hi=1e4),
+            rope_yarn_log_mul=meta.number(_ROPE_YARN_LOG_MUL, 0.0, positive=False, lo=-1e4, hi=1e4),
             rope_type=_ROPE_TYPE[family],
             qk_norm=qk_norm,
             tensors=dict(tensors),
         )
+        problems = dense_tensor_problems(spec, {n: t.shape for n, t in tensors.items()})
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise InvalidGGUFError(f"{p}: {problems[0]}{more}")
+        return spec
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ModelSpec:

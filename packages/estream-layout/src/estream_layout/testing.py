@@ -90,7 +90,8 @@ def mutate_gguf(
 ) -> Path:
     """Copy the GGUF `src` to `dst` with metadata changed (`set_kv={key: value}`; `DROP`
     removes the key; a value keeps the key's GGUF type unless its Python type forces another:
-    str -> STRING, float -> FLOAT32, int -> the original integer type or INT32) and tensors
+    str -> STRING, float -> FLOAT32 (FLOAT64 beyond its range), int -> the original integer
+    type if it holds the value, else INT32, INT64 or UINT64) and tensors
     edited in place (`edit_tensor={name: fn(raw_uint8_or_float_array)}`). For fault-injection
     tests: nonsense metadata, NaN weights, poisoned scales."""
     import gguf
@@ -143,15 +144,32 @@ def _value_type(value: Any, vtype: Any, sub: Any) -> tuple[Any, Any]:
         return t.BOOL, None
     if isinstance(value, str):
         return t.STRING, None
-    if isinstance(value, float):
-        return t.FLOAT32, None
+    if isinstance(value, float):  # FLOAT64 only when FLOAT32 cannot hold it (inf and nan can)
+        return (t.FLOAT64 if abs(value) > 3.4e38 and value != float("inf") else t.FLOAT32), None
+    ranges = {
+        t.UINT8: (0, 255), t.INT8: (-128, 127), t.UINT16: (0, 65535),
+        t.INT16: (-32768, 32767), t.UINT32: (0, 2**32 - 1), t.INT32: (-(2**31), 2**31 - 1),
+        t.UINT64: (0, 2**64 - 1), t.INT64: (-(2**63), 2**63 - 1),
+    }  # fmt: skip
+
+    def int_type(lo: int, hi: int, own: Any) -> Any:
+        # the key's own type if the values fit it, else the narrowest of INT32, INT64, UINT64
+        for cand in (own, t.INT32, t.INT64, t.UINT64):
+            if cand in ranges and ranges[cand][0] <= lo and hi <= ranges[cand][1]:
+                return cand
+        raise ValueError(f"{lo}..{hi} does not fit any GGUF integer type")
+
     if isinstance(value, int):
-        ints = (t.UINT8, t.INT8, t.UINT16, t.INT16, t.UINT32, t.INT32, t.UINT64, t.INT64)
-        if vtype in ints and not (value < 0 and vtype in (t.UINT8, t.UINT16, t.UINT32, t.UINT64)):
-            return vtype, None
-        return t.INT32, None
+        return int_type(value, value, vtype), None
     if isinstance(value, list):
-        return t.ARRAY, sub if sub is not None else _value_type(value[0], None, None)[0]
+        if not value:
+            return t.ARRAY, sub if sub is not None else t.INT32
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return t.ARRAY, int_type(min(value), max(value), sub)
+        kinds = {_value_type(v, None, None)[0] for v in value}
+        if len(kinds) > 1:
+            raise TypeError("cannot write a GGUF array of mixed types")
+        return t.ARRAY, kinds.pop()
     raise TypeError(f"cannot write {type(value).__name__} as GGUF metadata")
 
 
