@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from estream import evaluation
 from estream.errors import BadRequestError
 
 from .options import add_engine_opts, engine_from_args, positive_int
+from .output import STDOUT, check_output, stdout_claimed, write_json
 from .task_commands import read_jsonl_named, read_text
 
-__all__ = ["add_eval_command", "write_json_atomic"]
+__all__ = ["add_eval_command"]
 
 _PPL_HELP = f"""\
 Perplexity and bits per byte of a text file, as llama.cpp's llama-perplexity computes them.
@@ -80,37 +79,6 @@ and the engine options of prefill: --mode --schedule --budget -G -Q -B --threads
 """
 
 
-# -- output ------------------------------------------------------------------------------------
-def write_json_atomic(path: str | Path, doc: Any, *, lines: bool = False) -> None:
-    """Write JSON (one document, or with ``lines`` one object per line) under a temporary name
-    then rename it: a reader never sees half a file, and nothing is left behind on error."""
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    try:
-        with tmp.open("w", encoding="utf-8") as f:
-            if lines:
-                for obj in doc:
-                    f.write(json.dumps(obj) + "\n")
-            else:
-                f.write(json.dumps(doc, indent=1) + "\n")
-        os.replace(tmp, p)
-    except OSError as exc:
-        raise BadRequestError(f"cannot write {path}: {exc}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _check_writable(path: str | None, option: str) -> None:
-    """Fail before the model loads when an output file cannot be created."""
-    if path is None:
-        return
-    parent = Path(path).resolve().parent
-    if not parent.is_dir():
-        raise BadRequestError(f"{option} {path}: directory {parent} does not exist")
-    if Path(path).is_dir():
-        raise BadRequestError(f"{option} {path} is a directory")
-
-
 class _Bar:
     """A progress bar on stderr, drawn only when stderr is a terminal."""
 
@@ -146,10 +114,13 @@ def _finish(
     doc["model"] = str(args.model)
     doc["elapsed_s"] = time.perf_counter() - t0
     if getattr(args, "details", None) and details is not None:
-        write_json_atomic(args.details, details, lines=True)
+        write_json(args.details, "--details", details, lines=True)
     if args.output:
-        write_json_atomic(args.output, doc)
-    print(json.dumps(doc, indent=1), flush=True)
+        write_json(args.output, "--output", doc)
+    if args.output != STDOUT:  # with --output - the result is already on standard output
+        # With --details - the per-item lines hold standard output; the result goes to stderr.
+        report = sys.stderr if getattr(args, "details", None) == STDOUT else sys.stdout
+        print(json.dumps(doc, indent=1), file=report, flush=True)
     print(f"estream eval {doc['task']}: {summary} ({doc['elapsed_s']:.2f} s)", file=sys.stderr)
     return 0
 
@@ -160,8 +131,10 @@ def _run(
     from estream.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
-    _check_writable(args.output, "--output")
-    _check_writable(getattr(args, "details", None), "--details")
+    outputs = (("--output", args.output), ("--details", getattr(args, "details", None)))
+    for option, path in outputs:
+        check_output(path, option)  # refused before the model loads
+    stdout_claimed(outputs)  # at most one of them is -
     tok = Tokenizer.from_gguf(args.model)
     bar = _Bar(name)
     try:
@@ -253,7 +226,9 @@ def cmd_cloze(args: argparse.Namespace) -> int:
 # -- registration ------------------------------------------------------------------------------
 def _output_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--output", metavar="FILE", help="also write the JSON result to FILE (atomically)"
+        "--output",
+        metavar="FILE",
+        help="also write the JSON result to FILE, atomically (-: print it once on standard output)",
     )
 
 
@@ -261,7 +236,8 @@ def _details_opt(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--details",
         metavar="FILE.jsonl",
-        help="write one JSON line per item (predictions, log-probabilities), atomically",
+        help="write one JSON line per item (predictions, log-probabilities), atomically; - for "
+        "standard output (the result then goes to stderr)",
     )
 
 

@@ -18,6 +18,7 @@ from estream import memory
 from estream.errors import BadRequestError, EStreamError
 
 from .options import add_engine_opts, engine_from_args, positive_int
+from .output import check_output, stdout_claimed, write_output, write_output_named
 from .report import print_metrics, public_metrics, write_trace
 
 __all__ = ["main"]
@@ -105,6 +106,11 @@ def _piece(tok: Any, i: int) -> str:
 # -- commands ---------------------------------------------------------------------------------
 def cmd_prefill(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    outputs = (("--all-logits", args.all_logits), ("--trace", args.trace))
+    for option, path in outputs:
+        check_output(path, option)  # refused before the model loads
+    # With an output on standard output (-), the report goes to stderr: stdout holds the file.
+    report = sys.stderr if stdout_claimed(outputs) else sys.stdout
     ids, tok = _tokens_from_args(args)
     with engine_from_args(args, progress=not args.json, tokens=max(1, len(ids))) as engine:
         res = engine.prefill(ids, all_logits=bool(args.all_logits))
@@ -112,7 +118,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     m["end_to_end_s"] = time.perf_counter() - t0
     top = res.top_k(args.top_k)
     if args.all_logits:
-        _save_npy(args.all_logits, res.logits.astype(np.float32))
+        logits = res.logits.astype(np.float32)
+        write_output(args.all_logits, "--all-logits", lambda f: np.save(f, logits))
     if args.trace:
         write_trace(args.trace, res.events, public_metrics(m))
     if args.json:
@@ -121,25 +128,16 @@ def cmd_prefill(args: argparse.Namespace) -> int:
             "top_k": [{"id": i, "prob": p, "piece": _piece(tok, i)} for i, p in top],
             "metrics": public_metrics(m),
         }
-        print(json.dumps(doc, indent=1))
+        print(json.dumps(doc, indent=1), file=report)
     else:
-        print(f"next-token top-{len(top)} after {len(ids)} tokens:")
+        print(f"next-token top-{len(top)} after {len(ids)} tokens:", file=report)
         for i, p in top:
             piece = _piece(tok, i)
-            print(f"  {i:>8d}  {p:8.4f}  {piece!r}" if piece else f"  {i:>8d}  {p:8.4f}")
-        print("metrics:")
-        print_metrics(m)
+            line = f"  {i:>8d}  {p:8.4f}  {piece!r}" if piece else f"  {i:>8d}  {p:8.4f}"
+            print(line, file=report)
+        print("metrics:", file=report)
+        print_metrics(m, report)
     return 0
-
-
-def _save_npy(path: str, arr: np.ndarray) -> None:
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}.npy")
-    try:
-        np.save(tmp, arr)
-        os.replace(tmp, p)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -168,6 +166,9 @@ def cmd_config(args: argparse.Namespace) -> int:
     from estream.config import configure_for_budget, store_config
     from estream.packed import PackedModel
 
+    check_output(args.plot, "--plot")
+    # With --plot - (the PNG on standard output) the report goes to stderr.
+    report = sys.stderr if stdout_claimed([("--plot", args.plot)]) else sys.stdout
     model = PackedModel(args.model)
     budget = memory.parse_bytes(args.budget)
     t0 = time.perf_counter()
@@ -175,11 +176,13 @@ def cmd_config(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     cfg = store_config(model, choice, budget)
     if args.json:
-        print(json.dumps({"config": cfg, "select_ms": dt * 1e3, "table": _table_rows(choice)}))
+        doc = {"config": cfg, "select_ms": dt * 1e3, "table": _table_rows(choice)}
+        print(json.dumps(doc), file=report)
     else:
-        _print_choice(choice, budget, dt)
+        with contextlib.redirect_stdout(report):
+            _print_choice(choice, budget, dt)
     if args.plot:
-        _plot(model, choice, budget, args.plot)
+        _plot(choice, budget, args.plot, report)
     return 0
 
 
@@ -222,12 +225,16 @@ def _print_choice(choice: Any, budget: int, dt: float) -> None:
         )
 
 
-def _plot(model: Any, choice: Any, budget: int, out: str) -> None:
+def _plot(choice: Any, budget: int, out: str, report: Any) -> None:
     try:
         import estream_sched as es
 
-        es.plot_frontier(choice.table, out, chosen=choice, budget=budget)
-        print(f"plot written to {out}")
+        write_output_named(
+            out,
+            "--plot",
+            lambda name: es.plot_frontier(choice.table, name, chosen=choice, budget=budget),
+        )
+        print(f"plot written to {out}", file=report)
     except ImportError as exc:
         raise BadRequestError(
             f"--plot needs matplotlib: pip install 'estream-sched[plot]' ({exc})"

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TextIO
 
 import estream_sched as es
 from estream import memory
+
+from .output import write_output
 
 __all__ = ["print_metrics", "public_metrics", "write_trace"]
 
@@ -54,14 +54,9 @@ def public_metrics(m: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in m.items() if k not in ("layer_t_ne_s",)}
 
 
-def write_trace(path: str | Path, events: list[es.TraceEvent], meta: dict[str, Any]) -> None:
-    """Chrome trace-event JSON (Perfetto / chrome://tracing), written atomically."""
+def write_trace(path: str, events: list[es.TraceEvent], meta: dict[str, Any]) -> None:
+    """Chrome trace-event JSON (Perfetto / chrome://tracing), through the command's one output
+    writer (`output.write_output`: atomic, ``-`` for standard output)."""
     doc = es.chrome_trace(events)
     doc["otherData"] = meta
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, p)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_output(path, "--trace", lambda f: f.write(json.dumps(doc).encode()))
