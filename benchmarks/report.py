@@ -218,7 +218,7 @@ def render_arena(f: Figures) -> Table:
         t.rows.append([f"{G}, merged ≤ {size(pts[0]['merge_bytes'])}", *cells(pts), ""])
     t.notes.append(
         f"Loader MB/s (ratio to `dd iflag=direct`, {f['dd_bytes_per_s'] / 1e6:.0f} MB/s at "
-        f"bs={f['dd_best_bs']}) on a cold {f['file_bytes'] / 1e9:.1f} GB file, B = Q + 2, "
+        f"bs={f['dd_best_bs']}) on a cold {f['file_bytes'] / 1e9:.3g} GB file, B = Q + 2, "
         f"medians of {f['repeat']} passes. Q0: the smallest Q within 5 % of the best, per G."
     )
     return t

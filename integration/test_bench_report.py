@@ -255,3 +255,109 @@ def test_transcribed_results_are_marked() -> None:
         stated = doc.get("stated_load_average")
         high = bool(stated) and max(stated) / doc["machine"]["cores"] > report.LOADED_PER_CORE
         assert ("loaded machine" in report.status(doc)) is high
+
+
+def _run(system: str, **kw: Any) -> dict[str, Any]:
+    return {"system": system, **kw}
+
+
+#: Each benchmark's figures in its script's output shape (the keys its renderer reads), and the
+#: start of a row the rendered table must hold.
+FIGURES: dict[str, tuple[dict[str, Any], str]] = {
+    "bench_engine": (engine_figures(), "| 1K | 2.00 s | 4.00 s | 8.00 s | 0.500 | 0.250 |"),
+    "bench_tasks": (
+        {"threads": 2, "cold": "fadvise", "sets": [{
+            "name": "MASSIVE", "requests": 64, "mean_tokens": 15.25,
+            "runs": [_run("stream-batched", wall_s=32.0, run_s=16.0, passes=1,
+                          peak_memory_bytes=700 * 2**20, load="1.00 0.90 0.80"),
+                     _run("llama.cpp", error="OOM-killed", load="1.00 0.90 0.80")],
+            "ratios": {"stream (warm)": 7.5}}]},
+        "| MASSIVE (15.2) | stream-batched | 2 | 4 | 1 | 700 MiB | 1.00 0.90 0.80 |",
+    ),
+    "bench_vs_llama": (
+        {"gguf": "/x/m.gguf", "tokens": 40, "threads": 2,
+         "runs": {"llama-bench": [{}, {}], "stream": [{}, {}]},
+         "summary": {"llama-bench": {"tokens_per_s_median": 250.0, "peak_rss_mib_median": 100.0},
+                     "stream": {"tokens_per_s_median": 125.0, "peak_rss_mib_median": 50.0,
+                                "over_llama_bench_median": 0.5,
+                                "over_llama_bench_range": [0.4, 0.6]}}},
+        "| stream | 125 | 0.500 (0.400–0.600) | 50 MiB |",
+    ),
+    "bench_scale": (
+        {"presets": {"qwen3-30b-a3b": {"runs": [
+            _run("stream", length=1024, ttft_s=64.0, peak_memory_bytes=2**31),
+            _run("llama.cpp", length=1024, error="OOM-killed")]}}},
+        "| qwen3-30b-a3b | 1K | 64.00 s | 16 | 2.00 GiB | OOM-killed | – |",
+    ),
+    "bench_kernels": (
+        {"rows": [{"op": "gemm", "htp_gflops": 612.0, "blas_gflops": 150.0,
+                   "blas_1thread_gflops": 161.0, "speedup_vs_best_blas": 3.8,
+                   "peak_kind": "int8", "pct_of_peak": 60.0, "pct_of_best_peak": 67.2}],
+         "peaks_best": {"int8": 909.0}},
+        "| gemm | 612 | 67 % int8 | 161 | 3.8× |",
+    ),
+    "bench_arena": (
+        {"points": [{"G": 1, "Q": 1, "bytes_per_s": 1161e6, "ratio_to_dd": 1.14}],
+         "merged_points": [], "q0_per_g": {"1": 1}, "dd_bytes_per_s": 1018e6,
+         "dd_best_bs": "64M", "file_bytes": 2e9, "repeat": 3},
+        "| 1 | 1161 (1.14×) | 1 |",
+    ),
+    "bench_layout": (
+        {"arch": "olmoe", "preset": "tiny", "source_bytes": 2**30, "expert_bytes": 2**29,
+         "write_seconds": 1.0, "write_mb_per_s": 1000.0, "copy_seconds": 1.0,
+         "copy_mb_per_s": 500.0, "convert_seconds": 1.0, "convert_mb_per_s": 800.0,
+         "pack_seconds": 2.0, "pack_expert_mb_per_s": 250.0, "verify_seconds": 1.0,
+         "verify_mb_per_s": 400.0, "pack_peak_rss_mib": 397.0, "met": False},
+        "| **pack, end to end** | 2.0 s | 250 | 0.25 |",
+    ),
+    "bench_sched": (
+        {"selection_warm": {"median_ms": 0.53, "p99_ms": 0.78, "cpu_median_ms": 0.5,
+                            "cpu_p99_ms": 0.7, "n": 400},
+         "selection_cold": {"median_ms": 13.5, "p99_ms": 19.0, "cpu_median_ms": 12.0,
+                            "cpu_p99_ms": 18.0, "n": 50},
+         "baseline_one_candidate_at_a_time": {"median_ms": 17.1, "p99_ms": 30.0,
+                                              "cpu_median_ms": 16.0, "cpu_p99_ms": 29.0,
+                                              "n": 50}},
+        "| `configure`, warm profile | 0.53 ms | 0.78 ms | 0.5 ms | 0.7 ms | 400 |",
+    ),
+    "bench_tokenizer": (
+        {"text_kib": 300, "repeat": 3, "rows": [{
+            "vocab": "qwen2", "corpus": "mixed", "tokens": 1000, "estream_cold_tok_s": 5e5,
+            "estream_warm_tok_s": 6e5, "hf_tok_s": 1e6, "estream_cold_vs_hf": 0.5,
+            "hf_agrees": True, "llama_cpp_agrees": None}]},
+        "| qwen2 | mixed | 1000 | 500000 | 600000 | 1000000 | – | 0.5 | – | HF yes, llama.cpp – |",
+    ),
+    "parity": (
+        {"tokens": 256, "rows": [{
+            "arch": "olmoe", "variant": "q4_0", "engine_act": "q8",
+            "engine_vs_ref": {"rel_l2": 0.0123, "top1": 0.98},
+            "llamacpp_vs_ref": {"rel_l2": 0.0111, "top1": 0.97}}]},
+        "| olmoe | q4_0 | q8 | 1.23e-02 | 0.980 | 1.11e-02 | 0.970 |  |",
+    ),
+    "eval_parity": (
+        {"text": "docs/design.md", "chars": 4000, "rows": [{
+            "arch": "olmoe", "ctx": 128, "windows": 7, "estream": {"perplexity": 10.0},
+            "llama_cpp": {"perplexity": 10.01}, "ppl_ratio": 0.999, "top1_agreement": 0.99}]},
+        "| olmoe | 128 | 7 | 10.0000 | 10.0100 | 0.99900 | 0.990 |",
+    ),
+    "bench_hexagon": (
+        {"c_host": {"median_us": 0.7, "p10_us": 0.6, "p90_us": 0.9},
+         "start_s": {"host": 0.0002}},
+        "| C call `htp_op_run` | 0.7 µs (0.6–0.9) | – | – |",
+    ),
+    "hexagon_packets": (
+        {"executor": "/x", "hvx": {"per_tile_setup": 40.0, "per_tile_per_token": 10.0,
+                                   "per_tile": {"1": 50.0, "8": 120.0, "64": 680.0}}},
+        "| hvx | 40 | 10 | 50 / 120 / 680 |",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("bench", sorted(record.BENCHES))
+def test_each_renderer_makes_a_well_formed_table(bench: str) -> None:
+    """Each benchmark's renderer turns figures of its script's shape into a table whose rows
+    have as many cells as the header, with the figures (formatted) in the expected cells."""
+    figures, row = FIGURES[bench]
+    table = report.BENCHES[bench].render(figures)
+    assert table.rows and all(len(r) == len(table.headers) for r in table.rows)
+    assert any(line.startswith(row) for line in table.markdown())
