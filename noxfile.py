@@ -68,40 +68,62 @@ def _pytest(session: nox.Session, where: Path, *extra: str) -> None:
 
 # The hexagon backend's toolchain (compiler, linker, user-mode emulator) and its Debian packages.
 HEXAGON_TOOLS = {
-    "clang-19": "clang-19",
-    "ld.lld-19": "lld-19",
-    "qemu-hexagon-static": "qemu-user-static",
-    "llvm-objdump-19": "llvm-19",
+    "clang-19": ("clang-19",),
+    "ld.lld-19": ("lld-19",),
+    "qemu-hexagon-static": ("qemu-user-static",),
+    "llvm-objdump-19": ("llvm-19",),
 }
+# The arm64 kernels' cross toolchain (tests/test_cross_arm64.py, tools/neon_instr_mix.py): the
+# compiler with its static C library, binutils, and qemu-aarch64 (qemu-user-static's name for it
+# is accepted as well: the hexagon backend installs that package anyway).
+ARM64_TOOLS = {
+    "aarch64-linux-gnu-gcc": ("gcc-aarch64-linux-gnu", "libc6-dev-arm64-cross"),
+    "aarch64-linux-gnu-objdump": ("binutils-aarch64-linux-gnu",),
+    "aarch64-linux-gnu-nm": ("binutils-aarch64-linux-gnu",),
+    "qemu-aarch64": ("qemu-user-static",),
+}
+TOOL_ALIASES = {"qemu-aarch64": ("qemu-aarch64-static",)}
 
 
-def _hexagon_toolchain(session: nox.Session) -> None:
-    """Make the Hexagon tests runnable: install the missing Debian packages when this runs as
-    root with apt-get (CI), and then *require* them (ESTREAM_HTP_REQUIRE_HEXAGON=1: a missing
-    tool fails the tests instead of skipping them). Elsewhere the tests skip, naming the tool."""
-    missing = [t for t in HEXAGON_TOOLS if shutil.which(t) is None]
+def _have(tool: str) -> bool:
+    return any(shutil.which(t) for t in (tool, *TOOL_ALIASES.get(tool, ())))
+
+
+def _apt_tools(
+    session: nox.Session, what: str, tools: dict[str, tuple[str, ...]], var: str
+) -> None:
+    """Make the tests of `what` runnable: install the missing Debian packages when this runs as
+    root with apt-get (CI), and then *require* them (`var`=1: a missing tool fails the tests
+    instead of skipping them). Elsewhere the tests skip, naming the tool."""
+    missing = [t for t in tools if not _have(t)]
+    debs = sorted({d for t in missing for d in tools[t]})
     can_install = hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get")
     if missing and can_install:
-        debs = sorted({HEXAGON_TOOLS[t] for t in missing})
-        session.log(f"installing {' '.join(debs)} for the hexagon backend ({', '.join(missing)})")
+        session.log(f"installing {' '.join(debs)} for {what} ({', '.join(missing)})")
         env = {"DEBIAN_FRONTEND": "noninteractive"}
         try:
             session.run("apt-get", "install", "-y", "-q", *debs, external=True, env=env)
         except nox.command.CommandFailed:  # stale package lists
             session.run("apt-get", "update", "-q", external=True, env=env)
             session.run("apt-get", "install", "-y", "-q", *debs, external=True, env=env)
-        missing = [t for t in HEXAGON_TOOLS if shutil.which(t) is None]
+        missing = [t for t in tools if not _have(t)]
         if missing:
             session.error(f"apt-get installed {' '.join(debs)} but {', '.join(missing)} is missing")
     if can_install or not missing:
-        session.env["ESTREAM_HTP_REQUIRE_HEXAGON"] = "1"
+        session.env[var] = "1"
     else:
         session.warn(
-            "hexagon backend tests will be skipped: "
-            + ", ".join(missing)
-            + " not installed and no root/apt-get to install "
-            + " ".join(sorted({HEXAGON_TOOLS[t] for t in missing}))
+            f"{what} tests will be skipped: {', '.join(missing)} not installed and no "
+            f"root/apt-get to install {' '.join(debs)}"
         )
+
+
+def _hexagon_toolchain(session: nox.Session) -> None:
+    _apt_tools(session, "the hexagon backend", HEXAGON_TOOLS, "ESTREAM_HTP_REQUIRE_HEXAGON")
+
+
+def _arm64_toolchain(session: nox.Session) -> None:
+    _apt_tools(session, "the arm64 (NEON) kernels", ARM64_TOOLS, "ESTREAM_HTP_REQUIRE_ARM64")
 
 
 def _package_session(session: nox.Session, name: str) -> None:
@@ -109,6 +131,7 @@ def _package_session(session: nox.Session, name: str) -> None:
     if name == "htp":
         _clean_htp_build()
         _hexagon_toolchain(session)  # before the build: setup.py compiles the executor
+        _arm64_toolchain(session)  # cross-compiles and emulates the arm64 kernels
     session.install("--force-reinstall", "--no-deps", pkg(name))
     session.install(pkg(name, "test"))
     _pytest(session, PKG / f"estream-{name}" / "tests")

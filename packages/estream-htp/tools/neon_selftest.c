@@ -1,5 +1,26 @@
-/* Self-test of the arm64 kernel set against the portable one, for cross builds run under
- * qemu-aarch64 (see tests/test_cross_arm64.py). Exits non-zero on any mismatch. */
+/* Self-test of the arm64 kernel table (HTP_SIMD_NEON), for cross builds run under qemu-aarch64
+ * (tests/test_cross_arm64.py). Exits 1 on any mismatch, 2 when the CPU lacks the dot-product
+ * extension (the library must then report the portable level as its best).
+ *
+ *   neon_selftest                        every check below; last line "OK" or "FAILED"
+ *   neon_selftest strip FMT KB NT SIMD   one Q8-activation GEMM of one 32-row strip (KB tiles,
+ *                                        NT tokens, FMT q4_0 | q8_0, SIMD neon | portable, one
+ *                                        thread): the workload tools/neon_instr_mix.py traces
+ *
+ * Checks, each on awkward shapes (rows not a multiple of 32 or of 16, token counts across the
+ * kernels' token blocks, strided inputs and outputs) with NaN-poisoned outputs whose margins
+ * (columns past n of a wider row) must stay poisoned and whose written part must be finite:
+ * - GEMM, every tile format x both activation formats, NEON and portable tables, 1 and 2
+ *   threads: each within the rounding bound of its fp32 sums of a float64 reference (Q8: of the
+ *   library's own quantized activations), 1 and 2 threads bit-identical.
+ * - GEMM whose float arithmetic is exact (unit scales, integer activations that quantize to
+ *   themselves): every output equals the int64 dot product, so the NEON integer partial sums are
+ *   bit-identical to the portable ones and to the reference.
+ * - The expert op (every tile format, both activation formats): fp32 products within 1e-5 of
+ *   a float64 reference, Q8 products within 1e-6 of the portable table; rows of unrouted tokens
+ *   untouched.
+ * - Q8 quantization (bit-identical), attention, SwiGLU and the fp32 matmul (within 1e-6 of the
+ *   portable table): the table's remaining entries. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,7 +35,373 @@ static uint32_t rnd(void) {
 }
 static float frand(void) { return (float)(rnd() % 20001) / 10000.0f - 1.0f; }
 
-static double rel(const float *a, const float *b, size_t n) {
+#define POISON 0x7fc0deadu
+static void poison(float *p, size_t n) {
+    for (size_t i = 0; i < n; i++) memcpy(p + i, &(uint32_t){POISON}, 4);
+}
+static int is_poison(const float *p) {
+    uint32_t u;
+    memcpy(&u, p, 4);
+    return u == POISON;
+}
+/* y[rows][ld]: the first n of each row written and finite, the rest still poisoned. */
+static int check_written(const char *what, const float *y, size_t rows, size_t n, size_t ld) {
+    for (size_t r = 0; r < rows; r++)
+        for (size_t c = 0; c < ld; c++) {
+            const float *v = y + r * ld + c;
+            if (c < n ? !isfinite(*v) : !is_poison(v)) {
+                printf("%s: element [%zu][%zu] %s\n", what, r, c,
+                       c < n ? "not written or not finite" : "margin overwritten");
+                return 1;
+            }
+        }
+    return 0;
+}
+
+static double f16_to_double(uint16_t h) {
+    const int e = (h >> 10) & 31, m = h & 0x3ff;
+    const double v = e ? ldexp(1024 + m, e - 25) : ldexp(m, -24);
+    return (h & 0x8000) ? -v : v;
+}
+/* A row scale: mostly 2^-7..2^-2, sometimes zero, subnormal, or the largest finite half. */
+static uint16_t awkward_f16(void) {
+    const uint16_t sign = (uint16_t)((rnd() & 1) << 15);
+    switch (rnd() % 16) {
+    case 0: return sign;
+    case 1: return (uint16_t)(sign | (1 + rnd() % 0x3ff));
+    case 2: return (uint16_t)(sign | 0x7bff);
+    default: return (uint16_t)(sign | ((8 + rnd() % 6) << 10) | (rnd() & 0x3ff));
+    }
+}
+
+/* ---- one op on a fresh HOST backend, buffers registered in reference order ---- */
+typedef struct {
+    void *p;
+    size_t n;
+    uint32_t flags;
+} buf;
+#define RD HTP_BUF_READ
+#define RW (HTP_BUF_READ | HTP_BUF_WRITE)
+
+static int run(uint32_t simd, uint32_t threads, htp_op_desc *op, const buf *b, uint32_t nb) {
+    const htp_backend_desc bd = {HTP_ABI_VERSION, HTP_BACKEND_HOST, threads, simd, -1, 0, {0, 0}};
+    htp_backend *be = NULL;
+    if (htp_backend_init(&bd, &be) != HTP_OK) {
+        printf("backend init failed (simd %u)\n", simd);
+        return 1;
+    }
+    int bad = htp_backend_simd(be) != simd;
+    if (bad) printf("asked for simd %u, backend runs %u\n", simd, htp_backend_simd(be));
+    for (uint32_t i = 0; i < nb && !bad; i++) {
+        const htp_buffer_desc d = {-1, b[i].flags, 0, b[i].n, (uint64_t)(uintptr_t)b[i].p};
+        uint32_t id;
+        if (htp_buffer_register(be, &d, &id) != HTP_OK) bad = 1;
+        op->ref[i].buffer = id, op->ref[i].offset = 0;
+    }
+    op->n_refs = nb;
+    htp_status st = HTP_OK;
+    if (!bad && (st = htp_op_run(be, op)) != HTP_OK) {
+        printf("op %u failed: status %d\n", op->opcode, (int)st);
+        bad = 1;
+    }
+    htp_backend_free(be);
+    return bad;
+}
+
+/* ---- weights: strips of 32x32 tiles (docs/contracts.md section 1) ---- */
+static size_t tile_bytes(uint32_t fmt) { return fmt == HTP_FMT_Q4_0_T32R4 ? 576 : 1088; }
+static const char *fmt_name(uint32_t fmt) { return fmt == HTP_FMT_Q4_0_T32R4 ? "q4_0" : "q8_0"; }
+
+/* n x k matrix of random tiles; unit_scales: every row scale 1.0 */
+static uint8_t *make_weights(uint32_t fmt, uint32_t n, uint32_t k, int unit_scales) {
+    const size_t tiles = (size_t)((n + 31) / 32) * (k / 32), tb = tile_bytes(fmt);
+    uint8_t *w = malloc(tiles * tb);
+    for (size_t i = 0; i < tiles; i++) {
+        uint8_t *tile = w + i * tb;
+        for (int r = 0; r < 32; r++) {
+            const uint16_t h = unit_scales ? 0x3c00 : awkward_f16();
+            memcpy(tile + 2 * r, &h, 2);
+        }
+        for (size_t b = 64; b < tb; b++) tile[b] = (uint8_t)rnd();
+    }
+    return w;
+}
+/* Integer value of W[row][col] and its row scale. */
+static int w_int(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, uint32_t col) {
+    const uint8_t *tile = w + ((size_t)(row / 32) * (k / 32) + col / 32) * tile_bytes(fmt);
+    const uint32_t r = row % 32, c = col % 32;
+    if (fmt == HTP_FMT_Q8_0_T32R4) return (int8_t)tile[64 + 128 * (c / 4) + 4 * r + c % 4];
+    const uint8_t v = tile[64 + 128 * ((c % 16) / 4) + 4 * r + c % 4];
+    return (c < 16 ? (v & 15) : (v >> 4)) - 8;
+}
+static double w_scale(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, uint32_t kblk) {
+    const uint8_t *tile = w + ((size_t)(row / 32) * (k / 32) + kblk) * tile_bytes(fmt);
+    uint16_t h;
+    memcpy(&h, tile + 2 * (row % 32), 2);
+    return f16_to_double(h);
+}
+
+/* Q8 rows of x[t][k] as the library computes them (its QUANTIZE op, portable table). */
+typedef struct {
+    uint8_t *raw;
+    int8_t *q;
+    float *d;
+    int32_t *s;
+} q8rows;
+static int quantize(uint32_t simd, const float *x, uint32_t t, uint32_t k, q8rows *out) {
+    const size_t bytes = (size_t)t * (k + k / 4);
+    out->raw = malloc(bytes);
+    memset(out->raw, 0xa5, bytes);
+    out->q = (int8_t *)out->raw;
+    out->d = (float *)(out->raw + (size_t)t * k);
+    out->s = (int32_t *)(out->raw + (size_t)t * k + (size_t)t * (k / 32) * 4);
+    htp_op_desc op;
+    memset(&op, 0, sizeof op);
+    op.opcode = HTP_OP_QUANTIZE;
+    op.p.quantize = (htp_quantize_params){t, k};
+    const buf b[2] = {{(void *)x, sizeof(float) * t * k, RD}, {out->raw, bytes, RW}};
+    return run(simd, 1, &op, b, 2);
+}
+
+/* ---- GEMM ---- */
+#define U32 (1.0 / 16777216.0) /* unit roundoff of fp32 */
+
+static int gemm(uint32_t simd, uint32_t threads, uint32_t fmt, uint32_t act, const uint8_t *w,
+                uint32_t n, uint32_t k, uint32_t t, const float *x, uint32_t ldx, float *y,
+                uint32_t ldy) {
+    htp_op_desc op;
+    memset(&op, 0, sizeof op);
+    op.opcode = HTP_OP_GEMM;
+    op.act = act;
+    op.p.gemm.format = fmt, op.p.gemm.n = n, op.p.gemm.k = k, op.p.gemm.t = t;
+    op.p.gemm.ldx = ldx, op.p.gemm.ldy = ldy;
+    poison(y, (size_t)t * ldy);
+    const buf b[3] = {{(void *)w, (size_t)((n + 31) / 32) * (k / 32) * tile_bytes(fmt), RD},
+                      {(void *)x, sizeof(float) * t * ldx, RD},
+                      {y, sizeof(float) * t * ldy, RW}};
+    return run(simd, threads, &op, b, 3);
+}
+
+/* Every output within the rounding bound of fp32 sums, (terms + 2) * u * sum |term|, of the
+ * float64 value: Q8 activations sum kb block products (scale * int dot), fp32 ones k products. */
+static int check_gemm_ref(const char *what, const float *y, uint32_t ldy, uint32_t fmt,
+                          uint32_t act, const uint8_t *w, uint32_t n, uint32_t k, uint32_t t,
+                          const float *x, uint32_t ldx, const q8rows *q) {
+    const uint32_t kb = k / 32;
+    for (uint32_t tt = 0; tt < t; tt++)
+        for (uint32_t r = 0; r < n; r++) {
+            double ref = 0, mag = 0;
+            for (uint32_t j = 0; j < kb; j++) {
+                const double sc = w_scale(w, fmt, k, r, j);
+                if (act == HTP_ACT_Q8) {
+                    int64_t dot = 0;
+                    for (uint32_t c = 32 * j; c < 32 * j + 32; c++)
+                        dot += (int64_t)w_int(w, fmt, k, r, c) * q->q[(size_t)tt * k + c];
+                    const double term = sc * q->d[(size_t)tt * kb + j] * (double)dot;
+                    ref += term, mag += fabs(term);
+                } else {
+                    for (uint32_t c = 32 * j; c < 32 * j + 32; c++) {
+                        const double term = sc * w_int(w, fmt, k, r, c) * x[(size_t)tt * ldx + c];
+                        ref += term, mag += fabs(term);
+                    }
+                }
+            }
+            const double terms = act == HTP_ACT_Q8 ? kb : k;
+            const double got = y[(size_t)tt * ldy + r];
+            if (!(fabs(got - ref) <= (terms + 2) * U32 * mag + 1e-37)) {
+                printf("%s: y[%u][%u] = %.9g, float64 reference %.9g (bound %.3g)\n", what, tt, r,
+                       got, ref, (terms + 2) * U32 * mag);
+                return 1;
+            }
+        }
+    return 0;
+}
+
+static int check_gemm(uint32_t fmt, uint32_t act, uint32_t n, uint32_t k, uint32_t t) {
+    const uint32_t ldx = k + 5, ldy = n + 3;
+    uint8_t *w = make_weights(fmt, n, k, 0);
+    float *x = malloc(sizeof(float) * t * ldx), *xc = malloc(sizeof(float) * t * k);
+    for (size_t i = 0; i < (size_t)t * ldx; i++) x[i] = frand();
+    for (uint32_t tt = 0; tt < t; tt++) memcpy(xc + (size_t)tt * k, x + (size_t)tt * ldx, 4 * k);
+    q8rows q = {0};
+    int bad = act == HTP_ACT_Q8 && quantize(HTP_SIMD_PORTABLE, xc, t, k, &q);
+    float *y[2][2] = {{NULL, NULL}, {NULL, NULL}};
+    const uint32_t levels[2] = {HTP_SIMD_PORTABLE, HTP_SIMD_NEON};
+    char what[128];
+    for (int l = 0; l < 2 && !bad; l++)
+        for (uint32_t th = 1; th <= 2 && !bad; th++) {
+            float *o = y[l][th - 1] = malloc(sizeof(float) * t * ldy);
+            snprintf(what, sizeof what, "gemm %s act=%s %s n=%u k=%u t=%u threads=%u",
+                     fmt_name(fmt), act ? "q8" : "f32", l ? "neon" : "portable", n, k, t, th);
+            bad |= gemm(levels[l], th, fmt, act, w, n, k, t, x, ldx, o, ldy);
+            bad = bad || check_written(what, o, t, n, ldy);
+            bad = bad || check_gemm_ref(what, o, ldy, fmt, act, w, n, k, t, x, ldx, &q);
+            if (!bad && th == 2 && memcmp(o, y[l][0], sizeof(float) * t * ldy)) {
+                printf("%s: differs from 1 thread\n", what);
+                bad = 1;
+            }
+        }
+    if (!bad) printf("gemm %s act=%s n=%u k=%u t=%u: ok\n", fmt_name(fmt), act ? "q8" : "f32", n, k, t);
+    for (int l = 0; l < 2; l++) free(y[l][0]), free(y[l][1]);
+    free(w), free(x), free(xc), free(q.raw);
+    return bad;
+}
+
+/* Unit row scales and integer activations in [-127, 127] with 127 in every 32-block: the
+ * activation scale is exactly 1, every product and sum is an integer below 2^24, so every
+ * output must equal the int64 dot product exactly, whatever the order of the fp32 sums. */
+static int check_gemm_exact(uint32_t fmt, uint32_t n, uint32_t k, uint32_t t) {
+    uint8_t *w = make_weights(fmt, n, k, 1);
+    float *x = malloc(sizeof(float) * t * k), *y = malloc(sizeof(float) * t * n);
+    for (size_t i = 0; i < (size_t)t * k; i++) x[i] = (float)((int)(rnd() % 255) - 127);
+    for (size_t i = 0; i < (size_t)t * k; i += 32) x[i + rnd() % 32] = (rnd() & 1) ? 127.0f : -127.0f;
+    float *y0 = malloc(sizeof(float) * t * n);
+    int bad = gemm(HTP_SIMD_PORTABLE, 1, fmt, HTP_ACT_Q8, w, n, k, t, x, k, y0, n);
+    bad = bad || gemm(HTP_SIMD_NEON, 1, fmt, HTP_ACT_Q8, w, n, k, t, x, k, y, n);
+    for (uint32_t tt = 0; tt < t && !bad; tt++)
+        for (uint32_t r = 0; r < n && !bad; r++) {
+            int64_t dot = 0;
+            for (uint32_t c = 0; c < k; c++)
+                dot += (int64_t)w_int(w, fmt, k, r, c) * (int64_t)x[(size_t)tt * k + c];
+            const float want = (float)dot, got = y[(size_t)tt * n + r];
+            if (memcmp(&got, &want, 4) || memcmp(&y0[(size_t)tt * n + r], &want, 4)) {
+                printf("gemm %s exact n=%u k=%u t=%u: y[%u][%u] neon %.9g portable %.9g, int dot %lld\n",
+                       fmt_name(fmt), n, k, t, tt, r, got, y0[(size_t)tt * n + r], (long long)dot);
+                bad = 1;
+            }
+        }
+    if (!bad) printf("gemm %s exact integer sums n=%u k=%u t=%u: ok\n", fmt_name(fmt), n, k, t);
+    free(w), free(x), free(y), free(y0);
+    return bad;
+}
+
+/* ---- expert op ---- */
+static double rel_l2(const double *a, const double *b, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        num += (a[i] - b[i]) * (a[i] - b[i]);
+        den += b[i] * b[i];
+    }
+    return sqrt(num / (den > 0 ? den : 1));
+}
+
+/* y[T][d] += sum over routes of weight * down(silu(gate x) * up x), E experts in scattered
+ * slots (stride past the matrix), one unrouted token and one expert without routes. */
+static int check_expert(uint32_t fmt, uint32_t act, uint32_t d, uint32_t ff, uint32_t T,
+                        uint32_t capacity) {
+    enum { E = 4 };
+    const int32_t slot_of[E] = {2, -1, 0, 1}; /* expert 1 is not resident and never routed */
+    const size_t bytes[3] = {(size_t)(ff / 32) * (d / 32) * tile_bytes(fmt),
+                             (size_t)(ff / 32) * (d / 32) * tile_bytes(fmt),
+                             (size_t)(d / 32) * (ff / 32) * tile_bytes(fmt)};
+    uint8_t *plane[3];
+    uint64_t stride[3];
+    for (int j = 0; j < 3; j++) {
+        stride[j] = bytes[j] + 4096;
+        plane[j] = malloc(3 * stride[j]);
+        for (int s = 0; s < 3; s++) {
+            uint8_t *m = j < 2 ? make_weights(fmt, ff, d, 0) : make_weights(fmt, d, ff, 0);
+            memcpy(plane[j] + s * stride[j], m, bytes[j]);
+            memset(plane[j] + s * stride[j] + bytes[j], 0xee, 4096);
+            free(m);
+        }
+    }
+    float *x = malloc(sizeof(float) * T * d);
+    for (size_t i = 0; i < (size_t)T * d; i++) x[i] = frand();
+    const uint32_t R = 2 * (T - 1); /* token T-1 is never routed */
+    int32_t *tok = malloc(4 * R), *ex = malloc(4 * R);
+    float *wt = malloc(4 * R);
+    for (uint32_t r = 0; r < R; r++) {
+        tok[r] = (int32_t)(r / 2);
+        ex[r] = (r % 2) ? 3 : (r == 0 || rnd() % 2) ? 2 : 0;
+        wt[r] = 0.25f + (float)(rnd() % 100) / 100.0f;
+    }
+    float *y0 = malloc(sizeof(float) * T * d), *y[2];
+    for (size_t i = 0; i < (size_t)T * d; i++) y0[i] = frand();
+    const uint32_t levels[2] = {HTP_SIMD_PORTABLE, HTP_SIMD_NEON};
+    int bad = 0;
+    for (int l = 0; l < 2; l++) {
+        y[l] = malloc(sizeof(float) * T * d);
+        memcpy(y[l], y0, sizeof(float) * T * d);
+        htp_op_desc op;
+        memset(&op, 0, sizeof op);
+        op.opcode = HTP_OP_EXPERT;
+        op.act = act;
+        op.p.expert.d_model = d, op.p.expert.d_ff = ff, op.p.expert.n_tokens = T;
+        op.p.expert.n_routes = R, op.p.expert.n_experts = E, op.p.expert.capacity = capacity;
+        op.p.expert.format = fmt;
+        for (int j = 0; j < 3; j++) op.p.expert.slot_stride[j] = stride[j];
+        const buf b[9] = {{x, sizeof(float) * T * d, RD},  {tok, 4 * R, RD},
+                          {ex, 4 * R, RD},                 {wt, 4 * R, RD},
+                          {(void *)slot_of, 4 * E, RD},    {plane[0], 3 * stride[0], RD},
+                          {plane[1], 3 * stride[1], RD},   {plane[2], 3 * stride[2], RD},
+                          {y[l], sizeof(float) * T * d, RW}};
+        bad |= run(levels[l], 2, &op, b, 9);
+    }
+    /* float64 reference */
+    double *ref = malloc(sizeof(double) * T * d), *h = malloc(sizeof(double) * ff);
+    for (size_t i = 0; i < (size_t)T * d; i++) ref[i] = y0[i];
+    for (uint32_t r = 0; r < R; r++) {
+        const size_t s = (size_t)slot_of[ex[r]];
+        const float *xr = x + (size_t)tok[r] * d;
+        for (uint32_t f = 0; f < ff; f++) {
+            double g = 0, u = 0;
+            for (uint32_t kb = 0; kb < d / 32; kb++) {
+                double gs = 0, us = 0;
+                for (uint32_t c = 32 * kb; c < 32 * kb + 32; c++) {
+                    gs += w_int(plane[0] + s * stride[0], fmt, d, f, c) * (double)xr[c];
+                    us += w_int(plane[1] + s * stride[1], fmt, d, f, c) * (double)xr[c];
+                }
+                g += gs * w_scale(plane[0] + s * stride[0], fmt, d, f, kb);
+                u += us * w_scale(plane[1] + s * stride[1], fmt, d, f, kb);
+            }
+            h[f] = g / (1.0 + exp(-g)) * u;
+        }
+        for (uint32_t o = 0; o < d; o++) {
+            double acc = 0;
+            for (uint32_t kb = 0; kb < ff / 32; kb++) {
+                double part = 0;
+                for (uint32_t c = 32 * kb; c < 32 * kb + 32; c++)
+                    part += w_int(plane[2] + s * stride[2], fmt, ff, o, c) * h[c];
+                acc += part * w_scale(plane[2] + s * stride[2], fmt, ff, o, kb);
+            }
+            ref[(size_t)tok[r] * d + o] += wt[r] * acc;
+        }
+    }
+    const char *an = act ? "q8" : "f32";
+    for (int l = 0; l < 2 && !bad; l++) {
+        if (memcmp(y[l] + (size_t)(T - 1) * d, y0 + (size_t)(T - 1) * d, sizeof(float) * d)) {
+            printf("expert %s act=%s: the unrouted token's row changed\n", fmt_name(fmt), an);
+            bad = 1;
+        }
+        for (size_t i = 0; i < (size_t)T * d && !bad; i++)
+            if (!isfinite(y[l][i])) {
+                printf("expert %s act=%s: y[%zu] not finite\n", fmt_name(fmt), an, i);
+                bad = 1;
+            }
+    }
+    /* the op's own contribution, y - y0, in float64: fp32 products of both tables against
+     * the reference, Q8 products of the NEON table against the portable one */
+    double *got = malloc(sizeof(double) * T * d), *want = malloc(sizeof(double) * T * d);
+    for (int l = act == HTP_ACT_F32 ? 0 : 1; l < 2 && !bad; l++) {
+        for (size_t i = 0; i < (size_t)T * d; i++) {
+            got[i] = (double)y[l][i] - y0[i];
+            want[i] = (act == HTP_ACT_F32 ? ref[i] : (double)y[0][i]) - y0[i];
+        }
+        const double e = rel_l2(got, want, (size_t)T * d), tol = act == HTP_ACT_F32 ? 1e-5 : 1e-6;
+        printf("expert %s act=%s %s d=%u ff=%u T=%u capacity=%u: rel %.3g vs %s\n", fmt_name(fmt),
+               an, l ? "neon" : "portable", d, ff, T, capacity, e,
+               act == HTP_ACT_F32 ? "float64" : "portable");
+        if (!(e <= tol)) bad = 1;
+    }
+    free(got), free(want);
+    for (int j = 0; j < 3; j++) free(plane[j]);
+    free(x), free(tok), free(ex), free(wt), free(y0), free(y[0]), free(y[1]), free(ref), free(h);
+    return bad;
+}
+
+/* ---- the remaining table entries: NEON table vs portable table ---- */
+static double rel_f(const float *a, const float *b, size_t n) {
     double num = 0, den = 0;
     for (size_t i = 0; i < n; i++) {
         num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
@@ -23,61 +410,146 @@ static double rel(const float *a, const float *b, size_t n) {
     return sqrt(num / (den > 0 ? den : 1));
 }
 
-static int check_gemm(uint32_t n, uint32_t k, uint32_t t, uint32_t act) {
-    const size_t tiles = (size_t)((n + 31) / 32) * (k / 32);
-    uint8_t *w = malloc(tiles * 576);
-    for (size_t i = 0; i < tiles; i++) {
-        uint8_t *tile = w + i * 576;
-        for (int r = 0; r < 32; r++) {
-            uint16_t h = (uint16_t)(((rnd() & 1) << 15) | ((8 + rnd() % 6) << 10) | (rnd() & 0x3ff));
-            memcpy(tile + 2 * r, &h, 2);
-        }
-        for (int b = 64; b < 576; b++) tile[b] = (uint8_t)rnd();
-    }
-    float *x = malloc(sizeof(float) * t * k), *y0 = malloc(sizeof(float) * t * n), *y1 = malloc(sizeof(float) * t * n);
-    for (size_t i = 0; i < (size_t)t * k; i++) x[i] = frand();
+/* run op on both tables (out = the last buffer, poisoned first); within tol, written part
+ * finite, margin (columns n..ld of rows rows) poisoned */
+static int both(const char *what, htp_op_desc *op, buf *b, uint32_t nb, size_t rows, size_t n,
+                size_t ld, double tol) {
+    float *out = b[nb - 1].p;
+    const size_t cnt = rows * ld;
+    float *o[2] = {malloc(4 * cnt), malloc(4 * cnt)};
+    const uint32_t levels[2] = {HTP_SIMD_PORTABLE, HTP_SIMD_NEON};
     int bad = 0;
-    for (int pass = 0; pass < 2; pass++) {
-        /* ABI v2: one backend per kernel set, operands as registered buffers */
-        const htp_backend_desc bd = {HTP_ABI_VERSION, HTP_BACKEND_HOST, 2,
-                                     pass ? HTP_SIMD_NEON : HTP_SIMD_PORTABLE, -1, 0, {0, 0}};
-        htp_backend *be = NULL;
-        if (htp_backend_init(&bd, &be)) return 1;
-        float *y = pass ? y1 : y0;
-        const htp_buffer_desc bw = {-1, HTP_BUF_READ, 0, tiles * 576, (uint64_t)(uintptr_t)w};
-        const htp_buffer_desc bx = {-1, HTP_BUF_READ, 0, sizeof(float) * t * k, (uint64_t)(uintptr_t)x};
-        const htp_buffer_desc by = {-1, HTP_BUF_READ | HTP_BUF_WRITE, 0, sizeof(float) * t * n,
-                                    (uint64_t)(uintptr_t)y};
-        uint32_t iw, ix, iy;
-        htp_op_desc op;
-        memset(&op, 0, sizeof op);
-        op.opcode = HTP_OP_GEMM;
-        op.act = act;
-        op.n_refs = 3;
-        op.p.gemm = (htp_gemm_params){HTP_FMT_Q4_0_T32R4, n, k, t, k, n};
-        if (htp_buffer_register(be, &bw, &iw) || htp_buffer_register(be, &bx, &ix) ||
-            htp_buffer_register(be, &by, &iy))
-            bad = 1;
-        op.ref[0].buffer = iw, op.ref[1].buffer = ix, op.ref[2].buffer = iy;
-        if (!bad && htp_op_run(be, &op)) bad = 1;
-        htp_backend_free(be);
+    for (int l = 0; l < 2 && !bad; l++) {
+        poison(out, cnt);
+        htp_op_desc c = *op;
+        bad = run(levels[l], 2, &c, b, nb) || check_written(what, out, rows, n, ld);
+        memcpy(o[l], out, 4 * cnt);
     }
-    const double e = rel(y1, y0, (size_t)t * n);
-    printf("gemm n=%u k=%u t=%u act=%u: rel %.3g\n", n, k, t, act, e);
-    if (!(e <= 1e-6)) bad = 1;
-    free(w), free(x), free(y0), free(y1);
+    if (!bad) {
+        double e = 0;
+        for (size_t r = 0; r < rows; r++) e = fmax(e, rel_f(o[1] + r * ld, o[0] + r * ld, n));
+        printf("%s: rel %.3g vs portable\n", what, e);
+        bad = !(e <= tol);
+    }
+    free(o[0]), free(o[1]);
     return bad;
 }
 
-int main(void) {
+static int check_others(void) {
+    int bad = 0;
+    { /* Q8 quantization: integer rows, bit-identical */
+        const uint32_t t = 5, k = 160;
+        float *x = malloc(sizeof(float) * t * k);
+        for (size_t i = 0; i < (size_t)t * k; i++) x[i] = frand() * (float)(1 + i % 7);
+        for (uint32_t i = 0; i < k; i++) x[2 * k + i] = 0.0f; /* an all-zero row */
+        q8rows a = {0}, b = {0};
+        bad |= quantize(HTP_SIMD_PORTABLE, x, t, k, &a) || quantize(HTP_SIMD_NEON, x, t, k, &b);
+        if (!bad && memcmp(a.raw, b.raw, (size_t)t * (k + k / 4))) bad = 1;
+        printf("quantize t=%u d=%u: %s\n", t, k, bad ? "differs from portable" : "bit-identical");
+        free(x), free(a.raw), free(b.raw);
+    }
+    { /* attention: causal GQA with awkward lengths, not causal */
+        const uint32_t shapes[][6] = {{67, 4, 2, 64, 64, 1}, {33, 2, 1, 48, 32, 0}, {130, 2, 2, 32, 32, 1}};
+        for (size_t i = 0; i < 3; i++) {
+            const uint32_t t = shapes[i][0], hq = shapes[i][1], hkv = shapes[i][2];
+            const uint32_t dk = shapes[i][3], dv = shapes[i][4];
+            float *q = malloc(4 * t * hq * dk), *k = malloc(4 * t * hkv * dk),
+                  *v = malloc(4 * t * hkv * dv), *o = malloc(4 * t * hq * dv);
+            for (size_t j = 0; j < (size_t)t * hq * dk; j++) q[j] = frand();
+            for (size_t j = 0; j < (size_t)t * hkv * dk; j++) k[j] = frand();
+            for (size_t j = 0; j < (size_t)t * hkv * dv; j++) v[j] = frand();
+            htp_op_desc op;
+            memset(&op, 0, sizeof op);
+            op.opcode = HTP_OP_ATTENTION;
+            op.p.attention = (htp_attention_params){t, hq, hkv, dk, dv, shapes[i][5],
+                                                    1.0f / sqrtf((float)dk), 0, 0};
+            buf b[4] = {{q, 4 * t * hq * dk, RD}, {k, 4 * t * hkv * dk, RD},
+                        {v, 4 * t * hkv * dv, RD}, {o, 4 * t * hq * dv, RW}};
+            char what[96];
+            snprintf(what, sizeof what, "attention t=%u hq=%u hkv=%u dk=%u dv=%u causal=%u", t,
+                     hq, hkv, dk, dv, shapes[i][5]);
+            bad |= both(what, &op, b, 4, t, hq * dv, hq * dv, 1e-6);
+            free(q), free(k), free(v), free(o);
+        }
+    }
+    { /* SwiGLU over an odd length */
+        const uint64_t n = 1001;
+        float *g = malloc(4 * n), *u = malloc(4 * n), *o = malloc(4 * n);
+        for (uint64_t i = 0; i < n; i++) g[i] = 8 * frand(), u[i] = frand();
+        htp_op_desc op;
+        memset(&op, 0, sizeof op);
+        op.opcode = HTP_OP_SWIGLU;
+        op.p.eltwise.n = n;
+        buf b[3] = {{g, 4 * n, RD}, {u, 4 * n, RD}, {o, 4 * n, RW}};
+        bad |= both("swiglu n=1001", &op, b, 3, 1, n, n, 1e-6);
+        free(g), free(u), free(o);
+    }
+    { /* fp32 matmul: every column block width */
+        const uint32_t shapes[][3] = {{3, 37, 5}, {7, 64, 32}, {2, 100, 61}};
+        for (size_t i = 0; i < 3; i++) {
+            const uint32_t t = shapes[i][0], k = shapes[i][1], n = shapes[i][2];
+            float *x = malloc(4 * t * k), *w = malloc(4 * k * n), *y = malloc(4 * t * n);
+            for (size_t j = 0; j < (size_t)t * k; j++) x[j] = frand();
+            for (size_t j = 0; j < (size_t)k * n; j++) w[j] = frand();
+            htp_op_desc op;
+            memset(&op, 0, sizeof op);
+            op.opcode = HTP_OP_MATMUL_F32;
+            op.p.matmul = (htp_matmul_params){t, k, n};
+            buf b[3] = {{x, 4 * t * k, RD}, {w, 4 * k * n, RD}, {y, 4 * t * n, RW}};
+            char what[64];
+            snprintf(what, sizeof what, "matmul_f32 t=%u k=%u n=%u", t, k, n);
+            bad |= both(what, &op, b, 3, t, n, n, 1e-6);
+            free(x), free(w), free(y);
+        }
+    }
+    return bad;
+}
+
+/* One Q8-activation GEMM of one 32-row strip: the traced workload of tools/neon_instr_mix.py. */
+static int strip(int argc, char **argv) {
+    if (argc != 6) {
+        fprintf(stderr, "usage: %s strip q4_0|q8_0 KB NT neon|portable\n", argv[0]);
+        return 64;
+    }
+    const uint32_t fmt = !strcmp(argv[2], "q8_0") ? HTP_FMT_Q8_0_T32R4 : HTP_FMT_Q4_0_T32R4;
+    const uint32_t kb = (uint32_t)atoi(argv[3]), nt = (uint32_t)atoi(argv[4]);
+    const uint32_t simd = !strcmp(argv[5], "portable") ? HTP_SIMD_PORTABLE : HTP_SIMD_NEON;
+    if (kb < 1 || nt < 1) {
+        fprintf(stderr, "KB and NT must be positive\n");
+        return 64;
+    }
+    uint8_t *w = make_weights(fmt, 32, 32 * kb, 0);
+    float *x = malloc(sizeof(float) * nt * 32 * kb), *y = malloc(sizeof(float) * nt * 32);
+    for (size_t i = 0; i < (size_t)nt * 32 * kb; i++) x[i] = frand();
+    const int bad = gemm(simd, 1, fmt, HTP_ACT_Q8, w, 32, 32 * kb, nt, x, 32 * kb, y, 32);
+    free(w), free(x), free(y);
+    return bad;
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "strip")) return strip(argc, argv);
     if (htp_simd_best() != HTP_SIMD_NEON) {
         printf("NEON dot-product level not available (best = %u)\n", htp_simd_best());
         return 2;
     }
     int bad = 0;
-    const uint32_t shapes[][3] = {{1, 32, 1}, {33, 64, 3}, {100, 96, 7}, {64, 256, 17}, {200, 512, 5}};
-    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
-        for (uint32_t act = 0; act < 2; act++) bad |= check_gemm(shapes[i][0], shapes[i][1], shapes[i][2], act);
+    /* n: one row, rows 16 | 17 of the last strip (the kernel's 16-row halves), 33, 100;
+     * t across the NEON kernel's 2-token and the portable kernel's 64-token blocks */
+    const uint32_t shapes[][3] = {{1, 32, 1},  {48, 64, 3}, {49, 96, 2},   {33, 64, 4},
+                                  {100, 96, 7}, {64, 256, 17}, {17, 512, 65}, {200, 160, 5}};
+    const uint32_t fmts[2] = {HTP_FMT_Q4_0_T32R4, HTP_FMT_Q8_0_T32R4};
+    for (int f = 0; f < 2; f++) {
+        for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
+            for (uint32_t act = 0; act < 2; act++)
+                bad |= check_gemm(fmts[f], act, shapes[i][0], shapes[i][1], shapes[i][2]);
+        bad |= check_gemm_exact(fmts[f], 49, 512, 5);
+        bad |= check_gemm_exact(fmts[f], 100, 1024, 3);
+        for (uint32_t act = 0; act < 2; act++) {
+            bad |= check_expert(fmts[f], act, 64, 96, 9, 64);
+            bad |= check_expert(fmts[f], act, 96, 64, 13, 5); /* routes split into passes */
+        }
+    }
+    bad |= check_others();
     printf(bad ? "FAILED\n" : "OK\n");
-    return bad;
+    return bad ? 1 : 0;
 }

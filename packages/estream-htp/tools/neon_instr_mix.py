@@ -1,0 +1,224 @@
+"""Instructions per 32x32 tile of the arm64 strip kernels, by kind, counted on the compiled code.
+
+    python tools/neon_instr_mix.py [--exe NEON_SELFTEST] [--json OUT]
+
+Cross-compiles ``tools/neon_selftest.c`` with the library's C sources (aarch64-linux-gnu-gcc,
+the package's own compiler flags, static) unless given one, and runs its ``strip`` mode (one
+Q8-activation GEMM of one 32-row tile strip, one thread) under qemu-aarch64 ``-cpu max`` with
+QEMU's execution log (``-d in_asm,exec,nochain``) restricted to one kernel: every translated
+block is listed once with its instructions, every execution of a block is logged, so the
+instructions the kernel executed are counted exactly for that run. Each instruction is
+classified by its disassembly (aarch64-linux-gnu-objdump): ``sdot`` (the int8 dot products,
+``udot``/``usdot``/``sudot`` included), ``mmla`` (the i8mm matrix products), ``load``,
+``store``, ``fp`` (vector and scalar float arithmetic), ``convert`` (int <-> float, half <->
+single), ``int_vector`` (the other vector integer work: nibble masks and shifts, the
+``8·sum`` correction), ``branch`` and ``scalar`` (address and loop arithmetic).
+
+Two strip lengths (kb = 1, 2 tiles) and two token counts (nt = 1, 2: the NEON kernel's token
+block) separate the per-tile setup (weight loads, nibble split, row scales) from the per-token
+work, as ``tools/hexagon_packets.py`` does for the HVX kernel's packets. The NEON kernel is
+compiled once per token count (1 and 2), so that split is a fit across two instantiations and a
+kind can come out negative in the setup (registers the 2-token body spills and the 1-token body
+keeps); the per-tile counts at 1 and 2 tokens are measured directly. A 32x32 tile and one
+token is 1024 multiply-accumulates: 64 ``sdot`` (16 each). The counts are executed
+instructions, not cycles: they say what the kernel asks of a core, not how fast one runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1]
+CC = "aarch64-linux-gnu-gcc"
+OBJDUMP = "aarch64-linux-gnu-objdump"
+NM = "aarch64-linux-gnu-nm"
+QEMU_NAMES = ("qemu-aarch64", "qemu-aarch64-static")
+KINDS = ("sdot", "mmla", "load", "store", "fp", "convert", "int_vector", "branch", "scalar")
+
+# (label, kernel symbol, tile format, table the strip GEMM runs on)
+KERNELS = (
+    ("neon_q4_0", "q4q8_strip_neon", "q4_0", "neon"),
+    ("portable_q4_0", "q4q8_strip_portable", "q4_0", "portable"),
+    ("neon_q8_0", "htp_q8q8_strip_portable", "q8_0", "neon"),
+)
+
+
+def qemu() -> str | None:
+    """The qemu-aarch64 user-mode emulator (Debian's qemu-user or qemu-user-static name)."""
+    return next((p for p in map(shutil.which, QEMU_NAMES) if p), None)
+
+
+def missing_tools() -> list[str]:
+    """The cross tools not on PATH (qemu named by its qemu-user name)."""
+    miss = [t for t in (CC, OBJDUMP, NM) if shutil.which(t) is None]
+    return miss + ([] if qemu() else [QEMU_NAMES[0]])
+
+
+def build_selftest(exe: Path, csrc: Path | None = None) -> Path:
+    """Cross-compile neon_selftest.c with the C sources of ``csrc`` (default: the package's)
+    into ``exe`` with the flags the package is built with."""
+    from estream_htp._buildcfg import BASE_CFLAGS
+
+    csrc = csrc or PKG / "csrc"
+    cmd = [CC, *BASE_CFLAGS, "-static", f"-I{csrc}", *sorted(str(p) for p in csrc.glob("*.c")),
+           str(PKG / "tools" / "neon_selftest.c"), "-lm", "-o", str(exe)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"{CC} failed:\n{r.stderr}")
+    return exe
+
+
+def _symbol_range(exe: Path, func: str) -> tuple[int, int]:
+    out = subprocess.run([NM, "-S", str(exe)], check=True, capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[3] == func:
+            return int(parts[0], 16), int(parts[1], 16)
+    raise SystemExit(f"{func} not found in {exe}")
+
+
+def kind_of(mnemonic: str, operands: str) -> str:
+    """The class of one aarch64 instruction, from objdump's mnemonic and operands."""
+    m = mnemonic.split(".")[0]
+    vector = re.search(r"\bv\d+\.", operands) is not None or re.search(r"\bq\d+\b", operands)
+    if m in ("sdot", "udot", "usdot", "sudot"):
+        return "sdot"
+    if m in ("smmla", "ummla", "usmmla"):
+        return "mmla"
+    if m.startswith("ld"):
+        return "load"
+    if m.startswith("st"):
+        return "store"
+    if m in ("b", "bl", "br", "blr", "ret", "cbz", "cbnz", "tbz", "tbnz") or mnemonic.startswith(
+        "b."
+    ):
+        return "branch"
+    if m in ("scvtf", "ucvtf", "fcvtl", "fcvtl2", "fcvtn", "fcvtn2", "fcvt") or m.startswith(
+        ("fcvtz", "fcvta", "fcvtm", "fcvtp")
+    ):
+        return "convert"
+    if m.startswith("f"):
+        return "fp"
+    return "int_vector" if vector else "scalar"
+
+
+def disassemble(exe: Path, lo: int, size: int) -> dict[int, str]:
+    """address -> kind for every instruction of [lo, lo + size)."""
+    out = subprocess.run(
+        [OBJDUMP, "-d", "--no-show-raw-insn", f"--start-address={lo:#x}",
+         f"--stop-address={lo + size:#x}", str(exe)],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    kinds: dict[int, str] = {}
+    for line in out.splitlines():
+        m = re.match(r"\s*([0-9a-f]+):\s+(\S+)\s*([^/]*)", line)
+        if m and lo <= int(m.group(1), 16) < lo + size:
+            kinds[int(m.group(1), 16)] = kind_of(m.group(2), m.group(3))
+    return kinds
+
+
+def count_kinds(log: str, kinds: dict[int, str]) -> Counter[str]:
+    """Instructions executed by kind, from a QEMU in_asm + exec (nochain) log."""
+    tb_addrs: dict[int, list[int]] = {}
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("IN:"):
+            body = []
+            for ln in lines[i + 1 :]:
+                if not ln.startswith("0x"):
+                    break
+                body.append(int(ln.split(":")[0], 16))
+            if body:
+                tb_addrs[body[0]] = body
+    runs: Counter[int] = Counter()
+    for m in re.finditer(r"^Trace \d+: \S+ \[[0-9a-f]+/([0-9a-f]+)/", log, re.M):
+        runs[int(m.group(1), 16)] += 1
+    total: Counter[str] = Counter()
+    for pc, n in runs.items():
+        for a in tb_addrs[pc]:
+            total[kinds[a]] += n
+    return total
+
+
+def measure(exe: Path, lo: int, size: int, kinds: dict[int, str], fmt: str, kb: int, nt: int,
+            simd: str) -> Counter[str]:  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "qemu.log"
+        cmd = [qemu() or QEMU_NAMES[0], "-cpu", "max", "-d", "in_asm,exec,nochain", "-D",
+               str(log), "-dfilter", f"{lo:#x}+{size:#x}", str(exe), "strip", fmt, str(kb),
+               str(nt), simd]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+        return count_kinds(log.read_text(), kinds)
+
+
+def _with_total(c: dict[str, float]) -> dict[str, float]:
+    out = {k: c.get(k, 0) for k in KINDS}
+    out["total"] = sum(out.values())
+    return out
+
+
+def tile_mix(exe: Path, func: str, fmt: str, simd: str) -> dict[str, object]:
+    lo, size = _symbol_range(exe, func)
+    kinds = disassemble(exe, lo, size)
+    m = {
+        (kb, nt): measure(exe, lo, size, kinds, fmt, kb, nt, simd) for kb in (1, 2) for nt in (1, 2)
+    }
+    tile = {nt: {k: m[(2, nt)][k] - m[(1, nt)][k] for k in KINDS} for nt in (1, 2)}
+    per_token = {k: tile[2][k] - tile[1][k] for k in KINDS}
+    setup = {k: tile[1][k] - per_token[k] for k in KINDS}
+    res = {
+        "function": func,
+        "format": fmt,
+        "table": simd,
+        "measured": {f"kb={kb},nt={nt}": _with_total(v) for (kb, nt), v in m.items()},
+        "per_tile": {str(nt): _with_total(v) for nt, v in tile.items()},
+        "per_tile_setup": _with_total(setup),
+        "per_tile_per_token": _with_total(per_token),
+    }
+    t1, t2 = res["per_tile"]["1"], res["per_tile"]["2"]
+    st, pt = res["per_tile_setup"], res["per_tile_per_token"]
+    print(f"{func} ({simd} table, {fmt}): instructions executed (QEMU exec log), one 32-row strip")
+    print(f"  {'kind':<11} {'tile, 1 tok':>11} {'tile, 2 tok':>11} {'setup':>7} {'per tok':>7}")
+    for k in (*KINDS, "total"):
+        print(f"  {k:<11} {t1[k]:>11.0f} {t2[k]:>11.0f} {st[k]:>7.0f} {pt[k]:>7.0f}")
+    return res
+
+
+def main(argv: list[str]) -> int:
+    args = argv[1:]
+    opts = dict(zip(args[::2], args[1::2], strict=False))
+    if len(args) % 2 or set(opts) - {"--exe", "--json"}:
+        print("usage: neon_instr_mix.py [--exe NEON_SELFTEST] [--json OUT]", file=sys.stderr)
+        return 2
+    miss = missing_tools()
+    if miss:
+        print(f"neon_instr_mix: {', '.join(miss)} not installed "
+              "(apt-get install gcc-aarch64-linux-gnu qemu-user)", file=sys.stderr)  # fmt: skip
+        return 1
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = (
+            Path(opts["--exe"]) if "--exe" in opts else build_selftest(Path(tmp) / "neon_selftest")
+        )
+        if not exe.is_file():
+            print(f"neon_instr_mix: {exe}: no such file", file=sys.stderr)
+            return 1
+        res: dict[str, object] = {"executable": str(exe) if "--exe" in opts else "built"}
+        for label, func, fmt, simd in KERNELS:
+            res[label] = tile_mix(exe, func, fmt, simd)
+    if "--json" in opts:
+        out = Path(opts["--json"])
+        tmp_out = out.with_name(out.name + f".tmp{os.getpid()}")
+        tmp_out.write_text(json.dumps(res, indent=2) + "\n")
+        tmp_out.replace(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
