@@ -18,9 +18,11 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import mmap
 import os
 import queue
+import re
 import shutil
 import stat
 import struct
@@ -59,6 +61,7 @@ from .manifest import (
     FORMAT,
     LOCK_NAME,
     MANIFEST_NAME,
+    MAX_EXPERTS,
     MODEL_GGUF,
     PAGE,
     DenseEntry,
@@ -156,48 +159,142 @@ def _dequantize_checked(raw: np.ndarray, info: TensorInfo, what: str = "") -> np
 
 
 # ------------------------------------------------------------------------------ storage order
+# A profile holds a few numbers per expert and layer (plus an optional E x E matrix): a real one
+# is well under a megabyte; this bounds what a hostile file can make the parser do.
+MAX_PROFILE_BYTES: Final = 64 << 20
+_LAYER_KEY: Final = re.compile(r"[0-9]{1,7}")
+
+
+def _json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _json_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range of a finite number")
+    return value
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def _read_profile_json(path: Path) -> Any:
+    """The JSON document of a profile file, strictly: no NaN/Infinity, no number that overflows
+    to infinity, no key twice in an object, bounded size and nesting."""
+    where = f"routing profile {path}"
+    try:
+        size = path.stat().st_size
+        if not path.is_file():
+            raise ProfileError(f"{where}: not a regular file")
+        if size > MAX_PROFILE_BYTES:
+            raise ProfileError(f"{where}: {size} bytes, more than a profile can be")
+        text = path.read_bytes().decode("utf-8")
+        return json.loads(
+            text,
+            parse_constant=_json_constant,
+            parse_float=_json_float,
+            object_pairs_hook=_json_object,
+        )
+    except OSError as e:
+        raise ProfileError(f"cannot read {where}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"{where}: not UTF-8 text") from None
+    except RecursionError:
+        raise ProfileError(f"{where}: nested too deeply to be a routing profile") from None
+    except ValueError as e:
+        raise ProfileError(f"{where}: not valid JSON ({e})") from None
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _profile_numbers(where: str, v: Any, field: str, n: int | None = None) -> np.ndarray:
+    """A list of finite, non-negative numbers (of length `n` if given) as float64."""
+    if not isinstance(v, list):
+        raise ProfileError(f"{where}: {field} must be a list of numbers, not {_kind(v)}")
+    if n is not None and len(v) != n:
+        raise ProfileError(f"{where}: {field} has {len(v)} entries, expected {n}")
+    for i, x in enumerate(v):
+        if not _is_number(x):
+            raise ProfileError(f"{where}: {field}[{i}] is {_kind(x)}, not a number")
+        if not math.isfinite(x) or x < 0:
+            raise ProfileError(f"{where}: {field}[{i}] = {x} is not a finite number >= 0")
+    return np.asarray(v, dtype=np.float64)
+
+
+def _kind(v: Any) -> str:
+    text = repr(v)
+    return f"{type(v).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
 def load_routing_profile(
     profile: str | os.PathLike[str] | Mapping[str, Any],
 ) -> dict[int, dict[str, Any]]:
-    """Read a routing profile: `{"layers": {"<layer>": {"counts": [E], "coactivation": [[E]*E]}}}`.
+    """Read and validate a routing profile:
+    `{"layers": {"<layer>": {"counts": [E], "coactivation": [[E]*E]}}}`.
 
     `layers` may also be a list of `{"index": l, "counts": ..., "coactivation": ...}`.
     `counts[e]` is how many routed tokens chose expert `e`; `coactivation[a][b]` (optional) how
-    often `a` and `b` were chosen for the same token. Returns layer -> {"counts", "coactivation"}.
+    often `a` and `b` were chosen for the same token. Returns layer -> {"counts", "coactivation"}
+    (float64 arrays). The one validator of profiles: anything else -- strings or booleans for
+    numbers, NaN, infinities, negative counts, a layer named twice or by a non-integer, a
+    coactivation that is not E x E, deep nesting -- is a ProfileError naming the file and the
+    problem (one line).
     """
-    if not isinstance(profile, Mapping):
-        try:
-            profile = json.loads(Path(profile).read_text())
-        except (OSError, ValueError) as e:
-            raise ProfileError(f"cannot read routing profile {profile}: {e}") from None
-    layers = profile.get("layers") if isinstance(profile, Mapping) else None
-    if layers is None:
-        raise ProfileError('routing profile needs a "layers" field (see docs/format.md)')
-    items: list[tuple[int, Any]]
-    if isinstance(layers, Mapping):
-        items = [(int(k), v) for k, v in layers.items()]
-    elif isinstance(layers, list):
-        try:
-            items = [(int(v["index"]), v) for v in layers]
-        except (KeyError, TypeError, ValueError):
-            raise ProfileError('each entry of a "layers" list needs an "index"') from None
+    if isinstance(profile, Mapping):
+        where = "routing profile"
     else:
-        raise ProfileError('"layers" must be an object or a list')
+        where = f"routing profile {profile}"
+        profile = _read_profile_json(Path(profile))
+    if not isinstance(profile, Mapping) or "layers" not in profile:
+        raise ProfileError(f'{where}: needs a "layers" field (see docs/format.md)')
+    layers = profile["layers"]
+    items: list[tuple[int, Any]] = []
+    if isinstance(layers, Mapping):
+        for k, v in layers.items():
+            if not isinstance(k, int | str) or isinstance(k, bool):
+                raise ProfileError(f"{where}: layer key {_kind(k)} is not a layer index")
+            if isinstance(k, str) and not _LAYER_KEY.fullmatch(k):
+                raise ProfileError(f"{where}: layer key {k!r} is not a layer index (0, 1, ...)")
+            items.append((int(k), v))
+    elif isinstance(layers, list):
+        for i, v in enumerate(layers):
+            index = v.get("index") if isinstance(v, Mapping) else None
+            if not _is_number(index) or not isinstance(index, int) or index < 0:
+                raise ProfileError(
+                    f'{where}: layers[{i}] needs an "index" (a layer number), got {_kind(index)}'
+                )
+            items.append((index, v))
+    else:
+        raise ProfileError(f'{where}: "layers" must be an object or a list, not {_kind(layers)}')
     out: dict[int, dict[str, Any]] = {}
     for index, entry in items:
+        at = f"{where}: layer {index}"
+        if index in out:
+            raise ProfileError(f"{at} appears twice")
         if not isinstance(entry, Mapping) or "counts" not in entry:
-            raise ProfileError(f'layer {index}: needs "counts" (one number per expert)')
-        counts = np.asarray(entry["counts"], dtype=np.float64)
-        if counts.ndim != 1 or (counts < 0).any():
-            raise ProfileError(f"layer {index}: counts must be a list of non-negative numbers")
+            raise ProfileError(f'{at}: needs "counts" (one number per expert)')
+        counts = _profile_numbers(at, entry["counts"], "counts")
+        if not 1 <= counts.size <= MAX_EXPERTS:
+            raise ProfileError(f"{at}: counts has {counts.size} entries, not one per expert")
         co = entry.get("coactivation")
         if co is not None:
-            co = np.asarray(co, dtype=np.float64)
-            if co.shape != (counts.size, counts.size):
+            n = counts.size
+            if not isinstance(co, list) or len(co) != n:
                 raise ProfileError(
-                    f"layer {index}: coactivation must be {counts.size}x{counts.size}, "
-                    f"got {co.shape}"
+                    f"{at}: coactivation must be {n}x{n} (a list of {n} rows), got {_kind(co)}"
                 )
+            co = np.stack(
+                [_profile_numbers(at, row, f"coactivation[{a}]", n) for a, row in enumerate(co)]
+            )
         out[index] = {"counts": counts, "coactivation": co}
     return out
 
@@ -234,36 +331,49 @@ def _resolve_orders(
     if order is None:
         return identity, None
     if isinstance(order, Mapping) and "layers" not in order:
+        where = "explicit order"
         out = dict(identity)
         for k, v in order.items():
-            try:
-                layer, ids = int(k), [int(x) for x in v]
-            except (TypeError, ValueError):
+            ok_key = isinstance(k, int) or (isinstance(k, str) and _LAYER_KEY.fullmatch(k))
+            if isinstance(k, bool) or not ok_key or not isinstance(v, list | tuple):
                 raise ProfileError(
                     'an order must be a routing profile {"layers": ...} or {layer: [expert ids]}'
-                ) from None
+                )
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise ProfileError(f"{where}: layer {k}: expert ids must be integers")
+            layer = int(k)
             if layer not in identity:
                 raise ProfileError(f"order given for layer {layer}, which is not a MoE layer")
-            out[layer] = ids
+            out[layer] = list(v)
         summary = {"source": "explicit"}
     else:
+        where = "routing profile" + ("" if isinstance(order, Mapping) else f" {order}")
         prof = load_routing_profile(order)
         out = dict(identity)
         for layer, entry in prof.items():
             if layer not in identity:
-                raise ProfileError(f"routing profile names layer {layer}, not a MoE layer")
+                raise ProfileError(
+                    f"{where}: names layer {layer}, not a MoE layer of the model "
+                    f"({_moe_span(spec.moe_layers)})"
+                )
             if entry["counts"].size != spec.n_experts:
                 raise ProfileError(
-                    f"layer {layer}: {entry['counts'].size} counts for {spec.n_experts} experts"
+                    f"{where}: layer {layer}: {entry['counts'].size} counts for "
+                    f"{spec.n_experts} experts"
                 )
             out[layer] = storage_order(entry["counts"], entry["coactivation"])
         summary = {"source": str(order) if not isinstance(order, Mapping) else "dict"}
     for layer, o in out.items():
         if sorted(o) != list(range(spec.n_experts)):
             raise ProfileError(
-                f"layer {layer}: order is not a permutation of 0..{spec.n_experts - 1}"
+                f"{where}: layer {layer}: order is not a permutation of 0..{spec.n_experts - 1}"
             )
     return out, summary
+
+
+def _moe_span(layers: tuple[int, ...]) -> str:
+    contiguous = layers == tuple(range(layers[0], layers[-1] + 1))
+    return f"layers {layers[0]}..{layers[-1]}" if contiguous else f"layers {list(layers)}"
 
 
 # ------------------------------------------------------------------------------ progress
