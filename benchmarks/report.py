@@ -287,23 +287,37 @@ def render_tokenizer(f: Figures) -> Table:
     return t
 
 
-def _l2_top1(c: dict[str, Any] | None) -> list[str]:
-    return [f"{c['rel_l2']:.2e}", f"{c['top1']:.3f}"] if c else ["–", "–"]
+def _vs(c: dict[str, Any] | None) -> str:
+    """A comparison: relative L2 error, top-1 agreement in brackets when known."""
+    if not c:
+        return "–"
+    return f"{c['rel_l2']:.1e}" + (f" ({c['top1']:.3f})" if c.get("top1") is not None else "")
 
 
 def render_parity(f: Figures) -> Table:
-    t = Table(["arch", "weights", "engine act", "engine rel L2", "engine top-1",
-               "llama.cpp rel L2", "llama.cpp top-1", "note"], [])  # fmt: skip
-    for r in f["rows"]:
-        note = r.get("error") or r.get("llamacpp_error") or r.get("engine_note") or ""
+    t = Table(["arch", "weights", "llama.cpp vs ref", "engine q8 vs ref", "engine f32 vs ref",
+               "engine f32 vs packed ref",
+               "vs the F32 original: ref / engine q8 / llama.cpp", "note"], [])  # fmt: skip
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in f["rows"]:  # one row per engine activation format
+        groups.setdefault((r["arch"], r["variant"]), []).append(r)
+    for (arch, variant), rows in groups.items():
+        act = {r.get("engine_act"): r for r in rows}
+        q8, f32, first = act.get("q8", {}), act.get("f32", {}), rows[0]
+        src = [first.get("ref_vs_src"), q8.get("engine_vs_src"), first.get("llamacpp_vs_src")]
+        note = next((r[k] for r in rows for k in ("error", "llamacpp_error", "engine_note")
+                     if r.get(k)), "")  # fmt: skip
         t.rows.append([
-            r["arch"], r["variant"], r.get("engine_act") or "–",
-            *_l2_top1(r.get("engine_vs_ref")), *_l2_top1(r.get("llamacpp_vs_ref")),
+            arch, f"`{variant}`", _vs(first.get("llamacpp_vs_ref")), _vs(q8.get("engine_vs_ref")),
+            _vs(f32.get("engine_vs_ref")), _vs(f32.get("engine_vs_packed_ref")),
+            " / ".join(f"{c['rel_l2']:.1e}" if c else "–" for c in src) if any(src) else "–",
             note.splitlines()[0] if note else "",
         ])  # fmt: skip
     t.notes.append(
-        f"Logits against a float64 reference, {f['tokens']} tokens, preset rows as listed; "
-        f"llama-cpp-python {f.get('llama_cpp_python', '–')}."
+        f"All-position logits, {f['tokens']} random tokens: relative L2 error against the "
+        f"float64 reference of the same GGUF, top-1 agreement in brackets; `packed ref` is the "
+        "reference of the file as the packer stores it."
+        + (f" llama-cpp-python {f['llama_cpp_python']}." if f.get("llama_cpp_python") else "")
     )
     return t
 
@@ -358,6 +372,9 @@ def render_packets(f: Figures) -> Table:
 class Bench:
     title: str
     render: Callable[[Figures], Table]
+    #: False for figures that are not times (errors, packet counts): a loaded machine is
+    #: noted, but does not make them "not a result".
+    timed: bool = True
 
 
 #: How each benchmark is shown (same names as `record.BENCHES`, in page order).
@@ -371,10 +388,12 @@ BENCHES: dict[str, Bench] = {
     "bench_layout": Bench("Packing throughput and peak memory", render_layout),
     "bench_sched": Bench("Configurator selection time", render_sched),
     "bench_tokenizer": Bench("Tokenization speed", render_tokenizer),
-    "parity": Bench("Logits against a float64 reference, engine and llama.cpp", render_parity),
-    "eval_parity": Bench("Perplexity against llama.cpp", render_eval_parity),
+    "parity": Bench(
+        "Logits against a float64 reference, engine and llama.cpp", render_parity, timed=False
+    ),
+    "eval_parity": Bench("Perplexity against llama.cpp", render_eval_parity, timed=False),
     "bench_hexagon": Bench("Host side of the hexagon protocol", render_hexagon),
-    "hexagon_packets": Bench("Hexagon tile kernel, packets", render_packets),
+    "hexagon_packets": Bench("Hexagon tile kernel, packets", render_packets, timed=False),
 }
 
 
@@ -466,10 +485,11 @@ def status(doc: dict[str, Any]) -> str:
     marks = []
     if is_loaded(doc):
         load, cores = load_state(doc)
-        marks.append(
-            f"**loaded machine: not a result** (load average {load:g} on {cores} cores, above "
-            f"{LOADED_PER_CORE} per core)"
-        )
+        why = f"load average {load:g} on {cores} cores, above {LOADED_PER_CORE} per core"
+        if BENCHES[doc["bench"]].timed:
+            marks.append(f"**loaded machine: not a result** ({why})")
+        else:
+            marks.append(f"loaded machine ({why}); these figures are not timings")
     if doc["transcribed"]:
         stated = " by the run (stated in the text)" if doc.get("stated_load_average") else ""
         marks.append(f"transcribed; load average not recorded{stated}")
@@ -532,8 +552,9 @@ def render_page(results: dict[str, list[tuple[Path, dict[str, Any]]]]) -> str:
         f"A run whose load average exceeded {LOADED_PER_CORE} per core (1.5 on a 2-core machine) "
         "before or after it",
         "is marked **loaded machine: not a result**: other work shared its CPUs, so its times",
-        "are not the code's. *Transcribed* results were copied from earlier documentation; their",
-        "load average was not recorded.",
+        "are not the code's (figures that are not timings, such as parity errors or packet",
+        "counts, are only noted). *Transcribed* results were copied from earlier documentation;",
+        "their load average was not recorded by the run.",
         "",
     ]
     missing = [n for n in BENCHES if n not in results]

@@ -143,6 +143,18 @@ def test_a_loaded_run_is_marked_not_a_result(
     assert ("measured; load average within 0.75 per core" in page) is not loaded
 
 
+def test_a_loaded_run_of_figures_that_are_not_timings_is_only_noted(tmp_path: Path) -> None:
+    """Parity errors do not depend on the load: a parity run on a loaded machine is noted as
+    such but not marked 'not a result'."""
+    figures, _ = FIGURES["parity"]
+    recorded(tmp_path, "parity", figures, (0.1, 8.0))
+    results = report.load_results(tmp_path / "results")
+    doc = report.latest(results["parity"])[1]
+    doc["machine"]["cores"] = 2
+    assert report.status(doc).startswith("loaded machine (load average 8 on 2 cores")
+    assert "not a result" not in report.status(doc)
+
+
 def test_engine_table_and_headline_figures(tmp_path: Path) -> None:
     """The bench_engine table and the README headline show each system's time to first token
     and the ratios computed from them, at 1K and 4K."""
@@ -328,11 +340,18 @@ FIGURES: dict[str, tuple[dict[str, Any], str]] = {
         "| qwen2 | mixed | 1000 | 500000 | 600000 | 1000000 | – | 0.5 | – | HF yes, llama.cpp – |",
     ),
     "parity": (
-        {"tokens": 256, "rows": [{
-            "arch": "olmoe", "variant": "q4_0", "engine_act": "q8",
-            "engine_vs_ref": {"rel_l2": 0.0123, "top1": 0.98},
-            "llamacpp_vs_ref": {"rel_l2": 0.0111, "top1": 0.97}}]},
-        "| olmoe | q4_0 | q8 | 1.23e-02 | 0.980 | 1.11e-02 | 0.970 |  |",
+        {"tokens": 256, "rows": [
+            {"arch": "olmoe", "variant": "lq4_0", "engine_act": "q8",
+             "engine_vs_ref": {"rel_l2": 0.0123, "top1": 0.98},
+             "llamacpp_vs_ref": {"rel_l2": 0.0111, "top1": 0.97},
+             "ref_vs_src": {"rel_l2": 0.17}, "engine_vs_src": {"rel_l2": 0.18},
+             "llamacpp_vs_src": {"rel_l2": 0.16}},
+            {"arch": "olmoe", "variant": "lq4_0", "engine_act": "f32",
+             "engine_vs_ref": {"rel_l2": 0.0053, "top1": 0.99},
+             "engine_vs_packed_ref": {"rel_l2": 5.3e-7, "top1": 1.0},
+             "llamacpp_vs_ref": {"rel_l2": 0.0111, "top1": 0.97}}]},
+        "| olmoe | `lq4_0` | 1.1e-02 (0.970) | 1.2e-02 (0.980) | 5.3e-03 (0.990) | "
+        "5.3e-07 (1.000) | 1.7e-01 / 1.8e-01 / 1.6e-01 |  |",
     ),
     "eval_parity": (
         {"text": "docs/design.md", "chars": 4000, "rows": [{
