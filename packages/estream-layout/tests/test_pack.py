@@ -265,7 +265,7 @@ def test_killed_pack_leaves_no_target(tiny_models: dict[str, Path], tmp_path: Pa
         Manifest.from_path(tmp_path / left[0])
 
 
-@pytest.mark.parametrize("etype", ["Q8_0", "F16"])
+@pytest.mark.parametrize("etype", ["F16"])
 def test_requantized_experts_warn_loudly(
     etype: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -288,6 +288,31 @@ def test_requantized_experts_warn_loudly(
     amax = np.abs(w.reshape(-1, 32)).max(axis=1).reshape(p.rows, -1).repeat(32, axis=1)
     assert (np.abs(got - w) <= amax / 8 * 1.01 + 1e-7).all()
     assert np.abs(got - w).max() > 0  # really re-quantized
+
+
+def test_q8_0_experts_pack_losslessly(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Q8_0 experts are re-laid, not re-quantized: no warning, the manifest records the source
+    type and each projection's format, and every tile unpacks to the source's blocks."""
+    src = synth_model("qwen3moe", "tiny", tmp_path / "m.gguf", expert_type="Q8_0")
+    m = pack_model(src, tmp_path / "m.estream", progress=False)
+    assert "RE-QUANTIZED" not in capfd.readouterr().err
+    assert m.source["expert_type"] == "Q8_0" and m.source["requantized"] is False
+    doc = json.loads((m.root / "manifest.json").read_text())
+    assert {p["format"] for la in doc["layers"] for p in la["projections"].values()} == {
+        "q8_0-t32r4"
+    }
+    reader = gguf.GGUFReader(src)
+    for la in m.layers:
+        for j, p in la.projections.items():
+            t = next(t for t in reader.tensors if t.name == f"blk.{la.index}.ffn_{j}_exps.weight")
+            raw = np.asarray(t.data)
+            assert p.bytes == -(-p.rows // 32) * (p.cols // 32) * 1088
+            for pos, e in enumerate(la.order):
+                body = np.fromfile(m.experts_path, np.uint8, count=p.bytes,
+                                   offset=la.record_offset(pos) + p.offset_in_record)  # fmt: skip
+                got = unpack_tiles(body, p.rows, p.cols, "q8_0-t32r4")
+                assert np.array_equal(got.reshape(-1), raw[e].reshape(-1)), (la.index, j, e)
+    assert verify_pack(m.root, against=src).ok
 
 
 def test_q4_experts_pack_silently(
@@ -375,11 +400,13 @@ def test_k_quant_dense_matrices_become_q8_tiles(tmp_path: Path) -> None:
     assert verify_pack(m.root, against=src).ok
 
 
-def test_mixed_expert_types_requantize_only_non_q4(
-    tiny_models: dict[str, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("ctype", ["Q8_0", "F16"])
+def test_mixed_expert_types_keep_each_type(
+    ctype: str, tiny_models: dict[str, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Quantizer mixes (e.g. Q4_K_M) give some expert tensors another type: only those are
-    re-quantized; Q4_0 ones stay bit-exact."""
+    """Quantizer mixes (e.g. Q4_K_M) give some expert tensors another type: a Q8_0 one is kept
+    as it is (its projection's format in the manifest, its blocks bit-exact), a type without a
+    tile format (F16) alone is re-quantized; Q4_0 ones stay bit-exact."""
     src = tiny_models["olmoe"]
     reader = gguf.GGUFReader(src)
     mixed = tmp_path / "mixed.gguf"
@@ -395,8 +422,9 @@ def test_mixed_expert_types_requantize_only_non_q4(
         data = np.asarray(t.data)
         if t.name == changed:
             f = gguf.quants.dequantize(data, t.tensor_type)
-            q8 = gguf.quants.quantize(f, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(t.name, q8, raw_shape=q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            qt = gguf.GGMLQuantizationType[ctype]
+            q = gguf.quants.quantize(f, qt) if ctype == "Q8_0" else f.astype(np.float16)
+            w.add_tensor(t.name, q, raw_shape=q.shape, raw_dtype=qt)
         else:
             w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
     w.write_header_to_file()
@@ -404,11 +432,27 @@ def test_mixed_expert_types_requantize_only_non_q4(
     w.write_tensors_to_file()
     w.close()
     spec = ModelSpec.from_gguf(mixed)
-    assert spec.expert_type == "mixed:Q4_0,Q8_0"
+    assert spec.expert_type == "mixed:" + ",".join(sorted(["Q4_0", ctype]))
     m = pack_model(mixed, tmp_path / "mixed.estream", progress=False)
     err = capfd.readouterr().err
-    assert "1 of the 6 expert tensors" in err and "RE-QUANTIZED" in err
-    assert m.source["requantized_tensors"] == [changed]
+    formats = {(la.index, j): p.format for la in m.layers for j, p in la.projections.items()}
+    if ctype == "Q8_0":
+        assert "RE-QUANTIZED" not in err and m.source["requantized"] is False
+        assert m.source["requantized_tensors"] == []
+        assert formats.pop((1, "down")) == "q8_0-t32r4"
+        la = m.layer(1)
+        p = la.projections["down"]
+        src_t = next(t for t in gguf.GGUFReader(mixed).tensors if t.name == changed)
+        src_rows = np.asarray(src_t.data)
+        for pos, e in enumerate(la.order):
+            body = np.fromfile(m.experts_path, np.uint8, count=p.bytes,
+                               offset=la.record_offset(pos) + p.offset_in_record)  # fmt: skip
+            got = unpack_tiles(body, p.rows, p.cols, "q8_0-t32r4")
+            assert np.array_equal(got.reshape(-1), src_rows[e].reshape(-1))
+    else:
+        assert "1 of the 6 expert tensors" in err and "RE-QUANTIZED" in err
+        assert m.source["requantized_tensors"] == [changed]
+    assert set(formats.values()) == {"q4_0-t32r4"}
     assert verify_pack(m.root, against=mixed).ok
     # the Q4_0 tensors of the mixed model pack exactly as in the all-Q4_0 original
     ref = pack_model(src, tmp_path / "ref.estream", progress=False)

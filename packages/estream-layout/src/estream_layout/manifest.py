@@ -58,6 +58,8 @@ MANIFEST_NAME: Final = "manifest.json"
 LOCK_NAME: Final = ".manifest.lock"
 MODEL_GGUF: Final = "model.gguf"
 DENSE_FORMATS: Final = ("q4_0-t32r4", "q8_0-t32r4", "f32")
+# Tile formats of expert projections (each projection of each layer has its own).
+EXPERT_FORMATS: Final = ("q4_0-t32r4", "q8_0-t32r4")
 PROJECTIONS: Final = ("gate", "up", "down")
 # Far above any real model (Qwen3-235B has 128 experts per layer); refused before allocating.
 MAX_EXPERTS: Final = 1 << 16
@@ -76,8 +78,9 @@ class ProjectionEntry:
     rows: int
     cols: int
     offset_in_record: int
-    bytes: int  # tile_nbytes(rows, cols)
+    bytes: int  # tile_nbytes(rows, cols, format)
     padded_bytes: int  # bytes rounded up to 4096: the arena slot stride of this plane
+    format: str = "q4_0-t32r4"  # tile format, one of EXPERT_FORMATS
 
 
 @attrs.frozen
@@ -177,6 +180,15 @@ class _Reader:
         if not _NAME_RE.match(name) or name in (".", ".."):
             raise self.fail(field, f"{name!r} is not a plain file name inside the pack")
         return name
+
+
+def _expert_format(r: _Reader, p: Mapping[str, Any], field: str) -> str:
+    """A projection's tile format: one of EXPERT_FORMATS (a manifest without it is from an
+    older estream-layout: the model must be packed again)."""
+    fmt = r.string(r.get(p, "format", field + ".format"), field + ".format")
+    if fmt not in EXPERT_FORMATS:
+        raise r.fail(field + ".format", f"{fmt!r}, expected one of {list(EXPERT_FORMATS)}")
+    return fmt
 
 
 def _kind(v: Any) -> str:
@@ -440,7 +452,8 @@ def _parse(r: _Reader, data: Mapping[str, Any], root: Path) -> Manifest:
                         g(p, k, f"{pf}.{k}"), f"{pf}.{k}", 1 if k != "offset_in_record" else 0
                     )
                     for k in ("rows", "cols", "offset_in_record", "bytes", "padded_bytes")
-                }
+                },
+                format=_expert_format(r, p, pf),
             )
         layers.append(
             LayerEntry(
@@ -526,9 +539,9 @@ def _validate(r: _Reader, m: Manifest) -> None:
                 raise r.fail(pf + ".offset_in_record", f"{p.offset_in_record}, expected {off}")
             if p.cols % TILE:
                 raise r.fail(pf + ".cols", f"{p.cols} is not a multiple of {TILE}")
-            if p.bytes != tile_nbytes(p.rows, p.cols):
-                raise r.fail(pf + ".bytes", f"{p.bytes}, a {p.rows}x{p.cols} matrix needs "
-                             f"{tile_nbytes(p.rows, p.cols)}")  # fmt: skip
+            if p.bytes != tile_nbytes(p.rows, p.cols, p.format):
+                raise r.fail(pf + ".bytes", f"{p.bytes}, a {p.rows}x{p.cols} {p.format} matrix "
+                             f"needs {tile_nbytes(p.rows, p.cols, p.format)}")  # fmt: skip
             if p.padded_bytes != _round_up(p.bytes):
                 raise r.fail(pf + ".padded_bytes", f"{p.padded_bytes}, expected "
                              f"{_round_up(p.bytes)}")  # fmt: skip

@@ -549,13 +549,24 @@ def _write_dense_tensor(
     return crc
 
 
+# Expert tensor types kept as they are (lossless re-layout), and their tile formats.
+EXPERT_TILE_FORMATS: Final = {"Q4_0": "q4_0-t32r4", "Q8_0": "q8_0-t32r4"}
+
+
+def expert_format(info: TensorInfo) -> str:
+    """The tile format an expert tensor is packed in: its own type's where there is one,
+    else `q4_0-t32r4` (re-quantized)."""
+    return EXPERT_TILE_FORMATS.get(info.ggml_type, "q4_0-t32r4")
+
+
 def _requant_tensors(spec: ModelSpec) -> list[TensorInfo]:
-    """Expert tensors that are not Q4_0 (they get dequantized and re-quantized)."""
+    """Expert tensors of a type without a tile format (they get dequantized and
+    re-quantized to Q4_0)."""
     return [
         spec.expert_tensor(layer, j)
         for layer in spec.moe_layers
         for j in EXPERT_PROJECTIONS
-        if spec.expert_tensor(layer, j).ggml_type != "Q4_0"
+        if spec.expert_tensor(layer, j).ggml_type not in EXPERT_TILE_FORMATS
     ]
 
 
@@ -565,7 +576,7 @@ def _warn_requant(spec: ModelSpec, tensors: list[TensorInfo]) -> None:
     n_all = len(spec.moe_layers) * len(EXPERT_PROJECTIONS)
     sys.stderr.write(
         f"{bar}\nWARNING: {len(tensors)} of the {n_all} expert tensors of "
-        f"{Path(spec.path).name} are {', '.join(types)}, not Q4_0.\n"
+        f"{Path(spec.path).name} are {', '.join(types)}, neither Q4_0 nor Q8_0.\n"
         "They will be dequantized and RE-QUANTIZED to Q4_0 (double quantization): those packed\n"
         "experts are NOT bit-identical to the source and lose accuracy. For best quality pack\n"
         "a GGUF quantized to Q4_0 from the original weights (llama-quantize ... Q4_0).\n"
@@ -583,8 +594,9 @@ def planned_pack_bytes(spec: ModelSpec) -> int:
     for layer in spec.moe_layers:
         record = 0
         for j in EXPERT_PROJECTIONS:
-            _, rows, cols = spec.expert_tensor(layer, j).shape
-            record += _round_up(tile_nbytes(rows, cols))
+            info = spec.expert_tensor(layer, j)
+            _, rows, cols = info.shape
+            record += _round_up(tile_nbytes(rows, cols, expert_format(info)))
         experts += spec.n_experts * record
     header = min(spec.tensors.values(), key=lambda t: t.offset).offset
     return dense + experts + header + (1 << 20)
@@ -1001,9 +1013,10 @@ def _write_layer(
     off = 0
     for j in EXPERT_PROJECTIONS:
         _, rows, cols = infos[j].shape
-        nbytes = tile_nbytes(rows, cols)
+        fmt = expert_format(infos[j])
+        nbytes = tile_nbytes(rows, cols, fmt)
         padded = _round_up(nbytes)
-        projections[j] = ProjectionEntry(rows, cols, off, nbytes, padded)
+        projections[j] = ProjectionEntry(rows, cols, off, nbytes, padded, fmt)
         off += padded
     record_bytes = off
     layer_offset = out.position
@@ -1018,7 +1031,7 @@ def _write_layer(
             for j in EXPERT_PROJECTIONS:
                 p = projections[j]
                 raw = sources[j][expert]
-                if infos[j].ggml_type != "Q4_0":  # re-quantize (warned about up front)
+                if infos[j].ggml_type not in EXPERT_TILE_FORMATS:  # warned about up front
                     blocks = quantize_q4_0(
                         _dequantize_checked(raw, infos[j], f" (expert {expert})")
                     )
@@ -1026,7 +1039,9 @@ def _write_layer(
                     _check_finite(infos[j], f" (expert {expert})", raw=raw)
                     blocks = raw
                 pack_tiles(
-                    blocks, out=records[c, p.offset_in_record : p.offset_in_record + p.bytes]
+                    blocks,
+                    p.format,
+                    out=records[c, p.offset_in_record : p.offset_in_record + p.bytes],
                 )
         out.submit(records[: len(ids)], checksums)
         bar.update(len(ids) * src_bytes_per_expert)

@@ -190,11 +190,11 @@ def _compare_with_source(m: Manifest, src: Path, problems: list[str]) -> int:
                 for pos, expert in enumerate(layer.order):
                     start = layer.record_offset(pos) + p.offset_in_record
                     assert experts is not None
-                    got = unpack_tiles(experts[start : start + p.bytes], p.rows, p.cols)
+                    got = unpack_tiles(experts[start : start + p.bytes], p.rows, p.cols, p.format)
                     raw = reader.expert(info, expert)
                     want = (
                         raw
-                        if info.ggml_type == "Q4_0"
+                        if tile_format(p.format).ggml_type.name == info.ggml_type
                         else quantize_q4_0(dequantize_rows(raw, info))
                     )
                     if not np.array_equal(got, want):
