@@ -31,7 +31,7 @@ from .errors import BadRequestError, NonFiniteError
 from .experts import SCHEDULES, ExpertSource, GroupRecord, ResidentExperts, StreamedExperts
 from .metrics import build_events, op_times, run_metrics
 from .models import architecture
-from .models.ops import Ops, SeqLayout
+from .models.ops import ActivationPool, Ops, SeqLayout
 from .packed import PackedModel
 
 __all__ = [
@@ -249,9 +249,12 @@ class Engine:
         )
         # dense weights registered with the backend (dense_ops="backend"), on first use
         self._dense_shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        # every op of a pass on the expert backend (dense_ops="backend"): activations in its
-        # arena (memory registered with its executor; private memory on the host)
-        self._pool = self.backend.activations() if dense_ops == "backend" else None
+        # activations in memory registered with an executor backend (dense_ops="backend")
+        self._pool = (
+            ActivationPool(self.backend)
+            if dense_ops == "backend" and self.backend.kind != "host"
+            else None
+        )
         self.experts: ExpertSource | None = None  # type: ignore[assignment]
         try:
             if self.config is None:
@@ -568,9 +571,10 @@ class Engine:
         op_spans: list[tuple[str, int, float, float]] = []
         show = self.progress and sys.stderr.isatty()
         be = self.backend
-        # the backend's queue in the trace: every op it ran through a fence, with its times
-        be.trace = []
-        be.reset_stats()
+        remote = be.kind != "host"
+        if remote:  # the DSP queue of the trace: every op the executor runs, with its times
+            be.trace = []
+            be.reset_stats()
         t_start = time.perf_counter()
         if pool is not None:
             pool.begin_pass()
@@ -633,10 +637,12 @@ class Engine:
                 t_ne[layer] += s1 - s0
         metrics["layer_t_ne_s"] = t_ne
         metrics["op_time_s"] = op_times(op_spans)
-        dsp, be.trace = be.trace or [], None
-        metrics.update({f"backend_{k}": v for k, v in be.stats().items()})
-        if pool is not None:
-            metrics["activation_pool_bytes"] = pool.nbytes
+        dsp: list[tuple[str, float, float, float]] = []
+        if remote:
+            dsp, be.trace = be.trace or [], None
+            metrics.update({f"backend_{k}": v for k, v in be.stats().items()})
+            if pool is not None:
+                metrics["activation_pool_bytes"] = pool.nbytes
         events = build_events(t_start, spans, records, reads, op_spans, dsp)
         extra = {"events": events, "records": records, "reads": list(reads)}
         return out, hidden, metrics, extra
