@@ -106,3 +106,49 @@ def test_overrides_and_types(tmp_path: Path) -> None:
         synth_model("qwen3moe", "tiny", tmp_path / "x.gguf", dense_type="Q4_K")
     with pytest.raises(ValueError, match="unknown preset"):
         synth_model("olmoe", "huge", tmp_path / "x.gguf")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--seed", "-5"], "seed -5 must be an integer from 0 to 2**63 - 1"),
+        (["--seed", str(2**64)], "seed 18446744073709551616 must be"),
+        (["--vocab", "/etc/passwd"], "/etc/passwd is not a GGUF file"),
+        (["--vocab", "/"], "vocabulary /: not a regular file"),
+        (["--vocab", "NOVOCAB"], "has no tokenizer"),
+        (["--vocab", "TRUNCATED"], "is truncated inside its header"),
+    ],
+)
+def test_bad_synth_arguments_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], needle: str
+) -> None:
+    """`estream-synth` (and `estream synth`, which runs it) refuses a negative or huge seed and
+    a vocabulary that is not a GGUF with a tokenizer: exit 2, one line, no output file."""
+    from estream_layout.cli import synth_main
+
+    novocab = tmp_path / "novocab.gguf"
+    w = gguf.GGUFWriter(novocab, "gpt2")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(synth_model("olmoe", "tiny", tmp_path / "v.gguf").read_bytes()[:2000])
+    args = [{"NOVOCAB": str(novocab), "TRUNCATED": str(truncated)}.get(a, a) for a in args]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    out = tmp_path / "m.gguf"
+    rc = synth_main(["--arch", "olmoe", "--preset", "tiny", "-o", str(out), *args])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("estream-synth: error: ") and needle in lines[0], lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_synth_seed_is_checked_in_the_api(tmp_path: Path) -> None:
+    """The API refuses what the command refuses, with the same error class."""
+    from estream_layout import InvalidArgumentError
+
+    for seed in (-1, 1.5, True, "3"):
+        with pytest.raises(InvalidArgumentError, match="seed"):
+            synth_model("olmoe", "tiny", tmp_path / "m.gguf", seed=seed)  # type: ignore[arg-type]
+    assert not list(tmp_path.iterdir())

@@ -6,6 +6,7 @@ __all__ = [
     "ChecksumError",
     "DenseModelError",
     "InsufficientDiskSpaceError",
+    "InvalidArgumentError",
     "InvalidGGUFError",
     "InvalidMetadataError",
     "LayoutError",
@@ -94,3 +95,8 @@ class NonFiniteWeightsError(LayoutError):
 
 class InvalidMetadataError(InvalidGGUFError):
     """A GGUF metadata value is missing, of the wrong type or nonsensical (named in the message)."""
+
+
+class InvalidArgumentError(LayoutError, ValueError):
+    """An argument of a call or a command (a seed, a vocabulary file, ...) is out of range or of
+    the wrong kind (named in the message)."""

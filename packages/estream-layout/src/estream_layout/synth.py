@@ -27,9 +27,8 @@ from gguf import (
 from gguf.constants import GGML_QUANT_SIZES
 
 from .diskspace import check_disk_space
-from .errors import InvalidGGUFError
-from .gguf_header import read_header
-from .gguf_model import QK_NORM
+from .errors import InvalidArgumentError, InvalidGGUFError
+from .gguf_model import QK_NORM, _open_header
 from .pack import _Progress
 
 __all__ = [
@@ -370,7 +369,15 @@ def find_vocab(arch: str) -> Path | None:
 
 
 def _read_vocab(path: Path) -> list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
-    header = read_header(path)
+    """The tokenizer.ggml.* entries of a GGUF (an InvalidGGUFError if it is not one or has
+    no token list)."""
+    header = _open_header(path)
+    tokens = header.kv.get(Keys.Tokenizer.LIST)
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise InvalidGGUFError(
+            f"vocabulary {path}: the GGUF has no tokenizer ({Keys.Tokenizer.LIST} is not a "
+            "non-empty array of strings)"
+        )
     return [
         (key, val, *header.kv_types[key])
         for key, val in header.kv.items()
@@ -720,6 +727,8 @@ def synth_model(
     `progress` prints a progress line on stderr. Raises `InsufficientDiskSpaceError` before
     writing anything when the output's filesystem cannot hold the planned file.
     """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise InvalidArgumentError(f"seed {seed!r} must be an integer from 0 to 2**63 - 1")
     d = synth_dims(arch, preset)
     changes = {**(dims or {}), **overrides}
     if changes:
@@ -732,8 +741,10 @@ def synth_model(
         vocab_path = None
     elif vocab is not None:
         vocab_path = Path(vocab)
-        if not vocab_path.is_file():  # asked for by name: never silently substitute another
+        if not vocab_path.exists():  # asked for by name: never silently substitute another
             raise InvalidGGUFError(f"vocabulary {vocab}: no such file")
+        if not vocab_path.is_file():
+            raise InvalidGGUFError(f"vocabulary {vocab}: not a regular file")
     else:
         vocab_path = find_vocab(arch) if preset != "tiny" else None
     if vocab_path is not None:
