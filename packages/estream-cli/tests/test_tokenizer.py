@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from estream.tokenizer import (
@@ -261,6 +262,61 @@ def test_truncated_gguf(tmp_path: Path) -> None:
     cut.write_bytes(vocab_path("mpt").read_bytes()[:5000])
     with pytest.raises(GGUFReadError, match="truncated"):
         Tokenizer.from_gguf(cut)
+
+
+def test_corrupt_header_is_a_tokenizer_error(tmp_path: Path) -> None:
+    """A header the reader cannot parse (here the first value's type is 99) is the tokenizer's
+    own GGUFReadError naming the file, not the reader's ValueError."""
+    data = bytearray(vocab_path("mpt").read_bytes())
+    key_len = int.from_bytes(data[24:32], "little")
+    type_at = 32 + key_len
+    data[type_at : type_at + 4] = (99).to_bytes(4, "little")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(GGUFReadError, match=r"bad\.gguf: corrupt GGUF header"):
+        Tokenizer.from_gguf(bad)
+
+
+def test_metadata_is_read_by_the_layout_header_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tokenizer has no GGUF parser of its own: its metadata is what estream-layout's
+    `read_header` returns, token texts decoded with surrogate escapes."""
+    from estream.tokenizer import _gguf
+    from estream_layout import gguf_header
+
+    calls: list[tuple[Path, str]] = []
+
+    def spy(path: Path, *, strings: str = "replace") -> gguf_header.GGUFHeader:
+        calls.append((Path(path), strings))
+        return gguf_header.read_header(path, strings=strings)
+
+    monkeypatch.setattr(_gguf, "read_header", spy)
+    meta = read_tokenizer_metadata(vocab_path("mpt"))
+    assert calls == [(vocab_path("mpt"), "surrogateescape")]
+    assert (
+        meta["tokenizer.ggml.tokens"]
+        == gguf_header.read_header(vocab_path("mpt")).kv["tokenizer.ggml.tokens"]
+    )
+
+
+def test_token_texts_keep_bytes_that_are_not_utf8(tmp_path: Path) -> None:
+    """A token whose bytes are not UTF-8 keeps them (as surrogate escapes), and numeric arrays
+    come back as numpy arrays of the stored type."""
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "bytes.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    raw = [b"<unk>", b"\xff\xfe", b"a"]
+    w.add_token_list(raw)
+    w.add_token_scores([0.0, -1.5, -2.0])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    meta = read_tokenizer_metadata(path)
+    assert [t.encode("utf-8", "surrogateescape") for t in meta["tokenizer.ggml.tokens"]] == raw
+    scores = meta["tokenizer.ggml.scores"]
+    assert isinstance(scores, np.ndarray) and scores.dtype == np.float32
+    assert scores.tolist() == [0.0, -1.5, -2.0]
 
 
 def test_gguf_without_tokenizer(tmp_path: Path) -> None:

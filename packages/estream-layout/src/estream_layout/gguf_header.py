@@ -71,10 +71,11 @@ class GGUFHeader:
 
 
 class _Cursor:
-    def __init__(self, buf: bytes, fh: Any) -> None:
+    def __init__(self, buf: bytes, fh: Any, strings: str) -> None:
         self.buf = buf
         self.pos = 0
         self.fh = fh
+        self.strings = strings  # how string values decode bytes that are not UTF-8
 
     def need(self, n: int) -> None:
         while self.pos + n > len(self.buf):
@@ -90,18 +91,38 @@ class _Cursor:
         self.pos += size
         return v
 
-    def string(self) -> str:
+    def string(self, errors: str = "replace") -> str:
         n = self.unpack("<Q")
         if n > 1 << 32:
             raise ValueError(f"implausible string length {n}")
         self.need(n)
-        s = self.buf[self.pos : self.pos + n].decode("utf-8", errors="replace")
+        s = self.buf[self.pos : self.pos + n].decode("utf-8", errors)
         self.pos += n
         return s
 
+    def string_array(self, n: int) -> list[str]:
+        """`n` strings: the bulk of a tokenizer's header (150k+ token texts), so one loop with
+        the per-item work inlined."""
+        out: list[str] = []
+        append = out.append
+        unpack = struct.Struct("<Q").unpack_from
+        errors = self.strings
+        for _ in range(n):
+            if self.pos + 8 > len(self.buf):
+                self.need(8)
+            (ln,) = unpack(self.buf, self.pos)
+            if ln > 1 << 32:
+                raise ValueError(f"implausible string length {ln}")
+            start = self.pos + 8
+            if start + ln > len(self.buf):
+                self.need(8 + ln)
+            append(self.buf[start : start + ln].decode("utf-8", errors))
+            self.pos = start + ln
+        return out
+
     def value(self, vtype: GGUFValueType) -> tuple[Any, GGUFValueType | None]:
         if vtype == GGUFValueType.STRING:
-            return self.string(), None
+            return self.string(self.strings), None
         if vtype in _SCALAR:
             return self.unpack(_SCALAR[vtype]), None
         if vtype == GGUFValueType.ARRAY:
@@ -114,16 +135,20 @@ class _Cursor:
                 self.pos += n * dt.itemsize
                 return arr.tolist(), sub
             if sub == GGUFValueType.STRING:
-                return [self.string() for _ in range(n)], sub
+                return self.string_array(n), sub
             return [self.value(sub)[0] for _ in range(n)], sub
         raise ValueError(f"unknown GGUF value type {vtype}")
 
 
-def read_header(path: str | Path) -> GGUFHeader:
+def read_header(path: str | Path, *, strings: str = "replace") -> GGUFHeader:
     """Parse magic, version, metadata and tensor index. Raises EOFError/ValueError on a short
-    or malformed header (callers turn these into TruncatedGGUFError)."""
+    or malformed header (callers turn these into TruncatedGGUFError), OSError from open/read.
+
+    `strings` is the decoding error handler of string values (keys always use "replace"):
+    a tokenizer that must keep a token text's bytes that are not UTF-8 passes
+    "surrogateescape"."""
     with open(path, "rb") as fh:
-        cur = _Cursor(fh.read(1 << 20), fh)
+        cur = _Cursor(fh.read(1 << 20), fh, strings)
         if cur.unpack("<I") != 0x46554747:  # b"GGUF" little-endian
             raise ValueError("GGUF magic invalid")
         version = cur.unpack("<I")
