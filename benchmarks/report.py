@@ -62,10 +62,16 @@ def num(v: float | None) -> str:
     return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
+def trim(text: str) -> str:
+    """A fixed-point figure without trailing zeros ("13.50" -> "13.5"): no more digits than
+    were measured or stated."""
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
 def size(n: float | None) -> str:
     if n is None:
         return "–"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+    return trim(f"{n / 2**30:.2f}") + " GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def prompt(t: int) -> str:
@@ -75,7 +81,9 @@ def prompt(t: int) -> str:
 def ttft(run: dict[str, Any] | None) -> str:
     if not run:
         return "–"
-    return f"{run['ttft_s']:.2f} s" if "ttft_s" in run else str(run.get("error", "–"))
+    if "ttft_s" not in run:
+        return str(run.get("error", "–"))
+    return trim(f"{run['ttft_s']:.2f}") + " s"
 
 
 def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str = "ttft_s") -> str:
@@ -165,16 +173,19 @@ def render_vs_llama(f: Figures) -> Table:
 
 
 def render_scale(f: Figures) -> Table:
-    t = Table(["model", "prompt", "stream TTFT", "tokens/s", "stream peak", "llama.cpp TTFT",
-               "llama.cpp peak"], [])  # fmt: skip
+    t = Table(["model", "prompt", "stream TTFT", "tokens/s", "stream peak", "bytes read",
+               "overlap", "llama.cpp TTFT", "llama.cpp peak"], [])  # fmt: skip
     for preset, rec in f.get("presets", {}).items():
         runs = rec.get("runs", [])
         for T in sorted({r["length"] for r in runs}):
-            s = next((r for r in runs if r["system"] == "stream" and r["length"] == T), None)
+            s = next((r for r in runs if r["system"] == "stream" and r["length"] == T), {})
             ll = next((r for r in runs if r["system"] == "llama.cpp" and r["length"] == T), None)
-            tps = num(T / s["ttft_s"]) if s and "ttft_s" in s else "–"
-            t.rows.append([preset, prompt(T), ttft(s), tps, size((s or {}).get("peak_memory_bytes")),
-                           ttft(ll), size((ll or {}).get("peak_memory_bytes"))])  # fmt: skip
+            t.rows.append([
+                preset, prompt(T), ttft(s), num(T / s["ttft_s"]) if "ttft_s" in s else "–",
+                size(s.get("peak_memory_bytes")), size(s.get("bytes_read")),
+                f"{s['io_compute_overlap']:.2f}" if "io_compute_overlap" in s else "–",
+                ttft(ll), size((ll or {}).get("peak_memory_bytes")),
+            ])  # fmt: skip
     t.notes.append("The configurations and the (G, Q, B) sweep are in the result file.")
     return t
 
