@@ -4,7 +4,7 @@ The usage blocks are the fenced ``sh`` blocks of ``README.md`` and ``packages/*/
 Each command line (``\\``-continuations joined) runs through ``bash`` in a scratch directory, one
 directory per README and in the README's order, so the files one line writes are there for the
 next, with this environment's ``bin/`` first on ``PATH`` (the ``estream``, ``estream-synth`` and
-``estream-pack`` console scripts this session installed). Only three things change, each so the
+``estream-pack`` console scripts the nox session installed). Only three things change, each so the
 suite stays short and self-contained:
 
 * the large synthetic presets (``olmoe-1b-7b``, ``small``, and ``estream demo``'s default) become
