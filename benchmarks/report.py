@@ -162,13 +162,20 @@ def render_vs_llama(f: Figures) -> Table:
         over = "–"
         if "over_llama_bench_median" in s:
             lo, hi = s["over_llama_bench_range"]
-            over = f"{s['over_llama_bench_median']:.3f} ({lo:.3f}–{hi:.3f})"
-        t.rows.append([side, num(s["tokens_per_s_median"]), over,
+            med = s["over_llama_bench_median"]
+            over = f"{med:.2f} ({lo:.2f}–{hi:.2f})"
+        t.rows.append([side, trim(f"{s['tokens_per_s_median']:.1f}"), over,
                        f"{s['peak_rss_mib_median']:.0f} MiB"])  # fmt: skip
-    t.notes.append(
-        f"{Path(f['gguf']).name}, {f['tokens']} tokens, {f['threads']} threads, "
-        f"{len(next(iter(f['runs'].values()), []))} rounds."
-    )
+    rounds = [len(v) for v in f.get("runs", {}).values()]
+    facts = [
+        Path(f["gguf"]).name if f.get("gguf") else None,
+        f"{f['tokens']} tokens" if f.get("tokens") else None,
+        f"{f['threads']} threads" if f.get("threads") else None,
+        f"{max(rounds)} rounds" if rounds else None,
+        f"llama-bench {f['llama_args']}" if f.get("llama_args") else None,
+        f"`stream` under a {size(f['budget_bytes'])} budget" if f.get("budget_bytes") else None,
+    ]
+    t.notes.append(", ".join(x for x in facts if x) + ".")
     return t
 
 
@@ -373,7 +380,7 @@ def render_packets(f: Figures) -> Table:
     for name, c in f.items():
         if not isinstance(c, dict) or "per_tile" not in c:
             continue
-        per = " / ".join(f"{c['per_tile'][n]:.0f}" for n in ("1", "8", "64"))
+        per = " / ".join(num(c["per_tile"].get(n)) for n in ("1", "8", "64"))
         t.rows.append([name, f"{c['per_tile_setup']:.0f}", f"{c['per_tile_per_token']:.0f}", per])
     t.notes.append("Hexagon packets executed (QEMU's execution log), one 32-row strip.")
     return t

@@ -293,7 +293,7 @@ FIGURES: dict[str, tuple[dict[str, Any], str]] = {
                      "stream": {"tokens_per_s_median": 125.0, "peak_rss_mib_median": 50.0,
                                 "over_llama_bench_median": 0.5,
                                 "over_llama_bench_range": [0.4, 0.6]}}},
-        "| stream | 125 | 0.500 (0.400–0.600) | 50 MiB |",
+        "| stream | 125 | 0.50 (0.40–0.60) | 50 MiB |",
     ),
     "bench_scale": (
         {"presets": {"qwen3-30b-a3b": {"runs": [
