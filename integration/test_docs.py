@@ -31,7 +31,19 @@ TIMEOUT_S = 600
 
 # -- no tracker references, no work logs ------------------------------------------------------
 # Folders that are never part of the repository's content (virtualenvs, build output, caches).
-_NOT_SOURCE = {".git", ".venv", ".nox", "build", "dist", "__pycache__", ".cache", ".eggs"}
+_NOT_SOURCE = {
+    ".git",
+    ".venv",
+    ".nox",
+    "build",
+    "dist",
+    "__pycache__",
+    ".cache",
+    ".eggs",
+    ".hypothesis",
+    ".pytest_cache",
+    ".ruff_cache",
+}
 # Generated benchmark results: dated by design. The README's headline table is generated from them
 # between these markers.
 _RESULTS_DIRS = {"results", "bench-results"}
@@ -61,10 +73,10 @@ WORKLOG_PATTERNS: dict[str, re.Pattern[str]] = {
 
 
 def repository_files() -> list[Path]:
-    """The repository's files: ``git ls-files`` in a checkout, else every file under the root
-    outside virtualenvs, build output and caches."""
+    """The repository's tracked files (``git ls-files``) in a checkout, else every file under
+    the root outside virtualenvs, build output and caches."""
     proc = subprocess.run(
-        ["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        ["git", "-C", str(ROOT), "ls-files", "-z", "--cached"],
         capture_output=True,
     )
     if proc.returncode == 0 and proc.stdout:
