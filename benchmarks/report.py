@@ -342,11 +342,17 @@ def render_parity(f: Figures) -> Table:
 
 def render_eval_parity(f: Figures) -> Table:
     t = Table(["arch", "context", "windows", "EStream perplexity", "llama.cpp perplexity",
-               "ratio", "top-1 agreement"], [])  # fmt: skip
+               "ratio", "paired ΔNLL per token", "top-1 agreement"], [])  # fmt: skip
+
+    def ppl(side: dict[str, Any]) -> str:
+        se = side.get("perplexity_stderr")
+        return f"{side['perplexity']:.6g}" + (f" ± {se:.5g}" if se is not None else "")
+
     for r in f["rows"]:
+        d, se = r.get("nll_diff_mean"), r.get("nll_diff_stderr")
         t.rows.append([
-            r["arch"], str(r["ctx"]), str(r["windows"]), f"{r['estream']['perplexity']:.4f}",
-            f"{r['llama_cpp']['perplexity']:.4f}", f"{r['ppl_ratio']:.5f}",
+            r["arch"], str(r["ctx"]), str(r["windows"]), ppl(r["estream"]), ppl(r["llama_cpp"]),
+            f"{r['ppl_ratio']:.4f}", f"{d:+.5f} ± {se:.5f}" if d is not None else "–",
             f"{r['top1_agreement']:.3f}",
         ])  # fmt: skip
     t.notes.append(f"`estream eval perplexity` on {f['text']} ({f['chars']} characters).")

@@ -355,9 +355,11 @@ FIGURES: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "eval_parity": (
         {"text": "docs/design.md", "chars": 4000, "rows": [{
-            "arch": "olmoe", "ctx": 128, "windows": 7, "estream": {"perplexity": 10.0},
-            "llama_cpp": {"perplexity": 10.01}, "ppl_ratio": 0.999, "top1_agreement": 0.99}]},
-        "| olmoe | 128 | 7 | 10.0000 | 10.0100 | 0.99900 | 0.990 |",
+            "arch": "olmoe", "ctx": 128, "windows": 7,
+            "estream": {"perplexity": 10.0, "perplexity_stderr": 0.5},
+            "llama_cpp": {"perplexity": 10.01, "perplexity_stderr": 0.5}, "ppl_ratio": 0.999,
+            "nll_diff_mean": -0.001, "nll_diff_stderr": 0.002, "top1_agreement": 0.99}]},
+        "| olmoe | 128 | 7 | 10 ± 0.5 | 10.01 ± 0.5 | 0.9990 | -0.00100 ± 0.00200 | 0.990 |",
     ),
     "bench_hexagon": (
         {"c_host": {"median_us": 0.7, "p10_us": 0.6, "p90_us": 0.9},
