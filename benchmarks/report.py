@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +74,12 @@ def size(n: float | None) -> str:
     return trim(f"{n / 2**30:.2f}") + " GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+def seconds(values: Iterable[float | None]) -> str:
+    """Figures in seconds, joined by ' / ' ('–' for each one missing, or alone if all are)."""
+    cells = [num(v) for v in values]
+    return "–" if all(c == "–" for c in cells) else " / ".join(cells) + " s"
+
+
 def prompt(t: int) -> str:
     return f"{t // 1024}K" if t % 1024 == 0 else str(t)
 
@@ -115,7 +121,7 @@ def render_engine(f: Figures) -> Table:
     for T in _engine_lengths(f, False):
         s, r, ll = (_engine_run(f, x, T, False) for x in ("stream", "resident", "llama.cpp"))
         peaks = " / ".join(size((x or {}).get("peak_memory_bytes")) for x in (s, r, ll))
-        steal = " / ".join(num((x or {}).get("steal_s")) for x in (s, r)) + " s"
+        steal = seconds((x or {}).get("steal_s") for x in (s, r))
         cfg = ", ".join(str(s[k]) for k in "GQB") if s and all(k in s for k in "GQB") else "–"
         t.rows.append(
             [prompt(T), ttft(s), ttft(r), ttft(ll), ratio(s, r), ratio(s, ll), peaks, steal, cfg]
@@ -124,7 +130,7 @@ def render_engine(f: Figures) -> Table:
     for T in _engine_lengths(f, True):
         s, ll = (_engine_run(f, x, T, True) for x in ("stream", "llama.cpp"))
         peaks = " / ".join(size((x or {}).get("peak_memory_bytes")) for x in (s, None, ll))
-        steal = num((s or {}).get("steal_s")) + " s"
+        steal = seconds([(s or {}).get("steal_s")])
         t.rows.append(
             [f"{prompt(T)} in a {budget} cgroup", ttft(s), "–", ttft(ll), "–", ratio(s, ll),
              peaks, steal, "–"]
@@ -570,8 +576,8 @@ def render_page(results: dict[str, list[tuple[Path, dict[str, Any]]]]) -> str:
         "`benchmarks/results/`. Every `nox -s bench_*` session (and `parity`, `eval_parity`,",
         "`hexagon`) records its run there as one JSON file: the machine (CPU model and flags,",
         "cores), the 1-minute load average before and after, the hypervisor's steal during the",
-        "run, the commit, the date, the exact command and the script's own figures. Earlier runs",
-        "stay in git's history of that folder.",
+        "run, the commit, the date, the exact command and the script's own figures. Older results",
+        "stay in that folder; this page shows the newest of each benchmark.",
         "",
         f"A run whose load average exceeded {LOADED_PER_CORE} per core (1.5 on a 2-core machine) "
         "before or after it",
