@@ -118,9 +118,11 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
         prog="estream-synth",
         description="Write a synthetic GGUF MoE model that llama.cpp can load.",
     )
-    ap.add_argument("--arch", required=True, choices=ARCHES)
-    ap.add_argument("--preset", required=True, choices=PRESETS)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arch", required=True, choices=ARCHES, help="model family to imitate")
+    ap.add_argument(
+        "--preset", required=True, choices=PRESETS, help="size and shape (tiny: for tests)"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     ap.add_argument(
         "--vocab",
         help="GGUF to copy tokenizer.ggml.* from (default: by family; '-': a generated one)",
