@@ -164,6 +164,20 @@ def test_engine_table_and_headline_figures(tmp_path: Path) -> None:
     assert "| 4K tokens | 12 s | 16 s | 32 s | 0.750 | 0.375 |" in head
 
 
+def test_the_headline_skips_a_newer_loaded_run(tmp_path: Path) -> None:
+    """The README headline shows the newest bench_engine run not taken on a loaded machine; a
+    newer loaded run appears on the page (marked) but does not replace the headline."""
+    recorded(tmp_path, "bench_engine", engine_figures(stream=3.0), (0.1, 0.1))
+    time.sleep(1.1)  # result files are named by the second
+    recorded(tmp_path, "bench_engine", engine_figures(stream=5.0), (0.1, 99.0))
+    results = report.load_results(tmp_path / "results")
+    assert "| 1K tokens | 3 s |" in report.headline(results)
+    assert "| 1K | 5 s |" in report.render_page(results)
+    time.sleep(1.1)
+    recorded(tmp_path, "bench_engine", engine_figures(stream=2.5), (0.1, 0.1))
+    assert "| 1K tokens | 2.5 s |" in report.headline(report.load_results(tmp_path / "results"))
+
+
 def test_the_newest_result_is_rendered(tmp_path: Path) -> None:
     """Of several results of one benchmark the page shows the newest by date, and a recorded
     run is newer than a transcribed one of the same day."""
