@@ -48,9 +48,10 @@ class Table:
     notes: list[str] = field(default_factory=list)
 
     def markdown(self) -> list[str]:
-        out = ["| " + " | ".join(self.headers) + " |", "|" + "---|" * len(self.headers)]
-        out += ["| " + " | ".join(r) + " |" for r in self.rows]
-        return out
+        def line(cells: list[str]) -> str:  # a cell's own '|' or line break would split it
+            return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+
+        return [line(self.headers), "|" + "---|" * len(self.headers), *map(line, self.rows)]
 
 
 # -- formatting ---------------------------------------------------------------------------------
@@ -64,8 +65,8 @@ def num(v: float | None) -> str:
 
 
 def trim(text: str) -> str:
-    """A fixed-point figure without trailing zeros ("13.50" -> "13.5"): no more digits than
-    were measured or stated."""
+    """A fixed-point figure without trailing zeros ("13.50" -> "13.5"), so that a figure
+    transcribed as 13.5 is not shown as 13.50."""
     return text.rstrip("0").rstrip(".") if "." in text else text
 
 

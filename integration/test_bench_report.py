@@ -388,6 +388,12 @@ FIGURES: dict[str, tuple[dict[str, Any], str]] = {
 }  # fmt: skip
 
 
+def test_a_cell_with_a_bar_or_line_break_stays_one_cell() -> None:
+    """An error message holding '|' or a line break does not split or end its table row."""
+    t = report.Table(["a", "b"], [["exit 1: x | y\nz", "ok"]])
+    assert t.markdown()[2] == "| exit 1: x \\| y z | ok |"
+
+
 @pytest.mark.parametrize("bench", sorted(record.BENCHES))
 def test_each_renderer_makes_a_well_formed_table(bench: str) -> None:
     """Each benchmark's renderer turns figures of its script's shape into a table whose rows
