@@ -25,6 +25,7 @@ instructions, not cycles: they say what the kernel asks of a core, not how fast 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -64,10 +65,14 @@ def missing_tools() -> list[str]:
 def build_selftest(exe: Path, csrc: Path | None = None) -> Path:
     """Cross-compile neon_selftest.c with the C sources of ``csrc`` (default: the package's)
     into ``exe`` with the flags the package is built with."""
-    from estream_htp._buildcfg import BASE_CFLAGS
-
+    spec = importlib.util.spec_from_file_location(
+        "_htp_buildcfg", PKG / "src/estream_htp/_buildcfg.py"
+    )
+    assert spec and spec.loader
+    cfg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cfg)  # the tree's flags, whatever estream_htp is installed
     csrc = csrc or PKG / "csrc"
-    cmd = [CC, *BASE_CFLAGS, "-static", f"-I{csrc}", *sorted(str(p) for p in csrc.glob("*.c")),
+    cmd = [CC, *cfg.BASE_CFLAGS, "-static", f"-I{csrc}", *sorted(str(p) for p in csrc.glob("*.c")),
            str(PKG / "tools" / "neon_selftest.c"), "-lm", "-o", str(exe)]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
