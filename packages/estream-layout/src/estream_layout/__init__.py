@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .checks import check_pack
 from .diskspace import check_disk_space
 from .errors import (
     ChecksumError,
@@ -92,6 +93,7 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "check_disk_space",
+    "check_pack",
     "dense_format",
     "dequantize_blocks",
     "dequantize_tensor",

@@ -29,6 +29,7 @@ from typing import Any, Final
 import attrs
 
 from .errors import PackFormatError
+from .gguf_model import FAMILIES
 from .tiles import TILE, tile_nbytes
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "dense_nbytes",
     "manifest_digest",
     "manifest_lock",
+    "stream_config_problem",
     "update_manifest",
     "write_json_atomic",
 ]
@@ -497,9 +499,36 @@ def _parse(r: _Reader, data: Mapping[str, Any], root: Path) -> Manifest:
     )
 
 
+def stream_config_problem(G: int, Q: int, B: int, n_experts: int) -> tuple[str, str] | None:
+    """What is wrong with streaming a layer of `n_experts` experts in groups of `G`, `Q` reads
+    in flight and `B` arena banks (None when nothing): 1 <= G <= n_experts and
+    1 <= Q <= B <= 2 x ceil(n_experts / G), one layer's groups and the next's (what the
+    configurator chooses from and what the layer mode uses). Returns (the parameter, why)."""
+    if not 1 <= G <= n_experts:
+        return "G", f"{G} must be between 1 and n_experts = {n_experts}"
+    banks = 2 * -(-n_experts // G)
+    if not 1 <= B <= banks:
+        return "B", (
+            f"{B} must be between 1 and 2 x ceil(n_experts / G) = {banks} banks (one layer's "
+            "groups and the next's)"
+        )
+    if not 1 <= Q <= B:
+        return "Q", f"{Q} must be between 1 and B = {B} (a read in flight fills a bank)"
+    return None
+
+
 def _validate(r: _Reader, m: Manifest) -> None:
     """Cross-field checks: everything a reader relies on before it touches a byte."""
     spec = m.spec
+    family = FAMILIES.get(m.arch)
+    if family is None:
+        raise r.fail("arch", f"{m.arch!r} is not an architecture estream-layout packs")
+    if spec.get("arch") != m.arch or spec.get("family") != family:
+        raise r.fail(
+            "arch",
+            f"{m.arch!r} (a {family} model), but spec.arch is {spec.get('arch')!r} and "
+            f"spec.family {spec.get('family')!r}",
+        )
     n_layers = r.integer(spec.get("n_layers"), "spec.n_layers", 1, 1 << 20)
     n_embd = r.integer(spec.get("n_embd"), "spec.n_embd", 1, 1 << 24)
     n_experts = r.integer(spec.get("n_experts"), "spec.n_experts", 1, MAX_EXPERTS)
@@ -585,8 +614,12 @@ def _validate(r: _Reader, m: Manifest) -> None:
         if t is not None and t.shape != want:
             f = f"dense.tensors[{name!r}].shape"
             raise r.fail(f, f"{list(t.shape)}, expected {list(want)} from spec")
-    if m.config is not None and m.config["G"] > n_experts:
-        raise r.fail("config.G", f"{m.config['G']} exceeds n_experts = {n_experts}")
+    if m.config is not None:
+        field, problem = stream_config_problem(
+            m.config["G"], m.config["Q"], m.config["B"], n_experts
+        ) or (None, None)
+        if problem:
+            raise r.fail(f"config.{field}", problem)
 
 
 def _check_files(r: _Reader, m: Manifest) -> None:

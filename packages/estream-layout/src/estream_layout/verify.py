@@ -7,6 +7,7 @@ bit (re-quantized experts and converted dense tensors are compared with a fresh 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
 from pathlib import Path
@@ -15,10 +16,12 @@ from typing import Any
 import attrs
 import numpy as np
 
+from .checks import check_pack
+from .errors import ChecksumError
 from .gguf_model import EXPERT_PROJECTIONS, ModelSpec, TensorReader, dequantize_rows
-from .manifest import Manifest
+from .manifest import LayerEntry, Manifest
 from .pack import _QUANT_PASSTHROUGH, dense_format
-from .tiles import quantize_q4_0, quantize_q8_0, tile_format, unpack_tiles
+from .tiles import TILE, quantize_q4_0, quantize_q8_0, tile_format, unpack_tiles
 
 __all__ = [
     "VerifyReport",
@@ -27,6 +30,7 @@ __all__ = [
     "format_inspect",
     "inspect_pack",
     "nonfinite_dense",
+    "nonfinite_record",
     "verify_checksums",
     "verify_pack",
 ]
@@ -92,13 +96,38 @@ def nonfinite_dense(m: Manifest, blob: np.ndarray) -> list[str]:
     out = []
     for t in m.dense.values():
         buf = blob[t.offset : t.offset + t.bytes]
-        if t.format == "f32":
-            ok = np.isfinite(buf.view(np.float32)).all()
-        else:
-            tile = tile_format(t.format).tile_bytes
-            ok = np.isfinite(buf.reshape(-1, tile)[:, :64].copy().view(np.float16)).all()
-        if not ok:
-            out.append(f"{m.dense_file}: dense tensor {t.name} holds NaN or infinite values")
+        if not _finite(buf, _tile_bytes(t.format)):
+            out.append(_dense_nan_problem(m, t.name))
+    return out
+
+
+def _tile_bytes(fmt: str) -> int:
+    """Bytes of one tile of a tiled format; 0 for f32."""
+    return 0 if fmt == "f32" else tile_format(fmt).tile_bytes
+
+
+def _finite(buf: Any, tile: int) -> bool:
+    """Whether `buf` (whole tiles of `tile` bytes, or float32 values when `tile` is 0) holds
+    only finite weights: every f32 value, or the 32 fp16 row scales that start every tile."""
+    a = np.frombuffer(buf, dtype=np.uint8)
+    if not tile:
+        return bool(np.isfinite(a.view(np.float32)).all())
+    return bool(np.isfinite(a.reshape(-1, tile)[:, :64].copy().view(np.float16)).all())
+
+
+def _dense_nan_problem(m: Manifest, name: str) -> str:
+    return f"{m.dense_file}: dense tensor {name} holds NaN or infinite values"
+
+
+def nonfinite_record(m: Manifest, layer: LayerEntry, record: Any) -> list[str]:
+    """The projections of one expert record (bytes of `layer.record_bytes`) whose tiles hold a
+    NaN or infinite fp16 scale: a weight that turns every activation it meets into NaN."""
+    out = []
+    for j, p in layer.projections.items():
+        n_tiles = -(-p.rows // TILE) * (p.cols // TILE)
+        body = record[p.offset_in_record : p.offset_in_record + p.bytes]
+        if not _finite(body, p.bytes // n_tiles):
+            out.append(j)
     return out
 
 
@@ -118,19 +147,24 @@ def verify_checksums(m: Manifest, problems: list[str]) -> tuple[int, int]:
     with open(m.dense_path, "rb") as fh:
         for t in sorted(m.dense.values(), key=lambda t: t.offset):
             fh.seek(t.offset)
-            crc, left = 0, t.bytes
+            tile = _tile_bytes(t.format)
+            step = max(1, (16 << 20) // tile) * tile if tile else 16 << 20  # whole tiles
+            crc, left, finite = 0, t.bytes, True
             while left:
-                chunk = fh.read(min(left, 16 << 20))
+                chunk = fh.read(min(left, step))
                 if not chunk:
                     break
                 crc = zlib.crc32(chunk, crc)
                 left -= len(chunk)
+                finite = finite and (len(chunk) % (tile or 4) != 0 or _finite(chunk, tile))
             n_bytes += t.bytes
             if left or crc != t.crc32:
                 problems.append(
                     f"{m.dense_file}: checksum mismatch in dense tensor {t.name}; the file is "
                     "corrupt or from another model, re-pack"
                 )
+            elif not finite:  # what every load refuses (the crc only says the bytes are intact)
+                problems.append(_dense_nan_problem(m, t.name))
     n_records = 0
     with open(m.experts_path, "rb") as fh:
         for layer in m.layers:
@@ -142,6 +176,12 @@ def verify_checksums(m: Manifest, problems: list[str]) -> tuple[int, int]:
                     break
                 if zlib.crc32(rec) != layer.checksums[pos]:
                     problems.append(_record_problem(m, layer.index, pos, layer.order[pos]))
+                elif bad := nonfinite_record(m, layer, rec):
+                    problems.append(
+                        f"{m.experts_file}: layer {layer.index}: expert {layer.order[pos]} "
+                        f"(storage position {pos}) has NaN or infinite block scales in "
+                        f"{', '.join(bad)}; the pack is corrupt, re-pack"
+                    )
                 n_records += 1
                 n_bytes += len(rec)
     return n_records, n_bytes
@@ -153,9 +193,13 @@ def verify_pack(
     """Check a packed model: the manifest validation every load runs (types, ranges, sizes
     against the files, its own sha256), then every checksum (model.gguf, each dense tensor,
     each expert record), and (with `against`, the source GGUF) that every packed tile unpacks
-    to the source's blocks bit for bit. A manifest that does not validate raises
-    PackFormatError; checksum and source differences are reported in `problems`."""
+    to the source's blocks bit for bit. Every check a load runs comes first (`check_pack`): a
+    manifest or pack that would not load raises PackFormatError (or ChecksumError) with the
+    message the load gives; checksum differences, NaN/infinite weights (which a load refuses
+    too) and source differences are reported in `problems`."""
     m = Manifest.from_path(path)
+    with contextlib.suppress(ChecksumError):  # model.gguf's: reported below with the others
+        check_pack(m)
     problems: list[str] = []
     n_records, n_bytes = verify_checksums(m, problems)
     compared = 0
