@@ -43,12 +43,26 @@ NM = "aarch64-linux-gnu-nm"
 QEMU_NAMES = ("qemu-aarch64", "qemu-aarch64-static")
 KINDS = ("sdot", "mmla", "load", "store", "fp", "convert", "int_vector", "branch", "scalar")
 
-# (label, kernel symbol, tile format, table the strip GEMM runs on)
-KERNELS = (
-    ("neon_q4_0", "q4q8_strip_neon", "q4_0", "neon"),
-    ("portable_q4_0", "q4q8_strip_portable", "q4_0", "portable"),
-    ("neon_q8_0", "htp_q8q8_strip_portable", "q8_0", "neon"),
-)
+# the strip entries of an htp_isa table and the tile format each multiplies
+STRIP_FORMATS = {"q4q8_strip": "q4_0", "q8q8_strip": "q8_0"}
+
+
+def kernels(csrc: Path | None = None) -> list[tuple[str, str, str, str]]:
+    """(label, kernel symbol, tile format, table) of every strip kernel the neon table
+    (htp_neon.c) names, then the portable Q4_0 kernel (htp_core.c) for comparison: read from the
+    tables' initializers, so a new kernel is traced without editing this list."""
+    csrc = csrc or PKG / "csrc"
+    out = []
+    for table, source in (("neon", "htp_neon.c"), ("portable", "htp_core.c")):
+        text = (csrc / source).read_text()
+        body = re.search(rf"const htp_isa htp_isa_{table} = \{{(.*?)\}};", text, re.S)
+        if body is None:
+            raise SystemExit(f"no htp_isa_{table} table in {csrc / source}")
+        for entry, func in re.findall(r"\.(\w+_strip)\s*=\s*(\w+)", body.group(1)):
+            fmt = STRIP_FORMATS.get(entry)
+            if fmt and (table == "neon" or fmt == "q4_0"):
+                out.append((f"{table}_{fmt}", func, fmt, table))
+    return out
 
 
 def qemu() -> str | None:
@@ -215,7 +229,7 @@ def main(argv: list[str]) -> int:
             print(f"neon_instr_mix: {exe}: no such file", file=sys.stderr)
             return 1
         res: dict[str, object] = {"executable": str(exe) if "--exe" in opts else "built"}
-        for label, func, fmt, simd in KERNELS:
+        for label, func, fmt, simd in kernels():
             res[label] = tile_mix(exe, func, fmt, simd)
     if "--json" in opts:
         out = Path(opts["--json"])
