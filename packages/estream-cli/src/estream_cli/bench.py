@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from estream import memory
-from estream.errors import BadRequestError
+from estream.errors import BadRequestError, EStreamError
 
 __all__ = ["cpu_steal_s", "drop_page_cache", "parse_steal_ticks", "run_bench", "run_one"]
 
@@ -84,7 +84,9 @@ def run_one(
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     steal1 = cpu_steal_s()
     if proc.returncode != 0:
-        raise RuntimeError(f"prefill ({mode}, T={len(tokens)}) failed: {proc.stderr.strip()}")
+        lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
+        why = lines[-1].removeprefix("estream: error: ")
+        raise EStreamError(f"the {mode} run of {len(tokens)} tokens failed: {why}")
     m = json.loads(proc.stdout)["metrics"]
     if steal0 is not None and steal1 is not None:
         m["steal_s"] = steal1 - steal0
@@ -92,17 +94,25 @@ def run_one(
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    try:
-        lengths = [int(x) for x in args.lengths.split(",") if x]
-    except ValueError:
-        raise BadRequestError(f"--lengths takes integers, got {args.lengths!r}") from None
-    modes = [m for m in args.modes.split(",") if m]
     from estream.engine import MODES
     from estream.packed import PackedModel
 
+    from .options import parse_ints
+
+    lengths = parse_ints(args.lengths, "--lengths", minimum=1)
+    modes = [m.strip() for m in args.modes.split(",")]
     for m in modes:
         if m not in MODES:
-            raise BadRequestError(f"unknown mode {m!r} (choose from {', '.join(MODES)})")
+            raise BadRequestError(
+                f"--modes: unknown mode {m!r} (give comma-separated modes among {', '.join(MODES)})"
+            )
+    if args.budget is not None and "stream" not in modes:
+        raise BadRequestError(
+            "--budget applies to the stream runs only, and --modes has no stream: drop it "
+            "or add stream to --modes"
+        )
+    if args.budget is not None:
+        memory.parse_bytes(args.budget)  # a bad budget is refused before any run
     model = PackedModel(args.model)
     hp = model.hparams
     rng = np.random.default_rng(0)

@@ -21,7 +21,7 @@ from estream.errors import BadRequestError
 
 from .options import add_engine_opts, engine_from_args, positive_int
 from .output import STDOUT, check_output, stdout_claimed, write_json
-from .task_commands import read_jsonl_named, read_text
+from .task_commands import MODEL_HELP, read_jsonl_named, read_text
 
 __all__ = ["add_eval_command"]
 
@@ -260,7 +260,7 @@ def add_eval_command(sub: Any) -> None:
         description=_PPL_HELP,
         formatter_class=raw,
     )
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--text-file", required=True, metavar="F", help="UTF-8 text ('-': stdin)")
     p.add_argument(
         "--ctx",
@@ -281,7 +281,7 @@ def add_eval_command(sub: Any) -> None:
         description=_CHOICE_HELP,
         formatter_class=raw,
     )
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument(
         "--input",
         required=True,
@@ -299,7 +299,7 @@ def add_eval_command(sub: Any) -> None:
         description=_CLOZE_HELP,
         formatter_class=raw,
     )
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
         "--input", metavar="F.jsonl", help="passages {\"text\": ...} one per line ('-': stdin)"

@@ -15,11 +15,20 @@ from typing import Any
 import numpy as np
 
 from estream import memory
-from estream.errors import BadRequestError, EStreamError
+from estream.errors import BadRequestError, EStreamError, PackError
 
-from .options import add_engine_opts, engine_from_args, positive_int
+from .messages import describe, plural
+from .options import (
+    add_engine_opts,
+    check_engine_opts,
+    engine_from_args,
+    int_list,
+    parse_ints,
+    positive_int,
+)
 from .output import check_output, stdout_claimed, write_output, write_output_named
 from .report import print_metrics, public_metrics, write_trace
+from .task_commands import MODEL_HELP
 
 __all__ = ["main"]
 
@@ -34,13 +43,9 @@ def _log(msg: str) -> None:
 
 # -- token input ------------------------------------------------------------------------------
 def _parse_ids(text: str, option: str = "--tokens") -> list[int]:
-    parts = [p for p in text.replace(",", " ").split() if p]
-    try:
-        return [int(p) for p in parts]
-    except ValueError:
-        raise BadRequestError(
-            f"{option} takes comma-separated integer ids, got {text[:40]!r}"
-        ) from None
+    """Comma-separated token ids in ASCII digits (a negative one is left to the vocabulary
+    check, which names it)."""
+    return parse_ints(text, option, noun="integer ids")
 
 
 # Options whose value is text for the tokenizer (not a path): must be valid UTF-8.
@@ -72,21 +77,15 @@ def _tokenizer(model: str | Path) -> Any:
 
 def _tokens_from_args(args: argparse.Namespace) -> tuple[list[int], Any]:
     tok = None
-    if getattr(args, "tokens", None):
+    if getattr(args, "tokens", None) is not None:
         return _parse_ids(args.tokens), None
     text = None
     if getattr(args, "prompt", None) is not None:
         text = args.prompt
     elif getattr(args, "prompt_file", None):
-        try:
-            text = Path(args.prompt_file).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise BadRequestError(f"cannot read prompt file {args.prompt_file}: {exc}") from None
-        except UnicodeDecodeError as exc:
-            raise BadRequestError(
-                f"prompt file {args.prompt_file} is not UTF-8 text ({exc.reason} at byte "
-                f"{exc.start})"
-            ) from None
+        from .task_commands import MAX_PROMPT_BYTES, read_text
+
+        text, _ = read_text(args.prompt_file, "prompt file", MAX_PROMPT_BYTES)
     if text is None:
         raise BadRequestError("give the prompt as --tokens 1,2,3, --prompt TEXT or --prompt-file F")
     tok = _tokenizer(args.model)
@@ -130,7 +129,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         }
         print(json.dumps(doc, indent=1), file=report)
     else:
-        print(f"next-token top-{len(top)} after {len(ids)} tokens:", file=report)
+        print(f"next-token top-{len(top)} after {plural(len(ids), 'token')}:", file=report)
         for i, p in top:
             piece = _piece(tok, i)
             line = f"  {i:>8d}  {p:8.4f}  {piece!r}" if piece else f"  {i:>8d}  {p:8.4f}"
@@ -145,9 +144,22 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from estream.packed import PackedModel
     from estream.profiling import profile_model
 
-    cands = tuple(int(x) for x in args.candidates.split(","))
-    qs = tuple(int(x) for x in args.queue_depths.split(","))
-    _log(f"profiling {args.model}: one calibration request per g ∈ {cands}, {args.tokens} tokens")
+    hp = PackedModel(args.model).hparams
+    if args.tokens > hp.n_ctx:
+        raise BadRequestError(
+            f"--tokens {args.tokens} is longer than the model context ({hp.n_ctx} tokens)"
+        )
+    cands = tuple(args.candidates)
+    big = [g for g in cands if g > hp.n_experts]
+    if big:
+        raise BadRequestError(
+            f"--candidates {big[0]} is larger than the model's {hp.n_experts} experts per layer"
+        )
+    qs = tuple(args.queue_depths)
+    _log(
+        f"profiling {args.model}: one calibration request per g ∈ {cands}, "
+        f"{plural(args.tokens, 'token')}"
+    )
     t0 = time.perf_counter()
     prof = profile_model(
         args.model,
@@ -292,25 +304,58 @@ def cmd_detokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The order of the commands in a model's life, shown by `estream --help`.
+WORKFLOW = """\
+workflow (one model, in this order):
+  1. estream synth --arch olmoe --preset tiny -o m.gguf   a synthetic model (or bring a GGUF)
+  2. estream pack m.gguf -o m.estream                     pack it for streaming
+  3. estream profile m.estream                            calibrate this machine's storage
+  4. estream config m.estream --budget 1.5GiB             choose G, Q, B for a memory budget
+  5. estream prefill m.estream --prompt "..."             run it; or the tasks classify,
+     score, rerank, embed; or eval perplexity|choice|cloze
+`estream demo` runs steps 1-5 on a synthetic model; `estream COMMAND --help` for each command.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="estream",
         description="Streamed prefill-only MoE inference: experts stay in storage.",
+        epilog=WORKFLOW,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("synth", help="write a synthetic GGUF MoE model (see estream-synth -h)")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="estream-synth's arguments")
     p.set_defaults(func=cmd_synth)
     p = sub.add_parser("pack", help="pack a GGUF model into NAME.estream (see estream-pack -h)")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="estream-pack's arguments")
     p.set_defaults(func=cmd_pack)
 
     p = sub.add_parser("profile", help="calibrate: one request per candidate group size")
-    p.add_argument("model")
-    p.add_argument("--candidates", default="1,2,4,8,16", help="group sizes g to profile")
-    p.add_argument("--queue-depths", default="1,2,4,8", help="queue depths q for BW(g, q)")
-    p.add_argument("--tokens", type=positive_int, default=256, help="calibration prompt length")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument(
+        "--candidates",
+        type=int_list,
+        default=[1, 2, 4, 8, 16],
+        metavar="G,G,...",
+        help="comma-separated group sizes g to profile, each ≤ the model's expert count "
+        "(default 1,2,4,8,16)",
+    )
+    p.add_argument(
+        "--queue-depths",
+        type=int_list,
+        default=[1, 2, 4, 8],
+        metavar="Q,Q,...",
+        help="comma-separated queue depths q at which BW(g, q) is measured (default 1,2,4,8)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=positive_int,
+        default=256,
+        help="calibration prompt length, ≤ the model context (default 256)",
+    )
     p.add_argument(
         "--bw-rounds",
         type=positive_int,
@@ -320,44 +365,86 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("config", help="choose (G, Q, B) for a memory budget from the profile")
-    p.add_argument("model")
-    p.add_argument("--budget", required=True, help="e.g. 1.5GiB")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument(
+        "--budget", required=True, help="memory budget: bytes or e.g. 800MiB, 1.5GiB, 2GB"
+    )
     p.add_argument(
         "--tokens",
         type=positive_int,
         help="prompt length to configure for (default: the profile's calibration length; "
         "`estream prefill --budget` uses each request's own)",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--json", action="store_true", help="machine-readable output (the choice and its table)"
+    )
     p.add_argument("--plot", metavar="PNG", help="plot the latency–memory frontier")
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("prefill", help="one forward pass; print next-token top-k and metrics")
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--tokens", help="comma-separated token ids")
+    src.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")
     src.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
-    src.add_argument("--prompt-file", help="file with the prompt text")
-    p.add_argument("--top-k", type=positive_int, default=5)
+    src.add_argument(
+        "--prompt-file", help="file with the prompt text (UTF-8, at most 16 MiB; '-': stdin)"
+    )
+    p.add_argument(
+        "--top-k", type=positive_int, default=5, help="how many next tokens to list (default 5)"
+    )
     p.add_argument("--all-logits", metavar="OUT.npy", help="save float32 logits [T, n_vocab]")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace-event timeline")
     add_engine_opts(p)
     p.set_defaults(func=cmd_prefill)
 
+    # The commands in workflow order: prefill's siblings (tasks, eval), then the tools.
+    from .eval_commands import add_eval_command
+    from .task_commands import add_task_commands
+
+    add_task_commands(sub)
+    add_eval_command(sub)
+
     p = sub.add_parser("bench", help="TTFT / memory over prompt lengths and modes")
-    p.add_argument("model")
-    p.add_argument("--lengths", default="256,1024")
-    p.add_argument("--modes", default="stream,resident")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument(
+        "--lengths",
+        default="256,1024",
+        metavar="T,T,...",
+        help="comma-separated prompt lengths in tokens, each ≤ the model context "
+        "(default 256,1024)",
+    )
+    p.add_argument(
+        "--modes",
+        default="stream,resident",
+        metavar="MODE,...",
+        help="comma-separated modes among stream, resident, naive, layer (default stream,resident)",
+    )
     p.add_argument("--cold", action="store_true", help="drop the page cache before each run")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--budget", help="memory budget for stream mode (needs a stored profile)")
-    p.add_argument("--threads", type=positive_int)
-    p.add_argument("--repeat", type=positive_int, default=1)
+    p.add_argument("--json", action="store_true", help="machine-readable output (every run)")
+    p.add_argument(
+        "--budget",
+        help="memory budget for the stream runs (needs a stored profile and stream in --modes)",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        help="compute threads of each run (default: all cores, ≤ 8)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        help="runs per length and mode, each a fresh process (default 1)",
+    )
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="the main job: synth → pack → profile → config → prefill")
-    p.add_argument("--arch", default="olmoe")
+    p.add_argument(
+        "--arch",
+        default="olmoe",
+        help="architecture of the synthetic model (default olmoe; see estream-synth -h)",
+    )
     p.add_argument(
         "--preset", default="demo", help="demo (default: ≈ 230 MiB of experts), tiny, small, …"
     )
@@ -367,25 +454,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tokenize", help="text → token ids with the model's own tokenizer")
     p.add_argument("model", help="packed model, GGUF model or vocabulary-only GGUF")
-    p.add_argument("text")
+    p.add_argument("text", help="the text to tokenize (UTF-8)")
     p.add_argument("--add-special", action="store_true", help="add BOS/EOS as the model does")
     p.add_argument("--parse-special", action="store_true", help="match special tokens in text")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help='print {"ids": [...]}')
     p.set_defaults(func=cmd_tokenize)
 
     p = sub.add_parser("detokenize", help="token ids → text")
-    p.add_argument("model")
-    p.add_argument("ids", help="comma-separated token ids")
-    p.add_argument("--skip-special", action="store_true")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("model", help="packed model, GGUF model or vocabulary-only GGUF")
+    p.add_argument("ids", help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument(
+        "--skip-special", action="store_true", help="leave special tokens (BOS, EOS, ...) out"
+    )
+    p.add_argument("--json", action="store_true", help='print {"text": ...}')
     p.set_defaults(func=cmd_detokenize)
 
-    from .task_commands import add_task_commands
-
-    add_task_commands(sub)
-    from .eval_commands import add_eval_command
-
-    add_eval_command(sub)
     return ap
 
 
@@ -404,12 +487,29 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _check_model(args: argparse.Namespace) -> None:
+    """The model argument names something that exists: one message for a missing pack,
+    whichever command it is given to and whatever else lies beside it (a GGUF of that name)."""
+    model = getattr(args, "model", None)
+    if model is None or os.path.lexists(model):
+        return
+    if args.command in ("tokenize", "detokenize"):
+        raise PackError(
+            f"{model}: no such packed model or GGUF file (expected a NAME.estream directory "
+            "or a .gguf file)"
+        )
+    raise PackError(f"{model}: no such packed model (expected a NAME.estream directory)")
+
+
 def _main(argv: list[str]) -> int:
     if argv and argv[0] in PASS_THROUGH:
         return _pass_through(argv[0], argv[1:])  # --help / usage errors exit as theirs do
     try:
         args = build_parser().parse_args(argv)
         _check_text_args(args)
+        _check_model(args)
+        if hasattr(args, "backend") and hasattr(args, "mode"):
+            check_engine_opts(args)  # an option the mode would ignore: refused before any work
         return int(args.func(args) or 0)
     except BrokenPipeError:
         # `estream ... | head`: the reader left; stop quietly (no traceback, nothing on
@@ -418,17 +518,17 @@ def _main(argv: list[str]) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, as a shell reports a command killed by SIGPIPE
     except EStreamError as exc:
-        _err(str(exc))
+        _err(describe(exc))
         return exc.exit_code
     except KeyboardInterrupt:
         _err("interrupted")
         return 130
     except Exception as exc:
-        # Errors from the lower packages carry specific messages; no traceback for users.
-        name = type(exc).__name__
+        # Errors from the lower packages carry specific messages: printed alone, as sentences
+        # (no class name); anything else is a bug, said to be one. No traceback for users.
         if os.environ.get("ESTREAM_DEBUG"):
             raise
-        _err(f"{name}: {exc}")
+        _err(describe(exc))
         return 1
 
 

@@ -3,34 +3,158 @@
 from __future__ import annotations
 
 import argparse
+import re
+from typing import Any
 
 from estream.engine import ACTS, ATTENTION, DENSE_OPS, MODES, Engine, load
 from estream.experts import SCHEDULES
 
-__all__ = ["add_engine_opts", "engine_from_args", "positive_int"]
+__all__ = [
+    "MAX_BANKS",
+    "MAX_COUNT",
+    "MAX_QUEUE_DEPTH",
+    "MAX_THREADS",
+    "add_engine_opts",
+    "check_engine_opts",
+    "engine_from_args",
+    "int_list",
+    "parse_ints",
+    "positive_int",
+]
+
+#: The largest count an option takes (threads, group size, lengths, ...): beyond it a value is
+#: a typo, not a request.
+MAX_COUNT = 2**31 - 1
+
+# ASCII digits only: Python's int() also reads full-width and other Unicode digits ("１"),
+# underscores ("1_0") and surrounding blanks, none of which a command line should accept.
+_INT = re.compile(r"-?[0-9]+")
+
+
+def _shown(text: str) -> str:
+    """A value as quoted in an error message: at most 40 characters, escapes for the rest."""
+    return repr(text if len(text) <= 40 else text[:37] + "...")
+
+
+def parse_ints(
+    text: str, option: str, *, minimum: int | None = None, noun: str = "integers"
+) -> list[int]:
+    """The integers of a comma-separated list (``1,2,3``; blanks around items allowed),
+    ASCII digits only, no empty item, each ``>= minimum`` when given; else one clear error
+    naming ``option``."""
+    from estream.errors import BadRequestError
+
+    items = text.split(",")
+    out: list[int] = []
+    for n, raw in enumerate(items, 1):
+        item = raw.strip(" \t")
+        if not item:
+            where = "is empty" if len(items) == 1 else f"has an empty item (item {n})"
+            raise BadRequestError(
+                f"{option} {where}: give comma-separated {noun} such as 1,2,3, got {_shown(text)}"
+            )
+        if not _INT.fullmatch(item) or len(item) > 19:
+            where = "" if item == text.strip(" \t") else f" in {_shown(text)}"
+            raise BadRequestError(
+                f"{option} takes comma-separated {noun} (ASCII digits), got {_shown(item)}{where}"
+            )
+        v = int(item)
+        if minimum is not None and v < minimum:
+            raise BadRequestError(f"{option} values must be >= {minimum}, got {v}")
+        out.append(v)
+    return out
 
 
 def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (0 never silently means "the default")."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    """argparse type: an integer >= 1 written in ASCII digits (0 never silently means "the
+    default"), at most `MAX_COUNT`."""
+    s = text.strip(" \t")
+    if not re.fullmatch(r"[0-9]+", s):
+        if re.fullmatch(r"-[0-9]+", s):
+            raise argparse.ArgumentTypeError(f"must be >= 1, got {s}")
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer (ASCII digits), got {_shown(text)}"
+        )
+    v = int(s) if len(s) <= 19 else MAX_COUNT + 1
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    if v > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_COUNT}, got {_shown(s)}")
     return v
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: a comma-separated list of positive integers (see `parse_ints`)."""
+    from estream.errors import BadRequestError
+
+    try:
+        values = parse_ints(text, "the list", minimum=1)
+    except BadRequestError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("the list ")) from None
+    if any(v > MAX_COUNT for v in values):
+        raise argparse.ArgumentTypeError(f"values must be at most {MAX_COUNT}")
+    return values
+
+
+#: Upper bounds of the engine's count options: beyond them a value starts thousands of threads
+#: or reads before anything useful happens.
+MAX_THREADS = 1024
+MAX_QUEUE_DEPTH = 256
+MAX_BANKS = 4096
+
+
+def _bounded(limit: int, what: str) -> Any:
+    def parse(text: str) -> int:
+        v = positive_int(text)
+        if v > limit:
+            raise argparse.ArgumentTypeError(f"at most {limit} {what}, got {v}")
+        return v
+
+    parse.__name__ = "positive integer"  # argparse names the type in its messages
+    return parse
 
 
 def add_engine_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--mode", choices=MODES, default="stream", help="expert placement (default stream)"
+        "--mode",
+        choices=MODES,
+        default="stream",
+        help="expert placement: stream (default: experts read from storage through the arena), "
+        "resident (all experts in memory), naive (G=1 Q=1 B=3) or layer (a whole layer a group)",
     )
-    p.add_argument("--schedule", choices=SCHEDULES, default="early", help="when reads start")
-    p.add_argument("--budget", help="memory budget, e.g. 1.5GiB (needs a stored profile)")
-    p.add_argument("-G", type=positive_int, help="group size (overrides the configuration)")
-    p.add_argument("-Q", type=positive_int, help="reads in flight")
-    p.add_argument("-B", type=positive_int, help="banks in the arena")
-    p.add_argument("--threads", type=positive_int, help="compute threads (default: all cores, ≤ 8)")
+    p.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default=None,
+        help="when expert reads start (streamed modes; default early)",
+    )
+    p.add_argument(
+        "--budget",
+        help="memory budget, e.g. 1.5GiB: G, Q and B chosen for it from the stored profile "
+        "(mode stream; not with -G/-Q/-B)",
+    )
+    p.add_argument(
+        "-G",
+        type=_bounded(MAX_COUNT, "experts"),
+        help="experts per group (mode stream; ≤ the model's expert count; overrides the "
+        "stored configuration)",
+    )
+    p.add_argument(
+        "-Q",
+        type=_bounded(MAX_QUEUE_DEPTH, "reads in flight"),
+        help=f"group reads in flight (mode stream; ≤ {MAX_QUEUE_DEPTH})",
+    )
+    p.add_argument(
+        "-B",
+        type=_bounded(MAX_BANKS, "banks"),
+        help=f"banks in the arena, each one group (mode stream; ≤ {MAX_BANKS})",
+    )
+    p.add_argument(
+        "--threads",
+        type=_bounded(MAX_THREADS, "threads"),
+        help="compute threads of this process (default: all cores, ≤ 8; with --backend hexagon "
+        "only together with --dense-ops host)",
+    )
     p.add_argument("--verify", action="store_true", help="check each record's checksum as it loads")
     p.add_argument(
         "--act",
@@ -59,8 +183,56 @@ def add_engine_opts(p: argparse.ArgumentParser) -> None:
         choices=DENSE_OPS,
         default=None,
         help="where the dense kernel ops run: host (this process) or backend (the expert "
-        "backend's executor); default backend for --backend hexagon, host otherwise",
+        "backend's executor); default backend for --backend hexagon, host otherwise; only with "
+        "--backend host-process or hexagon",
     )
+
+
+def check_engine_opts(args: argparse.Namespace, n_experts: int | None = None) -> None:
+    """Refuse an engine option that would do nothing in the chosen combination (a budget in
+    resident mode, threads of an executor that runs one, ...): never silently ignored.
+    ``n_experts``: the model's experts per layer, when known (bounds -G)."""
+    from estream.errors import BadRequestError
+
+    explicit = [f"-{k} {getattr(args, k)}" for k in ("G", "Q", "B") if getattr(args, k, None)]
+    budget = getattr(args, "budget", None)
+    mode = args.mode
+    if mode != "stream":
+        fixed = {
+            "resident": "holds every expert in memory (no arena)",
+            "naive": "fixes G=1 Q=1 B=3",
+            "layer": "reads a whole layer a group (G = the expert count, Q=2 B=2)",
+        }[mode]
+        for given in ([f"--budget {budget}"] if budget is not None else []) + explicit:
+            raise BadRequestError(
+                f"{given.split()[0]} does nothing with --mode {mode}, which {fixed}; "
+                "drop it or use --mode stream"
+            )
+    if mode == "resident" and args.schedule is not None:
+        raise BadRequestError(
+            "--schedule does nothing with --mode resident (no expert is read during a pass); "
+            "drop it or use --mode stream"
+        )
+    if budget is not None and explicit:
+        raise BadRequestError(
+            f"--budget chooses G, Q and B itself; give either --budget or {' '.join(explicit)}"
+        )
+    if args.backend == "host" and args.dense_ops is not None:
+        raise BadRequestError(
+            "--dense-ops chooses between this process and an executor; with --backend host "
+            "both are this process: drop it or give --backend host-process or hexagon"
+        )
+    if args.backend == "hexagon" and args.threads and (args.dense_ops or "backend") == "backend":
+        raise BadRequestError(
+            "--threads does nothing with --backend hexagon: the Hexagon executor runs one "
+            "thread and the dense ops run there too; drop --threads, or add --dense-ops host "
+            "to run the dense ops on this many host threads"
+        )
+    if n_experts is not None and args.G and n_experts < args.G:
+        raise BadRequestError(
+            f"-G {args.G} is larger than the model's {n_experts} experts per layer; give "
+            f"-G 1..{n_experts}"
+        )
 
 
 def engine_from_args(
@@ -68,10 +240,16 @@ def engine_from_args(
 ) -> Engine:
     """Load the engine with the options `add_engine_opts` added to a sub-command; ``tokens``:
     the prompt length a ``--budget`` configuration is chosen for (one request's length)."""
+    n_experts = None
+    if args.G:
+        from estream.packed import PackedModel
+
+        n_experts = PackedModel(args.model).hparams.n_experts
+    check_engine_opts(args, n_experts)
     return load(
         args.model,
         mode=args.mode,
-        schedule=args.schedule,
+        schedule=args.schedule or "early",
         budget=args.budget,
         budget_tokens=tokens if args.budget is not None else None,
         G=args.G,

@@ -34,8 +34,8 @@ def print_metrics(m: dict[str, Any], out: TextIO | None = None) -> None:
     if "G" in m:
         cfg += f" G={m['G']} Q={m['Q']} B={m['B']} ({m.get('config_source')}) schedule={m.get('schedule')}"
     print(
-        f"  {cfg}  tokens={m.get('tokens')}  threads={m.get('threads')}  simd={m.get('simd')}"
-        f"  act={m.get('act')}",
+        f"  {cfg}  tokens={m.get('tokens')}  backend={m.get('backend')}  "
+        f"threads={m.get('threads')}  simd={m.get('simd')}  act={m.get('act')}",
         file=out,
     )
     for key, label, fmt in _METRIC_ROWS:

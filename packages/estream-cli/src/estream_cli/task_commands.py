@@ -15,32 +15,73 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import attrs
 
 from estream import tasks
-from estream.errors import BadRequestError, EStreamError
+from estream.errors import BadRequestError
 
+from .messages import describe, plural
 from .options import add_engine_opts, engine_from_args, positive_int
 
 __all__ = ["add_task_commands", "read_docs_file", "read_jsonl", "read_lines_file"]
 
 
 # -- input files -------------------------------------------------------------------------------
-def read_text(path: str, what: str) -> tuple[str, str]:
-    """(text, name to cite) of a UTF-8 file (``-``: stdin), else one clear error."""
-    if path == "-":
-        return sys.stdin.read(), "<stdin>"
+#: The most an input file (``--input``, ``--text-file``, ``--docs-file``, ...) may hold: the
+#: whole input is read and checked before the model loads, so a stream without end
+#: (``/dev/zero``) must stop being read somewhere.
+MAX_INPUT_BYTES = 256 * 2**20
+
+#: The most a prompt file may hold (a prompt longer than any model's context in any tokenizer).
+MAX_PROMPT_BYTES = 16 * 2**20
+
+
+def read_text(path: str, what: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, str]:
+    """(text, name to cite) of a UTF-8 file (``-``: stdin) of at most ``limit`` bytes, else
+    one clear error."""
+    from estream import memory
+
+    name = "<stdin>" if path == "-" else path
     try:
-        return Path(path).read_text(encoding="utf-8"), path
+        if path == "-":
+            stream = getattr(sys.stdin, "buffer", None)
+            if stream is None:
+                raise BadRequestError(f"the {what} is '-', standard input, which is closed")
+            data = stream.read(limit + 1)
+        else:
+            with open(path, "rb") as f:
+                data = f.read(limit + 1)
+    except OSError as exc:
+        raise BadRequestError(f"cannot read {what} {name}: {exc.strerror or exc}") from None
+    except ValueError:  # a closed file object
+        raise BadRequestError(f"cannot read {what} {name}: the stream is closed") from None
+    if len(data) > limit:
+        raise BadRequestError(
+            f"{what} {name} is larger than {memory.format_bytes(limit)}, the most it may hold"
+        )
+    try:
+        return data.decode("utf-8"), name
     except UnicodeDecodeError as exc:
         raise BadRequestError(
-            f"{what} {path} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+            f"{what} {name} is not UTF-8 text ({exc.reason} at byte {exc.start})"
         ) from None
-    except OSError as exc:
-        raise BadRequestError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+
+
+def _no_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not a JSON number")
+
+
+def _check_id(obj: dict[str, Any], where: str) -> None:
+    """A request's ``id`` is carried into its result line: a string, an integer or null (what
+    every JSON reader reads back as it was written)."""
+    v = obj.get("id")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, str | int)):
+        kind = {bool: "true/false", float: "a number with a fraction", list: "a list"}.get(
+            type(v), "an object"
+        )
+        raise BadRequestError(f"{where}: 'id' must be a string or an integer, not {kind}")
 
 
 def read_jsonl(path: str) -> list[tuple[int, dict[str, Any]]]:
@@ -56,13 +97,19 @@ def read_jsonl_named(path: str) -> tuple[list[tuple[int, dict[str, Any]]], str]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, parse_constant=_no_constant)
         except json.JSONDecodeError as exc:
             raise BadRequestError(
                 f"{name}:{n}: not valid JSON ({exc.msg} at column {exc.colno})"
             ) from None
+        except ValueError as exc:  # NaN, Infinity: Python's extensions, not JSON
+            raise BadRequestError(f"{name}:{n}: not valid JSON ({exc})") from None
+        except RecursionError:
+            raise BadRequestError(f"{name}:{n}: the JSON is nested too deeply") from None
         if not isinstance(obj, dict):
-            raise BadRequestError(f"{name}:{n}: expected a JSON object, got {type(obj).__name__}")
+            kind = {list: "a list", str: "a string", type(None): "null"}.get(type(obj), "a value")
+            raise BadRequestError(f"{name}:{n}: expected a JSON object, got {kind}")
+        _check_id(obj, f"{name}:{n}")
         out.append((n, obj))
     if not out:
         raise BadRequestError(f"{name} has no requests (it is empty)")
@@ -88,18 +135,23 @@ def read_docs_file(path: str) -> list[Any]:
         s = line.strip()
         if s.startswith("{"):
             try:
-                obj = json.loads(s)
+                obj = json.loads(s, parse_constant=_no_constant)
             except json.JSONDecodeError as exc:
                 raise BadRequestError(
                     f"{name}:{n}: not valid JSON ({exc.msg} at column {exc.colno})"
                 ) from None
-            if not isinstance(obj.get("text"), str):
+            except ValueError as exc:  # NaN, Infinity
+                raise BadRequestError(f"{name}:{n}: not valid JSON ({exc})") from None
+            except RecursionError:
+                raise BadRequestError(f"{name}:{n}: the JSON is nested too deeply") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                 raise BadRequestError(f"{name}:{n}: a document object needs a 'text' string")
+            _check_id(obj, f"{name}:{n}")
             docs.append(obj)
         elif s.startswith('"'):
             try:
                 val = json.loads(s)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 val = line
             docs.append(val if isinstance(val, str) else line)
         else:
@@ -215,7 +267,10 @@ def _check_embed(obj: dict[str, Any], args: argparse.Namespace, where: str) -> d
 # -- human-readable output ---------------------------------------------------------------------
 def _show_classify(res: tasks.ClassifyResult, req: dict[str, Any]) -> None:
     width = max(5, *(len(s.label) for s in res.labels))
-    print(f"{len(res.labels)} labels after {res.prompt_tokens} prompt tokens ({res.method}):")
+    print(
+        f"{plural(len(res.labels), 'label')} after "
+        f"{plural(res.prompt_tokens, 'prompt token')} ({res.method}):"
+    )
     print(f"  {'label':<{width}s}  {'prob':>8s}  {'log P':>10s}  {'tokens':>6s}")
     for s in res.labels:
         mark = "  *" if s.label == res.best else ""
@@ -225,7 +280,9 @@ def _show_classify(res: tasks.ClassifyResult, req: dict[str, Any]) -> None:
 
 
 def _show_score(res: tasks.ScoreResult, req: dict[str, Any]) -> None:
-    print(f"{len(res.choices)} choices after {res.context_tokens} context tokens:")
+    print(
+        f"{plural(len(res.choices), 'choice')} after {plural(res.context_tokens, 'context token')}:"
+    )
     print(f"  {'#':>3s}  {'log P':>10s}  {'/token':>8s}  {'/char':>8s}  {'tokens':>6s}  choice")
     for i, c in enumerate(res.choices):
         mark = ("*" if i == res.best else " ") + ("n" if i == res.best_norm else " ")
@@ -239,7 +296,7 @@ def _show_score(res: tasks.ScoreResult, req: dict[str, Any]) -> None:
 
 def _show_rerank(res: tasks.RerankResult, req: dict[str, Any]) -> None:
     texts = [d if isinstance(d, str) else d["text"] for d in req["docs"]]
-    print(f"{len(res.docs)} documents, by log P(yes) - log P(no):")
+    print(f"{plural(len(res.docs), 'document')}, by log P(yes) - log P(no):")
     print(f"  {'rank':>4s}  {'score':>9s}  {'id':>8s}  document")
     for r, d in enumerate(res.docs, 1):
         t = texts[d.index].replace("\n", " ")
@@ -288,6 +345,10 @@ def _run(args: argparse.Namespace, task: _Task) -> int:
     from estream.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
+    if args.input is not None and args.json:
+        raise BadRequestError(
+            "--json does nothing with --input: a batch's results are JSON lines already; drop it"
+        )
     reqs = list(_requests(args, task))  # all checked before the model loads
     batch = args.input is not None
     tok = Tokenizer.from_gguf(args.model)
@@ -313,7 +374,7 @@ def _run(args: argparse.Namespace, task: _Task) -> int:
                 failed += 1
                 if not isinstance(res, BadRequestError):
                     broken += 1
-                msg = str(res) if isinstance(res, EStreamError) else f"{type(res).__name__}: {res}"
+                msg = describe(res)
                 print(json.dumps({**key, "error": f"{where}: {msg}"}), flush=True)
             else:
                 pass_ids.update(p["pass_id"] for p in res.metrics["pass"])
@@ -331,7 +392,8 @@ def _run(args: argparse.Namespace, task: _Task) -> int:
         dt = time.perf_counter() - t1
         fails = f", {failed} failed (see their 'error' field)" if failed else ""
         print(
-            f"estream {task.name}: {len(reqs)} requests in {len(pass_ids)} passes, {dt:.2f} s "
+            f"estream {task.name}: {plural(len(reqs), 'request')} in "
+            f"{plural(len(pass_ids), 'pass')}, {dt:.2f} s "
             f"({len(reqs) / max(dt, 1e-9):.1f}/s; load {t1 - t0:.2f} s){fails}",
             file=sys.stderr,
         )
@@ -384,7 +446,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--input",
         metavar="FILE.jsonl",
-        help="batch: one JSON request per line ('-': stdin); one JSON result per line",
+        help="batch: one JSON request per line ('-': stdin; at most 256 MiB); one JSON result "
+        "per line",
     )
     p.add_argument(
         "--batch-tokens",
@@ -393,7 +456,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="batch: at most N tokens per forward pass, requests packed in input order (a "
         "longer request runs alone); default from the memory a pass may use (README: Batching)",
     )
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="machine-readable output (one request; not with --input)",
+    )
     p.add_argument(
         "--template",
         action="store_true",
@@ -402,10 +469,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     add_engine_opts(p)
 
 
+#: Help of the positional ``model`` of every command that runs a packed model.
+MODEL_HELP = "packed model directory (NAME.estream, from `estream pack`)"
+
+
 def add_task_commands(sub: Any) -> None:
     """Add the prefill-only task sub-commands to `sub` (an argparse subparsers object)."""
     p = sub.add_parser("classify", help="label probabilities for a prompt")
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--prompt", help="the text to classify (the labels continue it)")
     p.add_argument("--labels", help="comma-separated labels, e.g. yes,no,maybe")
     p.add_argument(
@@ -419,15 +490,15 @@ def add_task_commands(sub: Any) -> None:
     p.set_defaults(func=_command("classify"))
 
     p = sub.add_parser("score", help="log-likelihood of each continuation (multiple choice)")
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--context", help="the shared context")
-    p.add_argument("--choices-file", help="one continuation per line")
+    p.add_argument("--choices-file", help="one continuation per line (with --choice: both)")
     p.add_argument("--choice", action="append", help="a continuation (repeatable)")
     _common(p)
     p.set_defaults(func=_command("score"))
 
     p = sub.add_parser("rerank", help="sort documents by relevance to a query (yes/no log-odds)")
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--query", help="the query")
     p.add_argument(
         "--docs-file", help='one document per line: {"id": …, "text": …}, a JSON string or text'
@@ -436,7 +507,7 @@ def add_task_commands(sub: Any) -> None:
     p.set_defaults(func=_command("rerank"))
 
     p = sub.add_parser("embed", help="final hidden state of a prompt (JSON)")
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--prompt", help="the text to embed")
     p.add_argument("--pool", choices=tasks.POOLS, default="last", help="last token or mean")
     p.add_argument("--normalize", action="store_true", help="L2-normalise the vector")
