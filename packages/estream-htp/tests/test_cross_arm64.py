@@ -81,7 +81,7 @@ def test_without_dotprod_the_library_reports_portable(selftest: Path) -> None:
     assert "NEON dot-product level not available (best = 0)" in r.stdout
 
 
-def test_selftest_fails_when_a_dot_product_is_off_by_one(tmp_path: Path) -> None:
+def test_selftest_fails_when_a_dot_product_is_off_by_one(selftest: Path, tmp_path: Path) -> None:
     """The self-test is able to fail: with every int8 dot-product (and matrix-product) call of
     the NEON kernels adding 1 to its accumulator, it reports mismatches and exits 1."""
     csrc = tmp_path / "csrc"
@@ -92,7 +92,7 @@ def test_selftest_fails_when_a_dot_product_is_off_by_one(tmp_path: Path) -> None
     )
     assert n >= 1, "htp_neon.c has no int8 dot-product call to break"
     (csrc / "htp_neon.c").write_text(broken)
-    r = _qemu(mix.build_selftest(tmp_path / "broken", csrc), "max")
+    r = _qemu(mix.build_selftest(tmp_path / "broken", csrc, reuse=selftest), "max")
     assert r.returncode == 1, r.stdout[-4000:] + r.stderr
     assert r.stdout.splitlines()[-1] == "FAILED"
     assert re.search(r"^gemm q4_0 act=q8 neon .*float64 reference", r.stdout, re.M)
