@@ -60,7 +60,10 @@ _ORDINALS = (
 )
 WORKLOG_PATTERNS: dict[str, re.Pattern[str]] = {
     "tracker reference": re.compile(r"\b(?:issue|defect|bug)s?\s*(?:#\s*)?\d+", re.IGNORECASE),
-    "dated entry": re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b"),
+    "dated entry": re.compile(
+        r"\b20\d\d-[01]\d-[0-3]\d\b|\b(?:January|February|March|April|May|June|July|August|"
+        r"September|October|November|December)\s+(?:[0-3]?\d,?\s+)?20\d\d\b"
+    ),
     "machine clock": re.compile(r"\(machine clock\)", re.IGNORECASE),
     # "session" as a working day; nox sessions and pytest's scope="session" are not matched.
     "work-log session": re.compile(
@@ -131,6 +134,7 @@ def test_worklog_patterns_catch_what_they_are_for() -> None:
         "load average 3.7–4.0 from other sessions.",
         "the seventh session's code, alternating pairs",
         "Earlier the same day, yesterday's run was slower",
+        "in all five sweeps of December 2026",
     ]
     good = [
         "Every `nox -s bench_*` session writes its result as a JSON file",
