@@ -58,8 +58,9 @@ def selftest(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     """On a CPU with the dot-product extension every check of the self-test passes (GEMM of
     every tile format and activation format within the fp32 rounding bound of float64,
-    exact-integer GEMMs bit-identical to the int64 dot product and to the portable table, the
-    expert op, quantization, attention, SwiGLU, fp32 matmul), and each kind of check ran."""
+    exact-integer GEMMs bit-identical to the int64 dot product and to the portable table, GEMM
+    from Q8 rows and with a shared input, the expert op, quantization, attention, SwiGLU, fp32
+    matmul), and each kind of check ran."""
     r = _qemu(selftest, "max")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr
     lines = r.stdout.splitlines()
@@ -69,8 +70,10 @@ def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
             assert any(re.match(rf"gemm {fmt} act={act} n=\d+ k=\d+ t=\d+: ok$", s) for s in lines)
             assert any(s.startswith(f"expert {fmt} act={act} neon ") for s in lines)
         assert any(s.startswith(f"gemm {fmt} exact integer sums") for s in lines)
-    for op in ("quantize", "attention", "swiglu", "matmul_f32"):
-        assert any(s.startswith(op) for s in lines), op
+        assert any(s.startswith(f"gemm {fmt} from Q8 rows and shared input") for s in lines)
+    assert any(s.startswith("quantize") for s in lines)
+    for op in ("attention", "swiglu", "matmul_f32"):
+        assert any(s.startswith(op) and "vs float64" in s for s in lines), op
 
 
 def test_without_dotprod_the_library_reports_portable(selftest: Path) -> None:
