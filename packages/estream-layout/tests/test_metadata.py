@@ -74,6 +74,7 @@ def _refused(src: Path, tmp_path: Path, **kw: Any) -> str:
         ({A + "attention.value_length": 8}, r"attn_v.weight has shape \[64, 64\], expected \[32"),
         ({A + "attention.layer_norm_rms_epsilon": 5.0}, "rms_epsilon = 5 must be between"),
         ({A + "rope.freq_base": 1e309}, "freq_base = inf must be a finite number > 0"),
+        ({A + "rope.freq_base": 1e300}, "freq_base = 1e[+]300 must be between 0 and 1e[+]12"),
         ({A + "rope.scaling.factor": -2.0}, "scaling.factor = -2 must be between 0 and 10000"),
         ({A + "rope.scaling.factor": "x"}, "scaling.factor = 'x' is not a number"),
         ({A + "rope.scaling.type": ["yarn"]}, r"scaling\.type = \['yarn'\] is not one of"),

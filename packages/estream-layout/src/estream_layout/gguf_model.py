@@ -583,7 +583,8 @@ class _Meta:
         if not math.isfinite(f) or (positive and f <= 0):
             raise self.fail(key, f"= {f:.6g} must be a finite number > 0")
         if not lo <= f <= hi:
-            raise self.fail(key, f"= {f:.6g} must be between {lo:g} and {hi:g}")
+            low = 0.0 if positive and lo == -math.inf else lo
+            raise self.fail(key, f"= {f:.6g} must be between {low:g} and {hi:g}")
         return f
 
     def boolean(self, key: str, default: bool) -> bool:
@@ -822,7 +823,7 @@ class ModelSpec:
                 Keys.LLM.EXPERT_USED_COUNT, f"= {n_experts_used} exceeds expert_count = {n_experts}"
             )
         rms_eps = meta.number(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6, hi=1.0)
-        rope_base = meta.number(Keys.Rope.FREQ_BASE, 10000.0)
+        rope_base = meta.number(Keys.Rope.FREQ_BASE, 10000.0, hi=1e12)
         rope_dims = meta.integer(Keys.Rope.DIMENSION_COUNT, head_dim_k, lo=1, hi=MAX_WIDTH)
         if rope_dims > head_dim_k or rope_dims % 2:
             raise meta.fail(
