@@ -73,7 +73,7 @@ def positive_int(text: str) -> int:
         if re.fullmatch(r"-[0-9]+", s):
             raise argparse.ArgumentTypeError(f"must be >= 1, got {s}")
         raise argparse.ArgumentTypeError(
-            f"expected a positive integer (ASCII digits), got {_shown(text)}"
+            f"expected a positive integer, got {_shown(text)} (ASCII digits only)"
         )
     v = int(s) if len(s) <= 19 else MAX_COUNT + 1
     if v < 1:
