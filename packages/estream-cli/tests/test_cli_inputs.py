@@ -125,6 +125,25 @@ def test_bench_lists(model, capsys):
     refused(rc, err, "--modes", "'fast'")
 
 
+def test_bench_checks_every_length_before_the_first_run(model, capsys, monkeypatch):
+    """A length beyond the context is refused before any run starts, wherever it is listed."""
+    from estream_cli import bench
+
+    runs = []
+    monkeypatch.setattr(bench, "run_one", lambda *a, **k: runs.append(a) or {})
+    rc, _, err = run(capsys, "bench", str(model), "--lengths", "4,99999", "--modes", "resident")
+    refused(rc, err, "--lengths 99999 is longer than the model context (4096 tokens)")
+    assert runs == []
+
+
+def test_demo_preset_and_arch(capsys):
+    """demo takes the presets of estream-synth, each with its own family only."""
+    rc, _, err = run(capsys, "demo", "--preset", "mixtral-8x7b")
+    refused(rc, err, "give --arch mixtral")
+    rc, _, err = run(capsys, "demo", "--arch", "gpt2")
+    refused(rc, err, "--arch", "invalid choice")
+
+
 # -- text ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ggufs(tmp_path_factory):

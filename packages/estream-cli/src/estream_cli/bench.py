@@ -115,12 +115,15 @@ def run_bench(args: argparse.Namespace) -> int:
         memory.parse_bytes(args.budget)  # a bad budget is refused before any run
     model = PackedModel(args.model)
     hp = model.hparams
+    for T in lengths:  # every length checked before the first run
+        if hp.n_ctx < T:
+            raise BadRequestError(
+                f"--lengths {T} is longer than the model context ({hp.n_ctx} tokens)"
+            )
     rng = np.random.default_rng(0)
     files = [model.experts_path, model.path / "dense.bin"]
     rows: list[dict[str, Any]] = []
     for T in lengths:
-        if hp.n_ctx < T:
-            raise BadRequestError(f"length {T} exceeds the model context {hp.n_ctx}")
         tokens = rng.integers(0, hp.n_vocab, size=T)
         for mode in modes:
             extra: list[str] = []

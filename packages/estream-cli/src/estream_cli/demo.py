@@ -16,6 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from estream import memory
+from estream.errors import BadRequestError
+
+from .messages import plural
 
 __all__ = ["DEMO_DIMS", "run_demo"]
 
@@ -43,9 +46,15 @@ def run_demo(args: argparse.Namespace) -> int:
     from estream.packed import PackedModel
     from estream.profiling import profile_model
     from estream_layout import pack_model, synth_model
+    from estream_layout.synth import PRESET_ARCH
 
     from .report import print_metrics
 
+    if PRESET_ARCH.get(args.preset, args.arch) != args.arch:
+        raise BadRequestError(
+            f"--preset {args.preset} is the shape of a {PRESET_ARCH[args.preset]} model; "
+            f"give --arch {PRESET_ARCH[args.preset]}"
+        )
     t_all = time.perf_counter()
     own = args.dir is None
     work = Path(tempfile.mkdtemp(prefix="estream-demo-", dir=None)) if own else Path(args.dir)
@@ -100,7 +109,7 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         rng = np.random.default_rng(1)
         tokens = rng.integers(0, hp.n_vocab, size=args.tokens)
-        _step(f"streamed prefill of {args.tokens} tokens")
+        _step(f"streamed prefill of {plural(args.tokens, 'token')}")
         with load(dst) as eng:
             res = eng.prefill(tokens)
         print("    next-token top-5:", ", ".join(f"{i} ({p:.3f})" for i, p in res.top_k(5)))

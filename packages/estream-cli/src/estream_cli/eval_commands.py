@@ -19,6 +19,7 @@ from typing import Any
 from estream import evaluation
 from estream.errors import BadRequestError
 
+from .messages import plural
 from .options import add_engine_opts, engine_from_args, positive_int
 from .output import STDOUT, check_output, stdout_claimed, write_json
 from .task_commands import MODEL_HELP, read_jsonl_named, read_text
@@ -163,7 +164,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         pm = f" ± {p.stderr:.4f}" if p.stderr is not None else ""
         summary = (
             f"PPL = {p.value:.4f}{pm}, {res.bits_per_byte.value:.4f} bits/byte over "
-            f"{res.scored_tokens} tokens ({res.windows} windows of {res.ctx})"
+            f"{plural(res.scored_tokens, 'token')} ({plural(res.windows, 'window')} of {res.ctx})"
         )
         return doc, summary, None
 
@@ -187,7 +188,7 @@ def cmd_choice(args: argparse.Namespace) -> int:
         a, t = res.acc, res.acc_per_token
         summary = (
             f"acc = {a.value:.4f} ± {a.stderr:.4f}, acc_per_token = {t.value:.4f} ± "
-            f"{t.stderr:.4f} over {res.count} items"
+            f"{t.stderr:.4f} over {plural(res.count, 'item')}"
         )
         return doc, summary, res.details
 
@@ -216,7 +217,7 @@ def cmd_cloze(args: argparse.Namespace) -> int:
         wse = f" ± {w.stderr:.4f}" if w.stderr is not None else ""
         summary = (
             f"accuracy = {a.value:.4f} ± {a.stderr:.4f}, mean word log P = {w.value:.4f}{wse} "
-            f"over {res.count} passages"
+            f"over {plural(res.count, 'passage')}"
         )
         return doc, summary, res.details
 

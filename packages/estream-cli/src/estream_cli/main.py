@@ -439,14 +439,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_bench)
 
+    from estream_layout.synth import ARCHES, PRESETS
+
     p = sub.add_parser("demo", help="the main job: synth → pack → profile → config → prefill")
     p.add_argument(
         "--arch",
         default="olmoe",
-        help="architecture of the synthetic model (default olmoe; see estream-synth -h)",
+        choices=ARCHES,
+        help="architecture of the synthetic model (default olmoe)",
     )
     p.add_argument(
-        "--preset", default="demo", help="demo (default: ≈ 230 MiB of experts), tiny, small, …"
+        "--preset",
+        default="demo",
+        choices=("demo", *PRESETS),
+        help="demo (default: ≈ 230 MiB of experts), or a preset of estream-synth: tiny, small "
+        "or a full-size one of --arch's family",
     )
     p.add_argument("--dir", help="work directory (default: a temporary one, removed at the end)")
     p.add_argument("--tokens", type=positive_int, default=256, help="prompt length")
