@@ -355,17 +355,15 @@ def hexagon(session: nox.Session) -> None:
 def arm64(session: nox.Session) -> None:
     """The arm64 (NEON) kernels alone, cross-compiled from the tree and run under qemu-aarch64
     (the same tests also run in `nox -s htp`), then the instructions per 32x32 tile of the strip
-    kernels by kind (bench-results/neon_instr_mix.json). Builds nothing in-tree."""
+    kernels by kind (recorded in benchmarks/results/). Builds nothing in-tree."""
     _arm64_toolchain(session)
     if "ESTREAM_HTP_REQUIRE_ARM64" not in session.env:
         session.error("the arm64 session needs " + ", ".join(ARM64_TOOLS))
     session.install("pytest>=8", "hypothesis>=6.100")
     _pytest(session, PKG / "estream-htp" / "tests" / "test_cross_arm64.py")
-    (ROOT / "bench-results").mkdir(exist_ok=True)
-    session.run(
-        "python", str(PKG / "estream-htp" / "tools" / "neon_instr_mix.py"),
-        "--json", str(ROOT / "bench-results" / "neon_instr_mix.json"),
-    )  # fmt: skip
+    mix = ROOT / "bench-results" / bench_record.BENCHES["neon_instr_mix"]
+    _recorded(session, "neon_instr_mix", PKG / "estream-htp" / "tools" / "neon_instr_mix.py",
+              "--json", str(mix))  # fmt: skip
 
 
 def _repo_relative(arg: str) -> str:

@@ -52,6 +52,7 @@ BENCHES: dict[str, str] = {
     "eval_parity": "eval-parity.json",
     "bench_hexagon": "bench_hexagon.json",
     "hexagon_packets": "hexagon_packets.json",
+    "neon_instr_mix": "neon_instr_mix.json",
 }
 
 #: The /proc/cpuinfo flags that decide which kernels run (x86 and arm64 spellings).

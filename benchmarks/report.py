@@ -400,6 +400,30 @@ def render_packets(f: Figures) -> Table:
     return t
 
 
+NEON_KINDS = ("sdot", "mmla", "load", "store", "fp", "convert", "int_vector")
+
+
+def render_neon_mix(f: Figures) -> Table:
+    t = Table(["strip kernel", "table, tiles", "tile at 1 / 2 tokens", "per token",
+               "SDOT / MMLA / load / store / fp / convert / other vector / scalar, 2 tokens"],
+              [])  # fmt: skip
+    for c in f.values():
+        if not isinstance(c, dict) or "per_tile" not in c:
+            continue
+        p1, p2 = c["per_tile"]["1"], c["per_tile"]["2"]
+        mix = [f"{p2[k]:.0f}" for k in NEON_KINDS] + [f"{p2['scalar'] + p2['branch']:.0f}"]
+        t.rows.append([
+            f"`{c['function']}`", f"{c['table']}, {c['format']}",
+            f"{p1['total']:.0f} / {p2['total']:.0f}", f"{c['per_tile_per_token']['total']:.0f}",
+            " / ".join(mix),
+        ])  # fmt: skip
+    t.notes.append(
+        "arm64 instructions executed per 32×32 tile (QEMU's execution log, qemu-aarch64 -cpu max), "
+        "one 32-row strip, Q8 activations; a tile and token is 1024 MACs, 64 SDOT."
+    )
+    return t
+
+
 @dataclass(frozen=True)
 class Bench:
     title: str
@@ -426,6 +450,9 @@ BENCHES: dict[str, Bench] = {
     "eval_parity": Bench("Perplexity against llama.cpp", render_eval_parity, timed=False),
     "bench_hexagon": Bench("Host side of the hexagon protocol", render_hexagon),
     "hexagon_packets": Bench("Hexagon tile kernel, packets", render_packets, timed=False),
+    "neon_instr_mix": Bench(
+        "arm64 tile kernels, instructions by kind", render_neon_mix, timed=False
+    ),
 }
 
 

@@ -196,13 +196,13 @@ def test_the_newest_result_is_rendered(tmp_path: Path) -> None:
 
 def test_every_benchmark_session_is_recorded_and_rendered() -> None:
     """Every session that runs a benchmark script through `_bench` (and the hexagon session's
-    two) has a figures file in record.BENCHES and a renderer in report.BENCHES, and nothing
+    two, the arm64 session's one) has a figures file in record.BENCHES and a renderer in report.BENCHES, and nothing
     else does."""
     nox_src = (ROOT / "noxfile.py").read_text()
     sessions = set(re.findall(r"def (\w+)\(session: nox.Session\) -> None:\n(?:.*\n){0,4}?"
                               r"\s+_bench\(session", nox_src))  # fmt: skip
     assert {"bench_engine", "bench_kernels", "parity", "eval_parity"} <= sessions
-    assert sessions | {"bench_hexagon", "hexagon_packets"} == set(record.BENCHES)
+    assert sessions | {"bench_hexagon", "hexagon_packets", "neon_instr_mix"} == set(record.BENCHES)
     assert set(report.BENCHES) == set(record.BENCHES)
 
 
@@ -384,6 +384,17 @@ FIGURES: dict[str, tuple[dict[str, Any], str]] = {
         {"executor": "/x", "hvx": {"per_tile_setup": 40.0, "per_tile_per_token": 10.0,
                                    "per_tile": {"1": 50.0, "8": 120.0, "64": 680.0}}},
         "| hvx | 40 | 10 | 50 / 120 / 680 |",
+    ),
+    "neon_instr_mix": (
+        {"executable": "built", "neon_q4_0": {
+            "function": "q4q8_strip_neon", "format": "q4_0", "table": "neon",
+            "per_tile_per_token": {"total": 150},
+            "per_tile": {
+                "1": {"sdot": 64, "mmla": 0, "load": 34, "store": 6, "fp": 18, "convert": 16,
+                      "int_vector": 86, "branch": 2, "scalar": 14, "total": 240},
+                "2": {"sdot": 128, "mmla": 0, "load": 58, "store": 18, "fp": 36, "convert": 24,
+                      "int_vector": 106, "branch": 2, "scalar": 18, "total": 390}}}},
+        "| `q4q8_strip_neon` | neon, q4_0 | 240 / 390 | 150 | 128 / 0 / 58 / 18 / 36 / 24 / 106 / 20 |",
     ),
 }  # fmt: skip
 
