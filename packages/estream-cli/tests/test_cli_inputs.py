@@ -260,7 +260,7 @@ def test_docs_file_nan_id(model, capsys, tmp_path):
         (["--mode", "naive", "-G", "2"], "-G does nothing with --mode naive"),
         (["--mode", "layer", "--budget", "1GiB"], "--budget does nothing with --mode layer"),
         (["--budget", "1GiB", "-G", "2"], "give either --budget or -G 2"),
-        (["--dense-ops", "backend"], "--dense-ops"),
+        (["--dense-ops", "backend"], "--dense-ops backend does nothing with --backend host"),
         (["--backend", "hexagon", "--threads", "2"], "--threads does nothing with --backend"),
     ],
 )
@@ -275,6 +275,28 @@ def test_options_that_would_do_nothing_are_refused(model, capsys, extra, needle)
         rc, _, err = run(capsys, *cmd, *extra)
         refused(rc, err, needle)
         assert rc == 2
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--dense-ops", "host"],
+        ["--backend", "hexagon", "--threads", "2", "--dense-ops", "host"],
+        ["--backend", "host-process", "--threads", "2", "--dense-ops", "backend"],
+        ["--mode", "resident", "--verify", "--act", "f32"],
+        ["--mode", "naive", "--schedule", "ondemand"],
+        ["--budget", "1GiB", "--schedule", "after-routing"],
+        ["-G", "8", "-Q", "2", "-B", "3"],
+    ],
+)
+def test_options_that_take_effect_are_accepted(model, extra):
+    """The combinations in which every option given changes something pass the check."""
+    from estream_cli.main import build_parser
+    from estream_cli.options import check_engine_opts
+
+    args = build_parser().parse_args(["prefill", str(model), "--tokens", "1", *extra])
+    check_engine_opts(args, n_experts=8)
 
 
 def test_bench_budget_without_a_stream_run(model, capsys):

@@ -183,8 +183,8 @@ def add_engine_opts(p: argparse.ArgumentParser) -> None:
         choices=DENSE_OPS,
         default=None,
         help="where the dense kernel ops run: host (this process) or backend (the expert "
-        "backend's executor); default backend for --backend hexagon, host otherwise; only with "
-        "--backend host-process or hexagon",
+        "backend's executor, so not with --backend host); default backend for --backend "
+        "hexagon, host otherwise",
     )
 
 
@@ -217,10 +217,11 @@ def check_engine_opts(args: argparse.Namespace, n_experts: int | None = None) ->
         raise BadRequestError(
             f"--budget chooses G, Q and B itself; give either --budget or {' '.join(explicit)}"
         )
-    if args.backend == "host" and args.dense_ops is not None:
+    if args.backend == "host" and args.dense_ops == "backend":
         raise BadRequestError(
-            "--dense-ops chooses between this process and an executor; with --backend host "
-            "both are this process: drop it or give --backend host-process or hexagon"
+            "--dense-ops backend does nothing with --backend host: that backend is this "
+            "process, where the dense ops run anyway; drop it or give --backend host-process "
+            "or hexagon"
         )
     if args.backend == "hexagon" and args.threads and (args.dense_ops or "backend") == "backend":
         raise BadRequestError(
