@@ -111,6 +111,13 @@ def test_profile_values_are_checked_before_profiling(model, capsys, argv, needle
     assert "profiling" not in err
 
 
+def test_config_length_beyond_the_context(model, capsys):
+    """config --tokens longer than the model context is refused (no configuration for a
+    prompt the model cannot take)."""
+    rc, _, err = run(capsys, "config", str(model), "--budget", "1GiB", "--tokens", "4097")
+    refused(rc, err, "--tokens 4097 is longer than the model context (4096 tokens)")
+
+
 def test_group_size_beyond_the_expert_count(model, capsys):
     """-G larger than the experts of a layer is refused, not silently clamped."""
     rc, _, err = run(capsys, "prefill", str(model), "--tokens", "1", "-G", "9")
@@ -228,6 +235,24 @@ def test_jsonl_values_that_are_not_json_or_ids(model, capsys, tmp_path, line, ne
     f.write_text('{"id": "ok", "prompt": "x"}\n' + line + "\n")
     rc, out, err = run(capsys, "classify", str(model), "--input", str(f), "--labels", "a,b")
     refused(rc, err, f"{f}:2", needle)
+    assert out == ""
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"prompt": "a\\udcffb"}',
+        '{"prompt": "x", "labels": ["\\ud800"]}',
+        '{"id": "\\udfff", "prompt": "x"}',
+    ],
+)
+def test_jsonl_lone_surrogates_are_not_text(model, capsys, tmp_path, line):
+    """A JSON escape spelling a lone surrogate is refused with its line, like undecodable bytes
+    on the command line."""
+    f = tmp_path / "in.jsonl"
+    f.write_text(line + "\n")
+    rc, out, err = run(capsys, "classify", str(model), "--input", str(f), "--labels", "a,b")
+    refused(rc, err, f"{f}:1", "lone surrogate")
     assert out == ""
 
 

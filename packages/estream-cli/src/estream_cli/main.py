@@ -183,6 +183,11 @@ def cmd_config(args: argparse.Namespace) -> int:
     report = sys.stderr if stdout_claimed([("--plot", args.plot)]) else sys.stdout
     model = PackedModel(args.model)
     budget = memory.parse_bytes(args.budget)
+    if args.tokens is not None and args.tokens > model.hparams.n_ctx:
+        raise BadRequestError(
+            f"--tokens {args.tokens} is longer than the model context "
+            f"({model.hparams.n_ctx} tokens)"
+        )
     t0 = time.perf_counter()
     choice = configure_for_budget(model, budget, args.tokens)
     dt = time.perf_counter() - t0
@@ -372,7 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokens",
         type=positive_int,
-        help="prompt length to configure for (default: the profile's calibration length; "
+        help="prompt length to configure for, ≤ the model context (default: the profile's "
+        "calibration length; "
         "`estream prefill --budget` uses each request's own)",
     )
     p.add_argument(

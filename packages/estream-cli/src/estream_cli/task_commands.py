@@ -73,6 +73,26 @@ def _no_constant(token: str) -> Any:
     raise ValueError(f"{token} is not a JSON number")
 
 
+def _check_unicode(value: Any, where: str) -> None:
+    """JSON's ``\\ud800``-style escapes can spell lone surrogates, which are not text: refused
+    here, before a tokenizer (or the output) meets them."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise BadRequestError(
+                    f"{where}: a string holds a lone surrogate (\\u{ord(v[exc.start]):04x}), "
+                    "which is not text"
+                ) from None
+        elif isinstance(v, dict):
+            stack += [*v.keys(), *v.values()]
+        elif isinstance(v, list):
+            stack += v
+
+
 def _check_id(obj: dict[str, Any], where: str) -> None:
     """A request's ``id`` is carried into its result line: a string, an integer or null (what
     every JSON reader reads back as it was written)."""
@@ -109,6 +129,7 @@ def read_jsonl_named(path: str) -> tuple[list[tuple[int, dict[str, Any]]], str]:
         if not isinstance(obj, dict):
             kind = {list: "a list", str: "a string", type(None): "null"}.get(type(obj), "a value")
             raise BadRequestError(f"{name}:{n}: expected a JSON object, got {kind}")
+        _check_unicode(obj, f"{name}:{n}")
         _check_id(obj, f"{name}:{n}")
         out.append((n, obj))
     if not out:
@@ -146,6 +167,7 @@ def read_docs_file(path: str) -> list[Any]:
                 raise BadRequestError(f"{name}:{n}: the JSON is nested too deeply") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                 raise BadRequestError(f"{name}:{n}: a document object needs a 'text' string")
+            _check_unicode(obj, f"{name}:{n}")
             _check_id(obj, f"{name}:{n}")
             docs.append(obj)
         elif s.startswith('"'):
@@ -153,6 +175,7 @@ def read_docs_file(path: str) -> list[Any]:
                 val = json.loads(s)
             except (ValueError, RecursionError):
                 val = line
+            _check_unicode(val, f"{name}:{n}")
             docs.append(val if isinstance(val, str) else line)
         else:
             docs.append(line)
