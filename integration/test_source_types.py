@@ -1,5 +1,6 @@
-"""A GGUF computed as it is: expert tensors stored as Q8_0 (every projection, or only some, as
-quantizer mixes write them) are packed without re-quantization, the manifest records each
+"""A GGUF computed as it is: expert tensors stored as Q8_0, Q4_K or Q6_K (every projection, or
+mixed per projection as quantizer mixes such as Q4_K_M write them) are packed without
+re-quantization, the manifest records each
 projection's format, and the engine runs those tiles in every mode and on every backend.
 
 ``act="f32"`` is the exact path: the logits match the float64 reference of the source file
@@ -59,12 +60,23 @@ def _down_as_q8_0(src, dst):
     return dst
 
 
-@pytest.fixture(scope="module", params=["all-q8_0", "down-q8_0"])
+KQ_DIMS = {"n_embd": 256, "n_ff_exp": 256}  # K-quant rows: whole 256-value super-blocks
+
+
+@pytest.fixture(scope="module", params=["all-q8_0", "down-q8_0", "q4_k_m", "all-q6_k"])
 def packed(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"types-{request.param}")
     if request.param == "all-q8_0":
         src = synth_model("qwen3moe", "tiny", d / "m.gguf", seed=5, expert_type="Q8_0")
         want = ("q8_0-t32r4",) * 3
+    elif request.param == "q4_k_m":  # Q4_K_M's experts: Q4_K gate/up, Q6_K down
+        src = synth_model("qwen3moe", "tiny", d / "m.gguf", seed=5, expert_type="Q4_K",
+                          expert_down_type="Q6_K", dims=KQ_DIMS)  # fmt: skip
+        want = ("q4_k-t32r4", "q4_k-t32r4", "q6_k-t32r4")
+    elif request.param == "all-q6_k":
+        src = synth_model("qwen3moe", "tiny", d / "m.gguf", seed=6, expert_type="Q6_K",
+                          dims=KQ_DIMS)  # fmt: skip
+        want = ("q6_k-t32r4",) * 3
     else:
         base = synth_model("qwen3moe", "tiny", d / "base.gguf", seed=5)
         src = _down_as_q8_0(base, d / "m.gguf")
@@ -112,7 +124,7 @@ def test_f32_matches_the_float64_reference_of_the_file(packed):
 )
 def test_int8_path_on_every_backend_matches_host(packed, backend):
     """The int8 path in stream mode: the host-process and hexagon executors compute the
-    Q8_0 (and mixed) records and give the host's logits (within 1e-5: the executors' kernel
+    Q8_0 / K-quant (and mixed) records and give the host's logits (within 1e-5: the executors' kernel
     tables accumulate in another order). (The int8 path's distance to the float64 reference is
     the activation format's, checked per op in estream-htp and per model in test_engine.)"""
     _, dst, _ = packed
@@ -124,3 +136,24 @@ def test_int8_path_on_every_backend_matches_host(packed, backend):
         got = eng.prefill(toks, all_logits=True).logits
     assert np.isfinite(got).all()
     assert rel_l2(got, host) <= 1e-5
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_htp_and_layout_kquant_tiles_agree_with_gguf(qtype):
+    """The two independent K-quant tile writers (estream-layout's packer, estream-htp's test
+    packer) produce the same bytes, and estream-htp's own dequantization of the tiles (what its
+    float64 references use) is gguf-py's dequantization of the source blocks bit for bit."""
+    import estream_htp.testing as T
+    from estream_layout import tiles
+
+    rng = np.random.default_rng(9)
+    n, k = 45, 512
+    gen = T.random_q4_k_blocks if qtype == "Q4_K" else T.random_q6_k_blocks
+    blocks = gen(rng, n, k).reshape(n, -1)
+    fmt = "q4_k-t32r4" if qtype == "Q4_K" else "q6_k-t32r4"
+    ours = tiles.pack_tiles(blocks, fmt)
+    theirs = (T.pack_q4_k_t32r4 if qtype == "Q4_K" else T.pack_q6_k_t32r4)(blocks)
+    assert np.array_equal(ours, theirs)
+    want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype])
+    got = T.dequantize_tiles(theirs, fmt, n, k)
+    assert np.array_equal(np.asarray(got, np.float32).view(np.uint32), want.view(np.uint32))

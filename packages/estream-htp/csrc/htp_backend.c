@@ -404,7 +404,7 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
     case HTP_OP_NOP: return HTP_OK;
     case HTP_OP_GEMM: {
         const htp_gemm_params *p = &op->p.gemm;
-        if (p->format != HTP_FMT_Q4_0_T32R4 && p->format != HTP_FMT_Q8_0_T32R4) return HTP_E_INVALID;
+        if (!htp_is_weight_format(p->format)) return HTP_E_INVALID;
         if (p->k == 0 || p->k % 32 || p->n == 0 || p->ldx < p->k || p->ldy < p->n) return HTP_E_INVALID;
         if ((p->n_more < 1 && p->n_b) || (p->n_more < 2 && p->n_c)) return HTP_E_BAD_OP;
         if ((p->n_more >= 1 && !p->n_b) || (p->n_more >= 2 && !p->n_c)) return HTP_E_INVALID;

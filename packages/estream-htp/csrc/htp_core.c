@@ -16,6 +16,14 @@ void htp_q8q8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8
 void htp_dequant_portable(const uint8_t *p, uint32_t fmt, float *panel) {
     htp_dequant_tile_body(p, fmt, panel);
 }
+void htp_q4kq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                              float *out, uint32_t ldo, uint32_t rows) {
+    htp_q4k_strip_body(strip, kb, a, nt, out, ldo, rows);
+}
+void htp_q6kq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                              float *out, uint32_t ldo, uint32_t rows) {
+    htp_q6k_strip_body(strip, kb, a, nt, out, ldo, rows);
+}
 void htp_f32_strip_portable(const float *panel, uint32_t k, const float *x, uint32_t ldx,
                                uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
     htp_f32_strip_body(panel, k, x, ldx, nt, out, ldo, rows);
@@ -30,7 +38,11 @@ const htp_isa htp_isa_portable = {
     .q4q8_nt = 64,
     .q8q8_strip = htp_q8q8_strip_portable,
     .q8q8_nt = 64,
+    .q4kq8_strip = htp_q4kq8_strip_portable,
+    .q6kq8_strip = htp_q6kq8_strip_portable,
+    .kq8_nt = 64,
     .dequant_tile = htp_dequant_portable,
+    .dequant_kq_tile = htp_dequant_portable,
     .f32_strip = htp_f32_strip_portable,
     .f32_nt = 4,
     .quantize_row_q8 = htp_quantize_q8_portable,
@@ -111,7 +123,17 @@ uint32_t htp_simd_best(void) {
 uint32_t htp_abi_version(void) { return HTP_ABI_VERSION; }
 
 size_t htp_tile_bytes(uint32_t fmt) {
-    return fmt == HTP_FMT_Q4_0_T32R4 ? HTP_Q4_TILE_BYTES : fmt == HTP_FMT_Q8_0_T32R4 ? HTP_Q8_TILE_BYTES : 0;
+    switch (fmt) {
+    case HTP_FMT_Q4_0_T32R4: return HTP_Q4_TILE_BYTES;
+    case HTP_FMT_Q8_0_T32R4: return HTP_Q8_TILE_BYTES;
+    case HTP_FMT_Q4_K_T32R4: return HTP_Q4K_TILE_BYTES;
+    case HTP_FMT_Q6_K_T32R4: return HTP_Q6K_TILE_BYTES;
+    default: return 0;
+    }
+}
+int htp_is_weight_format(uint32_t fmt) {
+    return fmt == HTP_FMT_Q4_0_T32R4 || fmt == HTP_FMT_Q8_0_T32R4 || fmt == HTP_FMT_Q4_K_T32R4 ||
+           fmt == HTP_FMT_Q6_K_T32R4;
 }
 uint64_t htp_matrix_bytes(uint32_t fmt, uint32_t n, uint32_t k) {
     return (uint64_t)((n + 31) / 32) * (k / 32) * htp_tile_bytes(fmt);
@@ -123,23 +145,35 @@ void htp_gemm_tiles(const htp_isa *isa, const uint8_t *w, uint32_t fmt, uint32_t
                     uint32_t ldx, uint32_t t, float *out, uint32_t ldo, float *panel) {
     const uint32_t kb = k / 32;
     const size_t tbytes = htp_tile_bytes(fmt);
-    const int q4 = fmt == HTP_FMT_Q4_0_T32R4;
+    /* the strip kernel and its tokens per call for this format (K-quant kernels a table does
+     * not have: the portable ones) */
+    const int kq = fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q6_K_T32R4;
+    void (*strip_fn)(const uint8_t *, uint32_t, const htp_act_q8 *, uint32_t, float *, uint32_t, uint32_t);
+    uint32_t ntmax;
+    if (fmt == HTP_FMT_Q4_0_T32R4) {
+        strip_fn = isa->q4q8_strip, ntmax = isa->q4q8_nt;
+    } else if (fmt == HTP_FMT_Q8_0_T32R4) {
+        strip_fn = isa->q8q8_strip, ntmax = isa->q8q8_nt;
+    } else {
+        const int own = isa->q4kq8_strip && isa->q6kq8_strip;
+        const htp_isa *ki = own ? isa : &htp_isa_portable;
+        strip_fn = fmt == HTP_FMT_Q4_K_T32R4 ? ki->q4kq8_strip : ki->q6kq8_strip;
+        ntmax = ki->kq8_nt;
+    }
+    void (*dequant)(const uint8_t *, uint32_t, float *) =
+        !kq ? isa->dequant_tile : isa->dequant_kq_tile ? isa->dequant_kq_tile : htp_dequant_portable;
     for (uint32_t it = tile_b; it < tile_e; it++) {
         const uint8_t *strip = w + (size_t)it * kb * tbytes;
         const uint32_t rows = HTP_MIN(32u, n - it * 32);
         float *o = out + (size_t)(it - tile_b) * 32;
         if (q8) {
-            const uint32_t ntmax = q4 ? isa->q4q8_nt : isa->q8q8_nt;
             for (uint32_t t0 = 0; t0 < t; t0 += ntmax) {
                 const uint32_t nt = HTP_MIN(ntmax, t - t0);
                 const htp_act_q8 a = {q8->q + (size_t)t0 * k, q8->d + (size_t)t0 * kb, q8->s + (size_t)t0 * kb};
-                if (q4)
-                    isa->q4q8_strip(strip, kb, &a, nt, o + (size_t)t0 * ldo, ldo, rows);
-                else
-                    isa->q8q8_strip(strip, kb, &a, nt, o + (size_t)t0 * ldo, ldo, rows);
+                strip_fn(strip, kb, &a, nt, o + (size_t)t0 * ldo, ldo, rows);
             }
         } else {
-            for (uint32_t j = 0; j < kb; j++) isa->dequant_tile(strip + j * tbytes, fmt, panel + (size_t)j * 1024);
+            for (uint32_t j = 0; j < kb; j++) dequant(strip + j * tbytes, fmt, panel + (size_t)j * 1024);
             const uint32_t ntmax = isa->f32_nt;
             for (uint32_t t0 = 0; t0 < t; t0 += ntmax) {
                 const uint32_t nt = HTP_MIN(ntmax, t - t0);

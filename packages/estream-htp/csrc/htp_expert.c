@@ -293,7 +293,7 @@ htp_status htp_expert_formats(const htp_expert_params *p, uint32_t fmt[3]) {
     const uint32_t given[3] = {p->format, p->format_up ? p->format_up : p->format,
                                p->format_down ? p->format_down : p->format};
     for (int j = 0; j < 3; j++) {
-        if (given[j] != HTP_FMT_Q4_0_T32R4 && given[j] != HTP_FMT_Q8_0_T32R4) return HTP_E_UNSUPPORTED;
+        if (!htp_is_weight_format(given[j])) return HTP_E_UNSUPPORTED;
         fmt[j] = given[j];
     }
     return HTP_OK;

@@ -8,8 +8,131 @@
 
 #define HTP_INLINE static inline __attribute__((always_inline))
 
+/* ---- K-quant tiles (docs/format.md §1): one 32-column sub-block of 32 rows.
+ * q4_k-t32r4 (704 B): fp16 d [32] at 0, fp16 dmin [32] at 64, uint8 sc [32] at 128, uint8 m [32]
+ *   at 160, then 4 groups of 128 B at 192 with the nibbles in Q4_0 order (byte 4g+b of row r at
+ *   192 + 128g + 4r + b: low nibble = column 4g+b, high = column 16+4g+b), values 0..15;
+ *   W = (d*sc)*q - dmin*m.
+ * q6_k-t32r4 (1152 B): fp16 d [32] at 0, int8 scale pairs at 64 + 2r (columns 0..15, 16..31),
+ *   then 8 groups of 128 B at 128 with int8 values -32..31 (column 4g+b of row r at
+ *   128 + 128g + 4r + b); W = (d*sc)*q. */
+HTP_INLINE void htp_dequant_kq_tile_body(const uint8_t *p, uint32_t fmt, float *panel) {
+    if (fmt == HTP_FMT_Q4_K_T32R4) {
+        float s[32], mn[32];
+        for (int r = 0; r < 32; r++) {
+            uint16_t h, hm;
+            memcpy(&h, p + 2 * r, 2);
+            memcpy(&hm, p + 64 + 2 * r, 2);
+            s[r] = htp_f16_to_f32(h) * (float)p[128 + r];
+            mn[r] = htp_f16_to_f32(hm) * (float)p[160 + r];
+        }
+        for (int gi = 0; gi < 4; gi++)
+            for (int b = 0; b < 4; b++) {
+                float *lo = panel + (4 * gi + b) * 32;
+                float *hi = panel + (16 + 4 * gi + b) * 32;
+                for (int r = 0; r < 32; r++) {
+                    const uint8_t v = p[192 + gi * 128 + r * 4 + b];
+                    lo[r] = s[r] * (float)(v & 15) - mn[r];
+                    hi[r] = s[r] * (float)(v >> 4) - mn[r];
+                }
+            }
+    } else {
+        float s[2][32];
+        for (int r = 0; r < 32; r++) {
+            uint16_t h;
+            memcpy(&h, p + 2 * r, 2);
+            const float d = htp_f16_to_f32(h);
+            s[0][r] = d * (float)(int8_t)p[64 + 2 * r];
+            s[1][r] = d * (float)(int8_t)p[64 + 2 * r + 1];
+        }
+        for (int gi = 0; gi < 8; gi++)
+            for (int b = 0; b < 4; b++) {
+                float *col = panel + (4 * gi + b) * 32;
+                for (int r = 0; r < 32; r++) col[r] = s[gi >> 2][r] * (float)(int8_t)p[128 + gi * 128 + r * 4 + b];
+            }
+    }
+}
+
+/* Q4_K tiles x Q8 activations, reference order, any nt. Per row and 32-block: the integer dot
+ * of the nibbles with the activations, dot, and the block's activation sum, sa (exact int32);
+ * then acc += (float)(sc*dot) * (d*da) - (float)(m*sa) * (dmin*da): llama.cpp's
+ * vec_dot_q4_K_q8_K with the activation scale per 32-block instead of per 256. */
+HTP_INLINE void htp_q4k_strip_body(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                   uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    const uint32_t k = kb * 32;
+    for (uint32_t tt = 0; tt < nt; tt++) {
+        float acc[32];
+        for (int r = 0; r < 32; r++) acc[r] = 0.0f;
+        const int8_t *qa = a->q + (size_t)tt * k;
+        for (uint32_t j = 0; j < kb; j++) {
+            const uint8_t *tile = strip + (size_t)j * HTP_Q4K_TILE_BYTES;
+            const int8_t *qb = qa + 32 * j;
+            const float da = a->d[(size_t)tt * kb + j];
+            const int32_t sa = a->s[(size_t)tt * kb + j];
+            int32_t dot[32];
+            for (int r = 0; r < 32; r++) {
+                int32_t sacc = 0;
+                for (int gi = 0; gi < 4; gi++)
+                    for (int b = 0; b < 4; b++) {
+                        const uint8_t v = tile[192 + gi * 128 + r * 4 + b];
+                        sacc += (int32_t)(v & 15) * qb[4 * gi + b] + (int32_t)(v >> 4) * qb[16 + 4 * gi + b];
+                    }
+                dot[r] = sacc;
+            }
+            for (int r = 0; r < 32; r++) {
+                uint16_t h, hm;
+                memcpy(&h, tile + 2 * r, 2);
+                memcpy(&hm, tile + 64 + 2 * r, 2);
+                const int32_t isc = (int32_t)tile[128 + r] * dot[r];
+                const int32_t imn = (int32_t)tile[160 + r] * sa;
+                const float s1 = htp_f16_to_f32(h) * da, s2 = htp_f16_to_f32(hm) * da;
+                const float v = (float)isc * s1 - (float)imn * s2;
+                acc[r] += v;
+            }
+        }
+        for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = acc[r];
+    }
+}
+
+/* Q6_K tiles x Q8 activations, reference order, any nt: per row and 32-block the exact integer
+ * sc0 * dot(columns 0..15) + sc1 * dot(columns 16..31), times d*da. */
+HTP_INLINE void htp_q6k_strip_body(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                   uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    const uint32_t k = kb * 32;
+    for (uint32_t tt = 0; tt < nt; tt++) {
+        float acc[32];
+        for (int r = 0; r < 32; r++) acc[r] = 0.0f;
+        const int8_t *qa = a->q + (size_t)tt * k;
+        for (uint32_t j = 0; j < kb; j++) {
+            const uint8_t *tile = strip + (size_t)j * HTP_Q6K_TILE_BYTES;
+            const int8_t *qb = qa + 32 * j;
+            const float da = a->d[(size_t)tt * kb + j];
+            int32_t dot[32];
+            for (int r = 0; r < 32; r++) {
+                int32_t lo = 0, hi = 0;
+                for (int gi = 0; gi < 4; gi++)
+                    for (int b = 0; b < 4; b++) {
+                        lo += (int32_t)(int8_t)tile[128 + gi * 128 + r * 4 + b] * qb[4 * gi + b];
+                        hi += (int32_t)(int8_t)tile[128 + (gi + 4) * 128 + r * 4 + b] * qb[16 + 4 * gi + b];
+                    }
+                dot[r] = (int32_t)(int8_t)tile[64 + 2 * r] * lo + (int32_t)(int8_t)tile[65 + 2 * r] * hi;
+            }
+            for (int r = 0; r < 32; r++) {
+                uint16_t h;
+                memcpy(&h, tile + 2 * r, 2);
+                acc[r] += (float)dot[r] * (htp_f16_to_f32(h) * da);
+            }
+        }
+        for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = acc[r];
+    }
+}
+
 /* panel[c*32 + r] = W[row r][col c] for one tile (32 rows, 32 columns). */
 HTP_INLINE void htp_dequant_tile_body(const uint8_t *p, uint32_t fmt, float *panel) {
+    if (fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q6_K_T32R4) {
+        htp_dequant_kq_tile_body(p, fmt, panel);
+        return;
+    }
     float d[32];
     for (int r = 0; r < 32; r++) {
         uint16_t h;

@@ -37,6 +37,8 @@
 #define HTP_TILE 32
 #define HTP_Q4_TILE_BYTES 576
 #define HTP_Q8_TILE_BYTES 1088
+#define HTP_Q4K_TILE_BYTES 704  /* d, dmin (fp16), sc, m (uint8) per row, then Q4_0-order nibbles */
+#define HTP_Q6K_TILE_BYTES 1152 /* d (fp16), two int8 scales per row, then int8 values */
 #define HTP_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define HTP_MAX(a, b) ((a) > (b) ? (a) : (b))
 
@@ -171,8 +173,16 @@ typedef struct htp_isa {
     void (*q8q8_strip)(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                        float *out, uint32_t ldo, uint32_t rows);
     uint32_t q8q8_nt;
-    /* one 32x32 tile dequantized into panel[col*32 + row] */
+    /* Q4_K / Q6_K tiles x Q8 activations (NULL: the portable kernels), kq8_nt tokens a call */
+    void (*q4kq8_strip)(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                        float *out, uint32_t ldo, uint32_t rows);
+    void (*q6kq8_strip)(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                        float *out, uint32_t ldo, uint32_t rows);
+    uint32_t kq8_nt;
+    /* one 32x32 tile dequantized into panel[col*32 + row] (Q4_0 / Q8_0 tiles) */
     void (*dequant_tile)(const uint8_t *tile, uint32_t fmt, float *panel);
+    /* the same for Q4_K / Q6_K tiles (NULL: the portable one) */
+    void (*dequant_kq_tile)(const uint8_t *tile, uint32_t fmt, float *panel);
     /* a dequantized strip panel [k][32] x fp32 activations x[nt][ldx] */
     void (*f32_strip)(const float *panel, uint32_t k, const float *x, uint32_t ldx, uint32_t nt,
                       float *out, uint32_t ldo, uint32_t rows);
@@ -238,6 +248,12 @@ const htp_isa *htp_isa_for(uint32_t level);
 void htp_q8q8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                              float *out, uint32_t ldo, uint32_t rows);
 void htp_dequant_portable(const uint8_t *p, uint32_t fmt, float *panel);
+void htp_q4kq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                              float *out, uint32_t ldo, uint32_t rows);
+void htp_q6kq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                              float *out, uint32_t ldo, uint32_t rows);
+/* whether fmt is a weight tile format (Q4_0, Q8_0, Q4_K, Q6_K) */
+int htp_is_weight_format(uint32_t fmt);
 void htp_f32_strip_portable(const float *panel, uint32_t k, const float *x, uint32_t ldx,
                             uint32_t nt, float *out, uint32_t ldo, uint32_t rows);
 void htp_quantize_q8_portable(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s);

@@ -37,6 +37,27 @@
 HTP_INSTANTIATE(avx2, HTP_T_AVX2)
 HTP_INSTANTIATE(avx512, HTP_T_AVX512)
 
+/* K-quant tiles x Q8 activations: the reference-order bodies vectorised by the compiler under
+ * each target (the integer sums are exact, so every table gives the same partial sums) */
+#define HTP_INSTANTIATE_KQ(SUFFIX, TARGET)                                                       \
+    TARGET static void q4kq8_strip_##SUFFIX(const uint8_t *strip, uint32_t kb,                   \
+                                            const htp_act_q8 *a, uint32_t nt, float *out,        \
+                                            uint32_t ldo, uint32_t rows) {                       \
+        htp_q4k_strip_body(strip, kb, a, nt, out, ldo, rows);                                    \
+    }                                                                                            \
+    TARGET static void q6kq8_strip_##SUFFIX(const uint8_t *strip, uint32_t kb,                   \
+                                            const htp_act_q8 *a, uint32_t nt, float *out,        \
+                                            uint32_t ldo, uint32_t rows) {                       \
+        htp_q6k_strip_body(strip, kb, a, nt, out, ldo, rows);                                    \
+    }                                                                                            \
+    TARGET static void dequant_kq_##SUFFIX(const uint8_t *p, uint32_t fmt, float *panel) {       \
+        htp_dequant_kq_tile_body(p, fmt, panel);                                                 \
+    }
+
+HTP_INSTANTIATE_KQ(avx2, HTP_T_AVX2)
+HTP_INSTANTIATE_KQ(avx512, HTP_T_AVX512)
+HTP_INSTANTIATE_KQ(vnni, HTP_T_VNNI)
+
 /* ---- Q4_0 x Q8 tile kernel, AVX-512 ----
  * A 128-byte group of a tile is two zmm registers whose 32-bit lanes are rows 0..15 and
  * 16..31; each lane holds 4 bytes = 8 nibbles: low nibbles are columns 4g..4g+3, high nibbles
@@ -302,7 +323,11 @@ const htp_isa htp_isa_avx2 = {
     .q4q8_nt = 4,
     .q8q8_strip = q8q8_strip_avx2,
     .q8q8_nt = 4,
+    .q4kq8_strip = q4kq8_strip_avx2,
+    .q6kq8_strip = q6kq8_strip_avx2,
+    .kq8_nt = 64,
     .dequant_tile = dequant_avx2,
+    .dequant_kq_tile = dequant_kq_avx2,
     .f32_strip = f32_strip_avx2,
     .f32_nt = 4,
     .quantize_row_q8 = quantize_q8_avx2,
@@ -332,6 +357,10 @@ const htp_isa htp_isa_avx512 = {
     .level = HTP_SIMD_AVX512,
     .q4q8_strip = q4q8_strip_bw,
     .q4q8_nt = 4,
+    .q4kq8_strip = q4kq8_strip_avx512,
+    .q6kq8_strip = q6kq8_strip_avx512,
+    .kq8_nt = 64,
+    .dequant_kq_tile = dequant_kq_avx512,
     .dot_peak = peak_bw,
     .dot_macs_per_iter = 12 * 64,
     HTP_AVX512_COMMON,
@@ -341,6 +370,10 @@ const htp_isa htp_isa_avx512vnni = {
     .level = HTP_SIMD_AVX512VNNI,
     .q4q8_strip = q4q8_strip_vnni,
     .q4q8_nt = HTP_Q4_VNNI_NT,
+    .q4kq8_strip = q4kq8_strip_vnni,
+    .q6kq8_strip = q6kq8_strip_vnni,
+    .kq8_nt = 64,
+    .dequant_kq_tile = dequant_kq_vnni,
     .dot_peak = peak_vnni,
     .dot_macs_per_iter = 12 * 64,
     HTP_AVX512_COMMON,
@@ -352,6 +385,10 @@ const htp_isa htp_isa_amx = {
     .level = HTP_SIMD_AMX,
     .q4q8_strip = htp_q4q8_strip_amx,
     .q4q8_nt = 64,
+    .q4kq8_strip = q4kq8_strip_vnni,
+    .q6kq8_strip = q6kq8_strip_vnni,
+    .kq8_nt = 64,
+    .dequant_kq_tile = dequant_kq_vnni,
     .dot_peak = htp_amx_peak,
     .dot_macs_per_iter = 4 * 16 * 16 * 64,
     HTP_AVX512_COMMON,

@@ -63,6 +63,73 @@ def test_gemm_q8_matches_float64(simd: str, fmt: str, shape) -> None:
     assert np.all(err <= bound * 1.001 + 1e-5 * mag)
 
 
+KQ_FORMATS = ["q4_k-t32r4", "q6_k-t32r4"]
+kq_shapes = st.tuples(
+    st.integers(1, 19), st.integers(1, 77), st.integers(1, 3), st.integers(0, 2**32 - 1)
+)
+
+
+def _kq_case(t: int, n: int, sb: int, seed: int, fmt: str):
+    """Random valid K-quant blocks for W[n][256*sb] packed into fmt, and activations."""
+    rng = np.random.default_rng(seed)
+    k = 256 * sb
+    if fmt == "q4_k-t32r4":
+        buf = T.pack_q4_k_t32r4(T.random_q4_k_blocks(rng, n, k))
+    else:
+        buf = T.pack_q6_k_t32r4(T.random_q6_k_blocks(rng, n, k))
+    x = (rng.standard_normal((t, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    return x, buf
+
+
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
+@pytest.mark.parametrize("fmt", KQ_FORMATS)
+@given(shape=kq_shapes)
+def test_gemm_kquant_f32_matches_float64(simd: str, fmt: str, shape) -> None:
+    """K-quant tiles with fp32 activations, awkward N (padding rows) and K of 1..3 super-blocks,
+    into a NaN-poisoned output: the float64 product of the dequantized tiles, to fp32 rounding."""
+    t, n, sb, seed = shape
+    x, buf = _kq_case(t, n, sb, seed, fmt)
+    out = np.full((t, n), np.nan, dtype=np.float32)
+    with mode(simd=simd, act="f32"):
+        y = htp.gemm(x, buf, n, fmt, out=out)
+    assert y is out
+    mag = T.ref_gemm_magnitude(x, buf, n, fmt)
+    assert T.rel_l2_floored(y, T.ref_gemm(x, buf, n, fmt), mag, x.shape[1]) <= F32_TOL
+
+
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
+@pytest.mark.parametrize("fmt", KQ_FORMATS)
+@given(shape=kq_shapes)
+def test_gemm_kquant_q8_matches_float64(simd: str, fmt: str, shape) -> None:
+    """K-quant tiles with int8 activations (per 32-block): the float64 product of the
+    dequantized tiles with the same int8-rounded activations, to fp32 rounding; 1 and 2
+    threads give the same bits."""
+    t, n, sb, seed = shape
+    x, buf = _kq_case(t, n, sb, seed, fmt)
+    ys = []
+    for th in (1, 2):
+        out = np.full((t, n), np.nan, dtype=np.float32)
+        with mode(simd=simd, act="q8", threads=th):
+            ys.append(htp.gemm(x, buf, n, fmt, out=out))
+    assert np.array_equal(ys[0], ys[1])
+    xq = T.ref_q8_activations(x)
+    mag = T.ref_gemm_magnitude(xq, buf, n, fmt)
+    assert T.rel_l2_floored(ys[0], T.ref_gemm(xq, buf, n, fmt), mag, x.shape[1]) <= Q8_EXACT_TOL
+
+
+@pytest.mark.parametrize("fmt", KQ_FORMATS)
+def test_gemm_kquant_tables_agree(fmt: str) -> None:
+    """Every kernel table this CPU runs gives the portable table's K-quant results (the integer
+    block sums are exact; only the fp32 accumulation may be ordered differently)."""
+    x, buf = _kq_case(29, 70, 2, 3, fmt)
+    with mode(simd="portable", act="q8", threads=1):
+        base = htp.gemm(x, buf, 70, fmt)
+    for simd in LEVELS:
+        with mode(simd=simd, act="q8"):
+            y = htp.gemm(x, buf, 70, fmt)
+        assert T.rel_l2(y, base) <= 1e-6, simd
+
+
 @pytest.mark.parametrize("act", ["f32", "q8"])
 def test_gemm_paths_and_thread_counts_agree(act: str) -> None:
     x, buf = _case(37, 133, 8, 7, "q4_0-t32r4")

@@ -88,6 +88,35 @@ def test_gemm_bit_exact(
         assert T.rel_l2_floored(b, T.ref_gemm(xq, buf, n, fmt), mag, k) < 1e-5
 
 
+@settings(max_examples=4 * _X)
+@given(
+    n=st.integers(1, 40),
+    t=st.integers(1, 6),
+    fmt=st.sampled_from(["q4_k-t32r4", "q6_k-t32r4"]),
+    act=st.sampled_from(["q8", "f32"]),
+    seed=st.integers(0, 2**16),
+)
+def test_gemm_kquant_bit_exact(
+    host: htp.Backend, hexagon: htp.Backend, n: int, t: int, fmt: str, act: str, seed: int
+) -> None:
+    """Q4_K / Q6_K tiles (one super-block of K, padding rows): the executor's GEMM gives the
+    host's bits, and the float64 reference of the tiles (with the int8-rounded activations on
+    the q8 path) to fp32 rounding."""
+    rng = np.random.default_rng(seed)
+    k = 256
+    if fmt == "q4_k-t32r4":
+        buf = T.pack_q4_k_t32r4(T.random_q4_k_blocks(rng, n, k))
+    else:
+        buf = T.pack_q6_k_t32r4(T.random_q6_k_blocks(rng, n, k))
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    a = htp.gemm(x, buf, n, fmt, out=_nan((t, n)), act=act, backend=host)
+    b = htp.gemm(x, buf, n, fmt, out=_nan((t, n)), act=act, backend=hexagon)
+    assert _same(a, b)
+    xr = x if act == "f32" else T.ref_q8_activations(x)
+    mag = T.ref_gemm_magnitude(xr, buf, n, fmt)
+    assert T.rel_l2_floored(b, T.ref_gemm(xr, buf, n, fmt), mag, k) < 1e-5
+
+
 @pytest.mark.parametrize("act", ["q8", "f32"])
 def test_gemm_shared_bit_exact(host: htp.Backend, hexagon: htp.Backend, act: str) -> None:
     """Three matrices sharing one input in one op (x quantized once in the DSP process)."""
@@ -166,11 +195,18 @@ def test_expert_op_bit_exact(
 @given(
     t=st.integers(1, 9),
     n_e=st.integers(1, 4),
-    formats=st.sampled_from([("q8_0-t32r4",) * 3, ("q4_0-t32r4", "q4_0-t32r4", "q8_0-t32r4")]),
+    formats=st.sampled_from(
+        [
+            ("q8_0-t32r4",) * 3,
+            ("q4_0-t32r4", "q4_0-t32r4", "q8_0-t32r4"),
+            ("q4_k-t32r4", "q4_k-t32r4", "q6_k-t32r4"),
+            ("q6_k-t32r4", "q4_k-t32r4", "q8_0-t32r4"),
+        ]
+    ),
     act=st.sampled_from(["q8", "f32"]),
     seed=st.integers(0, 2**16),
 )
-def test_expert_op_q8_0_weights_bit_exact(
+def test_expert_op_q8_0_and_kquant_weights_bit_exact(
     host: htp.Backend,
     hexagon: htp.Backend,
     t: int,
@@ -179,10 +215,12 @@ def test_expert_op_q8_0_weights_bit_exact(
     act: str,
     seed: int,
 ) -> None:
-    """Q8_0 expert weights (all projections, or down only next to Q4_0 gate/up): the executor
-    gives the host's bits, and with f32 products the float64 reference within 1e-5."""
+    """Q8_0, Q4_K and Q6_K expert weights (all projections, or mixed as Q4_K_M mixes them):
+    the executor gives the host's bits, and with f32 products the float64 reference within
+    1e-5."""
     rng = np.random.default_rng(seed)
-    d, ff, k = 64, 64, min(2, n_e)
+    kq = any(f.startswith(("q4_k", "q6_k")) for f in formats)
+    d, ff, k = (256, 256, min(2, n_e)) if kq else (64, 64, min(2, n_e))
     gate, up, down = T.random_experts(rng, n_e, d, ff, formats)
     x = rng.standard_normal((t, d)).astype(np.float32)
     ids = np.stack([rng.permutation(n_e)[:k] for _ in range(t)]).astype(np.int32)

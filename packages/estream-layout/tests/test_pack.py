@@ -24,7 +24,7 @@ from estream_layout import (
     verify_pack,
 )
 from estream_layout import pack as pack_mod
-from estream_layout.tiles import dequantize_blocks, unpack_tiles
+from estream_layout.tiles import dequantize_blocks, tile_nbytes, unpack_tiles
 
 PAGE = 4096
 
@@ -290,27 +290,42 @@ def test_requantized_experts_warn_loudly(
     assert np.abs(got - w).max() > 0  # really re-quantized
 
 
-def test_q8_0_experts_pack_losslessly(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    """Q8_0 experts are re-laid, not re-quantized: no warning, the manifest records the source
-    type and each projection's format, and every tile unpacks to the source's blocks."""
-    src = synth_model("qwen3moe", "tiny", tmp_path / "m.gguf", expert_type="Q8_0")
+TILE_OF = {"Q4_0": "q4_0-t32r4", "Q8_0": "q8_0-t32r4", "Q4_K": "q4_k-t32r4", "Q6_K": "q6_k-t32r4"}
+
+
+@pytest.mark.parametrize(
+    ("etype", "down"), [("Q8_0", None), ("Q4_K", "Q6_K"), ("Q6_K", None), ("Q4_K", "Q8_0")]
+)
+def test_source_expert_types_pack_losslessly(
+    etype: str, down: str | None, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Q8_0, Q4_K and Q6_K experts (alone, or mixed per projection as Q4_K_M mixes them) are
+    re-laid, not re-quantized: no warning, the manifest records the source type and each
+    projection's format, and every tile unpacks to the source's blocks."""
+    dims = {"n_embd": 256, "n_ff_exp": 256} if "Q4_K" in (etype, down) or etype == "Q6_K" else {}
+    src = synth_model(
+        "qwen3moe", "tiny", tmp_path / "m.gguf", expert_type=etype, expert_down_type=down,
+        dims=dims,
+    )  # fmt: skip
     m = pack_model(src, tmp_path / "m.estream", progress=False)
     assert "RE-QUANTIZED" not in capfd.readouterr().err
-    assert m.source["expert_type"] == "Q8_0" and m.source["requantized"] is False
+    types = sorted({etype, down or etype})
+    want_type = types[0] if len(types) == 1 else "mixed:" + ",".join(types)
+    assert m.source["expert_type"] == want_type and m.source["requantized"] is False
     doc = json.loads((m.root / "manifest.json").read_text())
-    assert {p["format"] for la in doc["layers"] for p in la["projections"].values()} == {
-        "q8_0-t32r4"
-    }
+    for la in doc["layers"]:
+        got = [la["projections"][j]["format"] for j in ("gate", "up", "down")]
+        assert got == [TILE_OF[etype], TILE_OF[etype], TILE_OF[down or etype]]
     reader = gguf.GGUFReader(src)
     for la in m.layers:
         for j, p in la.projections.items():
             t = next(t for t in reader.tensors if t.name == f"blk.{la.index}.ffn_{j}_exps.weight")
             raw = np.asarray(t.data)
-            assert p.bytes == -(-p.rows // 32) * (p.cols // 32) * 1088
+            assert p.bytes == tile_nbytes(p.rows, p.cols, p.format)
             for pos, e in enumerate(la.order):
                 body = np.fromfile(m.experts_path, np.uint8, count=p.bytes,
                                    offset=la.record_offset(pos) + p.offset_in_record)  # fmt: skip
-                got = unpack_tiles(body, p.rows, p.cols, "q8_0-t32r4")
+                got = unpack_tiles(body, p.rows, p.cols, p.format)
                 assert np.array_equal(got.reshape(-1), raw[e].reshape(-1)), (la.index, j, e)
     assert verify_pack(m.root, against=src).ok
 

@@ -175,3 +175,105 @@ def test_pad_rows_keeps_data() -> None:
     assert np.array_equal(padded[:3], rows)
     blocks = padded[3:].reshape(29, 2, 18)
     assert (blocks[..., :2] == 0).all() and (blocks[..., 2:] == 0x88).all()
+
+
+# ------------------------------------------------------------------ K-quant tiles
+def _kq_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, n: int, k: int) -> np.ndarray:
+    """Random valid K-quant rows `[n, k/256*block_bytes]` (finite fp16 scales, any bits)."""
+    bb = 144 if qtype == GGMLQuantizationType.Q4_K else 210
+    b = rng.integers(0, 256, size=(n, k // 256, bb), dtype=np.uint8)
+    d = (rng.standard_normal((n, k // 256, 2)) * 1e-2).astype(np.float16).view(np.uint8)
+    if qtype == GGMLQuantizationType.Q4_K:
+        b[..., 0:4] = d.reshape(n, k // 256, 4)
+    else:
+        b[..., 208:210] = d[..., :2]
+    return b.reshape(n, -1)
+
+
+KQ = [("q4_k-t32r4", GGMLQuantizationType.Q4_K), ("q6_k-t32r4", GGMLQuantizationType.Q6_K)]
+
+
+@pytest.mark.parametrize(("fmt", "qtype"), KQ)
+@given(n=st.integers(1, 70), sb=st.integers(1, 3), batch=st.integers(0, 2), seed=st.integers(0, 99))
+def test_kquant_tiles_roundtrip_and_dequantize_like_gguf(fmt, qtype, n, sb, batch, seed) -> None:
+    """K-quant super-blocks re-laid as tiles (any N, padding rows, 1..3 super-blocks, batches):
+    unpacking gives the source bytes back, and the tiles' values are gguf-py's dequantization
+    of the source tensor bit for bit."""
+    rng = np.random.default_rng(seed)
+    k = 256 * sb
+    shape = (batch, n) if batch else (n,)
+    rows = (
+        np.stack([_kq_blocks(rng, qtype, n, k) for _ in range(batch)])
+        if batch
+        else _kq_blocks(rng, qtype, n, k)
+    )
+    buf = pack_tiles(rows, fmt)
+    assert buf.shape == (*shape[:-1], tile_nbytes(n, k, fmt))
+    assert np.array_equal(unpack_tiles(buf.reshape(-1), n, k, fmt).reshape(rows.shape), rows)
+    for i in range(max(batch, 1)):
+        one = buf[i] if batch else buf
+        src = rows[i] if batch else rows
+        want = np.asarray(gguf_quants.dequantize(src, qtype), dtype=np.float32)
+        got = dequantize_tiles(one, n, k, fmt)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_golden_q4_k_tile_bytes() -> None:
+    """One Q4_K super-block row with known fields: the tile of sub-block j holds d, dmin, the
+    unpacked 6-bit scale and min of j, and the sub-block's nibbles in Q4_0 order."""
+    blk = np.zeros(144, np.uint8)
+    blk[0:2] = np.array([1.5], np.float16).view(np.uint8)
+    blk[2:4] = np.array([0.25], np.float16).view(np.uint8)
+    sc = np.array([1, 2, 3, 4, 33, 44, 55, 63], np.uint8)
+    mn = np.array([5, 6, 7, 8, 17, 18, 19, 62], np.uint8)
+    blk[4:8] = sc[:4] | ((sc[4:] >> 4) << 6)
+    blk[8:12] = mn[:4] | ((mn[4:] >> 4) << 6)
+    blk[12:16] = (sc[4:] & 15) | ((mn[4:] & 15) << 4)
+    vals = np.arange(256) % 16  # element e of the super-block: e mod 16
+    for p in range(4):  # qs[32p + l]: element 64p + l low, 64p + 32 + l high
+        blk[16 + 32 * p : 48 + 32 * p] = vals[64 * p : 64 * p + 32] | (
+            vals[64 * p + 32 : 64 * p + 64] << 4
+        )
+    buf = pack_tiles(blk.reshape(1, -1), "q4_k-t32r4")
+    assert buf.size == 8 * 704
+    for j in range(8):
+        t = buf[704 * j : 704 * (j + 1)]
+        assert t[0:2].view(np.float16)[0] == 1.5 and t[64:66].view(np.float16)[0] == 0.25
+        assert t[2] == 0 and t[66] == 0  # row 1: padding, scales 0
+        assert (t[128], t[160]) == (sc[j], mn[j]) and t[129] == 0
+        # row 0, byte i (group i // 4, lane 0): element i low, element i + 16 high
+        for i in range(16):
+            assert t[192 + 128 * (i // 4) + i % 4] == (i % 16) | (((i + 16) % 16) << 4)
+    assert np.array_equal(unpack_tiles(buf, 1, 256, "q4_k-t32r4")[0], blk)
+
+
+def test_golden_q6_k_tile_bytes() -> None:
+    """One Q6_K super-block row: the tile of sub-block j holds d, scales 2j and 2j+1, and the
+    values q - 32 as int8 (column c of row 0 at 128 + 128 (c // 4) + c % 4)."""
+    q = (np.arange(256) * 7) % 64  # the 6-bit value of element e
+    blk = np.zeros(210, np.uint8)
+    for h in range(2):
+        for j in range(4):
+            e = h * 128 + j * 32 + np.arange(32)
+            lo = blk[h * 64 + (j % 2) * 32 : h * 64 + (j % 2) * 32 + 32]
+            lo |= ((q[e] & 15) << (4 * (j // 2))).astype(np.uint8)
+            blk[128 + h * 32 : 160 + h * 32] |= ((q[e] >> 4) << (2 * j)).astype(np.uint8)
+    blk[192:208] = np.arange(16, dtype=np.int8).view(np.uint8) - 8
+    blk[208:210] = np.array([0.5], np.float16).view(np.uint8)
+    buf = pack_tiles(blk.reshape(1, -1), "q6_k-t32r4")
+    assert buf.size == 8 * 1152
+    for j in range(8):
+        t = buf[1152 * j : 1152 * (j + 1)]
+        assert t[0:2].view(np.float16)[0] == 0.5
+        assert list(t[64:66].view(np.int8)) == [2 * j - 8, 2 * j - 7]
+        for c in range(32):
+            assert int(t[128 + 128 * (c // 4) + c % 4].view(np.int8)) == q[32 * j + c] - 32
+    assert np.array_equal(unpack_tiles(buf, 1, 256, "q6_k-t32r4")[0], blk)
+
+
+def test_kquant_needs_whole_super_blocks() -> None:
+    """A K-quant matrix's K must be a multiple of 256 (whole super-blocks)."""
+    with pytest.raises(ValueError, match="multiple of 256"):
+        tile_nbytes(32, 128, "q4_k-t32r4")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        unpack_tiles(np.zeros(704 * 4, np.uint8), 32, 128, "q6_k-t32r4")

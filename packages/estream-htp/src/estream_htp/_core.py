@@ -80,6 +80,8 @@ I32 = npt.NDArray[np.int32]
 _FMT = {
     "q4_0-t32r4": lib.HTP_FMT_Q4_0_T32R4,
     "q8_0-t32r4": lib.HTP_FMT_Q8_0_T32R4,
+    "q4_k-t32r4": lib.HTP_FMT_Q4_K_T32R4,
+    "q6_k-t32r4": lib.HTP_FMT_Q6_K_T32R4,
     "f16": lib.HTP_FMT_F16,
     "f32": lib.HTP_FMT_F32,
 }
@@ -394,7 +396,7 @@ def quantize_q8(x: F32, out: Q8Rows | None = None, *, backend: Backend | None = 
 
 
 # ---------------------------------------------------------------- expert op
-EXPERT_FORMATS = ("q4_0-t32r4", "q8_0-t32r4")
+EXPERT_FORMATS = ("q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q6_k-t32r4")
 
 
 def _expert_formats(formats: str | Sequence[str]) -> tuple[str, str, str]:
@@ -1038,8 +1040,9 @@ def get_rows(
 ) -> F32:
     """Embedding lookup: rows ``ids`` of a ``[n_rows, n_cols]`` table in ``fmt``
     ("q4_0-t32r4", "q8_0-t32r4", "f16", "f32"), as float32 ``[T, n_cols]``."""
-    if fmt not in _FMT:
-        raise HTPInputError(f"fmt must be one of {sorted(_FMT)}, got {fmt!r}")
+    row_fmts = ("q4_0-t32r4", "q8_0-t32r4", "f16", "f32")
+    if fmt not in row_fmts:
+        raise HTPInputError(f"fmt must be one of {list(row_fmts)}, got {fmt!r}")
     n_rows = _u32(n_rows, "n_rows", 1)
     n_cols = _u32(n_cols, "n_cols", 1)
     tb = _bytes(table, "table")

@@ -20,20 +20,36 @@ __all__ = [
     "TILE_FORMATS",
     "FormatError",
     "dequantize_q4_0",
+    "dequantize_q4_k",
+    "dequantize_q6_k",
     "dequantize_q8_0",
     "dequantize_tiles",
     "matrix_nbytes",
     "pack_q4_0_t32r4",
+    "pack_q4_k_t32r4",
+    "pack_q6_k_t32r4",
     "pack_q8_0_t32r4",
     "quantize_q4_0",
     "quantize_q8_0",
     "unpack_q4_0_t32r4",
+    "unpack_q4_k_t32r4",
+    "unpack_q6_k_t32r4",
     "unpack_q8_0_t32r4",
 ]
 
 Q4_0_TILE_BYTES = 576
 Q8_0_TILE_BYTES = 1088
-TILE_FORMATS = {"q4_0-t32r4": Q4_0_TILE_BYTES, "q8_0-t32r4": Q8_0_TILE_BYTES}
+Q4_K_TILE_BYTES = 704
+Q6_K_TILE_BYTES = 1152
+TILE_FORMATS = {
+    "q4_0-t32r4": Q4_0_TILE_BYTES,
+    "q8_0-t32r4": Q8_0_TILE_BYTES,
+    "q4_k-t32r4": Q4_K_TILE_BYTES,
+    "q6_k-t32r4": Q6_K_TILE_BYTES,
+}
+QK_K = 256  # values of a K-quant super-block
+Q4_K_BLOCK_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+Q6_K_BLOCK_BYTES = 210  # 128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, fp16 d
 
 
 class FormatError(ValueError):
@@ -173,10 +189,182 @@ def unpack_q8_0_t32r4(buf: npt.ArrayLike, n: int, k: int) -> npt.NDArray[np.uint
     return _unpack(buf, n, k, 32, "q8_0-t32r4")
 
 
+# ---------------------------------------------------------------- K-quant tiles
+# A K-quant super-block (256 values) is cut into its eight 32-value sub-blocks; each becomes one
+# row of a 32x32 tile, with the super-block's scales repeated in each (docs/format.md §1):
+#   q4_k-t32r4: fp16 d [32], fp16 dmin [32], uint8 sc [32], uint8 m [32] (6-bit values), then the
+#               32 nibbles of each row in Q4_0 order (byte i: value i low, value i+16 high);
+#   q6_k-t32r4: fp16 d [32], int8 scale pairs [32][2] (values 0..15, 16..31), then the int8
+#               values q - 32 (-32..31).
+def _kblocks(blocks: npt.ArrayLike, size: int) -> npt.NDArray[np.uint8]:
+    b = np.asarray(blocks)
+    if b.dtype != np.uint8:
+        raise FormatError(f"blocks must be uint8, got {b.dtype}")
+    if b.ndim == 2 and b.shape[1] % size == 0:
+        b = b.reshape(b.shape[0], b.shape[1] // size, size)
+    if b.ndim != 3 or b.shape[2] != size or b.shape[0] == 0 or b.shape[1] == 0:
+        raise FormatError(
+            f"expected blocks uint8[N, K/256, {size}] (or [N, K/256*{size}]), got {b.shape}"
+        )
+    return b
+
+
+def _q4_k_fields(b: npt.NDArray[np.uint8]) -> list[npt.NDArray[np.uint8]]:
+    """Q4_K blocks [N, S, 144] -> per sub-block fields [N, 8S, *]: d, dmin, sc, m, nibbles."""
+    n, sb, _ = b.shape
+    d = np.repeat(b[..., 0:2], 8, axis=1)
+    dmin = np.repeat(b[..., 2:4], 8, axis=1)
+    sc6 = b[..., 4:16].reshape(n, sb, 3, 4)
+    lo, mi, hi = sc6[:, :, 0], sc6[:, :, 1], sc6[:, :, 2]
+    sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], axis=2)
+    mn = np.concatenate([mi & 0x3F, (hi >> 4) | ((mi >> 2) & 0x30)], axis=2)
+    qs = b[..., 16:].reshape(n, sb, 4, 1, 32)
+    v = ((qs >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 15).reshape(n, sb * 8, 32)
+    nib = v[..., :16] | (v[..., 16:] << 4)
+    return [d, dmin, sc.reshape(n, sb * 8, 1), mn.reshape(n, sb * 8, 1), nib]
+
+
+def _q4_k_blocks(f: list[npt.NDArray[np.uint8]]) -> npt.NDArray[np.uint8]:
+    d, dmin, sc, mn, nib = f
+    n, kb, _ = nib.shape
+    sb = kb // 8
+    v = np.concatenate([nib & 15, nib >> 4], axis=2).reshape(n, sb, 4, 2, 32)
+    qs = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).reshape(n, sb, 128)
+    sc, mn = sc.reshape(n, sb, 8), mn.reshape(n, sb, 8)
+    lo = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    mi = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
+    hi = (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)
+    return np.concatenate(
+        [d.reshape(n, sb, 8, 2)[:, :, 0], dmin.reshape(n, sb, 8, 2)[:, :, 0], lo, mi, hi, qs],
+        axis=2,
+    ).astype(np.uint8)
+
+
+def _q6_k_fields(b: npt.NDArray[np.uint8]) -> list[npt.NDArray[np.uint8]]:
+    """Q6_K blocks [N, S, 210] -> per sub-block fields [N, 8S, *]: d, scale pair, int8 values."""
+    n, sb, _ = b.shape
+    ql = b[..., :128].reshape(n, sb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    ql = (ql & 15).reshape(n, sb, 8, 32)  # sub-block 4h + 2*nibble + half, value l
+    qh = b[..., 128:192].reshape(n, sb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
+        1, 1, 1, 4, 1
+    )
+    qh = (qh & 3).reshape(n, sb, 8, 32)
+    q = ((ql | (qh << 4)).astype(np.int16) - 32).astype(np.int8).view(np.uint8)
+    d = np.repeat(b[..., 208:210], 8, axis=1)
+    return [d, b[..., 192:208].reshape(n, sb * 8, 2), q.reshape(n, sb * 8, 32)]
+
+
+def _q6_k_blocks(f: list[npt.NDArray[np.uint8]]) -> npt.NDArray[np.uint8]:
+    d, sc, q = f
+    n, kb, _ = q.shape
+    sb = kb // 8
+    u = (q.view(np.int8).astype(np.int16) + 32).astype(np.uint8).reshape(n, sb, 2, 4, 32)
+    low = u & 15
+    ql = (low[:, :, :, 0:2] | (low[:, :, :, 2:4] << 4)).reshape(n, sb, 128)
+    hb = u >> 4
+    qh = hb[:, :, :, 0] | (hb[:, :, :, 1] << 2) | (hb[:, :, :, 2] << 4) | (hb[:, :, :, 3] << 6)
+    return np.concatenate(
+        [ql, qh.reshape(n, sb, 64), sc.reshape(n, sb, 16), d.reshape(n, sb, 8, 2)[:, :, 0]],
+        axis=2,
+    ).astype(np.uint8)
+
+
+def _pack_fields(fields: list[npt.NDArray[np.uint8]], pad: list[int]) -> npt.NDArray[np.uint8]:
+    """Tiles of per-row-per-block fields [N, KB, size]: each field but the last as 32 rows of
+    its bytes, then the last (the quants) in 128-byte groups of 4 bytes per row."""
+    n, kb, _ = fields[0].shape
+    npad = -(-n // 32) * 32
+    parts = []
+    for f, pv in zip(fields, pad):
+        if npad != n:
+            f = np.concatenate([f, np.full((npad - n, kb, f.shape[2]), pv, np.uint8)], axis=0)
+        parts.append(f.reshape(npad // 32, 32, kb, f.shape[2]).transpose(0, 2, 1, 3))
+    out = [p.reshape(npad // 32, kb, -1) for p in parts[:-1]]
+    q = parts[-1]
+    qb = q.shape[3]
+    g = q.reshape(npad // 32, kb, 32, qb // 4, 4).transpose(0, 1, 3, 2, 4)
+    out.append(g.reshape(npad // 32, kb, 32 * qb))
+    return np.ascontiguousarray(np.concatenate(out, axis=2)).reshape(-1)
+
+
+def _unpack_fields(
+    buf: npt.ArrayLike, n: int, k: int, sizes: list[int], fmt: str
+) -> list[npt.NDArray[np.uint8]]:
+    nbytes = matrix_nbytes(fmt, n, k)
+    a = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf.reshape(-1)
+    if a.dtype != np.uint8 or a.size < nbytes:
+        raise FormatError(f"{fmt} W[{n}][{k}] needs {nbytes} uint8 bytes, got {a.size} {a.dtype}")
+    nt, kb = -(-n // 32), k // 32
+    t = a[:nbytes].reshape(nt, kb, -1)
+    out, off = [], 0
+    for fs in sizes[:-1]:
+        f = t[..., off : off + 32 * fs].reshape(nt, kb, 32, fs).transpose(0, 2, 1, 3)
+        out.append(np.ascontiguousarray(f.reshape(nt * 32, kb, fs)[:n]))
+        off += 32 * fs
+    qb = sizes[-1]
+    g = t[..., off:].reshape(nt, kb, qb // 4, 32, 4).transpose(0, 3, 1, 2, 4)
+    out.append(np.ascontiguousarray(g.reshape(nt * 32, kb, qb)[:n]))
+    return out
+
+
+def _check_k(k: int, fmt: str) -> None:
+    if k <= 0 or k % QK_K:
+        raise FormatError(f"{fmt} needs K a positive multiple of {QK_K}, got K={k}")
+
+
+def pack_q4_k_t32r4(blocks: npt.ArrayLike) -> npt.NDArray[np.uint8]:
+    """Q4_K blocks ``uint8[N, K/256, 144]`` (or ``[N, K/256*144]``) -> ``q4_k-t32r4``
+    (lossless; padding rows have zero scales)."""
+    return _pack_fields(_q4_k_fields(_kblocks(blocks, Q4_K_BLOCK_BYTES)), [0, 0, 0, 0, 0])
+
+
+def pack_q6_k_t32r4(blocks: npt.ArrayLike) -> npt.NDArray[np.uint8]:
+    """Q6_K blocks ``uint8[N, K/256, 210]`` -> ``q6_k-t32r4`` (lossless)."""
+    return _pack_fields(_q6_k_fields(_kblocks(blocks, Q6_K_BLOCK_BYTES)), [0, 0, 0])
+
+
+def unpack_q4_k_t32r4(buf: npt.ArrayLike, n: int, k: int) -> npt.NDArray[np.uint8]:
+    """Inverse of :func:`pack_q4_k_t32r4`: Q4_K blocks ``uint8[n, k/256, 144]``."""
+    _check_k(k, "q4_k-t32r4")
+    return _q4_k_blocks(_unpack_fields(buf, n, k, [2, 2, 1, 1, 16], "q4_k-t32r4"))
+
+
+def unpack_q6_k_t32r4(buf: npt.ArrayLike, n: int, k: int) -> npt.NDArray[np.uint8]:
+    """Inverse of :func:`pack_q6_k_t32r4`: Q6_K blocks ``uint8[n, k/256, 210]``."""
+    _check_k(k, "q6_k-t32r4")
+    return _q6_k_blocks(_unpack_fields(buf, n, k, [2, 2, 32], "q6_k-t32r4"))
+
+
+def dequantize_q4_k(blocks: npt.ArrayLike) -> npt.NDArray[np.float32]:
+    """Q4_K blocks ``uint8[N, K/256, 144]`` -> ``float32[N, K]``: ``(d*sc)*q - dmin*m`` in
+    float32, llama.cpp's dequantize_row_q4_K."""
+    b = _kblocks(blocks, Q4_K_BLOCK_BYTES)
+    d, dmin, sc, mn, nib = _q4_k_fields(b)
+    f16 = lambda x: np.ascontiguousarray(x).view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
+    s = f16(d) * sc[..., 0].astype(np.float32)
+    m = f16(dmin) * mn[..., 0].astype(np.float32)
+    q = np.concatenate([nib & 15, nib >> 4], axis=2).astype(np.float32)
+    return (s[..., None] * q - m[..., None]).reshape(b.shape[0], -1)
+
+
+def dequantize_q6_k(blocks: npt.ArrayLike) -> npt.NDArray[np.float32]:
+    """Q6_K blocks ``uint8[N, K/256, 210]`` -> ``float32[N, K]``: ``(d*sc)*q`` in float32."""
+    b = _kblocks(blocks, Q6_K_BLOCK_BYTES)
+    d, sc, q = _q6_k_fields(b)
+    dd = np.ascontiguousarray(d).view(np.float16)[..., 0].astype(np.float32)
+    s = dd[..., None] * sc.view(np.int8).astype(np.float32)  # [N, KB, 2]
+    qv = q.view(np.int8).astype(np.float32).reshape(*q.shape[:2], 2, 16)
+    return (s[..., None] * qv).reshape(b.shape[0], -1)
+
+
 def dequantize_tiles(buf: npt.ArrayLike, fmt: str, n: int, k: int) -> npt.NDArray[np.float32]:
     """``float32[n, k]`` values of a tile-format matrix (padding rows dropped)."""
     if fmt == "q4_0-t32r4":
         return dequantize_q4_0(unpack_q4_0_t32r4(buf, n, k))
     if fmt == "q8_0-t32r4":
         return dequantize_q8_0(unpack_q8_0_t32r4(buf, n, k))
+    if fmt == "q4_k-t32r4":
+        return dequantize_q4_k(unpack_q4_k_t32r4(buf, n, k))
+    if fmt == "q6_k-t32r4":
+        return dequantize_q6_k(unpack_q6_k_t32r4(buf, n, k))
     raise FormatError(f"unknown tile format {fmt!r}; expected one of {sorted(TILE_FORMATS)}")

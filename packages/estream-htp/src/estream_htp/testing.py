@@ -14,6 +14,8 @@ from estream_htp._formats import (
     dequantize_tiles,
     matrix_nbytes,
     pack_q4_0_t32r4,
+    pack_q4_k_t32r4,
+    pack_q6_k_t32r4,
     pack_q8_0_t32r4,
     quantize_q4_0,
     quantize_q8_0,
@@ -27,11 +29,15 @@ __all__ = [
     "dequantize_tiles",
     "matrix_nbytes",
     "pack_q4_0_t32r4",
+    "pack_q4_k_t32r4",
+    "pack_q6_k_t32r4",
     "pack_q8_0_t32r4",
     "quantize_q4_0",
     "quantize_q8_0",
     "random_experts",
     "random_q4_0_blocks",
+    "random_q4_k_blocks",
+    "random_q6_k_blocks",
     "random_q8_0_blocks",
     "ref_attention",
     "ref_conv1d_causal",
@@ -102,7 +108,33 @@ def random_q8_0_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[
     return b
 
 
+def random_q4_k_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[np.uint8]:
+    """Random valid Q4_K blocks ``uint8[n, k/256, 144]``: finite fp16 ``d``/``dmin``, any
+    6-bit scales and mins, any nibbles (``k`` a multiple of 256)."""
+    b = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
+    b[..., 0:2] = (
+        (rng.uniform(0.2, 1, (n, k // 256)) * 2e-3).astype(np.float16)[..., None].view(np.uint8)
+    )
+    b[..., 2:4] = (
+        (rng.uniform(0, 1, (n, k // 256)) * 2e-3).astype(np.float16)[..., None].view(np.uint8)
+    )
+    return b
+
+
+def random_q6_k_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[np.uint8]:
+    """Random valid Q6_K blocks ``uint8[n, k/256, 210]``: a finite fp16 ``d``, any int8
+    scales, any 6-bit values (``k`` a multiple of 256)."""
+    b = rng.integers(0, 256, size=(n, k // 256, 210), dtype=np.uint8)
+    d = (rng.standard_normal((n, k // 256)) * 1e-4).astype(np.float16)
+    b[..., 208:210] = d[..., None].view(np.uint8)
+    return b
+
+
 def _random_tiles(rng: np.random.Generator, fmt: str, n: int, k: int) -> npt.NDArray[np.uint8]:
+    if fmt == "q4_k-t32r4":
+        return pack_q4_k_t32r4(random_q4_k_blocks(rng, n, k))
+    if fmt == "q6_k-t32r4":
+        return pack_q6_k_t32r4(random_q6_k_blocks(rng, n, k))
     if fmt == "q8_0-t32r4":
         return pack_q8_0_t32r4(random_q8_0_blocks(rng, n, k))
     if fmt == "q4_0-t32r4":

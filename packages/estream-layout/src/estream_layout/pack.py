@@ -131,19 +131,30 @@ def _dense_nbytes(info: TensorInfo, fmt: str) -> int:
 
 
 # ------------------------------------------------------------------------------ finite weights
-_BLOCK_BYTES: Final = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q8_0: 34}
+# block bytes and the offsets of the fp16 scales in a block, per type kept as it is
+_BLOCK_BYTES: Final = {
+    GGMLQuantizationType.Q4_0: (18, (0,)),
+    GGMLQuantizationType.Q8_0: (34, (0,)),
+    GGMLQuantizationType.Q4_K: (144, (0, 2)),
+    GGMLQuantizationType.Q6_K: (210, (208,)),
+}
 
 
 def _check_finite(info: TensorInfo, what: str, values: Any = None, raw: Any = None) -> None:
     """Refuse NaN/Inf source weights: a float tensor's values, or the fp16 block scales of raw
-    Q4_0/Q8_0 rows (their only floating-point part). A NaN weight would otherwise pack, load
-    and silently poison every activation that meets it."""
+    Q4_0/Q8_0/Q4_K/Q6_K rows (their only floating-point part). A NaN weight would otherwise
+    pack, load and silently poison every activation that meets it."""
     if values is not None:
         bad = ~np.isfinite(values)
     else:
-        bb = _BLOCK_BYTES[info.qtype]
-        scales = np.ascontiguousarray(raw.reshape(-1, bb)[:, :2]).view(np.float16)
-        bad = ~np.isfinite(scales)
+        bb, offsets = _BLOCK_BYTES[info.qtype]
+        blocks = raw.reshape(-1, bb)
+        bad = np.concatenate(
+            [
+                ~np.isfinite(np.ascontiguousarray(blocks[:, o : o + 2]).view(np.float16))
+                for o in offsets
+            ]
+        )
     if bad.any():
         raise NonFiniteWeightsError(
             f"{info.name}{what}: {int(bad.sum())} NaN or infinite "
@@ -550,7 +561,12 @@ def _write_dense_tensor(
 
 
 # Expert tensor types kept as they are (lossless re-layout), and their tile formats.
-EXPERT_TILE_FORMATS: Final = {"Q4_0": "q4_0-t32r4", "Q8_0": "q8_0-t32r4"}
+EXPERT_TILE_FORMATS: Final = {
+    "Q4_0": "q4_0-t32r4",
+    "Q8_0": "q8_0-t32r4",
+    "Q4_K": "q4_k-t32r4",
+    "Q6_K": "q6_k-t32r4",
+}
 
 
 def expert_format(info: TensorInfo) -> str:
@@ -576,7 +592,7 @@ def _warn_requant(spec: ModelSpec, tensors: list[TensorInfo]) -> None:
     n_all = len(spec.moe_layers) * len(EXPERT_PROJECTIONS)
     sys.stderr.write(
         f"{bar}\nWARNING: {len(tensors)} of the {n_all} expert tensors of "
-        f"{Path(spec.path).name} are {', '.join(types)}, neither Q4_0 nor Q8_0.\n"
+        f"{Path(spec.path).name} are {', '.join(types)}, which EStream has no kernels for.\n"
         "They will be dequantized and RE-QUANTIZED to Q4_0 (double quantization): those packed\n"
         "experts are NOT bit-identical to the source and lose accuracy. For best quality pack\n"
         "a GGUF quantized to Q4_0 from the original weights (llama-quantize ... Q4_0).\n"

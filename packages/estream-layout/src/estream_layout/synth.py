@@ -84,6 +84,7 @@ Q8_0: Final = GGMLQuantizationType.Q8_0
 F32: Final = GGMLQuantizationType.F32
 F16: Final = GGMLQuantizationType.F16
 Q4_K: Final = GGMLQuantizationType.Q4_K
+Q6_K: Final = GGMLQuantizationType.Q6_K
 
 
 @attrs.frozen
@@ -401,7 +402,8 @@ class _T:
 
 
 def _tensor_plan(arch: str, d: SynthDims, n_vocab: int, expert_type: GGMLQuantizationType,
-                 dense_type: GGMLQuantizationType, output_type: GGMLQuantizationType) -> list[_T]:  # fmt: skip
+                 dense_type: GGMLQuantizationType, output_type: GGMLQuantizationType,
+                 down_type: GGMLQuantizationType | None = None) -> list[_T]:  # fmt: skip
     E, ne, ff = d.n_experts, d.n_embd, d.n_ff_exp
     hd, nh, nkv = d.head_dim, d.n_head, d.n_head_kv
     M = lambda name, rows, cols, gain=1.0: _T(name, (rows, cols), dense_type, "matrix", gain)  # noqa: E731
@@ -418,7 +420,13 @@ def _tensor_plan(arch: str, d: SynthDims, n_vocab: int, expert_type: GGMLQuantiz
             _T(f"blk.{i}.ffn_gate_inp.weight", (E, ne), F32, "router"),
             _T(f"blk.{i}.ffn_gate_exps.weight", (E, ff, ne), expert_type, "matrix"),
             _T(f"blk.{i}.ffn_up_exps.weight", (E, ff, ne), expert_type, "matrix"),
-            _T(f"blk.{i}.ffn_down_exps.weight", (E, ne, ff), expert_type, "matrix", 0.5),
+            _T(
+                f"blk.{i}.ffn_down_exps.weight",
+                (E, ne, ff),
+                down_type or expert_type,
+                "matrix",
+                0.5,
+            ),
         ]
 
     def dense_ffn(i: int, width: int, tag: str = "") -> list[_T]:
@@ -671,6 +679,18 @@ def _random_q4_k(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
+def _random_q6_k(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
+    """Random Q6_K super-blocks (256 elements, 210 B: 128 B low nibbles, 64 B high bit pairs,
+    16 int8 scales, fp16 d) with d chosen for an element RMS of ~gain/sqrt(K)."""
+    k = t.shape[-1]
+    nb = rows * (k // 256)
+    raw = rng.integers(0, 256, size=(nb, 210), dtype=np.uint8)
+    # value = d * scale * (q - 32), scale any int8 (RMS ~74), q - 32 in -32..31 (RMS ~18.5)
+    d = (t.gain / (1370.0 * np.sqrt(k)) * rng.uniform(0.75, 1.25, size=nb)).astype(np.float16)
+    raw[:, 208:210] = d.view(np.uint8).reshape(nb, 2)
+    return raw.reshape(rows, -1)
+
+
 def _tensor_data(
     t: _T, rng: np.random.Generator, hot: np.ndarray | None, u: np.ndarray
 ) -> np.ndarray:
@@ -687,12 +707,14 @@ def _tensor_data(
         return (rng.standard_normal(t.shape) / np.sqrt(t.shape[-1])).astype(np.float32)
     if t.kind == "router":
         return _router(t, rng, hot, u)
-    if t.kind == "embed" and t.qtype != Q4_K:  # gguf cannot quantize K-quants: random below
+    if t.kind == "embed" and t.qtype not in (Q4_K, Q6_K):  # gguf cannot quantize K-quants
         return _embedding(t, rng, u)
     if t.qtype in (Q4_0, Q8_0):
         return _random_blocks(rng, t, rows, t.qtype)
     if t.qtype == Q4_K:
         return _random_q4_k(rng, t, rows)
+    if t.qtype == Q6_K:
+        return _random_q6_k(rng, t, rows)
     w = (rng.standard_normal(t.shape) * (t.gain / np.sqrt(k))).astype(np.float32)
     if t.qtype == F16:
         return w.astype(np.float16)
@@ -713,6 +735,7 @@ def synth_model(
     expert_type: str = "Q4_0",
     dense_type: str = "Q4_0",
     output_type: str = "Q8_0",
+    expert_down_type: str | None = None,
     dims: Mapping[str, int] | None = None,
     progress: bool = False,
     **overrides: int,
@@ -722,7 +745,9 @@ def synth_model(
     `vocab`: a GGUF whose tokenizer.ggml.* keys are copied; by default the real tokenizer of the
     family (bundled in `VOCAB_DIR`) for the small and olmoe-1b-7b presets, and a generated GPT-2-style
     BPE vocabulary for tiny, when no file is found, or when `vocab` is "-". `expert_type`/`dense_type`/`output_type`
-    are GGML type names (e.g. "F16", "Q8_0" experts to exercise re-quantization); `dims`
+    are GGML type names (e.g. "Q8_0", "Q4_K", "Q6_K" experts, "F16" to exercise
+    re-quantization); `expert_down_type` gives `ffn_down_exps` another type (Q4_K_M's mix:
+    "Q4_K" experts with "Q6_K" down projections); `dims`
     (a mapping) and keyword `overrides` (any `SynthDims` field, e.g. `n_layers=12`) change preset dimensions.
     `progress` prints a progress line on stderr. Raises `InsufficientDiskSpaceError` before
     writing anything when the output's filesystem cannot hold the planned file.
@@ -763,8 +788,10 @@ def synth_model(
                 vocab_kv.append((key, val, GGUFValueType.UINT32, None))
         n_vocab = len(gen[Keys.Tokenizer.LIST])
 
-    qt = {n: GGMLQuantizationType[n] for n in {expert_type, dense_type, output_type}}
-    plan = _tensor_plan(arch, d, n_vocab, qt[expert_type], qt[dense_type], qt[output_type])
+    names = {expert_type, dense_type, output_type, expert_down_type or expert_type}
+    qt = {n: GGMLQuantizationType[n] for n in names}
+    plan = _tensor_plan(arch, d, n_vocab, qt[expert_type], qt[dense_type], qt[output_type],
+                        qt[expert_down_type or expert_type])  # fmt: skip
     for t in plan:
         block = GGML_QUANT_SIZES[t.qtype][0]
         if t.shape[-1] % block:

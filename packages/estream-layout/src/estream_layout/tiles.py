@@ -22,6 +22,8 @@ from gguf import quants as gguf_quants
 __all__ = [
     "FORMATS",
     "Q4_0_T32R4",
+    "Q4_K_T32R4",
+    "Q6_K_T32R4",
     "Q8_0_T32R4",
     "TILE",
     "TileFormat",
@@ -45,13 +47,15 @@ class TileFormat:
 
     name: str
     ggml_type: GGMLQuantizationType
-    block_bytes: int  # bytes of one GGML block (fp16 scale + quants)
+    block_bytes: int  # bytes of one GGML block (fp16 scale + quants; a K-quant super-block)
     n_groups: int  # 128-byte quant groups per tile
     pad_quant_byte: int  # quant byte of a padding row (its scale is 0)
+    header_bytes: int = 2 * TILE  # per-row scales before the groups (32 rows' worth)
+    block_elems: int = TILE  # elements of one GGML block (256 for K-quant super-blocks)
 
     @property
     def tile_bytes(self) -> int:
-        return 2 * TILE + self.n_groups * 4 * TILE
+        return self.header_bytes + self.n_groups * 4 * TILE
 
     @property
     def quant_bytes(self) -> int:
@@ -60,7 +64,16 @@ class TileFormat:
 
 Q4_0_T32R4: Final = TileFormat("q4_0-t32r4", GGMLQuantizationType.Q4_0, 18, 4, 0x88)
 Q8_0_T32R4: Final = TileFormat("q8_0-t32r4", GGMLQuantizationType.Q8_0, 34, 8, 0x00)
-FORMATS: Final = {f.name: f for f in (Q4_0_T32R4, Q8_0_T32R4)}
+# K-quants: one tile row per 32-element sub-block, the super-block's scales expanded per row
+# (docs/format.md §1): q4_k = d, dmin (fp16), sc, m (uint8) per row, then Q4_0-order nibbles;
+# q6_k = d (fp16), two int8 scales per row, then int8 values q - 32.
+Q4_K_T32R4: Final = TileFormat(
+    "q4_k-t32r4", GGMLQuantizationType.Q4_K, 144, 4, 0, header_bytes=6 * TILE, block_elems=256
+)
+Q6_K_T32R4: Final = TileFormat(
+    "q6_k-t32r4", GGMLQuantizationType.Q6_K, 210, 8, 0, header_bytes=4 * TILE, block_elems=256
+)
+FORMATS: Final = {f.name: f for f in (Q4_0_T32R4, Q8_0_T32R4, Q4_K_T32R4, Q6_K_T32R4)}
 
 
 def tile_format(fmt: str | TileFormat) -> TileFormat:
@@ -80,8 +93,8 @@ def _ceil_tiles(n: int) -> int:
 def tile_nbytes(n_rows: int, n_cols: int, fmt: str | TileFormat = "q4_0-t32r4") -> int:
     """Bytes of an `N x K` matrix in a tile format: `ceil(N/32) * (K/32) * tile_bytes`."""
     f = tile_format(fmt)
-    if n_cols % TILE:
-        raise ValueError(f"reduction dimension K={n_cols} is not a multiple of {TILE}")
+    if n_cols % f.block_elems:
+        raise ValueError(f"reduction dimension K={n_cols} is not a multiple of {f.block_elems}")
     return _ceil_tiles(n_rows) * (n_cols // TILE) * f.tile_bytes
 
 
@@ -159,6 +172,103 @@ def _views(
     return src_s, dst_s, src_q, dst_q
 
 
+# ------------------------------------------------------------------ K-quant super-blocks
+def _kq_split(sb: np.ndarray, f: TileFormat) -> list[np.ndarray]:
+    """Super-blocks `[M, S, block_bytes]` -> the per-row fields of their 8*S sub-blocks, each
+    `[M, 8S, size]` uint8, the quants last (Q4_K: d, dmin, sc, m, nibbles; Q6_K: d, scale
+    pair, values)."""
+    m, s, _ = sb.shape
+    if f is Q4_K_T32R4:
+        packed = sb[..., 4:16].reshape(m, s, 3, 4)
+        a, b, c = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+        sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
+        mn = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+        qs = sb[..., 16:].reshape(m, s, 4, 32)
+        v = np.stack([qs & 15, qs >> 4], axis=3).reshape(m, 8 * s, 32)  # sub-block 2p + nibble
+        return [
+            np.repeat(sb[..., 0:2], 8, axis=1),
+            np.repeat(sb[..., 2:4], 8, axis=1),
+            sc.reshape(m, 8 * s, 1),
+            mn.reshape(m, 8 * s, 1),
+            v[..., :16] | (v[..., 16:] << 4),
+        ]
+    ql = sb[..., :128].reshape(m, s, 2, 2, 32)  # [half, which 32 of the 64, l]
+    qh = sb[..., 128:192].reshape(m, s, 2, 1, 32)
+    hi = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3  # [half, j, l]
+    lo = np.concatenate([ql & 15, ql >> 4], axis=3).reshape(m, s, 2, 4, 32)
+    q = (lo | (hi << 4)).astype(np.int16) - 32
+    return [
+        np.repeat(sb[..., 208:210], 8, axis=1),
+        sb[..., 192:208].reshape(m, 8 * s, 2),
+        q.astype(np.int8).view(np.uint8).reshape(m, 8 * s, 32),
+    ]
+
+
+def _kq_join(fields: list[np.ndarray], f: TileFormat) -> np.ndarray:
+    """Inverse of `_kq_split`: super-blocks `[M, S, block_bytes]`."""
+    q = fields[-1]
+    m, kb, _ = q.shape
+    s = kb // 8
+    if f is Q4_K_T32R4:
+        d, dmin, sc, mn, nib = fields
+        v = np.concatenate([nib & 15, nib >> 4], axis=-1).reshape(m, s, 4, 2, 32)
+        qs = v[:, :, :, 0] | (v[:, :, :, 1] << 4)
+        sc, mn = sc.reshape(m, s, 8), mn.reshape(m, s, 8)
+        a = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+        b = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
+        c = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
+        parts = [d[:, ::8], dmin[:, ::8], a, b, c, qs.reshape(m, s, 128)]
+    else:
+        d, sc, vals = fields
+        u = (vals.view(np.int8).astype(np.int16) + 32).astype(np.uint8).reshape(m, s, 2, 4, 32)
+        ql = (u[:, :, :, :2] & 15) | ((u[:, :, :, 2:] & 15) << 4)
+        h = u >> 4
+        qh = h[:, :, :, 0] | (h[:, :, :, 1] << 2) | (h[:, :, :, 2] << 4) | (h[:, :, :, 3] << 6)
+        parts = [ql.reshape(m, s, 128), qh.reshape(m, s, 64), sc.reshape(m, s, 16), d[:, ::8]]
+    return np.concatenate(parts, axis=-1).astype(np.uint8)
+
+
+def _kq_check(n_cols: int, f: TileFormat) -> None:
+    if n_cols % f.block_elems:
+        raise ValueError(f"reduction dimension K={n_cols} is not a multiple of {f.block_elems}")
+
+
+def _kq_pack(rows: np.ndarray, f: TileFormat) -> np.ndarray:
+    """`[..., N, S*block_bytes]` K-quant rows -> `[B, tile bytes of one matrix]`."""
+    n = rows.shape[-2]
+    s = rows.shape[-1] // f.block_bytes
+    nb = int(np.prod(rows.shape[:-2], dtype=np.int64))
+    fields = _kq_split(rows.reshape(nb * n, s, f.block_bytes), f)
+    nt = _ceil_tiles(n)
+    kb = 8 * s
+    pieces = []
+    for x in fields:
+        x = x.reshape(nb, n, kb, x.shape[-1])
+        if nt * TILE != n:  # padding rows: every field 0 (scales 0: the row's values are 0)
+            x = np.concatenate([x, np.zeros((nb, nt * TILE - n, kb, x.shape[-1]), np.uint8)], 1)
+        pieces.append(x.reshape(nb, nt, TILE, kb, -1).transpose(0, 1, 3, 2, 4))  # [b,i,j,r,*]
+    q = pieces.pop()
+    grouped = q.reshape(nb, nt, kb, TILE, -1, 4).transpose(0, 1, 2, 4, 3, 5)  # [b,i,j,g,r,4]
+    out = [p.reshape(nb, nt, kb, -1) for p in pieces] + [grouped.reshape(nb, nt, kb, -1)]
+    return np.concatenate(out, axis=-1).reshape(nb, -1)
+
+
+def _kq_unpack(a: np.ndarray, n_mats: int, n_rows: int, n_cols: int, f: TileFormat) -> np.ndarray:
+    nt, kb = _ceil_tiles(n_rows), n_cols // TILE
+    t = a.reshape(n_mats, nt, kb, f.tile_bytes)
+    sizes = [2, 2, 1, 1] if f is Q4_K_T32R4 else [2, 2]
+    fields, off = [], 0
+    for size in sizes:
+        x = t[..., off : off + TILE * size].reshape(n_mats, nt, kb, TILE, size)
+        fields.append(x.transpose(0, 1, 3, 2, 4).reshape(n_mats, nt * TILE, kb, size))
+        off += TILE * size
+    qb = f.n_groups * 4
+    g = t[..., off:].reshape(n_mats, nt, kb, f.n_groups, TILE, 4).transpose(0, 1, 4, 2, 3, 5)
+    fields.append(g.reshape(n_mats, nt * TILE, kb, qb))
+    fields = [x[:, :n_rows].reshape(n_mats * n_rows, kb, -1) for x in fields]
+    return _kq_join(fields, f).reshape(n_mats, n_rows, -1)
+
+
 def pack_tiles(
     blocks: np.ndarray,
     fmt: str | TileFormat = "q4_0-t32r4",
@@ -178,6 +288,15 @@ def pack_tiles(
     batch = rows.shape[:-2]
     n = rows.shape[-2]
     kb = rows.shape[-1] // f.block_bytes
+    if f.block_elems != TILE:  # K-quant super-blocks: split into per-row sub-block fields
+        nbytes = _ceil_tiles(n) * kb * (f.block_elems // TILE) * f.tile_bytes
+        if out is None:
+            out = np.empty((*batch, nbytes), dtype=np.uint8)
+        elif out.dtype != np.uint8 or out.size != nbytes * max(1, int(np.prod(batch))):
+            raise ValueError(f"out must be uint8 with {nbytes} bytes per matrix")
+        if n and kb:
+            out.reshape(-1, nbytes)[...] = _kq_pack(rows, f)
+        return out
     rows = pad_rows(rows, f)  # no-op (no copy) when N % 32 == 0
     n_tiles_total = int(np.prod(batch, dtype=np.int64)) * (rows.shape[-2] // TILE)
     nbytes = _ceil_tiles(n) * kb * f.tile_bytes
@@ -215,6 +334,10 @@ def unpack_tiles(
     if a.size % one:
         raise ValueError(f"buffer of {a.size} B is not a whole number of {one}-B matrices")
     n_mats = a.size // one
+    if f.block_elems != TILE:
+        _kq_check(n_cols, f)
+        rows = _kq_unpack(a, n_mats, n_rows, n_cols, f)
+        return rows[0] if (np.ndim(buf) <= 1 and n_mats == 1) else rows
     kb = n_cols // TILE
     nt = _ceil_tiles(n_rows)
     rows = np.empty((n_mats, nt * TILE, kb * f.block_bytes), dtype=np.uint8)
@@ -232,8 +355,12 @@ def _scales(rows: np.ndarray, f: TileFormat) -> tuple[np.ndarray, np.ndarray]:
 
 
 def dequantize_blocks(rows: np.ndarray, fmt: str | TileFormat = "q4_0-t32r4") -> np.ndarray:
-    """GGML Q4_0 / Q8_0 block rows `[..., N, K/32*bs]` -> float32 `[..., N, K]` (exact)."""
+    """GGML block rows `[..., N, K/32*bs]` (Q4_0, Q8_0; Q4_K / Q6_K `[..., N, K/256*bs]`) ->
+    float32 `[..., N, K]` (exact; K-quants through gguf-py's dequantize, llama.cpp's rule)."""
     f = tile_format(fmt)
+    if f.block_elems != TILE:
+        w = gguf_quants.dequantize(np.ascontiguousarray(rows), f.ggml_type)
+        return np.asarray(w, dtype=np.float32)
     b, d = _scales(rows, f)
     qs = b[..., 2:]
     if f is Q4_0_T32R4:
