@@ -709,3 +709,59 @@ def test_synth_and_pack_through_estream(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["pack", "--verify", str(tmp_path / "t.estream")]) == 0
     assert main(["pack", str(g), "-o", str(g), "--force"]) == 2
     assert "would replace the source" in _one_error(capsys.readouterr().err, "estream-pack")
+
+
+# ------------------------------------------------------------------------------ verify = load
+def _forge(root: Path, change) -> None:  # type: ignore[no-untyped-def]
+    """Edit the manifest and rewrite its digest (a deliberate edit, or a buggy writer)."""
+    doc = json.loads((root / "manifest.json").read_text())
+    change(doc)
+    (root / "manifest.json").write_text(json.dumps(reseal(doc)))
+
+
+def _nan_dense(root: Path) -> str:
+    m = Manifest.from_path(root)
+    t = m.dense["blk.1.attn_q.weight"]
+    blob = bytearray((root / "dense.bin").read_bytes())
+    blob[t.offset : t.offset + 2] = np.float16(np.nan).tobytes()  # the first tile's first scale
+    (root / "dense.bin").write_bytes(bytes(blob))
+    crc = zlib.crc32(blob[t.offset : t.offset + t.bytes])
+    _forge(root, lambda d: d["dense"]["tensors"][t.name].__setitem__("crc32", crc))
+    return "dense tensor blk.1.attn_q.weight holds NaN or infinite values"
+
+
+def _nan_expert_scales(root: Path) -> str:
+    m = Manifest.from_path(root)
+    la = m.layers[0]
+    data = bytearray((root / "experts.bin").read_bytes())
+    sums = []
+    for pos in range(la.n_experts):  # every expert: whichever is routed meets a NaN
+        at = la.record_offset(pos) + la.projections["down"].offset_in_record
+        data[at : at + 64] = np.full(32, np.nan, np.float16).tobytes()  # one tile's scales
+        sums.append(zlib.crc32(data[la.record_offset(pos) : la.record_offset(pos + 1)]))
+    (root / "experts.bin").write_bytes(bytes(data))
+    _forge(root, lambda d: d["layers"][0].__setitem__("checksums", sums))
+    return "NaN or infinite"
+
+
+def _dense_entry_removed(root: Path) -> str:
+    _forge(root, lambda d: d["dense"]["tensors"].pop("blk.1.attn_v.weight"))
+    return "blk.1.attn_v.weight"
+
+
+@pytest.mark.parametrize("corrupt", [_nan_dense, _nan_expert_scales, _dense_entry_removed])
+def test_what_prefill_refuses_verify_refuses(
+    packs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], corrupt
+) -> None:  # type: ignore[no-untyped-def]
+    """Packs whose checksums and digest were rewritten to match a corruption (NaN in dense.bin,
+    NaN expert block scales, a dense tensor's entry removed): `prefill` refuses them with one
+    line, and `estream-pack --verify` (which runs the load's checks) fails on them too, naming
+    the same thing, instead of reporting OK."""
+    root = _copy(packs["a"], tmp_path)
+    needle = corrupt(root)
+    rc, _, err = _run(capsys, "prefill", str(root), "--tokens", "1,2,3,4")
+    assert rc == 1 and needle in _one_error(err)
+    rc = pack_main(["--verify", str(root)])
+    out, err = capsys.readouterr()
+    assert rc in (1, 2) and "Traceback" not in err and "OK" not in out
+    assert needle in out + err
