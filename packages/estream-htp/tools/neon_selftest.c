@@ -7,9 +7,10 @@
  *                                        NT tokens, FMT q4_0 | q8_0, SIMD neon | portable, one
  *                                        thread): the workload tools/neon_instr_mix.py traces
  *
- * Checks, each on awkward shapes (rows not a multiple of 32 or of 16, token counts across the
- * kernels' token blocks, strided inputs and outputs) with NaN-poisoned outputs whose margins
- * (columns past n of a wider row) must stay poisoned and whose written part must be finite:
+ * Checks, each on awkward shapes (fixed ones and ones drawn with a fixed seed: rows not a
+ * multiple of 32 or of 16, token counts across the kernels' token blocks, strided inputs and
+ * outputs) with NaN-poisoned outputs whose margins (columns past n of a wider row) must stay
+ * poisoned and whose written part must be finite:
  * - GEMM, every tile format x both activation formats, NEON and portable tables, 1 and 2
  *   threads: each within the rounding bound of its fp32 sums of a float64 reference (Q8: of the
  *   library's own quantized activations), 1 and 2 threads bit-identical.
@@ -644,6 +645,10 @@ int main(int argc, char **argv) {
         for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
             for (uint32_t act = 0; act < 2; act++)
                 bad |= check_gemm(fmts[f], act, shapes[i][0], shapes[i][1], shapes[i][2]);
+        for (int i = 0; i < 6; i++) { /* drawn shapes (fixed seed, so every run checks the same) */
+            const uint32_t n = 1 + rnd() % 130, k = 32 * (1 + rnd() % 12), t = 1 + rnd() % 20;
+            for (uint32_t act = 0; act < 2; act++) bad |= check_gemm(fmts[f], act, n, k, t);
+        }
         bad |= check_gemm_exact(fmts[f], 49, 512, 5);
         bad |= check_gemm_exact(fmts[f], 100, 1024, 3);
         bad |= check_gemm_forms(fmts[f], 96, 5);
