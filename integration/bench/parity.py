@@ -257,7 +257,9 @@ def engine_logits(
         from estream_layout import pack_model
 
         if not packed.exists():
-            pack_model(gguf, packed, progress=False)
+            # types without a kernel (a Q4_K_M file's Q5_0 fallbacks) are re-quantized, and
+            # the row reports them (engine_requantized)
+            pack_model(gguf, packed, progress=False, requantize="q4_0")
     except Exception as exc:
         return None, f"packing failed: {type(exc).__name__}: {exc}"
     try:

@@ -132,3 +132,71 @@ def test_order_profile_option(
         == 2
     )
     assert "routing profile" in _one_error_line(capsys.readouterr().err, "estream-pack")
+
+
+KQ_DIMS = ["--dim", "n_embd=256", "--dim", "n_ff_exp=256"]
+
+
+@pytest.mark.parametrize(
+    ("types", "want"),
+    [
+        (["--expert-type", "Q8_0"], ["q8_0-t32r4"] * 3),
+        (["--expert-type", "Q6_K", *KQ_DIMS], ["q6_k-t32r4"] * 3),
+        (
+            [
+                "--expert-type",
+                "Q4_K",
+                "--expert-down-type",
+                "Q6_K",
+                "--dense-type",
+                "Q8_0",
+                *KQ_DIMS,
+            ],
+            ["q4_k-t32r4", "q4_k-t32r4", "q6_k-t32r4"],
+        ),
+    ],
+)
+def test_synth_types_pack_as_stored_and_inspect_shows_them(
+    types: list[str], want: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`estream-synth --expert-type/--expert-down-type/--dense-type` writes those types; the
+    pack keeps them (manifest formats, no re-quantization) and `--inspect` shows the mix."""
+    src, dst = tmp_path / "m.gguf", tmp_path / "m.estream"
+    argv = ["--arch", "qwen3moe", "--preset", "tiny", "--no-progress", *types, "-o", str(src)]
+    assert synth_main(argv) == 0
+    assert pack_main([str(src), "-o", str(dst), "--no-progress"]) == 0
+    capsys.readouterr()
+    m = Manifest.from_path(dst)
+    assert m.source["requantized"] is False
+    assert all(
+        [la.projections[j].format for j in ("gate", "up", "down")] == want for la in m.layers
+    )
+    assert pack_main(["--inspect", str(dst)]) == 0
+    out = capsys.readouterr().out
+    assert f"gate={want[0]} up={want[1]} down={want[2]} (layers [0, 1])" in out
+    if "--dense-type" in types:
+        assert "q8_0-t32r4: 10 tensors" in out and "q4_0-t32r4" not in out
+
+
+def test_unsupported_expert_type_is_one_line_and_requantize_opts_in(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """F16 experts: `estream-pack` refuses with one line naming the type, the supported types
+    and --requantize, writing nothing; with `--requantize q4_0` it packs, marked re-quantized.
+    A K-quant type on widths that are not whole super-blocks is one synth error line."""
+    src, dst = tmp_path / "m.gguf", tmp_path / "m.estream"
+    assert synth_main(["--arch", "qwen3moe", "--preset", "tiny", "--expert-type", "F16",
+                       "--no-progress", "-o", str(src)]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert pack_main([str(src), "-o", str(dst), "--no-progress"]) == 2
+    line = _one_error_line(capsys.readouterr().err, "estream-pack")
+    assert "F16" in line and "Q4_0, Q8_0, Q4_K, Q6_K" in line and "--requantize q4_0" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    assert pack_main([str(src), "-o", str(dst), "--no-progress", "--requantize", "q4_0"]) == 0
+    assert Manifest.from_path(dst).source["requantized"] is True
+    capsys.readouterr()
+    bad = ["--arch", "qwen3moe", "--preset", "tiny", "--expert-type", "Q4_K", "-o", str(src)]
+    assert synth_main(bad) == 2
+    assert "multiple of the Q4_K block size 256" in _one_error_line(
+        capsys.readouterr().err, "estream-synth"
+    )

@@ -13,11 +13,13 @@ import pytest
 
 from estream_layout import (
     ARCHES,
+    InvalidArgumentError,
     Manifest,
     ModelSpec,
     PackExistsError,
     PackFormatError,
     ProfileError,
+    UnsupportedTensorTypeError,
     pack_model,
     storage_order,
     synth_model,
@@ -269,8 +271,11 @@ def test_killed_pack_leaves_no_target(tiny_models: dict[str, Path], tmp_path: Pa
 def test_requantized_experts_warn_loudly(
     etype: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
+    """Experts of a type EStream does not compute, packed with requantize="q4_0": a loud
+    warning, the manifest says so, and the Q4_0 tiles approximate the source within Q4_0's
+    rounding bound (they really are re-quantized)."""
     src = synth_model("qwen3moe", "tiny", tmp_path / "m.gguf", expert_type=etype)
-    m = pack_model(src, tmp_path / "m.estream", progress=False)
+    m = pack_model(src, tmp_path / "m.estream", progress=False, requantize="q4_0")
     err = capfd.readouterr().err
     assert "RE-QUANTIZED" in err and etype in err and "double quantization" in err
     assert m.source["requantized"] is True and m.source["expert_type"] == etype
@@ -294,7 +299,8 @@ TILE_OF = {"Q4_0": "q4_0-t32r4", "Q8_0": "q8_0-t32r4", "Q4_K": "q4_k-t32r4", "Q6
 
 
 @pytest.mark.parametrize(
-    ("etype", "down"), [("Q8_0", None), ("Q4_K", "Q6_K"), ("Q6_K", None), ("Q4_K", "Q8_0")]
+    ("etype", "down"),
+    [("Q4_0", None), ("Q8_0", None), ("Q4_K", "Q6_K"), ("Q6_K", None), ("Q4_K", "Q8_0")],
 )
 def test_source_expert_types_pack_losslessly(
     etype: str, down: str | None, tmp_path: Path, capfd: pytest.CaptureFixture[str]
@@ -328,6 +334,22 @@ def test_source_expert_types_pack_losslessly(
                 got = unpack_tiles(body, p.rows, p.cols, p.format)
                 assert np.array_equal(got.reshape(-1), raw[e].reshape(-1)), (la.index, j, e)
     assert verify_pack(m.root, against=src).ok
+
+
+def test_unsupported_expert_types_are_refused_by_name(tmp_path: Path) -> None:
+    """Without requantize, experts of a type EStream does not compute are refused before
+    anything is written: the error names the type, a tensor, the supported types and the
+    option; nothing is left next to the target. A bad requantize value is refused too."""
+    src = synth_model("qwen3moe", "tiny", tmp_path / "m.gguf", expert_type="F16")
+    with pytest.raises(UnsupportedTensorTypeError) as e:
+        pack_model(src, tmp_path / "m.estream", progress=False)
+    msg = str(e.value)
+    assert "F16" in msg and "blk.0.ffn_gate_exps.weight" in msg
+    assert "Q4_0, Q8_0, Q4_K, Q6_K" in msg and "--requantize q4_0" in msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    with pytest.raises(InvalidArgumentError, match="requantize"):
+        pack_model(src, tmp_path / "m.estream", progress=False, requantize="q8_0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
 
 
 def test_q4_experts_pack_silently(
@@ -448,7 +470,7 @@ def test_mixed_expert_types_keep_each_type(
     w.close()
     spec = ModelSpec.from_gguf(mixed)
     assert spec.expert_type == "mixed:" + ",".join(sorted(["Q4_0", ctype]))
-    m = pack_model(mixed, tmp_path / "mixed.estream", progress=False)
+    m = pack_model(mixed, tmp_path / "mixed.estream", progress=False, requantize="q4_0")
     err = capfd.readouterr().err
     formats = {(la.index, j): p.format for la in m.layers for j, p in la.projections.items()}
     if ctype == "Q8_0":

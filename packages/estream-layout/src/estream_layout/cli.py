@@ -21,6 +21,8 @@ __all__ = ["pack_main", "synth_main"]
 
 EXIT_PROBLEMS = 1
 EXIT_ERROR = 2
+# GGML types estream-synth writes (random valid blocks; F16/F32 as values)
+SYNTH_TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "F16", "F32"]
 
 
 def _fail(prog: str, msg: str) -> int:
@@ -56,6 +58,12 @@ def pack_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("-o", "--output", help="output directory, conventionally NAME.estream")
     ap.add_argument("--force", action="store_true", help="replace an existing output directory")
     ap.add_argument("--order-profile", metavar="JSON", help="routing profile: hot experts first")
+    ap.add_argument(
+        "--requantize",
+        choices=["q4_0"],
+        help="re-quantize expert tensors of a type EStream does not compute (anything but "
+        "Q4_0, Q8_0, Q4_K, Q6_K) to Q4_0 instead of refusing the file (less accurate)",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--verify", metavar="DIR", help="verify a packed model")
     ap.add_argument("--against", metavar="SRC", help="with --verify: compare with the source GGUF")
@@ -98,6 +106,7 @@ def pack_main(argv: Sequence[str] | None = None) -> int:
                 order=args.order_profile,
                 force=args.force,
                 progress=not args.no_progress,
+                requantize=args.requantize,
             )
         print(
             f"packed {args.src} -> {m.root} ({len(m.layers)} MoE layers, "
@@ -128,8 +137,40 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
         help="GGUF to copy tokenizer.ggml.* from (default: by family; '-': a generated one)",
     )
     ap.add_argument("-o", "--output", required=True, help="output .gguf path")
+    ap.add_argument(
+        "--expert-type",
+        default="Q4_0",
+        choices=SYNTH_TYPES,
+        help="GGML type of the routed experts (default Q4_0; K-quants need d_model and the "
+        "expert width multiples of 256, e.g. --dim n_embd=256 --dim n_ff_exp=256)",
+    )
+    ap.add_argument(
+        "--expert-down-type",
+        choices=SYNTH_TYPES,
+        help="another type for ffn_down_exps (Q4_K_M's mix: --expert-type Q4_K "
+        "--expert-down-type Q6_K)",
+    )
+    ap.add_argument(
+        "--dense-type",
+        default="Q4_0",
+        choices=SYNTH_TYPES,
+        help="GGML type of the dense matrices and the embedding (default Q4_0)",
+    )
+    ap.add_argument(
+        "--dim",
+        action="append",
+        default=[],
+        metavar="NAME=N",
+        help="override one preset dimension (e.g. n_embd=256); repeatable",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress line")
     args = ap.parse_args(argv)
+    dims: dict[str, int] = {}
+    for item in args.dim:
+        name, _, value = item.partition("=")
+        if not value.strip().isdigit():
+            return _fail("estream-synth", f"--dim {item!r}: expected NAME=N with N an integer")
+        dims[name.strip()] = int(value)
     if PRESET_ARCH.get(args.preset, args.arch) != args.arch:
         return _fail(
             "estream-synth",
@@ -145,9 +186,15 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
             args.output,
             seed=args.seed,
             vocab=args.vocab,
+            expert_type=args.expert_type,
+            expert_down_type=args.expert_down_type,
+            dense_type=args.dense_type,
+            dims=dims,
             progress=not args.no_progress,
         )
     except LayoutError as e:
+        return _fail("estream-synth", str(e))
+    except (ValueError, TypeError) as e:  # blocks not dividing the widths; an unknown --dim
         return _fail("estream-synth", str(e))
     except OSError as e:
         return _fail("estream-synth", f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))

@@ -41,12 +41,14 @@ from gguf import GGMLQuantizationType
 
 from .diskspace import check_disk_space
 from .errors import (
+    InvalidArgumentError,
     LayoutError,
     NonFiniteWeightsError,
     PackExistsError,
     PackTargetError,
     ProfileError,
     UnalignedReductionError,
+    UnsupportedTensorTypeError,
 )
 from .gguf_header import read_header
 from .gguf_model import (
@@ -628,12 +630,18 @@ def pack_model(
     progress: bool = True,
     chunk_bytes: int = 32 << 20,
     layer_buffer_bytes: int = 384 << 20,
+    requantize: str | None = None,
 ) -> Manifest:
     """Pack the GGUF MoE model `src` into the directory `dst` (conventionally `NAME.estream`).
 
     `order`: None (identity storage order), a routing-profile JSON path or dict (hot and
     co-activated experts first, see `load_routing_profile`), or `{layer: [expert ids]}`.
     Refuses to replace an existing `dst` unless `force`. Returns the written manifest.
+
+    Expert tensors keep their type (`EXPERT_TILE_FORMATS`: Q4_0, Q8_0, Q4_K, Q6_K). A file with
+    expert tensors of another type is refused (`UnsupportedTensorTypeError`, naming them and
+    the supported types) unless `requantize="q4_0"`: then those tensors, and only those, are
+    dequantized and re-quantized to Q4_0 (double quantization, with a loud warning).
 
     Raises `InsufficientDiskSpaceError` before writing anything when `dst`'s filesystem cannot
     hold `planned_pack_bytes(spec)`.
@@ -647,8 +655,18 @@ def pack_model(
     replacing = _check_target(dst_path, Path(spec.path), force)
     orders, order_summary = _resolve_orders(spec, order)
     dense_plan = [(spec.tensors[n], dense_format(spec.tensors[n])) for n in spec.dense_tensor_names]
+    if requantize not in (None, "q4_0"):
+        raise InvalidArgumentError(f"requantize must be 'q4_0' or None, got {requantize!r}")
     requant_tensors = _requant_tensors(spec)
     requant = bool(requant_tensors)
+    if requant and requantize is None:
+        types = sorted({t.ggml_type for t in requant_tensors})
+        raise UnsupportedTensorTypeError(
+            f"{Path(spec.path).name}: {len(requant_tensors)} expert tensors are of type "
+            f"{', '.join(types)} (e.g. {requant_tensors[0].name}), which EStream does not compute; "
+            f"supported expert types: {', '.join(EXPERT_TILE_FORMATS)}. Pack with --requantize "
+            "q4_0 to re-quantize them to Q4_0 (double quantization, less accurate)"
+        )
     if requant:
         _warn_requant(spec, requant_tensors)
 

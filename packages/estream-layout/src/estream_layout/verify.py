@@ -306,9 +306,26 @@ def inspect_pack(path: str | os.PathLike[str]) -> dict[str, Any]:
         "record_bytes": first.record_bytes if first else 0,
         "projections": {j: attrs.asdict(p) for j, p in first.projections.items()} if first else {},
         "dense_formats": formats,
+        "expert_formats": [
+            {"layer": la.index, **{j: p.format for j, p in la.projections.items()}}
+            for la in m.layers
+        ],
         "reordered_layers": [la.index for la in m.layers if list(la.order) != sorted(la.order)],
         "config": m.config,
     }
+
+
+def _format_mix(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per distinct (gate, up, down) tile-format mix, with the MoE layers that have it."""
+    mixes: dict[tuple[str, ...], list[int]] = {}
+    for r in rows:
+        mixes.setdefault(tuple(r[j] for j in EXPERT_PROJECTIONS), []).append(r["layer"])
+    return [
+        "  expert formats: "
+        + " ".join(f"{j}={f}" for j, f in zip(EXPERT_PROJECTIONS, mix))
+        + f" (layers {layers})"
+        for mix, layers in mixes.items()
+    ]
 
 
 def format_inspect(info: dict[str, Any]) -> str:
@@ -329,6 +346,7 @@ def format_inspect(info: dict[str, Any]) -> str:
             f"{j}={p['rows']}x{p['cols']}@{p['offset_in_record']}"
             for j, p in info["projections"].items()
         ),
+        *_format_mix(info.get("expert_formats", [])),
         f"  dense.bin: {mib(info['dense_bytes'])} "
         + ", ".join(f"{k}: {v['tensors']} tensors" for k, v in info["dense_formats"].items()),
         f"  storage order: {'profiled in layers ' + str(info['reordered_layers']) if info['reordered_layers'] else 'identity'}",
