@@ -31,7 +31,7 @@ from .errors import BadRequestError, NonFiniteError
 from .experts import SCHEDULES, ExpertSource, GroupRecord, ResidentExperts, StreamedExperts
 from .metrics import build_events, op_times, run_metrics
 from .models import architecture
-from .models.ops import ActivationPool, Ops, SeqLayout
+from .models.ops import Ops, SeqLayout
 from .packed import PackedModel
 
 __all__ = [
@@ -177,13 +177,10 @@ class Engine:
         backend: str = "host",
         dense_ops: str | None = None,
     ) -> None:
-        if dense_ops is None:
-            dense_ops = "backend" if backend == "hexagon" else "host"
-        if dense_ops not in DENSE_OPS:
+        if dense_ops is not None and dense_ops not in DENSE_OPS:
             raise BadRequestError(
                 f"dense_ops must be one of {', '.join(DENSE_OPS)}, got {dense_ops!r}"
             )
-        self.dense_ops = dense_ops
         if act not in ACTS:
             raise BadRequestError(f"act must be one of {', '.join(ACTS)}, got {act!r}")
         self.act = act
@@ -227,15 +224,10 @@ class Engine:
         self._capacity = 4096
         # Expert ops run on the chosen backend; the other ops stay on this process's default one.
         # The hexagon executor (qemu-hexagon here, the DSP on a device) runs one thread.
-        self.backend = (
-            htp.default_backend()
-            if backend == "host"
-            else htp.Backend(
-                backend,
-                n_threads=1 if backend == "hexagon" else htp.get_num_threads(),
-                act=act,
-            )
-        )
+        self.backend = htp.open_backend(backend, n_threads=htp.get_num_threads(), act=act)
+        if dense_ops is None:  # an accelerator runs every op by default (the DSP: hexagon)
+            dense_ops = "backend" if self.backend.accelerator else "host"
+        self.dense_ops = dense_ops
         self.max_pass_tokens = max(hp.n_ctx, MAX_PASS_TOKENS)
         # the experts' tile formats (gate, up, down); Q4_0 records use the graph's default
         fmts = self.model.expert_formats
@@ -249,12 +241,9 @@ class Engine:
         )
         # dense weights registered with the backend (dense_ops="backend"), on first use
         self._dense_shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        # activations in memory registered with an executor backend (dense_ops="backend")
-        self._pool = (
-            ActivationPool(self.backend)
-            if dense_ops == "backend" and self.backend.kind != "host"
-            else None
-        )
+        # every op of a pass on the expert backend (dense_ops="backend"): activations in its
+        # arena (memory registered with its executor; private memory on the host)
+        self._pool = self.backend.activations() if dense_ops == "backend" else None
         self.experts: ExpertSource | None = None  # type: ignore[assignment]
         try:
             if self.config is None:
@@ -571,10 +560,9 @@ class Engine:
         op_spans: list[tuple[str, int, float, float]] = []
         show = self.progress and sys.stderr.isatty()
         be = self.backend
-        remote = be.kind != "host"
-        if remote:  # the DSP queue of the trace: every op the executor runs, with its times
-            be.trace = []
-            be.reset_stats()
+        # the backend's queue in the trace: every op it ran through a fence, with its times
+        be.trace = []
+        be.reset_stats()
         t_start = time.perf_counter()
         if pool is not None:
             pool.begin_pass()
@@ -637,12 +625,10 @@ class Engine:
                 t_ne[layer] += s1 - s0
         metrics["layer_t_ne_s"] = t_ne
         metrics["op_time_s"] = op_times(op_spans)
-        dsp: list[tuple[str, float, float, float]] = []
-        if remote:
-            dsp, be.trace = be.trace or [], None
-            metrics.update({f"backend_{k}": v for k, v in be.stats().items()})
-            if pool is not None:
-                metrics["activation_pool_bytes"] = pool.nbytes
+        dsp, be.trace = be.trace or [], None
+        metrics.update({f"backend_{k}": v for k, v in be.stats().items()})
+        if pool is not None:
+            metrics["activation_pool_bytes"] = pool.nbytes
         events = build_events(t_start, spans, records, reads, op_spans, dsp)
         extra = {"events": events, "records": records, "reads": list(reads)}
         return out, hidden, metrics, extra

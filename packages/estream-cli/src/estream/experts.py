@@ -9,10 +9,11 @@ as soon as the source opens its loader — while the engine loads its dense weig
 after `StreamedExperts.recover`) — and the first pass takes that layer over instead of
 starting it.
 
-On a ``host-process`` backend the arena's memfd planes are registered with the executor, which
-maps them itself; each routed group's expert op is *submitted* and its bank stays InUse until the
-op's completion fence, while the loader fills other banks (at most B-1 banks wait on fences, so
-the loader always has one to fill).
+The arena's planes are buffers of the expert backend (`Backend.expose`): on an executor
+backend they are memfds the executor maps itself. Each routed group's expert op is *submitted*
+and its bank stays InUse until the op's completion fence, while the loader fills other banks (at
+most B-1 banks wait on fences, so the loader always has one to fill); a backend that runs ops in
+this process completes the fence as the op is submitted.
 """
 
 from __future__ import annotations
@@ -127,33 +128,6 @@ class ExpertSource(Protocol):
     def close(self) -> None: ...
 
 
-class _RouteBuffers:
-    """Route arrays (tokens, experts, weights, slot maps: the expert op's descriptor data,
-    made on the host from the router's output) copied into cached shared buffers an executor
-    reads in place, grown when too small; activations already in registered memory are used
-    as they are."""
-
-    def __init__(self, backend: htp.Backend) -> None:
-        self.backend = backend
-        self._bufs: dict[str, np.ndarray] = {}
-
-    def put(self, name: str, a: np.ndarray) -> np.ndarray:
-        buf = self._bufs.get(name)
-        if buf is None or buf.size < a.size or buf.dtype != a.dtype:
-            buf = self._bufs[name] = self.backend.empty(max(a.size, 1), a.dtype)
-        v = buf[: a.size].reshape(a.shape)
-        v[...] = a
-        return v
-
-    def registered(self, a: np.ndarray) -> bool:
-        return (
-            a.flags.c_contiguous and self.backend._resolve(int(a.ctypes.data), a.nbytes) is not None
-        )
-
-    def activation(self, name: str, a: np.ndarray) -> np.ndarray:
-        return a if self.registered(a) else self.put(name, a)
-
-
 class ResidentExperts:
     """All experts read into memory once: the I/O-free reference point (same kernels)."""
 
@@ -161,18 +135,13 @@ class ResidentExperts:
         self.model = model
         self.graph = graph
         self.records: list[GroupRecord] = []
-        if graph.backend.kind == "host":
-            try:
-                self.pool = read_whole(model.experts_path)
-            except MemoryError as exc:
-                raise InsufficientMemoryError(
-                    f"resident mode holds every expert in memory, and {exc}; stream the experts "
-                    "instead (--mode stream, with --budget BYTES to cap the memory)"
-                ) from exc
-        else:  # the executor reads the pool in place: shared memory
-            self.pool = graph.backend.empty(os.path.getsize(model.experts_path), np.uint8)
-            with open(model.experts_path, "rb") as f:
-                f.readinto(memoryview(self.pool))
+        try:  # in memory the expert op reads in place (shared memory for an executor)
+            self.pool = read_whole(model.experts_path, graph.backend)
+        except MemoryError as exc:
+            raise InsufficientMemoryError(
+                f"resident mode holds every expert in memory, and {exc}; stream the experts "
+                "instead (--mode stream, with --budget BYTES to cap the memory)"
+            ) from exc
         if self.pool.size != model.parsed.experts_bytes:  # the manifest was checked against the
             raise PackError(  # file a moment ago: it changed since
                 f"{model.experts_path}: {self.pool.size} bytes, the manifest says "
@@ -184,7 +153,7 @@ class ResidentExperts:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 raise ChecksumError(f"{model.path}: {problems[0]}{more}")
         self._base = self.pool.ctypes.data
-        self._routes = _RouteBuffers(graph.backend) if graph.backend.kind != "host" else None
+        self._routes = graph.backend.route_buffers()
 
     @property
     def memory_bytes(self) -> int:
@@ -220,20 +189,15 @@ class ResidentExperts:
         strides = (layer.record_bytes,) * 3
         t0 = time.perf_counter()
         slots = layer.position
-        rb = self._routes
-        if rb is not None:  # an executor: pass everything by reference, stage nothing
-            tokens, experts = rb.put("t", tokens), rb.put("e", experts)
-            w, slots = rb.put("w", w), rb.put("slots", slots)
-            if not isinstance(x, htp.Q8Rows):  # Q8 rows are in shared memory already
-                x = rb.activation("x", x)
-            if not rb.registered(y):
-                ys = rb.put("y", y)
-                self.graph.run(x, tokens, experts, w, slots, planes, strides, ys)
-                y[...] = ys
-                t1 = time.perf_counter()
-                self.records.append(GroupRecord(layer.index, 0, int(tokens.size), t0, t0, t1))
-                return
-        self.graph.run(x, tokens, experts, w, slots, planes, strides, y)
+        rb = self._routes  # everything by reference where the op reads it, nothing staged
+        tokens, experts = rb.put("t", tokens), rb.put("e", experts)
+        w, slots = rb.put("w", w), rb.put("slots", slots)
+        if not isinstance(x, htp.Q8Rows):  # Q8 rows are where the op reads them already
+            x = rb.activation("x", x)
+        ys = y if rb.in_place(y) else rb.put("y", y)
+        self.graph.run(x, tokens, experts, w, slots, planes, strides, ys)
+        if ys is not y:
+            y[...] = ys
         t1 = time.perf_counter()
         self.records.append(GroupRecord(layer.index, 0, int(tokens.size), t0, t0, t1))
 
@@ -280,9 +244,9 @@ class StreamedExperts:
         layout = ea.RecordLayout(
             record_bytes=self.model.record_bytes, planes=self.model.plane_extents
         )
-        # private (and on huge pages) unless an executor process must map the planes too
-        shared = self.graph.backend.kind != "host"
-        self.arena = ea.Arena(layout, n_banks=self.B, group_size=self.G, shared=shared)
+        # private (and on huge pages) unless the backend's executor must map the planes too
+        be = self.graph.backend
+        self.arena = ea.Arena(layout, n_banks=self.B, group_size=self.G, shared=be.shared_memory)
         try:
             self.loader = ea.GroupLoader(
                 self.arena,
@@ -298,20 +262,18 @@ class StreamedExperts:
         self._planes = tuple(self.arena.plane_address(j) for j in range(3))
         self._layer: ExpertLayer | None = None
         self._started: ExpertLayer | None = None  # begun and submitted ahead of the pass
-        self._remote = self.graph.backend.kind != "host"
         self._buffers: list[int] = []
-        self._routes = _RouteBuffers(self.graph.backend)
+        self._routes = be.route_buffers()
         try:
-            if self._remote:
-                for j in range(3):
-                    self._buffers.append(
-                        self.graph.backend.register_fd(
-                            self.arena.fd(j),
-                            self.arena.n_slots * self.arena.slot_bytes[j],
-                            writable=False,
-                            address=self._planes[j],
-                        )
+            for j in range(3):  # the planes become buffers of the backend, read in place
+                self._buffers.append(
+                    be.expose(
+                        self._planes[j],
+                        self.arena.n_slots * self.arena.slot_bytes[j],
+                        fd=self.arena.fd(j) if self.arena.shared else None,
+                        writable=False,
                     )
+                )
             if self.schedule == "early" and self._first is not None:
                 self._start_layer(self._first)
                 self._started = self._first
@@ -399,44 +361,14 @@ class StreamedExperts:
             self.loader.submit([self._request(layer, int(k)) for k in routed])
         # x: with int8 products, the layer input quantized once for every group (Ops.moe);
         # fp32 rows otherwise (or from another caller: then each group's op quantizes them)
-        if self._remote:
-            self._run_submitted(layer, x, y, tokens, experts, w, counts, starts, routed)
-            return
-        slot_of_expert = self._slot_of_expert
-        for k in routed:
-            k = int(k)
-            if self.schedule == "ondemand":
-                self.loader.submit([self._request(layer, k)])
-            t_wait = time.perf_counter()
-            bank = self.loader.acquire(k, timeout=ACQUIRE_TIMEOUT_S)
-            try:
-                t0 = time.perf_counter()
-                first = k * self.G
-                members = layer.order[first : first + bank.n_records]
-                slot_of_expert.fill(-1)
-                slot_of_expert[members] = np.asarray(bank.slots, dtype=np.int32)
-                sl = slice(int(starts[k]), int(starts[k + 1]))
-                self.graph.run(
-                    x,
-                    tokens[sl],
-                    experts[sl],
-                    w[sl],
-                    slot_of_expert,
-                    self._planes,
-                    self._strides,
-                    y,
-                )
-                t1 = time.perf_counter()
-            finally:
-                self.loader.release(bank)
-            self._record(GroupRecord(layer.index, k, int(counts[k]), t_wait, t0, t1))
+        self._run_groups(layer, x, y, tokens, experts, w, counts, starts, routed)
 
     def _record(self, rec: GroupRecord) -> None:
         self.records.append(rec)
         if self.on_group is not None:
             self.on_group(rec)
 
-    def _run_submitted(
+    def _run_groups(
         self,
         layer: ExpertLayer,
         x: np.ndarray | htp.Q8Rows,
@@ -448,12 +380,13 @@ class StreamedExperts:
         starts: np.ndarray,
         routed: np.ndarray,
     ) -> None:
-        """Submit each routed group's op; its bank is released at the op's completion fence."""
+        """Submit each routed group's op; its bank is released at the op's completion fence
+        (at once on a backend that runs the op in this process, as it is submitted)."""
         rb = self._routes
         xs = x if isinstance(x, htp.Q8Rows) else rb.activation("x", x)
         ts, es, ws = rb.put("t", tokens), rb.put("e", experts), rb.put("w", w)
         # y in registered memory (the activation pool): the ops accumulate into it in place
-        direct = rb.registered(y)
+        direct = rb.in_place(y)
         ys = y if direct else rb.put("y", np.zeros_like(y))
         n_e = self._slot_of_expert.size
         table = rb.put("slots", np.full((max(len(routed), 1), n_e), -1, np.int32))

@@ -10,8 +10,9 @@
   intervals and T_exec the union of compute intervals.
 * Time by op: the summed duration of each kind of kernel call (q/k/v projections, attention,
   routed experts, output head, norms, ...), from the per-op spans the forward pass records.
-* DSP queue (executor backends): when each op was submitted, started and completed in the
-  executor process, from the times it returns with each completion.
+* Backend queue ("dsp queue"): when each op waited for through a fence was submitted, started
+  and completed — every op in the executor process of an executor backend, the expert ops on
+  the host —, from the times the backend returns with each completion.
 """
 
 from __future__ import annotations

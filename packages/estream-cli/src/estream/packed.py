@@ -16,6 +16,7 @@ import attrs
 import numpy as np
 
 import estream_arena as ea
+import estream_htp as htp
 from estream_layout import ChecksumError, LayoutError, Manifest, ModelSpec, update_manifest
 from estream_layout.manifest import read_manifest_doc
 from estream_layout.verify import check_dense_checksums, nonfinite_dense
@@ -37,10 +38,12 @@ __all__ = [
 READ_CHUNK = 64 << 20
 
 
-def read_whole(path: str | Path) -> np.ndarray:
+def read_whole(path: str | Path, backend: htp.Backend | None = None) -> np.ndarray:
     """A whole file read into a page-aligned private anonymous mapping advised onto transparent
     huge pages (``estream_arena.private_mapping``, what a private arena plane is), in
-    ``READ_CHUNK`` reads.
+    ``READ_CHUNK`` reads; with a ``backend``, into memory its ops read in place
+    (`estream_htp.Backend.buffer`: that mapping when they run in this process, shared memory
+    the executor maps otherwise).
 
     ``np.fromfile`` reads into malloc's buffer, which starts 16 bytes past a page boundary. On
     this project's machines, reading 3.4 GiB from the page cache took 1.7-5.4 s into that
@@ -51,13 +54,16 @@ def read_whole(path: str | Path) -> np.ndarray:
     with open(path, "rb", buffering=0) as f:
         n = os.fstat(f.fileno()).st_size
         try:
-            mm = ea.private_mapping(n)
+            out = (
+                _private_pages(n)
+                if backend is None
+                else backend.buffer(n, np.uint8, private=_private_pages)
+            )
         except OSError as exc:  # ENOMEM: more than the process may map (ulimit -v, overcommit)
             raise MemoryError(
                 f"{path}: cannot allocate {format_bytes(n)} to read it into memory "
                 f"({exc.strerror or exc})"
             ) from exc
-        out = np.frombuffer(mm, dtype=np.uint8, count=n)
         view = memoryview(out).cast("B")
         off = 0
         while off < n:
@@ -66,6 +72,10 @@ def read_whole(path: str | Path) -> np.ndarray:
                 return out[:off]
             off += got
     return out
+
+
+def _private_pages(n: int) -> np.ndarray:
+    return np.frombuffer(ea.private_mapping(n), dtype=np.uint8, count=n)
 
 
 def read_gguf_kv(path: str | Path) -> dict[str, Any]:

@@ -7,7 +7,13 @@ copies, fill). See README.md for accuracy and performance figures.
 
 from __future__ import annotations
 
-from estream_htp._backend import BACKENDS, SIMD_LEVELS, best_simd_level
+from estream_htp._backend import (
+    BACKENDS,
+    SIMD_LEVELS,
+    ActivationArena,
+    RouteBuffers,
+    best_simd_level,
+)
 from estream_htp._core import (
     Backend,
     CapacityError,
@@ -37,6 +43,7 @@ from estream_htp._core import (
     moe_ffn,
     mul,
     nop,
+    open_backend,
     q8_rows_nbytes,
     quantize_q8,
     rms_norm,
@@ -65,6 +72,7 @@ from estream_htp._formats import (
 __all__ = [
     "BACKENDS",
     "SIMD_LEVELS",
+    "ActivationArena",
     "Backend",
     "CapacityError",
     "ExecutorDiedError",
@@ -78,6 +86,7 @@ __all__ = [
     "HTPTimeoutError",
     "HTPUnsupportedError",
     "Q8Rows",
+    "RouteBuffers",
     "add",
     "attention",
     "best_simd_level",
@@ -96,6 +105,7 @@ __all__ = [
     "moe_ffn",
     "mul",
     "nop",
+    "open_backend",
     "pack_q4_0_t32r4",
     "pack_q8_0_t32r4",
     "q8_rows_nbytes",

@@ -38,6 +38,7 @@ from estream_htp._ffi import ffi, lib
 
 __all__ = [
     "BACKENDS",
+    "ActivationArena",
     "Backend",
     "CapacityError",
     "ExecutorDiedError",
@@ -48,6 +49,7 @@ __all__ = [
     "HTPInputError",
     "HTPTimeoutError",
     "HTPUnsupportedError",
+    "RouteBuffers",
 ]
 
 BACKENDS = ("host", "host-process", "hexagon")
@@ -212,6 +214,8 @@ class Backend:
             )
         self.kind = kind
         self.act = act
+        # the ops read this process's memory by address (no executor to map it for)
+        self._in_process = kind == "host"
         self._lock = threading.RLock()
         self._b: Any = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -473,6 +477,71 @@ class Backend:
         weakref.finalize(mm, _unregister_quietly, weakref.ref(self), bid)
         return np.frombuffer(mm, dtype=dt, count=nbytes // dt.itemsize).reshape(shp)
 
+    # ------------------------------------------------------------------ memory for callers
+    @property
+    def accelerator(self) -> bool:
+        """Whether the executor is an accelerator meant to run every op of a pass (hexagon:
+        the DSP), not only the expert ops."""
+        return self.kind == "hexagon"
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether memory the ops are to read in place must be shared memory the backend maps
+        itself (a memfd, `expose` with its fd): True when the ops run in an executor process,
+        False when they read this process's memory by address."""
+        return not self._in_process
+
+    def buffer(
+        self,
+        shape: int | tuple[int, ...],
+        dtype: Any = np.float32,
+        *,
+        private: Callable[[int], np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """A new array the ops read and write in place: private memory of this process when
+        they run here (``private(nbytes)``, a uint8 array of at least that size, when given —
+        e.g. a huge-page mapping —, else numpy's), shared memory registered with the executor
+        otherwise (`empty`)."""
+        if not self._in_process:
+            return self.empty(shape, dtype)
+        dt = np.dtype(dtype)
+        shp = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        if private is None:
+            return np.empty(shp, dt)
+        n = int(np.prod(shp, dtype=np.int64))
+        return private(n * dt.itemsize)[: n * dt.itemsize].view(dt).reshape(shp)
+
+    def visible(self, arr: np.ndarray) -> np.ndarray:
+        """``arr`` as the ops read it in place: itself when they run in this process, else a
+        shared copy (`share`; ``arr`` itself if it already lies in registered memory)."""
+        return arr if self._in_process else self.share(arr)
+
+    def expose(
+        self, address: int, size: int, *, fd: int | None = None, writable: bool = True
+    ) -> int:
+        """Make the ``size`` bytes this process has mapped at ``address`` a buffer of the
+        backend (its id), so that arrays inside resolve to references: by address when the ops
+        run in this process, through ``fd`` (the memfd behind the mapping; required) when they
+        run in an executor, which maps it itself. Undone with `unregister`."""
+        if self._in_process:
+            with self._lock:
+                bid = self._register_host(int(address), int(size), writable)
+                self._regions.append((int(address), int(address) + int(size), bid))
+            return bid
+        if fd is None:
+            raise HTPInputError(
+                f"an executor ({self.kind}) maps shared memory itself: expose needs its fd"
+            )
+        return self.register_fd(fd, size, writable=writable, address=address)
+
+    def activations(self) -> ActivationArena:
+        """A new `ActivationArena` of this backend: where a pass's activations live."""
+        return ActivationArena(self)
+
+    def route_buffers(self) -> RouteBuffers:
+        """A new `RouteBuffers` of this backend: route arrays as the expert op reads them."""
+        return RouteBuffers(self)
+
     def share(self, arr: np.ndarray) -> np.ndarray:
         """``arr`` itself when it already lies in registered memory, else a shared copy."""
         if arr.flags.c_contiguous and self._resolve(int(arr.ctypes.data), arr.nbytes):
@@ -594,6 +663,142 @@ class Backend:
         """Queue an op; operands not in registered memory are copied into fresh shared buffers
         (host-process) or registered until the fence completes (host)."""
         return self._submit(c, sync=False)
+
+
+class ActivationArena:
+    """Where the activations of a pass live: memory the backend's ops read and write in place
+    (`Backend.buffer`: private memory on the host kind, shared memory registered with the
+    executor on the others), so every op takes its operands by reference.
+
+    Three bump arenas: ``pass`` (the pass's inputs: token ids, positions, row indices), and two
+    that alternate stage by stage (the embedding, each layer, the head): a stage allocates from
+    its own arena, reset when the stage starts, and reads its input — the previous stage's
+    output — from the other one. An arena that had to grow during a stage (extra chunks) is
+    coalesced at its next reset into one chunk of what that stage used, so each settles at the
+    largest stage it served (at least 1 MiB) and the whole at about twice the largest stage's
+    activations plus the inputs, whatever the number of layers; it is reused across layers and
+    passes (registered once: steady passes register nothing) and keeps its size."""
+
+    ALIGN = 128  # bytes: HVX vector loads, cache lines
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._arenas = [_BumpArena(backend) for _ in range(3)]
+        self._stage = 0
+        self._cur = self._arenas[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of memory the arena holds."""
+        return sum(a.nbytes for a in self._arenas)
+
+    def begin_pass(self) -> None:
+        for a in self._arenas:
+            a.reset()
+        self._stage = 0
+        self._cur = self._arenas[0]
+
+    def begin_stage(self) -> None:
+        """The next stage of the pass (embedding, layer, head): its arena is reset."""
+        self._stage += 1
+        self._cur = self._arenas[1 + self._stage % 2]
+        self._cur.reset()
+
+    def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+        return self._cur.alloc(shape, np.dtype(dtype))
+
+    def owns(self, a: np.ndarray) -> bool:
+        addr = int(a.__array_interface__["data"][0])
+        return any(arena.owns(addr) for arena in self._arenas)
+
+    def put_input(self, a: np.ndarray) -> np.ndarray:
+        """A host array (token ids, positions) copied into the pass arena: the pass's input."""
+        dst = self._arenas[0].alloc(a.shape, a.dtype)
+        dst[...] = a
+        return dst
+
+
+class _BumpArena:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.chunks: list[np.ndarray] = []
+        self.off = 0
+        self.used = 0  # bytes handed out since the last reset (the stage's activations)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+    def owns(self, addr: int) -> bool:
+        for c in self.chunks:
+            base = int(c.ctypes.data)
+            if base <= addr < base + c.nbytes:
+                return True
+        return False
+
+    def reset(self) -> None:
+        if len(self.chunks) > 1:  # grown during the last use: one chunk of what it used
+            self.chunks = []
+            self.chunks = [self._chunk(max(self.used, 1 << 20))]
+        self.off = 0
+        self.used = 0
+
+    def _chunk(self, nbytes: int) -> np.ndarray:
+        # page-aligned in either memory, so ALIGN-rounded offsets stay aligned
+        return self.backend.buffer(nbytes, np.uint8, private=_private_pages)
+
+    def alloc(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        step = max(ActivationArena.ALIGN, -(-n // ActivationArena.ALIGN) * ActivationArena.ALIGN)
+        if not self.chunks or self.off + step > self.chunks[-1].nbytes:
+            last = self.chunks[-1].nbytes if self.chunks else 0
+            self.chunks.append(self._chunk(max(step, 2 * last, 1 << 20)))
+            self.off = 0
+        c = self.chunks[-1]
+        out = c[self.off : self.off + n].view(dtype).reshape(shape)
+        self.off += step
+        self.used += step
+        return out
+
+
+def _private_pages(nbytes: int) -> np.ndarray:
+    """``nbytes`` of private anonymous memory, page-aligned (freed with the array)."""
+    mm = mmap.mmap(-1, _page_round(nbytes), mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+
+
+class RouteBuffers:
+    """Route arrays (tokens, experts, weights, slot maps: the expert op's descriptor data,
+    made on the host from the router's output) and activations as the backend's ops read them
+    in place: for an executor, copied into cached shared buffers (grown when too small) unless
+    already in registered memory; when the ops run in this process, the arrays themselves."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def put(self, name: str, a: np.ndarray) -> np.ndarray:
+        """``a`` where the ops read it (the buffer ``name`` is reused by the next `put`)."""
+        if self.backend._in_process:
+            return a
+        buf = self._bufs.get(name)
+        if buf is None or buf.size < a.size or buf.dtype != a.dtype:
+            buf = self._bufs[name] = self.backend.empty(max(a.size, 1), a.dtype)
+        v = buf[: a.size].reshape(a.shape)
+        v[...] = a
+        return v
+
+    def in_place(self, a: np.ndarray) -> bool:
+        """Whether the ops read and write ``a`` itself (no copy through `put`)."""
+        if self.backend._in_process:
+            return True
+        return (
+            a.flags.c_contiguous and self.backend._resolve(int(a.ctypes.data), a.nbytes) is not None
+        )
+
+    def activation(self, name: str, a: np.ndarray) -> np.ndarray:
+        """``a`` itself when the ops read it in place, else its copy in the buffer ``name``."""
+        return a if self.in_place(a) else self.put(name, a)
 
 
 def _unregister_quietly(ref: weakref.ref[Backend], bid: int) -> None:

@@ -60,6 +60,7 @@ __all__ = [
     "matmul_f32",
     "moe_ffn",
     "mul",
+    "open_backend",
     "q8_rows_nbytes",
     "quantize_q8",
     "rms_norm",
@@ -163,6 +164,17 @@ def default_backend() -> Backend:
             act = os.environ.get("ESTREAM_HTP_ACT", "").strip().lower() or "q8"
             _default = Backend("host", simd=simd, act=act)
         return _default
+
+
+def open_backend(kind: str, *, n_threads: int | None = None, act: str = "q8") -> Backend:
+    """The backend of ``kind`` for a runtime: this process's `default_backend` for "host"
+    (shared; close it never), a new `Backend` otherwise, its executor running ``n_threads``
+    (default: `default_threads`) where it runs a pool — hexagon's runs one thread."""
+    if kind == "host":
+        return default_backend()
+    if kind == "hexagon":
+        n_threads = 1
+    return Backend(kind, n_threads=n_threads, act=act)
 
 
 def _be(backend: Backend | None) -> Backend:
@@ -1039,10 +1051,10 @@ def get_rows(
     backend: Backend | None = None,
 ) -> F32:
     """Embedding lookup: rows ``ids`` of a ``[n_rows, n_cols]`` table in ``fmt``
-    ("q4_0-t32r4", "q8_0-t32r4", "f16", "f32"), as float32 ``[T, n_cols]``."""
-    row_fmts = ("q4_0-t32r4", "q8_0-t32r4", "f16", "f32")
-    if fmt not in row_fmts:
-        raise HTPInputError(f"fmt must be one of {list(row_fmts)}, got {fmt!r}")
+    ("q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q6_k-t32r4", "f16", "f32"), as float32
+    ``[T, n_cols]``."""
+    if fmt not in _FMT:
+        raise HTPInputError(f"fmt must be one of {sorted(_FMT)}, got {fmt!r}")
     n_rows = _u32(n_rows, "n_rows", 1)
     n_cols = _u32(n_cols, "n_cols", 1)
     tb = _bytes(table, "table")

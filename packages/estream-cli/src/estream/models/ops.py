@@ -33,7 +33,6 @@ from ..packed import DenseTensor, ExpertLayer, PackedModel
 
 __all__ = [
     "FFN",
-    "ActivationPool",
     "Attention",
     "Gating",
     "Head",
@@ -393,97 +392,6 @@ def dequantize(t: DenseTensor) -> np.ndarray:
     return dequantize_tiles(t.data, n, k, t.fmt).reshape(t.shape)
 
 
-class ActivationPool:
-    """Where the activations of a pass live on an executor backend: memory registered with it
-    (`Backend.empty`), so every op reads and writes its operands in place, by reference.
-
-    Three bump arenas: ``pass`` (the pass's inputs: token ids, positions, row indices), and two
-    that alternate stage by stage (the embedding, each layer, the head): a stage allocates from
-    its own arena, reset when the stage starts, and reads its input — the previous stage's
-    output — from the other one. An arena that had to grow during a stage (extra chunks) is
-    coalesced at its next reset into one chunk of what that stage used, so each settles at the
-    largest stage it served (at least 1 MiB) and the pool at about twice the largest stage's
-    activations plus the inputs, whatever the number of layers; it is reused across layers and
-    passes (registered once: steady passes register nothing) and keeps its size."""
-
-    ALIGN = 128  # bytes: HVX vector loads, cache lines
-
-    def __init__(self, backend: htp.Backend) -> None:
-        self.backend = backend
-        self._arenas = [_Arena(backend) for _ in range(3)]
-        self._stage = 0
-        self._cur = self._arenas[0]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of registered memory the pool holds."""
-        return sum(a.nbytes for a in self._arenas)
-
-    def begin_pass(self) -> None:
-        for a in self._arenas:
-            a.reset()
-        self._stage = 0
-        self._cur = self._arenas[0]
-
-    def begin_stage(self) -> None:
-        """The next stage of the pass (embedding, layer, head): its arena is reset."""
-        self._stage += 1
-        self._cur = self._arenas[1 + self._stage % 2]
-        self._cur.reset()
-
-    def empty(self, shape: tuple[int, ...], dtype: object = np.float32) -> np.ndarray:
-        return self._cur.alloc(shape, np.dtype(dtype))  # type: ignore[arg-type]
-
-    def owns(self, a: np.ndarray) -> bool:
-        addr = int(a.__array_interface__["data"][0])
-        return any(arena.owns(addr) for arena in self._arenas)
-
-    def put_input(self, a: np.ndarray) -> np.ndarray:
-        """A host array (token ids, positions) copied into the pass arena: the pass's input."""
-        dst = self._arenas[0].alloc(a.shape, a.dtype)
-        dst[...] = a
-        return dst
-
-
-class _Arena:
-    def __init__(self, backend: htp.Backend) -> None:
-        self.backend = backend
-        self.chunks: list[np.ndarray] = []
-        self.off = 0
-        self.used = 0  # bytes handed out since the last reset (the stage's activations)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.chunks)
-
-    def owns(self, addr: int) -> bool:
-        for c in self.chunks:
-            base = int(c.ctypes.data)
-            if base <= addr < base + c.nbytes:
-                return True
-        return False
-
-    def reset(self) -> None:
-        if len(self.chunks) > 1:  # grown during the last use: one chunk of what it used
-            self.chunks = []
-            self.chunks = [self.backend.empty(max(self.used, 1 << 20), np.uint8)]
-        self.off = 0
-        self.used = 0
-
-    def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        step = max(ActivationPool.ALIGN, -(-n // ActivationPool.ALIGN) * ActivationPool.ALIGN)
-        if not self.chunks or self.off + step > self.chunks[-1].nbytes:
-            last = self.chunks[-1].nbytes if self.chunks else 0
-            self.chunks.append(self.backend.empty(max(step, 2 * last, 1 << 20), np.uint8))
-            self.off = 0
-        c = self.chunks[-1]
-        out = c[self.off : self.off + n].view(dtype).reshape(shape)
-        self.off += step
-        self.used += step
-        return out
-
-
 # -- the operations a layer is written with -----------------------------------------------------
 class Ops:
     """The operations of one forward pass: kernels, the sequence layout, the expert source.
@@ -498,14 +406,14 @@ class Ops:
     and the softmax weights rounded to bfloat16, fp32 sums; the engine uses it with q8
     activations).
 
-    ``backend``: where the kernel ops run (None: this process's default backend). On an
-    executor backend *every* op of the pass runs there ("full accelerator"): the dense weights
-    are registered with it once — copied into shared memory the first time an op uses them,
-    kept in ``shared`` (the engine's, across requests) — and every activation is allocated in
-    ``pool`` (an `ActivationPool` registered with it), so operands are passed by reference and
-    nothing is staged; residual adds, gates, slices, broadcasts, zeroing and the attention of
-    continuing segments are kernel ops too. On the host (no executor) element-wise glue is
-    numpy, as fast as it gets in-process."""
+    ``backend``: where the kernel ops run (None: this process's default backend). The weights
+    they read are made visible to it once (`estream_htp.Backend.visible`: copied into shared
+    memory for an executor the first time an op uses them), kept in ``shared`` (the engine's,
+    across requests). With a ``pool`` (the backend's `estream_htp.ActivationArena`) *every* op
+    of the pass runs on the backend ("full accelerator"): every activation is allocated in the
+    pool, so operands are passed by reference and nothing is staged; residual adds, gates,
+    slices, broadcasts, zeroing and the attention of continuing segments are kernel ops too.
+    Without one, element-wise glue is numpy, as fast as it gets in-process."""
 
     def __init__(
         self,
@@ -516,70 +424,64 @@ class Ops:
         backend: htp.Backend | None = None,
         shared: dict[int, tuple[np.ndarray, np.ndarray]] | None = None,
         attn_products: str = "f32",
-        pool: ActivationPool | None = None,
+        pool: htp.ActivationArena | None = None,
     ) -> None:
         self.hp = hp
         self.experts = experts
         self.layout = layout
         self.expert_phases: list[tuple[float, float]] = []
-        self.backend = backend
+        self.backend = backend if backend is not None else htp.default_backend()
         self._shared = shared if shared is not None else {}
         self.attn_products = attn_products
         self.op_spans: list[tuple[str, float, float]] = []
-        self._remote = backend is not None and backend.kind != "host"
-        if self._remote and pool is None:
-            assert backend is not None
-            pool = ActivationPool(backend)
-        self.pool = pool if self._remote else None
+        self.pool = pool
         self._rows: htp.Q8Rows | None = None  # an MoE layer's input, quantized once
 
     def _span(self, name: str, t0: float) -> None:
         self.op_spans.append((name, t0, time.perf_counter()))
 
     def _w(self, a: np.ndarray | None) -> np.ndarray | None:
-        """A weight array as the backend reads it: in shared memory for an executor backend."""
-        if a is None or self.backend is None or self.backend.kind == "host":
+        """A weight array as the backend reads it (`estream_htp.Backend.visible`), made once."""
+        if a is None:
             return a
         hit = self._shared.get(id(a))
         if hit is None or hit[0] is not a:
-            hit = self._shared[id(a)] = (a, self.backend.share(np.ascontiguousarray(a)))
+            hit = self._shared[id(a)] = (a, self.backend.visible(np.ascontiguousarray(a)))
         return hit[1]
 
     def _wt(self, key: object, make: Callable[[], np.ndarray]) -> np.ndarray:
-        """A derived weight array (e.g. a transposed f32 matrix), made once; in shared memory
-        for an executor backend."""
+        """A derived weight array (e.g. a transposed f32 matrix) as the backend reads it, made
+        once."""
         hit = self._shared.get(id(key))
         if hit is None or hit[0] is not key:
-            arr = np.ascontiguousarray(make(), dtype=np.float32)
-            if self._remote:
-                assert self.backend is not None
-                arr = self.backend.share(arr)
+            arr = self.backend.visible(np.ascontiguousarray(make(), dtype=np.float32))
             hit = self._shared[id(key)] = (key, arr)  # type: ignore[assignment]
         return hit[1]
 
     # activations
     def empty(self, shape: tuple[int, ...], dtype: object = np.float32) -> np.ndarray:
-        """A new activation array: in the pool (registered memory) on an executor backend."""
+        """A new activation array: in the pool when there is one."""
         if self.pool is not None:
             return self.pool.empty(shape, dtype)
         return np.empty(shape, dtype=dtype)  # type: ignore[call-overload]
 
     def _out(self, shape: tuple[int, ...]) -> np.ndarray | None:
-        """``out=`` for a kernel: a pool array on an executor backend, else None (the wrapper
+        """``out=`` for a kernel: a pool array when there is a pool, else None (the wrapper
         allocates)."""
         return self.pool.empty(shape) if self.pool is not None else None
 
     def input(self, a: np.ndarray) -> np.ndarray:
         """A pass input made on the host (token ids, positions, row indices) as the ops read
-        it: copied once into the pool's pass arena on an executor backend."""
+        it: copied once into the pool's pass arena when there is a pool."""
         return self.pool.put_input(a) if self.pool is not None else a
 
     def begin_stage(self) -> None:
-        """The engine starts the embedding, a layer or the head (see `ActivationPool`)."""
+        """The engine starts the embedding, a layer or the head (see
+        `estream_htp.ActivationArena`)."""
         if self.pool is not None:
             self.pool.begin_stage()
 
-    # element-wise glue: kernel ops on an executor backend, numpy on the host. The public
+    # element-wise glue: kernel ops with a pool, numpy without. The public
     # methods are timed leaf ops; the underscored ones are for use inside another timed block.
     def add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """``a + b`` (residual adds)."""
@@ -773,9 +675,9 @@ class Ops:
 
         A sequence's first segment goes through the tiled causal kernel on its own rows (as if
         it were prefilled alone); a continuing segment attends to its ancestors' rows and
-        causally to itself: on an executor backend the same kernel with the ancestors' rows as
-        its context (their keys and values gathered with copy ops), on the host
-        `_continued_attention` (BLAS). Nothing crosses requests."""
+        causally to itself: with a pool the same kernel with the ancestors' rows as its context
+        (their keys and values gathered with copy ops), without one `_continued_attention`
+        (BLAS). Nothing crosses requests."""
         t0 = time.perf_counter()
         p = self.attn_products
         lay = self.layout
@@ -810,7 +712,7 @@ class Ops:
         return out
 
     def _gather(self, x: np.ndarray, segs: Sequence[Segment]) -> np.ndarray:
-        """The rows of ``segs`` of ``x`` back to back, by copy ops (executor backends)."""
+        """The rows of ``segs`` of ``x`` back to back, by copy ops (in the pool)."""
         n = sum(s.length for s in segs)
         out = self.empty((n, *x.shape[1:]))
         flat_x = x.reshape(x.shape[0], -1)
@@ -875,15 +777,15 @@ class Ops:
     def quantize_input(self, h: np.ndarray) -> htp.Q8Rows | None:
         """With int8 products, ``h`` quantized once (`htp.quantize_q8`) for every op that
         reads it (the routed experts of every group, the shared experts); None with fp32
-        products. With the dense ops on an executor the rows are an activation of its pool;
+        products. With a pool (every op on the backend) the rows are an activation of it;
         otherwise one buffer per pass, in the memory the expert ops read (shared memory when
         they run in an executor), kept between layers."""
-        be = self.backend if self.backend is not None else htp.default_backend()
+        be = self.backend
         if be.act != "q8":
             return None
         t0 = time.perf_counter()
         t, d = h.shape
-        if self.pool is not None:  # an executor: a stage activation of the pool, like ids
+        if self.pool is not None:  # a stage activation of the pool, like ids
             rows = htp.Q8Rows(t, d, data=self.pool.empty((htp.q8_rows_nbytes(t, d),), np.uint8))
         else:  # one buffer for the pass, reused by every layer, where the expert ops read it
             if self._rows is None or (self._rows.t, self._rows.d) != (t, d):
