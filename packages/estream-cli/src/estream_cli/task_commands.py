@@ -24,6 +24,7 @@ from estream.errors import BadRequestError
 
 from .messages import describe, plural
 from .options import add_engine_opts, engine_from_args, positive_int
+from .ray_commands import add_ray_opts, run_ray, run_single
 
 __all__ = ["add_task_commands", "read_docs_file", "read_jsonl", "read_lines_file"]
 
@@ -46,10 +47,20 @@ def read_text(path: str, what: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, 
     name = "<stdin>" if path == "-" else path
     try:
         if path == "-":
-            stream = getattr(sys.stdin, "buffer", None)
-            if stream is None:
+            if sys.stdin is None:
                 raise BadRequestError(f"the {what} is '-', standard input, which is closed")
-            data = stream.read(limit + 1)
+            stream = getattr(sys.stdin, "buffer", None)
+            if stream is not None:
+                data = stream.read(limit + 1)
+            else:  # a text stream standing in for standard input (embedding, tests)
+                chars = sys.stdin.read(limit + 1)
+                try:
+                    data = chars.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise BadRequestError(
+                        f"{what} {name} is not UTF-8 text (a lone surrogate at character "
+                        f"{exc.start})"
+                    ) from None
         else:
             with open(path, "rb") as f:
                 data = f.read(limit + 1)
@@ -460,7 +471,10 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
             args.choices = choices or None
         if name == "rerank":
             args.docs = read_docs_file(args.docs_file) if args.docs_file else None
-        return _run(args, _TASKS[name])
+        task = _TASKS[name]
+        if args.ray is not None:
+            return run_ray(args, task, lambda: _requests(args, task))
+        return run_single(args, lambda: _run(args, task))
 
     return run
 
@@ -490,6 +504,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="wrap the text as a user turn with the model's chat template (GGUF)",
     )
     add_engine_opts(p)
+    add_ray_opts(p)
 
 
 #: Help of the positional ``model`` of every command that runs a packed model.
