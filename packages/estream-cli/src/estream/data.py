@@ -1,0 +1,372 @@
+"""The prefill-only tasks over Ray Data: corpus jobs spread over the actors of a cluster.
+
+Needs the optional extra ``estream-cli[ray]`` (Ray Data); ``import estream`` never imports this
+module, and this module imports Ray only when a function below needs it.
+
+`TaskRunner` is a callable class for ``Dataset.map_batches``: each actor loads the pack once
+(``stream`` within its own memory budget, or ``resident``), after verifying it once
+(`estream_layout.verify.verify_pack`: the manifest and every checksum; the pack is only ever
+opened read-only), then answers every block it is given with the batched task planner
+(`estream.tasks.run_plans`, passes of at most ``batch_tokens`` tokens). `classify`, `score`,
+`rerank` and `embed` wrap it: they take a dataset of requests (the fields of the ``--input``
+lines of the ``estream`` task commands) and return a dataset of results with the fields of the
+command's result lines. A request that cannot be answered becomes a row with an ``error``
+field, never a failed job.
+
+>>> import ray.data, estream.data                                  # doctest: +SKIP
+>>> ds = ray.data.read_parquet("tickets.parquet")                 # columns id, prompt
+>>> out = estream.data.classify(ds, "m.estream", labels=["bug", "billing"], actors=4)
+>>> out.write_parquet("labelled")
+
+An actor killed mid-block (SIGKILL, a lost node) is restarted by Ray and its block run again
+(Ray Data's ``max_restarts``, ``max_task_retries``): a block's results are only kept once the whole block
+is answered, so no row is lost and none is answered twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .errors import BadRequestError, EStreamError, PackError
+
+__all__ = [
+    "TASKS",
+    "TaskRunner",
+    "apply",
+    "classify",
+    "embed",
+    "need_ray",
+    "rerank",
+    "score",
+]
+
+#: The task of each name and the request fields it reads (as in the command's ``--input``).
+TASKS: dict[str, tuple[str, ...]] = {
+    "classify": ("prompt", "labels", "method"),
+    "score": ("context", "choices"),
+    "rerank": ("query", "docs"),
+    "embed": ("prompt", "pool", "normalize"),
+}
+
+#: A column holding a whole request as JSON text (what the ``estream`` command sends, so that
+#: a request's fields need not fit one Arrow type across rows); its fields come first.
+REQUEST_COLUMN = "_estream_request"
+
+INSTALL_HINT = (
+    "Ray Data is not installed: install estream-cli[ray] (pip install 'estream-cli[ray]')"
+)
+
+
+def need_ray() -> Any:
+    """The ``ray`` module (with ``ray.data``), or BadRequestError naming the extra to install."""
+    try:
+        import ray
+        import ray.data
+    except ImportError:
+        raise BadRequestError(INSTALL_HINT) from None
+    return ray
+
+
+def _message(exc: BaseException) -> str:
+    """One line for a row's ``error`` field: the message of an EStream error as written for the
+    user, the class name too for anything else."""
+    text = " ".join(str(exc).split()) or "no details"
+    if isinstance(exc, EStreamError):
+        return text
+    if isinstance(exc, MemoryError):
+        return "out of memory"
+    return f"{type(exc).__name__}: {text}"
+
+
+def _present(row: Mapping[str, Any], field: str) -> bool:
+    return row.get(field) is not None
+
+
+def _request(task: str, row: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of the task's planner for one row: its fields, else the defaults
+    (a null field counts as missing: Arrow fills a column a row does not have with nulls)."""
+    fields: dict[str, Any] = {}
+    if _present(row, REQUEST_COLUMN):
+        fields.update(json.loads(row[REQUEST_COLUMN]))
+    for f in TASKS[task]:
+        if f not in fields:
+            if _present(row, f):
+                fields[f] = row[f]
+            elif defaults.get(f) is not None:
+                fields[f] = defaults[f]
+
+    def text(field: str) -> str:
+        v = fields.get(field)
+        if v is None:
+            raise BadRequestError(f"no {field}: give a '{field}' field or a default")
+        if not isinstance(v, str):
+            raise BadRequestError(f"'{field}' must be a string, not {type(v).__name__}")
+        return v
+
+    def texts(field: str) -> list[str]:
+        v = fields.get(field)
+        if isinstance(v, str) and field == "labels":
+            v = [s.strip() for s in v.split(",") if s.strip()]
+        if v is None:
+            raise BadRequestError(f"no {field}: give a '{field}' field or a default")
+        v = list(v) if not isinstance(v, str) else v
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise BadRequestError(f"'{field}' must be a list of strings")
+        return v
+
+    if task == "classify":
+        return {
+            "prompt": text("prompt"),
+            "labels": texts("labels"),
+            "method": fields.get("method") or "auto",
+        }
+    if task == "score":
+        return {"context": text("context"), "choices": texts("choices")}
+    if task == "rerank":
+        docs = fields.get("docs")
+        if docs is None:
+            raise BadRequestError("no docs: give a 'docs' field or a default")
+        out: list[Any] = []
+        for d in list(docs):
+            if isinstance(d, Mapping):  # a struct column fills a missing id with null
+                d = {k: v for k, v in d.items() if not (k == "id" and v is None)}
+            out.append(d)
+        return {"query": text("query"), "docs": out}
+    normalize = fields.get("normalize", False)
+    if not isinstance(normalize, bool):
+        raise BadRequestError("'normalize' must be true or false")
+    return {"prompt": text("prompt"), "pool": fields.get("pool") or "last", "normalize": normalize}
+
+
+def _plan(task: str, engine: Any, tok: Any, template: Any, req: dict[str, Any]) -> Any:
+    from . import tasks
+
+    req = dict(req)
+    if task == "classify":
+        return tasks.plan_classify(
+            engine, tok, req.pop("prompt"), req.pop("labels"), template=template, **req
+        )
+    if task == "score":
+        return tasks.plan_score(
+            engine, tok, req.pop("context"), req.pop("choices"), template=template, **req
+        )
+    if task == "rerank":
+        return tasks.plan_rerank(
+            engine, tok, req.pop("query"), req.pop("docs"), template=template, **req
+        )
+    return tasks.plan_embed(engine, tok, req.pop("prompt"), template=template, **req)
+
+
+class TaskRunner:
+    """One actor's task: the pack loaded once, each block of requests answered in one call.
+
+    ``pack``: the packed model (``NAME.estream``), on storage every actor can read (shared, or a
+    copy at the same path on each node). ``task``: a key of `TASKS`. ``defaults``: a request
+    field's value where a row has none (``{"labels": [...]}``). ``engine``: keyword arguments
+    of `estream.load` (``mode``, ``budget`` — per actor —, ``n_threads``, ``act``, ...).
+    ``template``: wrap texts with the model's chat template. ``verify``: check the whole pack
+    (manifest and every checksum) once when the actor starts. ``keep``: columns copied from
+    each request row to its result row (``id`` always is, when the dataset has it).
+    ``output``: ``"columns"`` — the result's fields as columns, as in the command's result
+    lines — or ``"json"`` — the result as JSON text in a ``result`` column, with ``error`` and
+    ``bad_request`` (whether the error is the request's own fault).
+
+    A call takes a ``pyarrow.Table`` block (``batch_format="pyarrow"``) and returns one."""
+
+    def __init__(
+        self,
+        pack: str | os.PathLike[str],
+        task: str,
+        *,
+        defaults: Mapping[str, Any] | None = None,
+        engine: Mapping[str, Any] | None = None,
+        batch_tokens: int | None = None,
+        template: bool = False,
+        verify: bool = True,
+        keep: Sequence[str] = (),
+        output: str = "columns",
+    ) -> None:
+        from . import tasks
+        from .engine import load
+        from .tokenizer import Tokenizer
+
+        if task not in TASKS:
+            raise BadRequestError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        if output not in ("columns", "json"):
+            raise BadRequestError(f"output must be 'columns' or 'json', got {output!r}")
+        self.task, self.output = task, output
+        self.defaults = dict(defaults or {})
+        self.batch_tokens = batch_tokens
+        self.keep = ("id", *(k for k in keep if k != "id"))
+        if verify:
+            verify_once(pack)
+        self.tokenizer = Tokenizer.from_gguf(pack)
+        self.template = tasks.chat_template(pack, self.tokenizer) if template else None
+        self.engine = load(pack, **dict(engine or {}))
+
+    def answer(self, rows: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """The results of ``rows`` (requests), in order: a task result, or the exception that
+        kept a request from being answered."""
+        from . import tasks
+
+        plans: list[Any] = []
+        for row in rows:
+            try:
+                req = _request(self.task, row, self.defaults)
+                plans.append(_plan(self.task, self.engine, self.tokenizer, self.template, req))
+            except Exception as exc:  # this request fails on its own row
+                plans.append(exc)
+        return list(tasks.run_plans(self.engine, plans, batch_tokens=self.batch_tokens))
+
+    def __call__(self, batch: Any) -> Any:
+        import pyarrow as pa
+
+        rows = batch.to_pylist()
+        out: list[dict[str, Any]] = []
+        for row, res in zip(rows, self.answer(rows), strict=True):
+            kept = {k: row[k] for k in self.keep if k in row}
+            failed = isinstance(res, BaseException)
+            if self.output == "json":
+                out.append(
+                    kept
+                    | {
+                        "result": None if failed else json.dumps(res.to_dict()),
+                        "error": _message(res) if failed else None,
+                        "bad_request": isinstance(res, BadRequestError) if failed else None,
+                    }
+                )
+            else:
+                out.append(kept | ({"error": _message(res)} if failed else res.to_dict()))
+        names: list[str] = []
+        for r in out:
+            names += [k for k in r if k not in names]
+        if self.output == "columns" and "error" not in names:
+            names.append("error")
+        typed = {"error": pa.string(), "result": pa.string(), "bad_request": pa.bool_()}
+        return pa.table({k: pa.array([r.get(k) for r in out], typed.get(k)) for k in names})
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def verify_once(pack: str | os.PathLike[str]) -> None:
+    """The whole pack checked (manifest, every checksum), or PackError naming the first
+    problem."""
+    from estream_layout import LayoutError
+    from estream_layout.verify import verify_pack
+
+    try:
+        report = verify_pack(pack)
+    except FileNotFoundError as exc:
+        raise PackError(f"{pack}: no such packed model ({exc.strerror})") from None
+    except LayoutError as exc:
+        raise PackError(str(exc)) from None
+    if report.problems:
+        more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
+        raise PackError(f"{pack}: {report.problems[0]}{more}; pack the model again")
+
+
+def apply(
+    ds: Any,
+    task: str,
+    pack: str | os.PathLike[str],
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    actors: int = 1,
+    threads: int = 1,
+    batch_size: int = 256,
+    batch_tokens: int | None = None,
+    template: bool = False,
+    verify: bool = True,
+    engine: Mapping[str, Any] | None = None,
+    keep: Sequence[str] = (),
+    output: str = "columns",
+    runner: type[TaskRunner] = TaskRunner,
+) -> Any:
+    """``ds.map_batches`` with `TaskRunner` on a pool of ``actors`` actors of ``threads`` compute
+    threads (and CPUs) each: a lazy dataset of results. ``batch_size``: the rows of one block
+    (one call of an actor, and what is run again when an actor dies). ``runner``: `TaskRunner`
+    or a subclass.
+
+    Ray Data's actor pool restarts an actor that died and runs its block again (its defaults,
+    ``max_restarts=-1`` and ``max_task_retries=-1``, which this leaves in place)."""
+    ray = need_ray()
+    if task not in TASKS:
+        raise BadRequestError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    for name, v in (("actors", actors), ("threads", threads), ("batch_size", batch_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise BadRequestError(f"{name} must be an integer >= 1, got {v!r}")
+    kwargs = {"n_threads": threads, **dict(engine or {})}
+    return ds.map_batches(
+        runner,
+        fn_constructor_args=(os.fspath(pack), task),
+        fn_constructor_kwargs={
+            "defaults": dict(defaults or {}),
+            "engine": kwargs,
+            "batch_tokens": batch_tokens,
+            "template": template,
+            "verify": verify,
+            "keep": tuple(keep),
+            "output": output,
+        },
+        batch_format="pyarrow",
+        batch_size=batch_size,
+        compute=ray.data.ActorPoolStrategy(size=actors),
+        num_cpus=threads,
+    )
+
+
+def classify(
+    ds: Any,
+    pack: str | os.PathLike[str],
+    *,
+    labels: Sequence[str] | None = None,
+    prompt: str | None = None,
+    method: str = "auto",
+    **kw: Any,
+) -> Any:
+    """Label probabilities of each row's ``prompt`` (`estream.tasks.classify`); ``labels``,
+    ``prompt``, ``method``: for rows without that field. Other keywords: `apply`'s."""
+    defaults = {"labels": list(labels) if labels is not None else None, "prompt": prompt}
+    return apply(ds, "classify", pack, defaults=defaults | {"method": method}, **kw)
+
+
+def score(
+    ds: Any,
+    pack: str | os.PathLike[str],
+    *,
+    choices: Sequence[str] | None = None,
+    context: str | None = None,
+    **kw: Any,
+) -> Any:
+    """Log-likelihood of each row's ``choices`` after its ``context`` (`estream.tasks.score`)."""
+    defaults = {"choices": list(choices) if choices is not None else None, "context": context}
+    return apply(ds, "score", pack, defaults=defaults, **kw)
+
+
+def rerank(
+    ds: Any,
+    pack: str | os.PathLike[str],
+    *,
+    query: str | None = None,
+    docs: Sequence[Any] | None = None,
+    **kw: Any,
+) -> Any:
+    """Each row's ``docs`` sorted by relevance to its ``query`` (`estream.tasks.rerank`)."""
+    defaults = {"query": query, "docs": list(docs) if docs is not None else None}
+    return apply(ds, "rerank", pack, defaults=defaults, **kw)
+
+
+def embed(
+    ds: Any,
+    pack: str | os.PathLike[str],
+    *,
+    pool: str = "last",
+    normalize: bool = False,
+    **kw: Any,
+) -> Any:
+    """The final hidden state of each row's ``prompt`` (`estream.tasks.embed`)."""
+    return apply(ds, "embed", pack, defaults={"pool": pool, "normalize": normalize}, **kw)

@@ -1,0 +1,379 @@
+"""``estream classify|score|rerank|embed --input FILE --ray [ADDRESS] --actors N``: a batch run
+on Ray Data (`estream.data`; the extra ``estream-cli[ray]``).
+
+* Input: a JSON Lines file is read and checked here, on the driver, exactly as without
+  ``--ray`` (same limits, same one-line errors naming the line, before any actor starts); a
+  Parquet file or directory (``*.parquet``, or a directory) is read by Ray Data's reader on
+  the cluster, its columns checked here and each row's fields by the actor that answers it
+  (a bad row is a result row with an ``error``).
+* Output: JSON Lines (``--output FILE`` or standard output) through the one output writer, in
+  input order, each line as the command without ``--ray`` writes it; or Parquet
+  (``--output NAME.parquet``), written by Ray Data's writer as a *directory* of part files —
+  into a new temporary directory beside it, renamed onto ``NAME.parquet`` once complete. An
+  existing ``NAME.parquet`` is refused, never replaced or added to.
+* Every input row is answered exactly once: the results are counted against the input (by
+  position, or by ``id`` for Parquet) before anything is written, and a shortfall or a
+  duplicate is an error, not a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import logging
+import math
+import os
+import secrets
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from estream.errors import BadRequestError
+
+from .messages import plural
+from .options import check_engine_opts, positive_int
+from .output import STDOUT, check_output, write_json
+
+__all__ = ["add_ray_opts", "run_ray"]
+
+#: Rows of one block: one call of an actor, and what is answered again if the actor dies.
+DEFAULT_BLOCK_ROWS = 256
+
+
+def add_ray_opts(p: argparse.ArgumentParser) -> None:
+    """The options of a batch on Ray, added to a task command's parser."""
+    p.add_argument(
+        "--output",
+        metavar="FILE",
+        help="batch: write the result lines here instead of standard output (replaced "
+        "atomically); with --ray, NAME.parquet writes a new Parquet directory",
+    )
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="batch: run on Ray Data (needs estream-cli[ray]); ADDRESS of a running cluster "
+        "(e.g. ray://head:10001 or auto), none for a local Ray on this machine; --input may "
+        "then be Parquet too",
+    )
+    p.add_argument(
+        "--actors",
+        type=positive_int,
+        metavar="N",
+        help="with --ray: N actors, each loading the model once (default 1); --threads is per "
+        "actor (default 1), --budget too",
+    )
+    p.add_argument(
+        "--block-rows",
+        type=positive_int,
+        metavar="N",
+        help=f"with --ray: requests per block, the unit an actor answers and a restarted actor "
+        f"answers again (default {DEFAULT_BLOCK_ROWS})",
+    )
+
+
+def _is_parquet(path: str) -> bool:
+    return path.endswith(".parquet") or (path != STDOUT and Path(path).is_dir())
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.ray is None:
+        for opt, v in (("--actors", args.actors), ("--block-rows", args.block_rows)):
+            if v is not None:
+                raise BadRequestError(f"{opt} goes with --ray; add --ray or drop {opt}")
+        if args.output is not None and args.input is None:
+            raise BadRequestError("--output goes with --input (a batch); add --input FILE")
+        if args.output is not None and _is_parquet(args.output):
+            raise BadRequestError(
+                f"--output {args.output}: Parquet is written with --ray only; add --ray or "
+                "give a .jsonl path"
+            )
+        return
+    if args.input is None:
+        raise BadRequestError("--ray runs a batch: give --input FILE.jsonl or FILE.parquet")
+    if args.json:
+        raise BadRequestError(
+            "--json does nothing with --input: a batch's results are JSON lines already; drop it"
+        )
+    if args.backend != "host":
+        raise BadRequestError(
+            f"--backend {args.backend} does not go with --ray: each actor runs the host backend"
+        )
+
+
+def _check_parquet_output(path: str) -> None:
+    if os.path.lexists(path):
+        raise BadRequestError(
+            f"--output {path}: already exists; Parquet output is a new directory and this "
+            "command never replaces or adds to one it did not create: give a new path"
+        )
+    parent = Path(path).parent
+    if not parent.is_dir():
+        raise BadRequestError(f"--output {path}: directory {parent} does not exist")
+
+
+def run_single(args: argparse.Namespace, run: Any) -> int:
+    """The command without ``--ray``: ``run()`` prints the result lines; with ``--output`` they
+    are collected and written through the output writer when the command succeeds."""
+    _check_args(args)
+    if args.output is None:
+        return int(run())
+    check_output(args.output, "--output")
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = int(run())
+    data = buf.getvalue().encode("utf-8")
+    from .output import write_output
+
+    write_output(args.output, "--output", lambda f: f.write(data))
+    return rc
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "mode": args.mode,
+        "schedule": args.schedule or "early",
+        "budget": args.budget,
+        "G": args.G,
+        "Q": args.Q,
+        "B": args.B,
+        "verify": args.verify,
+        "act": args.act,
+        "attention": args.attention,
+    }
+
+
+def _defaults(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """The options a request row without that field falls back to."""
+    if name == "classify":
+        return {"prompt": args.prompt, "labels": args.labels, "method": args.method}
+    if name == "score":
+        return {"context": args.context, "choices": args.choices}
+    if name == "rerank":
+        return {"query": args.query, "docs": args.docs}
+    return {"prompt": args.prompt, "pool": args.pool, "normalize": args.normalize}
+
+
+def _start_ray(ray: Any, args: argparse.Namespace, actors: int, threads: int) -> bool:
+    """Connect to Ray (or start a local instance); whether this call started it (a Ray this
+    process had already started is used as it is, and left running)."""
+    if ray.is_initialized():
+        return False
+    quiet = {"log_to_driver": False, "logging_level": logging.ERROR}
+    if args.ray:
+        try:
+            ray.init(address=args.ray, **quiet)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            msg = " ".join(str(exc).split())
+            raise BadRequestError(f"--ray {args.ray}: cannot connect to Ray ({msg})") from None
+    else:  # a local instance: the actors' CPUs, one more for the readers and writers
+        cpus = max(os.cpu_count() or 1, actors * threads) + 1
+        ray.init(num_cpus=cpus, include_dashboard=False, **quiet)
+    ctx = ray.data.DataContext.get_current()
+    for name in ("ray", "ray.data"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    ctx.enable_progress_bars = False
+    return True
+
+
+def _parquet_columns(path: str, allowed: tuple[str, ...]) -> list[Any]:
+    """The ``id`` column of a Parquet input, after checking its columns."""
+    import pyarrow.parquet as pq
+
+    if not os.path.exists(path):
+        raise BadRequestError(f"cannot read --input {path}: no such file or directory")
+    try:
+        names = list(pq.ParquetDataset(path).schema.names)
+        ids = pq.read_table(path, columns=["id"]).column("id").to_pylist() if "id" in names else []
+    except (OSError, ValueError) as exc:
+        raise BadRequestError(f"cannot read --input {path}: {' '.join(str(exc).split())}") from None
+    for n in names:
+        if n not in allowed:
+            raise BadRequestError(
+                f"--input {path}: unknown column {n!r} (expected: {', '.join(allowed)})"
+            )
+    if "id" not in names:
+        raise BadRequestError(
+            f"--input {path}: no 'id' column; a Parquet input needs one to key its results"
+        )
+    return list(ids)
+
+
+def run_ray(args: argparse.Namespace, task: Any, requests: Any) -> int:
+    """The batch on Ray Data (see the module doc); ``requests()`` yields the checked requests
+    of a JSON Lines input as the command without ``--ray`` reads them."""
+    from estream import data
+    from estream.packed import PackedModel
+
+    _check_args(args)
+    t0 = time.perf_counter()
+    actors, threads = args.actors or 1, args.threads or 1
+    block_rows = args.block_rows or DEFAULT_BLOCK_ROWS
+    out_path = args.output if args.output is not None else STDOUT
+    parquet_out = _is_parquet(out_path)
+    if parquet_out:
+        _check_parquet_output(out_path)
+    else:
+        check_output(out_path, "--output")
+    n_experts = PackedModel(args.model).hparams.n_experts  # a missing pack fails here, once
+    check_engine_opts(args, n_experts if args.G else None)
+    parquet_in = args.input != "-" and _is_parquet(args.input)
+    reqs: list[tuple[dict[str, Any], str, dict[str, Any]]] = []
+    ids: list[Any] = []
+    if parquet_in:
+        ids = _parquet_columns(args.input, ("id", *task.fields))
+        if not ids:
+            raise BadRequestError(f"--input {args.input} has no rows")
+    else:
+        reqs = list(requests())
+        if parquet_out:
+            ids = [key.get("id") for key, _, _ in reqs]
+            if any("id" not in key for key, _, _ in reqs):
+                raise BadRequestError(
+                    f"--output {out_path}: Parquet results are keyed by 'id'; give every "
+                    "input line an 'id'"
+                )
+            if len({type(i) for i in ids}) > 1:
+                raise BadRequestError(
+                    f"--output {out_path}: a Parquet 'id' column holds one type; give every "
+                    "input line a string 'id', or every line an integer one"
+                )
+    ray = data.need_ray()
+    started = _start_ray(ray, args, actors, threads)
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    try:
+        if parquet_in:
+            ds = ray.data.read_parquet(args.input)
+            n = len(ids)
+        else:
+            n = len(reqs)
+            items = [
+                {"_pos": i, data.REQUEST_COLUMN: json.dumps(req)}
+                | ({"id": key["id"]} if parquet_out else {})
+                for i, (key, _, req) in enumerate(reqs)
+            ]
+            ds = ray.data.from_items(items, override_num_blocks=max(1, math.ceil(n / block_rows)))
+        common = {
+            "actors": actors,
+            "threads": threads,
+            "batch_size": block_rows,
+            "batch_tokens": args.batch_tokens,
+            "template": args.template,
+            "engine": _engine_kwargs(args),
+            "defaults": _defaults(args, task.name),
+        }
+        t1 = time.perf_counter()
+        if parquet_out:
+            out = data.apply(ds, task.name, args.model, output="columns", **common)
+            failed = _write_parquet(out, out_path, ids)
+            broken = 0
+        else:
+            out = data.apply(ds, task.name, args.model, keep=("_pos",), output="json", **common)
+            lines, failed, broken = _result_lines(out, reqs, ids, args.input)
+            write_json(out_path, "--output", lines, lines=True)
+        dt = time.perf_counter() - t1
+    finally:
+        if started:
+            ray.shutdown()
+    fails = f", {failed} failed (see their 'error' field)" if failed else ""
+    print(
+        f"estream {task.name}: {plural(n, 'request')} on {plural(actors, 'actor')} (Ray), "
+        f"{dt:.2f} s ({n / max(dt, 1e-9):.1f}/s; start {t1 - t0:.2f} s){fails}",
+        file=sys.stderr,
+    )
+    return 1 if broken else 2 if failed else 0
+
+
+def _result_lines(
+    out: Any, reqs: list[tuple[dict[str, Any], str, dict[str, Any]]], ids: list[Any], name: str
+) -> tuple[list[dict[str, Any]], int, int]:
+    """The result lines in input order, each as the command without ``--ray`` writes it, after
+    checking that every input row was answered exactly once; (lines, failed, broken)."""
+    lines: list[dict[str, Any]] = []
+    seen: collections.Counter[int] = collections.Counter()
+    failed = broken = 0
+    by_pos: dict[int, dict[str, Any]] = {}
+    for batch in out.iter_batches(batch_format="pyarrow", batch_size=None):
+        for row in batch.to_pylist():
+            pos = row.get("_pos")
+            key: dict[str, Any]
+            if pos is None:  # a Parquet input: keyed by id, in input order
+                pos, key, where = len(lines), {"id": row.get("id")}, f"{name} id {row.get('id')!r}"
+            else:
+                key, where, _ = reqs[pos]
+            seen[pos] += 1
+            if row["error"] is not None:
+                failed += 1
+                broken += not row["bad_request"]
+                line = {**key, "error": f"{where}: {row['error']}"}
+            else:
+                line = {**key, **json.loads(row["result"])}
+            by_pos[pos] = line
+            lines.append(line)
+    expected = len(reqs) if reqs else len(ids)
+    _exactly_once(seen, expected, ids if not reqs else None, lines)
+    if reqs:
+        lines = [by_pos[i] for i in range(len(reqs))]
+    return lines, failed, broken
+
+
+def _exactly_once(
+    seen: collections.Counter[int],
+    expected: int,
+    ids: list[Any] | None,
+    lines: list[dict[str, Any]],
+) -> None:
+    dup = sorted(p for p, c in seen.items() if c > 1)
+    missing = expected - len(seen)
+    if ids is not None:
+        want = collections.Counter(json.dumps(i) for i in ids)
+        got = collections.Counter(json.dumps(line.get("id")) for line in lines)
+        if want != got:
+            raise BadRequestError(
+                f"the results do not match the input rows one for one ({sum(got.values())} "
+                f"results for {sum(want.values())} rows); nothing written"
+            )
+        return
+    if dup or missing:
+        raise BadRequestError(
+            f"the results do not match the input rows one for one ({len(dup)} answered twice, "
+            f"{missing} not answered); nothing written"
+        )
+
+
+def _write_parquet(out: Any, path: str, ids: list[Any]) -> int:
+    """Write ``out`` as the Parquet directory ``path``: into a new temporary directory beside
+    it, checked against the input ids, renamed into place; the rows that failed."""
+    import pyarrow.parquet as pq
+
+    target = Path(path)
+    tmp = target.with_name(f".{target.name[:200]}.{secrets.token_hex(4)}.tmp")
+    tmp.mkdir()
+    try:
+        out.write_parquet(str(tmp))
+        table = pq.read_table(tmp, columns=["id", "error"])
+        got = collections.Counter(json.dumps(i) for i in table.column("id").to_pylist())
+        want = collections.Counter(json.dumps(i) for i in ids)
+        if got != want:
+            raise BadRequestError(
+                f"the results do not match the input rows one for one ({sum(got.values())} "
+                f"results for {sum(want.values())} rows); nothing written"
+            )
+        failed = sum(e is not None for e in table.column("error").to_pylist())
+        if os.path.lexists(target):
+            raise BadRequestError(
+                f"--output {path}: something appeared there while it was being written; "
+                "left it alone"
+            )
+        os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return failed
