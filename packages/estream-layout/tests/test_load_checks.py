@@ -207,3 +207,34 @@ def test_configs_the_configurator_and_the_modes_use_are_accepted(pack: Path) -> 
     for g, q, b in ((1, 1, 8), (2, 2, 4), (8, 2, 2), (1, 1, 3), (4, 1, 2), (1, 16, 16)):
         assert stream_config_problem(g, q, b, 8) is None, (g, q, b)
     assert stream_config_problem(1, 1, 17, 8) is not None
+
+
+@pytest.mark.parametrize(
+    ("etype", "at"),
+    [("Q8_0", 0), ("Q4_K", 0), ("Q4_K", 64), ("Q6_K", 62)],
+    ids=["q8_0-d", "q4_k-d", "q4_k-dmin", "q6_k-d"],
+)
+def test_nan_expert_scales_of_every_tile_format_fail_verify(
+    tmp_path: Path, etype: str, at: int
+) -> None:
+    """Each expert tile format's fp16 row scales (`d`, and Q4_K's `dmin`) are checked: one set
+    to NaN, its record's crc32 recomputed, fails --verify naming the projection; the untouched
+    pack verifies (the other header bytes, integers, are never read as floats)."""
+    dims = {"n_embd": 256, "n_ff_exp": 256}
+    src = synth_model("qwen3moe", "tiny", tmp_path / "m.gguf", expert_type=etype, dims=dims)
+    root = pack_model(src, tmp_path / "m.estream", progress=False).root
+    assert verify_pack(root).ok
+    m = Manifest.from_path(root)
+    la, pos = m.layers[0], 1
+    p = la.projections["up"]
+    assert p.format == etype.lower() + "-t32r4"
+    data = bytearray((root / "experts.bin").read_bytes())
+    start = la.record_offset(pos)
+    data[start + p.offset_in_record + at : start + p.offset_in_record + at + 2] = np.array(
+        [np.nan], np.float16
+    ).tobytes()
+    (root / "experts.bin").write_bytes(bytes(data))
+    crc = zlib.crc32(data[start : start + la.record_bytes])
+    _edit_manifest(root, lambda d: d["layers"][0]["checksums"].__setitem__(pos, crc))
+    report = verify_pack(root)
+    assert len(report.problems) == 1 and "block scales in up;" in report.problems[0]

@@ -21,7 +21,7 @@ from .errors import ChecksumError
 from .gguf_model import EXPERT_PROJECTIONS, ModelSpec, TensorReader, dequantize_rows
 from .manifest import LayerEntry, Manifest
 from .pack import _QUANT_PASSTHROUGH, dense_format
-from .tiles import TILE, quantize_q4_0, quantize_q8_0, tile_format, unpack_tiles
+from .tiles import quantize_q4_0, quantize_q8_0, tile_format, unpack_tiles
 
 __all__ = [
     "VerifyReport",
@@ -106,13 +106,18 @@ def _tile_bytes(fmt: str) -> int:
     return 0 if fmt == "f32" else tile_format(fmt).tile_bytes
 
 
-def _finite(buf: Any, tile: int) -> bool:
+def _finite(buf: Any, tile: int, floats: int = 64) -> bool:
     """Whether `buf` (whole tiles of `tile` bytes, or float32 values when `tile` is 0) holds
-    only finite weights: every f32 value, or the 32 fp16 row scales that start every tile."""
+    only finite weights: every f32 value, or the fp16 row scales in the first `floats` bytes of
+    every tile (32 `d`; q4_k-t32r4 has 32 `dmin` after them)."""
     a = np.frombuffer(buf, dtype=np.uint8)
     if not tile:
         return bool(np.isfinite(a.view(np.float32)).all())
-    return bool(np.isfinite(a.reshape(-1, tile)[:, :64].copy().view(np.float16)).all())
+    return bool(np.isfinite(a.reshape(-1, tile)[:, :floats].copy().view(np.float16)).all())
+
+
+# Bytes of fp16 row scales at the start of a tile, per tile format (docs/format.md).
+_FP16_HEADER = {"q4_k-t32r4": 128}
 
 
 def _dense_nan_problem(m: Manifest, name: str) -> str:
@@ -124,9 +129,8 @@ def nonfinite_record(m: Manifest, layer: LayerEntry, record: Any) -> list[str]:
     NaN or infinite fp16 scale: a weight that turns every activation it meets into NaN."""
     out = []
     for j, p in layer.projections.items():
-        n_tiles = -(-p.rows // TILE) * (p.cols // TILE)
         body = record[p.offset_in_record : p.offset_in_record + p.bytes]
-        if not _finite(body, p.bytes // n_tiles):
+        if not _finite(body, tile_format(p.format).tile_bytes, _FP16_HEADER.get(p.format, 64)):
             out.append(j)
     return out
 
