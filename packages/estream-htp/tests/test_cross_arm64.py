@@ -57,7 +57,7 @@ def selftest(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     """On a CPU with the dot-product extension every check of the self-test passes (GEMM of
-    every tile format and activation format within the fp32 rounding bound of float64,
+    every tile format (Q4_0, Q8_0, Q4_K, Q6_K) and activation format within the fp32 rounding bound of float64,
     exact-integer GEMMs bit-identical to the int64 dot product and to the portable table, GEMM
     from Q8 rows and with a shared input, the expert op, quantization, attention, SwiGLU, fp32
     matmul), and each kind of check ran."""
@@ -65,7 +65,7 @@ def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr
     lines = r.stdout.splitlines()
     assert lines[-1] == "OK"
-    for fmt in ("q4_0", "q8_0"):
+    for fmt in ("q4_0", "q8_0", "q4_k", "q6_k"):
         for act in ("f32", "q8"):
             assert any(re.match(rf"gemm {fmt} act={act} n=\d+ k=\d+ t=\d+: ok$", s) for s in lines)
             assert any(s.startswith(f"expert {fmt} act={act} neon ") for s in lines)
@@ -95,7 +95,9 @@ def test_selftest_fails_when_a_dot_product_is_off_by_one(selftest: Path, tmp_pat
     )
     assert n >= 1, "htp_neon.c has no int8 dot-product call to break"
     (csrc / "htp_neon.c").write_text(broken)
-    r = _qemu(mix.build_selftest(tmp_path / "broken", csrc, reuse=selftest), "max")
+    r = _qemu(
+        mix.build_selftest(tmp_path / "broken", csrc, reuse=selftest), "max", "--first-failure"
+    )
     assert r.returncode == 1, r.stdout[-4000:] + r.stderr
     assert r.stdout.splitlines()[-1] == "FAILED"
     assert re.search(r"^gemm q4_0 act=q8 neon .*float64 reference", r.stdout, re.M)
@@ -105,7 +107,8 @@ def test_instruction_mix_per_tile(selftest: Path, tmp_path: Path) -> None:
     """tools/neon_instr_mix.py counts what the kernels execute: the NEON Q4_0 kernel issues
     exactly 1024 / 16 = 64 SDOT per 32x32 tile and token (one SDOT is 16 int8 MACs) and none in
     its per-tile setup, the portable kernels none at all, and fewer instructions per tile-token
-    than the portable kernel; every count is non-negative where measured directly."""
+    than the portable kernel; every tile format's kernel is counted, and every count is
+    non-negative where measured directly."""
     out = tmp_path / "mix.json"
     r = subprocess.run(
         [sys.executable, str(PKG / "tools" / "neon_instr_mix.py"), "--exe", str(selftest),
@@ -114,15 +117,17 @@ def test_instruction_mix_per_tile(selftest: Path, tmp_path: Path) -> None:
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
+    labels = [label for label in res if label != "executable"]
+    assert {"neon_q4_0", "neon_q8_0", "neon_q4_k", "neon_q6_k", "portable_q4_0"} <= set(labels)
     neon, port = res["neon_q4_0"], res["portable_q4_0"]
     assert neon["per_tile_per_token"]["sdot"] == 1024 // 16
     assert neon["per_tile_setup"]["sdot"] == 0
     assert neon["per_tile"]["2"]["sdot"] == 2 * 1024 // 16
-    for label in ("portable_q4_0", "neon_q8_0"):
+    for label in labels:
         if res[label]["function"].endswith("_portable"):
             assert all(v["sdot"] == 0 for v in res[label]["measured"].values()), label
     assert neon["per_tile_per_token"]["total"] < port["per_tile_per_token"]["total"]
-    for label in ("neon_q4_0", "portable_q4_0", "neon_q8_0"):
+    for label in labels:
         for counts in (*res[label]["measured"].values(), *res[label]["per_tile"].values()):
             assert all(v >= 0 for v in counts.values()), label
             assert counts["total"] == sum(v for k, v in counts.items() if k != "total")

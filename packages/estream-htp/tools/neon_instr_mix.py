@@ -44,25 +44,37 @@ QEMU_NAMES = ("qemu-aarch64", "qemu-aarch64-static")
 KINDS = ("sdot", "mmla", "load", "store", "fp", "convert", "int_vector", "branch", "scalar")
 
 # the strip entries of an htp_isa table and the tile format each multiplies
-STRIP_FORMATS = {"q4q8_strip": "q4_0", "q8q8_strip": "q8_0"}
+STRIP_FORMATS = {
+    "q4q8_strip": "q4_0",
+    "q8q8_strip": "q8_0",
+    "q4kq8_strip": "q4_k",
+    "q6kq8_strip": "q6_k",
+}
+
+
+def _table(csrc: Path, table: str, source: str) -> dict[str, str]:
+    """entry -> function of the strip entries an htp_isa table's initializer names."""
+    text = (csrc / source).read_text()
+    body = re.search(rf"const htp_isa htp_isa_{table} = \{{(.*?)\}};", text, re.S)
+    if body is None:
+        raise SystemExit(f"no htp_isa_{table} table in {csrc / source}")
+    return {
+        e: f
+        for e, f in re.findall(r"\.(\w+_strip)\s*=\s*(\w+)", body.group(1))
+        if e in STRIP_FORMATS
+    }
 
 
 def kernels(csrc: Path | None = None) -> list[tuple[str, str, str, str]]:
-    """(label, kernel symbol, tile format, table) of every strip kernel the neon table
-    (htp_neon.c) names, then the portable Q4_0 kernel (htp_core.c) for comparison: read from the
-    tables' initializers, so a new kernel is traced without editing this list."""
+    """(label, kernel symbol, tile format, table) of the strip kernel the neon table runs for
+    every tile format (its own, or the portable one where it names none: the driver falls back),
+    then the portable Q4_0 kernel for comparison; read from the tables' initializers
+    (htp_neon.c, htp_core.c), so a new kernel is traced without editing this list."""
     csrc = csrc or PKG / "csrc"
-    out = []
-    for table, source in (("neon", "htp_neon.c"), ("portable", "htp_core.c")):
-        text = (csrc / source).read_text()
-        body = re.search(rf"const htp_isa htp_isa_{table} = \{{(.*?)\}};", text, re.S)
-        if body is None:
-            raise SystemExit(f"no htp_isa_{table} table in {csrc / source}")
-        for entry, func in re.findall(r"\.(\w+_strip)\s*=\s*(\w+)", body.group(1)):
-            fmt = STRIP_FORMATS.get(entry)
-            if fmt and (table == "neon" or fmt == "q4_0"):
-                out.append((f"{table}_{fmt}", func, fmt, table))
-    return out
+    neon, portable = _table(csrc, "neon", "htp_neon.c"), _table(csrc, "portable", "htp_core.c")
+    out = [(f"neon_{STRIP_FORMATS[e]}", neon.get(e, f), STRIP_FORMATS[e], "neon")
+           for e, f in portable.items()]  # fmt: skip
+    return [*out, ("portable_q4_0", portable["q4q8_strip"], "q4_0", "portable")]
 
 
 def qemu() -> str | None:

@@ -2,16 +2,18 @@
  * (tests/test_cross_arm64.py). Exits 1 on any mismatch, 2 when the CPU lacks the dot-product
  * extension (the library must then report the portable level as its best).
  *
- *   neon_selftest                        every check below; last line "OK" or "FAILED"
+ *   neon_selftest [--first-failure]      every check below (or up to the first that fails);
+ *                                        last line "OK" or "FAILED"
  *   neon_selftest strip FMT KB NT SIMD   one Q8-activation GEMM of one 32-row strip (KB tiles,
- *                                        NT tokens, FMT q4_0 | q8_0, SIMD neon | portable, one
- *                                        thread): the workload tools/neon_instr_mix.py traces
+ *                                        NT tokens, FMT q4_0 | q8_0 | q4_k | q6_k, SIMD neon |
+ *                                        portable, one thread): the workload that
+ *                                        tools/neon_instr_mix.py traces
  *
  * Checks, each on awkward shapes (fixed ones and ones drawn with a fixed seed: rows not a
  * multiple of 32 or of 16, token counts across the kernels' token blocks, strided inputs and
  * outputs) with NaN-poisoned outputs whose margins (columns past n of a wider row) must stay
  * poisoned and whose written part must be finite:
- * - GEMM, every tile format x both activation formats, NEON and portable tables, 1 and 2
+ * - GEMM, every tile format (Q4_0, Q8_0, Q4_K, Q6_K) x both activation formats, NEON and portable tables, 1 and 2
  *   threads: each within the rounding bound of its fp32 sums of a float64 reference (Q8: of the
  *   library's own quantized activations), 1 and 2 threads bit-identical.
  * - GEMM from Q8 rows quantized once and GEMM of three matrices sharing one input: bit-identical
@@ -111,40 +113,115 @@ static int run(uint32_t simd, uint32_t threads, htp_op_desc *op, const buf *b, u
     return bad;
 }
 
-/* ---- weights: strips of 32x32 tiles (docs/contracts.md section 1) ---- */
-static size_t tile_bytes(uint32_t fmt) { return fmt == HTP_FMT_Q4_0_T32R4 ? 576 : 1088; }
+/* ---- weights: strips of 32x32 tiles (docs/format.md section 1) ---- */
+static int is_kq(uint32_t fmt) { return fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q6_K_T32R4; }
+static size_t tile_bytes(uint32_t fmt) {
+    switch (fmt) {
+    case HTP_FMT_Q4_0_T32R4: return 576;
+    case HTP_FMT_Q8_0_T32R4: return 1088;
+    case HTP_FMT_Q4_K_T32R4: return 704;
+    default: return 1152; /* HTP_FMT_Q6_K_T32R4 */
+    }
+}
 static size_t htp_matrix_bytes_of(uint32_t fmt, uint32_t n, uint32_t k) {
     return (size_t)((n + 31) / 32) * (k / 32) * tile_bytes(fmt);
 }
-static const char *fmt_name(uint32_t fmt) { return fmt == HTP_FMT_Q4_0_T32R4 ? "q4_0" : "q8_0"; }
+static const char *fmt_name(uint32_t fmt) {
+    switch (fmt) {
+    case HTP_FMT_Q4_0_T32R4: return "q4_0";
+    case HTP_FMT_Q8_0_T32R4: return "q8_0";
+    case HTP_FMT_Q4_K_T32R4: return "q4_k";
+    default: return "q6_k";
+    }
+}
 
-/* n x k matrix of random tiles; unit_scales: every row scale 1.0 */
-static uint8_t *make_weights(uint32_t fmt, uint32_t n, uint32_t k, int unit_scales) {
+/* n x k matrix of random tiles. unit: every fp16 scale 1.0 and the integer scales small
+ * (Q4_K sub-block scales and mins 0..3, Q6_K half scales -2..2), so that the integer sums of the
+ * exact-arithmetic check stay below 2^24. */
+static uint8_t *make_weights(uint32_t fmt, uint32_t n, uint32_t k, int unit) {
     const size_t tiles = (size_t)((n + 31) / 32) * (k / 32), tb = tile_bytes(fmt);
     uint8_t *w = malloc(tiles * tb);
     for (size_t i = 0; i < tiles; i++) {
         uint8_t *tile = w + i * tb;
+        for (size_t b = 0; b < tb; b++) tile[b] = (uint8_t)rnd();
         for (int r = 0; r < 32; r++) {
-            const uint16_t h = unit_scales ? 0x3c00 : awkward_f16();
+            const uint16_t h = unit ? 0x3c00 : awkward_f16();
             memcpy(tile + 2 * r, &h, 2);
+            if (fmt == HTP_FMT_Q4_K_T32R4) {
+                const uint16_t hm = unit ? 0x3c00 : awkward_f16();
+                memcpy(tile + 64 + 2 * r, &hm, 2);
+                tile[128 + r] = (uint8_t)(rnd() % (unit ? 4 : 64));
+                tile[160 + r] = (uint8_t)(rnd() % (unit ? 4 : 64));
+            } else if (fmt == HTP_FMT_Q6_K_T32R4 && unit) {
+                tile[64 + 2 * r] = (uint8_t)(int8_t)((int)(rnd() % 5) - 2);
+                tile[65 + 2 * r] = (uint8_t)(int8_t)((int)(rnd() % 5) - 2);
+            }
         }
-        for (size_t b = 64; b < tb; b++) tile[b] = (uint8_t)rnd();
+        if (fmt == HTP_FMT_Q6_K_T32R4)
+            for (size_t b = 128; b < tb; b++) tile[b] = (uint8_t)(int8_t)((int)(rnd() % 64) - 32);
     }
     return w;
 }
-/* Integer value of W[row][col] and its row scale. */
-static int w_int(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, uint32_t col) {
-    const uint8_t *tile = w + ((size_t)(row / 32) * (k / 32) + col / 32) * tile_bytes(fmt);
+static const uint8_t *tile_at(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, uint32_t j) {
+    return w + ((size_t)(row / 32) * (k / 32) + j) * tile_bytes(fmt);
+}
+static double f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return f16_to_double(h);
+}
+/* The stored integer of W[row][col] (Q4_0: nibble - 8; Q4_K: nibble 0..15; else int8). */
+static int w_q(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, uint32_t col) {
+    const uint8_t *tile = tile_at(w, fmt, k, row, col / 32);
     const uint32_t r = row % 32, c = col % 32;
     if (fmt == HTP_FMT_Q8_0_T32R4) return (int8_t)tile[64 + 128 * (c / 4) + 4 * r + c % 4];
-    const uint8_t v = tile[64 + 128 * ((c % 16) / 4) + 4 * r + c % 4];
-    return (c < 16 ? (v & 15) : (v >> 4)) - 8;
+    if (fmt == HTP_FMT_Q6_K_T32R4) return (int8_t)tile[128 + 128 * (c / 4) + 4 * r + c % 4];
+    const uint8_t v = tile[(fmt == HTP_FMT_Q4_K_T32R4 ? 192 : 64) + 128 * ((c % 16) / 4) + 4 * r + c % 4];
+    const int q = c < 16 ? (v & 15) : (v >> 4);
+    return fmt == HTP_FMT_Q4_K_T32R4 ? q : q - 8;
 }
-static double w_scale(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, uint32_t kblk) {
-    const uint8_t *tile = w + ((size_t)(row / 32) * (k / 32) + kblk) * tile_bytes(fmt);
-    uint16_t h;
-    memcpy(&h, tile + 2 * (row % 32), 2);
-    return f16_to_double(h);
+/* W[row][col] in float64; *mag (if not NULL) the sum of its parts' magnitudes. */
+static double w_val(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, uint32_t col,
+                    double *mag) {
+    const uint8_t *tile = tile_at(w, fmt, k, row, col / 32);
+    const uint32_t r = row % 32, c = col % 32;
+    const double d = f16_at(tile + 2 * r);
+    const int q = w_q(w, fmt, k, row, col);
+    double v = d * q, m = fabs(v);
+    if (fmt == HTP_FMT_Q4_K_T32R4) {
+        const double lo = f16_at(tile + 64 + 2 * r) * tile[160 + r];
+        v = d * tile[128 + r] * q - lo;
+        m = fabs(d * tile[128 + r] * q) + fabs(lo);
+    } else if (fmt == HTP_FMT_Q6_K_T32R4) {
+        v = d * (int8_t)tile[64 + 2 * r + (c >= 16)] * q;
+        m = fabs(v);
+    }
+    if (mag) *mag = m;
+    return v;
+}
+/* One 32-block of a row against int8 activations a[32]: the exact integer parts, so that the
+ * block's value is (s1 * i1 - s2 * i2) * (activation scale), s1 the row's fp16 d and s2 its
+ * fp16 dmin (Q4_K; i2 = 0 otherwise). */
+static void w_block(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, uint32_t j,
+                    const int8_t *a, int64_t *i1, int64_t *i2, double *s1, double *s2) {
+    const uint8_t *tile = tile_at(w, fmt, k, row, j);
+    const uint32_t r = row % 32;
+    int64_t lo = 0, hi = 0, sa = 0;
+    for (uint32_t c = 0; c < 32; c++) {
+        const int64_t p = (int64_t)w_q(w, fmt, k, row, 32 * j + c) * a[c];
+        if (c < 16) lo += p;
+        else hi += p;
+        sa += a[c];
+    }
+    *s1 = f16_at(tile + 2 * r), *s2 = 0, *i2 = 0;
+    if (fmt == HTP_FMT_Q4_K_T32R4) {
+        *i1 = tile[128 + r] * (lo + hi), *i2 = tile[160 + r] * sa;
+        *s2 = f16_at(tile + 64 + 2 * r);
+    } else if (fmt == HTP_FMT_Q6_K_T32R4) {
+        *i1 = (int8_t)tile[64 + 2 * r] * lo + (int8_t)tile[65 + 2 * r] * hi;
+    } else {
+        *i1 = lo + hi;
+    }
 }
 
 /* Q8 rows of x[t][k] as the library computes them (its QUANTIZE op, portable table). */
@@ -188,35 +265,47 @@ static int gemm(uint32_t simd, uint32_t threads, uint32_t fmt, uint32_t act, con
     return run(simd, threads, &op, b, 3);
 }
 
-/* Every output within the rounding bound of fp32 sums, (terms + 2) * u * sum |term|, of the
- * float64 value: Q8 activations sum kb block products (scale * int dot), fp32 ones k products. */
-static int check_gemm_ref(const char *what, const float *y, uint32_t ldy, uint32_t fmt,
-                          uint32_t act, const uint8_t *w, uint32_t n, uint32_t k, uint32_t t,
-                          const float *x, uint32_t ldx, const q8rows *q) {
+/* Every output within the rounding bound of fp32 sums, (terms + e) * u * sum |part|, of the
+ * float64 value: Q8 activations sum kb block products (scale * exact integer), fp32 ones k
+ * products; e = 2 roundings per term (Q4_0, Q8_0: the dequantized weight is exact), 4 for the
+ * K-quants (scale products and the Q4_K min subtracted). */
+static void gemm_ref(uint32_t fmt, uint32_t act, const uint8_t *w, uint32_t n, uint32_t k,
+                     uint32_t t, const float *x, uint32_t ldx, const q8rows *q, double *ref,
+                     double *mag) {
     const uint32_t kb = k / 32;
     for (uint32_t tt = 0; tt < t; tt++)
         for (uint32_t r = 0; r < n; r++) {
-            double ref = 0, mag = 0;
+            double v = 0, m = 0;
             for (uint32_t j = 0; j < kb; j++) {
-                const double sc = w_scale(w, fmt, k, r, j);
                 if (act == HTP_ACT_Q8) {
-                    int64_t dot = 0;
-                    for (uint32_t c = 32 * j; c < 32 * j + 32; c++)
-                        dot += (int64_t)w_int(w, fmt, k, r, c) * q->q[(size_t)tt * k + c];
-                    const double term = sc * q->d[(size_t)tt * kb + j] * (double)dot;
-                    ref += term, mag += fabs(term);
+                    int64_t i1, i2;
+                    double s1, s2;
+                    w_block(w, fmt, k, r, j, q->q + (size_t)tt * k + 32 * j, &i1, &i2, &s1, &s2);
+                    const double da = q->d[(size_t)tt * kb + j];
+                    const double t1 = s1 * da * (double)i1, t2 = s2 * da * (double)i2;
+                    v += t1 - t2, m += fabs(t1) + fabs(t2);
                 } else {
                     for (uint32_t c = 32 * j; c < 32 * j + 32; c++) {
-                        const double term = sc * w_int(w, fmt, k, r, c) * x[(size_t)tt * ldx + c];
-                        ref += term, mag += fabs(term);
+                        double wm;
+                        const double xv = x[(size_t)tt * ldx + c];
+                        v += w_val(w, fmt, k, r, c, &wm) * xv, m += wm * fabs(xv);
                     }
                 }
             }
-            const double terms = act == HTP_ACT_Q8 ? kb : k;
+            ref[(size_t)tt * n + r] = v, mag[(size_t)tt * n + r] = m;
+        }
+}
+static int check_gemm_ref(const char *what, const float *y, uint32_t ldy, uint32_t fmt,
+                          uint32_t act, uint32_t n, uint32_t k, uint32_t t, const double *ref,
+                          const double *mag) {
+    const double terms = (act == HTP_ACT_Q8 ? k / 32 : k) + (is_kq(fmt) ? 4 : 2);
+    for (uint32_t tt = 0; tt < t; tt++)
+        for (uint32_t r = 0; r < n; r++) {
+            const double want = ref[(size_t)tt * n + r], bound = terms * U32 * mag[(size_t)tt * n + r];
             const double got = y[(size_t)tt * ldy + r];
-            if (!(fabs(got - ref) <= (terms + 2) * U32 * mag + 1e-37)) {
+            if (!(fabs(got - want) <= bound + 1e-37)) {
                 printf("%s: y[%u][%u] = %.9g, float64 reference %.9g (bound %.3g)\n", what, tt, r,
-                       got, ref, (terms + 2) * U32 * mag);
+                       got, want, bound);
                 return 1;
             }
         }
@@ -231,6 +320,8 @@ static int check_gemm(uint32_t fmt, uint32_t act, uint32_t n, uint32_t k, uint32
     for (uint32_t tt = 0; tt < t; tt++) memcpy(xc + (size_t)tt * k, x + (size_t)tt * ldx, 4 * k);
     q8rows q = {0};
     int bad = act == HTP_ACT_Q8 && quantize(HTP_SIMD_PORTABLE, xc, t, k, &q);
+    double *ref = malloc(sizeof(double) * t * n), *mag = malloc(sizeof(double) * t * n);
+    if (!bad) gemm_ref(fmt, act, w, n, k, t, x, ldx, &q, ref, mag);
     float *y[2][2] = {{NULL, NULL}, {NULL, NULL}};
     const uint32_t levels[2] = {HTP_SIMD_PORTABLE, HTP_SIMD_NEON};
     char what[128];
@@ -241,7 +332,7 @@ static int check_gemm(uint32_t fmt, uint32_t act, uint32_t n, uint32_t k, uint32
                      fmt_name(fmt), act ? "q8" : "f32", l ? "neon" : "portable", n, k, t, th);
             bad |= gemm(levels[l], th, fmt, act, w, n, k, t, x, ldx, o, ldy);
             bad = bad || check_written(what, o, t, n, ldy);
-            bad = bad || check_gemm_ref(what, o, ldy, fmt, act, w, n, k, t, x, ldx, &q);
+            bad = bad || check_gemm_ref(what, o, ldy, fmt, act, n, k, t, ref, mag);
             if (!bad && th == 2 && memcmp(o, y[l][0], sizeof(float) * t * ldy)) {
                 printf("%s: differs from 1 thread\n", what);
                 bad = 1;
@@ -249,13 +340,14 @@ static int check_gemm(uint32_t fmt, uint32_t act, uint32_t n, uint32_t k, uint32
         }
     if (!bad) printf("gemm %s act=%s n=%u k=%u t=%u: ok\n", fmt_name(fmt), act ? "q8" : "f32", n, k, t);
     for (int l = 0; l < 2; l++) free(y[l][0]), free(y[l][1]);
-    free(w), free(x), free(xc), free(q.raw);
+    free(w), free(x), free(xc), free(q.raw), free(ref), free(mag);
     return bad;
 }
 
-/* Unit row scales and integer activations in [-127, 127] with 127 in every 32-block: the
- * activation scale is exactly 1, every product and sum is an integer below 2^24, so every
- * output must equal the int64 dot product exactly, whatever the order of the fp32 sums. */
+/* Unit fp16 scales, small integer scales and integer activations in [-127, 127] with 127 in
+ * every 32-block: the activation scale is exactly 1, every product and sum is an integer below
+ * 2^24, so every output must equal the int64 dot product exactly, whatever the order of the
+ * fp32 sums. */
 static int check_gemm_exact(uint32_t fmt, uint32_t n, uint32_t k, uint32_t t) {
     uint8_t *w = make_weights(fmt, n, k, 1);
     float *x = malloc(sizeof(float) * t * k), *y = malloc(sizeof(float) * t * n);
@@ -267,8 +359,14 @@ static int check_gemm_exact(uint32_t fmt, uint32_t n, uint32_t k, uint32_t t) {
     for (uint32_t tt = 0; tt < t && !bad; tt++)
         for (uint32_t r = 0; r < n && !bad; r++) {
             int64_t dot = 0;
-            for (uint32_t c = 0; c < k; c++)
-                dot += (int64_t)w_int(w, fmt, k, r, c) * (int64_t)x[(size_t)tt * k + c];
+            for (uint32_t j = 0; j < k / 32; j++) {
+                int8_t a[32];
+                int64_t i1, i2;
+                double s1, s2;
+                for (int c = 0; c < 32; c++) a[c] = (int8_t)x[(size_t)tt * k + 32 * j + c];
+                w_block(w, fmt, k, r, j, a, &i1, &i2, &s1, &s2);
+                dot += i1 - i2;
+            }
             const float want = (float)dot, got = y[(size_t)tt * n + r];
             if (memcmp(&got, &want, 4) || memcmp(&y0[(size_t)tt * n + r], &want, 4)) {
                 printf("gemm %s exact n=%u k=%u t=%u: y[%u][%u] neon %.9g portable %.9g, int dot %lld\n",
@@ -409,25 +507,16 @@ static int check_expert(uint32_t fmt, uint32_t act, uint32_t d, uint32_t ff, uin
         const float *xr = x + (size_t)tok[r] * d;
         for (uint32_t f = 0; f < ff; f++) {
             double g = 0, u = 0;
-            for (uint32_t kb = 0; kb < d / 32; kb++) {
-                double gs = 0, us = 0;
-                for (uint32_t c = 32 * kb; c < 32 * kb + 32; c++) {
-                    gs += w_int(plane[0] + s * stride[0], fmt, d, f, c) * (double)xr[c];
-                    us += w_int(plane[1] + s * stride[1], fmt, d, f, c) * (double)xr[c];
-                }
-                g += gs * w_scale(plane[0] + s * stride[0], fmt, d, f, kb);
-                u += us * w_scale(plane[1] + s * stride[1], fmt, d, f, kb);
+            for (uint32_t c = 0; c < d; c++) {
+                g += w_val(plane[0] + s * stride[0], fmt, d, f, c, NULL) * xr[c];
+                u += w_val(plane[1] + s * stride[1], fmt, d, f, c, NULL) * xr[c];
             }
             h[f] = g / (1.0 + exp(-g)) * u;
         }
         for (uint32_t o = 0; o < d; o++) {
             double acc = 0;
-            for (uint32_t kb = 0; kb < ff / 32; kb++) {
-                double part = 0;
-                for (uint32_t c = 32 * kb; c < 32 * kb + 32; c++)
-                    part += w_int(plane[2] + s * stride[2], fmt, ff, o, c) * h[c];
-                acc += part * w_scale(plane[2] + s * stride[2], fmt, ff, o, kb);
-            }
+            for (uint32_t c = 0; c < ff; c++)
+                acc += w_val(plane[2] + s * stride[2], fmt, ff, o, c, NULL) * h[c];
             ref[(size_t)tok[r] * d + o] += wt[r] * acc;
         }
     }
@@ -611,10 +700,16 @@ static int check_others(void) {
 /* One Q8-activation GEMM of one 32-row strip: the traced workload of tools/neon_instr_mix.py. */
 static int strip(int argc, char **argv) {
     if (argc != 6) {
-        fprintf(stderr, "usage: %s strip q4_0|q8_0 KB NT neon|portable\n", argv[0]);
+        fprintf(stderr, "usage: %s strip q4_0|q8_0|q4_k|q6_k KB NT neon|portable\n", argv[0]);
         return 64;
     }
-    const uint32_t fmt = !strcmp(argv[2], "q8_0") ? HTP_FMT_Q8_0_T32R4 : HTP_FMT_Q4_0_T32R4;
+    uint32_t fmt = 0;
+    for (uint32_t f = HTP_FMT_Q4_0_T32R4; f <= HTP_FMT_Q6_K_T32R4; f++)
+        if (f != HTP_FMT_F16 && f != HTP_FMT_F32 && !strcmp(argv[2], fmt_name(f))) fmt = f;
+    if (!fmt) {
+        fprintf(stderr, "unknown tile format %s (q4_0, q8_0, q4_k, q6_k)\n", argv[2]);
+        return 64;
+    }
     const uint32_t kb = (uint32_t)atoi(argv[3]), nt = (uint32_t)atoi(argv[4]);
     const uint32_t simd = !strcmp(argv[5], "portable") ? HTP_SIMD_PORTABLE : HTP_SIMD_NEON;
     if (kb < 1 || nt < 1) {
@@ -631,33 +726,46 @@ static int strip(int argc, char **argv) {
 
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "strip")) return strip(argc, argv);
+    const int first = argc > 1 && !strcmp(argv[1], "--first-failure");
+    if (argc > 1 && !first) {
+        fprintf(stderr, "usage: %s [--first-failure] | strip FMT KB NT SIMD\n", argv[0]);
+        return 64;
+    }
     if (htp_simd_best() != HTP_SIMD_NEON) {
         printf("NEON dot-product level not available (best = %u)\n", htp_simd_best());
         return 2;
     }
     int bad = 0;
+#define CHECK(x)                                                                                  \
+    do {                                                                                          \
+        bad |= (x);                                                                               \
+        if (bad && first) goto done;                                                              \
+    } while (0)
     /* n: one row, rows 16 | 17 of the last strip (the kernel's 16-row halves), 33, 100;
      * t across the NEON kernel's 2-token and the portable kernel's 64-token blocks */
     const uint32_t shapes[][3] = {{1, 32, 1},  {48, 64, 3}, {49, 96, 2},   {33, 64, 4},
                                   {100, 96, 7}, {64, 256, 17}, {17, 512, 65}, {200, 160, 5}};
-    const uint32_t fmts[2] = {HTP_FMT_Q4_0_T32R4, HTP_FMT_Q8_0_T32R4};
-    for (int f = 0; f < 2; f++) {
+    const uint32_t fmts[4] = {HTP_FMT_Q4_0_T32R4, HTP_FMT_Q8_0_T32R4, HTP_FMT_Q4_K_T32R4,
+                              HTP_FMT_Q6_K_T32R4};
+    for (int f = 0; f < 4; f++) {
         for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
             for (uint32_t act = 0; act < 2; act++)
-                bad |= check_gemm(fmts[f], act, shapes[i][0], shapes[i][1], shapes[i][2]);
+                CHECK(check_gemm(fmts[f], act, shapes[i][0], shapes[i][1], shapes[i][2]));
         for (int i = 0; i < 6; i++) { /* drawn shapes (fixed seed, so every run checks the same) */
             const uint32_t n = 1 + rnd() % 130, k = 32 * (1 + rnd() % 12), t = 1 + rnd() % 20;
-            for (uint32_t act = 0; act < 2; act++) bad |= check_gemm(fmts[f], act, n, k, t);
+            for (uint32_t act = 0; act < 2; act++) CHECK(check_gemm(fmts[f], act, n, k, t));
         }
-        bad |= check_gemm_exact(fmts[f], 49, 512, 5);
-        bad |= check_gemm_exact(fmts[f], 100, 1024, 3);
-        bad |= check_gemm_forms(fmts[f], 96, 5);
+        CHECK(check_gemm_exact(fmts[f], 49, 512, 5));
+        CHECK(check_gemm_exact(fmts[f], 100, 1024, 3));
+        CHECK(check_gemm_forms(fmts[f], 96, 5));
         for (uint32_t act = 0; act < 2; act++) {
-            bad |= check_expert(fmts[f], act, 64, 96, 9, 64);
-            bad |= check_expert(fmts[f], act, 96, 64, 13, 5); /* routes split into passes */
+            CHECK(check_expert(fmts[f], act, 64, 96, 9, 64));
+            CHECK(check_expert(fmts[f], act, 96, 64, 13, 5)); /* routes split into passes */
         }
     }
-    bad |= check_others();
+    CHECK(check_others());
+#undef CHECK
+done:
     printf(bad ? "FAILED\n" : "OK\n");
     return bad ? 1 : 0;
 }
