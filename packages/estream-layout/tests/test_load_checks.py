@@ -238,3 +238,24 @@ def test_nan_expert_scales_of_every_tile_format_fail_verify(
     _edit_manifest(root, lambda d: d["layers"][0]["checksums"].__setitem__(pos, crc))
     report = verify_pack(root)
     assert len(report.problems) == 1 and "block scales in up;" in report.problems[0]
+
+
+@pytest.mark.parametrize("at", [0, 64], ids=["d", "dmin"])
+def test_nan_in_k_quant_dense_scales_fails_verify_like_a_load(tmp_path: Path, at: int) -> None:
+    """A q4_k-t32r4 dense tensor's `d` or `dmin` set to NaN (crc32 recomputed): the load's
+    check (`nonfinite_dense`) and --verify report it alike."""
+    dims = {"n_embd": 256, "n_ff_exp": 256, "n_head": 4, "head_dim": 64, "n_ff": 256}
+    src = synth_model("qwen3moe", "tiny", tmp_path / "m.gguf", expert_type="Q4_K",
+                      dense_type="Q4_K", dims=dims)  # fmt: skip
+    root = pack_model(src, tmp_path / "m.estream", progress=False).root
+    name = "blk.0.attn_q.weight"
+    t = Manifest.from_path(root).dense[name]
+    assert t.format == "q4_k-t32r4"
+    blob = bytearray((root / "dense.bin").read_bytes())
+    blob[t.offset + at : t.offset + at + 2] = np.array([np.nan], np.float16).tobytes()
+    (root / "dense.bin").write_bytes(bytes(blob))
+    crc = zlib.crc32(blob[t.offset : t.offset + t.bytes])
+    _edit_manifest(root, lambda d: d["dense"]["tensors"][name].__setitem__("crc32", crc))
+    load_says = nonfinite_dense(Manifest.from_path(root), np.fromfile(root / "dense.bin", np.uint8))
+    assert load_says == [f"dense.bin: dense tensor {name} holds NaN or infinite values"]
+    assert list(verify_pack(root).problems) == load_says

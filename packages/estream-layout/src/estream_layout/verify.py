@@ -96,7 +96,7 @@ def nonfinite_dense(m: Manifest, blob: np.ndarray) -> list[str]:
     out = []
     for t in m.dense.values():
         buf = blob[t.offset : t.offset + t.bytes]
-        if not _finite(buf, _tile_bytes(t.format)):
+        if not _finite(buf, _tile_bytes(t.format), _FP16_HEADER.get(t.format, 64)):
             out.append(_dense_nan_problem(m, t.name))
     return out
 
@@ -160,7 +160,10 @@ def verify_checksums(m: Manifest, problems: list[str]) -> tuple[int, int]:
                     break
                 crc = zlib.crc32(chunk, crc)
                 left -= len(chunk)
-                finite = finite and (len(chunk) % (tile or 4) != 0 or _finite(chunk, tile))
+                finite = finite and (
+                    len(chunk) % (tile or 4) != 0
+                    or _finite(chunk, tile, _FP16_HEADER.get(t.format, 64))
+                )
             n_bytes += t.bytes
             if left or crc != t.crc32:
                 problems.append(
