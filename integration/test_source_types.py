@@ -63,7 +63,9 @@ def _down_as_q8_0(src, dst):
 KQ_DIMS = {"n_embd": 256, "n_ff_exp": 256}  # K-quant rows: whole 256-value super-blocks
 
 
-@pytest.fixture(scope="module", params=["all-q8_0", "down-q8_0", "q4_k_m", "all-q6_k"])
+@pytest.fixture(
+    scope="module", params=["all-q8_0", "down-q8_0", "q4_k_m", "all-q6_k", "q4_k_m-dense"]
+)
 def packed(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"types-{request.param}")
     if request.param == "all-q8_0":
@@ -72,6 +74,12 @@ def packed(request, tmp_path_factory):
     elif request.param == "q4_k_m":  # Q4_K_M's experts: Q4_K gate/up, Q6_K down
         src = synth_model("qwen3moe", "tiny", d / "m.gguf", seed=5, expert_type="Q4_K",
                           expert_down_type="Q6_K", dims=KQ_DIMS)  # fmt: skip
+        want = ("q4_k-t32r4", "q4_k-t32r4", "q6_k-t32r4")
+    elif request.param == "q4_k_m-dense":  # and the dense part too: Q4_K matrices, Q6_K head
+        dims = {**KQ_DIMS, "n_head": 4, "head_dim": 64, "n_ff": 256}
+        src = synth_model("qwen3moe", "tiny", d / "m.gguf", seed=7, expert_type="Q4_K",
+                          expert_down_type="Q6_K", dense_type="Q4_K", output_type="Q6_K",
+                          dims=dims)  # fmt: skip
         want = ("q4_k-t32r4", "q4_k-t32r4", "q6_k-t32r4")
     elif request.param == "all-q6_k":
         src = synth_model("qwen3moe", "tiny", d / "m.gguf", seed=6, expert_type="Q6_K",
@@ -89,12 +97,17 @@ def packed(request, tmp_path_factory):
 def test_manifest_records_each_projection_format(packed):
     """The manifest holds the source's types: no re-quantization, each projection's tile
     format as the file stores that tensor."""
-    _, dst, want = packed
+    src, dst, want = packed
     doc = json.loads((dst / "manifest.json").read_text())
     assert doc["source"]["requantized"] is False and doc["source"]["requantized_tensors"] == []
     for la in doc["layers"]:
         got = tuple(la["projections"][j]["format"] for j in ("gate", "up", "down"))
         assert got == want, la["index"]
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(src).tensors}
+    tiles = {"Q4_0": "q4_0-t32r4", "Q8_0": "q8_0-t32r4", "Q4_K": "q4_k-t32r4", "Q6_K": "q6_k-t32r4"}
+    for name, t in doc["dense"]["tensors"].items():  # quantized matrices keep their type too
+        if t["format"] != "f32":
+            assert t["format"] == tiles[kinds[name]], name
 
 
 def test_f32_matches_the_float64_reference_of_the_file(packed):

@@ -301,7 +301,11 @@ void htp_exec_get_rows(const htp_get_rows_params *pr, const uint8_t *p, const in
                 memcpy(&h, tile + 2 * r, 2);
                 const float d = htp_f16_to_f32(h);
                 float *ob = o + 32 * j;
-                if (format == HTP_FMT_Q4_0_T32R4) {
+                if (format == HTP_FMT_Q4_K_T32R4 || format == HTP_FMT_Q6_K_T32R4) {
+                    float panel[1024]; /* the tile's values, then row r of them */
+                    htp_dequant_kq_tile_body(tile, format, panel);
+                    for (int c = 0; c < 32; c++) ob[c] = panel[c * 32 + r];
+                } else if (format == HTP_FMT_Q4_0_T32R4) {
                     for (int g = 0; g < 4; g++)
                         for (int b = 0; b < 4; b++) {
                             const uint8_t v = tile[64 + g * 128 + r * 4 + b];

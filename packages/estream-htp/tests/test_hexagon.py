@@ -321,6 +321,13 @@ def test_small_ops(host: htp.Backend, hexagon: htp.Backend) -> None:
     ):
         ra, rb = both(htp.get_rows, tab, fmt, 50, 64, ids)
         assert _same(ra, rb) and np.isfinite(rb).all()
+    krng = np.random.default_rng(17)
+    for fmt, tab in (
+        ("q4_k-t32r4", T.pack_q4_k_t32r4(T.random_q4_k_blocks(krng, 50, 256))),
+        ("q6_k-t32r4", T.pack_q6_k_t32r4(T.random_q6_k_blocks(krng, 50, 256))),
+    ):
+        ra, rb = both(htp.get_rows, tab, fmt, 50, 256, ids)
+        assert _same(ra, rb) and np.isfinite(rb).all()
     htp.nop(backend=b)
 
 

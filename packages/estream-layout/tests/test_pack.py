@@ -336,6 +336,37 @@ def test_source_expert_types_pack_losslessly(
     assert verify_pack(m.root, against=src).ok
 
 
+def test_kquant_dense_matrices_pack_as_stored(tmp_path: Path) -> None:
+    """Q4_K dense matrices and embedding and a Q6_K output head (a Q4_K_M file's dense part)
+    are kept as q4_k / q6_k tiles: the manifest holds each tensor's format, every tile unpacks
+    to the source blocks, and verify --against agrees."""
+    dims = {"n_embd": 256, "n_ff_exp": 256, "n_head": 4, "head_dim": 64, "n_ff": 256}
+    src = synth_model("qwen3moe", "tiny", tmp_path / "m.gguf", expert_type="Q4_K",
+                      expert_down_type="Q6_K", dense_type="Q4_K", output_type="Q6_K",
+                      dims=dims)  # fmt: skip
+    m = pack_model(src, tmp_path / "m.estream", progress=False)
+    reader = gguf.GGUFReader(src)
+    want = {
+        gguf.GGMLQuantizationType.Q4_K: "q4_k-t32r4",
+        gguf.GGMLQuantizationType.Q6_K: "q6_k-t32r4",
+    }
+    dense = np.fromfile(m.dense_path, np.uint8)
+    seen = set()
+    for t in reader.tensors:
+        if t.name not in m.dense or t.tensor_type not in want:
+            continue
+        e = m.dense[t.name]
+        assert e.format == want[t.tensor_type], t.name
+        raw = np.asarray(t.data)
+        got = unpack_tiles(dense[e.offset : e.offset + e.bytes], *e.shape[-2:], e.format)
+        assert np.array_equal(got.reshape(-1), raw.reshape(-1)), t.name
+        seen.add(e.format)
+    assert seen == {"q4_k-t32r4", "q6_k-t32r4"}
+    assert m.dense["output.weight"].format == "q6_k-t32r4"
+    assert m.dense["token_embd.weight"].format == "q4_k-t32r4"
+    assert verify_pack(m.root, against=src).ok
+
+
 def test_unsupported_expert_types_are_refused_by_name(tmp_path: Path) -> None:
     """Without requantize, experts of a type EStream does not compute are refused before
     anything is written: the error names the type, a tensor, the supported types and the
@@ -409,19 +440,21 @@ def test_streaming_mode_for_big_layers_is_identical(
     assert verify_pack(b.root, against=src).ok
 
 
-def test_k_quant_dense_matrices_become_q8_tiles(tmp_path: Path) -> None:
-    """Dense matrices of a type the kernels do not consume (Q4_K) are converted to q8_0-t32r4:
-    one rounding step away from the source values."""
+def test_float_dense_matrices_become_q8_tiles(tmp_path: Path) -> None:
+    """Dense matrices of a type without a tile format (F16) are converted to q8_0-t32r4: one
+    rounding step away from the source values."""
     src = synth_model(
-        "qwen3moe", "tiny", tmp_path / "k.gguf", dense_type="Q4_K", n_embd=256, head_dim=64
+        "qwen3moe", "tiny", tmp_path / "k.gguf", dense_type="F16", n_embd=256, head_dim=64
     )
     m = pack_model(src, tmp_path / "k.estream", progress=False)
     reader = gguf.GGUFReader(src)
     n_checked = 0
     for t in reader.tensors:
-        if t.tensor_type != gguf.GGMLQuantizationType.Q4_K:
+        if t.tensor_type != gguf.GGMLQuantizationType.F16 or t.name not in m.dense:
             continue
         e = m.dense[t.name]
+        if len(e.shape) == 1:
+            continue
         assert e.format == "q8_0-t32r4"
         want = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float64)
         body = np.fromfile(m.dense_path, np.uint8, count=e.bytes, offset=e.offset)

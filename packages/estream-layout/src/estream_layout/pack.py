@@ -91,6 +91,8 @@ EXPERTS_FILE: Final = "experts.bin"
 _QUANT_PASSTHROUGH: Final = {
     GGMLQuantizationType.Q4_0: "q4_0-t32r4",
     GGMLQuantizationType.Q8_0: "q8_0-t32r4",
+    GGMLQuantizationType.Q4_K: "q4_k-t32r4",
+    GGMLQuantizationType.Q6_K: "q6_k-t32r4",
 }
 _FLOAT_TYPES: Final = {
     GGMLQuantizationType.F32,
@@ -109,9 +111,10 @@ def dense_format(info: TensorInfo) -> str:
 
     * 1-D tensors, routers (`ffn_gate_inp`), and float matrices whose row length is not a
       multiple of 32 (e.g. lfm2's short-convolution kernels) -> `f32`;
-    * Q4_0 matrices -> `q4_0-t32r4` (lossless), Q8_0 -> `q8_0-t32r4` (lossless);
-    * other matrices (K-quants, F16/BF16/F32 ...) -> dequantized, re-quantized to Q8_0 ->
-      `q8_0-t32r4` (one rounding step).
+    * Q4_0, Q8_0, Q4_K, Q6_K matrices -> `q4_0-t32r4`, `q8_0-t32r4`, `q4_k-t32r4`,
+      `q6_k-t32r4` (lossless);
+    * other matrices (F16/BF16/F32, other quantized types ...) -> dequantized, re-quantized to
+      Q8_0 -> `q8_0-t32r4` (one rounding step; none for F16/BF16 beyond Q8_0's).
     """
     if len(info.shape) == 1 or info.name.endswith("ffn_gate_inp.weight"):
         return "f32"
