@@ -184,9 +184,18 @@ def integration(session: nox.Session) -> None:
 
 
 @nox.session
+def ray(session: nox.Session) -> None:
+    """`estream.data` and `--ray` on a local Ray instance (the extra estream-cli[ray]): answers
+    equal to the single-process command, a SIGKILLed actor, Parquet in and out."""
+    _install_all(session, "test", "ray")
+    _pytest(session, PKG / "estream-cli" / "tests_ray")
+
+
+@nox.session
 def tests(session: nox.Session) -> None:
-    """The whole test suite: every package on its own, then integration/."""
-    for name in [*ALL, "integration"]:
+    """The whole test suite: every package on its own, then integration/, then the Ray tests
+    (a few minutes: a local Ray instance of two actors)."""
+    for name in [*ALL, "integration", "ray"]:
         session.notify(name)
 
 
@@ -396,9 +405,16 @@ def _recorded(session: nox.Session, bench: str, script: Path, *args: str) -> Non
     session.log(f"recorded {_repo_relative(str(path))}; `nox -s bench_report` renders it")
 
 
-def _bench(session: nox.Session, script: Path, *, all_pkgs: bool = False, name: str = "") -> None:
+def _bench(
+    session: nox.Session,
+    script: Path,
+    *,
+    all_pkgs: bool = False,
+    name: str = "",
+    extras: tuple[str, ...] = (),
+) -> None:
     if all_pkgs:
-        _install_all(session, "bench")
+        _install_all(session, "bench", *extras)
     else:
         if name == "htp":
             _clean_htp_build()
@@ -447,6 +463,12 @@ def bench_engine(session: nox.Session) -> None:
 def bench_tasks(session: nox.Session) -> None:
     """Many short requests (MASSIVE..ARC-C lengths): batched vs unbatched stream, resident, llama.cpp."""
     _bench(session, ROOT / "integration" / "bench" / "bench_tasks.py", all_pkgs=True)
+
+
+@nox.session
+def bench_ray(session: nox.Session) -> None:
+    """Corpus classify on Ray Data: rows/s on 1 and 2 actors vs the plain JSON Lines command."""
+    _bench(session, ROOT / "integration" / "bench" / "bench_ray.py", all_pkgs=True, extras=("ray",))
 
 
 @nox.session

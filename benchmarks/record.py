@@ -41,6 +41,7 @@ FIGURES = ROOT / "bench-results"
 BENCHES: dict[str, str] = {
     "bench_engine": "bench_engine.json",
     "bench_tasks": "bench_tasks.json",
+    "bench_ray": "bench_ray.json",
     "bench_vs_llama": "vs_llama_bench.json",
     "bench_scale": "bench_scale.json",
     "bench_kernels": "bench_kernels.json",

@@ -164,6 +164,29 @@ def render_tasks(f: Figures) -> Table:
     return t
 
 
+def render_ray(f: Figures) -> Table:
+    t = Table(["system", "rows/s (wall)", "rows/s (run)", "same answers", "load average"], [])
+    n = f["rows"]
+    for r in f["runs"]:
+        if "error" in r:
+            t.rows.append([r["system"], str(r["error"]), "", "", r.get("load", "")])
+            continue
+        same = {True: "yes", False: "**no**"}.get(r.get("same_answers"), "–")
+        t.rows.append([r["system"], num(n / r["wall_s"]), num(n / r["run_s"]), same,
+                       r.get("load", "")])  # fmt: skip
+    if f.get("overhead_one_actor_run") is not None:
+        t.notes.append(
+            f"Ray at one actor: {100 * f['overhead_one_actor_run']:+.1f} % run time, "
+            f"{100 * f['overhead_one_actor_wall']:+.1f} % wall time against the plain command."
+        )
+    t.notes.append(
+        f"{n} MASSIVE-shaped rows ({f.get('mean_words', 0):.1f} words, {f.get('labels', '–')} "
+        f"labels) on `{f.get('preset', '–')}`, one thread per process or actor, blocks of "
+        f"{f.get('block_rows', '–')} rows; {f.get('cold', '')}."
+    )
+    return t
+
+
 def render_vs_llama(f: Figures) -> Table:
     t = Table(["side", "tokens/s (median)", "÷ llama-bench (median, range)", "peak RSS"], [])
     for side, s in f["summary"].items():
@@ -437,6 +460,7 @@ class Bench:
 BENCHES: dict[str, Bench] = {
     "bench_engine": Bench("End-to-end prefill: stream vs resident vs llama.cpp", render_engine),
     "bench_tasks": Bench("Many short requests: batched vs one by one", render_tasks),
+    "bench_ray": Bench("Corpus classify on Ray Data: 1 and 2 actors", render_ray),
     "bench_vs_llama": Bench("Prefill tokens/s against llama-bench on one GGUF", render_vs_llama),
     "bench_scale": Bench("Models larger than memory", render_scale),
     "bench_kernels": Bench("Kernels against numpy/BLAS float32", render_kernels),

@@ -300,6 +300,16 @@ FIGURES: dict[str, tuple[dict[str, Any], str]] = {
             "ratios": {"stream (warm)": 7.5}}]},
         "| MASSIVE (15.2) | stream-batched | 2 | 4 | 1 | 700 MiB | 1.00 0.90 0.80 |",
     ),
+    "bench_ray": (
+        {"rows": 128, "labels": 60, "mean_words": 8.1, "preset": "olmoe-1b-7b",
+         "block_rows": 32, "cold": "fadvise",
+         "runs": [{"system": "plain", "wall_s": 64.0, "run_s": 32.0, "load": "0.10 0.10 0.10"},
+                  {"system": "ray-1", "wall_s": 80.0, "run_s": 35.2, "same_answers": True,
+                   "load": "0.20 0.10 0.10"},
+                  {"system": "ray-2", "error": "exit 1: no ray", "load": "0.20 0.10 0.10"}],
+         "overhead_one_actor_run": 0.1, "overhead_one_actor_wall": 0.25},
+        "| ray-1 | 1.6 | 3.64 | yes | 0.20 0.10 0.10 |",
+    ),
     "bench_vs_llama": (
         {"gguf": "/x/m.gguf", "tokens": 40, "threads": 2,
          "runs": {"llama-bench": [{}, {}], "stream": [{}, {}]},

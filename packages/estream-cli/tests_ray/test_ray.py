@@ -1,0 +1,205 @@
+"""`estream.data` and ``--ray`` on a local Ray instance (needs the extra ``estream-cli[ray]``;
+run by ``nox -s ray``): the same answers as the single-process command, every row exactly once,
+a SIGKILLed actor restarted with no row lost or duplicated, Parquet in and out."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+import ray.data
+from ray import cloudpickle
+
+import estream
+from estream import data, tasks
+from estream.tokenizer import Tokenizer
+from estream_cli.main import main
+from estream_layout import pack_model, synth_model
+
+ENGINE = ("-G", "2", "-Q", "2", "-B", "2")
+ENGINE_KW = {"G": 2, "Q": 2, "B": 2}
+LABELS = ["no", "yes", "maybe"]
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the killing runner below
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    d = tmp_path_factory.mktemp("raypack")
+    synth_model("qwen3moe", "tiny", d / "m.gguf", seed=4)
+    pack_model(d / "m.gguf", d / "m.estream", progress=False)
+    return d / "m.estream"
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray instance for the module (the command uses it rather than start its own)."""
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def without_metrics(line: dict) -> dict:
+    """A result line less its timings and pass ids (which differ from run to run)."""
+    return {k: v for k, v in line.items() if k != "metrics"}
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(s) for s in path.read_text().splitlines()]
+
+
+def corpus(n: int) -> list[dict]:
+    """Short utterances (MASSIVE-like), ids mostly integers, some lines without one, and two
+    requests the model cannot answer (a label given twice, an empty prompt)."""
+    rows: list[dict] = []
+    for i in range(n):
+        row: dict = {"prompt": f"wake me at {i % 12} please {i % 7}"}
+        if i % 97 != 5:
+            row = {"id": i, **row}
+        rows.append(row)
+    rows[10]["labels"] = ["a", "a"]
+    rows[1234 % n]["prompt"] = ""
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_2000_rows_on_two_actors_equal_the_single_process_command(
+    pack, local_ray, tmp_path, capsys
+):
+    """A 2,000-row JSON Lines classify through ``--ray --actors 2`` writes the lines the
+    command without ``--ray`` writes, bit for bit (less the metrics), in input order, error
+    lines included, each input line answered exactly once, with the same exit code."""
+    src = write_jsonl(tmp_path / "in.jsonl", corpus(2000))
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    argv = ["classify", str(pack), "--input", str(src), "--labels", ",".join(LABELS), *ENGINE]
+    rc1 = main([*argv, "--output", str(one)])
+    rc2 = main([*argv, "--output", str(two), "--ray", "--actors", "2", "--block-rows", "128"])
+    err = capsys.readouterr().err
+    assert rc1 == rc2 == 2, err  # two requests failed on their own lines
+    a, b = read_lines(one), read_lines(two)
+    assert len(a) == len(b) == 2000
+    assert [without_metrics(x) for x in a] == [without_metrics(y) for y in b]
+    keys = Counter(json.dumps(x.get("id", ("line", x.get("line")))) for x in b)
+    assert len(keys) == 2000 and set(keys.values()) == {1}
+    assert sum("error" in x for x in b) == 2
+    assert "2000 requests on 2 actors (Ray)" in err
+
+
+class KillOnce(data.TaskRunner):
+    """A runner whose actor kills itself with SIGKILL the first time it is given the block
+    holding row `KILL_AT`, before answering it (`MARKER` records the pid it killed)."""
+
+    MARKER = ""
+    KILL_AT = 0
+
+    def __call__(self, batch):
+        ids = batch.column("id").to_pylist()
+        if self.KILL_AT in ids:
+            try:
+                fd = os.open(self.MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            except FileExistsError:
+                pass
+            else:
+                os.write(fd, str(os.getpid()).encode())
+                os.close(fd)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().__call__(batch)
+
+
+def test_an_actor_killed_mid_job_loses_and_duplicates_no_row(pack, local_ray, tmp_path):
+    """On two actors, the actor given row 150 is SIGKILLed mid-job: Ray restarts it and runs
+    the block again; every row is answered exactly once, with the answers of the engine run
+    in this process."""
+    rows = [{"id": i, "prompt": f"set an alarm {i}"} for i in range(300)]
+    marker = tmp_path / "killed"
+    runner = type("KillAt150", (KillOnce,), {"MARKER": str(marker), "KILL_AT": 150})
+    out = data.apply(
+        ray.data.from_items(rows, override_num_blocks=12),
+        "classify",
+        pack,
+        defaults={"labels": LABELS},
+        actors=2,
+        batch_size=25,
+        engine=ENGINE_KW,
+        runner=runner,
+    ).take_all()
+    assert marker.exists() and int(marker.read_text()) > 0  # the kill happened
+    assert Counter(r["id"] for r in out) == Counter(range(300))
+    tok = Tokenizer.from_gguf(pack)
+    with estream.load(pack, **ENGINE_KW) as eng:
+        plans = [tasks.plan_classify(eng, tok, r["prompt"], LABELS) for r in rows]
+        want = {r["id"]: res.to_dict() for r, res in zip(rows, tasks.run_plans(eng, plans))}
+    for r in out:
+        assert r["error"] is None
+        assert r["best"] == want[r["id"]]["best"]
+        assert r["labels"] == want[r["id"]]["labels"]
+
+
+def test_the_helpers_answer_as_the_api(pack, local_ray):
+    """`data.score`, `rerank`, `embed` and `classify` give, row by row, the fields the task
+    functions give in this process; a row that cannot be answered is a row with an `error`."""
+    tok = Tokenizer.from_gguf(pack)
+    ctx = [{"id": i, "context": f"the cat sat {i}"} for i in range(5)]
+    choices = ["on the mat", "in the sky"]
+    docs = [{"id": "d1", "text": "cats sit on mats"}, {"id": "d2", "text": "rain"}]
+    with estream.load(pack, **ENGINE_KW) as eng:
+        got = data.score(ray.data.from_items(ctx), pack, choices=choices, engine=ENGINE_KW)
+        for r in got.take_all():
+            want = tasks.score(eng, tok, r_ctx := ctx[r["id"]]["context"], choices).to_dict()
+            assert r_ctx and r["choices"] == want["choices"] and r["best"] == want["best"]
+        q = [
+            {"id": 0, "query": "where do cats sit"},
+            {"id": 1, "query": "and dogs", "docs": [{"id": "e", "text": "  "}]},
+        ]
+        got = data.rerank(ray.data.from_items(q), pack, docs=docs, engine=ENGINE_KW)
+        rows = sorted(got.take_all(), key=lambda r: r["id"])
+        assert rows[0]["docs"] == tasks.rerank(eng, tok, q[0]["query"], docs).to_dict()["docs"]
+        assert rows[0]["error"] is None and rows[1]["error"] == "document 1 is empty"
+        p = [{"id": 0, "prompt": "hello there"}, {"id": 1, "prompt": ""}]
+        got = data.embed(ray.data.from_items(p), pack, pool="mean", engine=ENGINE_KW)
+        rows = sorted(got.take_all(), key=lambda r: r["id"])
+        want = tasks.embed(eng, tok, "hello there", pool="mean").to_dict()["embedding"]
+        assert rows[0]["embedding"] == want and rows[0]["error"] is None
+        got = data.classify(ray.data.from_items(p), pack, labels=["a", "a"], engine=ENGINE_KW)
+        assert all("given twice" in r["error"] for r in got.take_all())
+
+
+def test_parquet_out_and_in(pack, local_ray, tmp_path, capsys):
+    """``--output NAME.parquet`` writes a new Parquet directory whose rows are the JSON Lines
+    results (by id); an existing path is refused before anything runs and left as it was;
+    a Parquet input answers as the same JSON Lines input does."""
+    rows = [{"id": i, "prompt": f"play song {i}"} for i in range(60)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    base = ["classify", str(pack), "--labels", ",".join(LABELS), *ENGINE, "--ray"]
+    one = tmp_path / "one.jsonl"
+    assert main([*base, "--input", str(src), "--output", str(one), "--block-rows", "16"]) == 0
+    want = {x["id"]: without_metrics(x) for x in read_lines(one)}
+    outdir = tmp_path / "out.parquet"
+    assert main([*base, "--input", str(src), "--output", str(outdir)]) == 0
+    assert outdir.is_dir() and not list(tmp_path.glob(".out.parquet.*"))
+    table = pq.read_table(outdir).to_pylist()
+    assert sorted(r["id"] for r in table) == list(range(60))
+    for r in table:
+        assert r["error"] is None
+        assert r["best"] == want[r["id"]]["best"] and r["labels"] == want[r["id"]]["labels"]
+    before = sorted(p.name for p in outdir.iterdir())
+    capsys.readouterr()
+    assert main([*base, "--input", str(src), "--output", str(outdir)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert sorted(p.name for p in outdir.iterdir()) == before
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    two = tmp_path / "two.jsonl"
+    assert main([*base, "--input", str(tmp_path / "in.parquet"), "--output", str(two)]) == 0
+    assert {x["id"]: without_metrics(x) for x in read_lines(two)} == want
