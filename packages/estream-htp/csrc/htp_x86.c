@@ -135,6 +135,96 @@ HTP_INSTANTIATE_KQ(vnni, HTP_T_VNNI)
 Q4_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)
 Q4_KERNEL(bw, HTP_T_AVX512, DOT_BW)
 
+/* ---- Q4_K x Q8 tile kernel, AVX-512: the Q4_0 kernel's nibble scheme (a q4_k tile's groups are
+ * Q4_0-ordered nibbles, values 0..15, at byte 192), integer sums from 0; per block the exact
+ * int32 sc*dot and m*sum(activations) (vpmulld), then (sc*dot)·(d·da) − (m*sa)·(dmin·da) in
+ * fp32. The integer parts are the portable body's; only the fp32 rounding order differs. */
+#define Q4K_KERNEL(SUFFIX, TARGET, DOT)                                                          \
+    TARGET static inline __attribute__((always_inline)) void q4kq8_block_##SUFFIX(               \
+        const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s,    \
+        uint32_t k, float *out, uint32_t ldo, uint32_t rows, const int NT) {                     \
+        const __m512i m4 = _mm512_set1_epi8(0x0f);                                               \
+        __m512 acc[6][2];                                                                        \
+        for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();                \
+        for (uint32_t j = 0; j < kb; j++) {                                                      \
+            const uint8_t *tile = strip + (size_t)j * HTP_Q4K_TILE_BYTES;                       \
+            __m512i ia[6][2];                                                                    \
+            for (int u = 0; u < NT; u++) ia[u][0] = ia[u][1] = _mm512_setzero_si512();           \
+            for (int g = 0; g < 4; g++) {                                                        \
+                const __m512i v0 = _mm512_loadu_si512((const void *)(tile + 192 + 128 * g));    \
+                const __m512i v1 = _mm512_loadu_si512((const void *)(tile + 256 + 128 * g));    \
+                const __m512i l0 = _mm512_and_si512(v0, m4);                                     \
+                const __m512i l1 = _mm512_and_si512(v1, m4);                                     \
+                const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);               \
+                const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);               \
+                for (int u = 0; u < NT; u++) {                                                   \
+                    const int8_t *qa = q + (size_t)u * k + 32 * j + 4 * g;                       \
+                    int32_t alo, ahi;                                                            \
+                    memcpy(&alo, qa, 4);                                                         \
+                    memcpy(&ahi, qa + 16, 4);                                                    \
+                    const __m512i bl = _mm512_set1_epi32(alo), bh = _mm512_set1_epi32(ahi);      \
+                    ia[u][0] = DOT(ia[u][0], l0, bl);                                            \
+                    ia[u][0] = DOT(ia[u][0], h0, bh);                                            \
+                    ia[u][1] = DOT(ia[u][1], l1, bl);                                            \
+                    ia[u][1] = DOT(ia[u][1], h1, bh);                                            \
+                }                                                                                \
+            }                                                                                    \
+            const __m512 dw0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile));       \
+            const __m512 dw1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 32)));\
+            const __m512 dm0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 64)));\
+            const __m512 dm1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 96)));\
+            const __m512i sc0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 128))); \
+            const __m512i sc1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 144))); \
+            const __m512i mn0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 160))); \
+            const __m512i mn1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 176))); \
+            for (int u = 0; u < NT; u++) {                                                       \
+                const __m512 da = _mm512_set1_ps(d[(size_t)u * kb + j]);                         \
+                const __m512i sa = _mm512_set1_epi32(s[(size_t)u * kb + j]);                     \
+                const __m512 p0 = _mm512_cvtepi32_ps(_mm512_mullo_epi32(ia[u][0], sc0));         \
+                const __m512 p1 = _mm512_cvtepi32_ps(_mm512_mullo_epi32(ia[u][1], sc1));         \
+                const __m512 n0 = _mm512_cvtepi32_ps(_mm512_mullo_epi32(sa, mn0));               \
+                const __m512 n1 = _mm512_cvtepi32_ps(_mm512_mullo_epi32(sa, mn1));               \
+                const __m512 v0 = _mm512_fmsub_ps(p0, _mm512_mul_ps(dw0, da),                    \
+                                                  _mm512_mul_ps(n0, _mm512_mul_ps(dm0, da)));    \
+                const __m512 v1 = _mm512_fmsub_ps(p1, _mm512_mul_ps(dw1, da),                    \
+                                                  _mm512_mul_ps(n1, _mm512_mul_ps(dm1, da)));    \
+                acc[u][0] = _mm512_add_ps(acc[u][0], v0);                                        \
+                acc[u][1] = _mm512_add_ps(acc[u][1], v1);                                        \
+            }                                                                                    \
+        }                                                                                        \
+        const __mmask16 k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);    \
+        const __mmask16 k1 = rows >= 32 ? (__mmask16)0xffff                                      \
+                             : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1u)                \
+                                         : (__mmask16)0;                                        \
+        for (int u = 0; u < NT; u++) {                                                           \
+            _mm512_mask_storeu_ps(out + (size_t)u * ldo, k0, acc[u][0]);                         \
+            _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);                    \
+        }                                                                                        \
+    }                                                                                            \
+    TARGET static void q4kq8_strip_fast_##SUFFIX(const uint8_t *strip, uint32_t kb,              \
+                                                 const htp_act_q8 *a, uint32_t nt, float *out,   \
+                                                 uint32_t ldo, uint32_t rows) {                  \
+        const uint32_t k = kb * 32;                                                              \
+        for (uint32_t t0 = 0; t0 < nt; t0 += 6) {                                                \
+            const uint32_t n = nt - t0 < 6 ? nt - t0 : 6;                                        \
+            const int8_t *q = a->q + (size_t)t0 * k;                                             \
+            const float *d = a->d + (size_t)t0 * kb;                                             \
+            const int32_t *s = a->s + (size_t)t0 * kb;                                           \
+            float *o = out + (size_t)t0 * ldo;                                                   \
+            switch (n) {                                                                         \
+            case 6: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 6); break;         \
+            case 5: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 5); break;         \
+            case 4: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 4); break;         \
+            case 3: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 3); break;         \
+            case 2: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 2); break;         \
+            default: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 1); break;        \
+            }                                                                                    \
+        }                                                                                        \
+    }
+
+Q4K_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)
+Q4K_KERNEL(bw, HTP_T_AVX512, DOT_BW)
+
 /* The VNNI strip for the AMX kernel's short token tails (nt <= HTP_Q4_VNNI_NT). */
 void htp_q4q8_strip_vnni(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                          float *out, uint32_t ldo, uint32_t rows) {
@@ -357,7 +447,7 @@ const htp_isa htp_isa_avx512 = {
     .level = HTP_SIMD_AVX512,
     .q4q8_strip = q4q8_strip_bw,
     .q4q8_nt = 4,
-    .q4kq8_strip = q4kq8_strip_avx512,
+    .q4kq8_strip = q4kq8_strip_fast_bw,
     .q6kq8_strip = q6kq8_strip_avx512,
     .kq8_nt = 64,
     .dequant_kq_tile = dequant_kq_avx512,
@@ -370,7 +460,7 @@ const htp_isa htp_isa_avx512vnni = {
     .level = HTP_SIMD_AVX512VNNI,
     .q4q8_strip = q4q8_strip_vnni,
     .q4q8_nt = HTP_Q4_VNNI_NT,
-    .q4kq8_strip = q4kq8_strip_vnni,
+    .q4kq8_strip = q4kq8_strip_fast_vnni,
     .q6kq8_strip = q6kq8_strip_vnni,
     .kq8_nt = 64,
     .dequant_kq_tile = dequant_kq_vnni,
@@ -385,7 +475,7 @@ const htp_isa htp_isa_amx = {
     .level = HTP_SIMD_AMX,
     .q4q8_strip = htp_q4q8_strip_amx,
     .q4q8_nt = 64,
-    .q4kq8_strip = q4kq8_strip_vnni,
+    .q4kq8_strip = q4kq8_strip_fast_vnni,
     .q6kq8_strip = q6kq8_strip_vnni,
     .kq8_nt = 64,
     .dequant_kq_tile = dequant_kq_vnni,
