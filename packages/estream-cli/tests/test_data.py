@@ -1,0 +1,152 @@
+"""`estream.data` and the ``--ray``/``--output`` options where Ray is not needed: the library
+without Ray, the actor's work done in this process, the options refused when they would do
+nothing, and ``--output`` of the single-process command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import estream
+from estream import data, tasks
+from estream.errors import BadRequestError
+from estream.tokenizer import Tokenizer
+from estream_cli.main import main
+from estream_layout import pack_model, synth_model
+
+ENGINE_KW = {"G": 2, "Q": 2, "B": 2, "act": "f32"}
+ENGINE = ("-G", "2", "-Q", "2", "-B", "2", "--act", "f32")
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    d = tmp_path_factory.mktemp("datapack")
+    synth_model("qwen3moe", "tiny", d / "m.gguf", seed=4)
+    pack_model(d / "m.gguf", d / "m.estream", progress=False)
+    return d / "m.estream"
+
+
+def test_import_estream_and_estream_data_load_no_ray() -> None:
+    """`import estream` (and `estream.data`, and the command) leaves `ray` and `pyarrow` out of
+    `sys.modules`, in a fresh process."""
+    code = (
+        "import json, sys\n"
+        "import estream, estream.tasks, estream.data, estream_cli.main\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('ray', 'pyarrow'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+def test_without_ray_installed_ray_is_one_clear_error(pack, tmp_path) -> None:
+    """With Ray not importable, ``--ray`` exits 2 with one line naming the extra to install,
+    no traceback, and writes nothing; `data.need_ray` raises the same message."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1, "prompt": "hi"}\n')
+    out = tmp_path / "out.jsonl"
+    code = (
+        "import sys\n"
+        "sys.modules['ray'] = None\n"
+        "from estream_cli.main import main\n"
+        f"sys.exit(main(['classify', {str(pack)!r}, '--input', {str(src)!r}, '--labels', "
+        f"'a,b', '--output', {str(out)!r}, '--ray']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"estream: error: {data.INSTALL_HINT}"]
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_the_runner_answers_rows_as_the_task_functions(pack) -> None:
+    """`TaskRunner.answer` (an actor's work) answers each row as `tasks.classify` does, a row's
+    own field over the default, and a row that cannot be answered gets its exception."""
+    runner = data.TaskRunner(
+        pack, "classify", defaults={"labels": ["yes", "no"]}, engine=ENGINE_KW, verify=True
+    )
+    try:
+        rows = [
+            {"id": 1, "prompt": "is the sky blue?"},
+            {"id": 2, "prompt": "pick one", "labels": "red,green"},
+            {"id": 3, "prompt": "twice", "labels": ["a", "a"]},
+            {"id": 4, "labels": ["a", "b"]},
+        ]
+        got = runner.answer(rows)
+        tok = Tokenizer.from_gguf(pack)
+        with estream.load(pack, **ENGINE_KW) as eng:
+            want1 = tasks.classify(eng, tok, "is the sky blue?", ["yes", "no"]).to_dict()
+            want2 = tasks.classify(eng, tok, "pick one", ["red", "green"]).to_dict()
+        for res, want in ((got[0], want1), (got[1], want2)):
+            d = res.to_dict()
+            assert d.pop("metrics") and want.pop("metrics")
+            assert d == want
+        assert isinstance(got[2], BadRequestError) and "given twice" in str(got[2])
+        assert isinstance(got[3], BadRequestError) and str(got[3]).startswith("no prompt")
+    finally:
+        runner.close()
+
+
+def test_a_corrupt_pack_fails_the_actor_start(pack, tmp_path) -> None:
+    """An actor verifies the whole pack once when it starts: a flipped byte in an expert
+    record is a PackError naming the problem, before any row is answered."""
+    import shutil
+
+    bad = tmp_path / "bad.estream"
+    shutil.copytree(pack, bad)
+    experts = bad / "experts.bin"
+    blob = bytearray(experts.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    experts.write_bytes(bytes(blob))
+    with estream.load(bad, **ENGINE_KW):  # a load alone reads no expert record: it passes
+        pass
+    with pytest.raises(estream.PackError, match="crc|checksum"):
+        data.TaskRunner(bad, "classify", engine=ENGINE_KW)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--actors", "2"], "--actors goes with --ray"),
+        (["--block-rows", "8"], "--block-rows goes with --ray"),
+        (["--output", "x.parquet"], "Parquet is written with --ray only"),
+    ],
+)
+def test_ray_options_without_ray_are_refused(pack, tmp_path, capsys, extra, message) -> None:
+    """An option of a Ray batch given without ``--ray`` is one error line, exit 2."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hi"}\n')
+    rc = main(["classify", str(pack), "--input", str(src), "--labels", "a,b", *ENGINE, *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_ray_needs_an_input_file(pack, capsys) -> None:
+    """``--ray`` without ``--input`` is refused: a Ray run is a batch."""
+    rc = main(["classify", str(pack), "--prompt", "hi", "--labels", "a,b", *ENGINE, "--ray"])
+    assert rc == 2 and "--ray runs a batch" in capsys.readouterr().err
+
+
+def test_output_writes_the_result_lines_and_keeps_a_file_on_failure(pack, tmp_path, capsys):
+    """``--output FILE`` holds exactly the lines the batch prints without it (less the metrics);
+    a batch that fails before answering leaves an existing FILE as it was."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": f"row {i}"}) + "\n" for i in range(5)))
+    argv = ["classify", str(pack), "--input", str(src), "--labels", "yes,no", *ENGINE]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out.splitlines()
+    out = tmp_path / "out.jsonl"
+    assert main([*argv, "--output", str(out)]) == 0
+    assert capsys.readouterr().out == ""
+
+    def strip(lines):
+        return [{k: v for k, v in json.loads(s).items() if k != "metrics"} for s in lines]
+
+    assert strip(out.read_text().splitlines()) == strip(printed)
+    out.write_text("keep me\n")
+    src.write_text('{"id": 1, "prompt": "x"}\nnot json\n')
+    assert main([*argv, "--output", str(out)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    assert out.read_text() == "keep me\n"
