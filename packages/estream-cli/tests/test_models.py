@@ -12,7 +12,8 @@ import pytest
 from estream import UnsupportedModelError
 from estream.engine import load
 from estream.models import ARCHITECTURES, architecture
-from estream.models.ops import FFN, MoE, Ops, Weights, bind_ffn, bind_head, bind_moe
+from estream.models.ops import Ops
+from estream.models.weights import FFN, MoE, Weights, bind_ffn, bind_head, bind_moe
 from estream.packed import ExpertLayer, PackedModel
 from estream.profiling import _layer_profiles
 from estream_layout import ModelSpec, pack_model, synth_model

@@ -1,7 +1,8 @@
 """The streamed prefill engine: one causal forward pass over a prompt, experts through the arena.
 
 The forward pass of each architecture is its own module in `estream.models` (llama.cpp's
-`src/models/<arch>.cpp`), written over the shared blocks of `models.ops`. This module holds the
+`src/models/<arch>.cpp`), written over the ops of `models.ops` and the weight records of
+`models.weights`. This module holds the
 generic loop around it: embedding, for each layer "tell the expert source the layer starts, run
 the layer", final norm and output head; and all the bookkeeping (spans, metrics, progress) that
 the layer functions leave out. Dense weights are resident; experts come from an `ExpertSource`.
@@ -31,7 +32,8 @@ from .errors import BadRequestError, NonFiniteError
 from .experts import SCHEDULES, ExpertSource, GroupRecord, ResidentExperts, StreamedExperts
 from .metrics import build_events, op_times, run_metrics
 from .models import architecture
-from .models.ops import Ops, SeqLayout
+from .models.layout import SeqLayout
+from .models.ops import Ops
 from .packed import PackedModel
 
 __all__ = [
@@ -581,10 +583,9 @@ class Engine:
             if moe_layer is not None:
                 self.experts.end_layer()
             t1 = time.perf_counter()
-            spans += _non_expert_spans(i, t0, t1, ops.expert_phases)
-            op_spans += [("experts", i, s0, s1) for s0, s1 in ops.expert_phases]
+            phases = [(s0, s1) for name, s0, s1 in ops.op_spans if name == "experts"]
+            spans += _non_expert_spans(i, t0, t1, phases)
             op_spans += [(name, i, s0, s1) for name, s0, s1 in ops.op_spans]
-            ops.expert_phases.clear()
             ops.op_spans.clear()
             spans.append(("layer", i, t0, t1))
             if show:

@@ -26,7 +26,8 @@ from estream_layout import ModelSpec
 from ..errors import UnsupportedModelError
 from ..packed import PackedModel
 from . import deepseek2, lfm2moe, llama, olmoe, qwen3moe
-from .ops import Ops, Weights
+from .ops import Ops
+from .weights import Weights
 
 __all__ = ["ARCHITECTURES", "Architecture", "architecture"]
 

@@ -38,10 +38,10 @@ from estream_layout import ModelSpec
 
 from ..errors import UnsupportedModelError
 from ..packed import DenseTensor, PackedModel
-from .ops import (
+from .ops import Ops
+from .weights import (
     FFN,
     MoE,
-    Ops,
     Rope,
     Weights,
     bind_ffn,

@@ -16,11 +16,11 @@ import numpy as np
 from estream_layout import ModelSpec
 
 from ..packed import PackedModel
-from .ops import (
+from .ops import Ops
+from .weights import (
     FFN,
     Attention,
     MoE,
-    Ops,
     ShortConv,
     Weights,
     bind_attention,

@@ -9,7 +9,8 @@ import numpy as np
 from estream_layout import ModelSpec
 
 from ..packed import PackedModel
-from .ops import Attention, MoE, Ops, Weights, bind_attention, bind_head, bind_moe
+from .ops import Ops
+from .weights import Attention, MoE, Weights, bind_attention, bind_head, bind_moe
 
 __all__ = ["Layer", "bind", "layer"]
 
