@@ -102,7 +102,7 @@ def test_a_corrupt_pack_fails_the_actor_start(pack, tmp_path) -> None:
     experts.write_bytes(bytes(blob))
     with estream.load(bad, **ENGINE_KW):  # a load alone reads no expert record: it passes
         pass
-    with pytest.raises(estream.PackError, match="crc|checksum"):
+    with pytest.raises(estream.PackError, match=r"crc|checksum"):
         data.TaskRunner(bad, "classify", engine=ENGINE_KW)
 
 
