@@ -225,6 +225,95 @@ Q4_KERNEL(bw, HTP_T_AVX512, DOT_BW)
 Q4K_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)
 Q4K_KERNEL(bw, HTP_T_AVX512, DOT_BW)
 
+/* ---- Q6_K x Q8 tile kernel, AVX-512: the int8 values (-32..31) are made unsigned by +32 for
+ * the u8 x s8 dot product, so each half's sum carries 32 x (its activations' sum), taken back
+ * exactly; then the int32 sc0*dot0 + sc1*dot1 (the scale pairs at byte 64 + 2r sign-extended
+ * from 16-bit lanes) times d·da. Groups 0..3 are columns 0..15, groups 4..7 columns 16..31. */
+#define Q6K_KERNEL(SUFFIX, TARGET, DOT)                                                          \
+    TARGET static inline __attribute__((always_inline)) void q6kq8_block_##SUFFIX(               \
+        const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s,    \
+        uint32_t k, float *out, uint32_t ldo, uint32_t rows, const int NT) {                     \
+        const __m512i off = _mm512_set1_epi8(32);                                                \
+        __m512 acc[4][2];                                                                        \
+        for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();                \
+        for (uint32_t j = 0; j < kb; j++) {                                                      \
+            const uint8_t *tile = strip + (size_t)j * HTP_Q6K_TILE_BYTES;                       \
+            __m512i lo[4][2], hi[4][2];                                                          \
+            for (int u = 0; u < NT; u++)                                                         \
+                lo[u][0] = lo[u][1] = hi[u][0] = hi[u][1] = _mm512_setzero_si512();              \
+            for (int g = 0; g < 4; g++) {                                                        \
+                const uint8_t *gl = tile + 128 + 128 * g, *gh = gl + 512;                        \
+                const __m512i l0 = _mm512_add_epi8(_mm512_loadu_si512((const void *)gl), off);   \
+                const __m512i l1 = _mm512_add_epi8(_mm512_loadu_si512((const void *)(gl + 64)), off); \
+                const __m512i h0 = _mm512_add_epi8(_mm512_loadu_si512((const void *)gh), off);   \
+                const __m512i h1 = _mm512_add_epi8(_mm512_loadu_si512((const void *)(gh + 64)), off); \
+                for (int u = 0; u < NT; u++) {                                                   \
+                    const int8_t *qa = q + (size_t)u * k + 32 * j + 4 * g;                       \
+                    int32_t alo, ahi;                                                            \
+                    memcpy(&alo, qa, 4);                                                         \
+                    memcpy(&ahi, qa + 16, 4);                                                    \
+                    const __m512i bl = _mm512_set1_epi32(alo), bh = _mm512_set1_epi32(ahi);      \
+                    lo[u][0] = DOT(lo[u][0], l0, bl);                                            \
+                    lo[u][1] = DOT(lo[u][1], l1, bl);                                            \
+                    hi[u][0] = DOT(hi[u][0], h0, bh);                                            \
+                    hi[u][1] = DOT(hi[u][1], h1, bh);                                            \
+                }                                                                                \
+            }                                                                                    \
+            const __m512 dw0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile));       \
+            const __m512 dw1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 32)));\
+            const __m512i x0 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(tile + 64))); \
+            const __m512i x1 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(tile + 96))); \
+            const __m512i sl0 = _mm512_srai_epi32(_mm512_slli_epi32(x0, 24), 24);                \
+            const __m512i sl1 = _mm512_srai_epi32(_mm512_slli_epi32(x1, 24), 24);                \
+            const __m512i sh0 = _mm512_srai_epi32(x0, 8), sh1 = _mm512_srai_epi32(x1, 8);        \
+            for (int u = 0; u < NT; u++) {                                                       \
+                const int8_t *qa = q + (size_t)u * k + 32 * j;                                   \
+                int32_t slo = 0;                                                                 \
+                for (int i = 0; i < 16; i++) slo += qa[i];                                       \
+                const int32_t shi = s[(size_t)u * kb + j] - slo;                                 \
+                const __m512i cl = _mm512_set1_epi32(32 * slo), ch = _mm512_set1_epi32(32 * shi); \
+                const __m512 da = _mm512_set1_ps(d[(size_t)u * kb + j]);                         \
+                const __m512i i0 = _mm512_add_epi32(                                             \
+                    _mm512_mullo_epi32(_mm512_sub_epi32(lo[u][0], cl), sl0),                     \
+                    _mm512_mullo_epi32(_mm512_sub_epi32(hi[u][0], ch), sh0));                    \
+                const __m512i i1 = _mm512_add_epi32(                                             \
+                    _mm512_mullo_epi32(_mm512_sub_epi32(lo[u][1], cl), sl1),                     \
+                    _mm512_mullo_epi32(_mm512_sub_epi32(hi[u][1], ch), sh1));                    \
+                acc[u][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(dw0, da), acc[u][0]); \
+                acc[u][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(dw1, da), acc[u][1]); \
+            }                                                                                    \
+        }                                                                                        \
+        const __mmask16 k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);    \
+        const __mmask16 k1 = rows >= 32 ? (__mmask16)0xffff                                      \
+                             : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1u)                \
+                                         : (__mmask16)0;                                        \
+        for (int u = 0; u < NT; u++) {                                                           \
+            _mm512_mask_storeu_ps(out + (size_t)u * ldo, k0, acc[u][0]);                         \
+            _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);                    \
+        }                                                                                        \
+    }                                                                                            \
+    TARGET static void q6kq8_strip_fast_##SUFFIX(const uint8_t *strip, uint32_t kb,              \
+                                                 const htp_act_q8 *a, uint32_t nt, float *out,   \
+                                                 uint32_t ldo, uint32_t rows) {                  \
+        const uint32_t k = kb * 32;                                                              \
+        for (uint32_t t0 = 0; t0 < nt; t0 += 4) {                                                \
+            const uint32_t n = nt - t0 < 4 ? nt - t0 : 4;                                        \
+            const int8_t *q = a->q + (size_t)t0 * k;                                             \
+            const float *d = a->d + (size_t)t0 * kb;                                             \
+            const int32_t *s = a->s + (size_t)t0 * kb;                                           \
+            float *o = out + (size_t)t0 * ldo;                                                   \
+            switch (n) {                                                                         \
+            case 4: q6kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 4); break;         \
+            case 3: q6kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 3); break;         \
+            case 2: q6kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 2); break;         \
+            default: q6kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 1); break;        \
+            }                                                                                    \
+        }                                                                                        \
+    }
+
+Q6K_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)
+Q6K_KERNEL(bw, HTP_T_AVX512, DOT_BW)
+
 /* The VNNI strip for the AMX kernel's short token tails (nt <= HTP_Q4_VNNI_NT). */
 void htp_q4q8_strip_vnni(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                          float *out, uint32_t ldo, uint32_t rows) {
@@ -448,7 +537,7 @@ const htp_isa htp_isa_avx512 = {
     .q4q8_strip = q4q8_strip_bw,
     .q4q8_nt = 4,
     .q4kq8_strip = q4kq8_strip_fast_bw,
-    .q6kq8_strip = q6kq8_strip_avx512,
+    .q6kq8_strip = q6kq8_strip_fast_bw,
     .kq8_nt = 64,
     .dequant_kq_tile = dequant_kq_avx512,
     .dot_peak = peak_bw,
@@ -461,7 +550,7 @@ const htp_isa htp_isa_avx512vnni = {
     .q4q8_strip = q4q8_strip_vnni,
     .q4q8_nt = HTP_Q4_VNNI_NT,
     .q4kq8_strip = q4kq8_strip_fast_vnni,
-    .q6kq8_strip = q6kq8_strip_vnni,
+    .q6kq8_strip = q6kq8_strip_fast_vnni,
     .kq8_nt = 64,
     .dequant_kq_tile = dequant_kq_vnni,
     .dot_peak = peak_vnni,
@@ -476,7 +565,7 @@ const htp_isa htp_isa_amx = {
     .q4q8_strip = htp_q4q8_strip_amx,
     .q4q8_nt = 64,
     .q4kq8_strip = q4kq8_strip_fast_vnni,
-    .q6kq8_strip = q6kq8_strip_vnni,
+    .q6kq8_strip = q6kq8_strip_fast_vnni,
     .kq8_nt = 64,
     .dequant_kq_tile = dequant_kq_vnni,
     .dot_peak = htp_amx_peak,
