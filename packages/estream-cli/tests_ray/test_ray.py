@@ -203,3 +203,22 @@ def test_parquet_out_and_in(pack, local_ray, tmp_path, capsys):
     two = tmp_path / "two.jsonl"
     assert main([*base, "--input", str(tmp_path / "in.parquet"), "--output", str(two)]) == 0
     assert {x["id"]: without_metrics(x) for x in read_lines(two)} == want
+
+
+def test_a_corrupt_pack_fails_the_job_with_its_checksum_error(pack, local_ray, tmp_path, capsys):
+    """An actor verifies the pack when it starts: a flipped byte in an expert record fails the
+    job with one last line naming the checksum that differs, exit 1, nothing written."""
+    import shutil
+
+    bad = tmp_path / "bad.estream"
+    shutil.copytree(pack, bad)
+    blob = bytearray((bad / "experts.bin").read_bytes())
+    blob[100] ^= 0xFF
+    (bad / "experts.bin").write_bytes(bytes(blob))
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    out = tmp_path / "out.jsonl"
+    argv = ["classify", str(bad), "--input", str(src), "--labels", "a,b", *ENGINE, "--ray"]
+    assert main([*argv, "--output", str(out)]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("estream: error: an actor could not start: ") and "checksum" in last
+    assert not out.exists()

@@ -266,7 +266,7 @@ def verify_once(pack: str | os.PathLike[str]) -> None:
         raise PackError(str(exc)) from None
     if report.problems:
         more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
-        raise PackError(f"{pack}: {report.problems[0]}{more}; pack the model again")
+        raise PackError(f"{pack}: {report.problems[0]}{more}")
 
 
 def apply(

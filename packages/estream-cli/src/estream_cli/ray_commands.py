@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from estream.errors import BadRequestError
+from estream.errors import BadRequestError, EStreamError
 
 from .messages import plural
 from .options import check_engine_opts, positive_int
@@ -271,14 +272,17 @@ def run_ray(args: argparse.Namespace, task: Any, requests: Any) -> int:
             "defaults": _defaults(args, task.name),
         }
         t1 = time.perf_counter()
-        if parquet_out:
-            out = data.apply(ds, task.name, args.model, output="columns", **common)
-            failed = _write_parquet(out, out_path, ids)
-            broken = 0
-        else:
-            out = data.apply(ds, task.name, args.model, keep=("_pos",), output="json", **common)
-            lines, failed, broken = _result_lines(out, reqs, ids, args.input)
-            write_json(out_path, "--output", lines, lines=True)
+        try:
+            if parquet_out:
+                out = data.apply(ds, task.name, args.model, output="columns", **common)
+                failed = _write_parquet(out, out_path, ids)
+                broken = 0
+            else:
+                out = data.apply(ds, task.name, args.model, keep=("_pos",), output="json", **common)
+                lines, failed, broken = _result_lines(out, reqs, ids, args.input)
+                write_json(out_path, "--output", lines, lines=True)
+        except Exception as exc:
+            raise _own_error(exc) from None
         dt = time.perf_counter() - t1
     finally:
         if started:
@@ -290,6 +294,30 @@ def run_ray(args: argparse.Namespace, task: Any, requests: Any) -> int:
         file=sys.stderr,
     )
     return 1 if broken else 2 if failed else 0
+
+
+def _own_error(exc: BaseException) -> BaseException:
+    """The EStream error behind an exception Ray raised for an actor (a pack that fails its
+    check, a budget too small, ...), re-raised here with its own message; else ``exc``."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, EStreamError) and type(e).__module__.startswith("estream"):
+            return e
+        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+    # An actor that died in its constructor reaches the driver as text only: its last line
+    # names the error (``estream.errors.PackError: …``).
+    found = _NAMED_ERROR.findall(str(exc))
+    if found:
+        return EStreamError(f"an actor could not start: {found[-1]}")
+    return exc
+
+
+_NAMED_ERROR = re.compile(r"\bestream[\w.]*\.\w+Error: (.+?)(?=$|\n)")
 
 
 def _result_lines(
