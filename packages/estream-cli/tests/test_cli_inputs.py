@@ -256,6 +256,35 @@ def test_jsonl_lone_surrogates_are_not_text(model, capsys, tmp_path, line):
     assert out == ""
 
 
+@pytest.mark.parametrize(
+    ("command", "line", "needle"),
+    [
+        (
+            ["classify", "--labels", "a,b"],
+            '{"prompt": 3}',
+            "'prompt' must be a string, not an integer",
+        ),
+        (
+            ["classify", "--labels", "a,b"],
+            '{"prompt": [1]}',
+            "'prompt' must be a string, not a list",
+        ),
+        (["eval", "choice"], '{"context": "a", "choices": ["x", null], "gold": 0}', "is null"),
+        (["eval", "choice"], '{"context": "a", "choices": ["x", "y"], "gold": null}', "got null"),
+        (["eval", "choice"], "[1, 2]", "expected a JSON object, got a list"),
+    ],
+)
+def test_wrong_json_types_are_named_in_json_words(model, capsys, tmp_path, command, line, needle):
+    """A field of the wrong type is named as JSON names it (null, a list), not as Python does
+    (NoneType, list)."""
+    f = tmp_path / "in.jsonl"
+    f.write_text(line + "\n")
+    words = command[:2] if command[0] == "eval" else command[:1]
+    extra = command[len(words) :]
+    rc, _, err = run(capsys, *words, str(model), "--input", str(f), *extra)
+    refused(rc, err, f"{f}:1", needle)
+
+
 def test_jsonl_ids_that_are_kept(tmp_path):
     """Strings, integers and null are ids that JSON carries unchanged."""
     from estream_cli.task_commands import read_jsonl

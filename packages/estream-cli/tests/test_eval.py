@@ -463,7 +463,10 @@ def test_choice_gold_known_to_win_or_lose(gen_model, outcome):
         ('{"context": "a", "choices": ["x", "y"], "gold": "0"}', "'gold' must be an integer"),
         ('{"context": "a", "choices": ["x"], "gold": 0}', "at least two choices"),
         ('{"context": "a", "choices": "x,y", "gold": 0}', "'choices' must be a list"),
-        ('{"context": "a", "choices": ["x", 3], "gold": 0}', "choice 1 is int"),
+        (
+            '{"context": "a", "choices": ["x", 3], "gold": 0}',
+            "choice 1 is an integer, not a string",
+        ),
         ('{"context": "a", "choices": ["x", " "], "gold": 0}', "choice 1 is empty"),
         ('{"context": 5, "choices": ["x", "y"], "gold": 0}', "'context' must be a string"),
         ('{"choices": ["x", "y"], "gold": 0}', "missing field 'context'"),

@@ -10,6 +10,7 @@ __all__ = [
     "NonFiniteError",
     "PackError",
     "UnsupportedModelError",
+    "json_kind",
 ]
 
 
@@ -47,3 +48,23 @@ class BudgetTooSmallError(EStreamError):
     def __init__(self, message: str, minimum_bytes: int) -> None:
         super().__init__(message)
         self.minimum_bytes = minimum_bytes
+
+
+def json_kind(value: object) -> str:
+    """What a JSON value is, in JSON's words (for messages about input files): ``null``,
+    ``true/false``, ``an integer``, ``a number``, ``a string``, ``a list``, ``an object``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true/false"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list | tuple):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return "a value of another kind"

@@ -62,7 +62,7 @@ import attrs
 import numpy as np
 
 from . import tasks
-from .errors import BadRequestError
+from .errors import BadRequestError, json_kind
 from .tasks import LOGITS_BUDGET_BYTES, _merge_metrics, _row_logprobs, encode_context
 
 __all__ = [
@@ -338,7 +338,7 @@ def _where(where: str | None, msg: str) -> str:
 def _json_item(obj: Any, where: str | None, fields: Sequence[str], required: Sequence[str]) -> None:
     """Check that ``obj`` is a JSON object with only ``fields``, ``required`` among them."""
     if not isinstance(obj, dict):
-        raise BadRequestError(_where(where, f"expected a JSON object, got {type(obj).__name__}"))
+        raise BadRequestError(_where(where, f"expected a JSON object, got {json_kind(obj)}"))
     for k in obj:
         if k not in fields:
             raise BadRequestError(
@@ -371,12 +371,12 @@ class ChoiceItem:
             )
         for i, c in enumerate(self.choices):
             if not isinstance(c, str):
-                raise BadRequestError(_where(w, f"choice {i} is {type(c).__name__}, not a string"))
+                raise BadRequestError(_where(w, f"choice {i} is {json_kind(c)}, not a string"))
             if not c.strip():
                 raise BadRequestError(_where(w, f"choice {i} is empty"))
         g = self.gold
         if isinstance(g, bool) or not isinstance(g, int | np.integer):
-            raise BadRequestError(_where(w, f"'gold' must be an integer index, got {g!r}"))
+            raise BadRequestError(_where(w, f"'gold' must be an integer index, got {json_kind(g)}"))
         if not 0 <= g < len(self.choices):
             raise BadRequestError(
                 _where(w, f"gold {g} is out of range: {len(self.choices)} choices (0-based)")

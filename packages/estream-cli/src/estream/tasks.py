@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .errors import BadRequestError
+from .errors import BadRequestError, json_kind
 from .template import ChatTemplate
 
 __all__ = [
@@ -346,7 +346,7 @@ def _check_texts(items: Sequence[str], what: str) -> list[str]:
         raise BadRequestError(f"no {what} given")
     for i, s in enumerate(items):
         if not isinstance(s, str):
-            raise BadRequestError(f"{what} {i + 1} is {type(s).__name__}, not a string")
+            raise BadRequestError(f"{what} {i + 1} is {json_kind(s)}, not a string")
         if not s.strip():
             raise BadRequestError(f"{what} {i + 1} is empty")
     return items

@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 
 from estream import tasks
-from estream.errors import BadRequestError
+from estream.errors import BadRequestError, json_kind
 
 from .messages import describe, plural
 from .options import add_engine_opts, engine_from_args, positive_int
@@ -222,7 +222,7 @@ def _string(obj: dict[str, Any], field: str, default: Any, where: str, hint: str
     if v is None:
         raise BadRequestError(f"{where}: no {field}: {hint}")
     if not isinstance(v, str):
-        raise BadRequestError(f"{where}: '{field}' must be a string, not {type(v).__name__}")
+        raise BadRequestError(f"{where}: '{field}' must be a string, not {json_kind(v)}")
     return v
 
 
