@@ -429,6 +429,35 @@ def test_plural():
     assert plural(3, "batch") == "3 batches"
 
 
+@pytest.mark.parametrize(
+    ("rounds", "words"), [(1, "1 interleaved round,"), (2, "2 interleaved rounds,")]
+)
+def test_profile_log_plural(model, monkeypatch, rounds, words):
+    """profile's log says "1 round", "2 rounds"."""
+    from estream import profiling
+
+    monkeypatch.setattr(profiling, "measure_bandwidth_table", _stop)
+    lines: list[str] = []
+    with pytest.raises(_Stop):
+        profiling.profile_model(
+            model,
+            candidates=(1,),
+            queue_depths=(1,),
+            n_tokens=4,
+            bw_rounds=rounds,
+            log=lines.append,
+        )
+    assert any(words in ln for ln in lines), lines
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop(*args, **kwargs):
+    raise _Stop
+
+
 def test_text_report_names_the_backend():
     """The metrics block says which backend ran the experts."""
     from estream_cli.report import print_metrics

@@ -152,7 +152,7 @@ def profile_model(
     t0 = time.perf_counter()
     say(
         f"  grouped-read bandwidth: {len(gs)} g × {len(queue_depths)} q,"
-        f" {bw_rounds} interleaved round(s), median per point"
+        f" {bw_rounds} interleaved round{'' if bw_rounds == 1 else 's'}, median per point"
     )
     bandwidth, samples = measure_bandwidth_table(model, gs, queue_depths, rounds=bw_rounds)
     for g in gs:
