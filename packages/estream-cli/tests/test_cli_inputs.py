@@ -450,6 +450,16 @@ def test_profile_log_plural(model, monkeypatch, rounds, words):
     assert any(words in ln for ln in lines), lines
 
 
+def test_profile_names_its_candidates_as_a_set(model, capsys, monkeypatch):
+    """profile's first line lists the group sizes as {1, 2}, not as a Python tuple."""
+    from estream import profiling
+
+    monkeypatch.setattr(profiling, "profile_model", _stop)  # stops after the first line
+    main(["profile", str(model), "--candidates", "1,2", "--tokens", "1"])
+    err = capsys.readouterr().err
+    assert "one calibration request per g ∈ {1, 2}, 1 token" in err, err
+
+
 class _Stop(Exception):
     pass
 

@@ -157,7 +157,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         )
     qs = tuple(args.queue_depths)
     _log(
-        f"profiling {args.model}: one calibration request per g ∈ {cands}, "
+        f"profiling {args.model}: one calibration request per g ∈ {{{', '.join(map(str, cands))}}}, "
         f"{plural(args.tokens, 'token')}"
     )
     t0 = time.perf_counter()
