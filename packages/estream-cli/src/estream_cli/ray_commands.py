@@ -223,8 +223,6 @@ def run_ray(args: argparse.Namespace, task: Any, requests: Any) -> int:
         _check_parquet_output(out_path)
     else:
         check_output(out_path, "--output")
-    n_experts = PackedModel(args.model).hparams.n_experts  # a missing pack fails here, once
-    check_engine_opts(args, n_experts if args.G else None)
     parquet_in = args.input != "-" and _is_parquet(args.input)
     reqs: list[tuple[dict[str, Any], str, dict[str, Any]]] = []
     ids: list[Any] = []
@@ -246,6 +244,8 @@ def run_ray(args: argparse.Namespace, task: Any, requests: Any) -> int:
                     f"--output {out_path}: a Parquet 'id' column holds one type; give every "
                     "input line a string 'id', or every line an integer one"
                 )
+    n_experts = PackedModel(args.model).hparams.n_experts  # a missing pack fails here, once
+    check_engine_opts(args, n_experts if args.G else None)
     ray = data.need_ray()
     started = _start_ray(ray, args, actors, threads)
     ctx = ray.data.DataContext.get_current()
@@ -308,7 +308,8 @@ def _own_error(exc: BaseException) -> BaseException:
         seen.add(id(e))
         if isinstance(e, EStreamError) and type(e).__module__.startswith("estream"):
             return e
-        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+        cause = getattr(e, "cause", None)  # a Ray error's wrapped exception
+        todo += [e.__cause__, e.__context__, cause if isinstance(cause, BaseException) else None]
     # An actor that died in its constructor reaches the driver as text only: its last line
     # names the error (``estream.errors.PackError: …``).
     found = _NAMED_ERROR.findall(str(exc))
