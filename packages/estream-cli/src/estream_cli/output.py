@@ -1,5 +1,7 @@
 """The one writer of every file a command writes (``prefill --all-logits/--trace``,
-``eval --output/--details``, ``config --plot``).
+``eval --output/--details``, ``config --plot``, the task commands' ``--output``). The one
+exception is a task command's Parquet output with ``--ray``: a directory of part files that
+Ray Data's writer makes (`estream_cli.ray_commands`: a new directory, renamed into place).
 
 * ``-`` is standard output: the bytes go there directly.
 * A new path, or an existing regular file, is written under a temporary name in the same
