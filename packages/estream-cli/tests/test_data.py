@@ -29,6 +29,14 @@ def pack(tmp_path_factory):
     return d / "m.estream"
 
 
+def pack_state(pack) -> dict:
+    """Every file of a pack: its size, modification time and bytes."""
+    return {
+        p.name: (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(pack.iterdir())
+    }
+
+
 def test_import_estream_and_estream_data_load_no_ray() -> None:
     """`import estream` (and `estream.data`, and the command) leaves `ray` and `pyarrow` out of
     `sys.modules`, in a fresh process."""
@@ -63,7 +71,9 @@ def test_without_ray_installed_ray_is_one_clear_error(pack, tmp_path) -> None:
 
 def test_the_runner_answers_rows_as_the_task_functions(pack) -> None:
     """`TaskRunner.answer` (an actor's work) answers each row as `tasks.classify` does, a row's
-    own field over the default, and a row that cannot be answered gets its exception."""
+    own field over the default, and a row that cannot be answered gets its exception; the
+    pack is only read: no file in it is added, removed or changed."""
+    before = pack_state(pack)
     runner = data.TaskRunner(
         pack, "classify", defaults={"labels": ["yes", "no"]}, engine=ENGINE_KW, verify=True
     )
@@ -87,6 +97,7 @@ def test_the_runner_answers_rows_as_the_task_functions(pack) -> None:
         assert isinstance(got[3], BadRequestError) and str(got[3]).startswith("no prompt")
     finally:
         runner.close()
+    assert pack_state(pack) == before
 
 
 def test_a_corrupt_pack_fails_the_actor_start(pack, tmp_path) -> None:
