@@ -33,6 +33,8 @@ class StreamConfig:
     Q: int
     B: int
     source: str  # where it came from: explicit | manifest | budget | mode | default
+    #: the configurator's predicted memory of the run, for a budget's choice (else None)
+    memory_bytes: int | None = None
 
     def arena_bytes(self, model: PackedModel) -> int:
         return self.B * self.G * sum(size for _, size in model.plane_extents)
@@ -63,7 +65,9 @@ def resolve_config(
         cfg = StreamConfig(min(g, hp.n_experts), q, b, "explicit")
     elif budget is not None:
         choice = configure_for_budget(model, budget, tokens)
-        cfg = StreamConfig(int(choice.G), int(choice.Q), int(choice.B), "budget")
+        cfg = StreamConfig(
+            int(choice.G), int(choice.Q), int(choice.B), "budget", int(choice.memory_bytes)
+        )
     elif stored := model.manifest.get("config"):
         cfg = StreamConfig(int(stored["G"]), int(stored["Q"]), int(stored["B"]), "manifest")
     else:

@@ -2,19 +2,19 @@
 
 The forward pass of each architecture is its own module in `estream.models` (llama.cpp's
 `src/models/<arch>.cpp`), written over the ops of `models.ops` and the weight records of
-`models.weights`. This module holds the
-generic loop around it: embedding, for each layer "tell the expert source the layer starts, run
-the layer", final norm and output head; and all the bookkeeping (spans, metrics, progress) that
-the layer functions leave out. Dense weights are resident; experts come from an `ExpertSource`.
+`models.weights`. This module holds the generic loop around it — embedding, for each layer
+"the layer starts (its experts begin to load), run the layer", final norm and output head —
+which calls a `recorder.PassRecorder` at its stage boundaries for spans, metrics and progress.
+Dense weights are resident; experts come from an `ExpertSource`. `EngineOptions` are the
+engine's options, checked once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +27,14 @@ import estream_sched as es
 from estream_layout import ModelSpec
 
 from . import memory
-from .config import StreamConfig, configure_for_budget, resolve_config
+from .config import StreamConfig, resolve_config
 from .errors import BadRequestError, NonFiniteError
 from .experts import SCHEDULES, ExpertSource, GroupRecord, ResidentExperts, StreamedExperts
-from .metrics import build_events, op_times, run_metrics
 from .models import architecture
 from .models.layout import SeqLayout
 from .models.ops import Ops
 from .packed import PackedModel
+from .recorder import PassRecorder
 
 __all__ = [
     "ACTS",
@@ -44,6 +44,7 @@ __all__ = [
     "BranchRequest",
     "BranchResult",
     "Engine",
+    "EngineOptions",
     "PrefillResult",
     "Request",
     "StreamConfig",
@@ -152,6 +153,61 @@ class BranchResult:
         return out
 
 
+def _one_of(choices: Sequence[str]) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        if value not in choices:
+            raise BadRequestError(f"{attr.name} must be one of {', '.join(choices)}, got {value!r}")
+
+    return check
+
+
+def _count(_: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    _check_counts(**{attr.name: value})
+
+
+def _budget_tokens(_: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise BadRequestError(f"{attr.name} must be an int >= 1, got {value!r}")
+
+
+def _bytes(value: int | str | None) -> int | None:
+    return None if value is None else memory.parse_bytes(value)
+
+
+@attrs.frozen(kw_only=True)
+class EngineOptions:
+    """How an `Engine` runs. Each option is checked when the options are made (a
+    `BadRequestError` naming it, nothing opened yet); `Engine(path, **kw)` makes them from
+    its keyword arguments.
+
+    ``mode``: one of `MODES`; ``schedule``: when the streamed experts are read (`SCHEDULES`);
+    ``budget``: memory for the run (bytes or "1.5GiB"; a stored profile picks ``G, Q, B`` for
+    it, for prompts of ``budget_tokens``); ``G, Q, B``: group size, read queue depth, banks
+    (explicit); ``n_threads``: the kernels' pool; ``verify``: check every checksum as it is
+    read; ``direct``: O_DIRECT reads (None: where supported); ``progress``: a layer counter on
+    a terminal; ``act``, ``attention``: how the kernels multiply (`ACTS`, `ATTENTION`);
+    ``backend``: where the expert ops run (`estream_htp.BACKENDS`); ``dense_ops``: where the
+    other ops run (`DENSE_OPS`; None: on the backend if it is an accelerator, else here)."""
+
+    dense_ops: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_one_of(DENSE_OPS))
+    )
+    act: str = attrs.field(default="q8", validator=_one_of(ACTS))
+    attention: str = attrs.field(default="f32", validator=_one_of(ATTENTION))
+    backend: str = attrs.field(default="host", validator=_one_of(htp.BACKENDS))
+    mode: str = attrs.field(default="stream", validator=_one_of(MODES))
+    schedule: str = attrs.field(default="early", validator=_one_of(SCHEDULES))
+    G: int | None = attrs.field(default=None, validator=_count)
+    Q: int | None = attrs.field(default=None, validator=_count)
+    B: int | None = attrs.field(default=None, validator=_count)
+    n_threads: int | None = attrs.field(default=None, validator=_count)
+    budget_tokens: int | None = attrs.field(default=None, validator=_budget_tokens)
+    budget: int | None = attrs.field(default=None, converter=_bytes)
+    verify: bool = False
+    direct: bool | None = None
+    progress: bool = False
+
+
 class Engine:
     """A loaded packed model, ready to prefill prompts.
 
@@ -162,74 +218,34 @@ class Engine:
     def __init__(
         self,
         path: str | os.PathLike[str],
-        *,
-        mode: str = "stream",
-        schedule: str = "early",
-        budget: int | str | None = None,
-        budget_tokens: int | None = None,
-        G: int | None = None,
-        Q: int | None = None,
-        B: int | None = None,
-        n_threads: int | None = None,
-        verify: bool = False,
-        direct: bool | None = None,
-        progress: bool = False,
-        act: str = "q8",
-        attention: str = "f32",
-        backend: str = "host",
-        dense_ops: str | None = None,
+        options: EngineOptions | None = None,
+        **kwargs: Any,
     ) -> None:
-        if dense_ops is not None and dense_ops not in DENSE_OPS:
-            raise BadRequestError(
-                f"dense_ops must be one of {', '.join(DENSE_OPS)}, got {dense_ops!r}"
-            )
-        if act not in ACTS:
-            raise BadRequestError(f"act must be one of {', '.join(ACTS)}, got {act!r}")
-        self.act = act
-        if attention not in ATTENTION:
-            raise BadRequestError(
-                f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}"
-            )
-        self.attention = attention
-        if backend not in htp.BACKENDS:
-            raise BadRequestError(
-                f"backend must be one of {', '.join(htp.BACKENDS)}, got {backend!r}"
-            )
-        if mode not in MODES:
-            raise BadRequestError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if schedule not in SCHEDULES:
-            raise BadRequestError(
-                f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}"
-            )
-        _check_counts(G=G, Q=Q, B=B, n_threads=n_threads)
-        if budget_tokens is not None and (
-            isinstance(budget_tokens, bool)
-            or not isinstance(budget_tokens, int)
-            or budget_tokens < 1
-        ):
-            raise BadRequestError(f"budget_tokens must be an int >= 1, got {budget_tokens!r}")
+        """Load the pack at ``path`` with ``options``, or with the keyword arguments of
+        `EngineOptions` (checked before anything is opened)."""
+        if options is None:
+            options = EngineOptions(**kwargs)
+        elif kwargs:
+            raise TypeError("Engine takes EngineOptions or keyword options, not both")
+        o = self.options = options
         t0 = time.perf_counter()
         self._closed = False
         self._n_passes = 0  # passes run, numbering each pass's metrics ("pass_id")
         self._mem0 = memory.mem_available()
         memory.keep_freed_heap()  # per-op arrays reuse heap pages (see memory.keep_freed_heap)
-        self.mode, self.schedule = mode, schedule
-        self.progress = progress
+        self.mode, self.schedule, self.progress = o.mode, o.schedule, o.progress
+        self.act, self.attention = o.act, o.attention
+        self.budget, self.budget_tokens = o.budget, o.budget_tokens
         self.model = PackedModel(path)
-        self.hp = self.model.hparams
-        self.budget = memory.parse_bytes(budget) if budget is not None else None
-        self.budget_tokens = budget_tokens
-        self.config = resolve_config(self.model, mode, self.budget, G, Q, B, budget_tokens)
-        self.arch = architecture(self.hp)
-        htp.set_num_threads(int(n_threads or DEFAULT_THREADS))
-        hp = self.hp
+        self.hp = hp = self.model.hparams
+        self.config = resolve_config(self.model, o.mode, o.budget, o.G, o.Q, o.B, o.budget_tokens)
+        self.arch = architecture(hp)
+        htp.set_num_threads(int(o.n_threads or DEFAULT_THREADS))
         self._capacity = 4096
-        # Expert ops run on the chosen backend; the other ops stay on this process's default one.
-        # The hexagon executor (qemu-hexagon here, the DSP on a device) runs one thread.
-        self.backend = htp.open_backend(backend, n_threads=htp.get_num_threads(), act=act)
-        if dense_ops is None:  # an accelerator runs every op by default (the DSP: hexagon)
-            dense_ops = "backend" if self.backend.accelerator else "host"
-        self.dense_ops = dense_ops
+        # Expert ops run on the chosen backend; the other ops stay on this process's default one
+        # unless it is an accelerator, which runs every op (the DSP: hexagon).
+        self.backend = htp.open_backend(o.backend, n_threads=htp.get_num_threads(), act=o.act)
+        self.dense_ops = o.dense_ops or ("backend" if self.backend.accelerator else "host")
         self.max_pass_tokens = max(hp.n_ctx, MAX_PASS_TOKENS)
         # the experts' tile formats (gate, up, down); Q4_0 records use the graph's default
         fmts = self.model.expert_formats
@@ -245,26 +261,13 @@ class Engine:
         self._dense_shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # every op of a pass on the expert backend (dense_ops="backend"): activations in its
         # arena (memory registered with its executor; private memory on the host)
-        self._pool = self.backend.activations() if dense_ops == "backend" else None
+        self._pool = self.backend.activations() if self.dense_ops == "backend" else None
         self.experts: ExpertSource | None = None  # type: ignore[assignment]
         try:
-            if self.config is None:
-                self.experts = ResidentExperts(self.model, self.graph, verify=verify)
-            else:
-                c = self.config
-                self.experts = StreamedExperts(
-                    self.model,
-                    self.graph,
-                    group_size=c.G,
-                    queue_depth=c.Q,
-                    n_banks=c.B,
-                    schedule=schedule,
-                    verify=verify,
-                    direct=direct,
-                )
+            self.experts = self._open_experts()
             # Streamed (schedule "early"): the first MoE layer's reads are running by now, so
             # the dense weights load and bind while they fill the arena.
-            self.model.load_dense(verify=verify)
+            self.model.load_dense(verify=o.verify)
             self.weights = self.arch.bind(self.model)
         except BaseException:
             self._closed = True  # nothing for close()/__del__ to do twice
@@ -275,6 +278,22 @@ class Engine:
                 self.backend.close()
             raise
         self.load_s = time.perf_counter() - t0
+
+    def _open_experts(self) -> ExpertSource:
+        """The expert source of the configuration: resident (no arena) or streamed."""
+        o, c = self.options, self.config
+        if c is None:
+            return ResidentExperts(self.model, self.graph, verify=o.verify)
+        return StreamedExperts(
+            self.model,
+            self.graph,
+            group_size=c.G,
+            queue_depth=c.Q,
+            n_banks=c.B,
+            schedule=o.schedule,
+            verify=o.verify,
+            direct=o.direct,
+        )
 
     # -- the forward pass ------------------------------------------------------------------
     def _check_tokens(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -450,10 +469,8 @@ class Engine:
         its measured non-arena memory)."""
         per_token = pass_bytes_per_token(self.hp, all_logits=all_logits)
         allowance = DEFAULT_ACTIVATION_BYTES
-        if self.budget is not None and self.config is not None and self.config.source == "budget":
-            predicted = int(
-                configure_for_budget(self.model, self.budget, self.budget_tokens).memory_bytes
-            )
+        predicted = self.config.memory_bytes if self.config is not None else None
+        if self.budget is not None and predicted is not None:
             prof = self.model.manifest.get("profile") or {}
             prof_tokens = int(prof.get("meta", {}).get("tokens", PROFILE_TOKENS))
             allowance = self.budget - predicted + prof_tokens * per_token
@@ -539,100 +556,54 @@ class Engine:
         rows: np.ndarray | None,
         return_hidden: bool,
     ) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any], dict[str, Any]]:
+        """One causal pass over packed rows: embedding, the layers, final norm, output head
+        (the logits of ``rows``; every row's if None)."""
+        ops, rec = self._begin_pass(layout)
+        hp, head = self.hp, self.weights.head
+        pos = ops.begin_pass(layout.positions())
+        x = ops.embed(head, ids)
+        for i, w in enumerate(self.weights.layers):
+            rec.begin_layer(i)
+            ops.begin_layer(self.model.layers.get(i))  # None: a dense layer, nothing to read
+            x = self.arch.layer(ops, hp, w, x, pos)
+            ops.end_layer()
+            rec.end_layer(i)
+        rec.begin_head()
+        _check_finite(x)
+        ops.begin_stage()
+        hn = ops.rms_norm(ops.take_rows(x, rows), head.norm)
+        out = ops.output(head, hn)
+        hidden = (hn if rows is None else ops.rms_norm(x, head.norm)) if return_hidden else None
+        out, hidden = ops.result(out), ops.result(hidden)
+        metrics, extra = rec.finish(self._describe(int(ids.size)))
+        return out, hidden, metrics, extra  # type: ignore[return-value]
+
+    def _begin_pass(self, layout: SeqLayout) -> tuple[Ops, PassRecorder]:
+        """The ops of a pass over ``layout`` and its recorder (the engine must be open)."""
         if self._closed:
             raise RuntimeError("engine is closed")
         htp.set_activation_format(self.act)  # type: ignore[arg-type]
-        hp = self.hp
-        T = int(ids.size)
-        pos = layout.positions()
         memory.reset_peak()
         # Per-request bookkeeping only: a long-lived engine must not grow without bound.
         self.experts.reset()
-        pool = self._pool
         ops = Ops(
-            hp,
+            self.hp,
             self.experts,
             layout,
             backend=self.backend if self.dense_ops == "backend" else None,
             shared=self._dense_shared,
             attn_products=self.attention,
-            pool=pool,
+            pool=self._pool,
         )
-        spans: list[tuple[str, int, float, float]] = []
-        op_spans: list[tuple[str, int, float, float]] = []
-        show = self.progress and sys.stderr.isatty()
-        be = self.backend
-        # the backend's queue in the trace: every op it ran through a fence, with its times
-        be.trace = []
-        be.reset_stats()
-        t_start = time.perf_counter()
-        if pool is not None:
-            pool.begin_pass()
-            pos = ops.input(pos)
-        ops.begin_stage()
-        x = ops.embed(self.weights.head, ids)
-        op_spans += [(name, -1, s0, s1) for name, s0, s1 in ops.op_spans]
-        ops.op_spans.clear()
-        for i, w in enumerate(self.weights.layers):
-            moe_layer = self.model.layers.get(i)  # None: a dense layer, nothing to read
-            t0 = time.perf_counter()
-            if moe_layer is not None:
-                self.experts.begin_layer(moe_layer)  # reads start before attention
-            ops.begin_stage()
-            x = self.arch.layer(ops, hp, w, x, pos)
-            if moe_layer is not None:
-                self.experts.end_layer()
-            t1 = time.perf_counter()
-            phases = [(s0, s1) for name, s0, s1 in ops.op_spans if name == "experts"]
-            spans += _non_expert_spans(i, t0, t1, phases)
-            op_spans += [(name, i, s0, s1) for name, s0, s1 in ops.op_spans]
-            ops.op_spans.clear()
-            spans.append(("layer", i, t0, t1))
-            if show:
-                print(f"\r  layer {i + 1}/{hp.n_layers}", end="", file=sys.stderr, flush=True)
-        if show:
-            print("\r" + " " * 24 + "\r", end="", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        head = self.weights.head
-        _check_finite(x)
-        ops.begin_stage()
-        hn = ops.rms_norm(ops.take_rows(x, rows), head.norm)
-        out = ops.output(head, hn)
-        hidden = None
-        if return_hidden:
-            hidden = hn if rows is None else ops.rms_norm(x, head.norm)
-        if pool is not None:  # the results leave the pool, which the next pass reuses
-            out = np.array(out)
-            hidden = None if hidden is None else np.array(hidden)
-        t_end = time.perf_counter()
-        spans.append(("output", -1, t0, t_end))
-        op_spans += [(name, -1, s0, s1) for name, s0, s1 in ops.op_spans]
-        records = list(self.experts.records)
-        reads = self.experts.reads()
-        metrics = run_metrics(
-            t_start=t_start,
-            t_end=t_end,
-            spans=spans,
-            records=records,
-            reads=reads,
-            bytes_read=self.experts.bytes_read,
+        rec = PassRecorder(
+            ops,
+            self.experts,
+            self.backend,
+            n_layers=self.hp.n_layers,
             mem_before=self._mem0,
+            progress=self.progress,
         )
-        metrics.update(self._describe(T))
-        # Non-expert time of every layer, indexed by layer (dense layers included).
-        t_ne = [0.0] * hp.n_layers
-        for name, layer, s0, s1 in spans:
-            if name == "non-expert":
-                t_ne[layer] += s1 - s0
-        metrics["layer_t_ne_s"] = t_ne
-        metrics["op_time_s"] = op_times(op_spans)
-        dsp, be.trace = be.trace or [], None
-        metrics.update({f"backend_{k}": v for k, v in be.stats().items()})
-        if pool is not None:
-            metrics["activation_pool_bytes"] = pool.nbytes
-        events = build_events(t_start, spans, records, reads, op_spans, dsp)
-        extra = {"events": events, "records": records, "reads": list(reads)}
-        return out, hidden, metrics, extra
+        return ops, rec
 
     def _describe(self, T: int) -> dict[str, Any]:
         c = self.config
@@ -680,19 +651,6 @@ class Engine:
             self.close()
 
 
-def _non_expert_spans(
-    layer: int, t0: float, t1: float, expert_phases: list[tuple[float, float]]
-) -> list[tuple[str, int, float, float]]:
-    """The parts of a layer's time `[t0, t1]` outside its routed-expert phases."""
-    out = []
-    start = t0
-    for p0, p1 in expert_phases:
-        out.append(("non-expert", layer, start, p0))
-        start = p1
-    out.append(("non-expert", layer, start, t1))
-    return out
-
-
 def _check_counts(**counts: Any) -> None:
     """G, Q, B and the thread count are positive integers when given (never silently a
     default: 0 is an error, and so is 2.5)."""
@@ -715,5 +673,5 @@ def _check_finite(x: np.ndarray) -> None:
 
 
 def load(path: str | Path, **kwargs: Any) -> Engine:
-    """Load a packed model (`NAME.estream`) for prefill. See `Engine` for the options."""
+    """Load a packed model (`NAME.estream`) for prefill. See `EngineOptions` for the options."""
     return Engine(path, **kwargs)

@@ -23,7 +23,7 @@ import estream_htp as htp
 from estream_layout import ModelSpec
 
 from ..experts import ExpertSource
-from ..packed import DenseTensor
+from ..packed import DenseTensor, ExpertLayer
 from .layout import Segment, SeqLayout, segment_rows
 from .weights import FFN, Attention, Head, MoE, Rope, ShortConv
 
@@ -72,6 +72,7 @@ class Ops:
         self.op_spans: list[tuple[str, float, float]] = []
         self.pool = pool
         self._rows: htp.Q8Rows | None = None  # an MoE layer's input, quantized once
+        self._layer: ExpertLayer | None = None  # the routed experts of the running layer
 
     def timed(self, name: str) -> _Timed:
         """``with ops.timed(name): ...``: the block's (name, start, end) goes to ``op_spans``
@@ -118,6 +119,34 @@ class Ops:
         `estream_htp.ActivationArena`)."""
         if self.pool is not None:
             self.pool.begin_stage()
+
+    # the stages of a pass
+    def begin_pass(self, pos: np.ndarray) -> np.ndarray:
+        """The pass starts (its first stage, the embedding, too): the positions ``pos`` as
+        the ops read them."""
+        if self.pool is not None:
+            self.pool.begin_pass()
+        pos = self.input(pos)
+        self.begin_stage()
+        return pos
+
+    def begin_layer(self, experts: ExpertLayer | None) -> None:
+        """A layer starts: its routed ``experts`` (None: a dense layer) begin to load — the
+        reads start before attention — and its activations get their stage."""
+        self._layer = experts
+        if experts is not None:
+            self.experts.begin_layer(experts)
+        self.begin_stage()
+
+    def end_layer(self) -> None:
+        if self._layer is not None:
+            self.experts.end_layer()
+        self._layer = None
+
+    def result(self, a: np.ndarray | None) -> np.ndarray | None:
+        """An array the caller keeps after the pass: copied out of the pool, which the next
+        pass reuses."""
+        return np.array(a) if a is not None and self.pool is not None else a
 
     # element-wise glue: kernel ops with a pool, numpy without. The public
     # methods are timed leaf ops; the underscored ones are for use inside another timed block.
@@ -294,7 +323,9 @@ class Ops:
             k = htp.rms_norm(k, self._w(w.k_norm), eps, self._out(k.shape), backend=be)
             return q, k
         assert w.q_norm is not None and w.k_norm is not None  # checked at construction
-        q = htp.rms_norm_heads(q, self._w(w.q_norm), w.n_head, eps, self._out(q.shape), backend=be)  # type: ignore[arg-type]
+        q = htp.rms_norm_heads(
+            q, self._w(w.q_norm), w.n_head, eps, self._out(q.shape), backend=be
+        )  # type: ignore[arg-type]  # fmt: skip
         k = htp.rms_norm_heads(
             k, self._w(w.k_norm), w.n_head_kv, eps, self._out(k.shape), backend=be
         )  # type: ignore[arg-type]

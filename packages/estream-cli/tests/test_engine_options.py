@@ -1,0 +1,90 @@
+"""`EngineOptions`: an engine's options checked once, when they are made, before anything is
+opened; the engine takes them whole or as keyword arguments; a budget's configuration is
+computed once per engine (the configurator's memory figure travels in `StreamConfig`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import attrs
+import pytest
+
+import estream
+import estream.config as config
+from estream import BadRequestError, EngineOptions
+from estream.engine import PROFILE_TOKENS, pass_bytes_per_token
+from estream_layout import pack_model, synth_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("options")
+    synth_model("olmoe", "tiny", d / "m.gguf", seed=7)
+    pack_model(d / "m.gguf", d / "m.estream", progress=False)
+    return d / "m.estream"
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"dense_ops": "dsp"}, "dense_ops must be one of host, backend, got 'dsp'"),
+        ({"act": "q4"}, "act must be one of q8, f32, got 'q4'"),
+        ({"attention": "f16"}, "attention must be one of f32, bf16, got 'f16'"),
+        ({"backend": "gpu"}, "backend must be one of host, host-process, hexagon, got 'gpu'"),
+        ({"mode": "fast"}, "mode must be one of stream, resident, naive, layer, got 'fast'"),
+        ({"schedule": "late"}, "schedule must be one of early, after-routing, ondemand"),
+        ({"G": 0}, "G must be a positive integer, got 0"),
+        ({"Q": 2.5}, "Q must be a positive integer, got 2.5"),
+        ({"B": True}, "B must be a positive integer, got True"),
+        ({"n_threads": -1}, "n_threads must be a positive integer, got -1"),
+        ({"budget_tokens": 0}, "budget_tokens must be an int >= 1, got 0"),
+        ({"budget": "lots"}, "cannot read memory size 'lots'"),
+    ],
+)
+def test_a_bad_option_is_refused_before_anything_opens(
+    kw: dict[str, object], message: str, tmp_path: Path
+) -> None:
+    """Each bad option raises `BadRequestError` naming it and its value, from the options
+    alone and from `estream.load` before the pack is opened (the path does not exist)."""
+    with pytest.raises(BadRequestError, match=message.replace(".", r"\.")):
+        EngineOptions(**kw)  # type: ignore[arg-type]
+    with pytest.raises(BadRequestError, match=message.replace(".", r"\.")):
+        estream.load(tmp_path / "absent.estream", **kw)
+
+
+def test_options_whole_or_as_keywords(model: Path) -> None:
+    """`Engine(path, options)` and `Engine(path, **keywords)` run the same configuration and
+    give the same logits; giving both is a TypeError; an unknown keyword is a TypeError."""
+    opts = EngineOptions(mode="stream", G=2, Q=2, B=3, act="f32", budget="1GiB")
+    assert opts.budget == 1 << 30 and opts.n_threads is None
+    with estream.Engine(model, opts) as a, estream.load(model, **attrs.asdict(opts)) as b:
+        assert a.options == b.options == opts
+        assert (a.config, a.dense_ops, a.budget) == (b.config, b.dense_ops, 1 << 30)
+        ra, rb = a.prefill([1, 2, 3]), b.prefill([1, 2, 3])
+        assert (ra.logits == rb.logits).all()
+    with pytest.raises(TypeError, match="not both"):
+        estream.Engine(model, opts, mode="resident")
+    with pytest.raises(TypeError):
+        estream.load(model, groups=2)
+
+
+def test_a_budget_is_configured_once(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a budget, loading runs the configurator once and `default_batch_tokens` uses the
+    memory figure it predicted (kept in `StreamConfig.memory_bytes`) without running it
+    again: allowance = budget - predicted + the profile pass's activations."""
+    calls: list[tuple[int, int | None]] = []
+    predicted = 700 << 20
+
+    def configure(m: object, budget: int, tokens: int | None = None) -> SimpleNamespace:
+        calls.append((budget, tokens))
+        return SimpleNamespace(G=2, Q=2, B=3, memory_bytes=predicted)
+
+    monkeypatch.setattr(config, "configure_for_budget", configure)
+    with estream.load(model, budget="1GiB", budget_tokens=64) as eng:
+        assert calls == [(1 << 30, 64)]
+        assert eng.config == config.StreamConfig(2, 2, 3, "budget", predicted)
+        per = pass_bytes_per_token(eng.hp)
+        want = ((1 << 30) - predicted + PROFILE_TOKENS * per) // per
+        assert eng.default_batch_tokens() == max(64, min(8192, want))
+        assert calls == [(1 << 30, 64)]  # not run again
