@@ -97,6 +97,34 @@ def test_2000_rows_on_two_actors_equal_the_single_process_command(
     assert "2000 requests on 2 actors (Ray)" in err
 
 
+TASK_ROWS = {
+    "score": [{"id": i, "context": f"the cat sat {i}", "choices": ["on it", "far away"]}
+              for i in range(6)],
+    "rerank": [{"id": i, "query": f"cats {i}",
+                "docs": ["cats sit", {"id": "x", "text": "rain"}, {"id": None, "text": "mats"}]}
+               for i in range(4)],
+    "embed": [{"id": i, "prompt": f"hello {i}", "pool": ["last", "mean"][i % 2],
+               "normalize": i % 3 == 0} for i in range(6)] + [{"id": "e", "prompt": ""}],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("task", sorted(TASK_ROWS))
+def test_score_rerank_embed_on_ray_equal_the_single_process_command(
+    pack, local_ray, tmp_path, capsys, task
+):
+    """``score``, ``rerank`` and ``embed`` batches through ``--ray`` write the lines the
+    command writes without it (less the metrics), error lines included."""
+    src = write_jsonl(tmp_path / "in.jsonl", TASK_ROWS[task])
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    argv = [task, str(pack), "--input", str(src), *ENGINE]
+    rc1 = main([*argv, "--output", str(one)])
+    rc2 = main([*argv, "--output", str(two), "--ray", "--actors", "2", "--block-rows", "2"])
+    assert rc1 == rc2, capsys.readouterr().err
+    a, b = read_lines(one), read_lines(two)
+    assert len(a) == len(TASK_ROWS[task]) and "error" not in a[0]
+    assert [without_metrics(x) for x in a] == [without_metrics(y) for y in b]
+
+
 class KillOnce(data.TaskRunner):
     """A runner whose actor kills itself with SIGKILL the first time it is given the block
     holding row `KILL_AT`, before answering it (`MARKER` records the pid it killed)."""

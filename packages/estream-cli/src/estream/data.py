@@ -91,6 +91,7 @@ def _request(task: str, row: Mapping[str, Any], defaults: Mapping[str, Any]) -> 
     fields: dict[str, Any] = {}
     if _present(row, REQUEST_COLUMN):
         fields.update(json.loads(row[REQUEST_COLUMN]))
+    as_json = set(fields)  # as written: a null in it was given, not filled in by Arrow
     for f in TASKS[task]:
         if f not in fields:
             if _present(row, f):
@@ -131,7 +132,7 @@ def _request(task: str, row: Mapping[str, Any], defaults: Mapping[str, Any]) -> 
             raise BadRequestError("no docs: give a 'docs' field or a default")
         out: list[Any] = []
         for d in list(docs):
-            if isinstance(d, Mapping):  # a struct column fills a missing id with null
+            if isinstance(d, Mapping) and "docs" not in as_json:  # Arrow nulls a missing id
                 d = {k: v for k, v in d.items() if not (k == "id" and v is None)}
             out.append(d)
         return {"query": text("query"), "docs": out}
