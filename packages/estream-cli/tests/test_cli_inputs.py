@@ -121,7 +121,12 @@ def test_config_length_beyond_the_context(model, capsys):
 def test_group_size_beyond_the_expert_count(model, capsys):
     """-G larger than the experts of a layer is refused, not silently clamped."""
     rc, _, err = run(capsys, "prefill", str(model), "--tokens", "1", "-G", "9")
-    refused(rc, err, "-G 9 is larger than the model's 8 experts")
+    refused(rc, err, "a group size of 9 is more than the model's 8 experts per layer")
+    import estream
+    from estream.errors import BadRequestError
+
+    with pytest.raises(BadRequestError, match="group size of 9"):
+        estream.load(model, G=9)
 
 
 def test_bench_lists(model, capsys):
@@ -350,7 +355,7 @@ def test_options_that_take_effect_are_accepted(model, extra):
     from estream_cli.options import check_engine_opts
 
     args = build_parser().parse_args(["prefill", str(model), "--tokens", "1", *extra])
-    check_engine_opts(args, n_experts=8)
+    check_engine_opts(args)
 
 
 def test_bench_budget_without_a_stream_run(model, capsys):

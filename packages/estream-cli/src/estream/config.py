@@ -59,10 +59,14 @@ def resolve_config(
     elif mode == "layer":
         cfg = StreamConfig(hp.n_experts, 2, 2, "mode")
     elif G or Q or B:
-        g = G or 4
+        if G and hp.n_experts < G:
+            raise BadRequestError(
+                f"a group size of {G} is more than the model's {hp.n_experts} experts per "
+                f"layer (G at most {hp.n_experts})"
+            )
         q = Q or 2
         b = B or max(q, 2)
-        cfg = StreamConfig(min(g, hp.n_experts), q, b, "explicit")
+        cfg = StreamConfig(G or min(4, hp.n_experts), q, b, "explicit")
     elif budget is not None:
         choice = configure_for_budget(model, budget, tokens)
         cfg = StreamConfig(

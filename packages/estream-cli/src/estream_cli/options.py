@@ -188,10 +188,10 @@ def add_engine_opts(p: argparse.ArgumentParser) -> None:
     )
 
 
-def check_engine_opts(args: argparse.Namespace, n_experts: int | None = None) -> None:
+def check_engine_opts(args: argparse.Namespace) -> None:
     """Refuse an engine option that would do nothing in the chosen combination (a budget in
-    resident mode, threads of an executor that runs one, ...): never silently ignored.
-    ``n_experts``: the model's experts per layer, when known (bounds -G)."""
+    resident mode, threads of an executor that runs one, ...): never silently ignored. (A
+    group size beyond the model's experts is refused where the configuration is resolved.)"""
     from estream.errors import BadRequestError
 
     explicit = [f"-{k} {getattr(args, k)}" for k in ("G", "Q", "B") if getattr(args, k, None)]
@@ -229,11 +229,6 @@ def check_engine_opts(args: argparse.Namespace, n_experts: int | None = None) ->
             "thread and the dense ops run there too; drop --threads, or add --dense-ops host "
             "to run the dense ops on this many host threads"
         )
-    if n_experts is not None and args.G and n_experts < args.G:
-        raise BadRequestError(
-            f"-G {args.G} is larger than the model's {n_experts} experts per layer; give "
-            f"-G 1..{n_experts}"
-        )
 
 
 def engine_from_args(
@@ -241,12 +236,7 @@ def engine_from_args(
 ) -> Engine:
     """Load the engine with the options `add_engine_opts` added to a sub-command; ``tokens``:
     the prompt length a ``--budget`` configuration is chosen for (one request's length)."""
-    n_experts = None
-    if args.G:
-        from estream.packed import PackedModel
-
-        n_experts = PackedModel(args.model).hparams.n_experts
-    check_engine_opts(args, n_experts)
+    check_engine_opts(args)
     return load(
         args.model,
         mode=args.mode,
