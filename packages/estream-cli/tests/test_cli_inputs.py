@@ -99,16 +99,16 @@ def test_count_options_take_ascii_positive_integers(model, capsys, option, value
         (["--candidates", "a"], "ASCII digits"),
         (["--candidates", "1,,2"], "empty item"),
         (["--candidates", "0"], ">= 1"),
-        (["--candidates", "1,99"], "larger than the model's 8 experts"),
+        (["--candidates", "1,99"], "group size 99 does not fit the model's 8 experts"),
         (["--queue-depths", "２"], "ASCII digits"),
-        (["--tokens", "100000"], "longer than the model context"),
+        (["--tokens", "100000"], "100000 tokens does not fit the model context (1..4096"),
     ],
 )
 def test_profile_values_are_checked_before_profiling(model, capsys, argv, needle):
     """profile's lists and length are refused with one line before any calibration runs."""
     rc, _, err = run(capsys, "profile", str(model), *argv)
     refused(rc, err, needle)
-    assert "profiling" not in err
+    assert "g=" not in err  # no calibration request ran
 
 
 def test_config_length_beyond_the_context(model, capsys):
@@ -116,6 +116,25 @@ def test_config_length_beyond_the_context(model, capsys):
     prompt the model cannot take)."""
     rc, _, err = run(capsys, "config", str(model), "--budget", "1GiB", "--tokens", "4097")
     refused(rc, err, "--tokens 4097 is longer than the model context (4096 tokens)")
+
+
+def test_profile_default_candidates_fit_the_model(model, capsys, monkeypatch):
+    """Without --candidates, profile calibrates the default sizes that fit the model's experts
+    (1, 2, 4, 8 of 1..16 for 8 experts); the library does the same."""
+    from estream import profiling
+
+    seen = []
+
+    def fake(path, *, candidates=None, **kw):
+        seen.append(candidates)
+        raise profiling.BadRequestError("stop")
+
+    monkeypatch.setattr(profiling, "profile_model", fake)
+    rc, _, err = run(capsys, "profile", str(model), "--tokens", "4")
+    assert rc == 2 and "g ∈ {1, 2, 4, 8}" in err and seen == [(1, 2, 4, 8)]
+    monkeypatch.undo()
+    with pytest.raises(profiling.BadRequestError, match="group size 16 does not fit"):
+        profiling.profile_model(model, candidates=(1, 16), n_tokens=4)
 
 
 def test_group_size_beyond_the_expert_count(model, capsys):

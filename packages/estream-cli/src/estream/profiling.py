@@ -24,7 +24,7 @@ import estream_arena as ea
 import estream_sched as es
 
 from .engine import Engine, PrefillResult
-from .errors import PackError
+from .errors import BadRequestError
 from .experts import READ_MERGE_BYTES
 from .memory import drop_file_cache
 from .packed import PackedModel
@@ -112,7 +112,7 @@ def measure_bandwidth_table(
 def profile_model(
     path: str | os.PathLike[str],
     *,
-    candidates: Sequence[int] = DEFAULT_CANDIDATES,
+    candidates: Sequence[int] | None = None,
     queue_depths: Sequence[int] = DEFAULT_QS,
     n_tokens: int = 256,
     bw_rounds: int = DEFAULT_BW_ROUNDS,
@@ -121,15 +121,30 @@ def profile_model(
     log: Callable[[str], None] | None = None,
 ) -> es.Profile:
     """Calibrate: one request per candidate g, plus BW(g, q) (median of ``bw_rounds``
-    interleaved rounds). Returns an `estream_sched.Profile`."""
+    interleaved rounds). Returns an `estream_sched.Profile`. ``candidates``: group sizes, each
+    at most the model's experts per layer (default: those of `DEFAULT_CANDIDATES` that fit);
+    ``n_tokens``: at most the model context."""
     say = log or (lambda s: None)
     model = PackedModel(path)
     hp = model.hparams
-    gs = sorted({int(g) for g in candidates if 1 <= int(g) <= hp.n_experts})
+    if candidates is None:  # the default set: the sizes of it that the model's experts fit
+        candidates = [g for g in DEFAULT_CANDIDATES if g <= hp.n_experts]
+    bad = [g for g in candidates if not 1 <= int(g) <= hp.n_experts]
+    if bad:
+        raise BadRequestError(
+            f"candidate group size {bad[0]} does not fit the model's {hp.n_experts} experts "
+            f"per layer (each must be 1..{hp.n_experts})"
+        )
+    gs = sorted({int(g) for g in candidates})
     queue_depths = sorted({1, *(int(q) for q in queue_depths)})  # reads are timed at q = 1
     if not gs:
-        raise PackError(f"no candidate group size fits {hp.n_experts} experts")
-    T = max(1, min(int(n_tokens), hp.n_ctx))
+        raise BadRequestError("no candidate group size given")
+    if not 1 <= int(n_tokens) <= hp.n_ctx:
+        raise BadRequestError(
+            f"a calibration prompt of {n_tokens} tokens does not fit the model context "
+            f"(1..{hp.n_ctx} tokens)"
+        )
+    T = int(n_tokens)
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, hp.n_vocab, size=T)
     W_e = model.record_bytes

@@ -144,17 +144,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from estream.packed import PackedModel
     from estream.profiling import profile_model
 
-    hp = PackedModel(args.model).hparams
-    if args.tokens > hp.n_ctx:
-        raise BadRequestError(
-            f"--tokens {args.tokens} is longer than the model context ({hp.n_ctx} tokens)"
-        )
-    cands = tuple(args.candidates)
-    big = [g for g in cands if g > hp.n_experts]
-    if big:
-        raise BadRequestError(
-            f"--candidates {big[0]} is larger than the model's {hp.n_experts} experts per layer"
-        )
+    cands = args.candidates
+    if cands is None:  # the default set, the sizes of it that fit the model's experts
+        from estream.profiling import DEFAULT_CANDIDATES
+
+        n_experts = PackedModel(args.model).hparams.n_experts
+        cands = [g for g in DEFAULT_CANDIDATES if g <= n_experts]
     qs = tuple(args.queue_depths)
     _log(
         f"profiling {args.model}: one calibration request per g ∈ {{{', '.join(map(str, cands))}}}, "
@@ -163,7 +158,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     prof = profile_model(
         args.model,
-        candidates=cands,
+        candidates=tuple(cands),
         queue_depths=qs,
         n_tokens=args.tokens,
         bw_rounds=args.bw_rounds,
@@ -343,10 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--candidates",
         type=int_list,
-        default=[1, 2, 4, 8, 16],
+        default=None,
         metavar="G,G,...",
         help="comma-separated group sizes g to profile, each ≤ the model's expert count "
-        "(default 1,2,4,8,16)",
+        "(default: those of 1,2,4,8,16 that are)",
     )
     p.add_argument(
         "--queue-depths",
