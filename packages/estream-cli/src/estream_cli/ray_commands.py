@@ -244,8 +244,8 @@ def run_ray(args: argparse.Namespace, task: Any, requests: Any) -> int:
                     f"--output {out_path}: a Parquet 'id' column holds one type; give every "
                     "input line a string 'id', or every line an integer one"
                 )
-    n_experts = PackedModel(args.model).hparams.n_experts  # a missing pack fails here, once
-    check_engine_opts(args, n_experts if args.G else None)
+    PackedModel(args.model)  # a missing or broken pack fails here, once, not in every actor
+    check_engine_opts(args)
     ray = data.need_ray()
     started = _start_ray(ray, args, actors, threads)
     ctx = ray.data.DataContext.get_current()
