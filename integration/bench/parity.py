@@ -15,25 +15,26 @@ llama.cpp's own rounding), and ``f32``, the same model with every tensor dequant
 an F32 KV cache, on which llama.cpp computes in float32 — that run isolates the *conventions*
 (RoPE style, norms, routing, MLA) and should agree with the reference to ~1e-6.
 
-Two more variants are made with llama.cpp's own quantizer (``llama_model_quantize``, the
-function behind ``llama-quantize``): ``lq4_0`` and ``lq4_k_m``. Their source, variant ``lf32``,
-is an F32 model with continuous Gaussian weights (expert width 256 so that every expert matrix
-can take Q4_K): for deepseek2 and lfm2moe a synthetic Hugging Face checkpoint converted by
-llama.cpp's own ``convert_hf_to_gguf.py`` (``hf_checkpoint.py``; torch is installed for it into
-``.cache/llama-convert``), for the other architectures estream-synth writing the tensor names
-and metadata that converter writes (``--lq-source`` chooses). It is quantized by llama.cpp to
-Q4_0 and Q4_K_M with its default per-tensor choices (Q6_K output
-and some ffn_down/attn_v, Q5_0/Q8_0 fallbacks where a row is not a multiple of 256). Every engine
-and llama.cpp result there is compared with the reference of the quantized file *and* with the
-reference of the F32 original (``*_vs_src``), next to the quantized model's own distance from
-the original (``ref_vs_src``). The packer re-quantizes non-Q4_0 experts (Q4_K, Q6_K, Q5_0) to
-Q4_0 and non-Q4_0/Q8_0 dense matrices to Q8_0, with a loud warning; those rows list what it
+More variants are made with llama.cpp's own quantizer (``llama_model_quantize``, the function
+behind ``llama-quantize``): ``lq4_0``, ``lq4_k_m``, ``lq5_k_m``, ``lq6_k`` and ``lq8_0``. Their
+source, variant ``lf32``, is an F32 model with continuous Gaussian weights (expert width 256 so
+that every expert matrix can take Q4_K): for deepseek2 and lfm2moe a synthetic Hugging Face
+checkpoint converted by llama.cpp's own ``convert_hf_to_gguf.py`` (``hf_checkpoint.py``; torch
+is installed for it into ``.cache/llama-convert``), for the other architectures estream-synth
+writing the tensor names and metadata that converter writes (``--lq-source`` chooses). It is
+quantized by llama.cpp to Q4_0, Q4_K_M, Q5_K_M, Q6_K and Q8_0 with its default per-tensor
+choices (for Q4_K_M: Q6_K output and some ffn_down/attn_v, Q5_0/Q8_0 fallbacks where a row is
+not a multiple of 256). Every engine and llama.cpp result there is compared with the reference
+of the quantized file *and* with the reference of the F32 original (``*_vs_src``), next to the
+quantized model's own distance from the original (``ref_vs_src``). The packer keeps Q4_0, Q8_0, Q4_K and Q6_K tensors as they are;
+it is run with ``requantize="q4_0"``, so experts of other types (Q5_0, Q5_K) are re-quantized to
+Q4_0 and other dense matrices to Q8_0, with a loud warning; those rows list what it
 re-quantized, and ``engine_vs_packed_ref`` compares the engine with the reference of the file as
 the packer stores it (``packed_copy``), which separates the engine's own error from the
 re-quantization's.
 
 Usage: ``nox -s parity [-- --archs olmoe,qwen3moe,mixtral --preset small --tokens 256
---variants q4_0,f32,lf32,lq4_0,lq4_k_m]``.
+--variants q4_0,f32,lf32,lq4_0,lq4_k_m,lq5_k_m,lq6_k,lq8_0]``.
 Writes ``bench-results/parity.json``. If llama.cpp refuses a synthetic GGUF, its exact message
 is printed, stored in the JSON and appended to ``bench-results/synth-issues.md``.
 """
@@ -72,7 +73,13 @@ NOTES = ROOT / "bench-results" / "synth-issues.md"
 TARGET_REL_L2 = 1e-2
 TARGET_TOP1 = 0.99
 # variants quantized by llama.cpp itself from an F32 synthetic source -> llama.cpp's ftype
-LLAMA_QUANT = {"lq4_0": "Q4_0", "lq4_k_m": "Q4_K_M"}
+LLAMA_QUANT = {
+    "lq4_0": "Q4_0",
+    "lq4_k_m": "Q4_K_M",
+    "lq5_k_m": "Q5_K_M",
+    "lq6_k": "Q6_K",
+    "lq8_0": "Q8_0",
+}
 # the F32 source of those: expert rows of 256 (a Q4_K super-block), otherwise the preset
 LLAMA_QUANT_DIMS = {"n_ff_exp": 256}
 
@@ -281,10 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--variants",
-        default="q4_0,f32,lf32,lq4_0,lq4_k_m",
+        default="q4_0,f32,lf32,lq4_0,lq4_k_m,lq5_k_m,lq6_k,lq8_0",
         help="q4_0: the synthetic model; f32: it dequantized; yarn: f32 with YaRN RoPE; "
         "lf32: an F32 model made with llama.cpp's converter (see --lq-source); "
-        "lq4_0 / lq4_k_m: it quantized by llama.cpp to Q4_0 / Q4_K_M",
+        "lq4_0 / lq4_k_m / lq5_k_m / lq6_k / lq8_0: it quantized by llama.cpp to Q4_0 / "
+        "Q4_K_M / Q5_K_M / Q6_K / Q8_0",
     )
     ap.add_argument(
         "--lq-source",

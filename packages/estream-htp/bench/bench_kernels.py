@@ -164,6 +164,67 @@ def bench_gemm(rng: np.random.Generator, row, n: int, k: int, t: int) -> None:
                 {"peak": "int8_vnni", "amx_speedup": t_v / t_h})  # fmt: skip
 
 
+def _random_tiles(rng: np.random.Generator, fmt: str, n: int, k: int) -> np.ndarray:
+    """Valid random weights of `fmt` (GGUF's own block types, re-laid as tiles)."""
+    if fmt == "q4_k-t32r4":
+        return T.pack_q4_k_t32r4(T.random_q4_k_blocks(rng, n, k))
+    if fmt == "q6_k-t32r4":
+        return T.pack_q6_k_t32r4(T.random_q6_k_blocks(rng, n, k))
+    return T.pack_q8_0_t32r4(T.random_q8_0_blocks(rng, n, k))
+
+
+def bench_gemm_source_types(rng: np.random.Generator, row, n: int, k: int, t: int) -> None:
+    """The GEMM on the block types files store (Q8_0, Q4_K, Q6_K), int8 and fp32 activations:
+    each row's share of the measured peak of its instruction (int8 dot / fp32 FMA)."""
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    out = np.empty((t, n), np.float32)
+    for fmt in ("q8_0-t32r4", "q4_k-t32r4", "q6_k-t32r4"):
+        buf = _random_tiles(rng, fmt, n, k)
+        wd = T.dequantize_tiles(buf, fmt, n, k)
+        ref = x @ wd.T
+        t_blas = blas_best_of(lambda wd=wd: np.matmul(x, wd.T, out=out))
+        for act in ("q8", "f32"):
+            htp.set_activation_format(act)
+            t_h = best_of(lambda buf=buf, fmt=fmt: htp.gemm(x, buf, n, fmt, out=out))
+            row(f"gemm {fmt[:4]} {n}x{k} T={t} act={act}", 2.0 * t * n * k, t_h, t_blas,
+                {"rel_l2_vs_blas_f32": T.rel_l2(out, ref)})  # fmt: skip
+
+
+def bench_experts_source_types(rng: np.random.Generator, row) -> None:
+    """The expert op at OLMoE shapes on Q4_K_M's expert mix (Q4_K gate/up, Q6_K down) and on
+    Q8_0 experts, T = 1024."""
+    t = 1024
+    x = rng.standard_normal((t, D)).astype(np.float32)
+    ids, wts = htp.router_topk(rng.standard_normal((t, E)).astype(np.float32), K)
+    tokens = np.repeat(np.arange(t, dtype=np.int32), K)
+    experts, weights = ids.reshape(-1), wts.reshape(-1)
+    flops = 2.0 * 3 * D * FF * tokens.size
+    slots = np.arange(E, dtype=np.int32)
+    for name, fmts in (("Q4_K_M", ("q4_k-t32r4", "q4_k-t32r4", "q6_k-t32r4")),
+                       ("Q8_0", ("q8_0-t32r4",) * 3)):  # fmt: skip
+        gate, up, down = T.random_experts(rng, E, D, FF, fmts)
+        shapes = ((gate, (FF, D), fmts[0]), (up, (FF, D), fmts[1]), (down, (D, FF), fmts[2]))
+        deq = [
+            tuple(T.dequantize_tiles(p[e], f, *shape) for p, shape, f in shapes) for e in range(E)
+        ]
+        planes = [p.ctypes.data for p in (gate, up, down)]
+        strides = [p.strides[0] for p in (gate, up, down)]
+        y = np.zeros((t, D), np.float32)
+        ref = blas_moe(x, tokens, experts, weights, deq)
+        t_blas = blas_best_of(functools.partial(blas_moe, x, tokens, experts, weights, deq), reps=2)
+        with htp.ExpertGraph(D, FF, capacity=tokens.size, t_max=t, formats=fmts) as g:
+            for act in ("q8", "f32"):
+                htp.set_activation_format(act)
+
+                def run(g=g, y=y, planes=planes, strides=strides) -> None:
+                    y[:] = 0
+                    g.run(x, tokens, experts, weights, slots, planes, strides, y)
+
+                t_h = best_of(run, reps=2)
+                row(f"expert op OLMoE {name} T={t} act={act}", flops, t_h, t_blas,
+                    {"rel_l2_vs_blas_f32": T.rel_l2(y, ref)})  # fmt: skip
+
+
 def blas_moe(x, tokens, experts, weights, deq) -> np.ndarray:
     """The same routed SwiGLU experts with numpy float32 matmuls (BLAS) per expert."""
     yb = np.zeros_like(x)
@@ -433,6 +494,9 @@ def main() -> None:
             if not (QUICK and n > 4096):
                 bench_gemm(rng, row, n, k, t)
         bench_experts(rng, row)
+        bench_gemm_source_types(rng, row, 2048, 2048, 256)
+        if not QUICK:
+            bench_experts_source_types(rng, row)
         bench_attention(rng, row)
     bench_submission(results)
 

@@ -314,6 +314,70 @@ Q4K_KERNEL(bw, HTP_T_AVX512, DOT_BW)
 Q6K_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)
 Q6K_KERNEL(bw, HTP_T_AVX512, DOT_BW)
 
+/* ---- Q8_0 x Q8 tile kernel, AVX-512 VNNI: the int8 weights flipped to u8 (v ^ 0x80 = v + 128)
+ * for vpdpbusd, the integer sums starting at -128 x sum(activation block) (exact: vpdpbusd
+ * does not saturate), then the Q4_0 kernel's fp32 epilogue. (vpmaddubsw would saturate its
+ * 16-bit pairs on u8 up to 255, so the AVX-512BW table keeps the compiled generic body.) */
+HTP_T_VNNI static inline __attribute__((always_inline)) void q8q8_block_vnni(
+    const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s,
+    uint32_t k, float *out, uint32_t ldo, uint32_t rows, const int NT) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[6][2];
+    for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();
+    for (uint32_t j = 0; j < kb; j++) {
+        const uint8_t *tile = strip + (size_t)j * HTP_Q8_TILE_BYTES;
+        __m512i ia[6][2];
+        for (int u = 0; u < NT; u++)
+            ia[u][0] = ia[u][1] = _mm512_set1_epi32(-128 * s[(size_t)u * kb + j]);
+        for (int g = 0; g < 8; g++) {
+            const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(tile + 64 + 128 * g)), flip);
+            const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(tile + 128 + 128 * g)), flip);
+            for (int u = 0; u < NT; u++) {
+                int32_t av;
+                memcpy(&av, q + (size_t)u * k + 32 * j + 4 * g, 4);
+                const __m512i b = _mm512_set1_epi32(av);
+                ia[u][0] = _mm512_dpbusd_epi32(ia[u][0], w0, b);
+                ia[u][1] = _mm512_dpbusd_epi32(ia[u][1], w1, b);
+            }
+        }
+        const __m512 dw0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile));
+        const __m512 dw1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 32)));
+        for (int u = 0; u < NT; u++) {
+            const __m512 da = _mm512_set1_ps(d[(size_t)u * kb + j]);
+            acc[u][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[u][0]), _mm512_mul_ps(dw0, da), acc[u][0]);
+            acc[u][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[u][1]), _mm512_mul_ps(dw1, da), acc[u][1]);
+        }
+    }
+    const __mmask16 k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);
+    const __mmask16 k1 = rows >= 32 ? (__mmask16)0xffff
+                         : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1u)
+                                     : (__mmask16)0;
+    for (int u = 0; u < NT; u++) {
+        _mm512_mask_storeu_ps(out + (size_t)u * ldo, k0, acc[u][0]);
+        _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);
+    }
+}
+
+HTP_T_VNNI static void q8q8_strip_fast_vnni(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                            uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    const uint32_t k = kb * 32;
+    for (uint32_t t0 = 0; t0 < nt; t0 += 6) {
+        const uint32_t n = nt - t0 < 6 ? nt - t0 : 6;
+        const int8_t *q = a->q + (size_t)t0 * k;
+        const float *d = a->d + (size_t)t0 * kb;
+        const int32_t *s = a->s + (size_t)t0 * kb;
+        float *o = out + (size_t)t0 * ldo;
+        switch (n) {
+        case 6: q8q8_block_vnni(strip, kb, q, d, s, k, o, ldo, rows, 6); break;
+        case 5: q8q8_block_vnni(strip, kb, q, d, s, k, o, ldo, rows, 5); break;
+        case 4: q8q8_block_vnni(strip, kb, q, d, s, k, o, ldo, rows, 4); break;
+        case 3: q8q8_block_vnni(strip, kb, q, d, s, k, o, ldo, rows, 3); break;
+        case 2: q8q8_block_vnni(strip, kb, q, d, s, k, o, ldo, rows, 2); break;
+        default: q8q8_block_vnni(strip, kb, q, d, s, k, o, ldo, rows, 1); break;
+        }
+    }
+}
+
 /* The VNNI strip for the AMX kernel's short token tails (nt <= HTP_Q4_VNNI_NT). */
 void htp_q4q8_strip_vnni(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                          float *out, uint32_t ldo, uint32_t rows) {
@@ -524,7 +588,7 @@ const htp_isa htp_isa_avx2 = {
 
 /* The AVX-512 levels share every kernel but the Q4_0 x Q8 strip and the int8 peak. */
 #define HTP_AVX512_COMMON                                                                        \
-    .q8q8_strip = q8q8_strip_avx512, .q8q8_nt = 4, .dequant_tile = dequant_avx512,              \
+    .dequant_tile = dequant_avx512,                                                              \
     .f32_strip = f32_strip_fast_avx512, .f32_nt = 8, .quantize_row_q8 = quantize_q8_fast_avx512, \
     .attention_task = htp_attn_task_avx512, .attention_kt_cols = HTP_ATTN_COLS_AVX512,          \
     .attention_bf16_pack = htp_attn_bf16_pack_avx512,                                          \
@@ -536,6 +600,8 @@ const htp_isa htp_isa_avx512 = {
     .level = HTP_SIMD_AVX512,
     .q4q8_strip = q4q8_strip_bw,
     .q4q8_nt = 4,
+    .q8q8_strip = q8q8_strip_avx512,
+    .q8q8_nt = 4,
     .q4kq8_strip = q4kq8_strip_fast_bw,
     .q6kq8_strip = q6kq8_strip_fast_bw,
     .kq8_nt = 64,
@@ -549,6 +615,8 @@ const htp_isa htp_isa_avx512vnni = {
     .level = HTP_SIMD_AVX512VNNI,
     .q4q8_strip = q4q8_strip_vnni,
     .q4q8_nt = HTP_Q4_VNNI_NT,
+    .q8q8_strip = q8q8_strip_fast_vnni,
+    .q8q8_nt = 64,
     .q4kq8_strip = q4kq8_strip_fast_vnni,
     .q6kq8_strip = q6kq8_strip_fast_vnni,
     .kq8_nt = 64,
@@ -564,6 +632,8 @@ const htp_isa htp_isa_amx = {
     .level = HTP_SIMD_AMX,
     .q4q8_strip = htp_q4q8_strip_amx,
     .q4q8_nt = 64,
+    .q8q8_strip = q8q8_strip_fast_vnni,
+    .q8q8_nt = 64,
     .q4kq8_strip = q4kq8_strip_fast_vnni,
     .q6kq8_strip = q6kq8_strip_fast_vnni,
     .kq8_nt = 64,
