@@ -108,3 +108,26 @@ def test_help_lists_commands_in_workflow_order(capsys):
     order = ["synth", "pack", "profile", "config", "prefill", "classify", "score", "rerank"]
     assert [c for c in listed if c in order] == order
     assert listed.index("eval") < listed.index("bench")
+
+
+def _parsers(
+    parser: argparse.ArgumentParser, name: str
+) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _parsers(sub, f"{name} {sub_name}")
+
+
+def test_every_help_page_renders_every_option():
+    """`estream … --help` of every subcommand renders (no stray % in a help text) and shows
+    each of its options with its help."""
+    pages = dict(_parsers(build_parser(), "estream"))
+    assert {"estream prefill", "estream eval cloze", "estream bench"} <= set(pages)
+    for name, parser in pages.items():
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if action.option_strings and action.help and action.help != argparse.SUPPRESS:
+                first_words = " ".join(action.help.split()[:3])
+                assert first_words in text, (name, action.option_strings, first_words)
