@@ -454,6 +454,89 @@ HTP_T_AVX2 static void q4q8_strip_avx2(const uint8_t *strip, uint32_t kb, const 
     }
 }
 
+/* ---- Q4_K x Q8 tile kernel, AVX2: the Q4_0 AVX2 scheme (16 rows a pass, 16-bit block sums of
+ * nibbles x activations, |sum| <= 30480) on q4_k tiles (groups at byte 192, values 0..15), then
+ * per block the exact int32 sc*dot and m*sum(activations) and the fp32 scale/min epilogue. */
+HTP_T_AVX2 static inline __attribute__((always_inline)) void q4kq8_rows16_avx2(
+    const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s, uint32_t k,
+    float *out, uint32_t ldo, uint32_t rows, uint32_t pass, const int NT) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    float acc[4][16];
+    for (int u = 0; u < NT; u++)
+        for (int r = 0; r < 16; r++) acc[u][r] = 0.0f;
+    for (uint32_t j = 0; j < kb; j++) {
+        const uint8_t *tile = strip + (size_t)j * HTP_Q4K_TILE_BYTES;
+        __m256i p16[4][2];
+        for (int u = 0; u < NT; u++) p16[u][0] = p16[u][1] = _mm256_setzero_si256();
+        for (int g = 0; g < 4; g++) {
+            const uint8_t *gp = tile + 192 + 128 * g + 64 * pass;
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)gp);
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(gp + 32));
+            const __m256i l0 = _mm256_and_si256(v0, m4), l1 = _mm256_and_si256(v1, m4);
+            const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+            const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+            for (int u = 0; u < NT; u++) {
+                const int8_t *qa = q + (size_t)u * k + 32 * j + 4 * g;
+                int32_t alo, ahi;
+                memcpy(&alo, qa, 4);
+                memcpy(&ahi, qa + 16, 4);
+                const __m256i bl = _mm256_set1_epi32(alo), bh = _mm256_set1_epi32(ahi);
+                p16[u][0] = _mm256_add_epi16(p16[u][0], _mm256_maddubs_epi16(l0, bl));
+                p16[u][1] = _mm256_add_epi16(p16[u][1], _mm256_maddubs_epi16(l1, bl));
+                p16[u][0] = _mm256_add_epi16(p16[u][0], _mm256_maddubs_epi16(h0, bh));
+                p16[u][1] = _mm256_add_epi16(p16[u][1], _mm256_maddubs_epi16(h1, bh));
+                __asm__("" : "+x"(p16[u][0]), "+x"(p16[u][1]));
+            }
+        }
+        const uint8_t *hd = tile + 32 * pass;
+        const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hd));
+        const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hd + 16)));
+        const __m256 dm0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hd + 64)));
+        const __m256 dm1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hd + 80)));
+        const uint8_t *hs = tile + 128 + 16 * pass, *hm = tile + 160 + 16 * pass;
+        const __m256i sc0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)hs));
+        const __m256i sc1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(hs + 8)));
+        const __m256i mn0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)hm));
+        const __m256i mn1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(hm + 8)));
+        for (int u = 0; u < NT; u++) {
+            const __m256 da = _mm256_set1_ps(d[(size_t)u * kb + j]);
+            const __m256i sa = _mm256_set1_epi32(s[(size_t)u * kb + j]);
+            const __m256i i0 = _mm256_mullo_epi32(_mm256_madd_epi16(p16[u][0], ones), sc0);
+            const __m256i i1 = _mm256_mullo_epi32(_mm256_madd_epi16(p16[u][1], ones), sc1);
+            const __m256 n0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(sa, mn0)), _mm256_mul_ps(dm0, da));
+            const __m256 n1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(sa, mn1)), _mm256_mul_ps(dm1, da));
+            const __m256 v0 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(dw0, da), n0);
+            const __m256 v1 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(dw1, da), n1);
+            _mm256_storeu_ps(acc[u], _mm256_add_ps(_mm256_loadu_ps(acc[u]), v0));
+            _mm256_storeu_ps(acc[u] + 8, _mm256_add_ps(_mm256_loadu_ps(acc[u] + 8), v1));
+        }
+    }
+    const uint32_t r0 = 16u * pass, live = rows - r0 < 16 ? rows - r0 : 16;
+    for (int u = 0; u < NT; u++)
+        for (uint32_t r = 0; r < live; r++) out[(size_t)u * ldo + r0 + r] = acc[u][r];
+}
+
+HTP_T_AVX2 static void q4kq8_strip_fast_avx2(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                             uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    const uint32_t k = kb * 32;
+    for (uint32_t t0 = 0; t0 < nt; t0 += 4) {
+        const uint32_t n = nt - t0 < 4 ? nt - t0 : 4;
+        const int8_t *q = a->q + (size_t)t0 * k;
+        const float *d = a->d + (size_t)t0 * kb;
+        const int32_t *s = a->s + (size_t)t0 * kb;
+        float *o = out + (size_t)t0 * ldo;
+        for (uint32_t pass = 0; 16 * pass < rows; pass++) {
+            switch (n) {
+            case 4: q4kq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 4); break;
+            case 3: q4kq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 3); break;
+            case 2: q4kq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 2); break;
+            default: q4kq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 1); break;
+            }
+        }
+    }
+}
+
 /* ---- fp32-activation GEMM, AVX-512: the strip is dequantized once into a [k][32] panel,
  * then 8 tokens x 32 rows of accumulators (16 zmm) take 2 panel loads + 8 broadcasts per column. */
 HTP_T_AVX512 static inline __attribute__((always_inline)) void f32_block_avx512(
@@ -566,7 +649,7 @@ const htp_isa htp_isa_avx2 = {
     .q4q8_nt = 4,
     .q8q8_strip = q8q8_strip_avx2,
     .q8q8_nt = 4,
-    .q4kq8_strip = q4kq8_strip_avx2,
+    .q4kq8_strip = q4kq8_strip_fast_avx2,
     .q6kq8_strip = q6kq8_strip_avx2,
     .kq8_nt = 64,
     .dequant_tile = dequant_avx2,
