@@ -32,7 +32,10 @@ static uint64_t mono_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+typedef struct htp_backend_vt htp_backend_vt;
+
 struct htp_backend {
+    const htp_backend_vt *vt; /* what this kind of backend does (HOST or REMOTE) */
     uint32_t kind;
     uint32_t simd;
     uint32_t remote_threads; /* REMOTE: the executor's pool size */
@@ -44,6 +47,27 @@ struct htp_backend {
     htp_done done[HTP_QUEUE_DEPTH];
     htp_remote *remote;
 };
+
+/* A backend is a table of functions, as ggml's backend interface: the HOST execution context and
+ * the REMOTE executor each implement it, and only the constructor looks at the kind. The public
+ * functions check their arguments, take the lock and call the table. */
+struct htp_backend_vt {
+    htp_status (*open)(htp_backend *b, const htp_backend_desc *desc, uint32_t level, uint32_t nth);
+    uint32_t (*threads)(const htp_backend *b);
+    /* under the lock: */
+    htp_status (*configure)(htp_backend *b, uint32_t n_threads, uint32_t simd, uint32_t level);
+    htp_status (*reg)(htp_backend *b, const htp_buffer_desc *d, uint32_t *id);
+    htp_status (*unreg)(htp_backend *b, uint32_t id);
+    htp_status (*submit)(htp_backend *b, const htp_op_desc *op, uint64_t *fence);
+    htp_status (*wait)(htp_backend *b, uint64_t fence, uint32_t timeout_ms, htp_status *op_status,
+                       htp_op_times *times);
+    /* takes the lock itself: */
+    htp_status (*run_tmp)(htp_backend *b, const htp_op_desc *op, const htp_buffer_desc *tmp,
+                          uint32_t n_tmp);
+    htp_status (*mac_peak)(htp_backend *b, uint32_t chain, uint64_t iters, double *macs_per_s);
+};
+
+static const htp_backend_vt host_vt, remote_vt;
 
 /* ---- locking, fork ---- */
 static void enter(htp_backend *b) {
@@ -73,21 +97,8 @@ htp_status htp_backend_init(const htp_backend_desc *desc, htp_backend **out) {
     pthread_mutex_init(&b->lock, NULL);
     b->pid = getpid();
     b->kind = desc->kind;
-    htp_status st = HTP_OK;
-    if (desc->kind == HTP_BACKEND_HOST) {
-        b->ex.isa = htp_isa_for(level);
-        b->simd = level;
-        b->bufs = (htp_buf *)calloc(HTP_MAX_BUFFERS, sizeof(htp_buf));
-        b->ex.pool = htp_pool_new();
-        if (!b->ex.isa) st = HTP_E_UNSUPPORTED;
-        else if (!b->bufs || !b->ex.pool) st = HTP_E_NOMEM;
-        else st = htp_pool_resize(b->ex.pool, nth);
-    } else {
-        st = htp_remote_open(desc, &b->remote);
-        /* HTP_SIMD_BEST travels as such: the executor picks the best level of *its* processor */
-        if (st == HTP_OK) st = htp_remote_configure(b->remote, nth, desc->simd, &b->simd);
-        if (st == HTP_OK) b->remote_threads = nth;
-    }
+    b->vt = desc->kind == HTP_BACKEND_HOST ? &host_vt : &remote_vt;
+    const htp_status st = b->vt->open(b, desc, level, nth);
     if (st != HTP_OK) {
         htp_backend_free(b);
         return st;
@@ -113,37 +124,98 @@ void htp_backend_free(htp_backend *b) {
 uint32_t htp_backend_kind_of(const htp_backend *b) { return b ? b->kind : UINT32_MAX; }
 uint32_t htp_backend_simd(const htp_backend *b) { return b ? b->simd : UINT32_MAX; }
 
-uint32_t htp_backend_threads(const htp_backend *b) {
-    if (!b) return 0;
-    return b->kind == HTP_BACKEND_HOST ? htp_pool_nth(b->ex.pool) : b->remote_threads;
-}
+uint32_t htp_backend_threads(const htp_backend *b) { return b ? b->vt->threads(b) : 0; }
 
 htp_status htp_backend_configure(htp_backend *b, uint32_t n_threads, uint32_t simd) {
     if (!b || n_threads == 0) return HTP_E_INVALID;
     const uint32_t level = simd == HTP_SIMD_BEST ? htp_simd_best() : simd;
     enter(b);
-    htp_status st;
-    if (b->kind == HTP_BACKEND_HOST) {
-        const htp_isa *isa = htp_isa_for(level);
-        if (!isa) {
-            st = HTP_E_UNSUPPORTED;
-        } else {
-            st = htp_pool_resize(b->ex.pool, n_threads);
-            if (st == HTP_OK) {
-                b->ex.isa = isa;
-                b->simd = level;
-            }
-        }
-    } else {
-        uint32_t got = 0;
-        st = htp_remote_configure(b->remote, n_threads, simd, &got);
-        if (st == HTP_OK) {
-            b->simd = got;
-            b->remote_threads = n_threads;
-        }
-    }
+    const htp_status st = b->vt->configure(b, n_threads, simd, level);
     leave(b);
     return st;
+}
+
+/* ---- HOST: ops run here, on the calling thread and a pool ---- */
+static htp_status host_open(htp_backend *b, const htp_backend_desc *desc, uint32_t level,
+                            uint32_t nth) {
+    (void)desc;
+    b->ex.isa = htp_isa_for(level);
+    b->simd = level;
+    b->bufs = (htp_buf *)calloc(HTP_MAX_BUFFERS, sizeof(htp_buf));
+    b->ex.pool = htp_pool_new();
+    if (!b->ex.isa) return HTP_E_UNSUPPORTED;
+    if (!b->bufs || !b->ex.pool) return HTP_E_NOMEM;
+    return htp_pool_resize(b->ex.pool, nth);
+}
+
+static uint32_t host_threads(const htp_backend *b) { return htp_pool_nth(b->ex.pool); }
+
+static htp_status host_configure(htp_backend *b, uint32_t n_threads, uint32_t simd,
+                                 uint32_t level) {
+    (void)simd;
+    const htp_isa *isa = htp_isa_for(level);
+    if (!isa) return HTP_E_UNSUPPORTED;
+    const htp_status st = htp_pool_resize(b->ex.pool, n_threads);
+    if (st == HTP_OK) {
+        b->ex.isa = isa;
+        b->simd = level;
+    }
+    return st;
+}
+
+/* ---- REMOTE: ops run in an executor process (htp_remote.c) ---- */
+static htp_status remote_open(htp_backend *b, const htp_backend_desc *desc, uint32_t level,
+                              uint32_t nth) {
+    (void)level;
+    htp_status st = htp_remote_open(desc, &b->remote);
+    /* HTP_SIMD_BEST travels as such: the executor picks the best level of *its* processor */
+    if (st == HTP_OK) st = htp_remote_configure(b->remote, nth, desc->simd, &b->simd);
+    if (st == HTP_OK) b->remote_threads = nth;
+    return st;
+}
+
+static uint32_t remote_threads(const htp_backend *b) { return b->remote_threads; }
+
+static htp_status remote_configure(htp_backend *b, uint32_t n_threads, uint32_t simd,
+                                   uint32_t level) {
+    (void)level;
+    uint32_t got = 0;
+    const htp_status st = htp_remote_configure(b->remote, n_threads, simd, &got);
+    if (st == HTP_OK) {
+        b->simd = got;
+        b->remote_threads = n_threads;
+    }
+    return st;
+}
+
+static htp_status remote_reg(htp_backend *b, const htp_buffer_desc *d, uint32_t *id) {
+    if (d->fd < 0) return HTP_E_INVALID; /* memory crosses the boundary as file descriptors */
+    return htp_remote_register(b->remote, d, id);
+}
+
+static htp_status remote_unreg(htp_backend *b, uint32_t id) {
+    return htp_remote_unregister(b->remote, id);
+}
+
+static htp_status remote_submit(htp_backend *b, const htp_op_desc *op, uint64_t *fence) {
+    return htp_remote_submit(b->remote, op, fence);
+}
+
+static htp_status remote_wait(htp_backend *b, uint64_t fence, uint32_t timeout_ms,
+                              htp_status *op_status, htp_op_times *times) {
+    return htp_remote_wait(b->remote, fence, timeout_ms, op_status, times);
+}
+
+static htp_status remote_run_tmp(htp_backend *b, const htp_op_desc *op, const htp_buffer_desc *tmp,
+                                 uint32_t n_tmp) {
+    (void)b, (void)op, (void)tmp, (void)n_tmp;
+    return HTP_E_UNSUPPORTED; /* an executor cannot read this process's memory */
+}
+
+static htp_status remote_mac_peak(htp_backend *b, uint32_t chain, uint64_t iters,
+                                  double *macs_per_s) {
+    (void)b, (void)chain, (void)iters, (void)macs_per_s;
+    return HTP_E_UNSUPPORTED; /* measures this process's CPU */
 }
 
 /* ---- buffers ---- */
@@ -152,67 +224,52 @@ htp_status htp_buffer_register(htp_backend *b, const htp_buffer_desc *d, uint32_
     *id = 0;
     if (d->size == 0 || (d->flags & ~(uint32_t)(HTP_BUF_READ | HTP_BUF_WRITE)) || !d->flags)
         return HTP_E_INVALID;
-    if (b->kind == HTP_BACKEND_REMOTE) {
-        if (d->fd < 0) return HTP_E_INVALID; /* memory crosses the boundary as file descriptors */
-        enter(b);
-        const htp_status st = htp_remote_register(b->remote, d, id);
-        leave(b);
-        return st;
-    }
     enter(b);
+    const htp_status st = b->vt->reg(b, d, id);
+    leave(b);
+    return st;
+}
+
+static htp_status host_reg(htp_backend *b, const htp_buffer_desc *d, uint32_t *id) {
     uint32_t i = 0;
     while (i < HTP_MAX_BUFFERS && b->bufs[i].in_use) i++;
-    if (i == HTP_MAX_BUFFERS) {
-        leave(b);
-        return HTP_E_CAPACITY;
-    }
+    if (i == HTP_MAX_BUFFERS) return HTP_E_CAPACITY;
     htp_buf nb = {0};
     nb.size = d->size;
     nb.flags = d->flags;
     if (d->fd >= 0) {
         const long page = sysconf(_SC_PAGESIZE);
-        if (d->offset % (uint64_t)page || d->size > SIZE_MAX) {
-            leave(b);
-            return HTP_E_INVALID;
-        }
+        if (d->offset % (uint64_t)page || d->size > SIZE_MAX) return HTP_E_INVALID;
         const int prot = ((d->flags & HTP_BUF_READ) ? PROT_READ : 0) | ((d->flags & HTP_BUF_WRITE) ? PROT_WRITE : 0);
         void *m = mmap(NULL, (size_t)d->size, prot, MAP_SHARED, d->fd, (off_t)d->offset);
-        if (m == MAP_FAILED) {
-            leave(b);
-            return HTP_E_MAP;
-        }
+        if (m == MAP_FAILED) return HTP_E_MAP;
         nb.map = m;
         nb.map_len = (size_t)d->size;
         nb.base = (uint8_t *)m;
     } else {
-        if (!d->host_addr || d->offset) {
-            leave(b);
-            return HTP_E_INVALID;
-        }
+        if (!d->host_addr || d->offset) return HTP_E_INVALID;
         nb.base = (uint8_t *)(uintptr_t)d->host_addr;
     }
     nb.in_use = 1;
     b->bufs[i] = nb;
     *id = i + 1;
-    leave(b);
     return HTP_OK;
 }
 
 htp_status htp_buffer_unregister(htp_backend *b, uint32_t id) {
     if (!b) return HTP_E_INVALID;
     enter(b);
-    htp_status st = HTP_OK;
-    if (b->kind == HTP_BACKEND_REMOTE) {
-        st = htp_remote_unregister(b->remote, id);
-    } else if (id == 0 || id > HTP_MAX_BUFFERS || !b->bufs[id - 1].in_use) {
-        st = HTP_E_BAD_BUFFER;
-    } else {
-        htp_buf *x = &b->bufs[id - 1];
-        if (x->map) munmap(x->map, x->map_len);
-        memset(x, 0, sizeof(*x));
-    }
+    const htp_status st = b->vt->unreg(b, id);
     leave(b);
     return st;
+}
+
+static htp_status host_unreg(htp_backend *b, uint32_t id) {
+    if (id == 0 || id > HTP_MAX_BUFFERS || !b->bufs[id - 1].in_use) return HTP_E_BAD_BUFFER;
+    htp_buf *x = &b->bufs[id - 1];
+    if (x->map) munmap(x->map, x->map_len);
+    memset(x, 0, sizeof(*x));
+    return HTP_OK;
 }
 
 /* ---- validation ---- */
@@ -573,31 +630,28 @@ htp_status htp_op_submit(htp_backend *b, const htp_op_desc *op, uint64_t *fence)
     if (!b || !op || !fence) return HTP_E_INVALID;
     *fence = 0;
     enter(b);
-    htp_status st;
-    if (b->kind == HTP_BACKEND_REMOTE) {
-        st = htp_remote_submit(b->remote, op, fence);
-    } else {
-        const uint64_t f = b->next_fence + 1;
-        htp_done *slot = &b->done[(f - 1) % HTP_QUEUE_DEPTH];
-        if (slot->fence && !slot->consumed) {
-            st = HTP_E_CAPACITY; /* HTP_QUEUE_DEPTH completions nobody has waited for */
-        } else {
-            htp_op_desc local;
-            slot->times.submitted_ns = mono_ns();
-            memcpy(&local, op, sizeof local);
-            slot->times.started_ns = mono_ns();
-            slot->status = (int32_t)htp_host_execute(b, &local);
-            slot->times.completed_ns = mono_ns();
-            slot->times.reserved = 0;
-            slot->fence = f;
-            slot->consumed = 0;
-            b->next_fence = f;
-            *fence = f;
-            st = HTP_OK;
-        }
-    }
+    const htp_status st = b->vt->submit(b, op, fence);
     leave(b);
     return st;
+}
+
+static htp_status host_submit(htp_backend *b, const htp_op_desc *op, uint64_t *fence) {
+    const uint64_t f = b->next_fence + 1;
+    htp_done *slot = &b->done[(f - 1) % HTP_QUEUE_DEPTH];
+    if (slot->fence && !slot->consumed)
+        return HTP_E_CAPACITY; /* HTP_QUEUE_DEPTH completions nobody has waited for */
+    htp_op_desc local;
+    slot->times.submitted_ns = mono_ns();
+    memcpy(&local, op, sizeof local);
+    slot->times.started_ns = mono_ns();
+    slot->status = (int32_t)htp_host_execute(b, &local);
+    slot->times.completed_ns = mono_ns();
+    slot->times.reserved = 0;
+    slot->fence = f;
+    slot->consumed = 0;
+    b->next_fence = f;
+    *fence = f;
+    return HTP_OK;
 }
 
 htp_status htp_fence_wait(htp_backend *b, uint64_t fence, uint32_t timeout_ms, htp_status *op_status) {
@@ -608,22 +662,21 @@ htp_status htp_fence_wait_timed(htp_backend *b, uint64_t fence, uint32_t timeout
                                 htp_status *op_status, htp_op_times *times) {
     if (!b || !op_status) return HTP_E_INVALID;
     enter(b);
-    htp_status st;
-    if (b->kind == HTP_BACKEND_REMOTE) {
-        st = htp_remote_wait(b->remote, fence, timeout_ms, op_status, times);
-    } else {
-        htp_done *slot = &b->done[(fence ? fence - 1 : 0) % HTP_QUEUE_DEPTH];
-        if (fence == 0 || fence > b->next_fence || slot->fence != fence || slot->consumed) {
-            st = HTP_E_FENCE;
-        } else {
-            slot->consumed = 1;
-            *op_status = (htp_status)slot->status;
-            if (times) *times = slot->times;
-            st = HTP_OK;
-        }
-    }
+    const htp_status st = b->vt->wait(b, fence, timeout_ms, op_status, times);
     leave(b);
     return st;
+}
+
+static htp_status host_wait(htp_backend *b, uint64_t fence, uint32_t timeout_ms,
+                            htp_status *op_status, htp_op_times *times) {
+    (void)timeout_ms; /* a host op completed when it was submitted */
+    htp_done *slot = &b->done[(fence ? fence - 1 : 0) % HTP_QUEUE_DEPTH];
+    if (fence == 0 || fence > b->next_fence || slot->fence != fence || slot->consumed)
+        return HTP_E_FENCE;
+    slot->consumed = 1;
+    *op_status = (htp_status)slot->status;
+    if (times) *times = slot->times;
+    return HTP_OK;
 }
 
 htp_status htp_op_run(htp_backend *b, const htp_op_desc *op) {
@@ -638,7 +691,11 @@ htp_status htp_op_run(htp_backend *b, const htp_op_desc *op) {
 htp_status htp_op_run_tmp(htp_backend *b, const htp_op_desc *op, const htp_buffer_desc *tmp,
                           uint32_t n_tmp) {
     if (!b || !op || (n_tmp && !tmp) || n_tmp > HTP_MAX_REFS) return HTP_E_INVALID;
-    if (b->kind != HTP_BACKEND_HOST) return HTP_E_UNSUPPORTED;
+    return b->vt->run_tmp(b, op, tmp, n_tmp);
+}
+
+static htp_status host_run_tmp(htp_backend *b, const htp_op_desc *op, const htp_buffer_desc *tmp,
+                               uint32_t n_tmp) {
     for (uint32_t i = 0; i < n_tmp; i++)
         if (tmp[i].fd != -1 || !tmp[i].host_addr || !tmp[i].size || tmp[i].offset ||
             !tmp[i].flags || (tmp[i].flags & ~(uint32_t)(HTP_BUF_READ | HTP_BUF_WRITE)))
@@ -697,12 +754,16 @@ htp_status htp_bench_dot_peak(htp_backend *b, uint64_t iters, double *macs_per_s
 
 htp_status htp_bench_mac_peak(htp_backend *b, uint32_t kind, uint64_t iters, double *macs_per_s) {
     if (!b || !macs_per_s || iters == 0 || kind > 2) return HTP_E_INVALID;
-    if (b->kind != HTP_BACKEND_HOST) return HTP_E_UNSUPPORTED;
-    const htp_isa *isa = b->ex.isa;
-    int32_t (*fn)(uint64_t) = kind == 0 ? isa->dot_peak : kind == 1 ? isa->fma_peak : isa->bf16_peak;
-    const uint32_t per = kind == 0 ? isa->dot_macs_per_iter : kind == 1 ? isa->fma_macs_per_iter
-                                                                        : isa->bf16_macs_per_iter;
-    if (!fn || (kind == 2 && !htp_cpu_bf16())) return HTP_E_UNSUPPORTED;
+    return b->vt->mac_peak(b, kind, iters, macs_per_s);
+}
+
+static htp_status host_mac_peak(htp_backend *b, uint32_t chain, uint64_t iters,
+                                double *macs_per_s) {
+    const htp_isa *isa = b->ex.isa; /* chain: 0 int8 dot, 1 fp32 FMA, 2 bf16 */
+    int32_t (*fn)(uint64_t) = chain == 0 ? isa->dot_peak : chain == 1 ? isa->fma_peak : isa->bf16_peak;
+    const uint32_t per = chain == 0 ? isa->dot_macs_per_iter : chain == 1 ? isa->fma_macs_per_iter
+                                                                          : isa->bf16_macs_per_iter;
+    if (!fn || (chain == 2 && !htp_cpu_bf16())) return HTP_E_UNSUPPORTED;
     enter(b);
     peak_ctx c = {.fn = fn, .iters = iters};
     struct timespec t0, t1;
@@ -714,3 +775,13 @@ htp_status htp_bench_mac_peak(htp_backend *b, uint32_t kind, uint64_t iters, dou
     leave(b);
     return HTP_OK;
 }
+
+static const htp_backend_vt host_vt = {
+    host_open, host_threads, host_configure, host_reg,     host_unreg,
+    host_submit, host_wait,  host_run_tmp,   host_mac_peak,
+};
+
+static const htp_backend_vt remote_vt = {
+    remote_open,   remote_threads, remote_configure, remote_reg,      remote_unreg,
+    remote_submit, remote_wait,    remote_run_tmp,   remote_mac_peak,
+};
