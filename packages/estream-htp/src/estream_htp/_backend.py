@@ -233,10 +233,11 @@ class Backend:
         self.trace: list[tuple[str, float, float, float]] | None = None
         self.clock_offset = _clock_offset()
         if kind == "hexagon":
-            n = 1 if n_threads is None else int(n_threads)
-            if n != 1:
+            n_threads = 1 if n_threads is None else int(n_threads)
+            if n_threads != 1:
                 raise HTPInputError(
-                    f"the hexagon executor runs one thread (no threads in its runtime), got {n}"
+                    "the hexagon executor runs one thread (no threads in its runtime), "
+                    f"got {n_threads}"
                 )
             if executor is None:
                 from estream_htp._hexagon import HexagonToolError, executor_command
@@ -245,11 +246,7 @@ class Backend:
                     executor = executor_command()
                 except HexagonToolError as e:
                     raise HTPUnsupportedError(f"Backend('hexagon'): {e}") from None
-        n = (
-            int(n_threads)
-            if n_threads is not None
-            else (1 if kind == "hexagon" else default_threads())
-        )
+        n = int(n_threads) if n_threads is not None else default_threads()
         if not 1 <= n <= 64:
             raise HTPInputError(f"n_threads must be in [1, 64], got {n}")
         desc = ffi.new("htp_backend_desc *")
@@ -264,20 +261,7 @@ class Backend:
             st = lib.htp_backend_init(desc, pp)
         else:
             desc.kind = lib.HTP_BACKEND_REMOTE
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            cmd = list(executor) if executor else [sys.executable, "-m", "estream_htp._executor"]
-            try:
-                self._proc = subprocess.Popen(
-                    [*cmd, str(theirs.fileno())],
-                    pass_fds=[theirs.fileno()],
-                    stdin=subprocess.DEVNULL,
-                )
-            except BaseException:
-                ours.close()
-                raise
-            finally:
-                theirs.close()
-            desc.sock_fd = ours.detach()  # the C backend owns it from here
+            desc.sock_fd = self._start_executor(executor)  # the C backend owns it from here
             st = lib.htp_backend_init(desc, pp)
             if st != lib.HTP_OK:
                 self._reap(5.0)
@@ -288,6 +272,24 @@ class Backend:
         check(st, f"Backend({kind!r})")
         self._b = pp[0]
         self._finalizer = weakref.finalize(self, Backend._free, self._b, self._proc)
+
+    def _start_executor(self, executor: Sequence[str] | None) -> int:
+        """Start the executor process (``executor``, or this Python running
+        ``estream_htp._executor``) on one end of a socket pair; the other end's fd."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        cmd = list(executor) if executor else [sys.executable, "-m", "estream_htp._executor"]
+        try:
+            self._proc = subprocess.Popen(
+                [*cmd, str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return ours.detach()
 
     # ------------------------------------------------------------------ lifetime
     @staticmethod

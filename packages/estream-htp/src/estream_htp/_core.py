@@ -536,6 +536,7 @@ class ExpertGraph:
         y: F32,
         act: str | None,
     ) -> Any:
+        # long: the expert op's validator, one check per operand, then its descriptor
         if self._closed:
             raise HTPInputError("ExpertGraph is closed")
         rows = isinstance(x, Q8Rows)

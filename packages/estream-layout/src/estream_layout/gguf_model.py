@@ -670,6 +670,7 @@ class ModelSpec:
     def _from_fields(
         cls, p: Path, fields: Mapping[str, Any], tensors: Mapping[str, TensorInfo]
     ) -> ModelSpec:
+        # long: the GGUF metadata validator, one check per key a supported family reads
         arch = fields.get(Keys.General.ARCHITECTURE)
         if arch is None:
             raise InvalidGGUFError(f"{p} has no general.architecture key")

@@ -379,6 +379,7 @@ def read_manifest_doc(mpath: Path) -> Any:
 
 
 def _parse(r: _Reader, data: Mapping[str, Any], root: Path) -> Manifest:
+    # long: the manifest's field validator, one check per field of the format
     g = r.get
     arch = r.string(g(data, "arch", "arch"), "arch")
     if not re.fullmatch(r"[a-z0-9_]+", arch):
@@ -519,6 +520,7 @@ def stream_config_problem(G: int, Q: int, B: int, n_experts: int) -> tuple[str, 
 
 def _validate(r: _Reader, m: Manifest) -> None:
     """Cross-field checks: everything a reader relies on before it touches a byte."""
+    # long: a validator, one cross-field check after another
     spec = m.spec
     family = FAMILIES.get(m.arch)
     if family is None:

@@ -128,6 +128,7 @@ class SynthDims:
 
 def synth_dims(arch: str, preset: str) -> SynthDims:
     """The dimensions of a preset for an architecture."""
+    # long: the preset table, one branch per preset with its per-architecture fields
     if arch not in ARCHES:
         raise ValueError(f"unknown arch {arch!r}; choose from {ARCHES}")
     if preset == "tiny":
@@ -404,6 +405,7 @@ class _T:
 def _tensor_plan(arch: str, d: SynthDims, n_vocab: int, expert_type: GGMLQuantizationType,
                  dense_type: GGMLQuantizationType, output_type: GGMLQuantizationType,
                  down_type: GGMLQuantizationType | None = None) -> list[_T]:  # fmt: skip
+    # long: the per-architecture tensor table, one branch per family's tensors
     E, ne, ff = d.n_experts, d.n_embd, d.n_ff_exp
     hd, nh, nkv = d.head_dim, d.n_head, d.n_head_kv
     M = lambda name, rows, cols, gain=1.0: _T(name, (rows, cols), dense_type, "matrix", gain)  # noqa: E731

@@ -389,6 +389,38 @@ def _configure_at(
     return rows, best, sw
 
 
+def _depths(profile: Profile, q0: int | None, q_rule: QRule) -> list[int]:
+    """The queue depths `configure` considers: ``q0``, every depth measured for every ``g``
+    (rule "model"), or the rule's ``Q0``."""
+    if q0 is not None:
+        return [int(q0)]
+    if q_rule == "model":
+        gs = sorted(profile.bandwidth)
+        depths = sorted(set.intersection(*[set(profile.bandwidth[g]) for g in gs]))
+        if not depths:
+            raise ProfileError("bandwidth", "no queue depth was measured for every g")
+        return depths
+    return [choose_q0(profile.bandwidth, rule=q_rule)]
+
+
+def _below_minimum(profile: Profile, budget: int, sweeps: dict[int, dict[int, Any]]) -> BudgetError:
+    """The error for a budget no configuration fits: the smallest one's memory (at the
+    shallowest depth, ``B = Q``)."""
+    Q = min(sweeps)
+    g_min = min(sweeps[Q], key=lambda g: (_memory(profile, g, Q), g))
+    minimum = _memory(profile, g_min, Q)
+    return BudgetError(
+        f"budget {format_bytes(budget)} ({budget} B) is below the minimum "
+        f"{format_bytes(minimum)} ({minimum} B) (G={g_min}, Q={Q}, B={Q}); "
+        f"raise the budget to at least {minimum} bytes",
+        budget_bytes=budget,
+        minimum_bytes=minimum,
+        g=g_min,
+        q=Q,
+        b=Q,
+    )
+
+
 def configure(
     profile: Profile,
     budget_bytes: int,
@@ -428,15 +460,7 @@ def configure(
             raise ValueError(f"tokens must be >= 1, got {tokens}")
         if tokens == calibration_tokens(profile):
             tokens = None  # the measured times as they are (one cache entry)
-    if q0 is not None:
-        depths = [int(q0)]
-    elif q_rule == "model":
-        gs = sorted(profile.bandwidth)
-        depths = sorted(set.intersection(*[set(profile.bandwidth[g]) for g in gs]))
-        if not depths:
-            raise ProfileError("bandwidth", "no queue depth was measured for every g")
-    else:
-        depths = [choose_q0(profile.bandwidth, rule=q_rule)]
+    depths = _depths(profile, q0, q_rule)
     rows: list[Row] = []
     best: tuple[float, int, int, int, int] | None = None  # (value, memory, q, g, b)
     sweeps: dict[int, dict[int, Any]] = {}
@@ -457,19 +481,7 @@ def configure(
             "flight); profile a smaller g or pass a smaller q0",
         )
     if best is None:
-        Q = min(sweeps)
-        g_min = min(sweeps[Q], key=lambda g: (_memory(profile, g, Q), g))
-        minimum = _memory(profile, g_min, Q)
-        raise BudgetError(
-            f"budget {format_bytes(budget)} ({budget} B) is below the minimum "
-            f"{format_bytes(minimum)} ({minimum} B) (G={g_min}, Q={Q}, B={Q}); "
-            f"raise the budget to at least {minimum} bytes",
-            budget_bytes=budget,
-            minimum_bytes=minimum,
-            g=g_min,
-            q=Q,
-            b=Q,
-        )
+        raise _below_minimum(profile, budget, sweeps)
     v, mem, Q, g, b = best
     nl = profile.n_layers
     return Choice(

@@ -324,6 +324,7 @@ def _parse(d: Any) -> Profile:
 
 
 def _validate(p: Profile) -> None:
+    # long: the profile validator, one check per field
     if p.version != SCHEMA_VERSION:
         raise ProfileError("version", f"unsupported profile version {p.version}")
     for name in ("n_experts", "n_layers", "expert_bytes", "q_measured"):
