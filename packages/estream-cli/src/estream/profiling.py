@@ -22,6 +22,7 @@ import numpy as np
 
 import estream_arena as ea
 import estream_sched as es
+from estream_layout import ModelSpec
 
 from .engine import Engine, PrefillResult
 from .errors import BadRequestError
@@ -127,24 +128,8 @@ def profile_model(
     say = log or (lambda s: None)
     model = PackedModel(path)
     hp = model.hparams
-    if candidates is None:  # the default set: the sizes of it that the model's experts fit
-        candidates = [g for g in DEFAULT_CANDIDATES if g <= hp.n_experts]
-    bad = [g for g in candidates if not 1 <= int(g) <= hp.n_experts]
-    if bad:
-        raise BadRequestError(
-            f"candidate group size {bad[0]} does not fit the model's {hp.n_experts} experts "
-            f"per layer (each must be 1..{hp.n_experts})"
-        )
-    gs = sorted({int(g) for g in candidates})
+    gs, T = _calibration(hp, candidates, n_tokens)
     queue_depths = sorted({1, *(int(q) for q in queue_depths)})  # reads are timed at q = 1
-    if not gs:
-        raise BadRequestError("no candidate group size given")
-    if not 1 <= int(n_tokens) <= hp.n_ctx:
-        raise BadRequestError(
-            f"a calibration prompt of {n_tokens} tokens does not fit the model context "
-            f"(1..{hp.n_ctx} tokens)"
-        )
-    T = int(n_tokens)
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, hp.n_vocab, size=T)
     W_e = model.record_bytes
@@ -171,18 +156,7 @@ def profile_model(
     )
     bandwidth, samples = measure_bandwidth_table(model, gs, queue_depths, rounds=bw_rounds)
     for g in gs:
-        say(
-            f"  g={g:<3d} BW(q={','.join(str(q) for q in queue_depths)})="
-            + "/".join(f"{bandwidth[g][q] / 1e9:.2f}" for q in queue_depths)
-            + " GB/s"
-            + (
-                "  ["
-                + "; ".join("/".join(f"{x / 1e9:.2f}" for x in samples[g][q]) for q in queue_depths)
-                + "]"
-                if bw_rounds > 1
-                else ""
-            )
-        )
+        say(_bandwidth_line(g, queue_depths, bandwidth[g], samples[g] if bw_rounds > 1 else None))
     say(f"  bandwidth measured in {time.perf_counter() - t0:.1f} s")
     return es.Profile(
         model=str(model.manifest.get("source", {}).get("file", model.path.name)),
@@ -203,6 +177,48 @@ def profile_model(
             },
         },
     )
+
+
+def _calibration(
+    hp: ModelSpec, candidates: Sequence[int] | None, n_tokens: int
+) -> tuple[list[int], int]:
+    """The candidate group sizes, sorted (default: those of `DEFAULT_CANDIDATES` the model's
+    experts fit), and the calibration length; `BadRequestError` for a size outside
+    ``1..n_experts`` or a length outside the model context."""
+    if candidates is None:  # the default set: the sizes of it that the model's experts fit
+        candidates = [g for g in DEFAULT_CANDIDATES if g <= hp.n_experts]
+    bad = [g for g in candidates if not 1 <= int(g) <= hp.n_experts]
+    if bad:
+        raise BadRequestError(
+            f"candidate group size {bad[0]} does not fit the model's {hp.n_experts} experts "
+            f"per layer (each must be 1..{hp.n_experts})"
+        )
+    gs = sorted({int(g) for g in candidates})
+    if not gs:
+        raise BadRequestError("no candidate group size given")
+    if not 1 <= int(n_tokens) <= hp.n_ctx:
+        raise BadRequestError(
+            f"a calibration prompt of {n_tokens} tokens does not fit the model context "
+            f"(1..{hp.n_ctx} tokens)"
+        )
+    return gs, int(n_tokens)
+
+
+def _bandwidth_line(
+    g: int,
+    qs: Sequence[int],
+    bw: dict[int, float],
+    samples: dict[int, list[float]] | None,
+) -> str:
+    """One line of the profile's log: ``BW(g, q)`` for every depth (and each round's)."""
+    line = (
+        f"  g={g:<3d} BW(q={','.join(str(q) for q in qs)})="
+        + "/".join(f"{bw[q] / 1e9:.2f}" for q in qs)
+        + " GB/s"
+    )
+    if samples is not None:
+        line += "  [" + "; ".join("/".join(f"{x / 1e9:.2f}" for x in samples[q]) for q in qs) + "]"
+    return line
 
 
 def _layer_profiles(res: PrefillResult, model: PackedModel, g: int) -> list[es.LayerProfile]:
