@@ -377,6 +377,12 @@ def test_options_that_take_effect_are_accepted(model, extra):
     check_engine_opts(args)
 
 
+def test_bench_threads_bounded_like_prefill(model, capsys):
+    """bench --threads has prefill's bound, refused before any run."""
+    rc, _, err = run(capsys, "bench", str(model), "--threads", "1025")
+    refused(rc, err, "--threads", "at most 1024 threads")
+
+
 def test_bench_budget_without_a_stream_run(model, capsys):
     """bench --budget applies to stream runs: with none among --modes it is refused."""
     rc, _, err = run(capsys, "bench", str(model), "--modes", "resident", "--budget", "1GiB")

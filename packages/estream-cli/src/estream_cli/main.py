@@ -19,7 +19,9 @@ from estream.errors import BadRequestError, EStreamError, PackError
 
 from .messages import describe, plural
 from .options import (
+    MAX_THREADS,
     add_engine_opts,
+    bounded_int,
     check_engine_opts,
     engine_from_args,
     int_list,
@@ -429,8 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--threads",
-        type=positive_int,
-        help="compute threads of each run (default: all cores, ≤ 8)",
+        type=bounded_int(MAX_THREADS, "threads"),
+        help=f"compute threads of each run (default: all cores, ≤ 8; at most {MAX_THREADS})",
     )
     p.add_argument(
         "--repeat",

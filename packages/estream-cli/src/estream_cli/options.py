@@ -15,6 +15,7 @@ __all__ = [
     "MAX_QUEUE_DEPTH",
     "MAX_THREADS",
     "add_engine_opts",
+    "bounded_int",
     "check_engine_opts",
     "engine_from_args",
     "int_list",
@@ -103,7 +104,9 @@ MAX_QUEUE_DEPTH = 256
 MAX_BANKS = 4096
 
 
-def _bounded(limit: int, what: str) -> Any:
+def bounded_int(limit: int, what: str) -> Any:
+    """argparse type: a `positive_int` at most ``limit`` (``what``: the unit, for messages)."""
+
     def parse(text: str) -> int:
         v = positive_int(text)
         if v > limit:
@@ -135,23 +138,23 @@ def add_engine_opts(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "-G",
-        type=_bounded(MAX_COUNT, "experts"),
+        type=bounded_int(MAX_COUNT, "experts"),
         help="experts per group (mode stream; ≤ the model's expert count; overrides the "
         "stored configuration)",
     )
     p.add_argument(
         "-Q",
-        type=_bounded(MAX_QUEUE_DEPTH, "reads in flight"),
+        type=bounded_int(MAX_QUEUE_DEPTH, "reads in flight"),
         help=f"group reads in flight (mode stream; ≤ {MAX_QUEUE_DEPTH})",
     )
     p.add_argument(
         "-B",
-        type=_bounded(MAX_BANKS, "banks"),
+        type=bounded_int(MAX_BANKS, "banks"),
         help=f"banks in the arena, each one group (mode stream; ≤ {MAX_BANKS})",
     )
     p.add_argument(
         "--threads",
-        type=_bounded(MAX_THREADS, "threads"),
+        type=bounded_int(MAX_THREADS, "threads"),
         help="compute threads of this process (default: all cores, ≤ 8; with --backend hexagon "
         "only together with --dense-ops host)",
     )
