@@ -763,44 +763,12 @@ def synth_model(
         if unknown:
             raise TypeError(f"unknown synth dimension(s) {sorted(unknown)}")
         d = attrs.evolve(d, **changes)
-    vocab_path: Path | None
-    if vocab == "-":  # asked for explicitly: a generated vocabulary, whatever the preset
-        vocab_path = None
-    elif vocab is not None:
-        vocab_path = Path(vocab)
-        if not vocab_path.exists():  # asked for by name: never silently substitute another
-            raise InvalidGGUFError(f"vocabulary {vocab}: no such file")
-        if not vocab_path.is_file():
-            raise InvalidGGUFError(f"vocabulary {vocab}: not a regular file")
-    else:
-        vocab_path = find_vocab(arch) if preset != "tiny" else None
-    if vocab_path is not None:
-        vocab_kv = _read_vocab(vocab_path)
-        n_vocab = next(len(v) for k, v, _, _ in vocab_kv if k == Keys.Tokenizer.LIST)
-    else:
-        gen = generate_bpe_vocab(d.n_vocab, seed)
-        vocab_kv = []
-        for key, val in gen.items():
-            if isinstance(val, list):
-                sub = GGUFValueType.STRING if isinstance(val[0], str) else GGUFValueType.INT32
-                vocab_kv.append((key, val, GGUFValueType.ARRAY, sub))
-            elif isinstance(val, str):
-                vocab_kv.append((key, val, GGUFValueType.STRING, None))
-            else:
-                vocab_kv.append((key, val, GGUFValueType.UINT32, None))
-        n_vocab = len(gen[Keys.Tokenizer.LIST])
-
+    vocab_path, vocab_kv, n_vocab = _vocabulary(arch, preset, vocab, d.n_vocab, seed)
     names = {expert_type, dense_type, output_type, expert_down_type or expert_type}
     qt = {n: GGMLQuantizationType[n] for n in names}
     plan = _tensor_plan(arch, d, n_vocab, qt[expert_type], qt[dense_type], qt[output_type],
                         qt[expert_down_type or expert_type])  # fmt: skip
-    for t in plan:
-        block = GGML_QUANT_SIZES[t.qtype][0]
-        if t.shape[-1] % block:
-            raise ValueError(
-                f"{t.name}: row length {t.shape[-1]} is not a multiple of the {t.qtype.name} "
-                f"block size {block}; choose other dimensions or types"
-            )
+    _check_blocks(plan)
     out = Path(path)
     data_bytes = sum(t.nbytes for t in plan)
     # header: the tokenizer (a few MiB for 152K tokens and their merges) plus tensor infos
@@ -812,33 +780,7 @@ def synth_model(
     bar = _Progress(data_bytes, f"synthesizing {out.name}", progress)
     writer = GGUFWriter(out, GGUF_ARCH[arch])
     try:
-        for key, val, vtype in _arch_keys(arch, d, n_vocab):
-            writer.add_key_value(key, val, vtype)
-        if arch == "lfm2moe":
-            kv = [d.n_head_kv if d.lfm2_is_attention(i) else 0 for i in range(d.n_layers)]
-            writer.add_key_value(
-                Keys.Attention.HEAD_COUNT_KV.format(arch="lfm2moe"),
-                kv,
-                GGUFValueType.ARRAY,
-                GGUFValueType.UINT32,
-            )
-        file_type = {
-            "Q4_0": LlamaFileType.MOSTLY_Q4_0,
-            "Q8_0": LlamaFileType.MOSTLY_Q8_0,
-            "F16": LlamaFileType.MOSTLY_F16,
-        }.get(expert_type, LlamaFileType.GUESSED)
-        writer.add_key_value(Keys.General.FILE_TYPE, int(file_type), GGUFValueType.UINT32)
-        writer.add_key_value(Keys.General.QUANTIZATION_VERSION, 2, GGUFValueType.UINT32)
-        for key, val, vtype, sub in vocab_kv:
-            writer.add_key_value(key, val, vtype, sub)
-        for t in plan:
-            if t.qtype in (F32, F16):
-                dtype = np.float32 if t.qtype == F32 else np.float16
-                writer.add_tensor_info(t.name, t.shape, np.dtype(dtype), t.nbytes)
-            else:
-                block, size = GGML_QUANT_SIZES[t.qtype]
-                byte_shape = (*t.shape[:-1], t.shape[-1] // block * size)
-                writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), t.nbytes, t.qtype)
+        _add_header(writer, arch, d, n_vocab, expert_type, vocab_kv, plan)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -863,6 +805,92 @@ def synth_model(
     writer.close()
     bar.close()
     return out
+
+
+def _vocabulary(
+    arch: str, preset: str, vocab: str | os.PathLike[str] | None, n_vocab: int, seed: int
+) -> tuple[Path | None, list[tuple[str, Any, GGUFValueType, GGUFValueType | None]], int]:
+    """The tokenizer keys `synth_model` writes (see its ``vocab``), the file they come from
+    (None: generated) and the vocabulary size."""
+    vocab_path: Path | None
+    if vocab == "-":  # asked for explicitly: a generated vocabulary, whatever the preset
+        vocab_path = None
+    elif vocab is not None:
+        vocab_path = Path(vocab)
+        if not vocab_path.exists():  # asked for by name: never silently substitute another
+            raise InvalidGGUFError(f"vocabulary {vocab}: no such file")
+        if not vocab_path.is_file():
+            raise InvalidGGUFError(f"vocabulary {vocab}: not a regular file")
+    else:
+        vocab_path = find_vocab(arch) if preset != "tiny" else None
+    if vocab_path is not None:
+        vocab_kv = _read_vocab(vocab_path)
+        return (
+            vocab_path,
+            vocab_kv,
+            next(len(v) for k, v, _, _ in vocab_kv if k == Keys.Tokenizer.LIST),
+        )
+    gen = generate_bpe_vocab(n_vocab, seed)
+    kv: list[tuple[str, Any, GGUFValueType, GGUFValueType | None]] = []
+    for key, val in gen.items():
+        if isinstance(val, list):
+            sub = GGUFValueType.STRING if isinstance(val[0], str) else GGUFValueType.INT32
+            kv.append((key, val, GGUFValueType.ARRAY, sub))
+        elif isinstance(val, str):
+            kv.append((key, val, GGUFValueType.STRING, None))
+        else:
+            kv.append((key, val, GGUFValueType.UINT32, None))
+    return None, kv, len(gen[Keys.Tokenizer.LIST])
+
+
+def _check_blocks(plan: list[_T]) -> None:
+    """Every tensor's rows are whole blocks of its type."""
+    for t in plan:
+        block = GGML_QUANT_SIZES[t.qtype][0]
+        if t.shape[-1] % block:
+            raise ValueError(
+                f"{t.name}: row length {t.shape[-1]} is not a multiple of the {t.qtype.name} "
+                f"block size {block}; choose other dimensions or types"
+            )
+
+
+def _add_header(
+    writer: GGUFWriter,
+    arch: str,
+    d: SynthDims,
+    n_vocab: int,
+    expert_type: str,
+    vocab_kv: list[tuple[str, Any, GGUFValueType, GGUFValueType | None]],
+    plan: list[_T],
+) -> None:
+    """The model's metadata (architecture keys, file type, tokenizer) and tensor infos."""
+    for key, val, vtype in _arch_keys(arch, d, n_vocab):
+        writer.add_key_value(key, val, vtype)
+    if arch == "lfm2moe":
+        kv = [d.n_head_kv if d.lfm2_is_attention(i) else 0 for i in range(d.n_layers)]
+        writer.add_key_value(
+            Keys.Attention.HEAD_COUNT_KV.format(arch="lfm2moe"),
+            kv,
+            GGUFValueType.ARRAY,
+            GGUFValueType.UINT32,
+        )
+    file_type = {
+        "Q4_0": LlamaFileType.MOSTLY_Q4_0,
+        "Q8_0": LlamaFileType.MOSTLY_Q8_0,
+        "F16": LlamaFileType.MOSTLY_F16,
+    }.get(expert_type, LlamaFileType.GUESSED)
+    writer.add_key_value(Keys.General.FILE_TYPE, int(file_type), GGUFValueType.UINT32)
+    writer.add_key_value(Keys.General.QUANTIZATION_VERSION, 2, GGUFValueType.UINT32)
+    for key, val, vtype, sub in vocab_kv:
+        writer.add_key_value(key, val, vtype, sub)
+    for t in plan:
+        if t.qtype in (F32, F16):
+            dtype = np.float32 if t.qtype == F32 else np.float16
+            writer.add_tensor_info(t.name, t.shape, np.dtype(dtype), t.nbytes)
+        else:
+            block, size = GGML_QUANT_SIZES[t.qtype]
+            byte_shape = (*t.shape[:-1], t.shape[-1] // block * size)
+            writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), t.nbytes, t.qtype)
 
 
 def _layer_of(name: str) -> int:
