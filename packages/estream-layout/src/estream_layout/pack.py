@@ -624,6 +624,107 @@ def planned_pack_bytes(spec: ModelSpec) -> int:
 
 
 # ------------------------------------------------------------------------------ main entry
+def _temp_dir(dst: Path) -> Path:
+    """A new directory next to ``dst`` (the pack is built there, then renamed into place),
+    with the permissions the umask gives a new directory."""
+    tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".tmp-", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
+
+
+def _check_requantize(spec: ModelSpec, requantize: str | None) -> list[TensorInfo]:
+    """The expert tensors `pack_model` re-quantizes to Q4_0 (those of a type it does not
+    compute), refused unless ``requantize`` is "q4_0" (then with a loud warning)."""
+    if requantize not in (None, "q4_0"):
+        raise InvalidArgumentError(f"requantize must be 'q4_0' or None, got {requantize!r}")
+    requant_tensors = _requant_tensors(spec)
+    if requant_tensors and requantize is None:
+        types = sorted({t.ggml_type for t in requant_tensors})
+        raise UnsupportedTensorTypeError(
+            f"{Path(spec.path).name}: {len(requant_tensors)} expert tensors are of type "
+            f"{', '.join(types)} (e.g. {requant_tensors[0].name}), which EStream does not compute; "
+            f"supported expert types: {', '.join(EXPERT_TILE_FORMATS)}. Pack with --requantize "
+            "q4_0 to re-quantize them to Q4_0 (double quantization, less accurate)"
+        )
+    if requant_tensors:
+        _warn_requant(spec, requant_tensors)
+    return requant_tensors
+
+
+def _write_data(
+    spec: ModelSpec,
+    tmp: Path,
+    dense_plan: list[tuple[Any, str]],
+    orders: Any,
+    chunk_bytes: int,
+    layer_buffer_bytes: int,
+    progress: bool,
+) -> tuple[dict[str, DenseEntry], list[LayerEntry], int, int, str]:
+    """dense.bin and experts.bin of a pack in ``tmp``, in one pass over the source in file
+    order: the dense entries, the MoE layers, dense.bin's and experts.bin's sizes and the
+    source's sha256."""
+    dense_total = sum(_dense_nbytes(i, f) for i, f in dense_plan)
+    bar = _Progress(dense_total + spec.expert_bytes, f"packing {Path(spec.path).name}", progress)
+    formats = dict((info.name, fmt) for info, fmt in dense_plan)
+    in_file_order = sorted(spec.tensors.values(), key=lambda t: t.offset)
+    dense_entries: dict[str, DenseEntry] = {}
+    pending: dict[int, dict[str, Any]] = {}  # MoE layer -> projection -> [E, rows, rb]
+    layers: list[LayerEntry] = []
+    with TensorReader(spec.path) as reader, open(tmp / DENSE_FILE, "wb") as fh:
+        layer_bytes = max(
+            sum(spec.expert_tensor(la, j).nbytes for j in EXPERT_PROJECTIONS)
+            for la in spec.moe_layers
+        )
+        buffer_layers = layer_bytes <= layer_buffer_bytes
+        source = _SourcePass(reader, spec.file_bytes, sequential=buffer_layers)
+        writer = _ChunkWriter(tmp / EXPERTS_FILE)
+        try:
+            for k, info in enumerate(in_file_order):
+                for ahead in in_file_order[k + 1 : k + 3]:  # overlap disk reads with work
+                    reader.prefetch(ahead)
+                parsed = parse_expert_tensor_name(info.name)
+                if parsed is None:
+                    fmt = formats[info.name]
+                    offset = _pad_file(fh)
+                    crc = _write_dense_tensor(source, info, fmt, fh, chunk_bytes)
+                    nbytes = fh.tell() - offset
+                    assert nbytes == _dense_nbytes(info, fmt), info.name
+                    dense_entries[info.name] = DenseEntry(
+                        info.name, offset, nbytes, fmt, info.shape, crc
+                    )
+                    bar.update(nbytes)
+                    continue
+                layer, proj = parsed
+                if buffer_layers:  # the whole stacked tensor, read once, in file order
+                    buf = np.empty((*info.shape[:-1], info.row_bytes), dtype=np.uint8)
+                    pending.setdefault(layer, {})[proj] = source.read(info.offset, buf)
+                else:  # one expert at a time, when its record is assembled
+                    pending.setdefault(layer, {})[proj] = _ExpertRows(reader, info)
+                if len(pending[layer]) == len(EXPERT_PROJECTIONS):
+                    layers.append(
+                        _write_layer(
+                            pending.pop(layer), spec, layer, orders[layer], writer,
+                            chunk_bytes, bar,
+                        )
+                    )  # fmt: skip
+            dense_bytes = _pad_file(fh)
+            sha256 = source.sha256()
+        finally:
+            try:
+                writer.close()
+            finally:
+                source.close()
+        experts_bytes = writer.position
+        assert experts_bytes == (tmp / EXPERTS_FILE).stat().st_size
+        assert not pending and len(layers) == len(spec.moe_layers)
+        layers = [attrs.evolve(la, checksums=tuple(la.checksums)) for la in layers]
+        assert all(len(la.checksums) == la.n_experts for la in layers)
+    bar.close()
+    return dense_entries, layers, dense_bytes, experts_bytes, sha256
+
+
 def pack_model(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -658,90 +759,19 @@ def pack_model(
     replacing = _check_target(dst_path, Path(spec.path), force)
     orders, order_summary = _resolve_orders(spec, order)
     dense_plan = [(spec.tensors[n], dense_format(spec.tensors[n])) for n in spec.dense_tensor_names]
-    if requantize not in (None, "q4_0"):
-        raise InvalidArgumentError(f"requantize must be 'q4_0' or None, got {requantize!r}")
-    requant_tensors = _requant_tensors(spec)
+    requant_tensors = _check_requantize(spec, requantize)
     requant = bool(requant_tensors)
-    if requant and requantize is None:
-        types = sorted({t.ggml_type for t in requant_tensors})
-        raise UnsupportedTensorTypeError(
-            f"{Path(spec.path).name}: {len(requant_tensors)} expert tensors are of type "
-            f"{', '.join(types)} (e.g. {requant_tensors[0].name}), which EStream does not compute; "
-            f"supported expert types: {', '.join(EXPERT_TILE_FORMATS)}. Pack with --requantize "
-            "q4_0 to re-quantize them to Q4_0 (double quantization, less accurate)"
-        )
-    if requant:
-        _warn_requant(spec, requant_tensors)
 
     check_disk_space(
         dst_path.parent, planned_pack_bytes(spec), f"packing {Path(spec.path).name}"
     )  # the old pack, if any, is removed only once the new one is complete: no credit for it
     dst_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=dst_path.name + ".tmp-", dir=dst_path.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
+    tmp = _temp_dir(dst_path)
     try:
         write_metadata_gguf(spec.path, tmp / MODEL_GGUF)
-        dense_total = sum(_dense_nbytes(i, f) for i, f in dense_plan)
-        bar = _Progress(
-            dense_total + spec.expert_bytes, f"packing {Path(spec.path).name}", progress
+        dense_entries, layers, dense_bytes, experts_bytes, sha256 = _write_data(
+            spec, tmp, dense_plan, orders, chunk_bytes, layer_buffer_bytes, progress
         )
-        formats = dict((info.name, fmt) for info, fmt in dense_plan)
-        in_file_order = sorted(spec.tensors.values(), key=lambda t: t.offset)
-        dense_entries: dict[str, DenseEntry] = {}
-        pending: dict[int, dict[str, Any]] = {}  # MoE layer -> projection -> [E, rows, rb]
-        layers: list[LayerEntry] = []
-        with TensorReader(spec.path) as reader, open(tmp / DENSE_FILE, "wb") as fh:
-            layer_bytes = max(
-                sum(spec.expert_tensor(la, j).nbytes for j in EXPERT_PROJECTIONS)
-                for la in spec.moe_layers
-            )
-            buffer_layers = layer_bytes <= layer_buffer_bytes
-            source = _SourcePass(reader, spec.file_bytes, sequential=buffer_layers)
-            writer = _ChunkWriter(tmp / EXPERTS_FILE)
-            try:
-                for k, info in enumerate(in_file_order):
-                    for ahead in in_file_order[k + 1 : k + 3]:  # overlap disk reads with work
-                        reader.prefetch(ahead)
-                    parsed = parse_expert_tensor_name(info.name)
-                    if parsed is None:
-                        fmt = formats[info.name]
-                        offset = _pad_file(fh)
-                        crc = _write_dense_tensor(source, info, fmt, fh, chunk_bytes)
-                        nbytes = fh.tell() - offset
-                        assert nbytes == _dense_nbytes(info, fmt), info.name
-                        dense_entries[info.name] = DenseEntry(
-                            info.name, offset, nbytes, fmt, info.shape, crc
-                        )
-                        bar.update(nbytes)
-                        continue
-                    layer, proj = parsed
-                    if buffer_layers:  # the whole stacked tensor, read once, in file order
-                        buf = np.empty((*info.shape[:-1], info.row_bytes), dtype=np.uint8)
-                        pending.setdefault(layer, {})[proj] = source.read(info.offset, buf)
-                    else:  # one expert at a time, when its record is assembled
-                        pending.setdefault(layer, {})[proj] = _ExpertRows(reader, info)
-                    if len(pending[layer]) == len(EXPERT_PROJECTIONS):
-                        layers.append(
-                            _write_layer(
-                                pending.pop(layer), spec, layer, orders[layer], writer,
-                                chunk_bytes, bar,
-                            )
-                        )  # fmt: skip
-                dense_bytes = _pad_file(fh)
-                sha256 = source.sha256()
-            finally:
-                try:
-                    writer.close()
-                finally:
-                    source.close()
-            experts_bytes = writer.position
-            assert experts_bytes == (tmp / EXPERTS_FILE).stat().st_size
-            assert not pending and len(layers) == len(spec.moe_layers)
-            layers = [attrs.evolve(la, checksums=tuple(la.checksums)) for la in layers]
-            assert all(len(la.checksums) == la.n_experts for la in layers)
-        bar.close()
         manifest = Manifest(
             root=tmp,
             arch=spec.arch,
