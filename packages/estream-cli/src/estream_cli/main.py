@@ -320,6 +320,7 @@ workflow (one model, in this order):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # long: the dispatch table of the commands, one subparser and its options per command
     ap = argparse.ArgumentParser(
         prog="estream",
         description="Streamed prefill-only MoE inference: experts stay in storage.",

@@ -121,6 +121,17 @@ def pack_main(argv: Sequence[str] | None = None) -> int:
         return _fail("estream-pack", f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
 
 
+def _dims(items: Sequence[str]) -> dict[str, int] | str:
+    """``--dim NAME=N`` items as a mapping, or the first item not of that form."""
+    dims: dict[str, int] = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if not value.strip().isdigit():
+            return item
+        dims[name.strip()] = int(value)
+    return dims
+
+
 def synth_main(argv: Sequence[str] | None = None) -> int:
     """`estream-synth --arch A --preset P [--seed N] [--vocab VOCAB.gguf] -o model.gguf`."""
     ap = argparse.ArgumentParser(
@@ -165,12 +176,9 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--no-progress", action="store_true", help="no progress line")
     args = ap.parse_args(argv)
-    dims: dict[str, int] = {}
-    for item in args.dim:
-        name, _, value = item.partition("=")
-        if not value.strip().isdigit():
-            return _fail("estream-synth", f"--dim {item!r}: expected NAME=N with N an integer")
-        dims[name.strip()] = int(value)
+    dims = _dims(args.dim)
+    if isinstance(dims, str):
+        return _fail("estream-synth", f"--dim {dims!r}: expected NAME=N with N an integer")
     if PRESET_ARCH.get(args.preset, args.arch) != args.arch:
         return _fail(
             "estream-synth",
