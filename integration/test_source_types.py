@@ -170,3 +170,53 @@ def test_htp_and_layout_kquant_tiles_agree_with_gguf(qtype):
     want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype])
     got = T.dequantize_tiles(theirs, fmt, n, k)
     assert np.array_equal(np.asarray(got, np.float32).view(np.uint32), want.view(np.uint32))
+
+
+def test_layers_of_different_types_run_as_stored(tmp_path):
+    """A file whose layers store ffn_down in different types (as Q4_K_M does: Q6_K in some
+    layers, Q4_K in the others): every layer's records have one shape (each projection padded
+    to the largest), the manifest holds each layer's formats, and the engine runs each layer's
+    experts in their own format — f32 within 1e-5 of the file's float64 reference in stream
+    and resident mode, the host-process executor equal to the host on the int8 path."""
+    from reference import reference_forward
+
+    kw = {"seed": 5, "expert_type": "Q4_K", "dims": KQ_DIMS}
+    a = synth_model("qwen3moe", "tiny", tmp_path / "a.gguf", **kw)
+    b = synth_model("qwen3moe", "tiny", tmp_path / "b.gguf", expert_down_type="Q6_K", **kw)
+    src = tmp_path / "m.gguf"
+    reader, other = gguf.GGUFReader(a), gguf.GGUFReader(b)
+    w = gguf.GGUFWriter(src, str(reader.fields["general.architecture"].contents()))
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), vtype, sub)
+    swap = "blk.1.ffn_down_exps.weight"
+    for t in reader.tensors:
+        t = next(o for o in other.tensors if o.name == swap) if t.name == swap else t
+        data = np.asarray(t.data)
+        w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    dst = tmp_path / "m.estream"
+    pack_model(src, dst, progress=False)
+    doc = json.loads((dst / "manifest.json").read_text())
+    formats = [[la["projections"][j]["format"] for j in ("gate", "up", "down")]
+               for la in doc["layers"]]  # fmt: skip
+    assert formats == [["q4_k-t32r4"] * 3, ["q4_k-t32r4", "q4_k-t32r4", "q6_k-t32r4"]]
+    assert len({la["record_bytes"] for la in doc["layers"]}) == 1
+    toks = np.random.default_rng(3).integers(0, 200, size=29)
+    ref = reference_forward(src, toks)
+    for mode_kw in ({"mode": "resident"}, {"mode": "stream", "G": 2, "Q": 2, "B": 3}):
+        with estream.load(dst, act="f32", **mode_kw) as eng:
+            got = eng.prefill(toks, all_logits=True).logits
+        assert rel_l2(got, ref) <= 1e-5, mode_kw
+    stream = {"mode": "stream", "G": 2, "Q": 2, "B": 3}
+    with estream.load(dst, backend="host", **stream) as eng:
+        host = eng.prefill(toks, all_logits=True).logits
+    with estream.load(dst, backend="host-process", **stream) as eng:
+        other_be = eng.prefill(toks, all_logits=True).logits
+    assert rel_l2(other_be, host) <= 1e-5

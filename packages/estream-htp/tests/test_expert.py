@@ -332,6 +332,31 @@ def test_expert_op_q8_0_and_kquant_weights_match_float64(simd: str, act: str, fo
         assert T.rel_l2_floored(y - y0, emu, mag, ff) <= Q8_EMU_TOL
 
 
+def test_expert_op_formats_per_call() -> None:
+    """One graph serves layers of different types: a call's `formats` gives the bits of a graph
+    made for those formats (a Q4_K_M mix on a graph made for Q4_0), and a bad one is refused."""
+    rng = np.random.default_rng(23)
+    d, ff, n_exp, t = 256, 256, 3, 11
+    fmts = (Q4K, Q4K, Q6K)
+    gate, up, down = T.random_experts(rng, n_exp, d, ff, fmts)
+    planes = [np.ascontiguousarray(p) for p in (gate, up, down)]
+    tokens = rng.integers(0, t, 20).astype(np.int32)
+    experts = rng.integers(0, n_exp, 20).astype(np.int32)
+    weights = rng.uniform(0, 1, 20).astype(np.float32)
+    slots = np.arange(n_exp, dtype=np.int32)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    ya, yb = np.zeros((t, d), np.float32), np.zeros((t, d), np.float32)
+    with htp.ExpertGraph(d, ff, 64, t, formats=fmts) as g:
+        _run(g, x, tokens, experts, weights, slots, planes, ya)
+    with htp.ExpertGraph(d, ff, 64, t) as g:
+        g.run(x, tokens, experts, weights, slots, [p.ctypes.data for p in planes],
+              [p.strides[0] for p in planes], yb, formats=fmts)  # fmt: skip
+        with pytest.raises(htp.HTPInputError, match="formats must be"):
+            g.run(x, tokens, experts, weights, slots, [p.ctypes.data for p in planes],
+                  [p.strides[0] for p in planes], yb, formats="q5_k")  # fmt: skip
+    assert np.array_equal(ya, yb) and np.abs(ya).max() > 0
+
+
 def test_expert_op_format_errors() -> None:
     """An unknown or unsupported expert format is refused by name; a stride that fits Q4_0
     tiles but not the larger Q8_0 ones is refused by the backend."""

@@ -128,6 +128,12 @@ class ExpertSource(Protocol):
     def close(self) -> None: ...
 
 
+def _formats(graph: htp.ExpertGraph, layer: ExpertLayer) -> dict[str, tuple[str, str, str]]:
+    """The expert op's `formats` argument for a layer: its tile formats where they are not the
+    graph's own (a file may store a layer's projections in other types than the first's)."""
+    return {} if layer.formats == graph.formats else {"formats": layer.formats}
+
+
 class ResidentExperts:
     """All experts read into memory once: the I/O-free reference point (same kernels)."""
 
@@ -195,7 +201,9 @@ class ResidentExperts:
         if not isinstance(x, htp.Q8Rows):  # Q8 rows are where the op reads them already
             x = rb.activation("x", x)
         ys = y if rb.in_place(y) else rb.put("y", y)
-        self.graph.run(x, tokens, experts, w, slots, planes, strides, ys)
+        self.graph.run(
+            x, tokens, experts, w, slots, planes, strides, ys, **_formats(self.graph, layer)
+        )
         if ys is not y:
             y[...] = ys
         t1 = time.perf_counter()
@@ -426,8 +434,9 @@ class StreamedExperts:
                     row[members] = np.asarray(bank.slots, dtype=np.int32)
                     sl = slice(int(starts[k]), int(starts[k + 1]))
                     fence = self.graph.submit(
-                        xs, ts[sl], es[sl], ws[sl], row, self._planes, self._strides, ys
-                    )
+                        xs, ts[sl], es[sl], ws[sl], row, self._planes, self._strides, ys,
+                        **_formats(self.graph, layer),
+                    )  # fmt: skip
                 except BaseException:
                     self.loader.release(bank)
                     raise

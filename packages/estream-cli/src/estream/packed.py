@@ -253,13 +253,11 @@ class PackedModel:
                 checksums=tuple(rec.checksums) or None,
                 formats=tuple(rec.projections[k].format for k in ("gate", "up", "down")),  # type: ignore[arg-type]
             )
-        shapes = {
-            (lay.record_bytes, lay.plane_extents, lay.formats) for lay in self.layers.values()
-        }
+        # one record shape for every layer (the packer pads projections to the largest); the
+        # tile formats may differ per layer and go with each layer's expert ops
+        shapes = {(lay.record_bytes, lay.plane_extents) for lay in self.layers.values()}
         if len(shapes) > 1:
-            raise PackError(
-                "MoE layers with different expert shapes or tile formats are not supported yet"
-            )
+            raise PackError("MoE layers with different expert shapes are not supported yet")
         self._dense_index = parsed.dense
         self._dense_path = parsed.dense_path
         self._dense_blob: np.ndarray | None = None
@@ -323,7 +321,8 @@ class PackedModel:
 
     @property
     def expert_formats(self) -> tuple[str, str, str]:
-        """Tile formats of the experts' gate, up and down (the same in every MoE layer)."""
+        """Tile formats of the first MoE layer's gate, up and down (each layer has its own:
+        `ExpertLayer.formats`)."""
         if not self.layers:
             return ("q4_0-t32r4",) * 3
         return next(iter(self.layers.values())).formats

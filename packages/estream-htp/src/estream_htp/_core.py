@@ -446,11 +446,14 @@ class ExpertGraph:
         self.formats = _expert_formats(formats)
         self.backend = _be(backend)
         self._closed = False
-        fg, fu, fd = self.formats
-        self._need = (
-            matrix_nbytes(fg, self.d_ff, self.d_model),
-            matrix_nbytes(fu, self.d_ff, self.d_model),
-            matrix_nbytes(fd, self.d_model, self.d_ff),
+        self._need = self._needs(self.formats)
+
+    def _needs(self, fmts: tuple[str, str, str]) -> tuple[int, int, int]:
+        """Bytes of one expert's gate, up and down in the tile formats ``fmts``."""
+        return (
+            matrix_nbytes(fmts[0], self.d_ff, self.d_model),
+            matrix_nbytes(fmts[1], self.d_ff, self.d_model),
+            matrix_nbytes(fmts[2], self.d_model, self.d_ff),
         )
 
     def close(self) -> None:
@@ -482,6 +485,7 @@ class ExpertGraph:
         y: F32,
         *,
         act: str | None = None,
+        formats: str | Sequence[str] | None = None,
     ) -> None:
         """``y[t] += w · down(silu(gate(x[t])) * up(x[t]))`` for every route ``(t, e, w)``.
 
@@ -489,8 +493,12 @@ class ExpertGraph:
         memory registered with the backend (host backends also take unregistered memory);
         ``strides``: bytes between slots of each plane; expert ``e`` lives in slot
         ``slot_of_expert[e]``. ``x`` may be `Q8Rows` (`quantize_q8`) with ``act="q8"``: the
-        same bits as from the fp32 rows, quantized once for every op on that input."""
-        c = self._call(x, tokens, experts, weights, slot_of_expert, planes, strides, y, act)
+        same bits as from the fp32 rows, quantized once for every op on that input.
+        ``formats`` (default: the graph's) gives this call's tile formats: one layer's experts
+        may be stored in other types than another's."""
+        c = self._call(
+            x, tokens, experts, weights, slot_of_expert, planes, strides, y, act, formats
+        )
         if c is not None:
             self.backend.run(c)
 
@@ -506,12 +514,15 @@ class ExpertGraph:
         y: F32,
         *,
         act: str | None = None,
+        formats: str | Sequence[str] | None = None,
     ) -> Fence | None:
         """As `run`, but returns the op's completion fence at once (None if nothing is
         routed). The operands must stay untouched until the fence completes; ``y`` must be in
         registered memory (`Backend.empty`) on a host-process backend so that ops queued one
         after another accumulate into the same array."""
-        c = self._call(x, tokens, experts, weights, slot_of_expert, planes, strides, y, act)
+        c = self._call(
+            x, tokens, experts, weights, slot_of_expert, planes, strides, y, act, formats
+        )
         if c is None:
             return None
         if (
@@ -535,6 +546,7 @@ class ExpertGraph:
         strides: Sequence[int],
         y: F32,
         act: str | None,
+        formats: str | Sequence[str] | None = None,
     ) -> Any:
         # long: the expert op's validator, one check per operand, then its descriptor
         if self._closed:
@@ -597,13 +609,15 @@ class ExpertGraph:
         c.what = "ExpertGraph.run"
         p = c.p.expert
         p.d_model, p.d_ff, p.n_tokens, p.n_routes, p.n_experts = d, self.d_ff, t, r, e
-        p.capacity, p.format = self.capacity, _FMT[self.formats[0]]
-        p.format_up, p.format_down = _FMT[self.formats[1]], _FMT[self.formats[2]]
+        fmts = self.formats if formats is None else _expert_formats(formats)
+        need = self._need if formats is None else self._needs(fmts)
+        p.capacity, p.format = self.capacity, _FMT[fmts[0]]
+        p.format_up, p.format_down = _FMT[fmts[1]], _FMT[fmts[2]]
         p.x_q8 = int(rows)
         p.slot_stride = strides_i
         c.ref(x.data if rows else x).ref(tokens).ref(experts).ref(weights).ref(slot_of_expert)
         for j in range(3):
-            c.ref_address(planes_i[j], max_slot * strides_i[j] + self._need[j])
+            c.ref_address(planes_i[j], max_slot * strides_i[j] + need[j])
         c.ref(y, "rw")
         return c
 

@@ -573,9 +573,9 @@ def _validate(r: _Reader, m: Manifest) -> None:
             if p.bytes != tile_nbytes(p.rows, p.cols, p.format):
                 raise r.fail(pf + ".bytes", f"{p.bytes}, a {p.rows}x{p.cols} {p.format} matrix "
                              f"needs {tile_nbytes(p.rows, p.cols, p.format)}")  # fmt: skip
-            if p.padded_bytes != _round_up(p.bytes):
-                raise r.fail(pf + ".padded_bytes", f"{p.padded_bytes}, expected "
-                             f"{_round_up(p.bytes)}")  # fmt: skip
+            if p.padded_bytes < _round_up(p.bytes) or p.padded_bytes % PAGE:
+                raise r.fail(pf + ".padded_bytes", f"{p.padded_bytes}, expected a multiple of "
+                             f"{PAGE} of at least {_round_up(p.bytes)}")  # fmt: skip
             off += p.padded_bytes
         if off != la.record_bytes:
             raise r.fail(f + ".record_bytes", f"{la.record_bytes}, projections add up to {off}")

@@ -606,19 +606,25 @@ def _warn_requant(spec: ModelSpec, tensors: list[TensorInfo]) -> None:
     sys.stderr.flush()
 
 
+def projection_slots(spec: ModelSpec) -> dict[str, int]:
+    """Bytes of each projection's place in a record: its tiles padded to 4096, the largest over
+    the MoE layers, so that every layer's records have one shape (a file may store a projection
+    in another type in some layers, as Q4_K_M does with ffn_down) and one arena serves them."""
+    slots = dict.fromkeys(EXPERT_PROJECTIONS, 0)
+    for layer in spec.moe_layers:
+        for j in EXPERT_PROJECTIONS:
+            info = spec.expert_tensor(layer, j)
+            _, rows, cols = info.shape
+            slots[j] = max(slots[j], _round_up(tile_nbytes(rows, cols, expert_format(info))))
+    return slots
+
+
 def planned_pack_bytes(spec: ModelSpec) -> int:
     """Bytes a pack of `spec` will occupy: dense.bin, experts.bin (page-padded records) and the
     metadata GGUF (bounded by the source's header); the manifest is small change (1 MiB)."""
     dense = sum(_round_up(_dense_nbytes(spec.tensors[n], dense_format(spec.tensors[n])))
                 for n in spec.dense_tensor_names)  # fmt: skip
-    experts = 0
-    for layer in spec.moe_layers:
-        record = 0
-        for j in EXPERT_PROJECTIONS:
-            info = spec.expert_tensor(layer, j)
-            _, rows, cols = info.shape
-            record += _round_up(tile_nbytes(rows, cols, expert_format(info)))
-        experts += spec.n_experts * record
+    experts = len(spec.moe_layers) * spec.n_experts * sum(projection_slots(spec).values())
     header = min(spec.tensors.values(), key=lambda t: t.offset).offset
     return dense + experts + header + (1 << 20)
 
@@ -1076,13 +1082,14 @@ def _write_layer(
     """Write one MoE layer's records from its three stacked expert tensors (raw source rows
     `[E, rows, row_bytes]` in memory): in storage order, a chunk of records at a time."""
     infos = {j: spec.expert_tensor(layer, j) for j in EXPERT_PROJECTIONS}
+    slots = projection_slots(spec)
     projections: dict[str, ProjectionEntry] = {}
     off = 0
     for j in EXPERT_PROJECTIONS:
         _, rows, cols = infos[j].shape
         fmt = expert_format(infos[j])
         nbytes = tile_nbytes(rows, cols, fmt)
-        padded = _round_up(nbytes)
+        padded = slots[j]
         projections[j] = ProjectionEntry(rows, cols, off, nbytes, padded, fmt)
         off += padded
     record_bytes = off
