@@ -537,6 +537,69 @@ HTP_T_AVX2 static void q4kq8_strip_fast_avx2(const uint8_t *strip, uint32_t kb, 
     }
 }
 
+/* ---- Q8_0 x Q8 tile kernel, AVX2: 16 rows a pass (two ymm of 32-bit lanes per group), up to 4
+ * tokens. vpmaddubsw takes |w| (u8, <= 128) and the activations with w's sign (vpsignb), so a
+ * pair sums to at most 2 x 128 x 127 = 32512 (no saturation); vpmaddwd widens each group's pairs
+ * into the block's int32 sums (exact), then the fp32 epilogue of the Q4_0 kernel. */
+HTP_T_AVX2 static inline __attribute__((always_inline)) void q8q8_rows16_avx2(
+    const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, uint32_t k, float *out,
+    uint32_t ldo, uint32_t rows, uint32_t pass, const int NT) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    float acc[4][16];
+    for (int u = 0; u < NT; u++)
+        for (int r = 0; r < 16; r++) acc[u][r] = 0.0f;
+    for (uint32_t j = 0; j < kb; j++) {
+        const uint8_t *tile = strip + (size_t)j * HTP_Q8_TILE_BYTES;
+        __m256i i32[4][2];
+        for (int u = 0; u < NT; u++) i32[u][0] = i32[u][1] = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g++) {
+            const uint8_t *gp = tile + 64 + 128 * g + 64 * pass;
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)gp);
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(gp + 32));
+            const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+            for (int u = 0; u < NT; u++) {
+                int32_t av;
+                memcpy(&av, q + (size_t)u * k + 32 * j + 4 * g, 4);
+                const __m256i b = _mm256_set1_epi32(av);
+                const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(b, w0));
+                const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(b, w1));
+                i32[u][0] = _mm256_add_epi32(i32[u][0], _mm256_madd_epi16(p0, ones));
+                i32[u][1] = _mm256_add_epi32(i32[u][1], _mm256_madd_epi16(p1, ones));
+            }
+        }
+        const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 32 * pass)));
+        const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 32 * pass + 16)));
+        for (int u = 0; u < NT; u++) {
+            const __m256 da = _mm256_set1_ps(d[(size_t)u * kb + j]);
+            const __m256 f0 = _mm256_cvtepi32_ps(i32[u][0]), f1 = _mm256_cvtepi32_ps(i32[u][1]);
+            _mm256_storeu_ps(acc[u], _mm256_fmadd_ps(f0, _mm256_mul_ps(dw0, da), _mm256_loadu_ps(acc[u])));
+            _mm256_storeu_ps(acc[u] + 8, _mm256_fmadd_ps(f1, _mm256_mul_ps(dw1, da), _mm256_loadu_ps(acc[u] + 8)));
+        }
+    }
+    const uint32_t r0 = 16u * pass, live = rows - r0 < 16 ? rows - r0 : 16;
+    for (int u = 0; u < NT; u++)
+        for (uint32_t r = 0; r < live; r++) out[(size_t)u * ldo + r0 + r] = acc[u][r];
+}
+
+HTP_T_AVX2 static void q8q8_strip_fast_avx2(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                            uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    const uint32_t k = kb * 32;
+    for (uint32_t t0 = 0; t0 < nt; t0 += 4) {
+        const uint32_t n = nt - t0 < 4 ? nt - t0 : 4;
+        const int8_t *q = a->q + (size_t)t0 * k;
+        const float *d = a->d + (size_t)t0 * kb;
+        float *o = out + (size_t)t0 * ldo;
+        for (uint32_t pass = 0; 16 * pass < rows; pass++) {
+            switch (n) {
+            case 4: q8q8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 4); break;
+            case 3: q8q8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 3); break;
+            case 2: q8q8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 2); break;
+            default: q8q8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 1); break;
+            }
+        }
+    }
+}
+
 /* ---- fp32-activation GEMM, AVX-512: the strip is dequantized once into a [k][32] panel,
  * then 8 tokens x 32 rows of accumulators (16 zmm) take 2 panel loads + 8 broadcasts per column. */
 HTP_T_AVX512 static inline __attribute__((always_inline)) void f32_block_avx512(
@@ -647,8 +710,8 @@ const htp_isa htp_isa_avx2 = {
     .level = HTP_SIMD_AVX2,
     .q4q8_strip = q4q8_strip_avx2,
     .q4q8_nt = 4,
-    .q8q8_strip = q8q8_strip_avx2,
-    .q8q8_nt = 4,
+    .q8q8_strip = q8q8_strip_fast_avx2,
+    .q8q8_nt = 64,
     .q4kq8_strip = q4kq8_strip_fast_avx2,
     .q6kq8_strip = q6kq8_strip_avx2,
     .kq8_nt = 64,
