@@ -295,3 +295,22 @@ def test_amx_q4_bits_equal_vnni(t: int, n: int, kb: int, threads: int) -> None:
     mag = T.ref_gemm_magnitude(xq, buf, n, "q4_0-t32r4")
     ref = T.ref_gemm(xq, buf, n, "q4_0-t32r4")
     assert T.rel_l2_floored(ys["amx"], ref, mag, x.shape[1]) <= Q8_EXACT_TOL
+
+
+def test_gemm_q8_0_simd_tables_same_bits() -> None:
+    """Q8_0 tiles with int8 activations: every SIMD table this CPU runs gives the same bits
+    (exact integer block sums, then the same fused multiply-add per block in block order), so
+    the hand-written kernels reproduce the compiled reference body's results."""
+    levels = [lv for lv in LEVELS if lv not in ("portable", "neon")]
+    if len(levels) < 2:
+        pytest.skip(f"needs two SIMD tables, this CPU runs {LEVELS}")
+    rng = np.random.default_rng(31)
+    n, k, t = 77, 512, 19
+    buf = T.pack_q8_0_t32r4(T.random_q8_0_blocks(rng, n, k))
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    outs = []
+    for simd in levels:
+        with mode(simd=simd, act="q8"):
+            outs.append(htp.gemm(x, buf, n, "q8_0-t32r4"))
+    for simd, y in zip(levels, outs):
+        assert np.array_equal(y, outs[0]), simd
