@@ -600,6 +600,79 @@ HTP_T_AVX2 static void q8q8_strip_fast_avx2(const uint8_t *strip, uint32_t kb, c
     }
 }
 
+/* ---- Q6_K x Q8 tile kernel, AVX2: the Q8_0 AVX2 scheme (|w| x sign-carried activations) on
+ * q6_k tiles, the two 16-column halves summed apart (groups 0..3 and 4..7), then the exact
+ * int32 sc0*dot0 + sc1*dot1 (scale pairs sign-extended from 16-bit lanes) times d·da. */
+HTP_T_AVX2 static inline __attribute__((always_inline)) void q6kq8_rows16_avx2(
+    const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, uint32_t k, float *out,
+    uint32_t ldo, uint32_t rows, uint32_t pass, const int NT) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    float acc[4][16];
+    for (int u = 0; u < NT; u++)
+        for (int r = 0; r < 16; r++) acc[u][r] = 0.0f;
+    for (uint32_t j = 0; j < kb; j++) {
+        const uint8_t *tile = strip + (size_t)j * HTP_Q6K_TILE_BYTES;
+        __m256i half[2][4][2];
+        for (int h = 0; h < 2; h++)
+            for (int u = 0; u < NT; u++) half[h][u][0] = half[h][u][1] = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g++) {
+            const int h = g >> 2;
+            const uint8_t *gp = tile + 128 + 128 * g + 64 * pass;
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)gp);
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(gp + 32));
+            const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+            for (int u = 0; u < NT; u++) {
+                int32_t av;
+                memcpy(&av, q + (size_t)u * k + 32 * j + 4 * g, 4);
+                const __m256i b = _mm256_set1_epi32(av);
+                const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(b, w0));
+                const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(b, w1));
+                half[h][u][0] = _mm256_add_epi32(half[h][u][0], _mm256_madd_epi16(p0, ones));
+                half[h][u][1] = _mm256_add_epi32(half[h][u][1], _mm256_madd_epi16(p1, ones));
+            }
+        }
+        const uint8_t *hd = tile + 32 * pass, *hs = tile + 64 + 32 * pass;
+        const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hd));
+        const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hd + 16)));
+        const __m256i x0 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)hs));
+        const __m256i x1 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(hs + 16)));
+        const __m256i sl0 = _mm256_srai_epi32(_mm256_slli_epi32(x0, 24), 24);
+        const __m256i sl1 = _mm256_srai_epi32(_mm256_slli_epi32(x1, 24), 24);
+        const __m256i sh0 = _mm256_srai_epi32(x0, 8), sh1 = _mm256_srai_epi32(x1, 8);
+        for (int u = 0; u < NT; u++) {
+            const __m256 da = _mm256_set1_ps(d[(size_t)u * kb + j]);
+            const __m256i i0 = _mm256_add_epi32(_mm256_mullo_epi32(half[0][u][0], sl0),
+                                                _mm256_mullo_epi32(half[1][u][0], sh0));
+            const __m256i i1 = _mm256_add_epi32(_mm256_mullo_epi32(half[0][u][1], sl1),
+                                                _mm256_mullo_epi32(half[1][u][1], sh1));
+            _mm256_storeu_ps(acc[u], _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(dw0, da), _mm256_loadu_ps(acc[u])));
+            _mm256_storeu_ps(acc[u] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(dw1, da), _mm256_loadu_ps(acc[u] + 8)));
+        }
+    }
+    const uint32_t r0 = 16u * pass, live = rows - r0 < 16 ? rows - r0 : 16;
+    for (int u = 0; u < NT; u++)
+        for (uint32_t r = 0; r < live; r++) out[(size_t)u * ldo + r0 + r] = acc[u][r];
+}
+
+HTP_T_AVX2 static void q6kq8_strip_fast_avx2(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                             uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    const uint32_t k = kb * 32;
+    for (uint32_t t0 = 0; t0 < nt; t0 += 4) {
+        const uint32_t n = nt - t0 < 4 ? nt - t0 : 4;
+        const int8_t *q = a->q + (size_t)t0 * k;
+        const float *d = a->d + (size_t)t0 * kb;
+        float *o = out + (size_t)t0 * ldo;
+        for (uint32_t pass = 0; 16 * pass < rows; pass++) {
+            switch (n) {
+            case 4: q6kq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 4); break;
+            case 3: q6kq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 3); break;
+            case 2: q6kq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 2); break;
+            default: q6kq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 1); break;
+            }
+        }
+    }
+}
+
 /* ---- fp32-activation GEMM, AVX-512: the strip is dequantized once into a [k][32] panel,
  * then 8 tokens x 32 rows of accumulators (16 zmm) take 2 panel loads + 8 broadcasts per column. */
 HTP_T_AVX512 static inline __attribute__((always_inline)) void f32_block_avx512(
@@ -713,7 +786,7 @@ const htp_isa htp_isa_avx2 = {
     .q8q8_strip = q8q8_strip_fast_avx2,
     .q8q8_nt = 64,
     .q4kq8_strip = q4kq8_strip_fast_avx2,
-    .q6kq8_strip = q6kq8_strip_avx2,
+    .q6kq8_strip = q6kq8_strip_fast_avx2,
     .kq8_nt = 64,
     .dequant_tile = dequant_avx2,
     .dequant_kq_tile = dequant_kq_avx2,
