@@ -587,3 +587,17 @@ def test_write_error_cleans_up(
         pack_model(tiny_models["olmoe"], tmp_path / "m.estream", progress=False)
     monkeypatch.undo()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_off_a_terminal_prints_each_step_once(capsys):
+    """Off a terminal, pack progress prints each 10 % step once, in order, as the step crossed
+    (uneven chunks that land on 19.6 % and 20.3 % must not both read "20%")."""
+    from estream_layout.pack import _Progress
+
+    prog = _Progress(1000, "packing m.gguf", enabled=True)
+    for n in (196, 7, 95, 2, 300, 150, 250):
+        prog.update(n)
+    lines = capsys.readouterr().err.splitlines()
+    steps = [int(line.rsplit(" ", 1)[1].rstrip("%")) for line in lines]
+    assert steps == sorted(set(steps)), lines
+    assert steps[-1] == 100 and all(s % 10 == 0 for s in steps), lines

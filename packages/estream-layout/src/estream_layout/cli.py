@@ -82,7 +82,14 @@ def pack_main(argv: Sequence[str] | None = None) -> int:
                 print(
                     f"{report.path}: {report.checked_records} records "
                     f"({report.checked_bytes / 2**20:,.1f} MiB) checked{what}: "
-                    + ("OK" if report.ok else f"{len(report.problems)} problem(s)")
+                    + (
+                        "OK"
+                        if report.ok
+                        else (
+                            f"{len(report.problems)} problem"
+                            + ("" if len(report.problems) == 1 else "s")
+                        )
+                    )
                 )
                 for p in report.problems:
                     print(f"  - {p}")

@@ -421,9 +421,9 @@ class _Progress:
             )
             sys.stderr.flush()
         elif not self.tty and pct >= self.next_pct:
-            while self.next_pct <= pct:
+            while self.next_pct <= pct:  # the last threshold crossed, printed once
                 self.next_pct += 10
-            sys.stderr.write(f"{self.label}: {pct:.0f}%\n")
+            sys.stderr.write(f"{self.label}: {self.next_pct - 10}%\n")
 
     def close(self) -> None:
         if self.enabled and self.tty:
@@ -891,7 +891,7 @@ def _check_target(dst: Path, src: Path, force: bool) -> tuple[int, int] | None:
         )
     _check_pack_dir(dst)  # first: never suggest --force for something it would not replace
     if not force:
-        raise PackExistsError(f"{dst} already exists; pass --force (force=True) to replace it")
+        raise PackExistsError(f"{dst} already exists; pass --force to replace it")
     return (st.st_dev, st.st_ino)
 
 
