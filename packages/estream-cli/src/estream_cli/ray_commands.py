@@ -207,6 +207,33 @@ def _parquet_columns(path: str, allowed: tuple[str, ...]) -> list[Any]:
     return list(ids)
 
 
+def _read_input(
+    args: argparse.Namespace, task: Any, requests: Any, parquet_in: bool, parquet_out: bool
+) -> tuple[list[tuple[dict[str, Any], str, dict[str, Any]]], list[Any]]:
+    """The checked JSON Lines requests (none for a Parquet input, which Ray reads itself) and
+    the ids that key Parquet results (a Parquet input's 'id' column, or every line's 'id')."""
+    if parquet_in:
+        ids = _parquet_columns(args.input, ("id", *task.fields))
+        if not ids:
+            raise BadRequestError(f"--input {args.input} has no rows")
+        return [], ids
+    reqs = list(requests())
+    if not parquet_out:
+        return reqs, []
+    ids = [key.get("id") for key, _, _ in reqs]
+    if any("id" not in key for key, _, _ in reqs):
+        raise BadRequestError(
+            f"--output {args.output}: Parquet results are keyed by 'id'; give every "
+            "input line an 'id'"
+        )
+    if len({type(i) for i in ids}) > 1:
+        raise BadRequestError(
+            f"--output {args.output}: a Parquet 'id' column holds one type; give every "
+            "input line a string 'id', or every line an integer one"
+        )
+    return reqs, ids
+
+
 def run_ray(args: argparse.Namespace, task: Any, requests: Any) -> int:
     """The batch on Ray Data (see the module doc); ``requests()`` yields the checked requests
     of a JSON Lines input as the command without ``--ray`` reads them."""
@@ -224,26 +251,7 @@ def run_ray(args: argparse.Namespace, task: Any, requests: Any) -> int:
     else:
         check_output(out_path, "--output")
     parquet_in = args.input != "-" and _is_parquet(args.input)
-    reqs: list[tuple[dict[str, Any], str, dict[str, Any]]] = []
-    ids: list[Any] = []
-    if parquet_in:
-        ids = _parquet_columns(args.input, ("id", *task.fields))
-        if not ids:
-            raise BadRequestError(f"--input {args.input} has no rows")
-    else:
-        reqs = list(requests())
-        if parquet_out:
-            ids = [key.get("id") for key, _, _ in reqs]
-            if any("id" not in key for key, _, _ in reqs):
-                raise BadRequestError(
-                    f"--output {out_path}: Parquet results are keyed by 'id'; give every "
-                    "input line an 'id'"
-                )
-            if len({type(i) for i in ids}) > 1:
-                raise BadRequestError(
-                    f"--output {out_path}: a Parquet 'id' column holds one type; give every "
-                    "input line a string 'id', or every line an integer one"
-                )
+    reqs, ids = _read_input(args, task, requests, parquet_in, parquet_out)
     PackedModel(args.model)  # a missing or broken pack fails here, once, not in every actor
     check_engine_opts(args)
     ray = data.need_ray()

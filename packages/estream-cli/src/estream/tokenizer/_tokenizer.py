@@ -111,6 +111,23 @@ class Tokenizer:
             )
         self.model: str = model
         self.source = source
+        attrs = self._read_vocabulary(meta)
+        ids, add_bos, add_space_prefix, clean_spaces = self._read_model(meta)
+        self._read_special_ids(meta, ids, add_bos, add_space_prefix, clean_spaces)
+        self._mark_special(attrs, meta)
+        self._attrs: list[int] = attrs
+        self._piece_cache: dict[int, bytes] = {}
+        # SPM merges run over a whole text fragment. When no token has a "▁" right after
+        # another character, no merge can cross the start of a "▁..." word, so every word
+        # merges on its own exactly as inside the fragment: tokenize per word, with a cache.
+        self._spm_words = model == "llama" and not any(
+            _SPM_INNER_SPACE.search(t) for t in self._texts
+        )
+        self._word_cache: dict[str, tuple[int, ...]] = {}
+
+    def _read_vocabulary(self, meta: Mapping[str, Any]) -> list[int]:
+        """Token texts, the text -> id map and scores; returns each token's attributes."""
+        source = self.source
         texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(meta["tokenizer.ggml.tokens"])]
         n = len(texts)
         self._texts = texts
@@ -131,15 +148,20 @@ class Tokenizer:
         self._finite_scores = all(math.isfinite(x) for x in self._scores)
         types = meta.get("tokenizer.ggml.token_type")
         if types is None:
-            attrs = [_NORMAL] * n
-        else:
-            if len(types) < n:
-                raise VocabularyError(f"{source}: {len(types)} token types for {n} tokens")
-            type_list = types.tolist() if hasattr(types, "tolist") else list(types)
-            attrs = [_TYPE_TO_ATTR.get(t, 0) for t in type_list[:n]]
+            return [_NORMAL] * n
+        if len(types) < n:
+            raise VocabularyError(f"{source}: {len(types)} token types for {n} tokens")
+        type_list = types.tolist() if hasattr(types, "tolist") else list(types)
+        return [_TYPE_TO_ATTR.get(t, 0) for t in type_list[:n]]
 
-        # model-specific defaults, then the GGUF keys (as llama.cpp's loader does)
-        if model == "llama":
+    def _read_model(
+        self, meta: Mapping[str, Any]
+    ) -> tuple[dict[str, int | None], bool, bool, bool]:
+        """The model's pre-tokenizer and merges; returns its default special ids and flags
+        (bos/eos/unk, add_bos, add_space_prefix, clean_spaces) before the GGUF keys apply."""
+        bos: int | None
+        unk: int | None
+        if self.model == "llama":
             bos, eos, unk = 1, 2, 0
             self.pre: str = str(meta.get("tokenizer.ggml.pre") or "default")
             self._pretok: PreTokenizer | None = None
@@ -155,13 +177,26 @@ class Tokenizer:
                 bos = None
             merges = meta.get("tokenizer.ggml.merges")
             if merges is None:
-                raise VocabularyError(f"{source}: BPE vocabulary without 'tokenizer.ggml.merges'")
+                raise VocabularyError(
+                    f"{self.source}: BPE vocabulary without 'tokenizer.ggml.merges'"
+                )
             # "left right", split at the first space after the first character; the first
             # occurrence of a pair keeps its rank (llama.cpp's map emplace)
             pairs = [_split_merge(m) for m in merges]
-            ranks = dict(zip(reversed(pairs), range(len(pairs) - 1, -1, -1)))
-            self._ranks = ranks
-        ids = {"bos": bos, "eos": eos, "unk": unk}
+            self._ranks = dict(zip(reversed(pairs), range(len(pairs) - 1, -1, -1)))
+        return {"bos": bos, "eos": eos, "unk": unk}, add_bos, add_space_prefix, clean_spaces
+
+    def _read_special_ids(
+        self,
+        meta: Mapping[str, Any],
+        ids: dict[str, int | None],
+        add_bos: bool,
+        add_space_prefix: bool,
+        clean_spaces: bool,
+    ) -> None:
+        """BOS/EOS/UNK ids and the add_* flags: the model's defaults, then the GGUF keys (as
+        llama.cpp's loader does); ids outside the vocabulary are dropped."""
+        n, source = len(self._texts), self.source
         for name in ids:
             if ids[name] is not None and ids[name] >= n:
                 ids[name] = None
@@ -185,6 +220,10 @@ class Tokenizer:
         if self.add_eos and self.eos_id is None:
             raise VocabularyError(f"{source}: add_eos_token is true but there is no EOS token id")
 
+    def _mark_special(self, attrs: list[int], meta: Mapping[str, Any]) -> None:
+        """Forced control / user-defined tokens, the special-token match order and the
+        strip rules, applied to ``attrs`` in place."""
+        texts, token_to_id = self._texts, self._token_to_id
         for text in _FORCED_CONTROL:
             tid = token_to_id.get(text)
             if tid is not None:
@@ -197,17 +236,11 @@ class Tokenizer:
         special = _CONTROL | _USER_DEFINED | _UNKNOWN
         # longest first; equal lengths by id (llama.cpp's order among those is unspecified)
         self._special_ids = sorted(
-            (i for i in range(n) if attrs[i] & special), key=lambda i: (-len(texts[i]), i)
+            (i for i in range(len(texts)) if attrs[i] & special),
+            key=lambda i: (-len(texts[i]), i),
         )
         self._special_chars = [frozenset(texts[i]) for i in self._special_ids]
         self._apply_strip_rules(attrs, str(meta.get("general.name", "")).lower())
-        self._attrs: list[int] = attrs
-        self._piece_cache: dict[int, bytes] = {}
-        # SPM merges run over a whole text fragment. When no token has a "▁" right after
-        # another character, no merge can cross the start of a "▁..." word, so every word
-        # merges on its own exactly as inside the fragment: tokenize per word, with a cache.
-        self._spm_words = model == "llama" and not any(_SPM_INNER_SPACE.search(t) for t in texts)
-        self._word_cache: dict[str, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ construction
 
