@@ -32,6 +32,7 @@ from .errors import (
     UnsupportedArchitectureError,
     UnsupportedTensorTypeError,
 )
+from .families import BY_ARCH, BY_FAMILY, GATING_FUNCS, RECORDS, Family, Want
 from .gguf_header import GGUFHeader, read_header
 
 __all__ = [
@@ -51,49 +52,15 @@ __all__ = [
 GGUF_MAGIC: Final = b"GGUF"
 EXPERT_PROJECTIONS: Final = ("gate", "up", "down")
 
+# The architecture facts are the family records' (`estream_layout.families`); these two views
+# of them are public API.
 # general.architecture -> model family (the unit the engine builds graphs for).
 # `llama` is accepted only with experts ({arch}.expert_count > 0): that is Mixtral's GGUF form.
-FAMILIES: Final = {
-    "olmoe": "olmoe",
-    "qwen3moe": "qwen3moe",
-    "llama": "mixtral",
-    "deepseek2": "deepseek2",
-    "lfm2moe": "lfm2moe",
-}
-
-# How llama.cpp's graph builders weight the selected experts, per family: whether the top-k
-# router weights are renormalised to sum to 1 (`norm_w` of build_moe_ffn). deepseek2 reads it
-# from `{arch}.expert_weights_norm` (default false) instead.
-_NORM_TOPK: Final = {"olmoe": False, "qwen3moe": True, "mixtral": True, "lfm2moe": True}
-
-# llama.cpp's rope type per family (llama_model_rope_type): "norm" rotates adjacent pairs
-# (x[2i], x[2i+1]) -- llama GGUFs have their Q/K rows permuted by the converter for this --, "neox"
-# rotates (x[i], x[i + n_rot/2]).
-_ROPE_TYPE: Final = {
-    "olmoe": "neox",
-    "qwen3moe": "neox",
-    "mixtral": "norm",
-    "deepseek2": "norm",
-    "lfm2moe": "neox",
-}
-
+FAMILIES: Final = {f.gguf_arch: f.name for f in RECORDS}
 # Where llama.cpp normalises q and k before RoPE, per family: "full" = one RMSNorm over the whole
-# projected q/k (olmoe: attn_q_norm has n_head*head_dim weights, applied before the per-head
-# reshape), "head" = per head (qwen3moe, lfm2moe: head_dim weights), "none" = no q/k norm.
-QK_NORM: Final = {
-    "olmoe": "full",
-    "qwen3moe": "head",
-    "mixtral": "none",
-    "deepseek2": "none",
-    "lfm2moe": "head",
-}
-
-# Router gating per family. llama.cpp's olmoe / qwen3moe / llama graphs pass softmax to
-# build_moe_ffn whatever the file says; deepseek2 reads `{arch}.expert_gating_func` (absent in
-# the first DeepSeek-V2 GGUFs: softmax), lfm2moe requires it (its converter writes sigmoid).
-_GATING_KEY: Final = {"deepseek2": "optional", "lfm2moe": "required"}
-# llama_expert_gating_func_type values (src/llama-hparams.h).
-_GATING_FUNCS: Final = {1: "softmax", 2: "sigmoid"}
+# projected q/k, "head" = per head, "none" = no q/k norm.
+QK_NORM: Final = {f.name: f.qk_norm for f in RECORDS}
+_GATING_FUNCS: Final = GATING_FUNCS
 
 # Sane ranges for metadata, far beyond any published model, so that a corrupt or hostile value
 # is refused before anything is sized by it (block_count 2**31 must not build 2**31 of anything).
@@ -249,8 +216,8 @@ def _get(fields: Mapping[str, Any], key: str, arch: str, default: Any = None) ->
 
 
 def _gating(meta: _Meta, family: str) -> str:
-    rule = _GATING_KEY.get(family)
-    if rule is None:
+    rule = BY_FAMILY[family].gating_key
+    if rule == "fixed":  # llama.cpp's graph passes softmax whatever the file says
         return "softmax"
     key = Keys.LLM.EXPERT_GATING_FUNC
     if meta.fields.get(meta.key(key)) is None:
@@ -334,54 +301,15 @@ def dense_tensor_problems(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]]
     with (where a family has two forms, e.g. DeepSeek's q LoRA, the form present decides).
     The one check both packing (against the GGUF's tensors) and loading (against the manifest's
     dense tensors) run. Returns messages, empty when everything is there."""
-    d, nh = spec.n_embd, spec.n_head
-    want: dict[str, tuple[int, ...]] = {"token_embd.weight": (spec.n_vocab, d)}
-    want["token_embd_norm.weight" if spec.family == "lfm2moe" else "output_norm.weight"] = (d,)
-    optional: dict[str, tuple[int, ...]] = {"output.weight": (spec.n_vocab, d)}
-    moe = set(spec.moe_layers)
+    rec = BY_FAMILY[spec.family]
+    d = spec.n_embd
+    w = Want(spec, shapes)
+    w.required["token_embd.weight"] = (spec.n_vocab, d)
+    w.required[rec.final_norm] = (d,)
+    w.optional["output.weight"] = (spec.n_vocab, d)
     for i in range(spec.n_layers):
-        p = f"blk.{i}."
-        want[p + "attn_norm.weight"] = want[p + "ffn_norm.weight"] = (d,)
-        if spec.family == "deepseek2":
-            k, v, rope = spec.head_dim_k_mla, spec.head_dim_v_mla, spec.rope_dims
-            if p + "attn_q.weight" in shapes:
-                want[p + "attn_q.weight"] = (nh * k, d)
-            else:
-                want[p + "attn_q_a.weight"] = (spec.q_lora_rank, d)
-                want[p + "attn_q_a_norm.weight"] = (spec.q_lora_rank,)
-                want[p + "attn_q_b.weight"] = (nh * k, spec.q_lora_rank)
-            want[p + "attn_kv_a_mqa.weight"] = (spec.kv_lora_rank + rope, d)
-            want[p + "attn_kv_a_norm.weight"] = (spec.kv_lora_rank,)
-            if p + "attn_kv_b.weight" in shapes:
-                want[p + "attn_kv_b.weight"] = (nh * (k - rope + v), spec.kv_lora_rank)
-            else:
-                want[p + "attn_k_b.weight"] = (nh, spec.kv_lora_rank, k - rope)
-                want[p + "attn_v_b.weight"] = (nh, v, spec.kv_lora_rank)
-            want[p + "attn_output.weight"] = (d, nh * v)
-        elif spec.n_head_kv[i] > 0:
-            kv, hk, hv = spec.n_head_kv[i], spec.head_dim_k, spec.head_dim_v
-            want[p + "attn_q.weight"] = (nh * hk, d)
-            want[p + "attn_k.weight"] = (kv * hk, d)
-            want[p + "attn_v.weight"] = (kv * hv, d)
-            want[p + "attn_output.weight"] = (d, nh * hv)
-            if spec.qk_norm != "none":
-                norm = (nh * hk,) if spec.qk_norm == "full" else (hk,)
-                want[p + "attn_q_norm.weight"] = want[p + "attn_k_norm.weight"] = norm
-        else:  # lfm2moe's short convolution
-            want[p + "shortconv.conv.weight"] = (d, spec.shortconv_l_cache)
-            want[p + "shortconv.in_proj.weight"] = (3 * d, d)
-            want[p + "shortconv.out_proj.weight"] = (d, d)
-        if i in moe:
-            want[p + "ffn_gate_inp.weight"] = (spec.n_experts, d)
-            bias = (spec.n_experts,)
-            (want if spec.family == "lfm2moe" else optional)[p + "exp_probs_b.bias"] = bias
-            if spec.n_ff_shexp:
-                want[p + "ffn_gate_shexp.weight"] = (spec.n_ff_shexp, d)
-                want[p + "ffn_up_shexp.weight"] = (spec.n_ff_shexp, d)
-                want[p + "ffn_down_shexp.weight"] = (d, spec.n_ff_shexp)
-        else:
-            want[p + "ffn_gate.weight"] = want[p + "ffn_up.weight"] = (spec.n_ff, d)
-            want[p + "ffn_down.weight"] = (d, spec.n_ff)
+        rec.layer_tensors(w, i)
+    want, optional = w.required, w.optional
     problems = []
     for name, shape in want.items():
         if name not in shapes:
@@ -435,7 +363,7 @@ def _check_spec_ranges(kw: Mapping[str, Any]) -> None:
             raise bad(name, "must be >= 0")
     if not 0 <= kw["n_leading_dense"] <= n:
         raise bad("n_leading_dense", f"must be between 0 and n_layers = {n}")
-    if kw["family"] == "deepseek2":
+    if BY_FAMILY[kw["family"]].attention == "mla":
         if kw["kv_lora_rank"] < 1 or kw["head_dim_v_mla"] < 1:
             raise bad("kv_lora_rank", "and head_dim_v_mla must be >= 1 for MLA attention")
         if not kw["rope_dims"] < kw["head_dim_k_mla"]:
@@ -457,57 +385,21 @@ def _check_spec_layer_kinds(kw: Mapping[str, Any]) -> None:
     def bad(name: str, why: str) -> PackFormatError:
         return PackFormatError(f"model spec field {name!r}: {kw[name]!r} {why}")
 
+    rec = BY_FAMILY[kw["family"]]
     n, kv = kw["n_layers"], kw["n_head_kv"]
-    if kw["family"] != "lfm2moe" and 0 in kv:
-        raise bad("n_head_kv", "has a layer without KV heads, which only lfm2moe allows")
+    if not rec.conv_layers and 0 in kv:
+        conv = ", ".join(f.name for f in RECORDS if f.conv_layers)
+        raise bad("n_head_kv", f"has a layer without KV heads, which only {conv} allows")
     if tuple(kw["attention_layers"]) != tuple(i for i in range(n) if kv[i] > 0):
         raise bad("attention_layers", "must be exactly the layers with KV heads (n_head_kv > 0)")
     if 0 in kv and kw["shortconv_l_cache"] < 2:
         raise bad("shortconv_l_cache", "must be >= 2: layers without KV heads are convolutions")
-    if kw["family"] == "lfm2moe":
+    if rec.conv_layers:
         lead = kw["n_leading_dense"]
         if tuple(kw["moe_layers"]) != tuple(range(lead, n)):
             raise bad("moe_layers", f"must be layers {lead}..{n - 1} (n_leading_dense = {lead})")
         if lead and kw["n_ff"] < 1:
             raise bad("n_ff", "must be >= 1: the leading dense layers need a dense FFN width")
-
-
-def _check_lfm2moe(
-    meta: _Meta,
-    tensors: Mapping[str, TensorInfo],
-    n_head_kv: tuple[int, ...],
-    moe_layers: tuple[int, ...],
-    n_experts: int,
-    n_embd: int,
-    attn_width: int,
-) -> None:
-    """What llama.cpp's lfm2moe loader requires beyond the generic checks: `shortconv.l_cache`
-    (> 1) with a `[n_embd, l_cache]` kernel per convolution layer, MoE exactly from layer
-    `leading_dense_block_count` on, each MoE layer's selection bias `exp_probs_b` (`[E]`), and
-    attention as wide as the model (`attn_output` is `[n_embd, n_embd]`)."""
-    l_cache = meta.integer(Keys.ShortConv.L_CACHE, lo=2, hi=MAX_CONV_CACHE)
-    for i, h in enumerate(n_head_kv):
-        name = f"blk.{i}.shortconv.conv.weight"
-        if h == 0 and (name not in tensors or tensors[name].shape != (n_embd, l_cache)):
-            got = tensors[name].shape if name in tensors else "missing"
-            raise InvalidGGUFError(
-                f"{meta.path}: layer {i} has no KV heads (a short convolution), so it needs "
-                f"{name} of shape ({n_embd}, {l_cache}) [n_embd, shortconv.l_cache]; got {got}"
-            )
-    for i in moe_layers:
-        name = f"blk.{i}.exp_probs_b.bias"
-        if name not in tensors or tensors[name].shape != (n_experts,):
-            got = tensors[name].shape if name in tensors else "missing"
-            raise InvalidGGUFError(
-                f"{meta.path}: MoE layer {i} needs its expert selection bias {name} of shape "
-                f"({n_experts},) (llama.cpp requires it for lfm2moe); got {got}"
-            )
-    if any(n_head_kv) and attn_width != n_embd:
-        raise meta.fail(
-            Keys.Attention.HEAD_COUNT,
-            f"x key_length = {attn_width} must equal embedding_length = {n_embd} for lfm2moe "
-            "(its attention output projection is square)",
-        )
 
 
 def _check_qk_norm(
@@ -678,12 +570,13 @@ class ModelSpec:
             raise InvalidMetadataError(
                 f"{p}: metadata general.architecture = {_show(arch)} is not a string"
             )
-        family = FAMILIES.get(arch)
-        if family is None:
+        rec: Family | None = BY_ARCH.get(arch)
+        if rec is None:
             raise UnsupportedArchitectureError(
                 f"{p}: architecture {arch!r} is not supported; estream-layout packs "
                 f"{', '.join(sorted(FAMILIES))} (llama only with experts, i.e. Mixtral)"
             )
+        family = rec.name
         g = lambda key, default=None: _get(fields, key, arch, default)  # noqa: E731
         meta = _Meta(p, fields, arch)
 
@@ -752,7 +645,7 @@ class ModelSpec:
                 f"= {n_layers}, but the file has no tensors for layer {first}",
             )
         lead = meta.integer(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0, hi=n_layers)
-        if family in ("deepseek2", "lfm2moe"):
+        if rec.leading_dense:
             if moe_layers != tuple(range(lead, n_layers)):
                 raise meta.fail(
                     Keys.LLM.LEADING_DENSE_BLOCK_COUNT,
@@ -797,7 +690,7 @@ class ModelSpec:
         else:
             n_head_kv = (int(kv),) * n_layers
         for h in n_head_kv:
-            if h > n_head or (h and n_head % h) or (h == 0 and family != "lfm2moe"):
+            if h > n_head or (h and n_head % h) or (h == 0 and not rec.conv_layers):
                 raise meta.fail(
                     Keys.Attention.HEAD_COUNT_KV,
                     f"= {h} must divide head_count = {n_head}",
@@ -849,25 +742,24 @@ class ModelSpec:
         if 0 < factor < 1e-4:
             raise meta.fail(Keys.Rope.SCALING_FACTOR, f"= {factor:.6g} must be 0 (none) or >= 1e-4")
         freq_scale = 1.0 / factor if factor else 1.0
-        if family == "deepseek2":
+        if rec.norm_topk is None:
             norm_w = meta.boolean(Keys.LLM.EXPERT_WEIGHTS_NORM, False)
         else:
-            norm_w = _NORM_TOPK[family]
+            norm_w = rec.norm_topk
         gating = _gating(meta, family)
-        qk_norm = QK_NORM[family]
+        qk_norm = rec.qk_norm
         _check_qk_norm(p, qk_norm, tensors, n_head * head_dim_k, head_dim_k)
-        if family == "lfm2moe":
+        if rec.check is not None:
+            rec.check(meta, tensors, n_head_kv, moe_layers, n_experts, n_embd, n_head * head_dim_k)
+        if rec.conv_layers:
             attention_layers = tuple(i for i in range(n_layers) if n_head_kv[i] > 0)
-            _check_lfm2moe(
-                meta, tensors, n_head_kv, moe_layers, n_experts, n_embd, n_head * head_dim_k
-            )
         else:
             attention_layers = tuple(range(n_layers))
         q_lora = meta.integer(Keys.Attention.Q_LORA_RANK, 0, hi=MAX_WIDTH)
         kv_lora = meta.integer(Keys.Attention.KV_LORA_RANK, 0, hi=MAX_WIDTH)
         k_mla = meta.integer(Keys.Attention.KEY_LENGTH_MLA, 0, hi=MAX_WIDTH)
         v_mla = meta.integer(Keys.Attention.VALUE_LENGTH_MLA, 0, hi=MAX_WIDTH)
-        if family == "deepseek2":
+        if rec.attention == "mla":
             # llama.cpp: without key/value_length_mla (early converters, attn_kv_b) the MLA head
             # dims are key/value_length themselves.
             k_mla, v_mla = k_mla or head_dim_k, v_mla or head_dim_v
@@ -889,7 +781,7 @@ class ModelSpec:
         n_shared = meta.integer(Keys.LLM.EXPERT_SHARED_COUNT, 0, hi=n_experts)
         shexp = tensors.get(f"blk.{moe_layers[0]}.ffn_gate_shexp.weight")
         n_ff_shexp = shexp.shape[0] if shexp is not None and shexp.shape else 0
-        if family == "deepseek2" and n_ff_shexp != n_ff_exp * n_shared:
+        if rec.shared_experts and n_ff_shexp != n_ff_exp * n_shared:
             raise meta.fail(
                 Keys.LLM.EXPERT_SHARED_COUNT,
                 f"= {n_shared}: the shared experts must be {n_shared} x {n_ff_exp} = "
@@ -940,7 +832,7 @@ class ModelSpec:
             rope_n_ctx_orig=meta.integer(_ROPE_ORIG_CTX, 0, hi=MAX_CONTEXT) or n_ctx,
             rope_attn_factor=meta.number(_ROPE_ATTN_FACTOR, 1.0, hi=1e4),
             rope_yarn_log_mul=meta.number(_ROPE_YARN_LOG_MUL, 0.0, positive=False, lo=-1e4, hi=1e4),
-            rope_type=_ROPE_TYPE[family],
+            rope_type=rec.rope_type,
             qk_norm=qk_norm,
             tensors=dict(tensors),
         )

@@ -28,7 +28,8 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from .diskspace import check_disk_space
 from .errors import InvalidArgumentError, InvalidGGUFError
-from .gguf_model import QK_NORM, _open_header
+from .families import BASE_PRESETS, BY_FAMILY, RECORDS, Plan, PlannedTensor
+from .gguf_model import _open_header
 from .pack import _Progress
 
 __all__ = [
@@ -44,40 +45,17 @@ __all__ = [
     "synth_model",
 ]
 
-ARCHES: Final = ("olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe")
-PRESETS: Final = (
-    "tiny",
-    "small",
-    "olmoe-1b-7b",
-    "qwen3-30b-a3b",
-    "mixtral-8x7b",
-    "deepseek-v2-lite",
-    "lfm2-8b-a1b",
-)
+# The families and their presets are the family records' (`estream_layout.families`).
+ARCHES: Final = tuple(f.name for f in RECORDS)
+PRESETS: Final = (*BASE_PRESETS, *(p for f in RECORDS for p in f.published))
 # Presets that are the shape of one published model, hence of one architecture only.
-PRESET_ARCH: Final = {
-    "qwen3-30b-a3b": "qwen3moe",
-    "mixtral-8x7b": "mixtral",
-    "deepseek-v2-lite": "deepseek2",
-    "lfm2-8b-a1b": "lfm2moe",
-}
-GGUF_ARCH: Final = {
-    "olmoe": "olmoe",
-    "qwen3moe": "qwen3moe",
-    "mixtral": "llama",
-    "deepseek2": "deepseek2",
-    "lfm2moe": "lfm2moe",
-}
+PRESET_ARCH: Final = {p: f.name for f in RECORDS for p in f.published}
+GGUF_ARCH: Final = {f.name: f.gguf_arch for f in RECORDS}
 # Tokenizers of the real model families, copied from llama.cpp's models/ folder (MIT licence,
 # beside them in VOCAB_DIR); they ship in this package so synthetic models behave the same
 # wherever the package is installed.
 VOCAB_DIR: Final = Path(__file__).resolve().parent / "data"
-DEFAULT_VOCABS: Final = {
-    "olmoe": "ggml-vocab-mpt.gguf",
-    "qwen3moe": "ggml-vocab-qwen2.gguf",
-    "mixtral": "ggml-vocab-llama-spm.gguf",
-    "deepseek2": "ggml-vocab-deepseek-llm.gguf",
-}
+DEFAULT_VOCABS: Final = {f.name: f.vocab for f in RECORDS if f.vocab is not None}
 
 Q4_0: Final = GGMLQuantizationType.Q4_0
 Q8_0: Final = GGMLQuantizationType.Q8_0
@@ -127,161 +105,20 @@ class SynthDims:
 
 
 def synth_dims(arch: str, preset: str) -> SynthDims:
-    """The dimensions of a preset for an architecture."""
-    # long: the preset table, one branch per preset with its per-architecture fields
+    """The dimensions of a preset for an architecture (its family record's presets over the
+    shared tiny/small/olmoe-1b-7b ones)."""
     if arch not in ARCHES:
         raise ValueError(f"unknown arch {arch!r}; choose from {ARCHES}")
-    if preset == "tiny":
-        n_layers = {"deepseek2": 3, "lfm2moe": 4}.get(arch, 2)
-        return SynthDims(
-            n_layers=n_layers,
-            n_embd=64,
-            n_ff_exp=64,
-            n_ff=96,
-            n_experts=8,
-            n_experts_used=2,
-            n_head=4,
-            n_head_kv=4 if arch == "olmoe" else 2,
-            head_dim=32 if arch == "qwen3moe" else 16,  # qwen3: n_head*head_dim != n_embd
-            n_vocab=301,  # not a multiple of 32: exercises output-row padding
-            # deepseek2: DeepSeek-V2's YaRN (factor 40, mscale_all_dim 0.707) with an original
-            # context short enough that the ramp splits the rotated pairs
-            yarn_factor=40.0 if arch == "deepseek2" else 0.0,
-            yarn_orig_ctx=32,
-            yarn_log_mul=0.0707,
-        )
-    if preset == "small":
-        n_layers = {"lfm2moe": 6}.get(arch, 4)
-        return SynthDims(
-            n_layers=n_layers,
-            n_embd=256,
-            n_ff_exp=128,
-            n_ff=512,
-            n_experts=16,
-            n_experts_used=4,
-            n_head=8,
-            n_head_kv=8 if arch == "olmoe" else 4,
-            head_dim=32,
-            n_vocab=1000,
-            q_lora_rank=96,
-            kv_lora_rank=64,
-            qk_rope_dim=32,
-            qk_nope_dim=64,
-            v_head_dim=64,
-            yarn_factor=40.0 if arch == "deepseek2" else 0.0,
-            yarn_orig_ctx=64,
-            yarn_log_mul=0.0707,
-        )
-    if preset == "olmoe-1b-7b":
-        # allenai/OLMoE-1B-7B-0924: 16 layers, 64 experts, top-8, d=2048, ff=1024, 16 heads x 128
-        return SynthDims(
-            n_layers=16,
-            n_embd=2048,
-            n_ff_exp=1024,
-            n_ff=1024,
-            n_experts=64,
-            n_experts_used=8,
-            n_head=16,
-            n_head_kv=16,
-            head_dim=128,
-            n_vocab=50304,
-            n_ctx=4096,
-            q_lora_rank=0,
-            kv_lora_rank=512,
-            qk_rope_dim=64,
-            qk_nope_dim=128,
-            v_head_dim=128,
-        )
+    rec = BY_FAMILY[arch]
+    if preset in BASE_PRESETS:
+        return SynthDims(**{**BASE_PRESETS[preset], **rec.presets.get(preset, {})})
     if preset in PRESET_ARCH and arch != PRESET_ARCH[preset]:
         raise ValueError(
             f"preset {preset!r} is the shape of a {PRESET_ARCH[preset]} model; "
             f"use --arch {PRESET_ARCH[preset]}"
         )
-    if preset == "qwen3-30b-a3b":
-        # Qwen/Qwen3-30B-A3B config.json: 48 layers, hidden 2048, 32 q / 4 kv heads of 128,
-        # 128 experts top-8 of moe_intermediate_size 768, vocab 151936 (the qwen2 tokenizer
-        # file), rope_theta 1e6, max_position_embeddings 40960; per-head q/k norms (qwen3moe).
-        return SynthDims(
-            n_layers=48,
-            n_embd=2048,
-            n_ff_exp=768,
-            n_ff=6144,
-            n_experts=128,
-            n_experts_used=8,
-            n_head=32,
-            n_head_kv=4,
-            head_dim=128,
-            n_vocab=151936,
-            n_ctx=40960,
-        )
-    if preset == "lfm2-8b-a1b":
-        # LiquidAI/LFM2-8B-A1B config.json: 24 layers, hidden 2048, 32 q / 8 kv heads of 64,
-        # layer_types with full attention at layers 2, 6, 10, 14, 18, 21 (the other 18 are
-        # gated short convolutions, conv_L_cache 3), num_dense_layers 2 (intermediate_size
-        # 7168), 32 experts top-4 of moe_intermediate_size 1792 (sigmoid router with expert
-        # bias, norm_topk_prob), vocab 65536, rope_theta 1e6, max_position_embeddings 128000.
-        return SynthDims(
-            n_layers=24,
-            n_embd=2048,
-            n_ff_exp=1792,
-            n_ff=7168,
-            n_experts=32,
-            n_experts_used=4,
-            n_head=32,
-            n_head_kv=8,
-            head_dim=64,
-            n_vocab=65536,
-            n_ctx=128000,
-            n_leading_dense=2,
-            l_cache=3,
-            attention_layers=(2, 6, 10, 14, 18, 21),
-        )
-    if preset == "mixtral-8x7b":
-        # mistralai/Mixtral-8x7B-v0.1 config.json: 32 layers, hidden 4096, 32 q / 8 kv heads of
-        # 128, 8 experts top-2 of intermediate_size 14336, vocab 32000 (llama SPM tokenizer),
-        # rope_theta 1e6, max_position_embeddings 32768.
-        return SynthDims(
-            n_layers=32,
-            n_embd=4096,
-            n_ff_exp=14336,
-            n_ff=14336,
-            n_experts=8,
-            n_experts_used=2,
-            n_head=32,
-            n_head_kv=8,
-            head_dim=128,
-            n_vocab=32000,
-            n_ctx=32768,
-        )
-    if preset == "deepseek-v2-lite":
-        # deepseek-ai/DeepSeek-V2-Lite config.json: 27 layers (first_k_dense_replace 1), hidden
-        # 2048, intermediate 10944 (the dense layer), 16 heads, q_lora_rank null, kv_lora_rank
-        # 512, qk_nope 128 / qk_rope 64 / v_head 128, 64 routed experts top-6 of
-        # moe_intermediate_size 1408 + 2 shared, vocab 102400, rope_theta 10000, YaRN factor 40
-        # over original_max_position_embeddings 4096 (max 163840), mscale_all_dim 0.707.
-        return SynthDims(
-            n_layers=27,
-            n_embd=2048,
-            n_ff_exp=1408,
-            n_ff=10944,
-            n_experts=64,
-            n_experts_used=6,
-            n_head=16,
-            n_head_kv=16,
-            head_dim=128,
-            n_vocab=102400,
-            n_ctx=163840,
-            n_shared_experts=2,
-            n_leading_dense=1,
-            q_lora_rank=0,
-            kv_lora_rank=512,
-            qk_rope_dim=64,
-            qk_nope_dim=128,
-            v_head_dim=128,
-            yarn_factor=40.0,
-            yarn_orig_ctx=4096,
-            yarn_log_mul=0.0707,
-        )
+    if preset in rec.published:
+        return SynthDims(**rec.presets[preset])
     raise ValueError(f"unknown preset {preset!r}; choose from {PRESETS}")
 
 
@@ -388,207 +225,39 @@ def _read_vocab(path: Path) -> list[tuple[str, Any, GGUFValueType, GGUFValueType
 
 
 # ---------------------------------------------------------------------------------- tensors
-@attrs.frozen
-class _T:
-    name: str
-    shape: tuple[int, ...]  # numpy order
-    qtype: GGMLQuantizationType
-    kind: str  # "matrix" | "norm" | "router" | "conv" | "bias" | "embed"
-    gain: float = 1.0
-
-    @property
-    def nbytes(self) -> int:
-        block, size = GGML_QUANT_SIZES[self.qtype]
-        return int(np.prod(self.shape[:-1], dtype=np.int64)) * (self.shape[-1] // block) * size
+_T = PlannedTensor
 
 
 def _tensor_plan(arch: str, d: SynthDims, n_vocab: int, expert_type: GGMLQuantizationType,
                  dense_type: GGMLQuantizationType, output_type: GGMLQuantizationType,
                  down_type: GGMLQuantizationType | None = None) -> list[_T]:  # fmt: skip
-    # long: the per-architecture tensor table, one branch per family's tensors
-    E, ne, ff = d.n_experts, d.n_embd, d.n_ff_exp
-    hd, nh, nkv = d.head_dim, d.n_head, d.n_head_kv
-    M = lambda name, rows, cols, gain=1.0: _T(name, (rows, cols), dense_type, "matrix", gain)  # noqa: E731
-    N = lambda name, n: _T(name, (n,), F32, "norm")  # noqa: E731
-    ts: list[_T] = [_T("token_embd.weight", (n_vocab, ne), dense_type, "embed")]
-    if arch == "lfm2moe":
-        ts.append(N("token_embd_norm.weight", ne))  # LFM2's final norm; output is tied
-    else:
-        ts.append(N("output_norm.weight", ne))
-        ts.append(_T("output.weight", (n_vocab, ne), output_type, "matrix"))
-
-    def experts(i: int) -> list[_T]:
-        return [
-            _T(f"blk.{i}.ffn_gate_inp.weight", (E, ne), F32, "router"),
-            _T(f"blk.{i}.ffn_gate_exps.weight", (E, ff, ne), expert_type, "matrix"),
-            _T(f"blk.{i}.ffn_up_exps.weight", (E, ff, ne), expert_type, "matrix"),
-            _T(
-                f"blk.{i}.ffn_down_exps.weight",
-                (E, ne, ff),
-                down_type or expert_type,
-                "matrix",
-                0.5,
-            ),
-        ]
-
-    def dense_ffn(i: int, width: int, tag: str = "") -> list[_T]:
-        return [
-            M(f"blk.{i}.ffn_gate{tag}.weight", width, ne),
-            M(f"blk.{i}.ffn_up{tag}.weight", width, ne),
-            M(f"blk.{i}.ffn_down{tag}.weight", ne, width, 0.5),
-        ]
-
+    """The tensors of a synthetic model in file order: the head, then each layer's as its
+    family record plans them."""
+    rec = BY_FAMILY[arch]
+    plan = Plan(d, n_vocab, expert_type, dense_type, output_type, down_type)
+    plan.head(rec.final_norm, tied=rec.final_norm == "token_embd_norm.weight")
     for i in range(d.n_layers):
-        p = f"blk.{i}."
-        if arch in ("olmoe", "qwen3moe", "mixtral"):
-            ts.append(N(p + "attn_norm.weight", ne))
-            ts += [
-                M(p + "attn_q.weight", nh * hd, ne),
-                M(p + "attn_k.weight", nkv * hd, ne),
-                M(p + "attn_v.weight", nkv * hd, ne),
-                M(p + "attn_output.weight", ne, nh * hd, 0.25),
-            ]
-            if QK_NORM[arch] != "none":  # full width (llama.cpp: {n_embd}) or per head
-                width = ne if QK_NORM[arch] == "full" else hd
-                ts += [N(p + "attn_q_norm.weight", width), N(p + "attn_k_norm.weight", width)]
-            ts.append(N(p + "ffn_norm.weight", ne))
-            ts += experts(i)
-        elif arch == "deepseek2":
-            k_mla = d.qk_nope_dim + d.qk_rope_dim
-            ts.append(N(p + "attn_norm.weight", ne))
-            if d.q_lora_rank > 0:
-                ts += [
-                    M(p + "attn_q_a.weight", d.q_lora_rank, ne),
-                    N(p + "attn_q_a_norm.weight", d.q_lora_rank),
-                    M(p + "attn_q_b.weight", nh * k_mla, d.q_lora_rank),
-                ]
-            else:
-                ts.append(M(p + "attn_q.weight", nh * k_mla, ne))
-            ts += [
-                M(p + "attn_kv_a_mqa.weight", d.kv_lora_rank + d.qk_rope_dim, ne),
-                N(p + "attn_kv_a_norm.weight", d.kv_lora_rank),
-                # MLA up-projections split per head, as current convert_hf_to_gguf writes them:
-                # attn_k_b ne {nope, kv_lora, n_head}, attn_v_b ne {kv_lora, v_head, n_head}
-                _T(
-                    p + "attn_k_b.weight", (nh, d.kv_lora_rank, d.qk_nope_dim), dense_type, "matrix"
-                ),
-                _T(p + "attn_v_b.weight", (nh, d.v_head_dim, d.kv_lora_rank), dense_type, "matrix"),
-                M(p + "attn_output.weight", ne, nh * d.v_head_dim, 0.5),
-                N(p + "ffn_norm.weight", ne),
-            ]
-            if i < d.n_leading_dense:
-                ts += dense_ffn(i, d.n_ff)
-            else:
-                ts += experts(i)
-                ts += dense_ffn(i, ff * d.n_shared_experts, "_shexp")
-        elif arch == "lfm2moe":
-            ts.append(N(p + "ffn_norm.weight", ne))
-            if i < d.n_leading_dense:
-                ts += dense_ffn(i, d.n_ff)
-            else:
-                ts += experts(i)
-                ts.append(_T(p + "exp_probs_b.bias", (E,), F32, "bias"))
-            ts.append(N(p + "attn_norm.weight", ne))
-            if d.lfm2_is_attention(i):
-                ts += [
-                    N(p + "attn_q_norm.weight", hd),
-                    N(p + "attn_k_norm.weight", hd),
-                    M(p + "attn_q.weight", nh * hd, ne),
-                    M(p + "attn_k.weight", nkv * hd, ne),
-                    M(p + "attn_v.weight", nkv * hd, ne),
-                    M(p + "attn_output.weight", ne, nh * hd, 0.5),
-                ]
-            else:
-                ts += [
-                    # ne {l_cache, n_embd}: a [n_embd, 3] f32 kernel (ne0 = 3, not tileable)
-                    _T(p + "shortconv.conv.weight", (ne, d.l_cache), F32, "conv"),
-                    M(p + "shortconv.in_proj.weight", 3 * ne, ne),
-                    M(p + "shortconv.out_proj.weight", ne, ne, 0.5),
-                ]
-    return ts
-
-
-# rope_theta of the real model families (olmoe and deepseek2 keep llama.cpp's default 1e4).
-_ROPE_BASE: Final = {"qwen3moe": 1e6, "mixtral": 1e6, "lfm2moe": 1e6}
+        rec.synth_layer(plan, i)
+    return plan.tensors
 
 
 def _arch_keys(arch: str, d: SynthDims, n_vocab: int) -> list[tuple[str, Any, GGUFValueType]]:
-    a = GGUF_ARCH[arch]
-    U32, F32v, BOOL, STR = (
-        GGUFValueType.UINT32,
-        GGUFValueType.FLOAT32,
-        GGUFValueType.BOOL,
-        GGUFValueType.STRING,
-    )
-    k = lambda key: key.format(arch=a)  # noqa: E731
-    hd = d.head_dim
+    """The model's metadata: the keys every family has, then the family record's."""
+    rec = BY_FAMILY[arch]
+    U32, F32v, STR = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.STRING
+    k = lambda key: key.format(arch=rec.gguf_arch)  # noqa: E731
     out: list[tuple[str, Any, GGUFValueType]] = [
         (k(Keys.LLM.VOCAB_SIZE), n_vocab, U32),
         (k(Keys.LLM.CONTEXT_LENGTH), d.n_ctx, U32),
         (k(Keys.LLM.EMBEDDING_LENGTH), d.n_embd, U32),
         (k(Keys.LLM.BLOCK_COUNT), d.n_layers, U32),
         (k(Keys.Attention.HEAD_COUNT), d.n_head, U32),
-        (k(Keys.Attention.LAYERNORM_RMS_EPS), 1e-5 if arch != "qwen3moe" else 1e-6, F32v),
-        (k(Keys.Rope.FREQ_BASE), _ROPE_BASE.get(arch, 10000.0), F32v),
+        (k(Keys.Attention.LAYERNORM_RMS_EPS), rec.rms_eps, F32v),
+        (k(Keys.Rope.FREQ_BASE), rec.rope_base, F32v),
         (k(Keys.LLM.EXPERT_COUNT), d.n_experts, U32),
         (k(Keys.LLM.EXPERT_USED_COUNT), d.n_experts_used, U32),
     ]
-    if arch == "olmoe":
-        out += [
-            (k(Keys.LLM.FEED_FORWARD_LENGTH), d.n_ff_exp, U32),  # olmoe's experts use n_ff
-            (k(Keys.Attention.HEAD_COUNT_KV), d.n_head_kv, U32),
-            (k(Keys.Rope.DIMENSION_COUNT), hd, U32),
-        ]
-    elif arch == "qwen3moe":
-        out += [
-            (k(Keys.LLM.FEED_FORWARD_LENGTH), d.n_ff, U32),
-            (k(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), d.n_ff_exp, U32),
-            (k(Keys.Attention.HEAD_COUNT_KV), d.n_head_kv, U32),
-            (k(Keys.Attention.KEY_LENGTH), hd, U32),
-            (k(Keys.Attention.VALUE_LENGTH), hd, U32),
-            (k(Keys.Rope.DIMENSION_COUNT), hd, U32),
-        ]
-    elif arch == "mixtral":
-        out += [
-            (k(Keys.LLM.FEED_FORWARD_LENGTH), d.n_ff_exp, U32),  # llama's experts use n_ff
-            (k(Keys.Attention.HEAD_COUNT_KV), d.n_head_kv, U32),
-            (k(Keys.Rope.DIMENSION_COUNT), hd, U32),
-        ]
-    elif arch == "deepseek2":
-        out += [
-            (k(Keys.LLM.FEED_FORWARD_LENGTH), d.n_ff, U32),
-            (k(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), d.n_ff_exp, U32),
-            (k(Keys.LLM.LEADING_DENSE_BLOCK_COUNT), d.n_leading_dense, U32),
-            (k(Keys.LLM.EXPERT_SHARED_COUNT), d.n_shared_experts, U32),
-            (k(Keys.LLM.EXPERT_WEIGHTS_SCALE), 1.0, F32v),
-            (k(Keys.LLM.EXPERT_WEIGHTS_NORM), False, BOOL),
-            (k(Keys.LLM.EXPERT_GATING_FUNC), 1, U32),  # softmax
-            (k(Keys.Attention.HEAD_COUNT_KV), 1, U32),  # MLA is stored as MQA
-            (k(Keys.Attention.KV_LORA_RANK), d.kv_lora_rank, U32),
-            (k(Keys.Attention.KEY_LENGTH), d.kv_lora_rank + d.qk_rope_dim, U32),
-            (k(Keys.Attention.VALUE_LENGTH), d.kv_lora_rank, U32),
-            (k(Keys.Attention.KEY_LENGTH_MLA), d.qk_nope_dim + d.qk_rope_dim, U32),
-            (k(Keys.Attention.VALUE_LENGTH_MLA), d.v_head_dim, U32),
-            (k(Keys.Rope.DIMENSION_COUNT), d.qk_rope_dim, U32),
-        ]
-        if d.q_lora_rank > 0:
-            out.append((k(Keys.Attention.Q_LORA_RANK), d.q_lora_rank, U32))
-        if d.yarn_factor > 0:  # as convert_hf_to_gguf writes DeepSeek-V2's rope_scaling
-            out += [
-                (k(Keys.Rope.SCALING_TYPE), "yarn", STR),
-                (k(Keys.Rope.SCALING_FACTOR), d.yarn_factor, F32v),
-                (k("{arch}.rope.scaling.original_context_length"), d.yarn_orig_ctx, U32),
-                (k("{arch}.rope.scaling.yarn_log_multiplier"), d.yarn_log_mul, F32v),
-            ]
-    elif arch == "lfm2moe":
-        out += [
-            (k(Keys.LLM.FEED_FORWARD_LENGTH), d.n_ff, U32),
-            (k(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), d.n_ff_exp, U32),
-            (k(Keys.LLM.LEADING_DENSE_BLOCK_COUNT), d.n_leading_dense, U32),
-            (k(Keys.LLM.EXPERT_GATING_FUNC), 2, U32),  # sigmoid
-            (k(Keys.ShortConv.L_CACHE), d.l_cache, U32),
-            (k(Keys.Rope.DIMENSION_COUNT), hd, U32),
-        ]
+    out += [(k(key), val, vtype) for key, val, vtype in rec.synth_keys(d)]
     out.append((Keys.General.NAME, f"estream-synth {arch}", STR))
     return out
 
@@ -866,10 +535,11 @@ def _add_header(
     """The model's metadata (architecture keys, file type, tokenizer) and tensor infos."""
     for key, val, vtype in _arch_keys(arch, d, n_vocab):
         writer.add_key_value(key, val, vtype)
-    if arch == "lfm2moe":
+    rec = BY_FAMILY[arch]
+    if rec.synth_kv_array:  # per layer, 0 for a convolution
         kv = [d.n_head_kv if d.lfm2_is_attention(i) else 0 for i in range(d.n_layers)]
         writer.add_key_value(
-            Keys.Attention.HEAD_COUNT_KV.format(arch="lfm2moe"),
+            Keys.Attention.HEAD_COUNT_KV.format(arch=rec.gguf_arch),
             kv,
             GGUFValueType.ARRAY,
             GGUFValueType.UINT32,
