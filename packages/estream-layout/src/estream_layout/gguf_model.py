@@ -346,7 +346,9 @@ def _check_spec_ranges(kw: Mapping[str, Any]) -> None:
         raise bad("n_head_kv", f"must have one entry per layer ({n})")
     if any(h < 0 or (h and kw["n_head"] % h) for h in kw["n_head_kv"]):
         raise bad("n_head_kv", f"entries must divide n_head = {kw['n_head']}")
-    for name in ("moe_layers", "attention_layers"):
+    if kw["sliding_window"] < 0 or (kw["swa_layers"] and kw["sliding_window"] < 1):
+        raise bad("sliding_window", "must be >= 0, and >= 1 when a layer slides")
+    for name in ("moe_layers", "attention_layers", "swa_layers", "nope_layers"):
         if any(not 0 <= i < n for i in kw[name]) or len(set(kw[name])) != len(kw[name]):
             raise bad(name, f"must be distinct layer indices below n_layers = {n}")
     if not 1 <= kw["n_experts_used"] <= kw["n_experts"]:
@@ -542,6 +544,9 @@ class ModelSpec:
     )
     rope_type: str = "neox"  # "norm" | "neox", as llama.cpp applies RoPE for this family
     qk_norm: str = "none"  # "none" | "full" | "head": q/k RMSNorm before RoPE (see QK_NORM)
+    sliding_window: int = 0  # tokens a sliding layer attends to (0: no sliding layers)
+    swa_layers: tuple[int, ...] = ()  # the layers with a sliding window
+    nope_layers: tuple[int, ...] = ()  # the layers whose attention takes no RoPE
     tensors: Mapping[str, TensorInfo] = attrs.field(factory=dict, repr=False)
 
     # ------------------------------------------------------------------ construction
@@ -788,6 +793,9 @@ class ModelSpec:
                 f"{n_ff_exp * n_shared} wide, but ffn_gate_shexp is "
                 + (f"{n_ff_shexp} wide" if shexp is not None else "missing"),
             )
+        window, swa_layers, nope_layers = 0, (), ()
+        if rec.attention_pattern is not None:
+            window, swa_layers, nope_layers = rec.attention_pattern(meta, n_layers, rope_base)
         types = sorted({experts[la][j].ggml_type for la in moe_layers for j in EXPERT_PROJECTIONS})
         expert_type = types[0] if len(types) == 1 else "mixed:" + ",".join(types)
         spec = cls(
@@ -834,6 +842,9 @@ class ModelSpec:
             rope_yarn_log_mul=meta.number(_ROPE_YARN_LOG_MUL, 0.0, positive=False, lo=-1e4, hi=1e4),
             rope_type=rec.rope_type,
             qk_norm=qk_norm,
+            sliding_window=window,
+            swa_layers=swa_layers,
+            nope_layers=nope_layers,
             tensors=dict(tensors),
         )
         problems = dense_tensor_problems(spec, {n: t.shape for n, t in tensors.items()})
@@ -904,6 +915,22 @@ class ModelSpec:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    @property
+    def record(self) -> Family:
+        """The family record this model's architecture facts come from."""
+        return BY_FAMILY[self.family]
+
+    @property
+    def router_input(self) -> str:
+        """What the router reads: "ffn_norm" (the experts' input) or "layer" (the layer's
+        input, before attention: the routes are known when the layer starts)."""
+        return self.record.router_input
+
+    @property
+    def expert_glu(self) -> str:
+        """The experts' gated activation: "swiglu" or "reglu"."""
+        return self.record.expert_glu
 
     @property
     def dense_tensor_names(self) -> tuple[str, ...]:

@@ -96,6 +96,9 @@ class SynthDims:
 
     # lfm2moe: the layers with attention (the others are short convolutions); None: the odd ones
     attention_layers: tuple[int, ...] | None = None
+    # smallthinker: attention.sliding_window (0: none) and the router's gating function
+    sliding_window: int = 0
+    expert_gating: str = "sigmoid"
 
     def lfm2_is_attention(self, layer: int) -> bool:
         """Whether lfm2moe layer `layer` attends (else it is a short convolution)."""

@@ -63,7 +63,14 @@ class Family:
     tiny/small presets and the published models' shapes (`SynthDims` fields), ``published`` the
     presets that are one published model of this family, ``synth_layer`` appends a layer's
     tensors to a `Plan`, ``synth_keys`` the family's metadata after the shared keys, and
-    ``synth_kv_array`` whether ``head_count_kv`` is written per layer (0 for convolutions)."""
+    ``synth_kv_array`` whether ``head_count_kv`` is written per layer (0 for convolutions).
+
+    The graph: ``router_input`` is what the router reads ("ffn_norm": the experts' input,
+    "layer": the layer's input, before attention, so routes are known at layer start);
+    ``expert_glu`` the experts' gated activation ("swiglu": silu(gate) * up, "reglu":
+    relu(gate) * up); ``attention_pattern(meta, n_layers, rope_base)`` reads the sliding window
+    and which layers slide and which take no RoPE (None: every layer full attention with
+    RoPE)."""
 
     name: str
     gguf_arch: str
@@ -86,6 +93,9 @@ class Family:
     synth_layer: Callable[[Plan, int], None]
     synth_keys: Callable[[Any], KeyList]
     synth_kv_array: bool = False
+    router_input: str = "ffn_norm"
+    expert_glu: str = "swiglu"
+    attention_pattern: Callable[..., tuple[int, tuple[int, ...], tuple[int, ...]]] | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.rope_type not in ("norm", "neox"):
@@ -96,6 +106,10 @@ class Family:
             raise ValueError(f"{self.name}: gating_key {self.gating_key!r}")
         if self.attention not in ("gqa", "mla"):
             raise ValueError(f"{self.name}: attention {self.attention!r}")
+        if self.router_input not in ("ffn_norm", "layer"):
+            raise ValueError(f"{self.name}: router_input {self.router_input!r}")
+        if self.expert_glu not in ("swiglu", "reglu"):
+            raise ValueError(f"{self.name}: expert_glu {self.expert_glu!r}")
         missing = [p for p in self.published if p not in self.presets]
         if missing:
             raise ValueError(f"{self.name}: published presets {missing} have no dimensions")
@@ -162,9 +176,16 @@ BASE_PRESETS: Final[Mapping[str, Mapping[str, Any]]] = {
 
 
 def _records() -> tuple[Family, ...]:
-    from . import deepseek2, lfm2moe, mixtral, olmoe, qwen3moe
+    from . import deepseek2, lfm2moe, mixtral, olmoe, qwen3moe, smallthinker
 
-    return (olmoe.FAMILY, qwen3moe.FAMILY, mixtral.FAMILY, deepseek2.FAMILY, lfm2moe.FAMILY)
+    return (
+        olmoe.FAMILY,
+        qwen3moe.FAMILY,
+        mixtral.FAMILY,
+        deepseek2.FAMILY,
+        lfm2moe.FAMILY,
+        smallthinker.FAMILY,
+    )
 
 
 #: Every family, in the order the synthesizer lists them.
