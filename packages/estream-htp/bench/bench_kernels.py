@@ -4,7 +4,10 @@ q8 GEMMs and the expert op, fp32 FMA for f32, bf16 dot product for bf16 attentio
 the same run (start and end).
 
 Also measures the per-op submission overhead of the host-process (executor) backend against the
-in-process host backend. Run with `nox -s bench_kernels`. The BLAS baseline must get this machine's best kernel, so the
+in-process host backend. Run with `nox -s bench_kernels`. `-- --attention` runs only the
+attention rows, at T = 1K, 4K and 16K on OLMoE's, DeepSeek-V2-Lite's MLA (192/128) and a
+GQA sliding-window-with-sinks head shape (`--attention-lengths=64,200` to change the lengths,
+`--out=PATH` for the JSON). The BLAS baseline must get this machine's best kernel, so the
 script re-executes itself with OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE removed from its own
 environment (nothing else is touched). Both sides use 2 threads. Writes
 bench-results/bench_kernels.json.
@@ -37,6 +40,21 @@ ROOT = Path(__file__).resolve().parents[3]
 D, FF, E, K = 2048, 1024, 64, 8
 QUICK = "--quick" in sys.argv
 ONLY_SUBMISSION = "--submission" in sys.argv  # just the host vs host-process section
+ONLY_ATTENTION = "--attention" in sys.argv  # just the attention rows, at ATTN_LENGTHS
+
+
+def _flag_value(name: str) -> str | None:
+    return next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith(name + "=")), None)
+
+
+try:
+    _lengths = _flag_value("--attention-lengths")
+    ATTN_LENGTHS = tuple(int(x) for x in _lengths.split(",")) if _lengths else (1024, 4096, 16384)
+    if not ATTN_LENGTHS or min(ATTN_LENGTHS) < 1:
+        raise ValueError
+except ValueError:
+    sys.exit(f"bench_kernels: --attention-lengths wants positive integers, got {_lengths!r}")
+OUT = _flag_value("--out")
 
 
 def best_of(fn, reps: int = 3, min_time: float = 0.5) -> float:
@@ -286,43 +304,85 @@ def bench_experts(rng: np.random.Generator, row) -> None:
                         {"peak": "int8_vnni", "amx_speedup": t_v / t_h})  # fmt: skip
 
 
-def blas_attention(q, k, v, scale: float, bq: int = 512) -> np.ndarray:
-    """Causal softmax(QKᵀ)V per head in query blocks of bq rows, skipping future key blocks."""
+def blas_attention(q, k, v, scale: float, bq: int = 512, window: int = 0, sinks=None):
+    """Causal softmax(QKᵀ)V per head in query blocks of bq rows, skipping future key blocks
+    (and, with a sliding window, the keys before it); GQA by head index; ``sinks`` join each
+    row's denominator."""
     t, hq, _ = q.shape
+    rep = hq // k.shape[1]
     out = np.empty((t, hq, v.shape[2]), np.float32)
     for h in range(hq):
-        qh, kh, vh = q[:, h], k[:, h], v[:, h]
+        qh, kh, vh = q[:, h], k[:, h // rep], v[:, h // rep]
         for i0 in range(0, t, bq):
             i1 = min(t, i0 + bq)
-            s = (qh[i0:i1] @ kh[:i1].T) * np.float32(scale)
-            s[np.arange(i1 - i0)[:, None] + i0 < np.arange(i1)[None, :]] = -np.inf
-            s -= s.max(axis=1, keepdims=True)
+            j0 = max(0, i0 + 1 - window) if window else 0
+            s = (qh[i0:i1] @ kh[j0:i1].T) * np.float32(scale)
+            i, j = np.arange(i0, i1)[:, None], np.arange(j0, i1)[None, :]
+            s[(i < j) | ((j <= i - window) if window else False)] = -np.inf
+            mx = s.max(axis=1, keepdims=True)
+            if sinks is not None:
+                mx = np.maximum(mx, sinks[h])
+            s -= mx
             np.exp(s, out=s)
-            s /= s.sum(axis=1, keepdims=True)
-            out[i0:i1, h] = s @ vh[:i1]
+            den = s.sum(axis=1, keepdims=True)
+            if sinks is not None:
+                den += np.exp(sinks[h] - mx)
+            out[i0:i1, h] = (s / den) @ vh[j0:i1]
     return out
 
 
+# name, query heads, KV heads, K dim, V dim, sliding window (0: none), sinks
+ATTN_SHAPES = (
+    ("OLMoE", 16, 16, 128, 128, 0, False),
+    ("DeepSeek-V2-Lite MLA", 16, 16, 192, 128, 0, False),
+    ("GQA 64/8 window 128 sinks", 64, 8, 64, 64, 128, True),
+)
+
+
 def bench_attention(rng: np.random.Generator, row) -> None:
-    t, hq, dh = (4096, 16, 128) if not QUICK else (1024, 16, 128)
-    q = rng.standard_normal((t, hq, dh)).astype(np.float32)
-    k = rng.standard_normal((t, hq, dh)).astype(np.float32)
-    v = rng.standard_normal((t, hq, dh)).astype(np.float32)
-    scale = 1.0 / np.sqrt(dh)
-    ref = blas_attention(q, k, v, scale)
-    t_blas = blas_best_of(lambda: blas_attention(q, k, v, scale), reps=2)
-    o = np.empty_like(q)
-    flops = 4.0 * hq * dh * t * (t + 1) / 2  # causal QKᵀ and PV
+    """Causal attention against the BLAS blocked baseline, fp32 and bf16 products: the OLMoE
+    shape at T=4096 (1024 with --quick), or with --attention every head shape at every length
+    of ATTN_LENGTHS."""
+    if ONLY_ATTENTION:
+        cases = [(t, shape) for t in ATTN_LENGTHS for shape in ATTN_SHAPES]
+    else:
+        cases = [(1024 if QUICK else 4096, ATTN_SHAPES[0])]
+    for t, shape in cases:
+        _bench_attention_case(rng, row, t, *shape)
+
+
+def _bench_attention_case(rng, row, t, name, hq, hkv, dk, dv, window, with_sinks) -> None:
+    """One head shape at one length: BLAS baseline, then fp32 and bf16 products."""
+    q = rng.standard_normal((t, hq, dk)).astype(np.float32)
+    k = rng.standard_normal((t, hkv, dk)).astype(np.float32)
+    v = rng.standard_normal((t, hkv, dv)).astype(np.float32)
+    sinks = rng.standard_normal(hq).astype(np.float32) if with_sinks else None
+    scale = 1.0 / np.sqrt(dk)
+    ref = blas_attention(q, k, v, scale, window=window, sinks=sinks)
+    t_blas = blas_best_of(
+        lambda: blas_attention(q, k, v, scale, window=window, sinks=sinks), reps=2
+    )
+    o = np.empty((t, hq, dv), np.float32)
+    keys = np.minimum(np.arange(1, t + 1), window).sum() if window else t * (t + 1) / 2
+    flops = 2.0 * hq * (dk + dv) * float(keys)  # QKᵀ and PV over the visible keys
     for products in ("f32", "bf16"):
         t_h = best_of(
-            lambda p=products: htp.attention(q, k, v, scale, True, out=o, products=p), reps=2
+            lambda p=products: htp.attention(
+                q, k, v, scale, True, out=o, products=p, window=window, sinks=sinks
+            ),
+            reps=2,
         )
         row(
-            f"attention causal T={t} H={hq} Dh={dh} {products}",
+            f"attention {name} T={t} {products}"
+            if ONLY_ATTENTION
+            else f"attention causal T={t} H={hq} Dh={dk} {products}",
             flops,
             t_h,
             t_blas,
-            {"rel_l2_vs_blas": T.rel_l2(o, ref), "peak": "fp32" if products == "f32" else "bf16"},
+            {
+                "rel_l2_vs_blas": T.rel_l2(o, ref),
+                "peak": "fp32" if products == "f32" else "bf16",
+            },
         )
 
 
@@ -489,7 +549,9 @@ def main() -> None:
         f"{'op':44s} {'GFLOP':>8s} {'htp GF/s':>9s} {'BLAS GF/s':>9s} {'BLAS 1thr':>9s} {'vs best':>8s} {'of peak':>9s}"
     )
 
-    if not ONLY_SUBMISSION:
+    if ONLY_ATTENTION:
+        bench_attention(rng, row)
+    elif not ONLY_SUBMISSION:
         for n, k, t in ((2048, 2048, 256), (50304, 2048, 256)):
             if not (QUICK and n > 4096):
                 bench_gemm(rng, row, n, k, t)
@@ -498,7 +560,8 @@ def main() -> None:
         if not QUICK:
             bench_experts_source_types(rng, row)
         bench_attention(rng, row)
-    bench_submission(results)
+    if not ONLY_ATTENTION:
+        bench_submission(results)
 
     if results["peak_int8_gops"] is not None:
         end_peak = measure_peak()
@@ -527,10 +590,12 @@ def main() -> None:
             print(
                 f"  {r['op']:44s} {r['pct_of_best_peak']:5.0f}% of {r['peak_kind']} {pk:.0f} GOP/s"
             )
-    out_dir = ROOT / "bench-results"
-    out_dir.mkdir(exist_ok=True)
-    (out_dir / "bench_kernels.json").write_text(json.dumps(results, indent=2))
-    print(f"wrote {out_dir / 'bench_kernels.json'}")
+    path = Path(OUT) if OUT else ROOT / "bench-results" / "bench_kernels.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=2))
+    tmp.replace(path)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

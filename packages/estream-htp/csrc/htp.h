@@ -114,7 +114,7 @@ typedef enum htp_opcode {
     HTP_OP_GET_ROWS = 3,   /* ref: table, ids, out */
     HTP_OP_RMS_NORM = 4,   /* ref: x, w (if has_weight), out */
     HTP_OP_ROPE = 5,       /* ref: x (in place), positions */
-    HTP_OP_ATTENTION = 6,  /* ref: q, k, v, out */
+    HTP_OP_ATTENTION = 6,  /* ref: q, k, v, sinks (if has_sinks), out */
     HTP_OP_SILU = 7,       /* ref: x, out */
     HTP_OP_SWIGLU = 8,     /* ref: g, u, out */
     HTP_OP_ROUTER_TOPK = 9, /* ref: logits, bias (if has_bias), ids, weights */
@@ -213,12 +213,18 @@ typedef struct htp_rope_params {
 
 /* t query rows attend to n_ctx + t key/value rows: query i sits at key position n_ctx + i, so
  * causal attention lets it see keys 0 .. n_ctx + i (all the context, then its own segment up
- * to itself: a branch continuing a prefix); n_ctx = 0 is plain self-attention over t rows. */
+ * to itself: a branch continuing a prefix); n_ctx = 0 is plain self-attention over t rows.
+ * window > 0 (causal only) narrows that to the window keys n_ctx + i - window < j <= n_ctx + i
+ * (sliding-window attention). has_sinks: a reference before out holds one float per query
+ * head, a learned logit that joins each row's softmax denominator (exp(sink - max)) but adds
+ * no value. */
 typedef struct htp_attention_params {
     uint32_t t, n_q_heads, n_kv_heads, dk, dv, causal;
     float scale;
-    uint32_t products; /* htp_products (appended: 0 is the original fp32 behaviour) */
-    uint32_t n_ctx;    /* appended: key rows before the first query's own row */
+    uint32_t products;  /* htp_products (appended: 0 is the original fp32 behaviour) */
+    uint32_t n_ctx;     /* appended: key rows before the first query's own row */
+    uint32_t window;    /* appended: 0 = every earlier key; else keys within window of the query */
+    uint32_t has_sinks; /* appended: 0 = no sinks (four references) */
 } htp_attention_params;
 
 typedef struct htp_eltwise_params {

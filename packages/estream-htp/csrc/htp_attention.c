@@ -76,13 +76,13 @@ static void attn_worker(void *arg, uint32_t ith, uint32_t nth) {
 }
 
 htp_status htp_exec_attention(htp_exec *e, const htp_attention_params *p, const float *q,
-                              const float *k, const float *v, float *out) {
+                              const float *k, const float *v, const float *sinks, float *out) {
     const uint32_t t = p->t;
     if (t == 0) return HTP_OK;
     htp_attn_ctx c = {q, k, v, out, t, p->n_q_heads, p->n_kv_heads, p->dk, p->dv,
                       p->causal ? 1u : 0u, (t + HTP_ATTN_BQ - 1) / HTP_ATTN_BQ, p->scale,
                       NULL, NULL, 0, p->products == HTP_PRODUCTS_BF16, NULL, NULL, e->pool, e->isa,
-                      t + p->n_ctx, p->n_ctx, 0};
+                      t + p->n_ctx, p->n_ctx, 0, p->causal ? p->window : 0, sinks};
     const size_t need = htp_attn_scratch_floats(&c) * sizeof(float);
     for (uint32_t i = 0; i < htp_pool_nth(e->pool); i++)
         if (!htp_scratch(e->pool, i, 1, need)) return HTP_E_NOMEM;

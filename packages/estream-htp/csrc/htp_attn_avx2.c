@@ -49,6 +49,7 @@ HTP_T_AVX2 static inline __m256 first_ps8(int n) {
 #define V_RMAX(x) rmax_ps8(x)
 #define V_RADD(x) radd_ps8(x)
 #define V_FIRST(n) first_ps8(n)
+#define V_MASK_ANDNOT(a, b) _mm256_andnot_ps((a), (b))
 #define V_MAXM(a, m, x) _mm256_blendv_ps((a), _mm256_max_ps((a), (x)), (m))
 #define V_ANDM(m, x) _mm256_and_ps((m), (x))
 #define ATTN_MR 6

@@ -27,6 +27,7 @@
 #define V_RMAX(x) _mm512_reduce_max_ps(x)
 #define V_RADD(x) _mm512_reduce_add_ps(x)
 #define V_FIRST(n) ((n) >= 16 ? (__mmask16)0xffff : (n) <= 0 ? (__mmask16)0 : (__mmask16)((1u << (n)) - 1u))
+#define V_MASK_ANDNOT(a, b) ((__mmask16)((b) & ~(a)))
 #define V_MAXM(a, m, x) _mm512_mask_max_ps((a), (m), (a), (x))
 #define V_ANDM(m, x) _mm512_maskz_mov_ps((m), (x))
 #define ATTN_MR 4

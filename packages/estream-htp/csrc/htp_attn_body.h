@@ -59,11 +59,12 @@ HTP_INLINE void htp_attn_task_body(const htp_attn_ctx *c, uint32_t task, float *
         if (bf16)
             for (uint32_t d = 0; d < dk; d++) qs[(size_t)i * dk + d] = htp_bf16_round(qs[(size_t)i * dk + d]);
         for (uint32_t d = 0; d < dv; d++) o[(size_t)i * dv + d] = 0.0f;
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
+        /* a sink is a key of logit sinks[h] and value 0: it starts the running max and sum */
+        m[i] = c->sinks ? c->sinks[h] : -INFINITY;
+        l[i] = c->sinks ? 1.0f : 0.0f;
     }
     const uint32_t kend = htp_attn_key_end(c, i0 + ni - 1);
-    for (uint32_t j0 = 0; j0 < kend; j0 += BK) {
+    for (uint32_t j0 = htp_attn_key_begin(c, i0) / BK * BK; j0 < kend; j0 += BK) {
         const uint32_t nj = HTP_MIN(BK, kend - j0);
         for (uint32_t j = 0; j < nj; j++) {
             const float *kj = c->k + (size_t)(j0 + j) * kstride + (size_t)hk * dk;
@@ -83,14 +84,14 @@ HTP_INLINE void htp_attn_task_body(const htp_attn_ctx *c, uint32_t task, float *
                 const float *kr = kt + (size_t)d * BK;
                 for (uint32_t j = 0; j < BK; j++) sr[j] += qv * kr[j];
             }
-            /* valid keys for row i: j0 + j < kend_i */
-            const uint32_t lim = htp_attn_key_lim(c, i0 + i, j0, nj);
+            /* valid keys for row i: begin_i <= j0 + j < end_i */
+            const uint32_t lim = htp_attn_key_lim(c, i0 + i, j0, nj), lo = htp_attn_key_lo(c, i0 + i, j0);
             float mx = m[i];
-            for (uint32_t j = 0; j < lim; j++) mx = sr[j] > mx ? sr[j] : mx;
+            for (uint32_t j = lo; j < lim; j++) mx = sr[j] > mx ? sr[j] : mx;
             float *srow = s + (size_t)i * BK;
             float sum = 0.0f;
             for (uint32_t j = 0; j < BK; j++) {
-                float p = j < lim ? htp_exp_neg(sr[j] - mx) : 0.0f;
+                float p = j >= lo && j < lim ? htp_exp_neg(sr[j] - mx) : 0.0f;
                 if (bf16) p = htp_bf16_round(p);
                 srow[j] = p;
                 sum += p;

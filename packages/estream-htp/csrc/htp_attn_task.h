@@ -13,8 +13,10 @@
  *   VF (the float vector type), VW (its lanes), V_LOAD, V_STORE, V_SET1,
  *   V_ZERO, V_FMA(a, b, c) = a·b + c, V_MUL, V_SUB, V_ADD, V_EXPNEG (exp of lanes <= 0),
  *   V_RMAX, V_RADD (horizontal max and sum), V_FIRST(n) (mask of the first n lanes; n may be
- *   <= 0 or >= VW), V_MAXM(a, m, x) (max(a, x) where m, else a), V_ANDM(m, x) (x where m, else 0).
- * Everything else — the block loop, the key limits of causal and context attention, the
+ *   <= 0 or >= VW), V_MASK_ANDNOT(a, b) (b and not a, on masks), V_MAXM(a, m, x) (max(a, x)
+ *   where m, else a), V_ANDM(m, x) (x where m, else 0).
+ * Everything else — the block loop, the key limits of causal, context and sliding-window
+ * attention, the sinks, the
  * running max and sum, the rescaling of O, the final normalisation and the fp32 register block
  * for both products — is shared. Each output element sums its products in one fixed order
  * (over d for S, over keys for O), whatever the block shape. */
@@ -89,11 +91,12 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
 #endif
         }
         for (uint32_t d = 0; d < dv; d += VW) V_STORE(o + (size_t)i * dv + d, V_ZERO());
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
+        /* a sink is a key of logit sinks[h] and value 0: it starts the running max and sum */
+        m[i] = c->sinks ? c->sinks[h] : -INFINITY;
+        l[i] = c->sinks ? 1.0f : 0.0f;
     }
     const uint32_t kend = htp_attn_key_end(c, i0 + ni - 1);
-    for (uint32_t j0 = 0; j0 < kend; j0 += BK) {
+    for (uint32_t j0 = htp_attn_key_begin(c, i0) / BK * BK; j0 < kend; j0 += BK) {
         const uint32_t nj = HTP_MIN(BK, kend - j0), kb = j0 / BK;
         /* S = (q·scale) Kᵀ for the block */
 #if ATTN_BF16
@@ -110,15 +113,16 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
         /* online softmax: new running max, P = exp(S - max) on the visible keys, rescale O */
         for (uint32_t i = 0; i < ni; i++) {
             const int lim = (int)htp_attn_key_lim(c, i0 + i, j0, nj);
+            const int lo = (int)htp_attn_key_lo(c, i0 + i, j0); /* > 0: a sliding window */
+#define ATTN_VIS(cc) (lo ? V_MASK_ANDNOT(V_FIRST(lo - (int)(cc)), V_FIRST(lim - (int)(cc))) : V_FIRST(lim - (int)(cc)))
             float *sr = s + (size_t)i * BK;
             VF vmx = V_SET1(m[i]);
-            for (uint32_t cc = 0; cc < BK; cc += VW)
-                vmx = V_MAXM(vmx, V_FIRST(lim - (int)cc), V_LOAD(sr + cc));
+            for (uint32_t cc = 0; cc < BK; cc += VW) vmx = V_MAXM(vmx, ATTN_VIS(cc), V_LOAD(sr + cc));
             const float mx = V_RMAX(vmx);
             const VF vm = V_SET1(mx);
             VF vsum = V_ZERO();
             for (uint32_t cc = 0; cc < BK; cc += VW) {
-                const VF pv = V_ANDM(V_FIRST(lim - (int)cc), V_EXPNEG(V_SUB(V_LOAD(sr + cc), vm)));
+                const VF pv = V_ANDM(ATTN_VIS(cc), V_EXPNEG(V_SUB(V_LOAD(sr + cc), vm)));
 #if ATTN_BF16
                 const __m256i pb = bf16_of(pv);
                 _mm256_storeu_si256((__m256i *)((uint16_t *)(pw + (size_t)i * (BK / 2)) + cc), pb);
@@ -157,6 +161,7 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
     }
 }
 
+#undef ATTN_VIS
 #undef ATTN_MK
 #undef ATTN_NAME
 #undef ATTN_TARGET

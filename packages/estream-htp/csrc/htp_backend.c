@@ -327,7 +327,7 @@ static uint32_t refs_of(const htp_op_desc *op) {
     case HTP_OP_GET_ROWS: return 3;
     case HTP_OP_RMS_NORM: return op->p.rms_norm.has_weight ? 3 : 2;
     case HTP_OP_ROPE: return 2;
-    case HTP_OP_ATTENTION: return 4;
+    case HTP_OP_ATTENTION: return op->p.attention.has_sinks ? 5 : 4;
     case HTP_OP_SILU: return 2;
     case HTP_OP_SWIGLU: return 3;
     case HTP_OP_ROUTER_TOPK: return op->p.router.has_bias ? 4 : 3;
@@ -518,17 +518,18 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
     case HTP_OP_ATTENTION: {
         const htp_attention_params *p = &op->p.attention;
         if (!p->n_q_heads || !p->n_kv_heads || !p->dk || !p->dv || p->n_q_heads % p->n_kv_heads ||
-            p->products > HTP_PRODUCTS_BF16)
+            p->products > HTP_PRODUCTS_BF16 || p->has_sinks > 1 || (p->window && !p->causal))
             return HTP_E_INVALID;
-        const float *q, *k, *v;
+        const float *q, *k, *v, *sinks = NULL;
         float *out;
         const uint64_t tk = (uint64_t)p->t + p->n_ctx; /* key rows */
         if (tk > UINT32_MAX) return HTP_E_INVALID;
         GET(0, nbytes(nbytes3(p->t, p->n_q_heads, 1), (uint64_t)p->dk * 4), RD, 4, q);
         GET(1, nbytes(nbytes3(tk, p->n_kv_heads, 1), (uint64_t)p->dk * 4), RD, 4, k);
         GET(2, nbytes(nbytes3(tk, p->n_kv_heads, 1), (uint64_t)p->dv * 4), RD, 4, v);
-        GET(3, nbytes(nbytes3(p->t, p->n_q_heads, 1), (uint64_t)p->dv * 4), WR, 4, out);
-        return htp_exec_attention(&b->ex, p, q, k, v, out);
+        if (p->has_sinks) GET(3, nbytes(p->n_q_heads, 4), RD, 4, sinks);
+        GET(3 + p->has_sinks, nbytes(nbytes3(p->t, p->n_q_heads, 1), (uint64_t)p->dv * 4), WR, 4, out);
+        return htp_exec_attention(&b->ex, p, q, k, v, sinks, out);
     }
     case HTP_OP_SILU:
     case HTP_OP_SWIGLU: {

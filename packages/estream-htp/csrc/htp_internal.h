@@ -128,16 +128,27 @@ typedef struct htp_attn_ctx {
     uint32_t tk;   /* key/value rows: n_ctx + t (t counts the queries) */
     uint32_t kofs; /* n_ctx: query i sits at key position kofs + i */
     uint32_t next; /* the next (head, query block) task to hand out (htp_next) */
+    uint32_t window;     /* causal only: 0, or the number of keys up to its own a query sees */
+    const float *sinks;  /* NULL, or one logit per query head joining each row's denominator */
 } htp_attn_ctx;
 
-/* Keys query row i (0-based among the queries) may see: [0, end). */
+/* Keys query row i (0-based among the queries) may see: [begin, end). */
 static inline uint32_t htp_attn_key_end(const htp_attn_ctx *c, uint32_t i) {
     return c->causal ? c->kofs + i + 1 : c->tk;
 }
-/* Of key block [j0, j0 + nj), how many keys query row i sees. */
+static inline uint32_t htp_attn_key_begin(const htp_attn_ctx *c, uint32_t i) {
+    const uint32_t end = c->kofs + i + 1;
+    return c->window && end > c->window ? end - c->window : 0;
+}
+/* Of key block [j0, j0 + nj), the first key query row i sees is j0 + lo and the last is
+ * j0 + lim - 1 (none when lo >= lim). */
 static inline uint32_t htp_attn_key_lim(const htp_attn_ctx *c, uint32_t i, uint32_t j0, uint32_t nj) {
     const uint32_t end = htp_attn_key_end(c, i);
     return end > j0 ? HTP_MIN(nj, end - j0) : 0;
+}
+static inline uint32_t htp_attn_key_lo(const htp_attn_ctx *c, uint32_t i, uint32_t j0) {
+    const uint32_t begin = htp_attn_key_begin(c, i);
+    return begin > j0 ? begin - j0 : 0;
 }
 size_t htp_attn_scratch_floats(const htp_attn_ctx *c);
 
@@ -305,7 +316,7 @@ htp_act_q8 htp_q8_rows(const uint8_t *rows, uint32_t t, uint32_t d);
 void htp_exec_quantize(htp_exec *e, const htp_quantize_params *p, const float *x, uint8_t *out);
 void htp_expert_ws_free(struct htp_expert_ws *ws);
 htp_status htp_exec_attention(htp_exec *e, const htp_attention_params *p, const float *q,
-                              const float *k, const float *v, float *out);
+                              const float *k, const float *v, const float *sinks, float *out);
 void htp_exec_get_rows(const htp_get_rows_params *p, const uint8_t *table, const int32_t *ids,
                        float *out);
 void htp_exec_rms_norm(htp_exec *e, const htp_rms_norm_params *p, const float *x, const float *w,

@@ -297,10 +297,22 @@ def test_conv1d_descriptor_checked_executor_side(kind: str, corrupt: str) -> Non
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
     "corrupt",
-    ["add_ld", "add_rows", "copy_rep", "copy_ld", "copy_rows", "fill_reserved", "fill_n", "ctx"],
+    [
+        "add_ld",
+        "add_rows",
+        "copy_rep",
+        "copy_ld",
+        "copy_rows",
+        "fill_reserved",
+        "fill_n",
+        "attn_ctx",
+        "attn_window",
+        "attn_sinks",
+    ],
 )
 def test_glue_op_descriptors_checked_executor_side(kind: str, corrupt: str) -> None:
-    """add/mul, copy_rows, fill and attention's context: every malformed field or reference
+    """add/mul, copy_rows, fill and attention's context, window and sinks: every malformed
+    field or reference
     reaching past its buffer is refused by the executing side with nothing written."""
     with htp.Backend(kind, n_threads=1) as be:
         a = be.share(np.ones((6, 40), np.float32))
@@ -346,8 +358,12 @@ def test_glue_op_descriptors_checked_executor_side(kind: str, corrupt: str) -> N
             d.fill.reserved = 1
         elif corrupt == "fill_n":
             d.fill.n = 10**9
-        else:
+        elif corrupt == "attn_ctx":
             d.attention.n_ctx = 10**6  # k, v hold 2 rows
+        elif corrupt == "attn_window":
+            d.attention.causal, d.attention.window = 0, 1  # a window needs causal attention
+        else:
+            d.attention.has_sinks = 1  # one reference short: the sinks are missing
         with pytest.raises(htp.HTPError):
             be.run(c)
         assert np.isnan(y).all(), "a rejected op wrote its output"

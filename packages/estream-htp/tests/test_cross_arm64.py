@@ -59,8 +59,9 @@ def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     """On a CPU with the dot-product extension every check of the self-test passes (GEMM of
     every tile format (Q4_0, Q8_0, Q4_K, Q6_K) and activation format within the fp32 rounding bound of float64,
     exact-integer GEMMs bit-identical to the int64 dot product and to the portable table, GEMM
-    from Q8 rows and with a shared input, the expert op, quantization, attention, SwiGLU, fp32
-    matmul), and each kind of check ran."""
+    from Q8 rows and with a shared input, the expert op, quantization, attention (MLA's head dims
+    with a sliding window and sinks among them), SwiGLU, fp32 matmul), and each kind of check
+    ran."""
     r = _qemu(selftest, "max")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr
     lines = r.stdout.splitlines()
@@ -74,6 +75,7 @@ def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     assert any(s.startswith("quantize") for s in lines)
     for op in ("attention", "swiglu", "matmul_f32"):
         assert any(s.startswith(op) and "vs float64" in s for s in lines), op
+    assert any("dk=192 dv=128" in s and "window=29 sinks=1" in s for s in lines)
 
 
 def test_without_dotprod_the_library_reports_portable(selftest: Path) -> None:

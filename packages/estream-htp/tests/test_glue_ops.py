@@ -1,6 +1,7 @@
 """The ops that let a whole forward pass run on an executor ("full accelerator"): element-wise
 add / multiply over row-strided views, the strided row copy (slices, re-orderings,
-broadcasts), fill, and attention of a segment continuing a context.
+broadcasts), fill, and attention of a segment continuing a context (with sliding windows and
+sinks).
 
 Each against float64 references on awkward shapes with NaN-poisoned outputs, on every backend
 kind (host, host-process, hexagon under qemu); bytes outside what an op should write are
@@ -131,19 +132,29 @@ def test_fill(be, n) -> None:  # type: ignore[no-untyped-def]
     dk=st.sampled_from([16, 24, 32]),
     dv=st.sampled_from([16, 8]),
     causal=st.booleans(),
+    window=st.integers(0, 50),
+    with_sinks=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_attention_with_context(be, t, ctx, hkv, rep, dk, dv, causal, seed) -> None:  # type: ignore[no-untyped-def]
+def test_attention_with_context(
+    be, t, ctx, hkv, rep, dk, dv, causal, window, with_sinks, seed
+) -> None:  # type: ignore[no-untyped-def]
+    """A segment continuing a context, optionally with a sliding window (causal) and per-head
+    sinks (a reference of their own), against float64 into a NaN-poisoned output."""
     rng = np.random.default_rng(seed)
     hq = hkv * rep
+    window = window if causal else 0
     q = _arr(be, (t, hq, dk))
     k = _arr(be, (ctx + t, hkv, dk))
     v = _arr(be, (ctx + t, hkv, dv))
-    for a in (q, k, v):
+    sinks = _arr(be, (hq,)) if with_sinks else None
+    for a in (q, k, v) if sinks is None else (q, k, v, sinks):
         a[...] = rng.standard_normal(a.shape)
     out = _arr(be, (t, hq, dv))
-    y = htp.attention(q, k, v, 0.3, causal, out, context=ctx, backend=be)
-    ref = T.ref_attention(q, k, v, 0.3, causal, context=ctx)
+    y = htp.attention(
+        q, k, v, 0.3, causal, out, context=ctx, window=window, sinks=sinks, backend=be
+    )
+    ref = T.ref_attention(q, k, v, 0.3, causal, context=ctx, window=window, sinks=sinks)
     assert y is out and T.rel_l2(y, ref) <= 1e-5
 
 
@@ -164,6 +175,42 @@ def test_attention_with_context_is_the_full_prefill_rows(level, products) -> Non
             products=products, context=ctx,
         )  # fmt: skip
     assert seg.tobytes() == full[ctx:].tobytes()
+
+
+@pytest.mark.parametrize("level", SIMD_PARAMS)
+@pytest.mark.parametrize("products", ["f32", "bf16"])
+def test_windowed_segment_is_the_full_prefill_rows(level, products) -> None:
+    """With a sliding window and sinks too, a continuing segment gives bit for bit the rows
+    of the whole sequence, and a window covering every key changes nothing."""
+    rng = np.random.default_rng(6)
+    ctx, t, hq, hkv, d = 45, 70, 4, 2, 32
+    q = rng.standard_normal((ctx + t, hq, d)).astype(np.float32)
+    k = rng.standard_normal((ctx + t, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((ctx + t, hkv, d)).astype(np.float32)
+    sinks = rng.standard_normal(hq).astype(np.float32)
+    with mode(simd=level):
+        full = htp.attention(q, k, v, 0.2, products=products, window=19, sinks=sinks)
+        seg = htp.attention(
+            np.ascontiguousarray(q[ctx:]), k, v, 0.2, out=np.full((t, hq, d), np.nan, np.float32),
+            products=products, context=ctx, window=19, sinks=sinks,
+        )  # fmt: skip
+        plain = htp.attention(q, k, v, 0.2, products=products)
+        wide = htp.attention(q, k, v, 0.2, products=products, window=ctx + t)
+    assert seg.tobytes() == full[ctx:].tobytes()
+    assert wide.tobytes() == plain.tobytes()
+    assert not np.array_equal(full, plain)
+
+
+def test_attention_window_and_sinks_checked() -> None:
+    q = np.zeros((3, 2, 16), np.float32)
+    with pytest.raises(htp.HTPInputError, match="window needs causal"):
+        htp.attention(q, q, q, 1.0, causal=False, window=2)
+    with pytest.raises(htp.HTPInputError, match="window"):
+        htp.attention(q, q, q, 1.0, window=-1)
+    with pytest.raises(htp.HTPInputError, match=r"sinks must be \[Hq = 2\]"):
+        htp.attention(q, q, q, 1.0, sinks=np.zeros(3, np.float32))
+    with pytest.raises(htp.HTPInputError, match="sinks must be finite"):
+        htp.attention(q, q, q, 1.0, sinks=np.array([0.0, np.inf], np.float32))
 
 
 def test_attention_context_shape_checked() -> None:

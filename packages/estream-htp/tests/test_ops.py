@@ -208,6 +208,55 @@ def test_attention_bf16(
         assert not np.array_equal(outs[simd], f32)
 
 
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
+@settings(max_examples=30, deadline=None)
+@given(
+    t=st.integers(1, 160),
+    ctx=st.integers(0, 90),
+    hkv=st.integers(1, 2),
+    rep=st.sampled_from([1, 2, 3, 8]),
+    dims=st.sampled_from([(192, 128), (64, 64), (128, 128), (48, 80), (20, 24), (7, 33)]),
+    window=st.integers(0, 140),
+    with_sinks=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_attention_window_and_sinks(
+    simd: str,
+    t: int,
+    ctx: int,
+    hkv: int,
+    rep: int,
+    dims: tuple[int, int],
+    window: int,
+    with_sinks: bool,
+    seed: int,
+) -> None:
+    """Causal attention with a sliding window (query at position p sees keys p - W < j <= p)
+    and per-head sinks (a logit joining the denominator only), over GQA and MLA's 192/128 head
+    split, partial query and key blocks and a context, fp32 and bf16 products, against float64
+    into NaN-poisoned outputs; bf16 also against the portable emulation of its rounding."""
+    dk, dv = dims
+    rng = np.random.default_rng(seed)
+    hq = hkv * rep
+    q = rng.standard_normal((t, hq, dk)).astype(np.float32)
+    k = rng.standard_normal((ctx + t, hkv, dk)).astype(np.float32)
+    v = rng.standard_normal((ctx + t, hkv, dv)).astype(np.float32)
+    sinks = (3 * rng.standard_normal(hq)).astype(np.float32) if with_sinks else None
+    scale = 1.0 / np.sqrt(dk)
+    ref = T.ref_attention(q, k, v, scale, True, context=ctx, window=window, sinks=sinks)
+    outs = {}
+    for products, level in (("f32", simd), ("bf16", simd), ("bf16", "portable")):
+        out = np.full((t, hq, dv), np.nan, np.float32)
+        with mode(simd=level):
+            outs[products, level] = htp.attention(
+                q, k, v, scale, True, out, products=products, context=ctx, window=window,
+                sinks=sinks,
+            )  # fmt: skip
+    assert T.rel_l2(outs["f32", simd], ref) <= TOL
+    assert T.rel_l2(outs["bf16", simd], ref) <= TOL_BF16
+    assert T.rel_l2(outs["bf16", simd], outs["bf16", "portable"]) <= TOL_BF16_EMU
+
+
 def test_round_bf16() -> None:
     """Nearest even on the 8-bit mantissa, subnormals to signed zero, and the result is the
     bf16 a one-key attention returns for v (its weight is exactly 1)."""

@@ -612,13 +612,19 @@ static int check_others(void) {
         printf("quantize t=%u d=%u: %s\n", t, k, bad ? "differs from portable" : "bit-identical");
         free(x), free(a.raw), free(b.raw);
     }
-    { /* attention: causal GQA with awkward lengths, not causal */
-        const uint32_t shapes[][6] = {{67, 4, 2, 64, 64, 1}, {33, 2, 1, 48, 32, 0}, {130, 2, 2, 32, 32, 1}};
-        for (size_t i = 0; i < 3; i++) {
+    { /* attention: causal GQA with awkward lengths, not causal, MLA's 192/128 head dims with a
+       * sliding window and sinks */
+        const uint32_t shapes[][8] = {{67, 4, 2, 64, 64, 1, 0, 0},
+                                      {33, 2, 1, 48, 32, 0, 0, 0},
+                                      {130, 2, 2, 32, 32, 1, 0, 0},
+                                      {150, 4, 2, 192, 128, 1, 29, 1}};
+        for (size_t i = 0; i < 4; i++) {
             const uint32_t t = shapes[i][0], hq = shapes[i][1], hkv = shapes[i][2];
-            const uint32_t dk = shapes[i][3], dv = shapes[i][4];
+            const uint32_t dk = shapes[i][3], dv = shapes[i][4], window = shapes[i][6];
+            const uint32_t has_sinks = shapes[i][7];
             float *q = malloc(4 * t * hq * dk), *k = malloc(4 * t * hkv * dk),
-                  *v = malloc(4 * t * hkv * dv), *o = malloc(4 * t * hq * dv);
+                  *v = malloc(4 * t * hkv * dv), *o = malloc(4 * t * hq * dv), *sk = malloc(4 * hq);
+            for (uint32_t h = 0; h < hq; h++) sk[h] = 4 * frand();
             for (size_t j = 0; j < (size_t)t * hq * dk; j++) q[j] = frand();
             for (size_t j = 0; j < (size_t)t * hkv * dk; j++) k[j] = frand();
             for (size_t j = 0; j < (size_t)t * hkv * dv; j++) v[j] = frand();
@@ -626,16 +632,18 @@ static int check_others(void) {
             memset(&op, 0, sizeof op);
             op.opcode = HTP_OP_ATTENTION;
             op.p.attention = (htp_attention_params){t, hq, hkv, dk, dv, shapes[i][5],
-                                                    1.0f / sqrtf((float)dk), 0, 0};
-            buf b[4] = {{q, 4 * t * hq * dk, RD}, {k, 4 * t * hkv * dk, RD},
-                        {v, 4 * t * hkv * dv, RD}, {o, 4 * t * hq * dv, RW}};
+                                                    1.0f / sqrtf((float)dk), 0, 0, window, has_sinks};
+            buf b[5] = {{q, 4 * t * hq * dk, RD}, {k, 4 * t * hkv * dk, RD}, {v, 4 * t * hkv * dv, RD},
+                        {sk, 4 * hq, RD}, {o, 4 * t * hq * dv, RW}};
+            if (!has_sinks) b[3] = b[4];
             double *ref = malloc(sizeof(double) * t * hq * dv), *p = malloc(sizeof(double) * t);
             const double scale = op.p.attention.scale;
             for (uint32_t qi = 0; qi < t; qi++)
                 for (uint32_t h = 0; h < hq; h++) {
                     const uint32_t g = h / (hq / hkv), end = shapes[i][5] ? qi + 1 : t;
-                    double mx = -INFINITY, sum = 0;
-                    for (uint32_t j = 0; j < end; j++) {
+                    const uint32_t begin = window && qi + 1 > window ? qi + 1 - window : 0;
+                    double mx = has_sinks ? sk[h] : -INFINITY, sum = 0;
+                    for (uint32_t j = begin; j < end; j++) {
                         double sc = 0;
                         for (uint32_t c = 0; c < dk; c++)
                             sc += (double)q[((size_t)qi * hq + h) * dk + c] *
@@ -643,18 +651,19 @@ static int check_others(void) {
                         p[j] = sc * scale;
                         mx = fmax(mx, p[j]);
                     }
-                    for (uint32_t j = 0; j < end; j++) sum += (p[j] = exp(p[j] - mx));
+                    if (has_sinks) sum = exp(sk[h] - mx); /* joins the denominator only */
+                    for (uint32_t j = begin; j < end; j++) sum += (p[j] = exp(p[j] - mx));
                     for (uint32_t c = 0; c < dv; c++) {
                         double acc = 0;
-                        for (uint32_t j = 0; j < end; j++) acc += p[j] * v[((size_t)j * hkv + g) * dv + c];
+                        for (uint32_t j = begin; j < end; j++) acc += p[j] * v[((size_t)j * hkv + g) * dv + c];
                         ref[((size_t)qi * hq + h) * dv + c] = acc / sum;
                     }
                 }
-            char what[96];
-            snprintf(what, sizeof what, "attention t=%u hq=%u hkv=%u dk=%u dv=%u causal=%u", t,
-                     hq, hkv, dk, dv, shapes[i][5]);
-            bad |= both(what, &op, b, 4, t, hq * dv, hq * dv, 1e-6, ref);
-            free(q), free(k), free(v), free(o), free(ref), free(p);
+            char what[128];
+            snprintf(what, sizeof what, "attention t=%u hq=%u hkv=%u dk=%u dv=%u causal=%u window=%u sinks=%u",
+                     t, hq, hkv, dk, dv, shapes[i][5], window, has_sinks);
+            bad |= both(what, &op, b, has_sinks ? 5 : 4, t, hq * dv, hq * dv, 1e-6, ref);
+            free(q), free(k), free(v), free(o), free(sk), free(ref), free(p);
         }
     }
     { /* SwiGLU over an odd length */

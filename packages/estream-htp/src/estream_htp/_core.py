@@ -860,6 +860,8 @@ def attention(
     *,
     products: str = "f32",
     context: int = 0,
+    window: int = 0,
+    sinks: F32 | None = None,
     backend: Backend | None = None,
 ) -> F32:
     """Softmax attention with grouped KV heads (query head ``h`` reads KV head
@@ -868,6 +870,12 @@ def attention(
     ``context``: ``k, v`` hold ``context + T`` rows and query ``i`` sits at key position
     ``context + i``: causal attention sees every context row and then its own rows up to
     itself (a segment continuing a prefix, e.g. a branch); 0 is plain self-attention.
+
+    ``window`` (causal only): 0 sees every earlier key; ``W > 0`` lets the query at key
+    position ``p`` see only keys ``p - W < j <= p`` (sliding-window attention).
+
+    ``sinks``: ``None`` or ``[Hq]`` float32 logits, one per query head, that join every row's
+    softmax denominator as an extra key whose value is zero (attention sinks).
 
     ``products``: "f32" (fp32 products, matches float64 to ~1e-6) or "bf16" (``q·scale``,
     ``k``, ``v`` and the softmax weights rounded to bfloat16, fp32 sums: twice the
@@ -894,6 +902,15 @@ def attention(
     dv = v.shape[2]
     if dk == 0 or dv == 0:
         raise HTPInputError("head dims must be > 0")
+    window = _u32(window, "window")
+    if window and not causal:
+        raise HTPInputError("window needs causal attention")
+    if sinks is not None:
+        sinks = _arr(sinks, "sinks", np.float32, 1)
+        if sinks.shape != (hq,):
+            raise HTPInputError(f"sinks must be [Hq = {hq}], got {sinks.shape}")
+        if not np.all(np.isfinite(sinks)):
+            raise HTPInputError("sinks must be finite")
     o = _out(out, (t, hq, dv))
     if t and hq:
         be = _be(backend)
@@ -903,7 +920,11 @@ def attention(
         p.t, p.n_q_heads, p.n_kv_heads, p.dk, p.dv = t, hq, hkv, dk, dv
         p.causal, p.scale = 1 if causal else 0, float(scale)
         p.products, p.n_ctx = _PRODUCTS[products], context
-        c.ref(q).ref(k).ref(v).ref(o, "w")
+        p.window, p.has_sinks = window, 0 if sinks is None else 1
+        c.ref(q).ref(k).ref(v)
+        if sinks is not None:
+            c.ref(sinks)
+        c.ref(o, "w")
         be.run(c)
     return o
 

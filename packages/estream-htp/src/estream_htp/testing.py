@@ -233,9 +233,13 @@ def ref_attention(
     scale: float,
     causal: bool = True,
     context: int = 0,
+    window: int = 0,
+    sinks: npt.ArrayLike | None = None,
 ) -> F64:
     """Float64 attention; ``context``: k, v hold ``context + T`` rows and query ``i`` sits at
-    key position ``context + i`` (causal: it sees keys ``0 .. context + i``)."""
+    key position ``p = context + i`` (causal: it sees keys ``0 .. p``; with ``window`` W > 0
+    only keys ``p - W < j <= p``); ``sinks``: one logit per query head appended to every row's
+    scores as a key whose value is zero (it joins the softmax denominator only)."""
     qq = np.asarray(q, dtype=np.float64)
     kk = np.asarray(k, dtype=np.float64)
     vv = np.asarray(v, dtype=np.float64)
@@ -245,9 +249,17 @@ def ref_attention(
     vv = np.repeat(vv, rep, axis=1)
     s = np.einsum("thd,shd->hts", qq, kk) * scale
     if causal:
-        s = s + np.triu(np.full((t, kk.shape[0]), -np.inf), 1 + context)
+        pos = context + np.arange(t)[:, None]
+        j = np.arange(kk.shape[0])[None, :]
+        hidden = (j > pos) | ((j <= pos - window) if window else False)
+        s = np.where(hidden, -np.inf, s)
+    if sinks is not None:
+        sk = np.broadcast_to(np.asarray(sinks, dtype=np.float64)[:, None, None], (hq, t, 1))
+        s = np.concatenate([s, sk], axis=-1)
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        p = p[..., :-1]
     return np.einsum("hts,shd->thd", p, vv)
 
 
