@@ -17,7 +17,20 @@
  *   then 8 groups of 128 B at 128 with int8 values -32..31 (column 4g+b of row r at
  *   128 + 128g + 4r + b); W = (d*sc)*q. */
 HTP_INLINE void htp_dequant_kq_tile_body(const uint8_t *p, uint32_t fmt, float *panel) {
-    if (fmt == HTP_FMT_Q4_K_T32R4) {
+    if (fmt == HTP_FMT_MXFP4_T32R4) { /* (the tiles with other than one fp16 scale per row) */
+        float s[32];
+        for (int r = 0; r < 32; r++) s[r] = htp_e8m0_half(p[r]);
+        for (int gi = 0; gi < 4; gi++)
+            for (int b = 0; b < 4; b++) {
+                float *lo = panel + (4 * gi + b) * 32;
+                float *hi = panel + (16 + 4 * gi + b) * 32;
+                for (int r = 0; r < 32; r++) {
+                    const uint8_t v = p[32 + gi * 128 + r * 4 + b];
+                    lo[r] = (float)htp_mxfp4_kvalues[v & 15] * s[r];
+                    hi[r] = (float)htp_mxfp4_kvalues[v >> 4] * s[r];
+                }
+            }
+    } else if (fmt == HTP_FMT_Q4_K_T32R4) {
         float s[32], mn[32];
         for (int r = 0; r < 32; r++) {
             uint16_t h, hm;
@@ -127,9 +140,48 @@ HTP_INLINE void htp_q6k_strip_body(const uint8_t *strip, uint32_t kb, const htp_
     }
 }
 
+/* MXFP4 tiles x Q8 activations, reference order, any nt. mxfp4-t32r4 (544 B): uint8 E8M0
+ * exponent e [32] at 0, then 4 groups of 128 B at 32 with the FP4 codes in Q4_0 order (byte
+ * 4g+b of row r at 32 + 128g + 4r + b: low nibble = column 4g+b, high = column 16+4g+b). Per
+ * row and 32-block the exact int32 dot = sum kv[code] * a (kv: the doubled E2M1 values,
+ * -12..12), then acc += (float)dot * (e8m0_half(e) * da): llama.cpp's vec_dot_mxfp4_q8_0. The
+ * product and the sum are two statements (no fused multiply-add), so every table that keeps
+ * this order gives these bits. */
+HTP_INLINE void htp_mxfp4_strip_body(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                     uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    const uint32_t k = kb * 32;
+    for (uint32_t tt = 0; tt < nt; tt++) {
+        float acc[32];
+        for (int r = 0; r < 32; r++) acc[r] = 0.0f;
+        const int8_t *qa = a->q + (size_t)tt * k;
+        for (uint32_t j = 0; j < kb; j++) {
+            const uint8_t *tile = strip + (size_t)j * HTP_MXFP4_TILE_BYTES;
+            const int8_t *qb = qa + 32 * j;
+            const float da = a->d[(size_t)tt * kb + j];
+            int32_t dot[32];
+            for (int r = 0; r < 32; r++) {
+                int32_t sacc = 0;
+                for (int gi = 0; gi < 4; gi++)
+                    for (int b = 0; b < 4; b++) {
+                        const uint8_t v = tile[32 + gi * 128 + r * 4 + b];
+                        sacc += (int32_t)htp_mxfp4_kvalues[v & 15] * qb[4 * gi + b] +
+                                (int32_t)htp_mxfp4_kvalues[v >> 4] * qb[16 + 4 * gi + b];
+                    }
+                dot[r] = sacc;
+            }
+            for (int r = 0; r < 32; r++) {
+                const float sc = htp_e8m0_half(tile[r]) * da;
+                const float v = (float)dot[r] * sc;
+                acc[r] += v;
+            }
+        }
+        for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = acc[r];
+    }
+}
+
 /* panel[c*32 + r] = W[row r][col c] for one tile (32 rows, 32 columns). */
 HTP_INLINE void htp_dequant_tile_body(const uint8_t *p, uint32_t fmt, float *panel) {
-    if (fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q6_K_T32R4) {
+    if (fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q6_K_T32R4 || fmt == HTP_FMT_MXFP4_T32R4) {
         htp_dequant_kq_tile_body(p, fmt, panel);
         return;
     }

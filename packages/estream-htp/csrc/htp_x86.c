@@ -314,6 +314,100 @@ Q4K_KERNEL(bw, HTP_T_AVX512, DOT_BW)
 Q6K_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)
 Q6K_KERNEL(bw, HTP_T_AVX512, DOT_BW)
 
+/* ---- MXFP4 x Q8 tile kernel, AVX-512: the Q4_0 kernel's nibble scheme on mxfp4 tiles (codes
+ * in Q4_0 order at byte 32), each code turned by one vpshufb into its doubled E2M1 value + 12
+ * (0..24, unsigned for the u8 x s8 dot product; no pair of vpmaddubsw saturates: 2 x 24 x 127),
+ * integer sums from 0, then per block the exact int32 dot - 12 x sum(activations); the fp32
+ * epilogue is the portable body's, product then sum ((float)dot x (e8m0_half(e) x da), no fused
+ * multiply-add), so the results are the portable table's bits. */
+#define MXFP4_HALF512(TARGET)                                                                    \
+    TARGET static inline __attribute__((always_inline)) __m512 mx_half512(__m512i e) {         \
+        const __mmask16 small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));                \
+        const __m512i big = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);    \
+        const __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);                 \
+        return _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, big, sub));                    \
+    }
+MXFP4_HALF512(HTP_T_AVX512)
+
+#define MXFP4_KERNEL(SUFFIX, TARGET, DOT)                                                        \
+    TARGET HTP_NO_CONTRACT static inline __attribute__((always_inline)) void mxq8_block_##SUFFIX(                \
+        const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s,    \
+        uint32_t k, float *out, uint32_t ldo, uint32_t rows, const int NT) {                     \
+        const __m512i m4 = _mm512_set1_epi8(0x0f);                                               \
+        const __m512i lut = _mm512_broadcast_i32x4(                                              \
+            _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));           \
+        __m512 acc[6][2];                                                                        \
+        for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();                \
+        for (uint32_t j = 0; j < kb; j++) {                                                      \
+            const uint8_t *tile = strip + (size_t)j * HTP_MXFP4_TILE_BYTES;                     \
+            __m512i ia[6][2];                                                                    \
+            for (int u = 0; u < NT; u++) ia[u][0] = ia[u][1] = _mm512_setzero_si512();           \
+            for (int g = 0; g < 4; g++) {                                                        \
+                const __m512i v0 = _mm512_loadu_si512((const void *)(tile + 32 + 128 * g));     \
+                const __m512i v1 = _mm512_loadu_si512((const void *)(tile + 96 + 128 * g));     \
+                const __m512i l0 = _mm512_shuffle_epi8(lut, _mm512_and_si512(v0, m4));           \
+                const __m512i l1 = _mm512_shuffle_epi8(lut, _mm512_and_si512(v1, m4));           \
+                const __m512i h0 =                                                               \
+                    _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4));    \
+                const __m512i h1 =                                                               \
+                    _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4));    \
+                for (int u = 0; u < NT; u++) {                                                   \
+                    const int8_t *qa = q + (size_t)u * k + 32 * j + 4 * g;                       \
+                    int32_t alo, ahi;                                                            \
+                    memcpy(&alo, qa, 4);                                                         \
+                    memcpy(&ahi, qa + 16, 4);                                                    \
+                    const __m512i bl = _mm512_set1_epi32(alo), bh = _mm512_set1_epi32(ahi);      \
+                    ia[u][0] = DOT(ia[u][0], l0, bl);                                            \
+                    ia[u][0] = DOT(ia[u][0], h0, bh);                                            \
+                    ia[u][1] = DOT(ia[u][1], l1, bl);                                            \
+                    ia[u][1] = DOT(ia[u][1], h1, bh);                                            \
+                }                                                                                \
+            }                                                                                    \
+            const __m512 e0 = mx_half512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)tile))); \
+            const __m512 e1 =                                                                    \
+                mx_half512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 16)))); \
+            for (int u = 0; u < NT; u++) {                                                       \
+                const __m512 da = _mm512_set1_ps(d[(size_t)u * kb + j]);                         \
+                const __m512i s12 = _mm512_set1_epi32(12 * s[(size_t)u * kb + j]);              \
+                const __m512 p0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(ia[u][0], s12));           \
+                const __m512 p1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(ia[u][1], s12));           \
+                acc[u][0] = _mm512_add_ps(acc[u][0], _mm512_mul_ps(p0, _mm512_mul_ps(e0, da)));  \
+                acc[u][1] = _mm512_add_ps(acc[u][1], _mm512_mul_ps(p1, _mm512_mul_ps(e1, da)));  \
+            }                                                                                    \
+        }                                                                                        \
+        const __mmask16 k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);    \
+        const __mmask16 k1 = rows >= 32 ? (__mmask16)0xffff                                      \
+                             : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1u)                \
+                                         : (__mmask16)0;                                        \
+        for (int u = 0; u < NT; u++) {                                                           \
+            _mm512_mask_storeu_ps(out + (size_t)u * ldo, k0, acc[u][0]);                         \
+            _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);                    \
+        }                                                                                        \
+    }                                                                                            \
+    TARGET HTP_NO_CONTRACT static void mxq8_strip_fast_##SUFFIX(const uint8_t *strip, uint32_t kb,               \
+                                                const htp_act_q8 *a, uint32_t nt, float *out,    \
+                                                uint32_t ldo, uint32_t rows) {                   \
+        const uint32_t k = kb * 32;                                                              \
+        for (uint32_t t0 = 0; t0 < nt; t0 += 6) {                                                \
+            const uint32_t n = nt - t0 < 6 ? nt - t0 : 6;                                        \
+            const int8_t *q = a->q + (size_t)t0 * k;                                             \
+            const float *d = a->d + (size_t)t0 * kb;                                             \
+            const int32_t *s = a->s + (size_t)t0 * kb;                                           \
+            float *o = out + (size_t)t0 * ldo;                                                   \
+            switch (n) {                                                                         \
+            case 6: mxq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 6); break;          \
+            case 5: mxq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 5); break;          \
+            case 4: mxq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 4); break;          \
+            case 3: mxq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 3); break;          \
+            case 2: mxq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 2); break;          \
+            default: mxq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 1); break;         \
+            }                                                                                    \
+        }                                                                                        \
+    }
+
+MXFP4_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)
+MXFP4_KERNEL(bw, HTP_T_AVX512, DOT_BW)
+
 /* ---- Q8_0 x Q8 tile kernel, AVX-512 VNNI: the int8 weights flipped to u8 (v ^ 0x80 = v + 128)
  * for vpdpbusd, the integer sums starting at -128 x sum(activation block) (exact: vpdpbusd
  * does not saturate), then the Q4_0 kernel's fp32 epilogue. (vpmaddubsw would saturate its
@@ -673,6 +767,95 @@ HTP_T_AVX2 static void q6kq8_strip_fast_avx2(const uint8_t *strip, uint32_t kb, 
     }
 }
 
+/* ---- MXFP4 x Q8 tile kernel, AVX2: the Q8_0 AVX2 scheme on mxfp4 tiles (16 rows a pass). Each
+ * code becomes |value| (0..12, one vpshufb) for vpmaddubsw and its signed doubled E2M1 value
+ * (another vpshufb) gives the activations its sign (vpsignb); a group's pairs sum to at most
+ * 2 x 12 x 127 and a block's eight to 24384, so the 16-bit block sums are exact; vpmaddwd widens
+ * them to int32, then the portable body's fp32 epilogue (product, then sum): the same bits. */
+HTP_T_AVX2 static inline __attribute__((always_inline)) __m256 mx_half256(__m256i e) {
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    const __m256i big = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(big, sub, small));
+}
+
+HTP_T_AVX2 HTP_NO_CONTRACT static inline __attribute__((always_inline)) void mxq8_rows16_avx2(
+    const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, uint32_t k, float *out,
+    uint32_t ldo, uint32_t rows, uint32_t pass, const int NT) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i lut_abs = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12, 0, 1,
+                                             2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12);
+    const __m256i lut_sgn = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                             0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    float acc[4][16];
+    for (int u = 0; u < NT; u++)
+        for (int r = 0; r < 16; r++) acc[u][r] = 0.0f;
+    for (uint32_t j = 0; j < kb; j++) {
+        const uint8_t *tile = strip + (size_t)j * HTP_MXFP4_TILE_BYTES;
+        __m256i p16[4][2];
+        for (int u = 0; u < NT; u++) p16[u][0] = p16[u][1] = _mm256_setzero_si256();
+        for (int g = 0; g < 4; g++) {
+            const uint8_t *gp = tile + 32 + 128 * g + 64 * pass;
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)gp);
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(gp + 32));
+            const __m256i cl0 = _mm256_and_si256(v0, m4), cl1 = _mm256_and_si256(v1, m4);
+            const __m256i ch0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+            const __m256i ch1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+            const __m256i al0 = _mm256_shuffle_epi8(lut_abs, cl0), sl0 = _mm256_shuffle_epi8(lut_sgn, cl0);
+            const __m256i al1 = _mm256_shuffle_epi8(lut_abs, cl1), sl1 = _mm256_shuffle_epi8(lut_sgn, cl1);
+            const __m256i ah0 = _mm256_shuffle_epi8(lut_abs, ch0), sh0 = _mm256_shuffle_epi8(lut_sgn, ch0);
+            const __m256i ah1 = _mm256_shuffle_epi8(lut_abs, ch1), sh1 = _mm256_shuffle_epi8(lut_sgn, ch1);
+            for (int u = 0; u < NT; u++) {
+                const int8_t *qa = q + (size_t)u * k + 32 * j + 4 * g;
+                int32_t alo, ahi;
+                memcpy(&alo, qa, 4);
+                memcpy(&ahi, qa + 16, 4);
+                const __m256i bl = _mm256_set1_epi32(alo), bh = _mm256_set1_epi32(ahi);
+                p16[u][0] = _mm256_add_epi16(p16[u][0], _mm256_maddubs_epi16(al0, _mm256_sign_epi8(bl, sl0)));
+                p16[u][1] = _mm256_add_epi16(p16[u][1], _mm256_maddubs_epi16(al1, _mm256_sign_epi8(bl, sl1)));
+                p16[u][0] = _mm256_add_epi16(p16[u][0], _mm256_maddubs_epi16(ah0, _mm256_sign_epi8(bh, sh0)));
+                p16[u][1] = _mm256_add_epi16(p16[u][1], _mm256_maddubs_epi16(ah1, _mm256_sign_epi8(bh, sh1)));
+                __asm__("" : "+x"(p16[u][0]), "+x"(p16[u][1]));
+            }
+        }
+        const uint8_t *he = tile + 16 * pass;
+        const __m256 e0 = mx_half256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)he)));
+        const __m256 e1 = mx_half256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(he + 8))));
+        for (int u = 0; u < NT; u++) {
+            const __m256 da = _mm256_set1_ps(d[(size_t)u * kb + j]);
+            const __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16[u][0], ones));
+            const __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16[u][1], ones));
+            const __m256 v0 = _mm256_mul_ps(p0, _mm256_mul_ps(e0, da));
+            const __m256 v1 = _mm256_mul_ps(p1, _mm256_mul_ps(e1, da));
+            _mm256_storeu_ps(acc[u], _mm256_add_ps(_mm256_loadu_ps(acc[u]), v0));
+            _mm256_storeu_ps(acc[u] + 8, _mm256_add_ps(_mm256_loadu_ps(acc[u] + 8), v1));
+        }
+    }
+    const uint32_t r0 = 16u * pass, live = rows - r0 < 16 ? rows - r0 : 16;
+    for (int u = 0; u < NT; u++)
+        for (uint32_t r = 0; r < live; r++) out[(size_t)u * ldo + r0 + r] = acc[u][r];
+}
+
+HTP_T_AVX2 HTP_NO_CONTRACT static void mxq8_strip_fast_avx2(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                            uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    const uint32_t k = kb * 32;
+    for (uint32_t t0 = 0; t0 < nt; t0 += 4) {
+        const uint32_t n = nt - t0 < 4 ? nt - t0 : 4;
+        const int8_t *q = a->q + (size_t)t0 * k;
+        const float *d = a->d + (size_t)t0 * kb;
+        float *o = out + (size_t)t0 * ldo;
+        for (uint32_t pass = 0; 16 * pass < rows; pass++) {
+            switch (n) {
+            case 4: mxq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 4); break;
+            case 3: mxq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 3); break;
+            case 2: mxq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 2); break;
+            default: mxq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 1); break;
+            }
+        }
+    }
+}
+
 /* ---- fp32-activation GEMM, AVX-512: the strip is dequantized once into a [k][32] panel,
  * then 8 tokens x 32 rows of accumulators (16 zmm) take 2 panel loads + 8 broadcasts per column. */
 HTP_T_AVX512 static inline __attribute__((always_inline)) void f32_block_avx512(
@@ -788,6 +971,8 @@ const htp_isa htp_isa_avx2 = {
     .q4kq8_strip = q4kq8_strip_fast_avx2,
     .q6kq8_strip = q6kq8_strip_fast_avx2,
     .kq8_nt = 64,
+    .mxq8_strip = mxq8_strip_fast_avx2,
+    .mxq8_nt = 64,
     .dequant_tile = dequant_avx2,
     .dequant_kq_tile = dequant_kq_avx2,
     .f32_strip = f32_strip_avx2,
@@ -824,6 +1009,8 @@ const htp_isa htp_isa_avx512 = {
     .q4kq8_strip = q4kq8_strip_fast_bw,
     .q6kq8_strip = q6kq8_strip_fast_bw,
     .kq8_nt = 64,
+    .mxq8_strip = mxq8_strip_fast_bw,
+    .mxq8_nt = 64,
     .dequant_kq_tile = dequant_kq_avx512,
     .dot_peak = peak_bw,
     .dot_macs_per_iter = 12 * 64,
@@ -839,6 +1026,8 @@ const htp_isa htp_isa_avx512vnni = {
     .q4kq8_strip = q4kq8_strip_fast_vnni,
     .q6kq8_strip = q6kq8_strip_fast_vnni,
     .kq8_nt = 64,
+    .mxq8_strip = mxq8_strip_fast_vnni,
+    .mxq8_nt = 64,
     .dequant_kq_tile = dequant_kq_vnni,
     .dot_peak = peak_vnni,
     .dot_macs_per_iter = 12 * 64,
@@ -856,6 +1045,8 @@ const htp_isa htp_isa_amx = {
     .q4kq8_strip = q4kq8_strip_fast_vnni,
     .q6kq8_strip = q6kq8_strip_fast_vnni,
     .kq8_nt = 64,
+    .mxq8_strip = mxq8_strip_fast_vnni,
+    .mxq8_nt = 64,
     .dequant_kq_tile = dequant_kq_vnni,
     .dot_peak = htp_amx_peak,
     .dot_macs_per_iter = 4 * 16 * 16 * 64,

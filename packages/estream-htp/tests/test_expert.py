@@ -280,15 +280,18 @@ Q4K, Q6K = "q4_k-t32r4", "q6_k-t32r4"
 FORMAT_MIXES = [(Q8, Q8, Q8), (Q4, Q4, Q8), (Q8, Q4, Q8)]
 # Q4_K_M's expert mix (Q4_K gate/up, Q6_K down), all Q6_K, and K-quants next to Q8_0 / Q4_0
 KQ_MIXES = [(Q4K, Q4K, Q6K), (Q6K, Q6K, Q6K), (Q4K, Q4K, Q4K), (Q4K, Q8, Q4)]
+# MXFP4 experts (gpt-oss), and MXFP4 next to another type
+MX = "mxfp4-t32r4"
+MX_MIXES = [(MX, MX, MX), (MX, MX, Q8), (Q4K, MX, Q6K)]
 
 
 @pytest.mark.parametrize("simd", SIMD_PARAMS)
 @pytest.mark.parametrize("act", ["f32", "q8"])
-@pytest.mark.parametrize("formats", FORMAT_MIXES + KQ_MIXES)
+@pytest.mark.parametrize("formats", FORMAT_MIXES + KQ_MIXES + MX_MIXES)
 def test_expert_op_q8_0_and_kquant_weights_match_float64(simd: str, act: str, formats) -> None:
-    """Q8_0, Q4_K and Q6_K weights (every projection, or mixed per projection) at awkward sizes
-    (d_model 3 tiles and d_ff 5 tiles, or for K-quants 1 and 2 super-blocks; 43 tokens, slots
-    with 1..40 routes, padded planes): the op's accumulated result matches the float64
+    """Q8_0, Q4_K, Q6_K and MXFP4 weights (every projection, or mixed per projection) at
+    awkward sizes (d_model 3 tiles and d_ff 5 tiles, or for K-quants 1 and 2 super-blocks; 43
+    tokens, slots with 1..40 routes, padded planes): the op's accumulated result matches the float64
     reference of the same tiles (f32 products), or that reference with the int8 activation
     rounding applied (q8); with a NaN-poisoned plane padding and 1 and 2 threads giving the
     same bits."""

@@ -130,6 +130,74 @@ def test_gemm_kquant_tables_agree(fmt: str) -> None:
         assert T.rel_l2(y, base) <= 1e-6, simd
 
 
+MX = "mxfp4-t32r4"
+
+
+def _mx_case(t: int, n: int, kb: int, seed: int):
+    """Random valid MXFP4 blocks for W[n][32*kb] packed as mxfp4-t32r4, and activations."""
+    rng = np.random.default_rng(seed)
+    k = 32 * kb
+    buf = T.pack_mxfp4_t32r4(T.random_mxfp4_blocks(rng, n, k))
+    x = (rng.standard_normal((t, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    return x, buf
+
+
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
+@given(shape=shapes)
+def test_gemm_mxfp4_f32_matches_float64(simd: str, shape) -> None:
+    """MXFP4 tiles (any codes, subnormal scales included) with fp32 activations, awkward N
+    (padding rows) and K of 1..6 blocks, into a NaN-poisoned output: the float64 product of the
+    dequantized tiles, to fp32 rounding."""
+    t, n, kb, seed = shape
+    x, buf = _mx_case(t, n, kb, seed)
+    out = np.full((t, n), np.nan, dtype=np.float32)
+    with mode(simd=simd, act="f32"):
+        y = htp.gemm(x, buf, n, MX, out=out)
+    assert y is out
+    mag = T.ref_gemm_magnitude(x, buf, n, MX)
+    assert T.rel_l2_floored(y, T.ref_gemm(x, buf, n, MX), mag, x.shape[1]) <= F32_TOL
+
+
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
+@given(shape=shapes)
+def test_gemm_mxfp4_q8_matches_float64(simd: str, shape) -> None:
+    """MXFP4 tiles with int8 activations (per 32-block): the float64 product of the dequantized
+    tiles with the same int8-rounded activations, to fp32 rounding; 1 and 2 threads give the
+    same bits."""
+    t, n, kb, seed = shape
+    x, buf = _mx_case(t, n, kb, seed)
+    ys = []
+    for th in (1, 2):
+        out = np.full((t, n), np.nan, dtype=np.float32)
+        with mode(simd=simd, act="q8", threads=th):
+            ys.append(htp.gemm(x, buf, n, MX, out=out))
+    assert np.array_equal(ys[0], ys[1])
+    xq = T.ref_q8_activations(x)
+    mag = T.ref_gemm_magnitude(xq, buf, n, MX)
+    assert T.rel_l2_floored(ys[0], T.ref_gemm(xq, buf, n, MX), mag, x.shape[1]) <= Q8_EXACT_TOL
+
+
+def test_gemm_mxfp4_tables_give_portable_bits() -> None:
+    """Every kernel table this CPU runs gives the portable table's MXFP4 x Q8 results bit for
+    bit: the integer block sums are exact and every kernel keeps the portable epilogue (the
+    product (float)dot x (scale x da), then the sum, no fused multiply-add). Codes of every
+    value (the table lookups) and activations near +-127 (the widest pair sums) included."""
+    rng = np.random.default_rng(5)
+    blocks = T.random_mxfp4_blocks(rng, 70, 224)
+    blocks[:4, :, 1:] = np.array([0x77, 0xFF, 0x7F, 0xF7], np.uint8)[:, None, None]  # +-6
+    buf = T.pack_mxfp4_t32r4(blocks)
+    x = rng.standard_normal((29, 224)).astype(np.float32)
+    x[:3, ::2] = 50.0  # blocks of +-amax: every activation +-127 after quantization
+    x[1] *= -1
+    with mode(simd="portable", act="q8", threads=1):
+        base = htp.gemm(x, buf, 70, MX)
+    assert np.isfinite(base).all()
+    for simd in LEVELS:
+        with mode(simd=simd, act="q8"):
+            y = htp.gemm(x, buf, 70, MX)
+        assert np.array_equal(y.view(np.uint32), base.view(np.uint32)), simd
+
+
 @pytest.mark.parametrize("act", ["f32", "q8"])
 def test_gemm_paths_and_thread_counts_agree(act: str) -> None:
     x, buf = _case(37, 133, 8, 7, "q4_0-t32r4")

@@ -117,6 +117,33 @@ def test_gemm_kquant_bit_exact(
     assert T.rel_l2_floored(b, T.ref_gemm(xr, buf, n, fmt), mag, k) < 1e-5
 
 
+@settings(max_examples=4 * _X)
+@given(
+    n=st.integers(1, 40),
+    t=st.integers(1, 6),
+    kb=st.integers(1, 3),
+    act=st.sampled_from(["q8", "f32"]),
+    seed=st.integers(0, 2**16),
+)
+def test_gemm_mxfp4_bit_exact(
+    host: htp.Backend, hexagon: htp.Backend, n: int, t: int, kb: int, act: str, seed: int
+) -> None:
+    """MXFP4 tiles (any codes, subnormal scales in some blocks, padding rows): the executor's
+    GEMM gives the host's bits (the host's SIMD kernel keeps the portable epilogue), and the
+    float64 reference of the tiles (with the int8-rounded activations on the q8 path) to fp32
+    rounding."""
+    rng = np.random.default_rng(seed)
+    k = 32 * kb
+    buf = T.pack_mxfp4_t32r4(T.random_mxfp4_blocks(rng, n, k))
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    a = htp.gemm(x, buf, n, "mxfp4-t32r4", out=_nan((t, n)), act=act, backend=host)
+    b = htp.gemm(x, buf, n, "mxfp4-t32r4", out=_nan((t, n)), act=act, backend=hexagon)
+    assert _same(a, b)
+    xr = x if act == "f32" else T.ref_q8_activations(x)
+    mag = T.ref_gemm_magnitude(xr, buf, n, "mxfp4-t32r4")
+    assert T.rel_l2_floored(b, T.ref_gemm(xr, buf, n, "mxfp4-t32r4"), mag, k) < 1e-5
+
+
 @pytest.mark.parametrize("act", ["q8", "f32"])
 def test_gemm_shared_bit_exact(host: htp.Backend, hexagon: htp.Backend, act: str) -> None:
     """Three matrices sharing one input in one op (x quantized once in the DSP process)."""
@@ -201,6 +228,8 @@ def test_expert_op_bit_exact(
             ("q4_0-t32r4", "q4_0-t32r4", "q8_0-t32r4"),
             ("q4_k-t32r4", "q4_k-t32r4", "q6_k-t32r4"),
             ("q6_k-t32r4", "q4_k-t32r4", "q8_0-t32r4"),
+            ("mxfp4-t32r4",) * 3,
+            ("mxfp4-t32r4", "mxfp4-t32r4", "q6_k-t32r4"),
         ]
     ),
     act=st.sampled_from(["q8", "f32"]),
@@ -215,7 +244,7 @@ def test_expert_op_q8_0_and_kquant_weights_bit_exact(
     act: str,
     seed: int,
 ) -> None:
-    """Q8_0, Q4_K and Q6_K expert weights (all projections, or mixed as Q4_K_M mixes them):
+    """Q8_0, Q4_K, Q6_K and MXFP4 expert weights (all projections, or mixed as Q4_K_M mixes them):
     the executor gives the host's bits, and with f32 products the float64 reference within
     1e-5."""
     rng = np.random.default_rng(seed)
@@ -325,6 +354,7 @@ def test_small_ops(host: htp.Backend, hexagon: htp.Backend) -> None:
     for fmt, tab in (
         ("q4_k-t32r4", T.pack_q4_k_t32r4(T.random_q4_k_blocks(krng, 50, 256))),
         ("q6_k-t32r4", T.pack_q6_k_t32r4(T.random_q6_k_blocks(krng, 50, 256))),
+        ("mxfp4-t32r4", T.pack_mxfp4_t32r4(T.random_mxfp4_blocks(krng, 50, 256))),
     ):
         ra, rb = both(htp.get_rows, tab, fmt, 50, 256, ids)
         assert _same(ra, rb) and np.isfinite(rb).all()

@@ -458,6 +458,20 @@ def test_get_rows_kquant(fmt: str, n: int, sb: int, t: int, seed: int) -> None:
     assert np.array_equal(got, T.dequantize_tiles(table, fmt, n, k)[ids])
 
 
+@given(n=st.integers(1, 70), kb=st.integers(1, 5), t=st.integers(1, 10), seed=st.integers(0, 99))
+def test_get_rows_mxfp4(n: int, kb: int, t: int, seed: int) -> None:
+    """Embedding rows of an MXFP4 table (awkward row counts: padding rows; subnormal scales in
+    some blocks) are the tiles' dequantized values bit for bit (code value x 2^(e-128))."""
+    rng = np.random.default_rng(seed)
+    k = 32 * kb
+    table = T.pack_mxfp4_t32r4(T.random_mxfp4_blocks(rng, n, k))
+    ids = rng.integers(0, n, t).astype(np.int32)
+    out = np.full((t, k), np.nan, np.float32)
+    got = htp.get_rows(table, "mxfp4-t32r4", n, k, ids, out)
+    want = T.dequantize_tiles(table, "mxfp4-t32r4", n, k)[ids]
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_small_ops_reject_bad_input() -> None:
     x = np.zeros((3, 8), np.float32)
     with pytest.raises(htp.HTPInputError, match="shape"):

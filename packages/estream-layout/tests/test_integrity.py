@@ -455,6 +455,33 @@ def test_nan_and_inf_source_weights_are_refused(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
 
 
+def test_mxfp4_exponents_that_overflow_are_refused(tmp_path: Path) -> None:
+    """MXFP4 experts with an E8M0 exponent above 252 (from 253 values overflow float32, 255 is
+    OCP's NaN) are refused by tensor and expert, whatever the codes; exponent 252 with the
+    largest code (6 x 2^125, finite) packs and verifies."""
+    src = synth_model("qwen3moe", "tiny", tmp_path / "m.gguf", expert_type="MXFP4")
+
+    def blocks(e: int, code: int, offset: int):  # type: ignore[no-untyped-def]
+        def edit(a: np.ndarray) -> None:
+            b = a.reshape(-1).view(np.uint8)
+            b[offset] = e
+            b[offset + 1 : offset + 17] = code
+
+        return edit
+
+    ok = mutate_gguf(src, tmp_path / "ok.gguf", edit_tensor={
+        "blk.0.ffn_gate_exps.weight": blocks(252, 0x77, 0)})  # fmt: skip
+    m = pack_model(ok, tmp_path / "ok.estream", progress=False)
+    assert verify_pack(m.root).ok
+    expert = 64 * (17 * 64 // 32)  # bytes of one tiny qwen3moe up expert (64 rows of d = 64)
+    for e, code in ((253, 0x11), (255, 0x00)):
+        bad = mutate_gguf(src, tmp_path / "bad.gguf", edit_tensor={
+            "blk.1.ffn_up_exps.weight": blocks(e, code, expert * 3 + 34 * 5)})  # fmt: skip
+        with pytest.raises(NonFiniteWeightsError, match=r"blk\.1\.ffn_up_exps.*expert 3"):
+            pack_model(bad, tmp_path / "bad.estream", progress=False)
+        assert not (tmp_path / "bad.estream").exists()
+
+
 A = "olmoe."
 
 

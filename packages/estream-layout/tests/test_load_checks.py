@@ -240,6 +240,28 @@ def test_nan_expert_scales_of_every_tile_format_fail_verify(
     assert len(report.problems) == 1 and "block scales in up;" in report.problems[0]
 
 
+@pytest.mark.parametrize("exponent", [253, 255])
+def test_overflowing_mxfp4_exponent_fails_verify(tmp_path: Path, exponent: int) -> None:
+    """An mxfp4-t32r4 expert tile's E8M0 exponent byte (row 31's, the header's last) set above
+    252 (values overflow float32, or OCP's NaN), its record's crc32 recomputed, fails --verify
+    naming the projection; the untouched pack verifies."""
+    src = synth_model("qwen3moe", "tiny", tmp_path / "m.gguf", expert_type="MXFP4")
+    root = pack_model(src, tmp_path / "m.estream", progress=False).root
+    assert verify_pack(root).ok
+    m = Manifest.from_path(root)
+    la, pos = m.layers[1], 2
+    p = la.projections["down"]
+    assert p.format == "mxfp4-t32r4"
+    data = bytearray((root / "experts.bin").read_bytes())
+    start = la.record_offset(pos)
+    data[start + p.offset_in_record + 544 + 31] = exponent  # the second tile, row 31
+    (root / "experts.bin").write_bytes(bytes(data))
+    crc = zlib.crc32(data[start : start + la.record_bytes])
+    _edit_manifest(root, lambda d: d["layers"][1]["checksums"].__setitem__(pos, crc))
+    report = verify_pack(root)
+    assert len(report.problems) == 1 and "block scales in down;" in report.problems[0]
+
+
 @pytest.mark.parametrize("at", [0, 64], ids=["d", "dmin"])
 def test_nan_in_k_quant_dense_scales_fails_verify_like_a_load(tmp_path: Path, at: int) -> None:
     """A q4_k-t32r4 dense tensor's `d` or `dmin` set to NaN (crc32 recomputed): the load's

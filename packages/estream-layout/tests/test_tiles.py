@@ -9,7 +9,13 @@ from hypothesis import strategies as st
 
 from estream_layout import dequantize_tiles, pack_tiles, tile_nbytes, unpack_tiles
 from estream_layout.testing import block_matrices, q4_0_blocks
-from estream_layout.tiles import dequantize_blocks, pad_rows, quantize_q4_0, quantize_q8_0
+from estream_layout.tiles import (
+    dequantize_blocks,
+    pad_rows,
+    quantize_mxfp4,
+    quantize_q4_0,
+    quantize_q8_0,
+)
 
 FMTS = {"q4_0-t32r4": (18, 4, 576, 0x88), "q8_0-t32r4": (34, 8, 1088, 0x00)}
 
@@ -277,3 +283,71 @@ def test_kquant_needs_whole_super_blocks() -> None:
         tile_nbytes(32, 128, "q4_k-t32r4")
     with pytest.raises(ValueError, match="multiple of 256"):
         unpack_tiles(np.zeros(704 * 4, np.uint8), 32, 128, "q6_k-t32r4")
+
+
+# ------------------------------------------------------------------ MXFP4 tiles
+@given(n=st.integers(1, 70), kb=st.integers(1, 5), batch=st.integers(0, 2), seed=st.integers(0, 99))
+def test_mxfp4_tiles_roundtrip_and_dequantize_like_gguf(n, kb, batch, seed) -> None:
+    """MXFP4 blocks of any bytes (every exponent 0..255, every code; any N with padding rows,
+    batches) re-laid as tiles: unpacking gives the source bytes back, and the tiles' values are
+    gguf-py's dequantization of the source tensor (llama.cpp's rule) bit for bit."""
+    rng = np.random.default_rng(seed)
+    k = 32 * kb
+    shape = (batch, n, kb * 17) if batch else (n, kb * 17)
+    rows = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    buf = pack_tiles(rows, "mxfp4-t32r4")
+    assert buf.shape == (*shape[:-2], tile_nbytes(n, k, "mxfp4-t32r4"))
+    assert tile_nbytes(n, k, "mxfp4-t32r4") == -(-n // 32) * kb * 544
+    assert np.array_equal(unpack_tiles(buf.reshape(-1), n, k, "mxfp4-t32r4").reshape(shape), rows)
+    for i in range(max(batch, 1)):
+        one, src = (buf[i], rows[i]) if batch else (buf, rows)
+        with np.errstate(over="ignore"):  # exponents >= 253 overflow float32 (both sides)
+            want = gguf_quants.dequantize(src, GGMLQuantizationType.MXFP4).astype(np.float32)
+        got = dequantize_tiles(one, n, k, "mxfp4-t32r4")
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_golden_mxfp4_tile_bytes() -> None:
+    """One MXFP4 row of two blocks: tile j holds the block's exponent byte at 0 (padding rows
+    0), then the 16 code bytes in Q4_0's group order (byte i of row 0 at 32 + 128 (i // 4) +
+    i % 4, padding rows' bytes 0)."""
+    blk = np.zeros(34, np.uint8)
+    blk[0], blk[17] = 130, 7
+    blk[1:17] = np.arange(16, dtype=np.uint8) * 17  # byte i: code i in both nibbles
+    blk[18:34] = 255 - np.arange(16, dtype=np.uint8)
+    buf = pack_tiles(blk.reshape(1, -1), "mxfp4-t32r4")
+    assert buf.size == 2 * 544
+    for j, e in enumerate((130, 7)):
+        t = buf[544 * j : 544 * (j + 1)]
+        assert t[0] == e and not t[1:32].any()
+        for i in range(16):
+            assert t[32 + 128 * (i // 4) + i % 4] == blk[17 * j + 1 + i]
+            assert not t[32 + 128 * (i // 4) + 4 : 32 + 128 * (i // 4) + 128].any()
+    assert np.array_equal(unpack_tiles(buf, 1, 64, "mxfp4-t32r4")[0], blk)
+    w = dequantize_tiles(buf, 1, 64, "mxfp4-t32r4")[0]
+    # block 0: scale 2^(130-127) = 8, element i and i + 16 hold code i, E2M1 value kv[i] / 2
+    kv = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
+    assert w[:16].tolist() == [8 * v for v in kv] and w[16:32].tolist() == w[:16].tolist()
+
+
+@given(n=st.integers(1, 9), kb=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
+def test_quantize_mxfp4_covers_block_and_rounds_to_nearest(n, kb, seed) -> None:
+    """The MXFP4 quantizer's exponent is the smallest whose largest value (6 x 2^(e-127))
+    covers the block's largest magnitude, and every element goes to the nearest of the 15
+    values that exponent offers (blocks of zeros give zeros)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, 32 * kb)) * rng.uniform(1e-4, 1e3, (n, 1))).astype(np.float32)
+    w[0, :32] = 0.0
+    b = quantize_mxfp4(w).reshape(n, kb, 17)
+    got = dequantize_blocks(b.reshape(n, -1), "mxfp4-t32r4").astype(np.float64)
+    scale = np.exp2(b[..., 0].astype(np.float64) - 127)  # [n, kb]
+    blocks = w.reshape(n, kb, 32).astype(np.float64)
+    amax = np.abs(blocks).max(axis=-1)
+    assert np.all(amax <= 6 * scale)
+    nonzero = amax > 0
+    assert np.all(amax[nonzero] > 3 * scale[nonzero])  # one exponent less would not cover it
+    assert not got[0, :32].any()
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    cand = np.concatenate([grid, -grid])[None, None, None, :] * scale[..., None, None]
+    best = np.abs(blocks[..., None] - cand).min(axis=-1)
+    assert np.array_equal(np.abs(blocks - got.reshape(n, kb, 32)), best)

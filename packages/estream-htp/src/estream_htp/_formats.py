@@ -4,6 +4,8 @@ GGML block layouts used as the "source" form:
 * Q4_0 block (18 B): fp16 scale ``d``, then 16 bytes ``qs``; element ``j`` (0..15) is the low
   nibble of ``qs[j]`` and element ``j+16`` its high nibble; value = ``d * (nibble - 8)``.
 * Q8_0 block (34 B): fp16 scale ``d``, then 32 int8; value = ``d * q``.
+* MXFP4 block (17 B): one E8M0 exponent byte ``e``, then 16 bytes of 4-bit FP4 (E2M1) codes in
+  Q4_0's nibble order; value = ``kv[code] * 2^(e - 128)`` with ``kv`` the doubled E2M1 values.
 
 Tile formats: ``W[N][K]`` in 32x32 tiles, output-tile major; a tile is 32 fp16 scales (row order)
 then groups of 128 B holding, for rows 0..31 in order, 4 consecutive ``qs`` bytes of that row.
@@ -15,22 +17,27 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "MXFP4_TILE_BYTES",
     "Q4_0_TILE_BYTES",
     "Q8_0_TILE_BYTES",
     "TILE_FORMATS",
     "FormatError",
+    "dequantize_mxfp4",
     "dequantize_q4_0",
     "dequantize_q4_k",
     "dequantize_q6_k",
     "dequantize_q8_0",
     "dequantize_tiles",
     "matrix_nbytes",
+    "pack_mxfp4_t32r4",
     "pack_q4_0_t32r4",
     "pack_q4_k_t32r4",
     "pack_q6_k_t32r4",
     "pack_q8_0_t32r4",
+    "quantize_mxfp4",
     "quantize_q4_0",
     "quantize_q8_0",
+    "unpack_mxfp4_t32r4",
     "unpack_q4_0_t32r4",
     "unpack_q4_k_t32r4",
     "unpack_q6_k_t32r4",
@@ -41,11 +48,13 @@ Q4_0_TILE_BYTES = 576
 Q8_0_TILE_BYTES = 1088
 Q4_K_TILE_BYTES = 704
 Q6_K_TILE_BYTES = 1152
+MXFP4_TILE_BYTES = 544
 TILE_FORMATS = {
     "q4_0-t32r4": Q4_0_TILE_BYTES,
     "q8_0-t32r4": Q8_0_TILE_BYTES,
     "q4_k-t32r4": Q4_K_TILE_BYTES,
     "q6_k-t32r4": Q6_K_TILE_BYTES,
+    "mxfp4-t32r4": MXFP4_TILE_BYTES,
 }
 QK_K = 256  # values of a K-quant super-block
 Q4_K_BLOCK_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
@@ -357,6 +366,67 @@ def dequantize_q6_k(blocks: npt.ArrayLike) -> npt.NDArray[np.float32]:
     return (s[..., None] * qv).reshape(b.shape[0], -1)
 
 
+# ---------------------------------------------------------------- MXFP4 tiles
+# mxfp4-t32r4 (544 B): the 32 rows' E8M0 exponent bytes (row r at r), then the codes of each row
+# in 4 groups of 128 B exactly as q4_0-t32r4 lays its nibbles (byte 4g+b of row r at
+# 32 + 128g + 4r + b). Padding rows are all zero (exponent 0, codes 0: value 0).
+MXFP4_KV = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def _e8m0_half(e: npt.NDArray[np.uint8]) -> npt.NDArray[np.float32]:
+    """2^(e - 128) as float32, exactly (e = 0 and 1 give subnormals)."""
+    e32 = e.astype(np.uint32)
+    small = np.left_shift(np.uint32(1), e32 + np.uint32(21), dtype=np.uint32)
+    big = np.left_shift(np.maximum(e32, 1) - np.uint32(1), np.uint32(23), dtype=np.uint32)
+    return np.where(e32 < 2, small, big).astype(np.uint32).view(np.float32)
+
+
+def quantize_mxfp4(w: npt.ArrayLike) -> npt.NDArray[np.uint8]:
+    """MXFP4 blocks ``uint8[N, K/32, 17]`` of ``w[N, K]``: per block the exponent whose largest
+    value (6 x 2^(e-127)) is the first to cover the block's largest magnitude, then each element
+    to its nearest E2M1 value (ties to the smaller magnitude)."""
+    x = _check_matrix(w).astype(np.float64)
+    n, k = x.shape
+    b = x.reshape(n, k // 32, 32)
+    amax = np.abs(b).max(axis=2)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.ceil(np.log2(amax / 6.0)) + 127, 0)
+    e = np.clip(e, 0, 254).astype(np.uint8)
+    half = _e8m0_half(e).astype(np.float64)
+    mags = np.array([0, 1, 2, 3, 4, 6, 8, 12], np.float64)
+    rel = np.abs(b) / np.where(half > 0, half, 1.0)[..., None]
+    code = np.abs(rel[..., None] - mags).argmin(axis=3).astype(np.uint8)
+    code |= np.where((b < 0) & (code > 0), 8, 0).astype(np.uint8)
+    out = np.empty((n, k // 32, 17), dtype=np.uint8)
+    out[..., 0] = e
+    out[..., 1:] = code[..., :16] | (code[..., 16:] << 4)
+    return out
+
+
+def dequantize_mxfp4(blocks: npt.ArrayLike) -> npt.NDArray[np.float32]:
+    """MXFP4 blocks ``uint8[N, K/32, 17]`` -> ``float32[N, K]`` (exact: llama.cpp's values)."""
+    b = _blocks(blocks, 17)
+    qs = b[..., 1:]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=2)
+    with np.errstate(over="ignore"):
+        v = MXFP4_KV[codes].astype(np.float32) * _e8m0_half(b[..., 0])[..., None]
+    return v.reshape(b.shape[0], -1)
+
+
+def pack_mxfp4_t32r4(w: npt.ArrayLike) -> npt.NDArray[np.uint8]:
+    """Pack into ``mxfp4-t32r4``: float ``[N, K]`` (quantized with :func:`quantize_mxfp4`) or
+    MXFP4 blocks ``uint8[N, K/32, 17]`` / ``[N, K/32*17]`` (re-laid losslessly)."""
+    a = np.asarray(w)
+    b = _blocks(a, 17) if a.dtype == np.uint8 else quantize_mxfp4(a)
+    return _pack_fields([b[..., :1], b[..., 1:]], [0, 0])
+
+
+def unpack_mxfp4_t32r4(buf: npt.ArrayLike, n: int, k: int) -> npt.NDArray[np.uint8]:
+    """Inverse of :func:`pack_mxfp4_t32r4`: MXFP4 blocks ``uint8[n, k/32, 17]``."""
+    e, qs = _unpack_fields(buf, n, k, [1, 16], "mxfp4-t32r4")
+    return np.concatenate([e, qs], axis=2)
+
+
 def dequantize_tiles(buf: npt.ArrayLike, fmt: str, n: int, k: int) -> npt.NDArray[np.float32]:
     """``float32[n, k]`` values of a tile-format matrix (padding rows dropped)."""
     if fmt == "q4_0-t32r4":
@@ -367,4 +437,6 @@ def dequantize_tiles(buf: npt.ArrayLike, fmt: str, n: int, k: int) -> npt.NDArra
         return dequantize_q4_k(unpack_q4_k_t32r4(buf, n, k))
     if fmt == "q6_k-t32r4":
         return dequantize_q6_k(unpack_q6_k_t32r4(buf, n, k))
+    if fmt == "mxfp4-t32r4":
+        return dequantize_mxfp4(unpack_mxfp4_t32r4(buf, n, k))
     raise FormatError(f"unknown tile format {fmt!r}; expected one of {sorted(TILE_FORMATS)}")

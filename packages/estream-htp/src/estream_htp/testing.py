@@ -9,32 +9,40 @@ import numpy as np
 import numpy.typing as npt
 
 from estream_htp._formats import (
+    dequantize_mxfp4,
     dequantize_q4_0,
     dequantize_q8_0,
     dequantize_tiles,
     matrix_nbytes,
+    pack_mxfp4_t32r4,
     pack_q4_0_t32r4,
     pack_q4_k_t32r4,
     pack_q6_k_t32r4,
     pack_q8_0_t32r4,
+    quantize_mxfp4,
     quantize_q4_0,
     quantize_q8_0,
+    unpack_mxfp4_t32r4,
     unpack_q4_0_t32r4,
     unpack_q8_0_t32r4,
 )
 
 __all__ = [
+    "dequantize_mxfp4",
     "dequantize_q4_0",
     "dequantize_q8_0",
     "dequantize_tiles",
     "matrix_nbytes",
+    "pack_mxfp4_t32r4",
     "pack_q4_0_t32r4",
     "pack_q4_k_t32r4",
     "pack_q6_k_t32r4",
     "pack_q8_0_t32r4",
+    "quantize_mxfp4",
     "quantize_q4_0",
     "quantize_q8_0",
     "random_experts",
+    "random_mxfp4_blocks",
     "random_q4_0_blocks",
     "random_q4_k_blocks",
     "random_q6_k_blocks",
@@ -50,6 +58,7 @@ __all__ = [
     "ref_router_topk",
     "rel_l2",
     "rel_l2_floored",
+    "unpack_mxfp4_t32r4",
     "unpack_q4_0_t32r4",
     "unpack_q8_0_t32r4",
 ]
@@ -130,7 +139,19 @@ def random_q6_k_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[
     return b
 
 
+def random_mxfp4_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[np.uint8]:
+    """Random valid MXFP4 blocks ``uint8[n, k/32, 17]``: exponents 2^-12..2^-1 per block (and the
+    subnormal scales of exponents 0 and 1 in some blocks), any codes."""
+    b = rng.integers(0, 256, size=(n, k // 32, 17), dtype=np.uint8)
+    e = rng.integers(115, 127, size=(n, k // 32))
+    e[rng.random((n, k // 32)) < 0.05] = rng.integers(0, 2)
+    b[..., 0] = e
+    return b
+
+
 def _random_tiles(rng: np.random.Generator, fmt: str, n: int, k: int) -> npt.NDArray[np.uint8]:
+    if fmt == "mxfp4-t32r4":
+        return pack_mxfp4_t32r4(random_mxfp4_blocks(rng, n, k))
     if fmt == "q4_k-t32r4":
         return pack_q4_k_t32r4(random_q4_k_blocks(rng, n, k))
     if fmt == "q6_k-t32r4":

@@ -73,7 +73,14 @@ from .manifest import (
     dense_nbytes,
     read_manifest_doc,
 )
-from .tiles import TILE, pack_tiles, quantize_q4_0, quantize_q8_0, tile_nbytes
+from .tiles import (
+    MXFP4_MAX_EXPONENT,
+    TILE,
+    pack_tiles,
+    quantize_q4_0,
+    quantize_q8_0,
+    tile_nbytes,
+)
 
 __all__ = [
     "DENSE_FILE",
@@ -93,6 +100,7 @@ _QUANT_PASSTHROUGH: Final = {
     GGMLQuantizationType.Q8_0: "q8_0-t32r4",
     GGMLQuantizationType.Q4_K: "q4_k-t32r4",
     GGMLQuantizationType.Q6_K: "q6_k-t32r4",
+    GGMLQuantizationType.MXFP4: "mxfp4-t32r4",
 }
 _FLOAT_TYPES: Final = {
     GGMLQuantizationType.F32,
@@ -111,8 +119,8 @@ def dense_format(info: TensorInfo) -> str:
 
     * 1-D tensors, routers (`ffn_gate_inp`), and float matrices whose row length is not a
       multiple of 32 (e.g. lfm2's short-convolution kernels) -> `f32`;
-    * Q4_0, Q8_0, Q4_K, Q6_K matrices -> `q4_0-t32r4`, `q8_0-t32r4`, `q4_k-t32r4`,
-      `q6_k-t32r4` (lossless);
+    * Q4_0, Q8_0, Q4_K, Q6_K, MXFP4 matrices -> `q4_0-t32r4`, `q8_0-t32r4`, `q4_k-t32r4`,
+      `q6_k-t32r4`, `mxfp4-t32r4` (lossless);
     * other matrices (F16/BF16/F32, other quantized types ...) -> dequantized, re-quantized to
       Q8_0 -> `q8_0-t32r4` (one rounding step; none for F16/BF16 beyond Q8_0's).
     """
@@ -147,10 +155,13 @@ _BLOCK_BYTES: Final = {
 
 def _check_finite(info: TensorInfo, what: str, values: Any = None, raw: Any = None) -> None:
     """Refuse NaN/Inf source weights: a float tensor's values, or the fp16 block scales of raw
-    Q4_0/Q8_0/Q4_K/Q6_K rows (their only floating-point part). A NaN weight would otherwise
-    pack, load and silently poison every activation that meets it."""
+    Q4_0/Q8_0/Q4_K/Q6_K rows (their only floating-point part), or the E8M0 exponents of MXFP4
+    rows (above `MXFP4_MAX_EXPONENT` a block's values overflow float32 or are NaN). A NaN
+    weight would otherwise pack, load and silently poison every activation that meets it."""
     if values is not None:
         bad = ~np.isfinite(values)
+    elif info.qtype == GGMLQuantizationType.MXFP4:
+        bad = raw.reshape(-1, 17)[:, 0] > MXFP4_MAX_EXPONENT
     else:
         bb, offsets = _BLOCK_BYTES[info.qtype]
         blocks = raw.reshape(-1, bb)
@@ -571,6 +582,7 @@ EXPERT_TILE_FORMATS: Final = {
     "Q8_0": "q8_0-t32r4",
     "Q4_K": "q4_k-t32r4",
     "Q6_K": "q6_k-t32r4",
+    "MXFP4": "mxfp4-t32r4",
 }
 
 

@@ -31,6 +31,7 @@ from .errors import InvalidArgumentError, InvalidGGUFError
 from .families import BASE_PRESETS, BY_FAMILY, RECORDS, Plan, PlannedTensor
 from .gguf_model import _open_header
 from .pack import _Progress
+from .tiles import quantize_mxfp4
 
 __all__ = [
     "ARCHES",
@@ -63,6 +64,7 @@ F32: Final = GGMLQuantizationType.F32
 F16: Final = GGMLQuantizationType.F16
 Q4_K: Final = GGMLQuantizationType.Q4_K
 Q6_K: Final = GGMLQuantizationType.Q6_K
+MXFP4: Final = GGMLQuantizationType.MXFP4
 
 
 @attrs.frozen
@@ -365,6 +367,20 @@ def _random_q6_k(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
+def _random_mxfp4(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
+    """MXFP4 blocks (17 B: E8M0 exponent, 16 B of FP4 codes) of random weights with element RMS
+    ~gain/sqrt(K), through this package's own quantizer (`tiles.quantize_mxfp4`), a few rows at
+    a time."""
+    k = t.shape[-1]
+    out = np.empty((rows, k // 32 * 17), dtype=np.uint8)
+    step = max(1, (1 << 18) // k)
+    for r0 in range(0, rows, step):
+        n = min(step, rows - r0)
+        w = rng.standard_normal((n, k)) * (t.gain / np.sqrt(k))
+        out[r0 : r0 + n] = quantize_mxfp4(w.astype(np.float32))
+    return out
+
+
 def _tensor_data(
     t: _T, rng: np.random.Generator, hot: np.ndarray | None, u: np.ndarray
 ) -> np.ndarray:
@@ -389,6 +405,8 @@ def _tensor_data(
         return _random_q4_k(rng, t, rows)
     if t.qtype == Q6_K:
         return _random_q6_k(rng, t, rows)
+    if t.qtype == MXFP4:
+        return _random_mxfp4(rng, t, rows)
     w = (rng.standard_normal(t.shape) * (t.gain / np.sqrt(k))).astype(np.float32)
     if t.qtype == F16:
         return w.astype(np.float16)

@@ -1,8 +1,9 @@
-"""Tile-major weight formats `q4_0-t32r4` and `q8_0-t32r4` (docs/design.md §4, docs/format.md).
+"""Tile-major weight formats `q4_0-t32r4`, `q8_0-t32r4`, `mxfp4-t32r4` and the K-quant ones
+(docs/design.md §4, docs/format.md).
 
 A matrix `W[N][K]` stored as GGML blocks (one block = 32 consecutive elements of a row: an fp16
 scale then the quants) is cut into 32x32 tiles, output-tile major, reduction-tile minor. A tile
-holds the 32 row scales (64 B) and then the quants of its 32 rows interleaved in 4-byte pieces:
+holds the 32 row scales (64 B; MXFP4's one-byte E8M0 exponents: 32 B) and then the quants of its 32 rows interleaved in 4-byte pieces:
 group `g` (128 B) = bytes `4g..4g+3` of each row's quants, rows 0..31 in order. One group is one
 HVX vector / two AVX-512 registers whose 32-bit lanes are rows.
 
@@ -21,6 +22,9 @@ from gguf import quants as gguf_quants
 
 __all__ = [
     "FORMATS",
+    "MXFP4_KVALUES",
+    "MXFP4_MAX_EXPONENT",
+    "MXFP4_T32R4",
     "Q4_0_T32R4",
     "Q4_K_T32R4",
     "Q6_K_T32R4",
@@ -29,8 +33,10 @@ __all__ = [
     "TileFormat",
     "dequantize_blocks",
     "dequantize_tiles",
+    "e8m0_to_fp32_half",
     "pack_tiles",
     "pad_rows",
+    "quantize_mxfp4",
     "quantize_q4_0",
     "quantize_q8_0",
     "tile_format",
@@ -52,6 +58,7 @@ class TileFormat:
     pad_quant_byte: int  # quant byte of a padding row (its scale is 0)
     header_bytes: int = 2 * TILE  # per-row scales before the groups (32 rows' worth)
     block_elems: int = TILE  # elements of one GGML block (256 for K-quant super-blocks)
+    scale_bytes: int = 2  # bytes of a block's scale (fp16; MXFP4's E8M0 exponent: 1)
 
     @property
     def tile_bytes(self) -> int:
@@ -59,7 +66,7 @@ class TileFormat:
 
     @property
     def quant_bytes(self) -> int:
-        return self.block_bytes - 2
+        return self.block_bytes - self.scale_bytes
 
 
 Q4_0_T32R4: Final = TileFormat("q4_0-t32r4", GGMLQuantizationType.Q4_0, 18, 4, 0x88)
@@ -73,7 +80,20 @@ Q4_K_T32R4: Final = TileFormat(
 Q6_K_T32R4: Final = TileFormat(
     "q6_k-t32r4", GGMLQuantizationType.Q6_K, 210, 8, 0, header_bytes=4 * TILE, block_elems=256
 )
-FORMATS: Final = {f.name: f for f in (Q4_0_T32R4, Q8_0_T32R4, Q4_K_T32R4, Q6_K_T32R4)}
+# MXFP4 (OCP microscaling, gpt-oss's experts): a 17-byte block of 32 = one E8M0 exponent byte,
+# then 16 bytes of FP4 E2M1 codes in Q4_0's nibble order; the tile holds the 32 exponent bytes
+# then the nibbles exactly as Q4_0 tiles do (docs/format.md §1).
+MXFP4_T32R4: Final = TileFormat(
+    "mxfp4-t32r4", GGMLQuantizationType.MXFP4, 17, 4, 0x00, header_bytes=TILE, scale_bytes=1
+)
+FORMATS: Final = {f.name: f for f in (Q4_0_T32R4, Q8_0_T32R4, Q4_K_T32R4, Q6_K_T32R4, MXFP4_T32R4)}
+# The E2M1 value of each 4-bit code, doubled (so they are integers): codes 0..7 are
+# 0, 0.5, 1, 1.5, 2, 3, 4, 6 and 8..15 their negatives. A block's value is code value x 2 x
+# 2^(e - 128), i.e. the doubled value times half the E8M0 scale 2^(e - 127).
+MXFP4_KVALUES: Final = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+# The largest E8M0 exponent a pack accepts: every value of its block is finite in float32
+# (at most 12 x 2^(252 - 128) = 1.5 x 2^127); from 253 values overflow, and 255 is OCP's NaN.
+MXFP4_MAX_EXPONENT: Final = 252
 
 
 def tile_format(fmt: str | TileFormat) -> TileFormat:
@@ -125,15 +145,16 @@ def pad_rows(rows: np.ndarray, fmt: str | TileFormat = "q4_0-t32r4") -> np.ndarr
     out = np.empty((*rows.shape[:-2], n_pad, rows.shape[-1]), dtype=np.uint8)
     out[..., :n, :] = rows
     blocks = out.reshape(*rows.shape[:-2], n_pad, -1, f.block_bytes)  # a view: out is contiguous
-    blocks[..., n:, :, :2] = 0
-    blocks[..., n:, :, 2:] = f.pad_quant_byte
+    blocks[..., n:, :, : f.scale_bytes] = 0
+    blocks[..., n:, :, f.scale_bytes :] = f.pad_quant_byte
     return out
 
 
 def _views(
     src_rows: np.ndarray, tiles: np.ndarray, f: TileFormat, n_tiles_total: int, kb: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Strided views pairing source block pieces with their places in the tile buffer.
+    """Strided views pairing source block pieces with their places in the tile buffer (the
+    scales are `scale_bytes` wide, the quant pieces 4 bytes).
 
     `src_rows` is `[n_tiles_total*32, kb*block_bytes]` contiguous uint8, `tiles` is
     `[n_tiles_total*kb*tile_bytes]` contiguous uint8. Returns (src_scales, dst_scales,
@@ -143,10 +164,11 @@ def _views(
     tb = f.tile_bytes
     g = f.n_groups
     sb = src_rows.reshape(-1)
-    # source: [tile i, block j, row r] scales (u2) and [i, j, group, r] quant pieces (u4)
+    sdt = "<u2" if f.scale_bytes == 2 else "u1"
+    # source: [tile i, block j, row r] scales (u2; u1) and [i, j, group, r] quant pieces (u4)
     src_s = np.ndarray(
         (n_tiles_total, kb, TILE),
-        dtype="<u2",
+        dtype=sdt,
         buffer=sb,
         offset=0,
         strides=(TILE * rb, f.block_bytes, rb),
@@ -155,18 +177,19 @@ def _views(
         (n_tiles_total, kb, g, TILE),
         dtype="<u4",
         buffer=sb,
-        offset=2,
+        offset=f.scale_bytes,
         strides=(TILE * rb, f.block_bytes, 4, rb),
     )
     tbuf = tiles.reshape(-1)
+    sbytes = f.scale_bytes
     dst_s = np.ndarray(
-        (n_tiles_total, kb, TILE), dtype="<u2", buffer=tbuf, offset=0, strides=(kb * tb, tb, 2)
+        (n_tiles_total, kb, TILE), dtype=sdt, buffer=tbuf, offset=0, strides=(kb * tb, tb, sbytes)
     )
     dst_q = np.ndarray(
         (n_tiles_total, kb, g, TILE),
         dtype="<u4",
         buffer=tbuf,
-        offset=2 * TILE,
+        offset=f.header_bytes,
         strides=(kb * tb, tb, 4 * TILE, 4),
     )
     return src_s, dst_s, src_q, dst_q
@@ -279,7 +302,7 @@ def pack_tiles(
     """Re-lay GGML blocks of `W[N][K]` (or a batch `[..., N, K]`) into tile-major bytes.
 
     `blocks` is uint8: `[..., N, K/32*block_bytes]` (as GGUF stores it), or flat bytes with
-    `n_rows`. Rows are padded to a multiple of 32 with (scale 0, quants 0x88/0) blocks.
+    `n_rows`. Rows are padded to a multiple of 32 with (scale 0, quants 0x88/0) blocks (value 0).
     Returns uint8 `[..., tile_nbytes(N, K)]` (1-D for a single matrix). Lossless:
     `unpack_tiles(pack_tiles(b), N, K) == b` bit for bit.
     """
@@ -354,13 +377,28 @@ def _scales(rows: np.ndarray, f: TileFormat) -> tuple[np.ndarray, np.ndarray]:
     return b, d
 
 
+def e8m0_to_fp32_half(e: np.ndarray) -> np.ndarray:
+    """Half the E8M0 scale, 2^(e - 128), as float32 (exact: subnormal for e = 0, 1), the
+    factor llama.cpp applies to the doubled E2M1 values."""
+    e = np.asarray(e, dtype=np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
 def dequantize_blocks(rows: np.ndarray, fmt: str | TileFormat = "q4_0-t32r4") -> np.ndarray:
-    """GGML block rows `[..., N, K/32*bs]` (Q4_0, Q8_0; Q4_K / Q6_K `[..., N, K/256*bs]`) ->
-    float32 `[..., N, K]` (exact; K-quants through gguf-py's dequantize, llama.cpp's rule)."""
+    """GGML block rows `[..., N, K/32*bs]` (Q4_0, Q8_0, MXFP4; Q4_K / Q6_K `[..., N, K/256*bs]`)
+    -> float32 `[..., N, K]` (exact; K-quants through gguf-py's dequantize, llama.cpp's rule)."""
     f = tile_format(fmt)
     if f.block_elems != TILE:
         w = gguf_quants.dequantize(np.ascontiguousarray(rows), f.ggml_type)
         return np.asarray(w, dtype=np.float32)
+    if f is MXFP4_T32R4:
+        b = rows.reshape(*rows.shape[:-1], -1, f.block_bytes)
+        qs = b[..., 1:]
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        with np.errstate(over="ignore"):  # exponents >= 253 overflow float32, as in llama.cpp
+            w = MXFP4_KVALUES[codes].astype(np.float32) * e8m0_to_fp32_half(b[..., 0])[..., None]
+        return w.reshape(*rows.shape[:-1], -1)
     b, d = _scales(rows, f)
     qs = b[..., 2:]
     if f is Q4_0_T32R4:
@@ -387,6 +425,33 @@ def quantize_q4_0(w: np.ndarray) -> np.ndarray:
     if w.shape[-1] % TILE:
         raise ValueError(f"K={w.shape[-1]} is not a multiple of {TILE}")
     return np.asarray(gguf_quants.quantize(w, GGMLQuantizationType.Q4_0), dtype=np.uint8)
+
+
+def quantize_mxfp4(w: np.ndarray) -> np.ndarray:
+    """float `[..., N, K]` -> GGML MXFP4 block rows `[..., N, K/32*17]`.
+
+    Per block of 32: the smallest exponent `e` whose largest value, 6 x 2^(e - 127), covers
+    the block's largest magnitude (no clipping; `e` = 0 for an all-zero block), then each
+    element's magnitude to the nearest E2M1 value (ties to the smaller one), with its sign."""
+    w = np.asarray(w, dtype=np.float32)
+    if w.shape[-1] % TILE:
+        raise ValueError(f"K={w.shape[-1]} is not a multiple of {TILE}")
+    if not np.isfinite(w).all():
+        raise ValueError("MXFP4 quantization needs finite weights")
+    b = w.reshape(*w.shape[:-1], -1, TILE).astype(np.float64)
+    amax = np.abs(b).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.ceil(np.log2(amax / 6.0)) + 127, 0)
+    e = np.clip(e, 0, 254).astype(np.uint8)
+    half = e8m0_to_fp32_half(e).astype(np.float64)
+    vals = MXFP4_KVALUES[:8].astype(np.float64)  # codes 0..7: the magnitudes
+    mag = np.abs(b) / np.where(half > 0, half, 1.0)[..., None]
+    code = np.abs(mag[..., None] - vals).argmin(axis=-1).astype(np.uint8)
+    code |= np.where((b < 0) & (code > 0), 8, 0).astype(np.uint8)
+    out = np.empty((*b.shape[:-1], 17), dtype=np.uint8)
+    out[..., 0] = e
+    out[..., 1:] = code[..., :16] | (code[..., 16:] << 4)
+    return out.reshape(*w.shape[:-1], -1)
 
 
 def quantize_q8_0(w: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ from .errors import ChecksumError
 from .gguf_model import EXPERT_PROJECTIONS, ModelSpec, TensorReader, dequantize_rows
 from .manifest import LayerEntry, Manifest
 from .pack import _QUANT_PASSTHROUGH, dense_format
-from .tiles import quantize_q4_0, quantize_q8_0, tile_format, unpack_tiles
+from .tiles import MXFP4_MAX_EXPONENT, quantize_q4_0, quantize_q8_0, tile_format, unpack_tiles
 
 __all__ = [
     "VerifyReport",
@@ -96,7 +96,7 @@ def nonfinite_dense(m: Manifest, blob: np.ndarray) -> list[str]:
     out = []
     for t in m.dense.values():
         buf = blob[t.offset : t.offset + t.bytes]
-        if not _finite(buf, _tile_bytes(t.format), _FP16_HEADER.get(t.format, 64)):
+        if not _finite(buf, _tile_bytes(t.format), t.format):
             out.append(_dense_nan_problem(m, t.name))
     return out
 
@@ -106,13 +106,17 @@ def _tile_bytes(fmt: str) -> int:
     return 0 if fmt == "f32" else tile_format(fmt).tile_bytes
 
 
-def _finite(buf: Any, tile: int, floats: int = 64) -> bool:
-    """Whether `buf` (whole tiles of `tile` bytes, or float32 values when `tile` is 0) holds
-    only finite weights: every f32 value, or the fp16 row scales in the first `floats` bytes of
-    every tile (32 `d`; q4_k-t32r4 has 32 `dmin` after them)."""
+def _finite(buf: Any, tile: int, fmt: str) -> bool:
+    """Whether `buf` (whole tiles of `tile` bytes of format `fmt`, or float32 values when `tile`
+    is 0) holds only finite weights: every f32 value, or the fp16 row scales at the start of
+    every tile (32 `d`; q4_k-t32r4 has 32 `dmin` after them), or for mxfp4-t32r4 the 32 E8M0
+    exponent bytes, each at most `MXFP4_MAX_EXPONENT`."""
     a = np.frombuffer(buf, dtype=np.uint8)
     if not tile:
         return bool(np.isfinite(a.view(np.float32)).all())
+    if fmt == "mxfp4-t32r4":
+        return bool((a.reshape(-1, tile)[:, :32] <= MXFP4_MAX_EXPONENT).all())
+    floats = _FP16_HEADER.get(fmt, 64)
     return bool(np.isfinite(a.reshape(-1, tile)[:, :floats].copy().view(np.float16)).all())
 
 
@@ -130,7 +134,7 @@ def nonfinite_record(m: Manifest, layer: LayerEntry, record: Any) -> list[str]:
     out = []
     for j, p in layer.projections.items():
         body = record[p.offset_in_record : p.offset_in_record + p.bytes]
-        if not _finite(body, tile_format(p.format).tile_bytes, _FP16_HEADER.get(p.format, 64)):
+        if not _finite(body, tile_format(p.format).tile_bytes, p.format):
             out.append(j)
     return out
 
@@ -161,8 +165,7 @@ def verify_checksums(m: Manifest, problems: list[str]) -> tuple[int, int]:
                 crc = zlib.crc32(chunk, crc)
                 left -= len(chunk)
                 finite = finite and (
-                    len(chunk) % (tile or 4) != 0
-                    or _finite(chunk, tile, _FP16_HEADER.get(t.format, 64))
+                    len(chunk) % (tile or 4) != 0 or _finite(chunk, tile, t.format)
                 )
             n_bytes += t.bytes
             if left or crc != t.crc32:
