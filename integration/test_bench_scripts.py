@@ -1,4 +1,5 @@
-"""The benchmark scripts that compare against outside programs, run against a stand-in."""
+"""The benchmark scripts on tiny inputs: those that compare against outside programs run
+against a stand-in."""
 
 from __future__ import annotations
 
@@ -90,3 +91,30 @@ def test_vs_llama_bench_refuses_a_missing_executable(tmp_path: Path) -> None:
         capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert done.returncode == 2 and "--llama-bench" in done.stderr
+
+
+def test_attention_precision_reports_both_products_per_activation_format(tmp_path: Path) -> None:
+    """attention_precision.py: per activation format, the engine's logit error against the
+    float64 reference with fp32 and bf16 attention; with f32 activations the fp32 path matches
+    the reference and bf16 products are measurably off it; the verdict follows the q8 ratios."""
+    out = tmp_path / "p.json"
+    script = ROOT / "integration" / "bench" / "attention_precision.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--archs", "olmoe", "--tokens", "24", "--prompts", "1",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(out.read_text())
+    rows = {r["act"]: r for r in doc["rows"]}
+    assert set(rows) == {"q8", "f32"} and all(r["arch"] == "olmoe" for r in doc["rows"])
+    assert rows["f32"]["err_f32_attention"] < 1e-5 < rows["f32"]["err_bf16_attention"]
+    for r in doc["rows"]:
+        assert r["ratio"] == r["err_bf16_attention"] / r["err_f32_attention"]
+    assert doc["bf16_default_ok"] == (rows["q8"]["ratio"] <= doc["limit"])
+    bad = subprocess.run(
+        [sys.executable, str(script), "--tokens", "0", "--out", str(tmp_path / "x.json")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--tokens and --prompts must be >= 1" in bad.stderr
+    assert not (tmp_path / "x.json").exists()
