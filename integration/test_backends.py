@@ -82,9 +82,10 @@ def test_executor_killed_during_prefill_is_a_clear_error_and_frees_every_bank(pa
                 os.kill(pid, signal.SIGKILL)
 
         eng.experts.on_group = kill_once
+        loader = eng.experts.loader  # the dead executor's source is closed, a new one started
         with pytest.raises(htp.ExecutorDiedError, match="killed by signal 9"):
             eng.prefill(toks)
-        res = eng.experts.loader._res
+        res = loader._res
         assert all(res.bank_state(b) != BankState.IN_USE for b in range(3))
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)

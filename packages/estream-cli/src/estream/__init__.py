@@ -21,6 +21,7 @@ from .engine import (
 from .errors import (
     BadRequestError,
     BudgetTooSmallError,
+    EngineClosedError,
     EStreamError,
     InsufficientMemoryError,
     NonFiniteError,
@@ -36,6 +37,7 @@ __all__ = [
     "BudgetTooSmallError",
     "EStreamError",
     "Engine",
+    "EngineClosedError",
     "EngineOptions",
     "InsufficientMemoryError",
     "NonFiniteError",

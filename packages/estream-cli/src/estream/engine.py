@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -28,7 +29,7 @@ from estream_layout import ModelSpec
 
 from . import memory
 from .config import StreamConfig, resolve_config
-from .errors import BadRequestError, NonFiniteError
+from .errors import BadRequestError, EngineClosedError, NonFiniteError
 from .experts import SCHEDULES, ExpertSource, GroupRecord, ResidentExperts, StreamedExperts
 from .models import architecture
 from .models.layout import SeqLayout
@@ -69,6 +70,9 @@ MIN_BATCH_TOKENS, MAX_BATCH_TOKENS = 64, 8192
 PROFILE_TOKENS = 256  # the pass `estream profile` measures by default
 #: Most tokens one pass takes (what the expert op is sized for).
 MAX_PASS_TOKENS = 1 << 16
+#: Times in a row an engine starts a new executor after its executor process died (a pass
+#: that completes resets the count); one more death closes the engine's backend for good.
+MAX_EXECUTOR_RESTARTS = 2
 
 
 def pass_bytes_per_token(hp: ModelSpec, *, all_logits: bool = False) -> int:
@@ -211,6 +215,11 @@ class EngineOptions:
 class Engine:
     """A loaded packed model, ready to prefill prompts.
 
+    An engine may be shared between threads: its passes are serialized by a lock (one pass
+    runs at a time, the others wait their turn and get the results they would get alone), and
+    `close` waits for a running pass to finish; a pass asked for after `close` raises
+    `EngineClosedError`.
+
     >>> engine = load("model.estream", budget="1.5GiB")   # doctest: +SKIP
     >>> engine.prefill([1, 2, 3]).top_k(5)                 # doctest: +SKIP
     """
@@ -230,6 +239,8 @@ class Engine:
         o = self.options = options
         t0 = time.perf_counter()
         self._closed = False
+        # one pass at a time: a pass owns the arena, the backend's buffers and the counters
+        self._lock = threading.RLock()
         self._n_passes = 0  # passes run, numbering each pass's metrics ("pass_id")
         self._mem0 = memory.mem_available()
         memory.keep_freed_heap()  # per-op arrays reuse heap pages (see memory.keep_freed_heap)
@@ -242,23 +253,10 @@ class Engine:
         self.arch = architecture(hp)
         htp.set_num_threads(int(o.n_threads or DEFAULT_THREADS))
         self._capacity = 4096
-        # Expert ops run on the chosen backend; the other ops stay on this process's default one
-        # unless it is an accelerator, which runs every op (the DSP: hexagon).
-        self.backend = htp.open_backend(o.backend, n_threads=htp.get_num_threads(), act=o.act)
-        self.dense_ops = o.dense_ops or ("backend" if self.backend.accelerator else "host")
         self.max_pass_tokens = max(hp.n_ctx, MAX_PASS_TOKENS)
-        # the experts' tile formats (gate, up, down); Q4_0 records use the graph's default
-        fmts = self.model.expert_formats
-        self.graph = htp.ExpertGraph(
-            hp.n_embd,
-            hp.n_ff_exp,
-            self._capacity,
-            self.max_pass_tokens,
-            backend=self.backend,
-            **({} if fmts == ("q4_0-t32r4",) * 3 else {"formats": fmts}),
-        )
-        # dense weights registered with the backend (dense_ops="backend"), on first use
-        self._dense_shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._restarts = 0  # executors started in a row after one died (MAX_EXECUTOR_RESTARTS)
+        self._open_backend()
+        self.dense_ops = o.dense_ops or ("backend" if self.backend.accelerator else "host")
         # every op of a pass on the expert backend (dense_ops="backend"): activations in its
         # arena (memory registered with its executor; private memory on the host)
         self._pool = self.backend.activations() if self.dense_ops == "backend" else None
@@ -278,6 +276,47 @@ class Engine:
                 self.backend.close()
             raise
         self.load_s = time.perf_counter() - t0
+
+    def _open_backend(self) -> None:
+        """The backend (a new executor process unless "host") and the expert graph on it."""
+        o, hp = self.options, self.hp
+        # Expert ops run on the chosen backend; the other ops stay on this process's default one
+        # unless it is an accelerator, which runs every op (the DSP: hexagon).
+        self.backend = htp.open_backend(o.backend, n_threads=htp.get_num_threads(), act=o.act)
+        # the experts' tile formats (gate, up, down); Q4_0 records use the graph's default
+        fmts = self.model.expert_formats
+        self.graph = htp.ExpertGraph(
+            hp.n_embd,
+            hp.n_ff_exp,
+            self._capacity,
+            self.max_pass_tokens,
+            backend=self.backend,
+            **({} if fmts == ("q4_0-t32r4",) * 3 else {"formats": fmts}),
+        )
+        # dense weights registered with the backend (dense_ops="backend"), on first use
+        self._dense_shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _restart_executor(self) -> None:
+        """After the executor process died: a new one, with the graph, the activation pool
+        and the expert source on it (at most `MAX_EXECUTOR_RESTARTS` times in a row)."""
+        if self._restarts >= MAX_EXECUTOR_RESTARTS:
+            raise htp.ExecutorDiedError(
+                f"the {self.options.backend} executor died {self._restarts + 1} times in a row; "
+                "load the model again"
+            )
+        self._restarts += 1
+        self.graph.close()
+        if not self.backend.closed and self.backend is not htp.default_backend():
+            self.backend.close()
+        self._pool = None
+        self._open_backend()
+        try:
+            if self.dense_ops == "backend":
+                self._pool = self.backend.activations()
+            self.experts = self._open_experts()
+        except BaseException:
+            self.backend.close()
+            raise
 
     def _open_experts(self) -> ExpertSource:
         """The expert source of the configuration: resident (no arena) or streamed."""
@@ -486,7 +525,18 @@ class Engine:
     ) -> tuple[list[Any], dict[str, Any]]:
         """One pass over checked requests (`check_request`); their results and the pass's
         metrics. ``nested``: per-request metrics with the pass's under ``pass`` (else, for a
-        one-request pass, the pass's metrics themselves)."""
+        one-request pass, the pass's metrics themselves). Passes run one at a time (the
+        engine's lock)."""
+        with self._lock:
+            return self._batch_locked(parts, all_logits, return_hidden, nested)
+
+    def _batch_locked(
+        self,
+        parts: list[list[np.ndarray]],
+        all_logits: bool,
+        return_hidden: bool,
+        nested: bool,
+    ) -> tuple[list[Any], dict[str, Any]]:
         n_rows = sum(int(p.size) for ps in parts for p in ps)
         if n_rows > self.max_pass_tokens:
             raise BadRequestError(
@@ -542,12 +592,28 @@ class Engine:
         source is reset so that no layer stays open and no read or thread is left behind: the
         next request on this engine works."""
         try:
-            return self._forward_pass(*args, **kwargs)
+            out = self._forward_pass(*args, **kwargs)
         except BaseException:
-            if not self._closed:
-                self.experts.recover()
-            self.backend.trace = None  # the DSP queue of a failed pass is not kept
+            self._recover()
             raise
+        self._restarts = 0
+        return out
+
+    def _recover(self) -> None:
+        """After a pass failed half-way: wait for the ops it left in flight (they may still
+        use the arena's banks and the activations), then reset the expert source. If the
+        executor died, the expert source is closed and the next pass starts a new executor."""
+        self.backend.trace = None  # the DSP queue of a failed pass is not kept
+        if self._closed or self.experts is None:
+            return
+        if not self.backend.closed:
+            with contextlib.suppress(htp.ExecutorDiedError):
+                self.backend.drain()
+        if self.backend.closed:  # the executor died: nothing of this backend can be reused
+            experts, self.experts = self.experts, None
+            experts.close()
+            return
+        self.experts.recover()
 
     def _forward_pass(
         self,
@@ -581,7 +647,9 @@ class Engine:
     def _begin_pass(self, layout: SeqLayout) -> tuple[Ops, PassRecorder]:
         """The ops of a pass over ``layout`` and its recorder (the engine must be open)."""
         if self._closed:
-            raise RuntimeError("engine is closed")
+            raise EngineClosedError("the engine is closed: load the model again to run a prompt")
+        if self.experts is None or self.backend.closed:
+            self._restart_executor()
         htp.set_activation_format(self.act)  # type: ignore[arg-type]
         memory.reset_peak()
         # Per-request bookkeeping only: a long-lived engine must not grow without bound.
@@ -630,11 +698,19 @@ class Engine:
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
+        """Free the arena, the graph and the backend (its executor). Waits for a pass another
+        thread is running; later passes raise `EngineClosedError`. Calling it again does
+        nothing."""
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
         if self._closed:
             return
         self._closed = True
         try:
-            self.experts.close()
+            if self.experts is not None:
+                self.experts.close()
         finally:
             self.graph.close()
             if self.backend is not htp.default_backend():

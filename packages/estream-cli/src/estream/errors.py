@@ -6,6 +6,7 @@ __all__ = [
     "BadRequestError",
     "BudgetTooSmallError",
     "EStreamError",
+    "EngineClosedError",
     "InsufficientMemoryError",
     "NonFiniteError",
     "PackError",
@@ -22,6 +23,10 @@ class EStreamError(Exception):
 
 class PackError(EStreamError):
     """The packed model is missing, incomplete or corrupt."""
+
+
+class EngineClosedError(EStreamError, RuntimeError):
+    """A request to an engine after its `close` (or while it closes, from another thread)."""
 
 
 class UnsupportedModelError(EStreamError):

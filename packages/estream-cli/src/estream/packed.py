@@ -8,7 +8,6 @@ read whole into memory (resident mode).
 from __future__ import annotations
 
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,14 @@ import numpy as np
 
 import estream_arena as ea
 import estream_htp as htp
-from estream_layout import ChecksumError, LayoutError, Manifest, ModelSpec, update_manifest
+from estream_layout import (
+    ChecksumError,
+    LayoutError,
+    Manifest,
+    ModelSpec,
+    check_pack,
+    update_manifest,
+)
 from estream_layout.manifest import read_manifest_doc
 from estream_layout.verify import check_dense_checksums, nonfinite_dense
 
@@ -169,41 +175,6 @@ def update_config(path: str | os.PathLike[str], key: str, value: Any) -> dict[st
         raise PackError(str(exc)) from None
 
 
-# Spec fields that model.gguf (crc32-checked) states directly: a manifest whose spec disagrees
-# with its own model.gguf is refused even if its digest was rewritten to match.
-_GGUF_SPEC_KEYS = (
-    ("n_layers", "{arch}.block_count"),
-    ("n_embd", "{arch}.embedding_length"),
-    ("n_head", "{arch}.attention.head_count"),
-    ("n_head_kv", "{arch}.attention.head_count_kv"),
-    ("n_experts", "{arch}.expert_count"),
-    ("n_experts_used", "{arch}.expert_used_count"),
-    ("rms_eps", "{arch}.attention.layer_norm_rms_epsilon"),
-    ("rope_freq_base", "{arch}.rope.freq_base"),
-    ("rope_dims", "{arch}.rope.dimension_count"),
-    ("n_ctx", "{arch}.context_length"),
-)
-
-
-def _check_spec_against_gguf(spec: ModelSpec, kv: dict[str, Any], path: Path) -> None:
-    for field, key in _GGUF_SPEC_KEYS:
-        raw = kv.get(key.format(arch=spec.arch))
-        if raw is None:
-            continue
-        have = getattr(spec, field)
-        if isinstance(have, tuple):
-            want = tuple(int(x) for x in raw) if isinstance(raw, list | tuple) else (int(raw),)
-            if len(want) == 1:
-                want = want * len(have)
-        else:
-            want = type(have)(raw[0] if isinstance(raw, list | tuple) else raw)
-        if have != want:
-            raise PackError(
-                f"{path / 'manifest.json'}: spec.{field} = {have!r}, but model.gguf says "
-                f"{want!r}: the manifest and model.gguf disagree; re-pack"
-            )
-
-
 class PackedModel:
     """Manifest + architecture facts + resident dense weights of a packed model.
 
@@ -214,25 +185,15 @@ class PackedModel:
         self.path = Path(path)
         self.manifest, parsed = _load_manifest(self.path)
         self.parsed = parsed
-        # model.gguf is small (metadata and tokenizer): its crc32 is checked on every load, so
-        # a flipped hyper-parameter (rms_eps, rope base, ...) never computes silently wrong.
+        # estream-layout's load checks, the ones `estream-pack --verify` runs too: model.gguf's
+        # crc32 (a flipped hyper-parameter never computes silently wrong), the spec against
+        # model.gguf and the manifest's arch, the MoE layers and every dense tensor's shape
         try:
-            gguf_bytes = parsed.model_gguf_path.read_bytes()
-        except OSError as exc:
-            raise PackError(f"{parsed.model_gguf_path}: cannot read ({exc.strerror})") from None
-        if zlib.crc32(gguf_bytes) != parsed.model_gguf_crc32:
-            raise ChecksumError(
-                f"{parsed.model_gguf_path}: checksum mismatch; the metadata is corrupt or from "
-                "another model, re-pack"
-            )
-        del gguf_bytes
-        try:
-            self.hparams: ModelSpec = ModelSpec.from_dict(parsed.spec)
+            self.hparams: ModelSpec = check_pack(parsed)
+        except ChecksumError:
+            raise
         except LayoutError as exc:
-            raise PackError(f"{self.path / 'manifest.json'}: {exc}") from None
-        _check_spec_against_gguf(self.hparams, read_gguf_kv(parsed.model_gguf_path), self.path)
-        if self.hparams.n_ctx <= 0:
-            raise PackError(f"{self.path}: the model has no context length (context_length)")
+            raise PackError(str(exc)) from None
         self.experts_path = parsed.experts_path
         self.layers: dict[int, ExpertLayer] = {}
         for rec in parsed.layers:

@@ -92,6 +92,10 @@ class CapacityError(HTPError):
     """More tokens than the object was sized for, or too many fences outstanding."""
 
 
+class _NeverIssued(HTPError):
+    """A fence the C side does not know (or no longer: its completion was taken already)."""
+
+
 class HTPTimeoutError(HTPError, TimeoutError):
     """A fence did not complete in the time asked (the op is still pending)."""
 
@@ -224,7 +228,16 @@ class Backend:
         self._stage_id = 0
         self._null: np.ndarray | None = None
         self._dead: str | None = None
-        self._pending: weakref.WeakSet[Fence] = weakref.WeakSet()
+        # fences submitted and not waited for, held strongly: a fence keeps its op's operands
+        # alive, and one its caller dropped (a pass interrupted half-way) still holds a slot
+        # of the queue and may still be run by the executor (see `drain`)
+        self._pending: dict[int, Fence] = {}
+        # The C side numbers fences 1, 2, ... per backend. `_issued`: the last number this side
+        # saw; `_cut`: the fence of a submit cut short between the C call and its bookkeeping
+        # (a KeyboardInterrupt raised as the call returns), numbered `_issued + 1` if the C
+        # side issued it (`_settle` finds out)
+        self._issued = 0
+        self._cut: Fence | None = None
         self.ops_submitted = 0  # descriptors submitted (run or submit)
         self.ops_completed = 0  # of those, completions seen with the executing side's times
         self.staged_bytes = 0  # bytes copied through staging (operands outside registered memory)
@@ -354,9 +367,9 @@ class Backend:
             self._b = None
             self._finalizer()
             err = ExecutorDiedError(self._dead)
-            for f in list(self._pending):  # no op can still be reading its operands
+            for f in list(self._pending.values()):  # no op can still read its operands
                 f.done, f._error, f._keep, f._after = True, err, None, []
-            self._pending = weakref.WeakSet()
+            self._pending = {}
             raise err
         check(status, what)
 
@@ -580,17 +593,34 @@ class Backend:
     def _submit(self, c: Call, *, sync: bool) -> Fence:
         with self._lock:
             b = self._handle()
+            self._settle()
             keep, after = c._finish(sync)
             out = ffi.new("uint64_t *")
+            # recorded before the call: an exception raised as it returns loses no op
+            f = self._cut = Fence(self, 0, c.what, keep, after)
             st = lib.htp_op_submit(b, c.desc, out)
             if st != lib.HTP_OK:
+                self._cut = None
                 for fn in after:
                     fn()
                 self._check(st, c.what)
+            f.value = self._issued = int(out[0])
+            self._pending[f.value] = f
+            self._cut = None
             self.ops_submitted += 1
-            f = Fence(self, int(out[0]), c.what, keep, after)
-            self._pending.add(f)
             return f
+
+    def _settle(self) -> None:
+        """Wait for the op of a submit cut short (`_cut`) if the C side issued it: its number is
+        the one after the last seen, and nothing else can have waited for it."""
+        f, self._cut = self._cut, None
+        if f is None or self._b is None:
+            return
+        f.value = self._issued + 1
+        self._pending[f.value] = f
+        self._wait(f, _NO_TIMEOUT)
+        if not isinstance(f._error, _NeverIssued):
+            self._issued = f.value
 
     def _wait(self, f: Fence, timeout_ms: int) -> None:
         with self._lock:
@@ -602,6 +632,13 @@ class Backend:
             opst = ffi.new("htp_status *")
             tm = ffi.new("htp_op_times *")
             st = lib.htp_fence_wait_timed(b, f.value, timeout_ms, opst, tm)
+            if st == lib.HTP_E_FENCE:  # never issued, or waited for by a wait cut short
+                self._pending.pop(f.value, None)
+                f.done, f._error, f._keep = True, _NeverIssued(f"{f.what}: fence {f.value}"), None
+                after, f._after = f._after, []
+                for fn in after:
+                    fn()
+                return
             if st == lib.HTP_E_TIMEOUT:
                 raise HTPTimeoutError(f"{f.what}: fence {f.value} still pending")
             try:
@@ -610,7 +647,7 @@ class Backend:
                 f.done, f._error, f._keep, f._after = True, e, None, []
                 raise
             f.done = True
-            self._pending.discard(f)
+            self._pending.pop(f.value, None)
             if tm.started_ns:
                 self.ops_completed += 1
                 if self.trace is not None:
@@ -645,6 +682,29 @@ class Backend:
                 self._check(lib.htp_op_run_tmp(b, c.desc, tmp, n), c.what)
             return
         self._submit(c, sync=True).wait()
+
+    def drain(self) -> None:
+        """Wait for every op submitted and not waited for yet, ignoring the ops' own errors:
+        after a caller dropped its fences half-way (an exception or Ctrl-C between submit and
+        wait), so that no op still reads or writes memory about to be freed or reused and the
+        queue has all its slots again. Raises `ExecutorDiedError` if the executor is gone."""
+        while True:
+            with self._lock:
+                if self._b is not None:
+                    self._settle()
+                fences = list(self._pending.values())
+            if not fences:
+                return
+            for f in fences:
+                try:
+                    f.wait()
+                except ExecutorDiedError:
+                    raise
+                except HTPError:
+                    pass
+                finally:
+                    with self._lock:
+                        self._pending.pop(f.value, None)
 
     def stats(self) -> dict[str, int]:
         """Counters since creation (or `reset_stats`): ``ops_submitted``; ``ops_completed``,
