@@ -31,7 +31,12 @@ were checked against llama.cpp's ``src/models/<arch>.cpp``, ``build_moe_ffn`` in
   scale. Per architecture, as llama.cpp does it: OLMoE: softmax, no normalisation; Qwen3-MoE and
   Mixtral: softmax, normalised; DeepSeek-2: gating/normalisation/scale from metadata (gating
   defaults to softmax); LFM2-MoE: gating from metadata, normalised. The expert weight scale is
-  only read for DeepSeek-2, as llama.cpp does. Experts are SwiGLU: ``down(silu(gate x) * up x)``.
+  only read for DeepSeek-2, as llama.cpp does. Experts are SwiGLU: ``down(silu(gate x) * up x)``;
+  SmallThinker's are ReGLU (``relu`` for ``silu``), its gating from metadata, normalised, and
+  its router reads the layer's input (before the attention norm), not the FFN norm's output.
+* SmallThinker attention: no q/k norms, NeoX RoPE; with a sliding window in the file, the
+  window is 4096 tokens on layers ``i % sliding_window_pattern != 0`` and layers ``i % 4 == 0``
+  take no RoPE, as llama.cpp's loader sets them.
 * Output head ``output.weight``, or the tied ``token_embd.weight`` when it is absent.
 
 * RoPE scaling ``none``/``linear``/``yarn``, with YaRN's ramp, magnitude factor and (DeepSeek-2)
@@ -74,7 +79,7 @@ __all__ = [
     "yarn_corr_dims",
 ]
 
-SUPPORTED_ARCHS = ("olmoe", "qwen3moe", "llama", "deepseek2", "lfm2moe")
+SUPPORTED_ARCHS = ("olmoe", "qwen3moe", "llama", "deepseek2", "lfm2moe", "smallthinker")
 
 # llama.cpp's llama_expert_gating_func_type values (src/llama-hparams.h).
 GATING_NONE = 0
@@ -92,7 +97,15 @@ _ROPE_STYLE = {
     "olmoe": ROPE_NEOX,
     "qwen3moe": ROPE_NEOX,
     "lfm2moe": ROPE_NEOX,
+    "smallthinker": ROPE_NEOX,
 }
+
+# SmallThinker's attention pattern as llama.cpp's loader sets it when the file has a sliding
+# window: the window is 4096 tokens whatever the file says, layer i slides iff
+# i % sliding_window_pattern != 0 (default 4), and layer i takes no RoPE iff i % 4 == 0
+# (llama.cpp's n_no_rope_layer_step). Without a window: full attention with RoPE everywhere.
+SMALLTHINKER_SWA = 4096
+SMALLTHINKER_NOPE_STEP = 4
 
 
 class UnsupportedModelError(ValueError):
@@ -196,8 +209,12 @@ def rope(
     return out
 
 
-def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-    """``softmax(q kᵀ · scale + causal mask) v`` per head with GQA broadcast.
+def causal_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int = 0
+) -> np.ndarray:
+    """``softmax(q kᵀ · scale + causal mask) v`` per head with GQA broadcast; with ``window``
+    > 0 query ``i`` sees keys ``j`` with ``i - window < j <= i`` only (llama.cpp's standard
+    sliding window).
 
     q ``[T, Hq, Dk]``, k ``[T, Hkv, Dk]``, v ``[T, Hkv, Dv]`` → ``[T, Hq * Dv]``.
     Query head ``h`` reads kv head ``h // (Hq // Hkv)``.
@@ -212,6 +229,8 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) 
     vh = v[:, kv_of, :].transpose(1, 0, 2)  # [H, T, Dv]
     scores = np.matmul(q.transpose(1, 0, 2), kh) * scale  # [H, T, T]
     future = np.triu(np.ones((t, t), dtype=bool), k=1)
+    if window > 0:
+        future |= np.tril(np.ones((t, t), dtype=bool), k=-window)
     scores[:, future] = -np.inf
     probs = softmax(scores, axis=-1)
     out = np.matmul(probs, vh)  # [H, T, Dv]
@@ -271,8 +290,10 @@ def moe_ffn(
     gate_exps: np.ndarray,
     up_exps: np.ndarray,
     down_exps: np.ndarray,
+    glu: str = "swiglu",
 ) -> np.ndarray:
-    """Sum over routes of ``weight · down_e(silu(gate_e x) * up_e x)``.
+    """Sum over routes of ``weight · down_e(act(gate_e x) * up_e x)``, ``act`` silu
+    (``glu="swiglu"``) or relu (``"reglu"``).
 
     ``gate_exps``/``up_exps`` are ``[E, ff, d]``, ``down_exps`` ``[E, d, ff]`` (numpy order of the
     GGUF tensors), or anything indexable by expert id the same way (the model passes lazy
@@ -282,7 +303,8 @@ def moe_ffn(
     for e in np.unique(experts):
         rows, slots = np.nonzero(experts == e)
         xe = x[rows]
-        h = silu(xe @ gate_exps[e].T) * (xe @ up_exps[e].T)
+        g = xe @ gate_exps[e].T
+        h = (silu(g) if glu == "swiglu" else np.maximum(g, 0.0)) * (xe @ up_exps[e].T)
         y = h @ down_exps[e].T
         np.add.at(out, rows, y * weights[rows, slots][:, None])
     return out
@@ -353,6 +375,10 @@ class ReferenceConfig:
     n_ctx_orig: int = 0
     rope_attn_factor: float = 1.0
     yarn_log_mul: float = 0.0  # DeepSeek-2 only, already divided by 0.1 as llama.cpp does
+    # SmallThinker: sliding window, the layers that slide and those without RoPE
+    n_swa: int = 0
+    swa_layers: tuple[int, ...] = ()
+    nope_layers: tuple[int, ...] = ()
 
     @property
     def attn_factor(self) -> float:
@@ -436,7 +462,17 @@ class ReferenceConfig:
             )
         # llama.cpp: scale = 1/factor, and never any scaling when the type is "none".
         freq_scale = 1.0 if factor == 0.0 or scaling_type == "none" else 1.0 / factor
-        if f"{arch}.attention.sliding_window" in fields:
+        window_key = f"{arch}.attention.sliding_window"
+        extra: dict[str, Any] = {}
+        if arch == "smallthinker":
+            if int(fields.get(window_key, 0)) > 0:
+                period = int(get("attention.sliding_window_pattern", 4))
+                extra["n_swa"] = SMALLTHINKER_SWA
+                extra["swa_layers"] = tuple(i for i in range(n_layer) if i % period)
+                extra["nope_layers"] = tuple(
+                    i for i in range(n_layer) if i % SMALLTHINKER_NOPE_STEP == 0
+                )
+        elif window_key in fields:
             raise UnsupportedModelError("sliding-window attention is not implemented")
 
         tensor_names = {t.name for t in reader.tensors}
@@ -452,10 +488,8 @@ class ReferenceConfig:
             gating = int(get("expert_gating_func", GATING_NONE)) or GATING_SOFTMAX
             normalize = bool(get("expert_weights_norm", False))
             scale = float(get("expert_weights_scale", 0.0))
-        elif arch == "lfm2moe":
+        elif arch in ("lfm2moe", "smallthinker"):
             gating = int(get("expert_gating_func"))
-
-        extra: dict[str, Any] = {}
         if arch == "deepseek2":
             extra["kv_lora_rank"] = int(get("attention.kv_lora_rank"))
             k_mla = int(get("attention.key_length_mla", 0))
@@ -574,6 +608,8 @@ class ReferenceModel:
     def _layer(self, il: int, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         cfg = self.config
         p = f"blk.{il}."
+        # SmallThinker's router reads the layer's input, before the attention norm
+        router_in = x if cfg.arch == "smallthinker" else None
         h = rms_norm(x, self.tensor(p + "attn_norm.weight"), cfg.rms_eps)
         if cfg.arch == "deepseek2":
             mixed = self._mla_attention(il, h, positions)
@@ -583,7 +619,7 @@ class ReferenceModel:
             mixed = self._attention(il, h, positions)
         x = x + mixed
         h = rms_norm(x, self.tensor(p + "ffn_norm.weight"), cfg.rms_eps)
-        return x + self._ffn(il, h)
+        return x + self._ffn(il, h, router_in)
 
     def _attention(self, il: int, h: np.ndarray, positions: np.ndarray) -> np.ndarray:
         cfg = self.config
@@ -619,10 +655,12 @@ class ReferenceModel:
             # Per-head RMSNorm over head_dim.
             q = rms_norm(q, q_norm, cfg.rms_eps)
             k = rms_norm(k, k_norm, cfg.rms_eps)
-        rp = cfg.rope_params()
-        q = rope(q, positions, rp, freq_factors=self._freq_factors)
-        k = rope(k, positions, rp, freq_factors=self._freq_factors)
-        attn = causal_attention(q, k, v, 1.0 / math.sqrt(dk))
+        if il not in cfg.nope_layers:
+            rp = cfg.rope_params()
+            q = rope(q, positions, rp, freq_factors=self._freq_factors)
+            k = rope(k, positions, rp, freq_factors=self._freq_factors)
+        window = cfg.n_swa if il in cfg.swa_layers else 0
+        attn = causal_attention(q, k, v, 1.0 / math.sqrt(dk), window)
         out = attn @ self.tensor(p + "attn_output.weight").T
         bias = self.opt(p + "attn_output.bias")
         return out if bias is None else out + bias
@@ -676,7 +714,7 @@ class ReferenceModel:
         y = c * causal_short_conv(b * xx, kernel)
         return y @ self.tensor(p + "shortconv.out_proj.weight").T
 
-    def _ffn(self, il: int, h: np.ndarray) -> np.ndarray:
+    def _ffn(self, il: int, h: np.ndarray, router_in: np.ndarray | None = None) -> np.ndarray:
         cfg = self.config
         p = f"blk.{il}."
         if not self.has(p + "ffn_gate_inp.weight"):
@@ -686,7 +724,7 @@ class ReferenceModel:
                 self.tensor(p + "ffn_up.weight"),
                 self.tensor(p + "ffn_down.weight"),
             )
-        logits = h @ self.tensor(p + "ffn_gate_inp.weight").T
+        logits = (h if router_in is None else router_in) @ self.tensor(p + "ffn_gate_inp.weight").T
         experts, weights = route(
             logits,
             cfg.n_expert_used,
@@ -705,7 +743,8 @@ class ReferenceModel:
             gate = self.experts(p + "ffn_gate_exps.weight")
             up = self.experts(p + "ffn_up_exps.weight")
         down = self.experts(p + "ffn_down_exps.weight")
-        out = moe_ffn(h, experts, weights, gate, up, down)
+        glu = "reglu" if cfg.arch == "smallthinker" else "swiglu"
+        out = moe_ffn(h, experts, weights, gate, up, down, glu)
         if self.has(p + "ffn_gate_shexp.weight"):
             out = out + dense_ffn(
                 h,

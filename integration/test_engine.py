@@ -8,7 +8,7 @@ import pytest
 import estream
 from estream_layout import pack_model, synth_model
 
-ARCHS = ["olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe"]
+ARCHS = ["olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe", "smallthinker"]
 
 
 def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
@@ -286,11 +286,15 @@ def test_moe_layer_input_is_quantized_once_for_all_its_consumers(
     """With int8 products an MoE layer quantizes its input once (`htp.quantize_q8`) and every
     op that reads it gets those rows: each group's expert op (stream), the one expert op
     (resident), the shared experts' gate/up (deepseek2). One quantization per MoE layer, and
-    logits bit-identical to every op quantizing its input itself."""
+    logits bit-identical to every op quantizing its input itself. (SwiGLU families: ReGLU
+    experts run as tile GEMMs per expert, each quantizing its own rows, see
+    `test_reglu_experts_quantize_each_experts_rows`.)"""
     import estream_htp as htp
     from estream.models import ops as ops_mod
 
     arch, _, dst = packed
+    if arch == "smallthinker":
+        pytest.skip("ReGLU experts have no shared quantized input (their own test below)")
     calls: list[int] = []
     inputs: list[str] = []
     gemm_rows: list[int] = []
@@ -341,3 +345,31 @@ def test_moe_layer_input_is_quantized_once_for_all_its_consumers(
         own = eng.prefill(toks, all_logits=True)
     assert calls == [] and gemm_rows == [] and set(inputs) == {"ndarray"}
     assert np.array_equal(shared.logits, own.logits)
+
+
+@pytest.mark.parametrize("backend", ["host", "host-process"])
+def test_reglu_experts_quantize_each_experts_rows(tmp_path, backend, monkeypatch):
+    """SmallThinker's ReGLU experts run through `ReGLUGraph` (the fused expert op is SwiGLU):
+    the layer input reaches it as float32 rows, never as one quantized copy, and the ReGLU
+    op runs in stream and resident mode alike, with the same logits in both."""
+    from estream.experts import ReGLUGraph
+
+    src = synth_model("smallthinker", "tiny", tmp_path / "st.gguf", seed=5)
+    dst = tmp_path / "st.estream"
+    pack_model(src, dst, progress=False)
+    seen: list[str] = []
+    real_run = ReGLUGraph.run
+
+    def run(self, x, *a, **kw):
+        seen.append(type(x).__name__)
+        return real_run(self, x, *a, **kw)
+
+    monkeypatch.setattr(ReGLUGraph, "run", run)
+    toks = _tokens(301, 29, seed=3)
+    logits = []
+    for kw in ({"mode": "resident"}, {"mode": "stream", "G": 2, "Q": 2, "B": 3}):
+        with estream.load(dst, backend=backend, act="q8", **kw) as eng:
+            assert isinstance(eng.experts.graph, ReGLUGraph)
+            logits.append(eng.prefill(toks, all_logits=True).logits)
+    assert seen and set(seen) == {"ndarray"}
+    assert np.array_equal(logits[0], logits[1])

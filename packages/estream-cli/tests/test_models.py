@@ -42,7 +42,14 @@ def test_profile_of_an_all_moe_model_is_unchanged() -> None:
 
 
 def test_registry_names_llama_cpp_architectures() -> None:
-    assert set(ARCHITECTURES) == {"olmoe", "qwen3moe", "llama", "deepseek2", "lfm2moe"}
+    assert set(ARCHITECTURES) == {
+        "olmoe",
+        "qwen3moe",
+        "llama",
+        "deepseek2",
+        "lfm2moe",
+        "smallthinker",
+    }
     for name, module in ARCHITECTURES.items():
         assert callable(module.bind) and callable(module.layer), name
 

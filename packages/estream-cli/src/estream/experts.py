@@ -18,6 +18,7 @@ this process completes the fence as the op is submitted.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from collections import deque
@@ -39,6 +40,7 @@ __all__ = [
     "SCHEDULES",
     "ExpertSource",
     "GroupRecord",
+    "ReGLUGraph",
     "ResidentExperts",
     "StreamedExperts",
     "flatten_routes",
@@ -128,6 +130,102 @@ class ExpertSource(Protocol):
     def close(self) -> None: ...
 
 
+class _Done:
+    """The completion fence of an op that ran as it was submitted."""
+
+    def poll(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+
+class ReGLUGraph:
+    """The routed-expert op for ReGLU experts, ``y[t] += w · down(relu(gate x[t]) * up x[t])``,
+    with `estream_htp.ExpertGraph`'s operands (routes, slot table, plane addresses, strides):
+    the fused expert kernel computes SwiGLU, so this runs each routed expert as tile GEMMs
+    (gate and up sharing the quantized input, then down) on its rows, in this process (an
+    executor's planes are mapped here too). ``x`` must be float32 rows: each GEMM quantizes
+    them itself under int8 activations. Everything else is the wrapped graph's."""
+
+    def __init__(self, graph: htp.ExpertGraph) -> None:
+        self.graph = graph
+        # the GEMMs read this process's memory: the graph's backend if its ops do, else the
+        # default (in-process) one
+        be = graph.backend
+        self._host = htp.default_backend() if be.shared_memory else be
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "graph":  # not set yet: no recursion through the delegation
+            raise AttributeError(name)
+        return getattr(self.graph, name)
+
+    def run(
+        self,
+        x: np.ndarray,
+        tokens: np.ndarray,
+        experts: np.ndarray,
+        weights: np.ndarray,
+        slot_of_expert: np.ndarray,
+        planes: Any,
+        strides: Any,
+        y: np.ndarray,
+        *,
+        act: str | None = None,
+        formats: Any = None,
+    ) -> None:
+        if isinstance(x, htp.Q8Rows):
+            raise TypeError("ReGLU experts read float32 rows, not Q8Rows")
+        g = self.graph
+        fmts = g.formats if formats is None else formats
+        fmts = (fmts,) * 3 if isinstance(fmts, str) else tuple(fmts)
+        act = g.backend.act if act is None else act
+        d, ff = g.d_model, g.d_ff
+        nbytes = (
+            htp.matrix_nbytes(fmts[0], ff, d),
+            htp.matrix_nbytes(fmts[1], ff, d),
+            htp.matrix_nbytes(fmts[2], d, ff),
+        )
+        tokens, experts = np.asarray(tokens), np.asarray(experts)
+        weights = np.asarray(weights, dtype=np.float32)
+        for e in np.unique(experts):
+            sel = np.nonzero(experts == e)[0]
+            rows = tokens[sel]
+            slot = int(slot_of_expert[e])
+            gate, up, down = (
+                _bytes_at(int(planes[j]) + slot * int(strides[j]), nbytes[j]) for j in range(3)
+            )
+            xe = np.ascontiguousarray(x[rows], dtype=np.float32)
+            if fmts[0] == fmts[1]:
+                gu = htp.gemm_shared(
+                    xe, [(gate, ff), (up, ff)], fmts[0], act=act, backend=self._host
+                )
+            else:
+                gu = [
+                    htp.gemm(xe, gate, ff, fmts[0], act=act, backend=self._host),
+                    htp.gemm(xe, up, ff, fmts[1], act=act, backend=self._host),
+                ]
+            a = np.maximum(gu[0], np.float32(0.0)) * gu[1]
+            out = htp.gemm(a, down, d, fmts[2], act=act, backend=self._host)
+            y[rows] += weights[sel, None] * out
+
+    def submit(self, *args: Any, **kw: Any) -> _Done:
+        """As `run`, done when it returns: the fence is complete."""
+        self.run(*args, **kw)
+        return _Done()
+
+
+def _bytes_at(address: int, n: int) -> np.ndarray:
+    """The ``n`` bytes mapped in this process at ``address`` as a uint8 array (no copy)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(address))
+
+
+def expert_op(graph: htp.ExpertGraph, model: PackedModel) -> htp.ExpertGraph | ReGLUGraph:
+    """The op a model's routed experts run through: the fused graph for SwiGLU experts, a
+    `ReGLUGraph` over it for ReGLU experts (the family record's `expert_glu`)."""
+    return ReGLUGraph(graph) if model.hparams.expert_glu == "reglu" else graph
+
+
 def _formats(graph: htp.ExpertGraph, layer: ExpertLayer) -> dict[str, tuple[str, str, str]]:
     """The expert op's `formats` argument for a layer: its tile formats where they are not the
     graph's own (a file may store a layer's projections in other types than the first's)."""
@@ -139,7 +237,7 @@ class ResidentExperts:
 
     def __init__(self, model: PackedModel, graph: htp.ExpertGraph, *, verify: bool = False) -> None:
         self.model = model
-        self.graph = graph
+        self.graph = expert_op(graph, model)
         self.records: list[GroupRecord] = []
         try:  # in memory the expert op reads in place (shared memory for an executor)
             self.pool = read_whole(model.experts_path, graph.backend)
@@ -233,7 +331,7 @@ class StreamedExperts:
         on_group: Callable[[GroupRecord], None] | None = None,
     ) -> None:
         self.model = model
-        self.graph = graph
+        self.graph = expert_op(graph, model)
         self.records: list[GroupRecord] = []
         n_e = max(lay.n_experts for lay in model.layers.values())
         self._slot_of_expert = np.full(n_e, -1, dtype=np.int32)

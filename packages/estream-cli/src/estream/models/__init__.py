@@ -25,7 +25,7 @@ from estream_layout import ModelSpec
 
 from ..errors import UnsupportedModelError
 from ..packed import PackedModel
-from . import deepseek2, lfm2moe, llama, olmoe, qwen3moe
+from . import deepseek2, lfm2moe, llama, olmoe, qwen3moe, smallthinker
 from .ops import Ops
 from .weights import Weights
 
@@ -49,6 +49,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "llama": llama,  # with experts: Mixtral
     "deepseek2": deepseek2,
     "lfm2moe": lfm2moe,
+    "smallthinker": smallthinker,
 }
 
 

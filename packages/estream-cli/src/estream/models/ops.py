@@ -22,6 +22,7 @@ import numpy as np
 import estream_htp as htp
 from estream_layout import ModelSpec
 
+from ..errors import UnsupportedModelError
 from ..experts import ExpertSource
 from ..packed import DenseTensor, ExpertLayer
 from .layout import Segment, SeqLayout, segment_rows
@@ -307,11 +308,18 @@ class Ops:
         if w.qk_norm != "none":
             with self.timed("qk_norm"):
                 q, k = self._qk_norm(w, q, k)
+        if w.window and t > w.window:
+            raise UnsupportedModelError(
+                f"a sliding-window layer attends to the last {w.window} tokens, and a pass of {t} "
+                f"tokens exceeds that: the attention kernel has no window mask yet; prefill at "
+                f"most {w.window} tokens per pass"
+            )
         q = np.ascontiguousarray(q.reshape(t, w.n_head, w.head_dim))
         k = np.ascontiguousarray(k.reshape(t, w.n_head_kv, w.head_dim))
         v = np.ascontiguousarray(v.reshape(t, w.n_head_kv, -1))
-        self.rope(q, pos, w.rope)
-        self.rope(k, pos, w.rope)
+        if w.rope is not None:  # None: a NoPE layer
+            self.rope(q, pos, w.rope)
+            self.rope(k, pos, w.rope)
         a = self.attend(q, k, v, w.scale)
         return self.matmul(np.ascontiguousarray(a.reshape(t, -1)), w.wo, "attn_out")
 
@@ -459,24 +467,39 @@ class Ops:
             rows = htp.quantize_q8(np.ascontiguousarray(h, np.float32), rows, backend=be)
         return rows
 
-    def moe(self, h: np.ndarray, w: MoE, shared: FFN | None = None) -> np.ndarray:
-        """Route each token to its top-k experts and sum their SwiGLU outputs, weighted, plus
-        the always-on ``shared`` experts' FFN if given; all read ``h`` quantized once.
-
-        The router runs here (resident); the experts run through the expert source, which the
-        engine's loop told at layer start to begin reading this layer's experts."""
+    def route(self, x: np.ndarray, w: MoE) -> tuple[np.ndarray, np.ndarray]:
+        """The router on ``x``: each token's top-k expert ids and weights ``[T, k]``."""
         g = w.gating
         with self.timed("router"):
-            logits = self.linear_f32(h, w.router)
+            logits = self.linear_f32(x, w.router)
             out = None
             if self.pool is not None:
-                out = (self.pool.empty((h.shape[0], g.n_used), np.int32),
-                       self.pool.empty((h.shape[0], g.n_used)))  # fmt: skip
+                out = (self.pool.empty((x.shape[0], g.n_used), np.int32),
+                       self.pool.empty((x.shape[0], g.n_used)))  # fmt: skip
             ids, weights = htp.router_topk(
                 logits, g.n_used, gating=g.func, norm=g.norm, scale=g.scale,
                 bias=self._w(w.bias), out=out, backend=self.backend,
             )  # type: ignore[arg-type]  # fmt: skip
-        rows = self.quantize_input(h)
+        return ids, weights
+
+    def moe(
+        self,
+        h: np.ndarray,
+        w: MoE,
+        shared: FFN | None = None,
+        routes: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """Route each token to its top-k experts and sum their gated (SwiGLU or ReGLU)
+        outputs, weighted, plus the always-on ``shared`` experts' FFN if given; all read ``h``
+        quantized once.
+
+        The router runs here on ``h`` unless ``routes`` (ids, weights) were computed before
+        (`route`, on another input: SmallThinker routes the layer's input); the experts run
+        through the expert source, which the engine's loop told at layer start to begin reading
+        this layer's experts. ReGLU experts read ``h`` in float32 (their op quantizes each
+        row itself)."""
+        ids, weights = self.route(h, w) if routes is None else routes
+        rows = self.quantize_input(h) if w.glu == "swiglu" else None
         y = self.zeros((h.shape[0], self.hp.n_embd))
         with self.timed("experts"):  # the routed experts: the engine's expert phase
             self.experts.run_layer(w.experts, h if rows is None else rows, ids, weights, y)

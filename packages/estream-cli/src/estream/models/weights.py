@@ -112,7 +112,10 @@ def yarn_factor(hp: ModelSpec) -> float:
 
 @attrs.frozen
 class Attention:
-    """Grouped-query self-attention with RoPE (and q/k RMSNorm where the family has it)."""
+    """Grouped-query self-attention with RoPE (and q/k RMSNorm where the family has it).
+
+    ``rope`` None: a NoPE layer (no rotation). ``window`` > 0: each query sees the last
+    ``window`` positions only (a sliding layer)."""
 
     wq: DenseTensor
     wk: DenseTensor
@@ -121,10 +124,11 @@ class Attention:
     n_head: int
     n_head_kv: int
     head_dim: int
-    rope: Rope
+    rope: Rope | None
     qk_norm: str = "none"  # "none" | "full" (whole projection) | "head" (per head)
     q_norm: np.ndarray | None = attrs.field(default=None, eq=False)
     k_norm: np.ndarray | None = attrs.field(default=None, eq=False)
+    window: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.qk_norm not in ("none", "full", "head"):
@@ -191,12 +195,14 @@ class Gating:
 
 @attrs.frozen
 class MoE:
-    """One layer's routed experts: the router, its gating, and where the experts are stored."""
+    """One layer's routed experts: the router, its gating, where the experts are stored, and
+    their gated activation (``glu``: "swiglu" or "reglu")."""
 
     experts: ExpertLayer
     router: np.ndarray = attrs.field(eq=False)  # [d, E], transposed for x @ W
     gating: Gating
     bias: np.ndarray | None = attrs.field(default=None, eq=False)  # selection-only (exp_probs_b)
+    glu: str = "swiglu"
 
 
 @attrs.frozen
@@ -239,10 +245,11 @@ def bind_attention(model: PackedModel, i: int) -> Attention:
         n_head=hp.n_head,
         n_head_kv=hp.n_head_kv[i],
         head_dim=hp.head_dim_k,
-        rope=Rope.from_spec(hp),
+        rope=None if i in hp.nope_layers else Rope.from_spec(hp),
         qk_norm=hp.qk_norm,
         q_norm=q_norm,
         k_norm=k_norm,
+        window=hp.sliding_window if i in hp.swa_layers else 0,
     )
 
 
@@ -286,6 +293,7 @@ def bind_moe(model: PackedModel, i: int) -> MoE:
         router=np.ascontiguousarray(router.T),
         gating=Gating.from_spec(model.hparams),
         bias=bias,
+        glu=model.hparams.expert_glu,
     )
 
 
