@@ -1,4 +1,4 @@
-"""A GGUF computed as it is: expert tensors stored as Q8_0, Q4_K or Q6_K (every projection, or
+"""A GGUF computed as it is: expert tensors stored as Q8_0, Q4_K, Q6_K or MXFP4 (every projection, or
 mixed per projection as quantizer mixes such as Q4_K_M write them) are packed without
 re-quantization, the manifest records each
 projection's format, and the engine runs those tiles in every mode and on every backend.
@@ -64,7 +64,8 @@ KQ_DIMS = {"n_embd": 256, "n_ff_exp": 256}  # K-quant rows: whole 256-value supe
 
 
 @pytest.fixture(
-    scope="module", params=["all-q8_0", "down-q8_0", "q4_k_m", "all-q6_k", "q4_k_m-dense"]
+    scope="module",
+    params=["all-q8_0", "down-q8_0", "q4_k_m", "all-q6_k", "q4_k_m-dense", "mxfp4", "mxfp4-dense"],
 )
 def packed(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"types-{request.param}")
@@ -81,6 +82,13 @@ def packed(request, tmp_path_factory):
                           expert_down_type="Q6_K", dense_type="Q4_K", output_type="Q6_K",
                           dims=dims)  # fmt: skip
         want = ("q4_k-t32r4", "q4_k-t32r4", "q6_k-t32r4")
+    elif request.param == "mxfp4":  # gpt-oss's expert type
+        src = synth_model("qwen3moe", "tiny", d / "m.gguf", seed=8, expert_type="MXFP4")
+        want = ("mxfp4-t32r4",) * 3
+    elif request.param == "mxfp4-dense":  # MXFP4 dense matrices and embedding, Q8_0 down
+        src = synth_model("qwen3moe", "tiny", d / "m.gguf", seed=9, expert_type="MXFP4",
+                          expert_down_type="Q8_0", dense_type="MXFP4")  # fmt: skip
+        want = ("mxfp4-t32r4", "mxfp4-t32r4", "q8_0-t32r4")
     elif request.param == "all-q6_k":
         src = synth_model("qwen3moe", "tiny", d / "m.gguf", seed=6, expert_type="Q6_K",
                           dims=KQ_DIMS)  # fmt: skip
@@ -104,7 +112,8 @@ def test_manifest_records_each_projection_format(packed):
         got = tuple(la["projections"][j]["format"] for j in ("gate", "up", "down"))
         assert got == want, la["index"]
     kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(src).tensors}
-    tiles = {"Q4_0": "q4_0-t32r4", "Q8_0": "q8_0-t32r4", "Q4_K": "q4_k-t32r4", "Q6_K": "q6_k-t32r4"}
+    tiles = {"Q4_0": "q4_0-t32r4", "Q8_0": "q8_0-t32r4", "Q4_K": "q4_k-t32r4", "Q6_K": "q6_k-t32r4",
+             "MXFP4": "mxfp4-t32r4"}  # fmt: skip
     for name, t in doc["dense"]["tensors"].items():  # quantized matrices keep their type too
         if t["format"] != "f32":
             assert t["format"] == tiles[kinds[name]], name

@@ -142,6 +142,7 @@ KQ_DIMS = ["--dim", "n_embd=256", "--dim", "n_ff_exp=256"]
     [
         (["--expert-type", "Q8_0"], ["q8_0-t32r4"] * 3),
         (["--expert-type", "Q6_K", *KQ_DIMS], ["q6_k-t32r4"] * 3),
+        (["--expert-type", "MXFP4", "--dense-type", "MXFP4"], ["mxfp4-t32r4"] * 3),
         (
             [
                 "--expert-type",
