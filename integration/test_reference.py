@@ -108,25 +108,27 @@ class _Naive:
             out[a], out[b] = z.real, z.imag
         return out
 
-    def attend(self, qs, ks, vs, scale):  # type: ignore[no-untyped-def]
-        """qs[t][h], ks[s][g], vs[s][g] lists of vectors → per token concatenated heads."""
+    def attend(self, qs, ks, vs, scale, window=0):  # type: ignore[no-untyped-def]
+        """qs[t][h], ks[s][g], vs[s][g] lists of vectors → per token concatenated heads;
+        ``window`` > 0: token t sees the last ``window`` tokens up to itself."""
         n_head, n_kv = len(qs[0]), len(ks[0])
         out = []
         for t in range(len(qs)):
             heads = []
+            first = max(0, t - window + 1) if window else 0
             for h in range(n_head):
                 g = h * n_kv // n_head
-                sc = [float(qs[t][h] @ ks[s][g]) * scale for s in range(t + 1)]
+                sc = [float(qs[t][h] @ ks[s][g]) * scale for s in range(first, t + 1)]
                 m = max(sc)
                 e = [math.exp(x - m) for x in sc]
                 z = sum(e)
-                heads.append(sum(e[s] / z * vs[s][g] for s in range(t + 1)))
+                heads.append(sum(e[s - first] / z * vs[s][g] for s in range(first, t + 1)))
             out.append(np.concatenate(heads))
         return out
 
-    def moe(self, p: str, x: np.ndarray) -> np.ndarray:
+    def moe(self, p: str, x: np.ndarray, router_x: np.ndarray | None = None) -> np.ndarray:
         arch = self.arch
-        logits = self.w(p + "ffn_gate_inp.weight") @ x
+        logits = self.w(p + "ffn_gate_inp.weight") @ (x if router_x is None else router_x)
         n_used = int(self.md("expert_used_count"))
         gating = {"olmoe": 1, "qwen3moe": 1, "llama": 1}.get(arch) or int(
             self.md("expert_gating_func", 1) or 1
@@ -141,9 +143,13 @@ class _Naive:
         sel = [probs[e] + (0.0 if bias is None else bias[e]) for e in range(len(probs))]
         chosen = sorted(range(len(sel)), key=lambda e: -sel[e])[:n_used]
         wts = [probs[e] for e in chosen]
-        normalize = {"olmoe": False, "qwen3moe": True, "llama": True, "lfm2moe": True}.get(
-            arch, bool(self.md("expert_weights_norm", False))
-        )
+        normalize = {
+            "olmoe": False,
+            "qwen3moe": True,
+            "llama": True,
+            "lfm2moe": True,
+            "smallthinker": True,
+        }.get(arch, bool(self.md("expert_weights_norm", False)))
         if normalize:
             wts = [v / sum(wts) for v in wts]
         scale = float(self.md("expert_weights_scale", 0.0)) if arch == "deepseek2" else 0.0
@@ -155,7 +161,8 @@ class _Naive:
         y = np.zeros_like(x)
         for e, wt in zip(chosen, wts):
             g = gate[e] @ x
-            y = y + wt * (down[e] @ ((g / (1 + np.exp(-g))) * (up[e] @ x)))
+            act = [max(v, 0.0) for v in g] if arch == "smallthinker" else g / (1 + np.exp(-g))
+            y = y + wt * (down[e] @ (np.asarray(act) * (up[e] @ x)))
         if p + "ffn_gate_shexp.weight" in self.t:
             g = self.w(p + "ffn_gate_shexp.weight") @ x
             u = self.w(p + "ffn_up_shexp.weight") @ x
@@ -177,6 +184,7 @@ class _Naive:
         kv_md = self.md("attention.head_count_kv")
         for il in range(int(self.md("block_count"))):
             p = f"blk.{il}."
+            layer_in = list(xs)  # SmallThinker routes the layer's input
             hs = [self.rmsnorm(x, self.w(p + "attn_norm.weight"), eps) for x in xs]
             if arch == "deepseek2":
                 mixed = self.mla_absorbed(p, hs, n_head, eps)
@@ -184,18 +192,26 @@ class _Naive:
                 mixed = self.shortconv(p, hs)
             else:
                 n_kv = int(list(kv_md)[il]) if isinstance(kv_md, list) else int(kv_md)
-                mixed = self.gqa(p, hs, n_head, n_kv, eps)
+                mixed = self.gqa(p, hs, n_head, n_kv, eps, il)
             xs = [x + m for x, m in zip(xs, mixed)]
             hs = [self.rmsnorm(x, self.w(p + "ffn_norm.weight"), eps) for x in xs]
-            ffn = self.moe if p + "ffn_gate_inp.weight" in self.t else self.dense
-            xs = [x + ffn(p, h) for x, h in zip(xs, hs)]
+            if arch == "smallthinker":
+                xs = [x + self.moe(p, h, r) for x, h, r in zip(xs, hs, layer_in)]
+            else:
+                ffn = self.moe if p + "ffn_gate_inp.weight" in self.t else self.dense
+                xs = [x + ffn(p, h) for x, h in zip(xs, hs)]
         norm = self.w("token_embd_norm.weight" if arch == "lfm2moe" else "output_norm.weight")
         head = self.w("output.weight")
         head = emb if head is None else head
         return np.stack([head @ self.rmsnorm(x, norm, eps) for x in xs])
 
-    def gqa(self, p, hs, n_head, n_kv, eps):  # type: ignore[no-untyped-def]
+    def gqa(self, p, hs, n_head, n_kv, eps, il=0):  # type: ignore[no-untyped-def]
         arch = self.arch
+        # SmallThinker with a window (llama.cpp: always 4096 tokens): layers il % pattern slide,
+        # layers il % 4 == 0 have no position embedding
+        swa = arch == "smallthinker" and int(self.md("attention.sliding_window", 0)) > 0
+        window = 4096 if swa and il % int(self.md("attention.sliding_window_pattern", 4)) else 0
+        nope = swa and il % 4 == 0
         wq, wk, wv = (self.w(p + f"attn_{n}.weight") for n in "qkv")
         dh = wq.shape[0] // n_head
         n_rot = int(self.md("rope.dimension_count", dh))
@@ -211,11 +227,11 @@ class _Naive:
             if arch in ("qwen3moe", "lfm2moe"):
                 qh = [self.rmsnorm(x, qn, eps) for x in qh]
                 kh = [self.rmsnorm(x, kn, eps) for x in kh]
-            qs.append([self.rope(x, pos, n_rot, neox) for x in qh])
-            ks.append([self.rope(x, pos, n_rot, neox) for x in kh])
+            qs.append([x if nope else self.rope(x, pos, n_rot, neox) for x in qh])
+            ks.append([x if nope else self.rope(x, pos, n_rot, neox) for x in kh])
             vs.append([v[i * dh : (i + 1) * dh] for i in range(n_kv)])
         wo = self.w(p + "attn_output.weight")
-        return [wo @ o for o in self.attend(qs, ks, vs, 1 / math.sqrt(dh))]
+        return [wo @ o for o in self.attend(qs, ks, vs, 1 / math.sqrt(dh), window)]
 
     def mla_absorbed(self, p, hs, n_head, eps):  # type: ignore[no-untyped-def]
         """DeepSeek-2 attention in the latent (absorbed) form: scores against the latent."""
@@ -287,7 +303,9 @@ def test_reference_matches_loop_implementation(tiny_gguf, arch: str, qtype) -> N
     assert rel_l2(got, want) < 1e-12
 
 
-@pytest.mark.parametrize("arch", ["olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe"])
+@pytest.mark.parametrize(
+    "arch", ["olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe", "smallthinker"]
+)
 def test_reference_matches_loop_implementation_on_synthetic_models(
     tmp_path: Path, arch: str
 ) -> None:
@@ -587,3 +605,35 @@ def test_refuses_what_it_does_not_implement(tiny_model, tiny_gguf_dir: Path) -> 
     model = ReferenceModel(tiny_model("olmoe").write(tiny_gguf_dir / "ok.gguf"))
     with pytest.raises(ValueError, match="token ids"):
         model.forward([0, 96])
+
+
+def test_reference_smallthinker_softmax_without_window(tmp_path: Path) -> None:
+    """SmallThinker's other form (softmax router, no sliding window: RoPE on every layer, the
+    synth `small` preset on a generated vocabulary): both implementations agree."""
+    from estream_layout import synth_model
+
+    path = synth_model("smallthinker", "small", tmp_path / "s.gguf", seed=3, vocab="-")
+    model = ReferenceModel(path)
+    assert model.config.gating == 1 and model.config.nope_layers == ()
+    tokens = np.random.default_rng(2).integers(0, model.config.n_vocab, 5).tolist()
+    assert rel_l2(model.forward(tokens), _Naive(path).forward(tokens)) < 1e-12
+
+
+def test_sliding_window_attention_matches_the_loop() -> None:
+    """The reference's sliding-window mask (each query sees the last `window` positions up to
+    itself) against the loop implementation's, with a window shorter than the sequence."""
+    from reference import causal_attention
+
+    rng = np.random.default_rng(0)
+    t, h, g, d = 9, 4, 2, 8
+    q, k, v = (
+        rng.standard_normal((t, h, d)),
+        rng.standard_normal((t, g, d)),
+        rng.standard_normal((t, g, d)),
+    )
+    naive = _Naive.__new__(_Naive)
+    for window in (1, 3, 9):
+        got = causal_attention(q, k, v, 0.3, window)
+        want = np.stack(naive.attend(list(q), list(k), list(v), 0.3, window))
+        assert rel_l2(got, want) < 1e-12
+    assert rel_l2(causal_attention(q, k, v, 0.3, 3), causal_attention(q, k, v, 0.3)) > 1e-3
