@@ -175,8 +175,9 @@ def test_synth_types_pack_as_stored_and_inspect_shows_them(
     assert pack_main(["--inspect", str(dst)]) == 0
     out = capsys.readouterr().out
     assert f"gate={want[0]} up={want[1]} down={want[2]} (layers [0, 1])" in out
-    if "--dense-type" in types:
-        assert "q8_0-t32r4: 10 tensors" in out and "q4_0-t32r4" not in out
+    if "--dense-type" in types:  # the dense matrices (and Q8_0 output head) in that type
+        dense = {"Q8_0": "q8_0-t32r4: 10 tensors", "MXFP4": "mxfp4-t32r4: 9 tensors"}
+        assert dense[types[types.index("--dense-type") + 1]] in out and "q4_0-t32r4" not in out
 
 
 def test_unsupported_expert_type_is_one_line_and_requantize_opts_in(
