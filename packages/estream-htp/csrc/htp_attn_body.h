@@ -1,4 +1,6 @@
-/* Flash-style attention body (one query block of one head), instantiated per SIMD level. With
+/* Flash-style attention body (one query block of one head: key blocks from the first the
+ * block's sliding window reaches to the last its causal rows see, an online softmax that starts
+ * from the head's sink when there is one), instantiated per SIMD level. With
  * c->bf16 it rounds q*scale, k, v and the softmax weights to bfloat16 exactly as the native
  * bf16 kernels do (products and sums stay fp32). */
 #ifndef ESTREAM_HTP_ATTN_BODY_H

@@ -16,9 +16,8 @@
  *   <= 0 or >= VW), V_MASK_ANDNOT(a, b) (b and not a, on masks), V_MAXM(a, m, x) (max(a, x)
  *   where m, else a), V_ANDM(m, x) (x where m, else 0).
  * Everything else — the block loop, the key limits of causal, context and sliding-window
- * attention, the sinks, the
- * running max and sum, the rescaling of O, the final normalisation and the fp32 register block
- * for both products — is shared. Each output element sums its products in one fixed order
+ * attention, the sinks, the running max and sum, the rescaling of O, the final normalisation
+ * and the fp32 register block for both products — is shared. Each output element sums its products in one fixed order
  * (over d for S, over keys for O), whatever the block shape. */
 
 /* C[MR][MC·VW] (+)= A[MR][kd] · B[kd][MC·VW]: A rows broadcast lane by lane, B rows loaded as
