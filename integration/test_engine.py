@@ -373,3 +373,41 @@ def test_reglu_experts_quantize_each_experts_rows(tmp_path, backend, monkeypatch
             logits.append(eng.prefill(toks, all_logits=True).logits)
     assert seen and set(seen) == {"ndarray"}
     assert np.array_equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("schedule", ["after-routing", "early"])
+def test_pre_attention_router_starts_the_routed_reads_before_attention(
+    tmp_path, schedule, monkeypatch
+):
+    """SmallThinker routes a layer's input before its attention: the streamed source learns
+    the routes then (`routes_known`, before the layer's attention op), so ``after-routing``
+    submits exactly the routed groups while attention runs (every group read is one that runs)
+    and ``early`` drops the unrouted ones then; the logits are those of the resident engine."""
+    from estream.experts import StreamedExperts
+    from estream.models.ops import Ops
+
+    src = synth_model("smallthinker", "tiny", tmp_path / "st.gguf", seed=6)
+    dst = tmp_path / "st.estream"
+    pack_model(src, dst, progress=False)
+    events: list[str] = []
+    real_known, real_attention = StreamedExperts.routes_known, Ops.attention
+
+    def routes_known(self, layer, ids):
+        events.append(f"routes {layer.index}")
+        return real_known(self, layer, ids)
+
+    def attention(self, w, h, pos):
+        events.append("attention")
+        return real_attention(self, w, h, pos)
+
+    monkeypatch.setattr(StreamedExperts, "routes_known", routes_known)
+    monkeypatch.setattr(Ops, "attention", attention)
+    toks = _tokens(301, 41, seed=2)
+    with estream.load(dst, mode="stream", G=2, Q=2, B=3, schedule=schedule, act="f32") as eng:
+        res = eng.prefill(toks, all_logits=True)
+        layers = sorted(eng.hp.moe_layers)
+    assert events == [e for i in layers for e in (f"routes {i}", "attention")]
+    if schedule == "after-routing":  # nothing read that does not run
+        assert {(r.layer, r.group) for r in res.reads} == {(g.layer, g.group) for g in res.records}
+    with estream.load(dst, mode="resident", act="f32") as eng:
+        assert np.array_equal(eng.prefill(toks, all_logits=True).logits, res.logits)

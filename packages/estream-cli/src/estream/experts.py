@@ -113,6 +113,12 @@ class ExpertSource(Protocol):
 
     def begin_layer(self, layer: ExpertLayer) -> None: ...
 
+    def routes_known(self, layer: ExpertLayer, ids: np.ndarray) -> None:
+        """The started layer's routes (top-k expert ids ``[T, k]``, those `run_layer` will
+        get) are known before its experts are due: a router that reads the layer's input
+        runs before attention. A source may start the routed reads now."""
+        ...
+
     def run_layer(
         self,
         layer: ExpertLayer,
@@ -279,6 +285,9 @@ class ResidentExperts:
     def begin_layer(self, layer: ExpertLayer) -> None:
         pass
 
+    def routes_known(self, layer: ExpertLayer, ids: np.ndarray) -> None:
+        pass  # everything is in memory: nothing to read
+
     def run_layer(
         self,
         layer: ExpertLayer,
@@ -368,6 +377,10 @@ class StreamedExperts:
         self._planes = tuple(self.arena.plane_address(j) for j in range(3))
         self._layer: ExpertLayer | None = None
         self._started: ExpertLayer | None = None  # begun and submitted ahead of the pass
+        # (layer index, its routed groups) when its routes came before its experts (a
+        # pre-attention router, `routes_known`): their reads were submitted or the others
+        # dropped then
+        self._known: tuple[int, frozenset[int]] | None = None
         self._buffers: list[int] = []
         self._routes = be.route_buffers()
         try:
@@ -392,6 +405,7 @@ class StreamedExperts:
         join the loader's threads, and start again with a fresh loader and arena, so the next
         request finds no layer open and nothing leaked."""
         self.records.clear()
+        self._known = None
         self.close()
         self._open()
 
@@ -442,6 +456,23 @@ class StreamedExperts:
         if started is None:
             self._start_layer(layer)
 
+    def routes_known(self, layer: ExpertLayer, ids: np.ndarray) -> None:
+        """Routes known at layer start: with ``after-routing`` the routed groups' reads start
+        now, while attention runs (no read is wasted and none waits for the router after
+        attention); with ``early`` the unrouted groups are dropped now. ``ondemand`` reads
+        each group when it is due, as ever."""
+        assert self._layer is layer, "begin_layer() must be called first"
+        if self.schedule == "ondemand":
+            return
+        routed = frozenset(int(k) for k in np.unique(layer.position[np.ravel(ids)] // self.G))
+        if self.schedule == "after-routing":
+            self.loader.submit([self._request(layer, k) for k in sorted(routed)])
+        else:
+            unrouted = [k for k in range(self._n_groups(layer)) if k not in routed]
+            if unrouted:
+                self.loader.drop(unrouted)
+        self._known = (layer.index, routed)
+
     def run_layer(
         self,
         layer: ExpertLayer,
@@ -451,6 +482,7 @@ class StreamedExperts:
         y: np.ndarray,
     ) -> None:
         assert self._layer is layer, "begin_layer() must be called first"
+        known, self._known = self._known, None
         tokens, experts, w = flatten_routes(ids, weights)
         group_of_route = layer.position[experts] // self.G
         perm = np.argsort(group_of_route, kind="stable")
@@ -460,7 +492,10 @@ class StreamedExperts:
         starts = np.concatenate(([0], np.cumsum(counts)))
         routed = np.flatnonzero(counts)
         unrouted = np.flatnonzero(counts == 0)
-        if self.schedule == "early":
+        if known is not None and known[0] == layer.index:
+            if known[1] != frozenset(int(k) for k in routed):
+                raise RuntimeError(f"layer {layer.index}: the routes changed after routes_known")
+        elif self.schedule == "early":
             if unrouted.size:
                 self.loader.drop(int(k) for k in unrouted)
         elif self.schedule == "after-routing":
@@ -550,6 +585,7 @@ class StreamedExperts:
     def end_layer(self) -> None:
         self.loader.end_layer()
         self._layer = None
+        self._known = None
 
     def close(self) -> None:
         try:

@@ -467,8 +467,13 @@ class Ops:
             rows = htp.quantize_q8(np.ascontiguousarray(h, np.float32), rows, backend=be)
         return rows
 
-    def route(self, x: np.ndarray, w: MoE) -> tuple[np.ndarray, np.ndarray]:
-        """The router on ``x``: each token's top-k expert ids and weights ``[T, k]``."""
+    def route(
+        self, x: np.ndarray, w: MoE, *, before_attention: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The router on ``x``: each token's top-k expert ids and weights ``[T, k]``.
+        ``before_attention``: a pre-attention router (SmallThinker's): the expert source learns
+        the routes now (`ExpertSource.routes_known`) and may read the routed groups while
+        attention runs."""
         g = w.gating
         with self.timed("router"):
             logits = self.linear_f32(x, w.router)
@@ -480,6 +485,8 @@ class Ops:
                 logits, g.n_used, gating=g.func, norm=g.norm, scale=g.scale,
                 bias=self._w(w.bias), out=out, backend=self.backend,
             )  # type: ignore[arg-type]  # fmt: skip
+        if before_attention and self._layer is w.experts:
+            self.experts.routes_known(w.experts, ids)
         return ids, weights
 
     def moe(

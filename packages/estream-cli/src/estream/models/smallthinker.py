@@ -1,7 +1,8 @@
 """SmallThinker (llama.cpp `smallthinker`): the router reads the layer's input.
 
 Each layer routes its input (the residual stream before the attention norm) first, so the
-layer's routes are known before its attention runs; then grouped-query attention (NeoX RoPE,
+layer's routes are known before its attention runs (the expert source is told: streamed, it
+reads the routed groups while attention runs); then grouped-query attention (NeoX RoPE,
 none on the NoPE layers; a sliding window on the sliding layers), then ReGLU experts on the
 FFN norm of the attention's output, weighted by the routes found at the start. As in llama.cpp's
 `src/models/smallthinker.cpp`; which layers slide or skip RoPE is the family record's (read
@@ -44,6 +45,6 @@ def bind(model: PackedModel) -> Weights[Layer]:
 
 
 def layer(ops: Ops, hp: ModelSpec, w: Layer, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    routes = ops.route(x, w.moe)  # before attention: on the layer's input
+    routes = ops.route(x, w.moe, before_attention=True)  # on the layer's input
     x = ops.add(x, ops.attention(w.attn, ops.rms_norm(x, w.attn_norm), pos))
     return ops.add(x, ops.moe(ops.rms_norm(x, w.ffn_norm), w.moe, routes=routes))
