@@ -34,7 +34,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # self-checks. Tensor names and metadata keys follow llama.cpp (src/llama-arch.cpp).
 # ------------------------------------------------------------------------------------------
 
-TINY_ARCHS = ("olmoe", "qwen3moe", "llama", "deepseek2", "lfm2moe")
+TINY_ARCHS = ("olmoe", "qwen3moe", "llama", "deepseek2", "lfm2moe", "smallthinker")
 
 
 class TinyModel:
@@ -174,7 +174,7 @@ def make_tiny_model(
         elif arch == "qwen3moe":
             gqa_attention(p, head_dim)
             experts(p)
-        elif arch == "llama":
+        elif arch in ("llama", "smallthinker"):
             gqa_attention(p, None)
             experts(p)
         elif arch == "deepseek2":
@@ -232,6 +232,10 @@ def make_tiny_model(
             t[f"blk.{il}.exp_probs_b.bias"] = (0.1 * rng.standard_normal(n_expert)).astype(
                 np.float32
             )
+    elif arch == "smallthinker":
+        md[f"{a}.expert_feed_forward_length"] = n_ff_exp
+        md[f"{a}.expert_gating_func"] = 2  # sigmoid (moe_primary_router_apply_softmax false)
+        md[f"{a}.attention.sliding_window"] = 4096  # layer 0 NoPE, the others slide
     elif arch == "lfm2moe":
         md[f"{a}.attention.head_count_kv"] = [
             0 if il % 2 == 0 else n_head_kv for il in range(n_layer)

@@ -31,7 +31,7 @@ from reference import (
     yarn_corr_dims,
 )
 
-ARCHS = ["olmoe", "qwen3moe", "llama", "deepseek2", "lfm2moe"]
+ARCHS = ["olmoe", "qwen3moe", "llama", "deepseek2", "lfm2moe", "smallthinker"]
 F32 = GGMLQuantizationType.F32
 Q4_0 = GGMLQuantizationType.Q4_0
 Q8_0 = GGMLQuantizationType.Q8_0
