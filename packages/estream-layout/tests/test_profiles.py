@@ -43,6 +43,8 @@ GOOD_COUNTS = [5, 90, 1, 40, 40, 0, 7, 3]
         ('{"layers": {"0": {"counts": [Infinity, 1]}}}', "Infinity is not a JSON number"),
         ('{"layers": {"0": {"counts": [1e309, 1, 1, 1, 1, 1, 1, 1]}}}', "1e309 is out of range"),
         ('{"layers": {"0": {"counts": [-1, 1, 1, 1, 1, 1, 1, 1]}}}', r"counts\[0\] = -1 is not"),
+        ('{"layers": {"0": {"counts": [1%s, 1, 1, 1, 1, 1, 1, 1]}}}' % ("0" * 400),
+         r"counts\[0\] = a huge integer is not a finite number"),
         ('{"layers": {"0": {"counts": [1, 1, 1, 1, 1, 1, 1, 1]}, "0": {"counts": [1]}}}',
          "key '0' appears twice"),
         ('{"layers": [{"index": 1, "counts": [1, 1, 1, 1, 1, 1, 1, 1]},'

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import signal
 import sys
 import threading
@@ -128,12 +129,20 @@ def pack_main(argv: Sequence[str] | None = None) -> int:
         return _fail("estream-pack", f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
 
 
+def _ascii_int(text: str) -> int:
+    """argparse type of an integer option: ASCII digits with an optional '-' (``int()`` alone
+    also takes '１', '٣' or '1_000')."""
+    if not re.fullmatch(r"-?[0-9]{1,30}", text.strip()):
+        raise argparse.ArgumentTypeError(f"expected an integer (ASCII digits), got {text!r}")
+    return int(text)
+
+
 def _dims(items: Sequence[str]) -> dict[str, int] | str:
     """``--dim NAME=N`` items as a mapping, or the first item not of that form."""
     dims: dict[str, int] = {}
     for item in items:
         name, _, value = item.partition("=")
-        if not value.strip().isdigit():
+        if not re.fullmatch(r"[0-9]{1,30}", value.strip()):
             return item
         dims[name.strip()] = int(value)
     return dims
@@ -149,7 +158,9 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--preset", required=True, choices=PRESETS, help="size and shape (tiny: for tests)"
     )
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    ap.add_argument(
+        "--seed", type=_ascii_int, default=0, help="seed of the random weights (default 0)"
+    )
     ap.add_argument(
         "--vocab",
         help="GGUF to copy tokenizer.ggml.* from (default: by family; '-': a generated one)",

@@ -252,8 +252,13 @@ def _profile_numbers(where: str, v: Any, field: str, n: int | None = None) -> np
     for i, x in enumerate(v):
         if not _is_number(x):
             raise ProfileError(f"{where}: {field}[{i}] is {_kind(x)}, not a number")
-        if not math.isfinite(x) or x < 0:
-            raise ProfileError(f"{where}: {field}[{i}] = {x} is not a finite number >= 0")
+        try:
+            finite = math.isfinite(x) and x >= 0  # an int past float's range: OverflowError
+        except OverflowError:
+            finite = False
+        if not finite:
+            shown = x if isinstance(x, float) or abs(x) < 10**20 else "a huge integer"
+            raise ProfileError(f"{where}: {field}[{i}] = {shown} is not a finite number >= 0")
     return np.asarray(v, dtype=np.float64)
 
 

@@ -109,6 +109,24 @@ class SynthDims:
         return layer in self.attention_layers
 
 
+#: `SynthDims` fields that count something (at least 1) and their largest accepted value.
+_COUNT_DIMS: Final = {
+    **dict.fromkeys(("n_layers", "n_experts", "n_experts_used", "n_head", "n_head_kv"), 1 << 12),
+    **dict.fromkeys(("n_embd", "n_ff_exp", "n_ff", "head_dim", "l_cache"), 1 << 16),
+    "n_vocab": 1 << 20,
+    "n_ctx": 1 << 24,
+}
+
+
+def _check_dims(changes: Mapping[str, Any]) -> None:
+    """Changed counts are integers from 1 to their bound (a 0 width divides by zero later, a
+    billion layers never finishes)."""
+    for name, v in changes.items():
+        hi = _COUNT_DIMS.get(name)
+        if hi is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi):
+            raise InvalidArgumentError(f"{name} = {v!r}: must be an integer from 1 to {hi}")
+
+
 def synth_dims(arch: str, preset: str) -> SynthDims:
     """The dimensions of a preset for an architecture (its family record's presets over the
     shared tiny/small/olmoe-1b-7b ones)."""
@@ -452,6 +470,7 @@ def synth_model(
         unknown = set(changes) - {a.name for a in attrs.fields(SynthDims)}
         if unknown:
             raise TypeError(f"unknown synth dimension(s) {sorted(unknown)}")
+        _check_dims(changes)
         d = attrs.evolve(d, **changes)
     vocab_path, vocab_kv, n_vocab = _vocabulary(arch, preset, vocab, d.n_vocab, seed)
     names = {expert_type, dense_type, output_type, expert_down_type or expert_type}
