@@ -55,7 +55,8 @@ typedef enum htp_format {
     HTP_FMT_F32 = 4,        /* row-major float */
     HTP_FMT_Q4_K_T32R4 = 5, /* 704-byte 32x32 tiles of GGML Q4_K sub-blocks (docs/format.md) */
     HTP_FMT_Q6_K_T32R4 = 6, /* 1152-byte 32x32 tiles of GGML Q6_K sub-blocks */
-    HTP_FMT_MXFP4_T32R4 = 7 /* 544-byte 32x32 tiles of GGML MXFP4 blocks (E8M0 + FP4 E2M1) */
+    HTP_FMT_MXFP4_T32R4 = 7, /* 544-byte 32x32 tiles of GGML MXFP4 blocks (E8M0 + FP4 E2M1) */
+    HTP_FMT_Q5_K_T32R4 = 8   /* 832-byte 32x32 tiles of GGML Q5_K sub-blocks */
 } htp_format;
 
 typedef enum htp_simd {
@@ -166,7 +167,7 @@ typedef struct htp_ref {
  * same format, into y_b [t][n_b] (and y_c [t][n_c]): q/k/v or gate/up projections of one
  * input, which is quantized once. Every output is bit-identical to a one-matrix GEMM. */
 typedef struct htp_gemm_params {
-    uint32_t format; /* HTP_FMT_Q4_0_T32R4, _Q8_0_, _Q4_K_, _Q6_K_ or _MXFP4_T32R4 */
+    uint32_t format; /* HTP_FMT_Q4_0_T32R4, _Q8_0_, _Q4_K_, _Q5_K_, _Q6_K_ or _MXFP4_T32R4 */
     uint32_t n, k, t, ldx, ldy;
     uint32_t n_more; /* 0, 1 or 2 further matrices */
     uint32_t n_b, n_c;
@@ -181,7 +182,7 @@ typedef struct htp_expert_params {
     uint32_t n_experts;     /* E: entries of slot_of_expert */
     uint32_t capacity;      /* routes per internal pass (larger route sets are split) */
     uint32_t format;        /* the gate projection's tile format (HTP_FMT_Q4_0_T32R4, _Q8_0_,
-                               _Q4_K_, _Q6_K_ or _MXFP4_T32R4); also up's and down's where 0
+                               _Q4_K_, _Q5_K_, _Q6_K_ or _MXFP4_T32R4); also up's and down's where 0
                                below */
     uint32_t x_q8;          /* 0: x is [T][d_model] fp32; 1: x is T Q8 rows (HTP_OP_QUANTIZE's
                                output, act must be Q8): several ops on one input share them */

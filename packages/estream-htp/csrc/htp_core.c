@@ -24,6 +24,10 @@ void htp_q6kq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q
                               float *out, uint32_t ldo, uint32_t rows) {
     htp_q6k_strip_body(strip, kb, a, nt, out, ldo, rows);
 }
+void htp_q5kq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                              float *out, uint32_t ldo, uint32_t rows) {
+    htp_q5k_strip_body(strip, kb, a, nt, out, ldo, rows);
+}
 void htp_mxq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                              float *out, uint32_t ldo, uint32_t rows) {
     htp_mxfp4_strip_body(strip, kb, a, nt, out, ldo, rows);
@@ -45,6 +49,7 @@ const htp_isa htp_isa_portable = {
     .q4kq8_strip = htp_q4kq8_strip_portable,
     .q6kq8_strip = htp_q6kq8_strip_portable,
     .kq8_nt = 64,
+    .q5kq8_strip = htp_q5kq8_strip_portable,
     .mxq8_strip = htp_mxq8_strip_portable,
     .mxq8_nt = 64,
     .dequant_tile = htp_dequant_portable,
@@ -135,12 +140,13 @@ size_t htp_tile_bytes(uint32_t fmt) {
     case HTP_FMT_Q4_K_T32R4: return HTP_Q4K_TILE_BYTES;
     case HTP_FMT_Q6_K_T32R4: return HTP_Q6K_TILE_BYTES;
     case HTP_FMT_MXFP4_T32R4: return HTP_MXFP4_TILE_BYTES;
+    case HTP_FMT_Q5_K_T32R4: return HTP_Q5K_TILE_BYTES;
     default: return 0;
     }
 }
 int htp_is_weight_format(uint32_t fmt) {
     return fmt == HTP_FMT_Q4_0_T32R4 || fmt == HTP_FMT_Q8_0_T32R4 || fmt == HTP_FMT_Q4_K_T32R4 ||
-           fmt == HTP_FMT_Q6_K_T32R4 || fmt == HTP_FMT_MXFP4_T32R4;
+           fmt == HTP_FMT_Q6_K_T32R4 || fmt == HTP_FMT_MXFP4_T32R4 || fmt == HTP_FMT_Q5_K_T32R4;
 }
 uint64_t htp_matrix_bytes(uint32_t fmt, uint32_t n, uint32_t k) {
     return (uint64_t)((n + 31) / 32) * (k / 32) * htp_tile_bytes(fmt);
@@ -154,8 +160,8 @@ void htp_gemm_tiles(const htp_isa *isa, const uint8_t *w, uint32_t fmt, uint32_t
     const size_t tbytes = htp_tile_bytes(fmt);
     /* the strip kernel and its tokens per call for this format (K-quant and MXFP4 kernels a
      * table does not have: the portable ones) */
-    const int kq = fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q6_K_T32R4 ||
-                   fmt == HTP_FMT_MXFP4_T32R4;
+    const int kq = fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q5_K_T32R4 ||
+                   fmt == HTP_FMT_Q6_K_T32R4 || fmt == HTP_FMT_MXFP4_T32R4;
     void (*strip_fn)(const uint8_t *, uint32_t, const htp_act_q8 *, uint32_t, float *, uint32_t, uint32_t);
     uint32_t ntmax;
     if (fmt == HTP_FMT_Q4_0_T32R4) {
@@ -165,6 +171,9 @@ void htp_gemm_tiles(const htp_isa *isa, const uint8_t *w, uint32_t fmt, uint32_t
     } else if (fmt == HTP_FMT_MXFP4_T32R4) {
         const htp_isa *mi = isa->mxq8_strip ? isa : &htp_isa_portable;
         strip_fn = mi->mxq8_strip, ntmax = mi->mxq8_nt;
+    } else if (fmt == HTP_FMT_Q5_K_T32R4) {
+        const htp_isa *ki = isa->q5kq8_strip ? isa : &htp_isa_portable;
+        strip_fn = ki->q5kq8_strip, ntmax = ki->kq8_nt;
     } else {
         const int own = isa->q4kq8_strip && isa->q6kq8_strip;
         const htp_isa *ki = own ? isa : &htp_isa_portable;
@@ -312,8 +321,8 @@ void htp_exec_get_rows(const htp_get_rows_params *pr, const uint8_t *p, const in
                 memcpy(&h, tile + 2 * r, 2);
                 const float d = htp_f16_to_f32(h);
                 float *ob = o + 32 * j;
-                if (format == HTP_FMT_Q4_K_T32R4 || format == HTP_FMT_Q6_K_T32R4 ||
-                    format == HTP_FMT_MXFP4_T32R4) {
+                if (format == HTP_FMT_Q4_K_T32R4 || format == HTP_FMT_Q5_K_T32R4 ||
+                    format == HTP_FMT_Q6_K_T32R4 || format == HTP_FMT_MXFP4_T32R4) {
                     float panel[1024]; /* the tile's values, then row r of them */
                     htp_dequant_kq_tile_body(tile, format, panel);
                     for (int c = 0; c < 32; c++) ob[c] = panel[c * 32 + r];

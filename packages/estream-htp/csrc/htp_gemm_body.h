@@ -30,7 +30,7 @@ HTP_INLINE void htp_dequant_kq_tile_body(const uint8_t *p, uint32_t fmt, float *
                     hi[r] = (float)htp_mxfp4_kvalues[v >> 4] * s[r];
                 }
             }
-    } else if (fmt == HTP_FMT_Q4_K_T32R4) {
+    } else if (fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q5_K_T32R4) {
         float s[32], mn[32];
         for (int r = 0; r < 32; r++) {
             uint16_t h, hm;
@@ -45,8 +45,11 @@ HTP_INLINE void htp_dequant_kq_tile_body(const uint8_t *p, uint32_t fmt, float *
                 float *hi = panel + (16 + 4 * gi + b) * 32;
                 for (int r = 0; r < 32; r++) {
                     const uint8_t v = p[192 + gi * 128 + r * 4 + b];
-                    lo[r] = s[r] * (float)(v & 15) - mn[r];
-                    hi[r] = s[r] * (float)(v >> 4) - mn[r];
+                    uint32_t h = 0; /* q5_k: the fifth bits of the row, bit c = column c */
+                    if (fmt == HTP_FMT_Q5_K_T32R4) memcpy(&h, p + 704 + 4 * r, 4);
+                    const int cl = 4 * gi + b;
+                    lo[r] = s[r] * (float)((v & 15) | (((h >> cl) & 1) << 4)) - mn[r];
+                    hi[r] = s[r] * (float)((v >> 4) | (((h >> (cl + 16)) & 1) << 4)) - mn[r];
                 }
             }
     } else {
@@ -99,6 +102,53 @@ HTP_INLINE void htp_q4k_strip_body(const uint8_t *strip, uint32_t kb, const htp_
                 const int32_t isc = (int32_t)tile[128 + r] * dot[r];
                 const int32_t imn = (int32_t)tile[160 + r] * sa;
                 const float s1 = htp_f16_to_f32(h) * da, s2 = htp_f16_to_f32(hm) * da;
+                const float v = (float)isc * s1 - (float)imn * s2;
+                acc[r] += v;
+            }
+        }
+        for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = acc[r];
+    }
+}
+
+/* Q5_K tiles x Q8 activations, reference order, any nt: the Q4_K body with q = nibble + 16 x
+ * fifth bit (0..31); q5_k-t32r4 (832 B) is q4_k-t32r4 followed by a fifth group at 704: row r's
+ * fifth bits as a little-endian uint32 at 704 + 4r (bit c = column c). Per row and 32-block the
+ * exact int32 dot = sum q*a and the block's activation sum sa, then llama.cpp's
+ * vec_dot_q5_K_q8_K rule (float)(sc*dot) * (d*da) - (float)(m*sa) * (dmin*da). */
+HTP_INLINE void htp_q5k_strip_body(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                   uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    const uint32_t k = kb * 32;
+    for (uint32_t tt = 0; tt < nt; tt++) {
+        float acc[32];
+        for (int r = 0; r < 32; r++) acc[r] = 0.0f;
+        const int8_t *qa = a->q + (size_t)tt * k;
+        for (uint32_t j = 0; j < kb; j++) {
+            const uint8_t *tile = strip + (size_t)j * HTP_Q5K_TILE_BYTES;
+            const int8_t *qb = qa + 32 * j;
+            const float da = a->d[(size_t)tt * kb + j];
+            const int32_t sa = a->s[(size_t)tt * kb + j];
+            int32_t dot[32];
+            for (int r = 0; r < 32; r++) {
+                uint32_t h;
+                memcpy(&h, tile + 704 + 4 * r, 4);
+                int32_t sacc = 0;
+                for (int gi = 0; gi < 4; gi++)
+                    for (int b = 0; b < 4; b++) {
+                        const uint8_t v = tile[192 + gi * 128 + r * 4 + b];
+                        const int cl = 4 * gi + b;
+                        const int32_t ql = (int32_t)((v & 15) | (((h >> cl) & 1) << 4));
+                        const int32_t qh = (int32_t)((v >> 4) | (((h >> (cl + 16)) & 1) << 4));
+                        sacc += ql * qb[cl] + qh * qb[16 + cl];
+                    }
+                dot[r] = sacc;
+            }
+            for (int r = 0; r < 32; r++) {
+                uint16_t hd, hm;
+                memcpy(&hd, tile + 2 * r, 2);
+                memcpy(&hm, tile + 64 + 2 * r, 2);
+                const int32_t isc = (int32_t)tile[128 + r] * dot[r];
+                const int32_t imn = (int32_t)tile[160 + r] * sa;
+                const float s1 = htp_f16_to_f32(hd) * da, s2 = htp_f16_to_f32(hm) * da;
                 const float v = (float)isc * s1 - (float)imn * s2;
                 acc[r] += v;
             }
@@ -181,7 +231,8 @@ HTP_INLINE void htp_mxfp4_strip_body(const uint8_t *strip, uint32_t kb, const ht
 
 /* panel[c*32 + r] = W[row r][col c] for one tile (32 rows, 32 columns). */
 HTP_INLINE void htp_dequant_tile_body(const uint8_t *p, uint32_t fmt, float *panel) {
-    if (fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q6_K_T32R4 || fmt == HTP_FMT_MXFP4_T32R4) {
+    if (fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q5_K_T32R4 || fmt == HTP_FMT_Q6_K_T32R4 ||
+        fmt == HTP_FMT_MXFP4_T32R4) {
         htp_dequant_kq_tile_body(p, fmt, panel);
         return;
     }

@@ -39,6 +39,7 @@
 #define HTP_Q8_TILE_BYTES 1088
 #define HTP_Q4K_TILE_BYTES 704  /* d, dmin (fp16), sc, m (uint8) per row, then Q4_0-order nibbles */
 #define HTP_Q6K_TILE_BYTES 1152 /* d (fp16), two int8 scales per row, then int8 values */
+#define HTP_Q5K_TILE_BYTES 832  /* Q4_K's header and nibbles, then each row's fifth bits */
 #define HTP_MXFP4_TILE_BYTES 544 /* E8M0 exponent byte per row, then Q4_0-order FP4 codes */
 #define HTP_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define HTP_MAX(a, b) ((a) > (b) ? (a) : (b))
@@ -203,13 +204,16 @@ typedef struct htp_isa {
     void (*q6kq8_strip)(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                         float *out, uint32_t ldo, uint32_t rows);
     uint32_t kq8_nt;
+    /* Q5_K tiles x Q8 activations (NULL: the portable kernel), kq8_nt tokens a call */
+    void (*q5kq8_strip)(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                        float *out, uint32_t ldo, uint32_t rows);
     /* MXFP4 tiles x Q8 activations (NULL: the portable kernel), mxq8_nt tokens a call */
     void (*mxq8_strip)(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                        float *out, uint32_t ldo, uint32_t rows);
     uint32_t mxq8_nt;
     /* one 32x32 tile dequantized into panel[col*32 + row] (Q4_0 / Q8_0 tiles) */
     void (*dequant_tile)(const uint8_t *tile, uint32_t fmt, float *panel);
-    /* the same for Q4_K / Q6_K / MXFP4 tiles (NULL: the portable one) */
+    /* the same for Q4_K / Q5_K / Q6_K / MXFP4 tiles (NULL: the portable one) */
     void (*dequant_kq_tile)(const uint8_t *tile, uint32_t fmt, float *panel);
     /* a dequantized strip panel [k][32] x fp32 activations x[nt][ldx] */
     void (*f32_strip)(const float *panel, uint32_t k, const float *x, uint32_t ldx, uint32_t nt,
@@ -280,9 +284,11 @@ void htp_q4kq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q
                               float *out, uint32_t ldo, uint32_t rows);
 void htp_q6kq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                               float *out, uint32_t ldo, uint32_t rows);
+void htp_q5kq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                              float *out, uint32_t ldo, uint32_t rows);
 void htp_mxq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                              float *out, uint32_t ldo, uint32_t rows);
-/* whether fmt is a weight tile format (Q4_0, Q8_0, Q4_K, Q6_K, MXFP4) */
+/* whether fmt is a weight tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4) */
 int htp_is_weight_format(uint32_t fmt);
 void htp_f32_strip_portable(const float *panel, uint32_t k, const float *x, uint32_t ldx,
                             uint32_t nt, float *out, uint32_t ldo, uint32_t rows);

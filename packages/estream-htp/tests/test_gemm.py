@@ -63,7 +63,7 @@ def test_gemm_q8_matches_float64(simd: str, fmt: str, shape) -> None:
     assert np.all(err <= bound * 1.001 + 1e-5 * mag)
 
 
-KQ_FORMATS = ["q4_k-t32r4", "q6_k-t32r4"]
+KQ_FORMATS = ["q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4"]
 kq_shapes = st.tuples(
     st.integers(1, 19), st.integers(1, 77), st.integers(1, 3), st.integers(0, 2**32 - 1)
 )
@@ -75,6 +75,8 @@ def _kq_case(t: int, n: int, sb: int, seed: int, fmt: str):
     k = 256 * sb
     if fmt == "q4_k-t32r4":
         buf = T.pack_q4_k_t32r4(T.random_q4_k_blocks(rng, n, k))
+    elif fmt == "q5_k-t32r4":
+        buf = T.pack_q5_k_t32r4(T.random_q5_k_blocks(rng, n, k))
     else:
         buf = T.pack_q6_k_t32r4(T.random_q6_k_blocks(rng, n, k))
     x = (rng.standard_normal((t, k)) * rng.uniform(0.1, 10)).astype(np.float32)

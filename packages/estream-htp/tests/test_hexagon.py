@@ -92,20 +92,22 @@ def test_gemm_bit_exact(
 @given(
     n=st.integers(1, 40),
     t=st.integers(1, 6),
-    fmt=st.sampled_from(["q4_k-t32r4", "q6_k-t32r4"]),
+    fmt=st.sampled_from(["q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4"]),
     act=st.sampled_from(["q8", "f32"]),
     seed=st.integers(0, 2**16),
 )
 def test_gemm_kquant_bit_exact(
     host: htp.Backend, hexagon: htp.Backend, n: int, t: int, fmt: str, act: str, seed: int
 ) -> None:
-    """Q4_K / Q6_K tiles (one super-block of K, padding rows): the executor's GEMM gives the
+    """Q4_K / Q5_K / Q6_K tiles (one super-block of K, padding rows): the executor's GEMM gives the
     host's bits, and the float64 reference of the tiles (with the int8-rounded activations on
     the q8 path) to fp32 rounding."""
     rng = np.random.default_rng(seed)
     k = 256
     if fmt == "q4_k-t32r4":
         buf = T.pack_q4_k_t32r4(T.random_q4_k_blocks(rng, n, k))
+    elif fmt == "q5_k-t32r4":
+        buf = T.pack_q5_k_t32r4(T.random_q5_k_blocks(rng, n, k))
     else:
         buf = T.pack_q6_k_t32r4(T.random_q6_k_blocks(rng, n, k))
     x = rng.standard_normal((t, k)).astype(np.float32)
@@ -230,6 +232,7 @@ def test_expert_op_bit_exact(
             ("q6_k-t32r4", "q4_k-t32r4", "q8_0-t32r4"),
             ("mxfp4-t32r4",) * 3,
             ("mxfp4-t32r4", "mxfp4-t32r4", "q6_k-t32r4"),
+            ("q5_k-t32r4", "q5_k-t32r4", "q6_k-t32r4"),
         ]
     ),
     act=st.sampled_from(["q8", "f32"]),
@@ -248,7 +251,7 @@ def test_expert_op_q8_0_and_kquant_weights_bit_exact(
     the executor gives the host's bits, and with f32 products the float64 reference within
     1e-5."""
     rng = np.random.default_rng(seed)
-    kq = any(f.startswith(("q4_k", "q6_k")) for f in formats)
+    kq = any(f.startswith(("q4_k", "q5_k", "q6_k")) for f in formats)
     d, ff, k = (256, 256, min(2, n_e)) if kq else (64, 64, min(2, n_e))
     gate, up, down = T.random_experts(rng, n_e, d, ff, formats)
     x = rng.standard_normal((t, d)).astype(np.float32)
@@ -354,6 +357,7 @@ def test_small_ops(host: htp.Backend, hexagon: htp.Backend) -> None:
     for fmt, tab in (
         ("q4_k-t32r4", T.pack_q4_k_t32r4(T.random_q4_k_blocks(krng, 50, 256))),
         ("q6_k-t32r4", T.pack_q6_k_t32r4(T.random_q6_k_blocks(krng, 50, 256))),
+        ("q5_k-t32r4", T.pack_q5_k_t32r4(T.random_q5_k_blocks(krng, 50, 256))),
         ("mxfp4-t32r4", T.pack_mxfp4_t32r4(T.random_mxfp4_blocks(krng, 50, 256))),
     ):
         ra, rb = both(htp.get_rows, tab, fmt, 50, 256, ids)

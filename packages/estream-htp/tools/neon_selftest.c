@@ -5,7 +5,7 @@
  *   neon_selftest [--first-failure]      every check below (or up to the first that fails);
  *                                        last line "OK" or "FAILED"
  *   neon_selftest strip FMT KB NT SIMD   one Q8-activation GEMM of one 32-row strip (KB tiles,
- *                                        NT tokens, FMT q4_0 | q8_0 | q4_k | q6_k | mxfp4, SIMD neon |
+ *                                        NT tokens, FMT q4_0 | q8_0 | q4_k | q5_k | q6_k | mxfp4, SIMD neon |
  *                                        portable, one thread): the workload that
  *                                        tools/neon_instr_mix.py traces
  *
@@ -13,7 +13,7 @@
  * multiple of 32 or of 16, token counts across the kernels' token blocks, strided inputs and
  * outputs) with NaN-poisoned outputs whose margins (columns past n of a wider row) must stay
  * poisoned and whose written part must be finite:
- * - GEMM, every tile format (Q4_0, Q8_0, Q4_K, Q6_K, MXFP4) x both activation formats, NEON and portable tables, 1 and 2
+ * - GEMM, every tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4) x both activation formats, NEON and portable tables, 1 and 2
  *   threads: each within the rounding bound of its fp32 sums of a float64 reference (Q8: of the
  *   library's own quantized activations), 1 and 2 threads bit-identical.
  * - GEMM from Q8 rows quantized once and GEMM of three matrices sharing one input: bit-identical
@@ -114,13 +114,15 @@ static int run(uint32_t simd, uint32_t threads, htp_op_desc *op, const buf *b, u
 }
 
 /* ---- weights: strips of 32x32 tiles (docs/format.md section 1) ---- */
-static int is_kq(uint32_t fmt) { return fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q6_K_T32R4; }
+static int is_q45k(uint32_t fmt) { return fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q5_K_T32R4; }
+static int is_kq(uint32_t fmt) { return is_q45k(fmt) || fmt == HTP_FMT_Q6_K_T32R4; }
 static size_t tile_bytes(uint32_t fmt) {
     switch (fmt) {
     case HTP_FMT_Q4_0_T32R4: return 576;
     case HTP_FMT_Q8_0_T32R4: return 1088;
     case HTP_FMT_Q4_K_T32R4: return 704;
     case HTP_FMT_MXFP4_T32R4: return 544;
+    case HTP_FMT_Q5_K_T32R4: return 832;
     default: return 1152; /* HTP_FMT_Q6_K_T32R4 */
     }
 }
@@ -133,6 +135,7 @@ static const char *fmt_name(uint32_t fmt) {
     case HTP_FMT_Q8_0_T32R4: return "q8_0";
     case HTP_FMT_Q4_K_T32R4: return "q4_k";
     case HTP_FMT_MXFP4_T32R4: return "mxfp4";
+    case HTP_FMT_Q5_K_T32R4: return "q5_k";
     default: return "q6_k";
     }
 }
@@ -149,7 +152,7 @@ static uint8_t *make_weights(uint32_t fmt, uint32_t n, uint32_t k, int unit) {
         for (int r = 0; r < 32; r++) {
             const uint16_t h = unit ? 0x3c00 : awkward_f16();
             memcpy(tile + 2 * r, &h, 2);
-            if (fmt == HTP_FMT_Q4_K_T32R4) {
+            if (is_q45k(fmt)) {
                 const uint16_t hm = unit ? 0x3c00 : awkward_f16();
                 memcpy(tile + 64 + 2 * r, &hm, 2);
                 tile[128 + r] = (uint8_t)(rnd() % (unit ? 4 : 64));
@@ -188,8 +191,10 @@ static int w_q(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, uint32_
     }
     if (fmt == HTP_FMT_Q8_0_T32R4) return (int8_t)tile[64 + 128 * (c / 4) + 4 * r + c % 4];
     if (fmt == HTP_FMT_Q6_K_T32R4) return (int8_t)tile[128 + 128 * (c / 4) + 4 * r + c % 4];
-    const uint8_t v = tile[(fmt == HTP_FMT_Q4_K_T32R4 ? 192 : 64) + 128 * ((c % 16) / 4) + 4 * r + c % 4];
+    const uint8_t v = tile[(is_q45k(fmt) ? 192 : 64) + 128 * ((c % 16) / 4) + 4 * r + c % 4];
     const int q = c < 16 ? (v & 15) : (v >> 4);
+    if (fmt == HTP_FMT_Q5_K_T32R4) /* the fifth bit: bit c of row r's word at 704 + 4r */
+        return q + 16 * ((tile[704 + 4 * r + c / 8] >> (c % 8)) & 1);
     return fmt == HTP_FMT_Q4_K_T32R4 ? q : q - 8;
 }
 /* W[row][col] in float64; *mag (if not NULL) the sum of its parts' magnitudes. */
@@ -200,7 +205,7 @@ static double w_val(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, ui
     const double d = fmt == HTP_FMT_MXFP4_T32R4 ? mx_half(tile, r) : f16_at(tile + 2 * r);
     const int q = w_q(w, fmt, k, row, col);
     double v = d * q, m = fabs(v);
-    if (fmt == HTP_FMT_Q4_K_T32R4) {
+    if (is_q45k(fmt)) {
         const double lo = f16_at(tile + 64 + 2 * r) * tile[160 + r];
         v = d * tile[128 + r] * q - lo;
         m = fabs(d * tile[128 + r] * q) + fabs(lo);
@@ -226,7 +231,7 @@ static void w_block(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, ui
         sa += a[c];
     }
     *s1 = fmt == HTP_FMT_MXFP4_T32R4 ? mx_half(tile, r) : f16_at(tile + 2 * r), *s2 = 0, *i2 = 0;
-    if (fmt == HTP_FMT_Q4_K_T32R4) {
+    if (is_q45k(fmt)) {
         *i1 = tile[128 + r] * (lo + hi), *i2 = tile[160 + r] * sa;
         *s2 = f16_at(tile + 64 + 2 * r);
     } else if (fmt == HTP_FMT_Q6_K_T32R4) {
@@ -721,14 +726,14 @@ static int check_others(void) {
 /* One Q8-activation GEMM of one 32-row strip: the traced workload of tools/neon_instr_mix.py. */
 static int strip(int argc, char **argv) {
     if (argc != 6) {
-        fprintf(stderr, "usage: %s strip q4_0|q8_0|q4_k|q6_k|mxfp4 KB NT neon|portable\n", argv[0]);
+        fprintf(stderr, "usage: %s strip q4_0|q8_0|q4_k|q5_k|q6_k|mxfp4 KB NT neon|portable\n", argv[0]);
         return 64;
     }
     uint32_t fmt = 0;
-    for (uint32_t f = HTP_FMT_Q4_0_T32R4; f <= HTP_FMT_MXFP4_T32R4; f++)
+    for (uint32_t f = HTP_FMT_Q4_0_T32R4; f <= HTP_FMT_Q5_K_T32R4; f++)
         if (f != HTP_FMT_F16 && f != HTP_FMT_F32 && !strcmp(argv[2], fmt_name(f))) fmt = f;
     if (!fmt) {
-        fprintf(stderr, "unknown tile format %s (q4_0, q8_0, q4_k, q6_k, mxfp4)\n", argv[2]);
+        fprintf(stderr, "unknown tile format %s (q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4)\n", argv[2]);
         return 64;
     }
     const uint32_t kb = (uint32_t)atoi(argv[3]), nt = (uint32_t)atoi(argv[4]);
@@ -766,9 +771,9 @@ int main(int argc, char **argv) {
      * t across the NEON kernel's 2-token and the portable kernel's 64-token blocks */
     const uint32_t shapes[][3] = {{1, 32, 1},  {48, 64, 3}, {49, 96, 2},   {33, 64, 4},
                                   {100, 96, 7}, {64, 256, 17}, {17, 512, 65}, {200, 160, 5}};
-    const uint32_t fmts[5] = {HTP_FMT_Q4_0_T32R4, HTP_FMT_Q8_0_T32R4, HTP_FMT_Q4_K_T32R4,
-                              HTP_FMT_Q6_K_T32R4, HTP_FMT_MXFP4_T32R4};
-    for (int f = 0; f < 5; f++) {
+    const uint32_t fmts[6] = {HTP_FMT_Q4_0_T32R4, HTP_FMT_Q8_0_T32R4, HTP_FMT_Q4_K_T32R4,
+                              HTP_FMT_Q6_K_T32R4, HTP_FMT_MXFP4_T32R4, HTP_FMT_Q5_K_T32R4};
+    for (int f = 0; f < 6; f++) {
         for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
             for (uint32_t act = 0; act < 2; act++)
                 CHECK(check_gemm(fmts[f], act, shapes[i][0], shapes[i][1], shapes[i][2]));

@@ -192,7 +192,11 @@ def test_unsupported_expert_type_is_one_line_and_requantize_opts_in(
     capsys.readouterr()
     assert pack_main([str(src), "-o", str(dst), "--no-progress"]) == 2
     line = _one_error_line(capsys.readouterr().err, "estream-pack")
-    assert "F16" in line and "Q4_0, Q8_0, Q4_K, Q6_K" in line and "--requantize q4_0" in line
+    assert (
+        "F16" in line
+        and "Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4" in line
+        and "--requantize q4_0" in line
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
     assert pack_main([str(src), "-o", str(dst), "--no-progress", "--requantize", "q4_0"]) == 0
     assert Manifest.from_path(dst).source["requantized"] is True

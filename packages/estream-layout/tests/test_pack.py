@@ -299,6 +299,7 @@ TILE_OF = {
     "Q4_0": "q4_0-t32r4",
     "Q8_0": "q8_0-t32r4",
     "Q4_K": "q4_k-t32r4",
+    "Q5_K": "q5_k-t32r4",
     "Q6_K": "q6_k-t32r4",
     "MXFP4": "mxfp4-t32r4",
 }
@@ -314,15 +315,16 @@ TILE_OF = {
         ("Q4_K", "Q8_0"),
         ("MXFP4", None),
         ("MXFP4", "Q8_0"),
+        ("Q5_K", "Q6_K"),
     ],
 )
 def test_source_expert_types_pack_losslessly(
     etype: str, down: str | None, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Q8_0, Q4_K, Q6_K and MXFP4 experts (alone, or mixed per projection as Q4_K_M mixes them) are
+    """Q8_0, Q4_K, Q5_K, Q6_K and MXFP4 experts (alone, or mixed per projection as Q4_K_M mixes them) are
     re-laid, not re-quantized: no warning, the manifest records the source type and each
     projection's format, and every tile unpacks to the source's blocks."""
-    dims = {"n_embd": 256, "n_ff_exp": 256} if "Q4_K" in (etype, down) or etype == "Q6_K" else {}
+    dims = {"n_embd": 256, "n_ff_exp": 256} if etype in ("Q4_K", "Q5_K", "Q6_K") else {}
     src = synth_model(
         "qwen3moe", "tiny", tmp_path / "m.gguf", expert_type=etype, expert_down_type=down,
         dims=dims,
@@ -390,7 +392,7 @@ def test_unsupported_expert_types_are_refused_by_name(tmp_path: Path) -> None:
         pack_model(src, tmp_path / "m.estream", progress=False)
     msg = str(e.value)
     assert "F16" in msg and "blk.0.ffn_gate_exps.weight" in msg
-    assert "Q4_0, Q8_0, Q4_K, Q6_K, MXFP4" in msg and "--requantize q4_0" in msg
+    assert "Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4" in msg and "--requantize q4_0" in msg
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
     with pytest.raises(InvalidArgumentError, match="requantize"):
         pack_model(src, tmp_path / "m.estream", progress=False, requantize="q8_0")

@@ -186,17 +186,21 @@ def test_pad_rows_keeps_data() -> None:
 # ------------------------------------------------------------------ K-quant tiles
 def _kq_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, n: int, k: int) -> np.ndarray:
     """Random valid K-quant rows `[n, k/256*block_bytes]` (finite fp16 scales, any bits)."""
-    bb = 144 if qtype == GGMLQuantizationType.Q4_K else 210
+    bb = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q5_K: 176}.get(qtype, 210)
     b = rng.integers(0, 256, size=(n, k // 256, bb), dtype=np.uint8)
     d = (rng.standard_normal((n, k // 256, 2)) * 1e-2).astype(np.float16).view(np.uint8)
-    if qtype == GGMLQuantizationType.Q4_K:
+    if qtype != GGMLQuantizationType.Q6_K:
         b[..., 0:4] = d.reshape(n, k // 256, 4)
     else:
         b[..., 208:210] = d[..., :2]
     return b.reshape(n, -1)
 
 
-KQ = [("q4_k-t32r4", GGMLQuantizationType.Q4_K), ("q6_k-t32r4", GGMLQuantizationType.Q6_K)]
+KQ = [
+    ("q4_k-t32r4", GGMLQuantizationType.Q4_K),
+    ("q5_k-t32r4", GGMLQuantizationType.Q5_K),
+    ("q6_k-t32r4", GGMLQuantizationType.Q6_K),
+]
 
 
 @pytest.mark.parametrize(("fmt", "qtype"), KQ)
@@ -351,3 +355,27 @@ def test_quantize_mxfp4_covers_block_and_rounds_to_nearest(n, kb, seed) -> None:
     cand = np.concatenate([grid, -grid])[None, None, None, :] * scale[..., None, None]
     best = np.abs(blocks[..., None] - cand).min(axis=-1)
     assert np.array_equal(np.abs(blocks - got.reshape(n, kb, 32)), best)
+
+
+@given(n=st.integers(1, 40), sb=st.integers(1, 2), seed=st.integers(0, 99))
+def test_q5_k_tile_values_follow_the_documented_layout(n, sb, seed) -> None:
+    """A q5_k-t32r4 tile read by its documented layout alone (docs/format.md: fp16 d at 2r,
+    dmin at 64 + 2r, sc at 128 + r, m at 160 + r, Q4_0-order nibbles from 192, row r's fifth
+    bits as a little-endian uint32 at 704 + 4r) gives gguf-py's Q5_K values bit for bit."""
+    rng = np.random.default_rng(seed)
+    rows = _kq_blocks(rng, GGMLQuantizationType.Q5_K, n, 256 * sb)
+    want = gguf_quants.dequantize(rows, GGMLQuantizationType.Q5_K).astype(np.float32)
+    t = pack_tiles(rows, "q5_k-t32r4").reshape(-1, 8 * sb, 832)  # [row tile, column tile]
+    got = np.empty((t.shape[0] * 32, 256 * sb), np.float32)
+    for j in range(8 * sb):
+        tile = t[:, j]
+        d = tile[:, 0:64].copy().view(np.float16).astype(np.float32)
+        dmin = tile[:, 64:128].copy().view(np.float16).astype(np.float32)
+        sc, mn = tile[:, 128:160].astype(np.float32), tile[:, 160:192].astype(np.float32)
+        nib = tile[:, 192:704].reshape(-1, 4, 32, 4).transpose(0, 2, 1, 3).reshape(-1, 32, 16)
+        words = tile[:, 704:832].copy().view("<u4")  # [tiles, 32 rows]
+        high = (words[..., None] >> np.arange(32, dtype=np.uint32)) & 1
+        q = np.concatenate([nib & 15, nib >> 4], axis=-1) | (high << 4).astype(np.uint8)
+        v = (d * sc)[..., None] * q.astype(np.float32) - (dmin * mn)[..., None]
+        got[:, 32 * j : 32 * j + 32] = v.reshape(-1, 32)
+    assert np.array_equal(got[:n].view(np.uint32), want.view(np.uint32))

@@ -82,6 +82,7 @@ _FMT = {
     "q4_0-t32r4": lib.HTP_FMT_Q4_0_T32R4,
     "q8_0-t32r4": lib.HTP_FMT_Q8_0_T32R4,
     "q4_k-t32r4": lib.HTP_FMT_Q4_K_T32R4,
+    "q5_k-t32r4": lib.HTP_FMT_Q5_K_T32R4,
     "q6_k-t32r4": lib.HTP_FMT_Q6_K_T32R4,
     "mxfp4-t32r4": lib.HTP_FMT_MXFP4_T32R4,
     "f16": lib.HTP_FMT_F16,
@@ -409,7 +410,9 @@ def quantize_q8(x: F32, out: Q8Rows | None = None, *, backend: Backend | None = 
 
 
 # ---------------------------------------------------------------- expert op
-EXPERT_FORMATS = ("q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q6_k-t32r4", "mxfp4-t32r4")
+EXPERT_FORMATS = (
+    "q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "mxfp4-t32r4"
+)  # fmt: skip
 
 
 def _expert_formats(formats: str | Sequence[str]) -> tuple[str, str, str]:
@@ -1088,8 +1091,8 @@ def get_rows(
     backend: Backend | None = None,
 ) -> F32:
     """Embedding lookup: rows ``ids`` of a ``[n_rows, n_cols]`` table in ``fmt``
-    ("q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q6_k-t32r4", "mxfp4-t32r4", "f16", "f32"), as
-    float32
+    ("q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "mxfp4-t32r4", "f16",
+    "f32"), as float32
     ``[T, n_cols]``."""
     if fmt not in _FMT:
         raise HTPInputError(f"fmt must be one of {sorted(_FMT)}, got {fmt!r}")

@@ -25,6 +25,7 @@ __all__ = [
     "dequantize_mxfp4",
     "dequantize_q4_0",
     "dequantize_q4_k",
+    "dequantize_q5_k",
     "dequantize_q6_k",
     "dequantize_q8_0",
     "dequantize_tiles",
@@ -32,6 +33,7 @@ __all__ = [
     "pack_mxfp4_t32r4",
     "pack_q4_0_t32r4",
     "pack_q4_k_t32r4",
+    "pack_q5_k_t32r4",
     "pack_q6_k_t32r4",
     "pack_q8_0_t32r4",
     "quantize_mxfp4",
@@ -40,6 +42,7 @@ __all__ = [
     "unpack_mxfp4_t32r4",
     "unpack_q4_0_t32r4",
     "unpack_q4_k_t32r4",
+    "unpack_q5_k_t32r4",
     "unpack_q6_k_t32r4",
     "unpack_q8_0_t32r4",
 ]
@@ -47,17 +50,20 @@ __all__ = [
 Q4_0_TILE_BYTES = 576
 Q8_0_TILE_BYTES = 1088
 Q4_K_TILE_BYTES = 704
+Q5_K_TILE_BYTES = 832
 Q6_K_TILE_BYTES = 1152
 MXFP4_TILE_BYTES = 544
 TILE_FORMATS = {
     "q4_0-t32r4": Q4_0_TILE_BYTES,
     "q8_0-t32r4": Q8_0_TILE_BYTES,
     "q4_k-t32r4": Q4_K_TILE_BYTES,
+    "q5_k-t32r4": Q5_K_TILE_BYTES,
     "q6_k-t32r4": Q6_K_TILE_BYTES,
     "mxfp4-t32r4": MXFP4_TILE_BYTES,
 }
 QK_K = 256  # values of a K-quant super-block
 Q4_K_BLOCK_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+Q5_K_BLOCK_BYTES = 176  # Q4_K's d, dmin, scales, then qh[32] (fifth bits), then qs[128]
 Q6_K_BLOCK_BYTES = 210  # 128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, fp16 d
 
 
@@ -249,6 +255,37 @@ def _q4_k_blocks(f: list[npt.NDArray[np.uint8]]) -> npt.NDArray[np.uint8]:
     ).astype(np.uint8)
 
 
+# q5_k-t32r4 (832 B): q4_k-t32r4's header and nibbles (the low 4 bits of each value), then one
+# more 128-byte group: row r's 32 fifth bits as a little-endian uint32 at 704 + 4r (bit c =
+# column c). Q5_K block (176 B): d, dmin, scales[12] as Q4_K, qh[32] (bit j of qh[l]: the fifth
+# bit of value l of sub-block j), qs[128] as Q4_K's.
+def _q5_k_fields(b: npt.NDArray[np.uint8]) -> list[npt.NDArray[np.uint8]]:
+    """Q5_K blocks [N, S, 176] -> per sub-block fields [N, 8S, *]: d, dmin, sc, m, then the 16
+    nibble bytes and the 4 bytes of fifth bits."""
+    n, sb, _ = b.shape
+    f = _q4_k_fields(np.concatenate([b[..., :16], b[..., 48:]], axis=2))
+    qh = b[..., 16:48].reshape(n, sb, 1, 32)
+    bits = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1  # [n, sb, j, l]
+    words = (bits.reshape(n, sb * 8, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(
+        axis=2
+    )
+    f[-1] = np.concatenate([f[-1], words.astype("<u4").view(np.uint8).reshape(n, sb * 8, 4)], 2)
+    return f
+
+
+def _q5_k_blocks(f: list[npt.NDArray[np.uint8]]) -> npt.NDArray[np.uint8]:
+    d, dmin, sc, mn, q = f
+    n, kb, _ = q.shape
+    sb = kb // 8
+    b4 = _q4_k_blocks([d, dmin, sc, mn, q[..., :16]])
+    words = np.ascontiguousarray(q[..., 16:20]).view("<u4")[..., 0].astype(np.uint64)
+    bits = ((words[..., None] >> np.arange(32, dtype=np.uint64)) & 1).astype(np.uint8)
+    qh = (bits.reshape(n, sb, 8, 32) << np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)).sum(
+        axis=2, dtype=np.uint8
+    )
+    return np.concatenate([b4[..., :16], qh, b4[..., 16:]], axis=2)
+
+
 def _q6_k_fields(b: npt.NDArray[np.uint8]) -> list[npt.NDArray[np.uint8]]:
     """Q6_K blocks [N, S, 210] -> per sub-block fields [N, 8S, *]: d, scale pair, int8 values."""
     n, sb, _ = b.shape
@@ -327,6 +364,11 @@ def pack_q4_k_t32r4(blocks: npt.ArrayLike) -> npt.NDArray[np.uint8]:
     return _pack_fields(_q4_k_fields(_kblocks(blocks, Q4_K_BLOCK_BYTES)), [0, 0, 0, 0, 0])
 
 
+def pack_q5_k_t32r4(blocks: npt.ArrayLike) -> npt.NDArray[np.uint8]:
+    """Q5_K blocks ``uint8[N, K/256, 176]`` -> ``q5_k-t32r4`` (lossless)."""
+    return _pack_fields(_q5_k_fields(_kblocks(blocks, Q5_K_BLOCK_BYTES)), [0, 0, 0, 0, 0])
+
+
 def pack_q6_k_t32r4(blocks: npt.ArrayLike) -> npt.NDArray[np.uint8]:
     """Q6_K blocks ``uint8[N, K/256, 210]`` -> ``q6_k-t32r4`` (lossless)."""
     return _pack_fields(_q6_k_fields(_kblocks(blocks, Q6_K_BLOCK_BYTES)), [0, 0, 0])
@@ -336,6 +378,12 @@ def unpack_q4_k_t32r4(buf: npt.ArrayLike, n: int, k: int) -> npt.NDArray[np.uint
     """Inverse of :func:`pack_q4_k_t32r4`: Q4_K blocks ``uint8[n, k/256, 144]``."""
     _check_k(k, "q4_k-t32r4")
     return _q4_k_blocks(_unpack_fields(buf, n, k, [2, 2, 1, 1, 16], "q4_k-t32r4"))
+
+
+def unpack_q5_k_t32r4(buf: npt.ArrayLike, n: int, k: int) -> npt.NDArray[np.uint8]:
+    """Inverse of :func:`pack_q5_k_t32r4`: Q5_K blocks ``uint8[n, k/256, 176]``."""
+    _check_k(k, "q5_k-t32r4")
+    return _q5_k_blocks(_unpack_fields(buf, n, k, [2, 2, 1, 1, 20], "q5_k-t32r4"))
 
 
 def unpack_q6_k_t32r4(buf: npt.ArrayLike, n: int, k: int) -> npt.NDArray[np.uint8]:
@@ -354,6 +402,21 @@ def dequantize_q4_k(blocks: npt.ArrayLike) -> npt.NDArray[np.float32]:
     m = f16(dmin) * mn[..., 0].astype(np.float32)
     q = np.concatenate([nib & 15, nib >> 4], axis=2).astype(np.float32)
     return (s[..., None] * q - m[..., None]).reshape(b.shape[0], -1)
+
+
+def dequantize_q5_k(blocks: npt.ArrayLike) -> npt.NDArray[np.float32]:
+    """Q5_K blocks ``uint8[N, K/256, 176]`` -> ``float32[N, K]``: ``(d*sc)*q - dmin*m`` in
+    float32 with q = nibble + 16 x fifth bit (0..31), llama.cpp's dequantize_row_q5_K."""
+    b = _kblocks(blocks, Q5_K_BLOCK_BYTES)
+    d, dmin, sc, mn, q = _q5_k_fields(b)
+    f16 = lambda x: np.ascontiguousarray(x).view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
+    s = f16(d) * sc[..., 0].astype(np.float32)
+    m = f16(dmin) * mn[..., 0].astype(np.float32)
+    nib = q[..., :16]
+    words = np.ascontiguousarray(q[..., 16:20]).view("<u4")[..., 0]
+    high = ((words[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    v = (np.concatenate([nib & 15, nib >> 4], axis=2) | high).astype(np.float32)
+    return (s[..., None] * v - m[..., None]).reshape(b.shape[0], -1)
 
 
 def dequantize_q6_k(blocks: npt.ArrayLike) -> npt.NDArray[np.float32]:
@@ -435,6 +498,8 @@ def dequantize_tiles(buf: npt.ArrayLike, fmt: str, n: int, k: int) -> npt.NDArra
         return dequantize_q8_0(unpack_q8_0_t32r4(buf, n, k))
     if fmt == "q4_k-t32r4":
         return dequantize_q4_k(unpack_q4_k_t32r4(buf, n, k))
+    if fmt == "q5_k-t32r4":
+        return dequantize_q5_k(unpack_q5_k_t32r4(buf, n, k))
     if fmt == "q6_k-t32r4":
         return dequantize_q6_k(unpack_q6_k_t32r4(buf, n, k))
     if fmt == "mxfp4-t32r4":

@@ -17,6 +17,7 @@ from estream_htp._formats import (
     pack_mxfp4_t32r4,
     pack_q4_0_t32r4,
     pack_q4_k_t32r4,
+    pack_q5_k_t32r4,
     pack_q6_k_t32r4,
     pack_q8_0_t32r4,
     quantize_mxfp4,
@@ -36,6 +37,7 @@ __all__ = [
     "pack_mxfp4_t32r4",
     "pack_q4_0_t32r4",
     "pack_q4_k_t32r4",
+    "pack_q5_k_t32r4",
     "pack_q6_k_t32r4",
     "pack_q8_0_t32r4",
     "quantize_mxfp4",
@@ -45,6 +47,7 @@ __all__ = [
     "random_mxfp4_blocks",
     "random_q4_0_blocks",
     "random_q4_k_blocks",
+    "random_q5_k_blocks",
     "random_q6_k_blocks",
     "random_q8_0_blocks",
     "ref_attention",
@@ -130,6 +133,19 @@ def random_q4_k_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[
     return b
 
 
+def random_q5_k_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[np.uint8]:
+    """Random valid Q5_K blocks ``uint8[n, k/256, 176]``: finite fp16 ``d``/``dmin``, any
+    6-bit scales and mins, any fifth bits and nibbles (``k`` a multiple of 256)."""
+    b = rng.integers(0, 256, size=(n, k // 256, 176), dtype=np.uint8)
+    b[..., 0:2] = (
+        (rng.uniform(0.2, 1, (n, k // 256)) * 1e-3).astype(np.float16)[..., None].view(np.uint8)
+    )
+    b[..., 2:4] = (
+        (rng.uniform(0, 1, (n, k // 256)) * 2e-3).astype(np.float16)[..., None].view(np.uint8)
+    )
+    return b
+
+
 def random_q6_k_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[np.uint8]:
     """Random valid Q6_K blocks ``uint8[n, k/256, 210]``: a finite fp16 ``d``, any int8
     scales, any 6-bit values (``k`` a multiple of 256)."""
@@ -154,6 +170,8 @@ def _random_tiles(rng: np.random.Generator, fmt: str, n: int, k: int) -> npt.NDA
         return pack_mxfp4_t32r4(random_mxfp4_blocks(rng, n, k))
     if fmt == "q4_k-t32r4":
         return pack_q4_k_t32r4(random_q4_k_blocks(rng, n, k))
+    if fmt == "q5_k-t32r4":
+        return pack_q5_k_t32r4(random_q5_k_blocks(rng, n, k))
     if fmt == "q6_k-t32r4":
         return pack_q6_k_t32r4(random_q6_k_blocks(rng, n, k))
     if fmt == "q8_0-t32r4":

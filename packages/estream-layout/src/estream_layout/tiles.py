@@ -27,6 +27,7 @@ __all__ = [
     "MXFP4_T32R4",
     "Q4_0_T32R4",
     "Q4_K_T32R4",
+    "Q5_K_T32R4",
     "Q6_K_T32R4",
     "Q8_0_T32R4",
     "TILE",
@@ -80,13 +81,20 @@ Q4_K_T32R4: Final = TileFormat(
 Q6_K_T32R4: Final = TileFormat(
     "q6_k-t32r4", GGMLQuantizationType.Q6_K, 210, 8, 0, header_bytes=4 * TILE, block_elems=256
 )
+# q5_k: q4_k's header and nibbles, then a fifth group: each row's 32 fifth bits as one
+# little-endian 32-bit word (bit c = column c's 16).
+Q5_K_T32R4: Final = TileFormat(
+    "q5_k-t32r4", GGMLQuantizationType.Q5_K, 176, 5, 0, header_bytes=6 * TILE, block_elems=256
+)
 # MXFP4 (OCP microscaling, gpt-oss's experts): a 17-byte block of 32 = one E8M0 exponent byte,
 # then 16 bytes of FP4 E2M1 codes in Q4_0's nibble order; the tile holds the 32 exponent bytes
 # then the nibbles exactly as Q4_0 tiles do (docs/format.md §1).
 MXFP4_T32R4: Final = TileFormat(
     "mxfp4-t32r4", GGMLQuantizationType.MXFP4, 17, 4, 0x00, header_bytes=TILE, scale_bytes=1
 )
-FORMATS: Final = {f.name: f for f in (Q4_0_T32R4, Q8_0_T32R4, Q4_K_T32R4, Q6_K_T32R4, MXFP4_T32R4)}
+FORMATS: Final = {
+    f.name: f for f in (Q4_0_T32R4, Q8_0_T32R4, Q4_K_T32R4, Q5_K_T32R4, Q6_K_T32R4, MXFP4_T32R4)
+}
 # The E2M1 value of each 4-bit code, doubled (so they are integers): codes 0..7 are
 # 0, 0.5, 1, 1.5, 2, 3, 4, 6 and 8..15 their negatives. A block's value is code value x 2 x
 # 2^(e - 128), i.e. the doubled value times half the E8M0 scale 2^(e - 127).
@@ -198,22 +206,28 @@ def _views(
 # ------------------------------------------------------------------ K-quant super-blocks
 def _kq_split(sb: np.ndarray, f: TileFormat) -> list[np.ndarray]:
     """Super-blocks `[M, S, block_bytes]` -> the per-row fields of their 8*S sub-blocks, each
-    `[M, 8S, size]` uint8, the quants last (Q4_K: d, dmin, sc, m, nibbles; Q6_K: d, scale
-    pair, values)."""
+    `[M, 8S, size]` uint8, the quants last (Q4_K: d, dmin, sc, m, nibbles; Q5_K: the same
+    with the fifth bits' word after the nibbles; Q6_K: d, scale pair, values)."""
     m, s, _ = sb.shape
-    if f is Q4_K_T32R4:
+    if f is Q4_K_T32R4 or f is Q5_K_T32R4:
         packed = sb[..., 4:16].reshape(m, s, 3, 4)
         a, b, c = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
         sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
         mn = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
-        qs = sb[..., 16:].reshape(m, s, 4, 32)
+        qs = sb[..., -128:].reshape(m, s, 4, 32)
         v = np.stack([qs & 15, qs >> 4], axis=3).reshape(m, 8 * s, 32)  # sub-block 2p + nibble
+        quants = v[..., :16] | (v[..., 16:] << 4)
+        if f is Q5_K_T32R4:  # qh[l] bit j: the fifth bit of element l of sub-block j
+            qh = sb[..., 16:48].reshape(m, s, 1, 32)
+            hb = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1  # [m, s, j, l]
+            words = np.packbits(hb.reshape(m, 8 * s, 32), axis=-1, bitorder="little")
+            quants = np.concatenate([quants, words], axis=-1)
         return [
             np.repeat(sb[..., 0:2], 8, axis=1),
             np.repeat(sb[..., 2:4], 8, axis=1),
             sc.reshape(m, 8 * s, 1),
             mn.reshape(m, 8 * s, 1),
-            v[..., :16] | (v[..., 16:] << 4),
+            quants,
         ]
     ql = sb[..., :128].reshape(m, s, 2, 2, 32)  # [half, which 32 of the 64, l]
     qh = sb[..., 128:192].reshape(m, s, 2, 1, 32)
@@ -232,8 +246,13 @@ def _kq_join(fields: list[np.ndarray], f: TileFormat) -> np.ndarray:
     q = fields[-1]
     m, kb, _ = q.shape
     s = kb // 8
-    if f is Q4_K_T32R4:
+    if f is Q4_K_T32R4 or f is Q5_K_T32R4:
         d, dmin, sc, mn, nib = fields
+        high = None
+        if f is Q5_K_T32R4:
+            hb = np.unpackbits(nib[..., 16:20], axis=-1, bitorder="little").reshape(m, s, 8, 32)
+            high = (hb << np.arange(8, dtype=np.uint8).reshape(8, 1)).sum(axis=2, dtype=np.uint8)
+            nib = nib[..., :16]
         v = np.concatenate([nib & 15, nib >> 4], axis=-1).reshape(m, s, 4, 2, 32)
         qs = v[:, :, :, 0] | (v[:, :, :, 1] << 4)
         sc, mn = sc.reshape(m, s, 8), mn.reshape(m, s, 8)
@@ -241,6 +260,8 @@ def _kq_join(fields: list[np.ndarray], f: TileFormat) -> np.ndarray:
         b = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
         c = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
         parts = [d[:, ::8], dmin[:, ::8], a, b, c, qs.reshape(m, s, 128)]
+        if high is not None:
+            parts.insert(5, high)
     else:
         d, sc, vals = fields
         u = (vals.view(np.int8).astype(np.int16) + 32).astype(np.uint8).reshape(m, s, 2, 4, 32)
@@ -279,7 +300,7 @@ def _kq_pack(rows: np.ndarray, f: TileFormat) -> np.ndarray:
 def _kq_unpack(a: np.ndarray, n_mats: int, n_rows: int, n_cols: int, f: TileFormat) -> np.ndarray:
     nt, kb = _ceil_tiles(n_rows), n_cols // TILE
     t = a.reshape(n_mats, nt, kb, f.tile_bytes)
-    sizes = [2, 2, 1, 1] if f is Q4_K_T32R4 else [2, 2]
+    sizes = [2, 2] if f is Q6_K_T32R4 else [2, 2, 1, 1]
     fields, off = [], 0
     for size in sizes:
         x = t[..., off : off + TILE * size].reshape(n_mats, nt, kb, TILE, size)
