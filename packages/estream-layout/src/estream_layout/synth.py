@@ -63,6 +63,7 @@ Q8_0: Final = GGMLQuantizationType.Q8_0
 F32: Final = GGMLQuantizationType.F32
 F16: Final = GGMLQuantizationType.F16
 Q4_K: Final = GGMLQuantizationType.Q4_K
+Q5_K: Final = GGMLQuantizationType.Q5_K
 Q6_K: Final = GGMLQuantizationType.Q6_K
 MXFP4: Final = GGMLQuantizationType.MXFP4
 
@@ -373,6 +374,20 @@ def _random_q4_k(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
+def _random_q5_k(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
+    """Random Q5_K super-blocks (256 elements, 176 B: Q4_K's d, dmin and scales, 32 B of fifth
+    bits, 128 B of nibbles) with d/dmin chosen for an element RMS of ~gain/sqrt(K)."""
+    k = t.shape[-1]
+    nb = rows * (k // 256)
+    raw = rng.integers(0, 256, size=(nb, 176), dtype=np.uint8)
+    # value = d * scale * q - dmin * min, scale/min in 0..63, q in 0..31: RMS ~ 650 d
+    d = (t.gain / (650.0 * np.sqrt(k)) * rng.uniform(0.75, 1.25, size=nb)).astype(np.float16)
+    dmin = (d.astype(np.float32) * 0.5).astype(np.float16)
+    raw[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+    raw[:, 2:4] = dmin.view(np.uint8).reshape(nb, 2)
+    return raw.reshape(rows, -1)
+
+
 def _random_q6_k(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
     """Random Q6_K super-blocks (256 elements, 210 B: 128 B low nibbles, 64 B high bit pairs,
     16 int8 scales, fp16 d) with d chosen for an element RMS of ~gain/sqrt(K)."""
@@ -415,12 +430,14 @@ def _tensor_data(
         return (rng.standard_normal(t.shape) / np.sqrt(t.shape[-1])).astype(np.float32)
     if t.kind == "router":
         return _router(t, rng, hot, u)
-    if t.kind == "embed" and t.qtype not in (Q4_K, Q6_K):  # gguf cannot quantize K-quants
+    if t.kind == "embed" and t.qtype not in (Q4_K, Q5_K, Q6_K):  # gguf cannot quantize K-quants
         return _embedding(t, rng, u)
     if t.qtype in (Q4_0, Q8_0):
         return _random_blocks(rng, t, rows, t.qtype)
     if t.qtype == Q4_K:
         return _random_q4_k(rng, t, rows)
+    if t.qtype == Q5_K:
+        return _random_q5_k(rng, t, rows)
     if t.qtype == Q6_K:
         return _random_q6_k(rng, t, rows)
     if t.qtype == MXFP4:
