@@ -232,6 +232,34 @@ def test_input_file_is_read_with_a_limit(model, capsys, monkeypatch):
     refused(rc, err, "<stdin> is larger than")
 
 
+def test_input_files_that_are_fifos(model, capsys, tmp_path):
+    """A FIFO nobody writes to reads as empty (one clear line at once, no wait for a writer);
+    a FIFO with a writer is read as any file (what ``<(command)`` gives)."""
+    import os
+    import threading
+
+    fifo = tmp_path / "prompt.fifo"
+    os.mkfifo(fifo)
+    for argv in (["prefill", str(model), "--prompt-file", str(fifo)],
+                 ["classify", str(model), "--input", str(fifo), "--labels", "a,b"]):  # fmt: skip
+        rc, _, err = run(capsys, *argv)
+        refused(rc, err, "empty")
+
+    def write() -> None:
+        with open(fifo, "w") as f:
+            f.write("hello there")
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    while True:  # the writer waits in open() until a reader opens the FIFO: let it in first
+        rc, out, err = run(capsys, "prefill", str(model), "--prompt-file", str(fifo), "--json")
+        if rc == 0 or not writer.is_alive():
+            break
+    writer.join()
+    assert rc == 0, err
+    assert json.loads(out)["metrics"]["tokens"] > 1
+
+
 def test_closed_stdin(model, capsys, monkeypatch):
     """`--input -` with standard input closed is one clear line."""
     monkeypatch.setattr(sys, "stdin", None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -62,7 +63,7 @@ def read_text(path: str, what: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, 
                         f"{exc.start})"
                     ) from None
         else:
-            with open(path, "rb") as f:
+            with _open_for_reading(path) as f:
                 data = f.read(limit + 1)
     except OSError as exc:
         raise BadRequestError(f"cannot read {what} {name}: {exc.strerror or exc}") from None
@@ -78,6 +79,18 @@ def read_text(path: str, what: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, 
         raise BadRequestError(
             f"{what} {name} is not UTF-8 text ({exc.reason} at byte {exc.start})"
         ) from None
+
+
+def _open_for_reading(path: str) -> Any:
+    """``open(path, "rb")`` that does not wait for a writer: a FIFO nobody writes to reads as
+    empty (its ``open`` would block for ever), one being written (``<(command)``) as usual."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        os.set_blocking(fd, True)  # reads wait for data again, as for any file
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _no_constant(token: str) -> Any:
