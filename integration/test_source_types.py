@@ -1,7 +1,6 @@
-"""A GGUF computed as it is: expert tensors stored as Q8_0, Q4_K, Q6_K or MXFP4 (every projection, or
-mixed per projection as quantizer mixes such as Q4_K_M write them) are packed without
-re-quantization, the manifest records each
-projection's format, and the engine runs those tiles in every mode and on every backend.
+"""A GGUF computed as it is: expert tensors stored as Q8_0, Q4_K, Q5_K, Q6_K or MXFP4 (every
+projection, or mixed per projection as quantizer mixes such as Q4_K_M write them) are packed
+without re-quantization, the manifest records each projection's format, and the engine runs those tiles in every mode and on every backend.
 
 ``act="f32"`` is the exact path: the logits match the float64 reference of the source file
 (which dequantizes the file's own blocks) to fp32 accumulation; the int8 path and the other
@@ -65,7 +64,16 @@ KQ_DIMS = {"n_embd": 256, "n_ff_exp": 256}  # K-quant rows: whole 256-value supe
 
 @pytest.fixture(
     scope="module",
-    params=["all-q8_0", "down-q8_0", "q4_k_m", "all-q6_k", "q4_k_m-dense", "mxfp4", "mxfp4-dense"],
+    params=[
+        "all-q8_0",
+        "down-q8_0",
+        "q4_k_m",
+        "all-q6_k",
+        "q4_k_m-dense",
+        "q5_k_m",
+        "mxfp4",
+        "mxfp4-dense",
+    ],
 )
 def packed(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"types-{request.param}")
@@ -82,6 +90,11 @@ def packed(request, tmp_path_factory):
                           expert_down_type="Q6_K", dense_type="Q4_K", output_type="Q6_K",
                           dims=dims)  # fmt: skip
         want = ("q4_k-t32r4", "q4_k-t32r4", "q6_k-t32r4")
+    elif request.param == "q5_k_m":  # Q5_K_M's experts: Q5_K gate/up, Q6_K down; Q5_K dense
+        dims = {**KQ_DIMS, "n_head": 4, "head_dim": 64, "n_ff": 256}
+        src = synth_model("qwen3moe", "tiny", d / "m.gguf", seed=10, expert_type="Q5_K",
+                          expert_down_type="Q6_K", dense_type="Q5_K", dims=dims)  # fmt: skip
+        want = ("q5_k-t32r4", "q5_k-t32r4", "q6_k-t32r4")
     elif request.param == "mxfp4":  # gpt-oss's expert type
         src = synth_model("qwen3moe", "tiny", d / "m.gguf", seed=8, expert_type="MXFP4")
         want = ("mxfp4-t32r4",) * 3
@@ -113,7 +126,7 @@ def test_manifest_records_each_projection_format(packed):
         assert got == want, la["index"]
     kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(src).tensors}
     tiles = {"Q4_0": "q4_0-t32r4", "Q8_0": "q8_0-t32r4", "Q4_K": "q4_k-t32r4", "Q6_K": "q6_k-t32r4",
-             "MXFP4": "mxfp4-t32r4"}  # fmt: skip
+             "Q5_K": "q5_k-t32r4", "MXFP4": "mxfp4-t32r4"}  # fmt: skip
     for name, t in doc["dense"]["tensors"].items():  # quantized matrices keep their type too
         if t["format"] != "f32":
             assert t["format"] == tiles[kinds[name]], name
