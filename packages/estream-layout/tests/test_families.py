@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 
 from estream_layout import (
     ARCHES,
     PRESET_ARCH,
+    InvalidGGUFError,
     InvalidMetadataError,
     ModelSpec,
     pack_model,
@@ -117,3 +120,91 @@ def test_smallthinker_published_presets_are_the_model_cards(tmp_path: Path) -> N
     assert (d.n_experts, d.n_experts_used, d.n_ff_exp) == (64, 6, 768)
     with pytest.raises(ValueError, match="use --arch smallthinker"):
         synth_dims("olmoe", "smallthinker-21b-a3b")
+
+
+G = "gpt-oss."
+
+
+def _without_tensor(src: Path, dst: Path, name: str) -> Path:
+    """A copy of the GGUF `src` without tensor `name`."""
+    reader = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), vtype, sub)
+    for t in reader.tensors:
+        if t.name != name:
+            data = np.asarray(t.data)
+            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return synth_model("gpt-oss", "tiny", tmp_path_factory.mktemp("go") / "t.gguf", seed=1)
+
+
+def test_gpt_oss_tiny_reads_as_llama_cpp_loads_it(gpt_oss_tiny: Path, tmp_path: Path) -> None:
+    """gpt-oss: the even layers slide over attention.sliding_window tokens, every layer takes
+    NeoX RoPE (YaRN-scaled here), softmax over the selected experts (renormalised softmax),
+    SwiGLU-OAI experts; the biases, sinks and post-attention norm are in the file with
+    llama.cpp's names and shapes, and the spec survives the manifest round trip."""
+    spec = ModelSpec.from_gguf(gpt_oss_tiny)
+    assert spec.arch == "gpt-oss" and spec.family == "gpt-oss" and spec.n_layers == 2
+    assert spec.sliding_window == 8 and spec.swa_layers == (0,) and spec.nope_layers == ()
+    assert spec.rope_scaling_type == "yarn" and spec.rope_freq_scale == 0.25
+    assert spec.rope_n_ctx_orig == 32 and spec.rope_freq_base == 150000.0
+    assert spec.expert_gating_func == "softmax" and spec.expert_weights_norm
+    assert spec.expert_glu == "swiglu_oai" and spec.router_input == "ffn_norm"
+    shapes = {n: t.shape for n, t in spec.tensors.items()}
+    assert shapes["blk.1.attn_sinks.weight"] == (4,)
+    assert shapes["blk.1.attn_q.bias"] == (64,) and shapes["blk.1.attn_k.bias"] == (32,)
+    assert shapes["blk.1.attn_output.bias"] == (64,) and shapes["blk.1.ffn_gate_inp.bias"] == (8,)
+    assert shapes["blk.0.ffn_gate_exps.bias"] == (8, 64) == shapes["blk.0.ffn_up_exps.bias"]
+    assert shapes["blk.0.ffn_down_exps.bias"] == (8, 64)
+    assert "blk.0.attn_post_norm.weight" in shapes and "blk.0.ffn_norm.weight" not in shapes
+    assert "output.weight" in shapes
+    assert ModelSpec.from_dict(spec.summary()).summary() == spec.summary()
+    four = synth_model("gpt-oss", "tiny", tmp_path / "four.gguf", seed=1, n_layers=4)
+    assert ModelSpec.from_gguf(four).swa_layers == (0, 2)
+
+
+@pytest.mark.parametrize(
+    ("kv", "drop", "needle"),
+    [
+        ({G + "attention.sliding_window": DROP}, None, "attention.sliding_window is missing"),
+        ({}, "blk.1.attn_sinks.weight", "blk.1.attn_sinks.weight is missing"),
+        ({}, "blk.0.ffn_down_exps.bias", "blk.0.ffn_down_exps.bias is missing"),
+        ({}, "blk.0.attn_post_norm.weight", "blk.0.attn_post_norm.weight is missing"),
+    ],
+)
+def test_gpt_oss_file_without_what_llama_cpp_requires_is_refused(
+    gpt_oss_tiny: Path, tmp_path: Path, kv: dict, drop: str | None, needle: str
+) -> None:
+    """A gpt-oss file without its window, a sink, an expert bias or the post-attention norm
+    is refused naming what is missing, and nothing is written."""
+    bad = mutate_gguf(gpt_oss_tiny, tmp_path / "kv.gguf", set_kv=kv)
+    if drop is not None:
+        bad = _without_tensor(bad, tmp_path / "bad.gguf", drop)
+    with pytest.raises((InvalidMetadataError, InvalidGGUFError)) as info:
+        pack_model(bad, tmp_path / "bad.estream", progress=False)
+    assert needle in str(info.value)
+    assert not (tmp_path / "bad.estream").exists()
+
+
+def test_gpt_oss_published_preset_is_the_model_card() -> None:
+    """The gpt-oss-20b preset has the published shape: 24 layers, d 2880, 64 q / 8 kv heads of
+    64, 32 experts top-4 of 2880, window 128, YaRN 32 over 4096."""
+    d = synth_dims("gpt-oss", "gpt-oss-20b")
+    assert (d.n_layers, d.n_embd, d.n_head, d.n_head_kv, d.head_dim) == (24, 2880, 64, 8, 64)
+    assert (d.n_experts, d.n_experts_used, d.n_ff_exp, d.n_vocab) == (32, 4, 2880, 201088)
+    assert (d.sliding_window, d.yarn_factor, d.yarn_orig_ctx) == (128, 32.0, 4096)
+    with pytest.raises(ValueError, match="use --arch gpt-oss"):
+        synth_dims("olmoe", "gpt-oss-20b")

@@ -386,7 +386,7 @@ def _parse(r: _Reader, data: Mapping[str, Any], root: Path) -> Manifest:
     # long: the manifest's field validator, one check per field of the format
     g = r.get
     arch = r.string(g(data, "arch", "arch"), "arch")
-    if not re.fullmatch(r"[a-z0-9_]+", arch):
+    if not re.fullmatch(r"[a-z0-9_]+(-[a-z0-9_]+)*", arch):  # GGUF's: "olmoe", "gpt-oss"
         raise r.fail("arch", f"{arch!r} is not an architecture name")
     tile = r.string(g(data, "tile_format", "tile_format"), "tile_format")
     if tile != "q4_0-t32r4":

@@ -68,9 +68,9 @@ class Family:
     The graph: ``router_input`` is what the router reads ("ffn_norm": the experts' input,
     "layer": the layer's input, before attention, so routes are known at layer start);
     ``expert_glu`` the experts' gated activation ("swiglu": silu(gate) * up, "reglu":
-    relu(gate) * up); ``attention_pattern(meta, n_layers, rope_base)`` reads the sliding window
-    and which layers slide and which take no RoPE (None: every layer full attention with
-    RoPE)."""
+    relu(gate) * up, "swiglu_oai": gpt-oss's clamped SwiGLU with expert biases);
+    ``attention_pattern(meta, n_layers, rope_base)`` reads the sliding window and which layers
+    slide and which take no RoPE (None: every layer full attention with RoPE)."""
 
     name: str
     gguf_arch: str
@@ -108,7 +108,7 @@ class Family:
             raise ValueError(f"{self.name}: attention {self.attention!r}")
         if self.router_input not in ("ffn_norm", "layer"):
             raise ValueError(f"{self.name}: router_input {self.router_input!r}")
-        if self.expert_glu not in ("swiglu", "reglu"):
+        if self.expert_glu not in ("swiglu", "reglu", "swiglu_oai"):
             raise ValueError(f"{self.name}: expert_glu {self.expert_glu!r}")
         missing = [p for p in self.published if p not in self.presets]
         if missing:
@@ -176,7 +176,7 @@ BASE_PRESETS: Final[Mapping[str, Mapping[str, Any]]] = {
 
 
 def _records() -> tuple[Family, ...]:
-    from . import deepseek2, lfm2moe, mixtral, olmoe, qwen3moe, smallthinker
+    from . import deepseek2, gpt_oss, lfm2moe, mixtral, olmoe, qwen3moe, smallthinker
 
     return (
         olmoe.FAMILY,
@@ -185,6 +185,7 @@ def _records() -> tuple[Family, ...]:
         deepseek2.FAMILY,
         lfm2moe.FAMILY,
         smallthinker.FAMILY,
+        gpt_oss.FAMILY,
     )
 
 
