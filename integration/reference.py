@@ -34,6 +34,11 @@ were checked against llama.cpp's ``src/models/<arch>.cpp``, ``build_moe_ffn`` in
   only read for DeepSeek-2, as llama.cpp does. Experts are SwiGLU: ``down(silu(gate x) * up x)``;
   SmallThinker's are ReGLU (``relu`` for ``silu``), its gating from metadata, normalised, and
   its router reads the layer's input (before the attention norm), not the FFN norm's output.
+* gpt-oss: biases on q/k/v/o, a learned sink logit per query head in each row's softmax,
+  NeoX RoPE (YaRN in the published models), the window ``attention.sliding_window`` on the
+  even layers; ``attn_post_norm`` (not ``ffn_norm``) feeds the experts; the router adds its
+  bias to the logits, picks the top-k logits and softmaxes them among themselves; experts add
+  their biases and use the clamped ``swiglu_oai``.
 * SmallThinker attention: no q/k norms, NeoX RoPE; with a sliding window in the file, the
   window is 4096 tokens on layers ``i % sliding_window_pattern != 0`` and layers ``i % 4 == 0``
   take no RoPE, as llama.cpp's loader sets them.
@@ -79,7 +84,15 @@ __all__ = [
     "yarn_corr_dims",
 ]
 
-SUPPORTED_ARCHS = ("olmoe", "qwen3moe", "llama", "deepseek2", "lfm2moe", "smallthinker")
+SUPPORTED_ARCHS = (
+    "olmoe",
+    "qwen3moe",
+    "llama",
+    "deepseek2",
+    "lfm2moe",
+    "smallthinker",
+    "gpt-oss",
+)
 
 # llama.cpp's llama_expert_gating_func_type values (src/llama-hparams.h).
 GATING_NONE = 0
@@ -98,6 +111,7 @@ _ROPE_STYLE = {
     "qwen3moe": ROPE_NEOX,
     "lfm2moe": ROPE_NEOX,
     "smallthinker": ROPE_NEOX,
+    "gpt-oss": ROPE_NEOX,
 }
 
 # SmallThinker's attention pattern as llama.cpp's loader sets it when the file has a sliding
@@ -106,6 +120,11 @@ _ROPE_STYLE = {
 # (llama.cpp's n_no_rope_layer_step). Without a window: full attention with RoPE everywhere.
 SMALLTHINKER_SWA = 4096
 SMALLTHINKER_NOPE_STEP = 4
+# gpt-oss (llama.cpp's OPENAI_MOE): attention.sliding_window is required and the even layers
+# slide (set_swa_pattern(2)); its experts' clamped SwiGLU (ggml's swiglu_oai) constants.
+GPT_OSS_SWA_PATTERN = 2
+OAI_ALPHA = 1.702
+OAI_LIMIT = 7.0
 
 
 class UnsupportedModelError(ValueError):
@@ -125,6 +144,14 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def swiglu_oai(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gpt-oss's expert activation (ggml ``swiglu_oai``): ``g = min(gate, 7)``,
+    ``u = clamp(up, -7, 7)``, ``g · sigmoid(1.702 g) · (u + 1)``."""
+    g = np.minimum(gate, OAI_LIMIT)
+    u = np.clip(up, -OAI_LIMIT, OAI_LIMIT)
+    return g / (1.0 + np.exp(-OAI_ALPHA * g)) * (u + 1.0)
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -210,11 +237,17 @@ def rope(
 
 
 def causal_attention(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int = 0
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    window: int = 0,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """``softmax(q kᵀ · scale + causal mask) v`` per head with GQA broadcast; with ``window``
     > 0 query ``i`` sees keys ``j`` with ``i - window < j <= i`` only (llama.cpp's standard
-    sliding window).
+    sliding window). ``sinks`` ``[Hq]``: one logit per query head that joins every row's
+    softmax denominator as a key of value zero (gpt-oss; ggml's ``soft_max_add_sinks``).
 
     q ``[T, Hq, Dk]``, k ``[T, Hkv, Dk]``, v ``[T, Hkv, Dv]`` → ``[T, Hq * Dv]``.
     Query head ``h`` reads kv head ``h // (Hq // Hkv)``.
@@ -232,7 +265,11 @@ def causal_attention(
     if window > 0:
         future |= np.tril(np.ones((t, t), dtype=bool), k=-window)
     scores[:, future] = -np.inf
-    probs = softmax(scores, axis=-1)
+    if sinks is None:
+        probs = softmax(scores, axis=-1)
+    else:
+        sink = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None], (n_head, t, 1))
+        probs = softmax(np.concatenate([scores, sink], axis=-1), axis=-1)[..., :t]
     out = np.matmul(probs, vh)  # [H, T, Dv]
     return out.transpose(1, 0, 2).reshape(t, -1)
 
@@ -291,9 +328,12 @@ def moe_ffn(
     up_exps: np.ndarray,
     down_exps: np.ndarray,
     glu: str = "swiglu",
+    biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray:
     """Sum over routes of ``weight · down_e(act(gate_e x) * up_e x)``, ``act`` silu
-    (``glu="swiglu"``) or relu (``"reglu"``).
+    (``glu="swiglu"``) or relu (``"reglu"``); ``"swiglu_oai"``: `swiglu_oai` of the two.
+    ``biases`` (gate ``[E, ff]``, up ``[E, ff]``, down ``[E, d]``): each expert's projections
+    add their bias rows (gpt-oss), the down bias before the route's weight.
 
     ``gate_exps``/``up_exps`` are ``[E, ff, d]``, ``down_exps`` ``[E, d, ff]`` (numpy order of the
     GGUF tensors), or anything indexable by expert id the same way (the model passes lazy
@@ -304,8 +344,16 @@ def moe_ffn(
         rows, slots = np.nonzero(experts == e)
         xe = x[rows]
         g = xe @ gate_exps[e].T
-        h = (silu(g) if glu == "swiglu" else np.maximum(g, 0.0)) * (xe @ up_exps[e].T)
+        u = xe @ up_exps[e].T
+        if biases is not None:
+            g, u = g + biases[0][e], u + biases[1][e]
+        if glu == "swiglu_oai":
+            h = swiglu_oai(g, u)
+        else:
+            h = (silu(g) if glu == "swiglu" else np.maximum(g, 0.0)) * u
         y = h @ down_exps[e].T
+        if biases is not None:
+            y = y + biases[2][e]
         np.add.at(out, rows, y * weights[rows, slots][:, None])
     return out
 
@@ -472,6 +520,11 @@ class ReferenceConfig:
                 extra["nope_layers"] = tuple(
                     i for i in range(n_layer) if i % SMALLTHINKER_NOPE_STEP == 0
                 )
+        elif arch == "gpt-oss":
+            extra["n_swa"] = int(get("attention.sliding_window"))
+            extra["swa_layers"] = tuple(
+                i for i in range(n_layer) if i % GPT_OSS_SWA_PATTERN < GPT_OSS_SWA_PATTERN - 1
+            )
         elif window_key in fields:
             raise UnsupportedModelError("sliding-window attention is not implemented")
 
@@ -490,6 +543,8 @@ class ReferenceConfig:
             scale = float(get("expert_weights_scale", 0.0))
         elif arch in ("lfm2moe", "smallthinker"):
             gating = int(get("expert_gating_func"))
+        elif arch == "gpt-oss":  # softmax over the selected logits, no renormalisation
+            gating, normalize = GATING_SOFTMAX_WEIGHT, False
         if arch == "deepseek2":
             extra["kv_lora_rank"] = int(get("attention.kv_lora_rank"))
             k_mla = int(get("attention.key_length_mla", 0))
@@ -618,7 +673,9 @@ class ReferenceModel:
         else:
             mixed = self._attention(il, h, positions)
         x = x + mixed
-        h = rms_norm(x, self.tensor(p + "ffn_norm.weight"), cfg.rms_eps)
+        # gpt-oss: the experts read attn_post_norm of the residual (it has no ffn_norm)
+        ffn_norm = "attn_post_norm" if cfg.arch == "gpt-oss" else "ffn_norm"
+        h = rms_norm(x, self.tensor(p + ffn_norm + ".weight"), cfg.rms_eps)
         return x + self._ffn(il, h, router_in)
 
     def _attention(self, il: int, h: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -660,7 +717,8 @@ class ReferenceModel:
             q = rope(q, positions, rp, freq_factors=self._freq_factors)
             k = rope(k, positions, rp, freq_factors=self._freq_factors)
         window = cfg.n_swa if il in cfg.swa_layers else 0
-        attn = causal_attention(q, k, v, 1.0 / math.sqrt(dk), window)
+        sinks = self.opt(p + "attn_sinks.weight")
+        attn = causal_attention(q, k, v, 1.0 / math.sqrt(dk), window, sinks)
         out = attn @ self.tensor(p + "attn_output.weight").T
         bias = self.opt(p + "attn_output.bias")
         return out if bias is None else out + bias
@@ -725,6 +783,9 @@ class ReferenceModel:
                 self.tensor(p + "ffn_down.weight"),
             )
         logits = (h if router_in is None else router_in) @ self.tensor(p + "ffn_gate_inp.weight").T
+        router_bias = self.opt(p + "ffn_gate_inp.bias")  # gpt-oss: added to the logits
+        if router_bias is not None:
+            logits = logits + router_bias
         experts, weights = route(
             logits,
             cfg.n_expert_used,
@@ -743,8 +804,15 @@ class ReferenceModel:
             gate = self.experts(p + "ffn_gate_exps.weight")
             up = self.experts(p + "ffn_up_exps.weight")
         down = self.experts(p + "ffn_down_exps.weight")
-        glu = "reglu" if cfg.arch == "smallthinker" else "swiglu"
-        out = moe_ffn(h, experts, weights, gate, up, down, glu)
+        glu = {"smallthinker": "reglu", "gpt-oss": "swiglu_oai"}.get(cfg.arch, "swiglu")
+        biases = None
+        if self.has(p + "ffn_down_exps.bias"):
+            biases = (
+                self.tensor(p + "ffn_gate_exps.bias"),
+                self.tensor(p + "ffn_up_exps.bias"),
+                self.tensor(p + "ffn_down_exps.bias"),
+            )
+        out = moe_ffn(h, experts, weights, gate, up, down, glu, biases)
         if self.has(p + "ffn_gate_shexp.weight"):
             out = out + dense_ffn(
                 h,
