@@ -40,6 +40,7 @@ __all__ = [
     "SCHEDULES",
     "ExpertSource",
     "GroupRecord",
+    "OAIGraph",
     "ReGLUGraph",
     "ResidentExperts",
     "StreamedExperts",
@@ -181,9 +182,10 @@ class ReGLUGraph:
         *,
         act: str | None = None,
         formats: Any = None,
+        layer: int = -1,
     ) -> None:
         if isinstance(x, htp.Q8Rows):
-            raise TypeError("ReGLU experts read float32 rows, not Q8Rows")
+            raise TypeError(f"{type(self).__name__} experts read float32 rows, not Q8Rows")
         g = self.graph
         fmts = g.formats if formats is None else formats
         fmts = (fmts,) * 3 if isinstance(fmts, str) else tuple(fmts)
@@ -213,14 +215,52 @@ class ReGLUGraph:
                     htp.gemm(xe, gate, ff, fmts[0], act=act, backend=self._host),
                     htp.gemm(xe, up, ff, fmts[1], act=act, backend=self._host),
                 ]
-            a = np.maximum(gu[0], np.float32(0.0)) * gu[1]
+            a = self._activate(gu[0], gu[1], layer, int(e))
             out = htp.gemm(a, down, d, fmts[2], act=act, backend=self._host)
-            y[rows] += weights[sel, None] * out
+            y[rows] += weights[sel, None] * self._down_bias(out, layer, int(e))
+
+    def _activate(self, gate: np.ndarray, up: np.ndarray, layer: int, e: int) -> np.ndarray:
+        """Expert ``e``'s gated activation of its gate and up projections: ReGLU."""
+        return np.maximum(gate, np.float32(0.0)) * up
+
+    def _down_bias(self, out: np.ndarray, layer: int, e: int) -> np.ndarray:
+        """Expert ``e``'s down projection after its bias (none here)."""
+        return out
 
     def submit(self, *args: Any, **kw: Any) -> _Done:
         """As `run`, done when it returns: the fence is complete."""
         self.run(*args, **kw)
         return _Done()
+
+
+class OAIGraph(ReGLUGraph):
+    """gpt-oss's routed experts: each projection adds its expert's bias row
+    (`blk.N.ffn_{gate,up,down}_exps.bias`, resident f32) and the activation is the clamped
+    SwiGLU-OAI, ``min(g, 7) · sigmoid(1.702 · min(g, 7)) · (clamp(u, -7, 7) + 1)``; run as
+    `ReGLUGraph` runs its experts (tile GEMMs per routed expert, in this process), since the
+    fused expert kernel has neither. The expert source passes the layer (``layer=``)."""
+
+    ALPHA = np.float32(1.702)
+    LIMIT = np.float32(7.0)
+
+    def __init__(self, graph: htp.ExpertGraph, model: PackedModel) -> None:
+        super().__init__(graph)
+        self.biases = {
+            i: tuple(
+                np.ascontiguousarray(model.dense(f"blk.{i}.ffn_{j}_exps.bias").f32())
+                for j in ("gate", "up", "down")
+            )
+            for i in model.hparams.moe_layers
+        }
+
+    def _activate(self, gate: np.ndarray, up: np.ndarray, layer: int, e: int) -> np.ndarray:
+        bg, bu, _ = self.biases[layer]
+        g = np.minimum(gate + bg[e], self.LIMIT)
+        u = np.clip(up + bu[e], -self.LIMIT, self.LIMIT)
+        return np.ascontiguousarray(g / (np.float32(1.0) + np.exp(-self.ALPHA * g)) * (u + 1))
+
+    def _down_bias(self, out: np.ndarray, layer: int, e: int) -> np.ndarray:
+        return out + self.biases[layer][2][e]
 
 
 def _bytes_at(address: int, n: int) -> np.ndarray:
@@ -230,14 +270,22 @@ def _bytes_at(address: int, n: int) -> np.ndarray:
 
 def expert_op(graph: htp.ExpertGraph, model: PackedModel) -> htp.ExpertGraph | ReGLUGraph:
     """The op a model's routed experts run through: the fused graph for SwiGLU experts, a
-    `ReGLUGraph` over it for ReGLU experts (the family record's `expert_glu`)."""
-    return ReGLUGraph(graph) if model.hparams.expert_glu == "reglu" else graph
+    `ReGLUGraph` over it for ReGLU experts, an `OAIGraph` for gpt-oss's (the family record's
+    `expert_glu`)."""
+    glu = model.hparams.expert_glu
+    if glu == "swiglu_oai":
+        return OAIGraph(graph, model)
+    return ReGLUGraph(graph) if glu == "reglu" else graph
 
 
-def _formats(graph: htp.ExpertGraph, layer: ExpertLayer) -> dict[str, tuple[str, str, str]]:
+def _formats(graph: Any, layer: ExpertLayer) -> dict[str, Any]:
     """The expert op's `formats` argument for a layer: its tile formats where they are not the
-    graph's own (a file may store a layer's projections in other types than the first's)."""
-    return {} if layer.formats == graph.formats else {"formats": layer.formats}
+    graph's own (a file may store a layer's projections in other types than the first's); and
+    the layer, for an op with per-layer weights of its own (`OAIGraph`'s biases)."""
+    kw: dict[str, Any] = {} if layer.formats == graph.formats else {"formats": layer.formats}
+    if isinstance(graph, OAIGraph):
+        kw["layer"] = layer.index
+    return kw
 
 
 class ResidentExperts:

@@ -118,14 +118,15 @@ def _round_up(n: int, to: int = PAGE) -> int:
 def dense_format(info: TensorInfo) -> str:
     """The dense.bin format of a non-expert tensor.
 
-    * 1-D tensors, routers (`ffn_gate_inp`), and float matrices whose row length is not a
-      multiple of 32 (e.g. lfm2's short-convolution kernels) -> `f32`;
+    * 1-D tensors, routers (`ffn_gate_inp`), biases (`*.bias`: addends, not matrices, e.g.
+      gpt-oss's per-expert `ffn_*_exps.bias` `[E, rows]`) and float matrices whose row length
+      is not a multiple of 32 (e.g. lfm2's short-convolution kernels) -> `f32`;
     * Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 matrices -> `q4_0-t32r4`, `q8_0-t32r4`, `q4_k-t32r4`,
       `q5_k-t32r4`, `q6_k-t32r4`, `mxfp4-t32r4` (lossless);
     * other matrices (F16/BF16/F32, other quantized types ...) -> dequantized, re-quantized to
       Q8_0 -> `q8_0-t32r4` (one rounding step; none for F16/BF16 beyond Q8_0's).
     """
-    if len(info.shape) == 1 or info.name.endswith("ffn_gate_inp.weight"):
+    if len(info.shape) == 1 or info.name.endswith(("ffn_gate_inp.weight", ".bias")):
         return "f32"
     qt = info.qtype
     if qt in _QUANT_PASSTHROUGH:

@@ -25,7 +25,7 @@ from estream_layout import ModelSpec
 
 from ..errors import UnsupportedModelError
 from ..packed import PackedModel
-from . import deepseek2, lfm2moe, llama, olmoe, qwen3moe, smallthinker
+from . import deepseek2, gpt_oss, lfm2moe, llama, olmoe, qwen3moe, smallthinker
 from .ops import Ops
 from .weights import Weights
 
@@ -50,6 +50,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "deepseek2": deepseek2,
     "lfm2moe": lfm2moe,
     "smallthinker": smallthinker,
+    "gpt-oss": gpt_oss,
 }
 
 

@@ -199,6 +199,18 @@ class Ops:
         else:
             htp.copy_rows(src, dst, rep, backend=self.backend)
 
+    def add_row(self, x: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """``x [T, N] + b [N]`` (a bias on every row)."""
+        with self.timed("add"):
+            return self._add_row(x, b)
+
+    def _add_row(self, x: np.ndarray, b: np.ndarray) -> np.ndarray:
+        if self.pool is None:
+            return x + b
+        rows = self.pool.empty(x.shape)
+        self._copy(self._w(b).reshape(1, -1), rows, x.shape[0])  # type: ignore[union-attr]
+        return self._add(x, rows)
+
     def take_rows(self, x: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
         """Rows ``rows`` of ``x [T, d]`` (all of it if None), contiguous."""
         if rows is None:
@@ -339,8 +351,19 @@ class Ops:
         )  # type: ignore[arg-type]
         return q, k
 
-    def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-        """softmax(q kᵀ · scale) v under the pass's layout: `q [T, H, D]`, `k, v [T, Hkv, ·]`.
+    def attend(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        scale: float,
+        *,
+        window: int = 0,
+        sinks: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """softmax(q kᵀ · scale) v under the pass's layout: `q [T, H, D]`, `k, v [T, Hkv, ·]`;
+        ``window`` > 0: each query sees its last ``window`` positions of its own sequence;
+        ``sinks`` ``[H]``: a logit per query head in every row's denominator (gpt-oss).
 
         A sequence's first segment goes through the tiled causal kernel on its own rows (as if
         it were prefilled alone); a continuing segment attends to its ancestors' rows and
@@ -348,22 +371,35 @@ class Ops:
         (their keys and values gathered with copy ops), without one `_continued_attention`
         (BLAS). Nothing crosses requests."""
         with self.timed("attention"):
-            return self._attend(q, k, v, scale)
+            return self._attend(q, k, v, scale, window=window, sinks=sinks)
 
-    def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    def _attend(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        scale: float,
+        *,
+        window: int = 0,
+        sinks: np.ndarray | None = None,
+    ) -> np.ndarray:
         p = self.attn_products
         lay = self.layout
         be = self.backend
         shape = (q.shape[0], q.shape[1], v.shape[2])
+        mask = {"window": window, "sinks": self._w(sinks)} if window or sinks is not None else {}
         if lay is None or lay.single:
-            return htp.attention(q, k, v, scale, True, self._out(shape), products=p, backend=be)
+            return htp.attention(
+                q, k, v, scale, True, self._out(shape), products=p, backend=be, **mask
+            )
         out = self.empty(shape)
         for i, s in enumerate(lay.segments):
             rows = slice(s.start, s.start + s.length)
             if s.parent < 0:
                 htp.attention(
-                    q[rows], k[rows], v[rows], scale, True, out[rows], products=p, backend=be
-                )
+                    q[rows], k[rows], v[rows], scale, True, out[rows], products=p, backend=be,
+                    **mask,
+                )  # fmt: skip
             elif self.pool is None:
                 ctx = lay.context(i)
                 out[rows] = _continued_attention(
@@ -372,6 +408,8 @@ class Ops:
                     segment_rows(v, [*ctx, s]),
                     scale,
                     products=p,
+                    window=window,
+                    sinks=sinks,
                 )
             else:
                 segs = [*lay.context(i), s]
@@ -380,7 +418,7 @@ class Ops:
                 vv = self._gather(v, segs)
                 htp.attention(
                     q[rows], kk, vv, scale, True, out[rows], products=p, context=n_ctx,
-                    backend=be,
+                    backend=be, **mask,
                 )  # fmt: skip
         return out
 
@@ -477,6 +515,8 @@ class Ops:
         g = w.gating
         with self.timed("router"):
             logits = self.linear_f32(x, w.router)
+            if w.logit_bias is not None:  # gpt-oss: a bias on the logits themselves
+                logits = self._add_row(logits, w.logit_bias)
             out = None
             if self.pool is not None:
                 out = (self.pool.empty((x.shape[0], g.n_used), np.int32),
@@ -516,13 +556,20 @@ class Ops:
 
 
 def _continued_attention(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *, products: str = "f32"
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    *,
+    products: str = "f32",
+    window: int = 0,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """A continuing segment's attention: ``q [n, H, D]`` against ``k, v [C + n, Hkv, ·]``
     (``C`` context rows, all visible, then the segment's own rows, causal), with BLAS
     (float32): segments are short. With ``products`` "bf16", the kernel's rounding of
     ``q·scale``, ``k``, ``v`` and the softmax weights, so that a branch sees what a separate
-    prefill of ``prefix + branch`` would."""
+    prefill of ``prefix + branch`` would. ``window`` and ``sinks`` as `htp.attention`'s."""
     n, n_head = q.shape[0], q.shape[1]
     n_ctx = k.shape[0] - n
     rep = n_head // k.shape[1]
@@ -537,11 +584,21 @@ def _continued_attention(
         sc = np.matmul(qq, kk) * np.float32(scale)  # [H, n, C+n]
     mask = np.triu(np.ones((n, n), dtype=bool), k=1)
     sc[:, :, n_ctx:][:, mask] = -np.inf
-    sc -= sc.max(axis=-1, keepdims=True)
+    if window:  # query i sits at key position n_ctx + i and sees keys j > n_ctx + i - window
+        j = np.arange(n_ctx + n)
+        sc[:, j[None, :] <= (n_ctx + np.arange(n))[:, None] - window] = -np.inf
+    sink = None if sinks is None else np.asarray(sinks, np.float32)[:, None, None]
+    m = sc.max(axis=-1, keepdims=True)
+    if sink is not None:
+        m = np.maximum(m, sink)
+    sc -= m
     np.exp(sc, out=sc)
     if bf16:
         sc = htp.round_bf16(sc)
-    sc /= sc.sum(axis=-1, keepdims=True)
+    den = sc.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        den = den + np.exp(sink - m)
+    sc /= den
     return np.matmul(sc, vv).transpose(1, 0, 2)
 
 

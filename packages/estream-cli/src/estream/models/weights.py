@@ -203,6 +203,8 @@ class MoE:
     gating: Gating
     bias: np.ndarray | None = attrs.field(default=None, eq=False)  # selection-only (exp_probs_b)
     glu: str = "swiglu"
+    # added to the router's logits (gpt-oss's ffn_gate_inp.bias)
+    logit_bias: np.ndarray | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen
@@ -281,19 +283,22 @@ def bind_short_conv(model: PackedModel, i: int) -> ShortConv:
 
 
 def bind_moe(model: PackedModel, i: int) -> MoE:
-    """Layer `i`'s router (`ffn_gate_inp`, optional `exp_probs_b`) and its packed experts."""
+    """Layer `i`'s router (`ffn_gate_inp`, optional `exp_probs_b` and logit bias
+    `ffn_gate_inp.bias`) and its packed experts."""
     experts = model.layers.get(i)
     if experts is None:
         raise PackError(f"{model.path}: layer {i} should have experts, the pack has none")
     router = model.dense(f"blk.{i}.ffn_gate_inp.weight").f32()
     bias_name = f"blk.{i}.exp_probs_b.bias"
     bias = model.dense(bias_name).f32() if model.has(bias_name) else None
+    logit_name = f"blk.{i}.ffn_gate_inp.bias"
     return MoE(
         experts=experts,
         router=np.ascontiguousarray(router.T),
         gating=Gating.from_spec(model.hparams),
         bias=bias,
         glu=model.hparams.expert_glu,
+        logit_bias=model.dense(logit_name).f32() if model.has(logit_name) else None,
     )
 
 
