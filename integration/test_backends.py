@@ -14,7 +14,8 @@ from estream_layout import pack_model, synth_model
 
 
 @pytest.fixture(
-    scope="module", params=["olmoe", "qwen3moe", "deepseek2", "lfm2moe", "smallthinker"]
+    scope="module",
+    params=["olmoe", "qwen3moe", "deepseek2", "lfm2moe", "smallthinker", "gpt-oss"],
 )
 def packed(request, tmp_path_factory):
     arch = request.param
@@ -28,9 +29,10 @@ def packed(request, tmp_path_factory):
 
 def _needs_executor_experts(packed):
     """Skip for a family whose experts the executor does not run: SmallThinker's ReGLU experts
-    run in this process (`ReGLUGraph`) until the expert kernel has a ReGLU activation."""
-    if packed.name.startswith("smallthinker"):
-        pytest.skip("ReGLU experts run in this process, not in the executor")
+    and gpt-oss's SwiGLU-OAI ones run in this process (`ReGLUGraph`, `OAIGraph`) until the
+    expert kernel has their activations."""
+    if packed.name.startswith(("smallthinker", "gpt-oss")):
+        pytest.skip("ReGLU / SwiGLU-OAI experts run in this process, not in the executor")
 
 
 @pytest.mark.parametrize(

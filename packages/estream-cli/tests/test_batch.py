@@ -13,7 +13,7 @@ from estream import BranchRequest
 from estream.engine import pass_bytes_per_token
 from estream_layout import pack_model, synth_model
 
-ARCHS = ["olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe", "smallthinker"]
+ARCHS = ["olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe", "smallthinker", "gpt-oss"]
 MODES = {"stream": {"G": 2, "Q": 2, "B": 2}, "resident": {}, "naive": {}, "layer": {}}
 # Every kernel computes a row on its own and BLAS products run per request, so a request's
 # numbers do not depend on its batch: measured bit-identical. The contract is 1e-5 relative.

@@ -10,8 +10,9 @@ from estream_layout import pack_model, synth_model
 
 
 # lfm2moe: its short convolutions must continue the prefix in each branch, not run over the
-# packed order (where a branch follows the previous branch's tokens).
-@pytest.fixture(scope="module", params=["qwen3moe", "mixtral", "lfm2moe"])
+# packed order (where a branch follows the previous branch's tokens). gpt-oss: its sliding
+# window (8 tokens on tiny, shorter than prefix + branch) and sinks in a continuing segment.
+@pytest.fixture(scope="module", params=["qwen3moe", "mixtral", "lfm2moe", "gpt-oss"])
 def model(request, tmp_path_factory):
     d = tmp_path_factory.mktemp("br")
     src = d / "m.gguf"
