@@ -163,6 +163,7 @@ def test_gpt_oss_tiny_reads_as_llama_cpp_loads_it(gpt_oss_tiny: Path, tmp_path: 
     assert spec.rope_n_ctx_orig == 32 and spec.rope_freq_base == 150000.0
     assert spec.expert_gating_func == "softmax" and spec.expert_weights_norm
     assert spec.expert_glu == "swiglu_oai" and spec.router_input == "ffn_norm"
+    assert spec.expert_type == "MXFP4"  # the family's default, as published
     shapes = {n: t.shape for n, t in spec.tensors.items()}
     assert shapes["blk.1.attn_sinks.weight"] == (4,)
     assert shapes["blk.1.attn_q.bias"] == (64,) and shapes["blk.1.attn_k.bias"] == (32,)
@@ -197,6 +198,16 @@ def test_gpt_oss_file_without_what_llama_cpp_requires_is_refused(
         pack_model(bad, tmp_path / "bad.estream", progress=False)
     assert needle in str(info.value)
     assert not (tmp_path / "bad.estream").exists()
+
+
+def test_synthesized_experts_default_to_the_familys_type(tmp_path: Path) -> None:
+    """Without an expert type, gpt-oss's experts are MXFP4 (its record's) and another family's
+    Q4_0; an explicit type wins for gpt-oss too."""
+    assert BY_FAMILY["gpt-oss"].expert_type == "MXFP4"
+    olmoe = ModelSpec.from_gguf(synth_model("olmoe", "tiny", tmp_path / "o.gguf", seed=1))
+    assert olmoe.expert_type == "Q4_0"
+    q8 = synth_model("gpt-oss", "tiny", tmp_path / "g.gguf", seed=1, expert_type="Q8_0")
+    assert ModelSpec.from_gguf(q8).expert_type == "Q8_0"
 
 
 def test_gpt_oss_published_preset_is_the_model_card() -> None:

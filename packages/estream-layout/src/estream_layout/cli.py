@@ -23,7 +23,7 @@ __all__ = ["pack_main", "synth_main"]
 EXIT_PROBLEMS = 1
 EXIT_ERROR = 2
 # GGML types estream-synth writes (random valid blocks; F16/F32 as values)
-SYNTH_TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "F16", "F32"]
+SYNTH_TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ4_NL", "F16", "F32"]
 
 
 def _fail(prog: str, msg: str) -> int:
@@ -168,10 +168,10 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("-o", "--output", required=True, help="output .gguf path")
     ap.add_argument(
         "--expert-type",
-        default="Q4_0",
         choices=SYNTH_TYPES,
-        help="GGML type of the routed experts (default Q4_0; K-quants need d_model and the "
-        "expert width multiples of 256, e.g. --dim n_embd=256 --dim n_ff_exp=256)",
+        help="GGML type of the routed experts (default: the family's, Q4_0; MXFP4 for gpt-oss, "
+        "as published; K-quants need d_model and the expert width multiples of 256, e.g. "
+        "--dim n_embd=256 --dim n_ff_exp=256)",
     )
     ap.add_argument(
         "--expert-down-type",

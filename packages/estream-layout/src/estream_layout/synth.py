@@ -459,7 +459,7 @@ def synth_model(
     *,
     seed: int = 0,
     vocab: str | os.PathLike[str] | None = None,
-    expert_type: str = "Q4_0",
+    expert_type: str | None = None,
     dense_type: str = "Q4_0",
     output_type: str = "Q8_0",
     expert_down_type: str | None = None,
@@ -472,7 +472,8 @@ def synth_model(
     `vocab`: a GGUF whose tokenizer.ggml.* keys are copied; by default the real tokenizer of the
     family (bundled in `VOCAB_DIR`) for the small and olmoe-1b-7b presets, and a generated GPT-2-style
     BPE vocabulary for tiny, when no file is found, or when `vocab` is "-". `expert_type`/`dense_type`/`output_type`
-    are GGML type names (e.g. "Q8_0", "Q4_K", "Q6_K" experts, "F16" to exercise
+    are GGML type names (`expert_type` None: the family record's, Q4_0, or MXFP4 for gpt-oss;
+    e.g. "Q8_0", "Q4_K", "Q6_K" experts, "F16" to exercise
     re-quantization); `expert_down_type` gives `ffn_down_exps` another type (Q4_K_M's mix:
     "Q4_K" experts with "Q6_K" down projections); `dims`
     (a mapping) and keyword `overrides` (any `SynthDims` field, e.g. `n_layers=12`) change preset dimensions.
@@ -482,6 +483,8 @@ def synth_model(
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise InvalidArgumentError(f"seed {seed!r} must be an integer from 0 to 2**63 - 1")
     d = synth_dims(arch, preset)
+    if expert_type is None:  # the family's own (gpt-oss: MXFP4, as published)
+        expert_type = BY_FAMILY[arch].expert_type
     changes = {**(dims or {}), **overrides}
     if changes:
         unknown = set(changes) - {a.name for a in attrs.fields(SynthDims)}
@@ -605,6 +608,7 @@ def _add_header(
         "Q4_0": LlamaFileType.MOSTLY_Q4_0,
         "Q8_0": LlamaFileType.MOSTLY_Q8_0,
         "F16": LlamaFileType.MOSTLY_F16,
+        "MXFP4": LlamaFileType.MOSTLY_MXFP4_MOE,
     }.get(expert_type, LlamaFileType.GUESSED)
     writer.add_key_value(Keys.General.FILE_TYPE, int(file_type), GGUFValueType.UINT32)
     writer.add_key_value(Keys.General.QUANTIZATION_VERSION, 2, GGUFValueType.UINT32)

@@ -63,7 +63,8 @@ class Family:
     tiny/small presets and the published models' shapes (`SynthDims` fields), ``published`` the
     presets that are one published model of this family, ``synth_layer`` appends a layer's
     tensors to a `Plan`, ``synth_keys`` the family's metadata after the shared keys, and
-    ``synth_kv_array`` whether ``head_count_kv`` is written per layer (0 for convolutions).
+    ``synth_kv_array`` whether ``head_count_kv`` is written per layer (0 for convolutions),
+    ``expert_type`` the GGML type of the synthesized experts unless asked for another.
 
     The graph: ``router_input`` is what the router reads ("ffn_norm": the experts' input,
     "layer": the layer's input, before attention, so routes are known at layer start);
@@ -93,6 +94,7 @@ class Family:
     synth_layer: Callable[[Plan, int], None]
     synth_keys: Callable[[Any], KeyList]
     synth_kv_array: bool = False
+    expert_type: str = "Q4_0"
     router_input: str = "ffn_norm"
     expert_glu: str = "swiglu"
     attention_pattern: Callable[..., tuple[int, tuple[int, ...], tuple[int, ...]]] | None = None

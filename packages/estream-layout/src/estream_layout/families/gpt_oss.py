@@ -159,5 +159,6 @@ FAMILY = Family(
     synth_layer=_synth_layer,
     synth_keys=_keys,
     expert_glu="swiglu_oai",
+    expert_type="MXFP4",  # the published checkpoints' experts
     attention_pattern=attention_pattern,
 )
