@@ -151,6 +151,15 @@ def test_directory_is_refused(tmp_path: Path) -> None:
     assert node_state(d) == state and listing(d) == ["keep"] and listing(tmp_path) == ["d"]
 
 
+def test_a_path_ending_in_a_slash_is_refused(tmp_path: Path) -> None:
+    """``out.npy/`` names a directory: refused whether or not something is there, and no file
+    ``out.npy`` appears (the slash is not dropped)."""
+    refused(str(tmp_path / "out.npy") + "/", "ends in a slash")
+    (tmp_path / "f").write_text("k")
+    refused(str(tmp_path / "f") + "/", "ends in a slash")
+    assert listing(tmp_path) == ["f"] and (tmp_path / "f").read_text() == "k"
+
+
 def test_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
     """A FIFO is refused (never opened: that would block with no reader) and stays a FIFO."""
     fifo = tmp_path / "pipe"

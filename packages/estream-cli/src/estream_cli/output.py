@@ -71,6 +71,8 @@ def _refuse(option: str, path: str, message: str) -> BadRequestError:
 def _target(path: str, option: str) -> tuple[Path, os.stat_result | None]:
     """The file that writing `path` replaces (the end of a symbolic link) and its status now
     (None: nothing there yet); BadRequestError when it must not be written."""
+    if path.endswith(os.sep) or (os.altsep and path.endswith(os.altsep)):
+        raise _refuse(option, path, "ends in a slash, so it names a directory; give a file path")
     p = Path(path)
     target = p
     if p.is_symlink():
