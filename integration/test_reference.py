@@ -108,9 +108,10 @@ class _Naive:
             out[a], out[b] = z.real, z.imag
         return out
 
-    def attend(self, qs, ks, vs, scale, window=0):  # type: ignore[no-untyped-def]
+    def attend(self, qs, ks, vs, scale, window=0, sinks=None):  # type: ignore[no-untyped-def]
         """qs[t][h], ks[s][g], vs[s][g] lists of vectors → per token concatenated heads;
-        ``window`` > 0: token t sees the last ``window`` tokens up to itself."""
+        ``window`` > 0: token t sees the last ``window`` tokens up to itself; ``sinks[h]``: an
+        extra score of head h whose value is zero (it only adds to the denominator)."""
         n_head, n_kv = len(qs[0]), len(ks[0])
         out = []
         for t in range(len(qs)):
@@ -119,9 +120,10 @@ class _Naive:
             for h in range(n_head):
                 g = h * n_kv // n_head
                 sc = [float(qs[t][h] @ ks[s][g]) * scale for s in range(first, t + 1)]
-                m = max(sc)
+                sink = [] if sinks is None else [float(sinks[h])]
+                m = max(sc + sink)
                 e = [math.exp(x - m) for x in sc]
-                z = sum(e)
+                z = sum(e) + sum(math.exp(x - m) for x in sink)
                 heads.append(sum(e[s - first] / z * vs[s][g] for s in range(first, t + 1)))
             out.append(np.concatenate(heads))
         return out
@@ -129,11 +131,15 @@ class _Naive:
     def moe(self, p: str, x: np.ndarray, router_x: np.ndarray | None = None) -> np.ndarray:
         arch = self.arch
         logits = self.w(p + "ffn_gate_inp.weight") @ (x if router_x is None else router_x)
+        if arch == "gpt-oss":  # the router's bias, on the logits
+            logits = logits + self.w(p + "ffn_gate_inp.bias")
         n_used = int(self.md("expert_used_count"))
         gating = {"olmoe": 1, "qwen3moe": 1, "llama": 1}.get(arch) or int(
             self.md("expert_gating_func", 1) or 1
         )
-        if gating == 1:
+        if arch == "gpt-oss":  # top-k of the logits, then a softmax over those k
+            probs = list(logits)
+        elif gating == 1:
             mx = max(logits)
             ex = [math.exp(v - mx) for v in logits]
             probs = [v / sum(ex) for v in ex]
@@ -143,6 +149,9 @@ class _Naive:
         sel = [probs[e] + (0.0 if bias is None else bias[e]) for e in range(len(probs))]
         chosen = sorted(range(len(sel)), key=lambda e: -sel[e])[:n_used]
         wts = [probs[e] for e in chosen]
+        if arch == "gpt-oss":
+            mx = max(wts)
+            wts = [math.exp(v - mx) / sum(math.exp(u - mx) for u in wts) for v in wts]
         normalize = {
             "olmoe": False,
             "qwen3moe": True,
@@ -159,8 +168,16 @@ class _Naive:
         up = self.w(p + "ffn_up_exps.weight")
         down = self.w(p + "ffn_down_exps.weight")
         y = np.zeros_like(x)
+        if arch == "gpt-oss":
+            bg, bu, bd = (self.w(p + f"ffn_{j}_exps.bias") for j in ("gate", "up", "down"))
         for e, wt in zip(chosen, wts):
             g = gate[e] @ x
+            if arch == "gpt-oss":  # biases, then the clamped SwiGLU of ggml's swiglu_oai
+                gs = [min(v, 7.0) for v in g + bg[e]]
+                us = [min(max(v, -7.0), 7.0) for v in up[e] @ x + bu[e]]
+                h = [a / (1.0 + math.exp(-1.702 * a)) * (b + 1.0) for a, b in zip(gs, us)]
+                y = y + wt * (down[e] @ np.asarray(h) + bd[e])
+                continue
             act = [max(v, 0.0) for v in g] if arch == "smallthinker" else g / (1 + np.exp(-g))
             y = y + wt * (down[e] @ (np.asarray(act) * (up[e] @ x)))
         if p + "ffn_gate_shexp.weight" in self.t:
@@ -194,7 +211,8 @@ class _Naive:
                 n_kv = int(list(kv_md)[il]) if isinstance(kv_md, list) else int(kv_md)
                 mixed = self.gqa(p, hs, n_head, n_kv, eps, il)
             xs = [x + m for x, m in zip(xs, mixed)]
-            hs = [self.rmsnorm(x, self.w(p + "ffn_norm.weight"), eps) for x in xs]
+            post = "attn_post_norm" if arch == "gpt-oss" else "ffn_norm"
+            hs = [self.rmsnorm(x, self.w(p + post + ".weight"), eps) for x in xs]
             if arch == "smallthinker":
                 xs = [x + self.moe(p, h, r) for x, h, r in zip(xs, hs, layer_in)]
             else:
@@ -212,7 +230,10 @@ class _Naive:
         swa = arch == "smallthinker" and int(self.md("attention.sliding_window", 0)) > 0
         window = 4096 if swa and il % int(self.md("attention.sliding_window_pattern", 4)) else 0
         nope = swa and il % 4 == 0
+        if arch == "gpt-oss":  # the window on the even layers
+            window = int(self.md("attention.sliding_window")) if il % 2 == 0 else 0
         wq, wk, wv = (self.w(p + f"attn_{n}.weight") for n in "qkv")
+        bq, bk, bv = (self.w(p + f"attn_{n}.bias") for n in "qkv")
         dh = wq.shape[0] // n_head
         n_rot = int(self.md("rope.dimension_count", dh))
         neox = arch != "llama"
@@ -220,6 +241,8 @@ class _Naive:
         qs, ks, vs = [], [], []
         for pos, h in enumerate(hs):
             q, k, v = wq @ h, wk @ h, wv @ h
+            if bq is not None:
+                q, k, v = q + bq, k + bk, v + bv
             if arch == "olmoe":
                 q, k = self.rmsnorm(q, qn, eps), self.rmsnorm(k, kn, eps)
             qh = [q[i * dh : (i + 1) * dh] for i in range(n_head)]
@@ -230,8 +253,10 @@ class _Naive:
             qs.append([x if nope else self.rope(x, pos, n_rot, neox) for x in qh])
             ks.append([x if nope else self.rope(x, pos, n_rot, neox) for x in kh])
             vs.append([v[i * dh : (i + 1) * dh] for i in range(n_kv)])
-        wo = self.w(p + "attn_output.weight")
-        return [wo @ o for o in self.attend(qs, ks, vs, 1 / math.sqrt(dh), window)]
+        wo, bo = self.w(p + "attn_output.weight"), self.w(p + "attn_output.bias")
+        sinks = self.w(p + "attn_sinks.weight")
+        outs = self.attend(qs, ks, vs, 1 / math.sqrt(dh), window, sinks)
+        return [wo @ o + (0.0 if bo is None else bo) for o in outs]
 
     def mla_absorbed(self, p, hs, n_head, eps):  # type: ignore[no-untyped-def]
         """DeepSeek-2 attention in the latent (absorbed) form: scores against the latent."""
@@ -304,20 +329,22 @@ def test_reference_matches_loop_implementation(tiny_gguf, arch: str, qtype) -> N
 
 
 @pytest.mark.parametrize(
-    "arch", ["olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe", "smallthinker"]
+    "arch", ["olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe", "smallthinker", "gpt-oss"]
 )
 def test_reference_matches_loop_implementation_on_synthetic_models(
     tmp_path: Path, arch: str
 ) -> None:
-    """The layout package's synthetic GGUFs (tiny preset, Q4_0): same two implementations."""
+    """The layout package's synthetic GGUFs (tiny preset, their default expert type): same two
+    implementations (gpt-oss: 13 tokens, past its 8-token window)."""
     from estream_layout import synth_model
 
     path = synth_model(arch, "tiny", tmp_path / f"{arch}.gguf", seed=7)
     model = ReferenceModel(path)
-    tokens = np.random.default_rng(1).integers(0, model.config.n_vocab, 7).tolist()
+    n = 13 if arch == "gpt-oss" else 7
+    tokens = np.random.default_rng(1).integers(0, model.config.n_vocab, n).tolist()
     got = model.forward(tokens)
     want = _Naive(path).forward(tokens)
-    assert got.shape == want.shape == (7, model.config.n_vocab)
+    assert got.shape == want.shape == (n, model.config.n_vocab)
     assert rel_l2(got, want) < 1e-12
 
 
