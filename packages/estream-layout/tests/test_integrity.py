@@ -34,6 +34,7 @@ from estream_layout import (
 )
 from estream_layout import pack as pack_mod
 from estream_layout.gguf_header import read_header
+from estream_layout.manifest import VERSION
 from estream_layout.testing import DROP, manifest_mutations, mutate_gguf, reseal
 
 # Fields that only the manifest digest (or, for data checksums, `--verify`) can protect: a
@@ -160,9 +161,10 @@ def test_symlink_out_of_the_pack_is_refused(pack: dict[str, Path], tmp_path: Pat
 
 def test_old_manifest_version_asks_for_a_repack(pack: dict[str, Path]) -> None:
     doc = _doc(pack["a"])
-    doc["version"] = 1
-    with pytest.raises(PackFormatError, match=r"version: 1 is not supported.*re-pack"):
-        Manifest.from_dict(doc, pack["a"])
+    for old in range(1, VERSION):  # every earlier format, e.g. packs without per-projection
+        doc["version"] = old  # formats, are named and sent to re-pack, not to a missing field
+        with pytest.raises(PackFormatError, match=rf"version: {old} is not supported.*re-pack"):
+            Manifest.from_dict(doc, pack["a"])
 
 
 # ------------------------------------------------------------------------------ the files
@@ -340,7 +342,7 @@ def test_force_replaces_an_estream_pack_including_an_older_version(
     (root / "manifest.json").write_text(json.dumps(doc))
     (root / ".manifest.lock").touch()
     m = pack_model(pack["src"], root, force=True, progress=False)
-    assert m.version == 2 and verify_pack(root).ok
+    assert m.version == VERSION and verify_pack(root).ok
     assert (root / "dense.bin").read_bytes() == (pack["a"] / "dense.bin").read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.estream"]
 
@@ -578,8 +580,8 @@ def test_pack_threads_do_not_outlive_a_failed_pack(pack: dict[str, Path], tmp_pa
         (b"null", "document: expected an object"),
         (b"\xff\xfe\x00garbage", "unreadable manifest"),
         (b"[" * 100000 + b"]" * 100000, "unreadable manifest"),
-        (b'{"format": "estream-pack", "version": 2}', "arch: missing"),
-        (b'{"format": "estream-pack", "version": 2.0}', "version: 2.0 is not supported"),
+        (b'{"format": "estream-pack", "version": 3}', "arch: missing"),
+        (b'{"format": "estream-pack", "version": 3.0}', "version: 3.0 is not supported"),
         (b'{"format": "estream-pack", "version": true}', "version: True is not supported"),
     ],
 )

@@ -26,6 +26,7 @@ from estream_layout import (
     verify_pack,
 )
 from estream_layout import pack as pack_mod
+from estream_layout.manifest import VERSION
 from estream_layout.tiles import dequantize_blocks, tile_nbytes, unpack_tiles
 
 PAGE = 4096
@@ -78,7 +79,7 @@ def test_layout_read_independently(
     """Read experts.bin / dense.bin with the raw manifest JSON and gguf's own reader only."""
     root = packed[arch]
     doc = json.loads((root / "manifest.json").read_text())
-    assert doc["format"] == "estream-pack" and doc["version"] == 2
+    assert doc["format"] == "estream-pack" and doc["version"] == VERSION
     assert doc["tile_format"] == "q4_0-t32r4" and doc["config"] is None and doc["profile"] is None
     assert doc["experts"]["checksum"] == "crc32" and doc["experts"]["file"] == "experts.bin"
     src_bytes = tiny_models[arch].read_bytes()

@@ -54,7 +54,9 @@ __all__ = [
 
 FORMAT: Final = "estream-pack"
 # 2: per-tensor crc32 of dense.bin, size + crc32 of model.gguf, the manifest's own sha256.
-VERSION: Final = 2
+# 3: a tile format per expert projection and layer (native K-quant / Q8_0 experts), the
+#    attention pattern (sliding window, NoPE layers) and router input in `spec`.
+VERSION: Final = 3
 PAGE: Final = 4096
 MANIFEST_NAME: Final = "manifest.json"
 LOCK_NAME: Final = ".manifest.lock"
@@ -285,7 +287,7 @@ class Manifest:
         if data.get("format") != FORMAT:
             raise r.fail("format", f"{data.get('format')!r}, expected {FORMAT!r}")
         version = data.get("version")
-        if type(version) is not int or version != VERSION:  # 2.0 and true are not 2
+        if type(version) is not int or version != VERSION:  # 3.0 and true are not 3
             raise r.fail(
                 "version",
                 f"{data.get('version')!r} is not supported (this estream-layout reads version "
