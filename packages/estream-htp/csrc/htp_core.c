@@ -28,6 +28,10 @@ void htp_q5kq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q
                               float *out, uint32_t ldo, uint32_t rows) {
     htp_q5k_strip_body(strip, kb, a, nt, out, ldo, rows);
 }
+void htp_nlq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                             float *out, uint32_t ldo, uint32_t rows) {
+    htp_iq4nl_strip_body(strip, kb, a, nt, out, ldo, rows);
+}
 void htp_mxq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                              float *out, uint32_t ldo, uint32_t rows) {
     htp_mxfp4_strip_body(strip, kb, a, nt, out, ldo, rows);
@@ -50,6 +54,7 @@ const htp_isa htp_isa_portable = {
     .q6kq8_strip = htp_q6kq8_strip_portable,
     .kq8_nt = 64,
     .q5kq8_strip = htp_q5kq8_strip_portable,
+    .nlq8_strip = htp_nlq8_strip_portable,
     .mxq8_strip = htp_mxq8_strip_portable,
     .mxq8_nt = 64,
     .dequant_tile = htp_dequant_portable,
@@ -141,12 +146,14 @@ size_t htp_tile_bytes(uint32_t fmt) {
     case HTP_FMT_Q6_K_T32R4: return HTP_Q6K_TILE_BYTES;
     case HTP_FMT_MXFP4_T32R4: return HTP_MXFP4_TILE_BYTES;
     case HTP_FMT_Q5_K_T32R4: return HTP_Q5K_TILE_BYTES;
+    case HTP_FMT_IQ4_NL_T32R4: return HTP_Q4_TILE_BYTES;
     default: return 0;
     }
 }
 int htp_is_weight_format(uint32_t fmt) {
     return fmt == HTP_FMT_Q4_0_T32R4 || fmt == HTP_FMT_Q8_0_T32R4 || fmt == HTP_FMT_Q4_K_T32R4 ||
-           fmt == HTP_FMT_Q6_K_T32R4 || fmt == HTP_FMT_MXFP4_T32R4 || fmt == HTP_FMT_Q5_K_T32R4;
+           fmt == HTP_FMT_Q6_K_T32R4 || fmt == HTP_FMT_MXFP4_T32R4 || fmt == HTP_FMT_Q5_K_T32R4 ||
+           fmt == HTP_FMT_IQ4_NL_T32R4;
 }
 uint64_t htp_matrix_bytes(uint32_t fmt, uint32_t n, uint32_t k) {
     return (uint64_t)((n + 31) / 32) * (k / 32) * htp_tile_bytes(fmt);
@@ -171,6 +178,9 @@ void htp_gemm_tiles(const htp_isa *isa, const uint8_t *w, uint32_t fmt, uint32_t
     } else if (fmt == HTP_FMT_MXFP4_T32R4) {
         const htp_isa *mi = isa->mxq8_strip ? isa : &htp_isa_portable;
         strip_fn = mi->mxq8_strip, ntmax = mi->mxq8_nt;
+    } else if (fmt == HTP_FMT_IQ4_NL_T32R4) {
+        const htp_isa *ni = isa->nlq8_strip ? isa : &htp_isa_portable;
+        strip_fn = ni->nlq8_strip, ntmax = ni->mxq8_nt;
     } else if (fmt == HTP_FMT_Q5_K_T32R4) {
         const htp_isa *ki = isa->q5kq8_strip ? isa : &htp_isa_portable;
         strip_fn = ki->q5kq8_strip, ntmax = ki->kq8_nt;
@@ -326,6 +336,13 @@ void htp_exec_get_rows(const htp_get_rows_params *pr, const uint8_t *p, const in
                     float panel[1024]; /* the tile's values, then row r of them */
                     htp_dequant_kq_tile_body(tile, format, panel);
                     for (int c = 0; c < 32; c++) ob[c] = panel[c * 32 + r];
+                } else if (format == HTP_FMT_IQ4_NL_T32R4) {
+                    for (int g = 0; g < 4; g++)
+                        for (int b = 0; b < 4; b++) {
+                            const uint8_t v = tile[64 + g * 128 + r * 4 + b];
+                            ob[4 * g + b] = d * (float)htp_iq4nl_kvalues[v & 15];
+                            ob[16 + 4 * g + b] = d * (float)htp_iq4nl_kvalues[v >> 4];
+                        }
                 } else if (format == HTP_FMT_Q4_0_T32R4) {
                     for (int g = 0; g < 4; g++)
                         for (int b = 0; b < 4; b++) {

@@ -229,6 +229,44 @@ HTP_INLINE void htp_mxfp4_strip_body(const uint8_t *strip, uint32_t kb, const ht
     }
 }
 
+/* IQ4_NL tiles x Q8 activations, reference order, any nt. iq4_nl-t32r4 (576 B) is laid as
+ * q4_0-t32r4 (fp16 d per row, then the codes in Q4_0's nibble order at 64); per row and 32-block
+ * the exact int32 dot = sum kv[code] * a (kv: llama.cpp's kvalues_iq4nl, -127..113), then
+ * acc += (float)dot * (d * da), product then sum: llama.cpp's vec_dot_iq4_nl_q8_0. */
+HTP_INLINE void htp_iq4nl_strip_body(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                     uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    const uint32_t k = kb * 32;
+    for (uint32_t tt = 0; tt < nt; tt++) {
+        float acc[32];
+        for (int r = 0; r < 32; r++) acc[r] = 0.0f;
+        const int8_t *qa = a->q + (size_t)tt * k;
+        for (uint32_t j = 0; j < kb; j++) {
+            const uint8_t *tile = strip + (size_t)j * HTP_Q4_TILE_BYTES;
+            const int8_t *qb = qa + 32 * j;
+            const float da = a->d[(size_t)tt * kb + j];
+            int32_t dot[32];
+            for (int r = 0; r < 32; r++) {
+                int32_t sacc = 0;
+                for (int gi = 0; gi < 4; gi++)
+                    for (int b = 0; b < 4; b++) {
+                        const uint8_t v = tile[64 + gi * 128 + r * 4 + b];
+                        sacc += (int32_t)htp_iq4nl_kvalues[v & 15] * qb[4 * gi + b] +
+                                (int32_t)htp_iq4nl_kvalues[v >> 4] * qb[16 + 4 * gi + b];
+                    }
+                dot[r] = sacc;
+            }
+            for (int r = 0; r < 32; r++) {
+                uint16_t h;
+                memcpy(&h, tile + 2 * r, 2);
+                const float sc = htp_f16_to_f32(h) * da;
+                const float v = (float)dot[r] * sc;
+                acc[r] += v;
+            }
+        }
+        for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = acc[r];
+    }
+}
+
 /* panel[c*32 + r] = W[row r][col c] for one tile (32 rows, 32 columns). */
 HTP_INLINE void htp_dequant_tile_body(const uint8_t *p, uint32_t fmt, float *panel) {
     if (fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q5_K_T32R4 || fmt == HTP_FMT_Q6_K_T32R4 ||
@@ -243,7 +281,18 @@ HTP_INLINE void htp_dequant_tile_body(const uint8_t *p, uint32_t fmt, float *pan
         d[r] = htp_f16_to_f32(h);
     }
     const uint8_t *g = p + 64;
-    if (fmt == HTP_FMT_Q4_0_T32R4) {
+    if (fmt == HTP_FMT_IQ4_NL_T32R4) {
+        for (int gi = 0; gi < 4; gi++)
+            for (int b = 0; b < 4; b++) {
+                float *lo = panel + (4 * gi + b) * 32;
+                float *hi = panel + (16 + 4 * gi + b) * 32;
+                for (int r = 0; r < 32; r++) {
+                    const uint8_t v = g[gi * 128 + r * 4 + b];
+                    lo[r] = d[r] * (float)htp_iq4nl_kvalues[v & 15];
+                    hi[r] = d[r] * (float)htp_iq4nl_kvalues[v >> 4];
+                }
+            }
+    } else if (fmt == HTP_FMT_Q4_0_T32R4) {
         for (int gi = 0; gi < 4; gi++) {
             for (int b = 0; b < 4; b++) {
                 float *lo = panel + (4 * gi + b) * 32;

@@ -108,6 +108,9 @@ static inline float htp_f16_to_f32(uint16_t h) {
  * 0..7), and half the E8M0 block scale, 2^(e - 128) (subnormal for e = 0, 1): a block's value is
  * htp_mxfp4_kvalues[code] * htp_e8m0_half(e), llama.cpp's convention. */
 static const int8_t htp_mxfp4_kvalues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* IQ4_NL: the int8 value of each 4-bit code (llama.cpp's kvalues_iq4nl); value = d * kv[code] */
+static const int8_t htp_iq4nl_kvalues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                             1,    13,   25,  38,  53,  69,  89,  113};
 static inline float htp_e8m0_half(uint8_t e) {
     const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
     float f;
@@ -207,6 +210,9 @@ typedef struct htp_isa {
     /* Q5_K tiles x Q8 activations (NULL: the portable kernel), kq8_nt tokens a call */
     void (*q5kq8_strip)(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                         float *out, uint32_t ldo, uint32_t rows);
+    /* IQ4_NL tiles x Q8 activations (NULL: the portable kernel), mxq8_nt tokens a call */
+    void (*nlq8_strip)(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                       float *out, uint32_t ldo, uint32_t rows);
     /* MXFP4 tiles x Q8 activations (NULL: the portable kernel), mxq8_nt tokens a call */
     void (*mxq8_strip)(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                        float *out, uint32_t ldo, uint32_t rows);
@@ -286,9 +292,11 @@ void htp_q6kq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q
                               float *out, uint32_t ldo, uint32_t rows);
 void htp_q5kq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                               float *out, uint32_t ldo, uint32_t rows);
+void htp_nlq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                             float *out, uint32_t ldo, uint32_t rows);
 void htp_mxq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                              float *out, uint32_t ldo, uint32_t rows);
-/* whether fmt is a weight tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4) */
+/* whether fmt is a weight tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL) */
 int htp_is_weight_format(uint32_t fmt);
 void htp_f32_strip_portable(const float *panel, uint32_t k, const float *x, uint32_t ldx,
                             uint32_t nt, float *out, uint32_t ldo, uint32_t rows);

@@ -55,6 +55,12 @@ HTP_INSTANTIATE(avx512, HTP_T_AVX512)
                                             uint32_t ldo, uint32_t rows) {                       \
         htp_q5k_strip_body(strip, kb, a, nt, out, ldo, rows);                                    \
     }                                                                                            \
+    TARGET HTP_NO_CONTRACT static void nlq8_strip_##SUFFIX(const uint8_t *strip, uint32_t kb,    \
+                                                           const htp_act_q8 *a, uint32_t nt,     \
+                                                           float *out, uint32_t ldo,             \
+                                                           uint32_t rows) {                      \
+        htp_iq4nl_strip_body(strip, kb, a, nt, out, ldo, rows);                                  \
+    }                                                                                            \
     TARGET static void dequant_kq_##SUFFIX(const uint8_t *p, uint32_t fmt, float *panel) {       \
         htp_dequant_kq_tile_body(p, fmt, panel);                                                 \
     }
@@ -977,6 +983,7 @@ const htp_isa htp_isa_avx2 = {
     .q6kq8_strip = q6kq8_strip_fast_avx2,
     .kq8_nt = 64,
     .q5kq8_strip = q5kq8_strip_avx2,
+    .nlq8_strip = nlq8_strip_avx2,
     .mxq8_strip = mxq8_strip_fast_avx2,
     .mxq8_nt = 64,
     .dequant_tile = dequant_avx2,
@@ -1016,6 +1023,7 @@ const htp_isa htp_isa_avx512 = {
     .q6kq8_strip = q6kq8_strip_fast_bw,
     .kq8_nt = 64,
     .q5kq8_strip = q5kq8_strip_avx512,
+    .nlq8_strip = nlq8_strip_avx512,
     .mxq8_strip = mxq8_strip_fast_bw,
     .mxq8_nt = 64,
     .dequant_kq_tile = dequant_kq_avx512,
@@ -1034,6 +1042,7 @@ const htp_isa htp_isa_avx512vnni = {
     .q6kq8_strip = q6kq8_strip_fast_vnni,
     .kq8_nt = 64,
     .q5kq8_strip = q5kq8_strip_vnni,
+    .nlq8_strip = nlq8_strip_vnni,
     .mxq8_strip = mxq8_strip_fast_vnni,
     .mxq8_nt = 64,
     .dequant_kq_tile = dequant_kq_vnni,
@@ -1054,6 +1063,7 @@ const htp_isa htp_isa_amx = {
     .q6kq8_strip = q6kq8_strip_fast_vnni,
     .kq8_nt = 64,
     .q5kq8_strip = q5kq8_strip_vnni,
+    .nlq8_strip = nlq8_strip_vnni,
     .mxq8_strip = mxq8_strip_fast_vnni,
     .mxq8_nt = 64,
     .dequant_kq_tile = dequant_kq_vnni,

@@ -132,51 +132,71 @@ def test_gemm_kquant_tables_agree(fmt: str) -> None:
         assert T.rel_l2(y, base) <= 1e-6, simd
 
 
-MX = "mxfp4-t32r4"
+MX, NL = "mxfp4-t32r4", "iq4_nl-t32r4"  # 4-bit codes looked up in a table of values
 
 
-def _mx_case(t: int, n: int, kb: int, seed: int):
-    """Random valid MXFP4 blocks for W[n][32*kb] packed as mxfp4-t32r4, and activations."""
+def _mx_case(t: int, n: int, kb: int, seed: int, fmt: str = MX):
+    """Random valid MXFP4 (or IQ4_NL) blocks for W[n][32*kb] packed as fmt, and activations."""
     rng = np.random.default_rng(seed)
     k = 32 * kb
-    buf = T.pack_mxfp4_t32r4(T.random_mxfp4_blocks(rng, n, k))
+    if fmt == MX:
+        buf = T.pack_mxfp4_t32r4(T.random_mxfp4_blocks(rng, n, k))
+    else:
+        buf = T.pack_iq4_nl_t32r4(T.random_iq4_nl_blocks(rng, n, k))
     x = (rng.standard_normal((t, k)) * rng.uniform(0.1, 10)).astype(np.float32)
     return x, buf
 
 
 @pytest.mark.parametrize("simd", SIMD_PARAMS)
+@pytest.mark.parametrize("fmt", [MX, NL])
 @given(shape=shapes)
-def test_gemm_mxfp4_f32_matches_float64(simd: str, shape) -> None:
-    """MXFP4 tiles (any codes, subnormal scales included) with fp32 activations, awkward N
-    (padding rows) and K of 1..6 blocks, into a NaN-poisoned output: the float64 product of the
-    dequantized tiles, to fp32 rounding."""
+def test_gemm_mxfp4_and_iq4_nl_f32_matches_float64(simd: str, fmt: str, shape) -> None:
+    """MXFP4 tiles (any codes, subnormal scales included) and IQ4_NL tiles with fp32
+    activations, awkward N (padding rows) and K of 1..6 blocks, into a NaN-poisoned output: the
+    float64 product of the dequantized tiles, to fp32 rounding."""
     t, n, kb, seed = shape
-    x, buf = _mx_case(t, n, kb, seed)
+    x, buf = _mx_case(t, n, kb, seed, fmt)
     out = np.full((t, n), np.nan, dtype=np.float32)
     with mode(simd=simd, act="f32"):
-        y = htp.gemm(x, buf, n, MX, out=out)
+        y = htp.gemm(x, buf, n, fmt, out=out)
     assert y is out
-    mag = T.ref_gemm_magnitude(x, buf, n, MX)
-    assert T.rel_l2_floored(y, T.ref_gemm(x, buf, n, MX), mag, x.shape[1]) <= F32_TOL
+    mag = T.ref_gemm_magnitude(x, buf, n, fmt)
+    assert T.rel_l2_floored(y, T.ref_gemm(x, buf, n, fmt), mag, x.shape[1]) <= F32_TOL
 
 
 @pytest.mark.parametrize("simd", SIMD_PARAMS)
+@pytest.mark.parametrize("fmt", [MX, NL])
 @given(shape=shapes)
-def test_gemm_mxfp4_q8_matches_float64(simd: str, shape) -> None:
-    """MXFP4 tiles with int8 activations (per 32-block): the float64 product of the dequantized
-    tiles with the same int8-rounded activations, to fp32 rounding; 1 and 2 threads give the
-    same bits."""
+def test_gemm_mxfp4_and_iq4_nl_q8_matches_float64(simd: str, fmt: str, shape) -> None:
+    """MXFP4 and IQ4_NL tiles with int8 activations (per 32-block): the float64 product of the
+    dequantized tiles with the same int8-rounded activations, to fp32 rounding; 1 and 2
+    threads give the same bits."""
     t, n, kb, seed = shape
-    x, buf = _mx_case(t, n, kb, seed)
+    x, buf = _mx_case(t, n, kb, seed, fmt)
     ys = []
     for th in (1, 2):
         out = np.full((t, n), np.nan, dtype=np.float32)
         with mode(simd=simd, act="q8", threads=th):
-            ys.append(htp.gemm(x, buf, n, MX, out=out))
+            ys.append(htp.gemm(x, buf, n, fmt, out=out))
     assert np.array_equal(ys[0], ys[1])
     xq = T.ref_q8_activations(x)
-    mag = T.ref_gemm_magnitude(xq, buf, n, MX)
-    assert T.rel_l2_floored(ys[0], T.ref_gemm(xq, buf, n, MX), mag, x.shape[1]) <= Q8_EXACT_TOL
+    mag = T.ref_gemm_magnitude(xq, buf, n, fmt)
+    assert T.rel_l2_floored(ys[0], T.ref_gemm(xq, buf, n, fmt), mag, x.shape[1]) <= Q8_EXACT_TOL
+
+
+def test_gemm_iq4_nl_tables_give_portable_bits() -> None:
+    """Every kernel table this CPU runs gives the portable table's IQ4_NL x Q8 results bit for
+    bit (exact integer block sums, the portable epilogue: product, then sum), codes of every
+    value and activations of +-127 included."""
+    x, buf = _mx_case(29, 70, 7, 11, NL)
+    x[:3, ::2] = 50.0
+    with mode(simd="portable", act="q8", threads=1):
+        base = htp.gemm(x, buf, 70, NL)
+    assert np.isfinite(base).all()
+    for simd in LEVELS:
+        with mode(simd=simd, act="q8"):
+            y = htp.gemm(x, buf, 70, NL)
+        assert np.array_equal(y.view(np.uint32), base.view(np.uint32)), simd
 
 
 def test_gemm_mxfp4_tables_give_portable_bits() -> None:

@@ -127,23 +127,27 @@ def test_gemm_kquant_bit_exact(
     act=st.sampled_from(["q8", "f32"]),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.parametrize("fmt", ["mxfp4-t32r4", "iq4_nl-t32r4"])
 def test_gemm_mxfp4_bit_exact(
-    host: htp.Backend, hexagon: htp.Backend, n: int, t: int, kb: int, act: str, seed: int
+    host: htp.Backend, hexagon: htp.Backend, fmt: str, n: int, t: int, kb: int, act: str, seed: int
 ) -> None:
-    """MXFP4 tiles (any codes, subnormal scales in some blocks, padding rows): the executor's
-    GEMM gives the host's bits (the host's SIMD kernel keeps the portable epilogue), and the
-    float64 reference of the tiles (with the int8-rounded activations on the q8 path) to fp32
-    rounding."""
+    """MXFP4 tiles (any codes, subnormal scales in some blocks, padding rows) and IQ4_NL tiles:
+    the executor's GEMM gives the host's bits (the host's SIMD kernel keeps the portable
+    epilogue), and the float64 reference of the tiles (with the int8-rounded activations on the
+    q8 path) to fp32 rounding."""
     rng = np.random.default_rng(seed)
     k = 32 * kb
-    buf = T.pack_mxfp4_t32r4(T.random_mxfp4_blocks(rng, n, k))
+    if fmt == "mxfp4-t32r4":
+        buf = T.pack_mxfp4_t32r4(T.random_mxfp4_blocks(rng, n, k))
+    else:
+        buf = T.pack_iq4_nl_t32r4(T.random_iq4_nl_blocks(rng, n, k))
     x = rng.standard_normal((t, k)).astype(np.float32)
-    a = htp.gemm(x, buf, n, "mxfp4-t32r4", out=_nan((t, n)), act=act, backend=host)
-    b = htp.gemm(x, buf, n, "mxfp4-t32r4", out=_nan((t, n)), act=act, backend=hexagon)
+    a = htp.gemm(x, buf, n, fmt, out=_nan((t, n)), act=act, backend=host)
+    b = htp.gemm(x, buf, n, fmt, out=_nan((t, n)), act=act, backend=hexagon)
     assert _same(a, b)
     xr = x if act == "f32" else T.ref_q8_activations(x)
-    mag = T.ref_gemm_magnitude(xr, buf, n, "mxfp4-t32r4")
-    assert T.rel_l2_floored(b, T.ref_gemm(xr, buf, n, "mxfp4-t32r4"), mag, k) < 1e-5
+    mag = T.ref_gemm_magnitude(xr, buf, n, fmt)
+    assert T.rel_l2_floored(b, T.ref_gemm(xr, buf, n, fmt), mag, k) < 1e-5
 
 
 @pytest.mark.parametrize("act", ["q8", "f32"])
@@ -233,6 +237,7 @@ def test_expert_op_bit_exact(
             ("mxfp4-t32r4",) * 3,
             ("mxfp4-t32r4", "mxfp4-t32r4", "q6_k-t32r4"),
             ("q5_k-t32r4", "q5_k-t32r4", "q6_k-t32r4"),
+            ("iq4_nl-t32r4", "iq4_nl-t32r4", "q8_0-t32r4"),
         ]
     ),
     act=st.sampled_from(["q8", "f32"]),
@@ -359,6 +364,7 @@ def test_small_ops(host: htp.Backend, hexagon: htp.Backend) -> None:
         ("q6_k-t32r4", T.pack_q6_k_t32r4(T.random_q6_k_blocks(krng, 50, 256))),
         ("q5_k-t32r4", T.pack_q5_k_t32r4(T.random_q5_k_blocks(krng, 50, 256))),
         ("mxfp4-t32r4", T.pack_mxfp4_t32r4(T.random_mxfp4_blocks(krng, 50, 256))),
+        ("iq4_nl-t32r4", T.pack_iq4_nl_t32r4(T.random_iq4_nl_blocks(krng, 50, 256))),
     ):
         ra, rb = both(htp.get_rows, tab, fmt, 50, 256, ids)
         assert _same(ra, rb) and np.isfinite(rb).all()

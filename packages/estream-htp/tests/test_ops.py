@@ -460,17 +460,22 @@ def test_get_rows_kquant(fmt: str, n: int, sb: int, t: int, seed: int) -> None:
     assert np.array_equal(got, T.dequantize_tiles(table, fmt, n, k)[ids])
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4-t32r4", "iq4_nl-t32r4"])
 @given(n=st.integers(1, 70), kb=st.integers(1, 5), t=st.integers(1, 10), seed=st.integers(0, 99))
-def test_get_rows_mxfp4(n: int, kb: int, t: int, seed: int) -> None:
+def test_get_rows_mxfp4(fmt: str, n: int, kb: int, t: int, seed: int) -> None:
     """Embedding rows of an MXFP4 table (awkward row counts: padding rows; subnormal scales in
-    some blocks) are the tiles' dequantized values bit for bit (code value x 2^(e-128))."""
+    some blocks) are the tiles' dequantized values bit for bit (code value x 2^(e-128)); the
+    same for an IQ4_NL table (d x kvalues_iq4nl[code])."""
     rng = np.random.default_rng(seed)
     k = 32 * kb
-    table = T.pack_mxfp4_t32r4(T.random_mxfp4_blocks(rng, n, k))
+    if fmt == "mxfp4-t32r4":
+        table = T.pack_mxfp4_t32r4(T.random_mxfp4_blocks(rng, n, k))
+    else:
+        table = T.pack_iq4_nl_t32r4(T.random_iq4_nl_blocks(rng, n, k))
     ids = rng.integers(0, n, t).astype(np.int32)
     out = np.full((t, k), np.nan, np.float32)
-    got = htp.get_rows(table, "mxfp4-t32r4", n, k, ids, out)
-    want = T.dequantize_tiles(table, "mxfp4-t32r4", n, k)[ids]
+    got = htp.get_rows(table, fmt, n, k, ids, out)
+    want = T.dequantize_tiles(table, fmt, n, k)[ids]
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 

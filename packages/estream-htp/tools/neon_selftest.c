@@ -5,7 +5,7 @@
  *   neon_selftest [--first-failure]      every check below (or up to the first that fails);
  *                                        last line "OK" or "FAILED"
  *   neon_selftest strip FMT KB NT SIMD   one Q8-activation GEMM of one 32-row strip (KB tiles,
- *                                        NT tokens, FMT q4_0 | q8_0 | q4_k | q5_k | q6_k | mxfp4, SIMD neon |
+ *                                        NT tokens, FMT q4_0 | q8_0 | q4_k | q5_k | q6_k | mxfp4 | iq4_nl, SIMD neon |
  *                                        portable, one thread): the workload that
  *                                        tools/neon_instr_mix.py traces
  *
@@ -13,7 +13,7 @@
  * multiple of 32 or of 16, token counts across the kernels' token blocks, strided inputs and
  * outputs) with NaN-poisoned outputs whose margins (columns past n of a wider row) must stay
  * poisoned and whose written part must be finite:
- * - GEMM, every tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4) x both activation formats, NEON and portable tables, 1 and 2
+ * - GEMM, every tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL) x both activation formats, NEON and portable tables, 1 and 2
  *   threads: each within the rounding bound of its fp32 sums of a float64 reference (Q8: of the
  *   library's own quantized activations), 1 and 2 threads bit-identical.
  * - GEMM from Q8 rows quantized once and GEMM of three matrices sharing one input: bit-identical
@@ -123,6 +123,7 @@ static size_t tile_bytes(uint32_t fmt) {
     case HTP_FMT_Q4_K_T32R4: return 704;
     case HTP_FMT_MXFP4_T32R4: return 544;
     case HTP_FMT_Q5_K_T32R4: return 832;
+    case HTP_FMT_IQ4_NL_T32R4: return 576;
     default: return 1152; /* HTP_FMT_Q6_K_T32R4 */
     }
 }
@@ -136,6 +137,7 @@ static const char *fmt_name(uint32_t fmt) {
     case HTP_FMT_Q4_K_T32R4: return "q4_k";
     case HTP_FMT_MXFP4_T32R4: return "mxfp4";
     case HTP_FMT_Q5_K_T32R4: return "q5_k";
+    case HTP_FMT_IQ4_NL_T32R4: return "iq4_nl";
     default: return "q6_k";
     }
 }
@@ -180,8 +182,10 @@ static double f16_at(const uint8_t *p) {
 /* MXFP4: the E2M1 value of each code, doubled (OCP's table), and the block scale's half. */
 static const int mx_kv[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 static double mx_half(const uint8_t *tile, uint32_t r) { return ldexp(1.0, (int)tile[r] - 128); }
+/* IQ4_NL: llama.cpp's kvalues_iq4nl, the int8 value of each code. */
+static const int nl_kv[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 /* The stored integer of W[row][col] (Q4_0: nibble - 8; Q4_K: nibble 0..15; MXFP4: the doubled
- * E2M1 value of the code; else int8). */
+ * E2M1 value of the code; IQ4_NL: kvalues_iq4nl[code]; else int8). */
 static int w_q(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, uint32_t col) {
     const uint8_t *tile = tile_at(w, fmt, k, row, col / 32);
     const uint32_t r = row % 32, c = col % 32;
@@ -195,6 +199,7 @@ static int w_q(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, uint32_
     const int q = c < 16 ? (v & 15) : (v >> 4);
     if (fmt == HTP_FMT_Q5_K_T32R4) /* the fifth bit: bit c of row r's word at 704 + 4r */
         return q + 16 * ((tile[704 + 4 * r + c / 8] >> (c % 8)) & 1);
+    if (fmt == HTP_FMT_IQ4_NL_T32R4) return nl_kv[q];
     return fmt == HTP_FMT_Q4_K_T32R4 ? q : q - 8;
 }
 /* W[row][col] in float64; *mag (if not NULL) the sum of its parts' magnitudes. */
@@ -726,14 +731,14 @@ static int check_others(void) {
 /* One Q8-activation GEMM of one 32-row strip: the traced workload of tools/neon_instr_mix.py. */
 static int strip(int argc, char **argv) {
     if (argc != 6) {
-        fprintf(stderr, "usage: %s strip q4_0|q8_0|q4_k|q5_k|q6_k|mxfp4 KB NT neon|portable\n", argv[0]);
+        fprintf(stderr, "usage: %s strip q4_0|q8_0|q4_k|q5_k|q6_k|mxfp4|iq4_nl KB NT neon|portable\n", argv[0]);
         return 64;
     }
     uint32_t fmt = 0;
-    for (uint32_t f = HTP_FMT_Q4_0_T32R4; f <= HTP_FMT_Q5_K_T32R4; f++)
+    for (uint32_t f = HTP_FMT_Q4_0_T32R4; f <= HTP_FMT_IQ4_NL_T32R4; f++)
         if (f != HTP_FMT_F16 && f != HTP_FMT_F32 && !strcmp(argv[2], fmt_name(f))) fmt = f;
     if (!fmt) {
-        fprintf(stderr, "unknown tile format %s (q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4)\n", argv[2]);
+        fprintf(stderr, "unknown tile format %s (q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4, iq4_nl)\n", argv[2]);
         return 64;
     }
     const uint32_t kb = (uint32_t)atoi(argv[3]), nt = (uint32_t)atoi(argv[4]);
@@ -771,9 +776,10 @@ int main(int argc, char **argv) {
      * t across the NEON kernel's 2-token and the portable kernel's 64-token blocks */
     const uint32_t shapes[][3] = {{1, 32, 1},  {48, 64, 3}, {49, 96, 2},   {33, 64, 4},
                                   {100, 96, 7}, {64, 256, 17}, {17, 512, 65}, {200, 160, 5}};
-    const uint32_t fmts[6] = {HTP_FMT_Q4_0_T32R4, HTP_FMT_Q8_0_T32R4, HTP_FMT_Q4_K_T32R4,
-                              HTP_FMT_Q6_K_T32R4, HTP_FMT_MXFP4_T32R4, HTP_FMT_Q5_K_T32R4};
-    for (int f = 0; f < 6; f++) {
+    const uint32_t fmts[7] = {HTP_FMT_Q4_0_T32R4, HTP_FMT_Q8_0_T32R4, HTP_FMT_Q4_K_T32R4,
+                              HTP_FMT_Q6_K_T32R4, HTP_FMT_MXFP4_T32R4, HTP_FMT_Q5_K_T32R4,
+                              HTP_FMT_IQ4_NL_T32R4};
+    for (int f = 0; f < 7; f++) {
         for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
             for (uint32_t act = 0; act < 2; act++)
                 CHECK(check_gemm(fmts[f], act, shapes[i][0], shapes[i][1], shapes[i][2]));

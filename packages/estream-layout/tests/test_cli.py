@@ -143,6 +143,7 @@ KQ_DIMS = ["--dim", "n_embd=256", "--dim", "n_ff_exp=256"]
         (["--expert-type", "Q8_0"], ["q8_0-t32r4"] * 3),
         (["--expert-type", "Q6_K", *KQ_DIMS], ["q6_k-t32r4"] * 3),
         (["--expert-type", "MXFP4", "--dense-type", "MXFP4"], ["mxfp4-t32r4"] * 3),
+        (["--expert-type", "IQ4_NL", "--dense-type", "IQ4_NL"], ["iq4_nl-t32r4"] * 3),
         (
             [
                 "--expert-type",
@@ -176,7 +177,11 @@ def test_synth_types_pack_as_stored_and_inspect_shows_them(
     out = capsys.readouterr().out
     assert f"gate={want[0]} up={want[1]} down={want[2]} (layers [0, 1])" in out
     if "--dense-type" in types:  # the dense matrices (and Q8_0 output head) in that type
-        dense = {"Q8_0": "q8_0-t32r4: 10 tensors", "MXFP4": "mxfp4-t32r4: 9 tensors"}
+        dense = {
+            "Q8_0": "q8_0-t32r4: 10 tensors",
+            "MXFP4": "mxfp4-t32r4: 9 tensors",
+            "IQ4_NL": "iq4_nl-t32r4: 9 tensors",
+        }
         assert dense[types[types.index("--dense-type") + 1]] in out and "q4_0-t32r4" not in out
 
 

@@ -379,3 +379,25 @@ def test_q5_k_tile_values_follow_the_documented_layout(n, sb, seed) -> None:
         v = (d * sc)[..., None] * q.astype(np.float32) - (dmin * mn)[..., None]
         got[:, 32 * j : 32 * j + 32] = v.reshape(-1, 32)
     assert np.array_equal(got[:n].view(np.uint32), want.view(np.uint32))
+
+
+@given(n=st.integers(1, 70), kb=st.integers(1, 5), batch=st.integers(0, 2), seed=st.integers(0, 99))
+def test_iq4_nl_tiles_roundtrip_and_dequantize_like_gguf(n, kb, batch, seed) -> None:
+    """IQ4_NL blocks (finite fp16 scales, any codes; any N with padding rows, batches) re-laid
+    as iq4_nl-t32r4 (q4_0-t32r4's byte layout): unpacking gives the source bytes back, the
+    tiles are the bytes q4_0-t32r4 makes of the same blocks, and their values are gguf-py's
+    dequantization (d x kvalues_iq4nl[code]) bit for bit."""
+    rng = np.random.default_rng(seed)
+    shape = (batch, n, kb * 18) if batch else (n, kb * 18)
+    rows = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    d = (rng.standard_normal((*shape[:-1], kb)) * 1e-2).astype(np.float16).view(np.uint8)
+    rows.reshape(*shape[:-1], kb, 18)[..., :2] = d.reshape(*shape[:-1], kb, 2)
+    buf = pack_tiles(rows, "iq4_nl-t32r4")
+    assert np.array_equal(buf, pack_tiles(rows, "q4_0-t32r4"))
+    k = 32 * kb
+    assert np.array_equal(unpack_tiles(buf.reshape(-1), n, k, "iq4_nl-t32r4").reshape(shape), rows)
+    for i in range(max(batch, 1)):
+        one, src = (buf[i], rows[i]) if batch else (buf, rows)
+        want = gguf_quants.dequantize(src, GGMLQuantizationType.IQ4_NL).astype(np.float32)
+        got = dequantize_tiles(one, n, k, "iq4_nl-t32r4")
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -85,6 +85,7 @@ _FMT = {
     "q5_k-t32r4": lib.HTP_FMT_Q5_K_T32R4,
     "q6_k-t32r4": lib.HTP_FMT_Q6_K_T32R4,
     "mxfp4-t32r4": lib.HTP_FMT_MXFP4_T32R4,
+    "iq4_nl-t32r4": lib.HTP_FMT_IQ4_NL_T32R4,
     "f16": lib.HTP_FMT_F16,
     "f32": lib.HTP_FMT_F32,
 }
@@ -411,7 +412,8 @@ def quantize_q8(x: F32, out: Q8Rows | None = None, *, backend: Backend | None = 
 
 # ---------------------------------------------------------------- expert op
 EXPERT_FORMATS = (
-    "q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "mxfp4-t32r4"
+    "q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "mxfp4-t32r4",
+    "iq4_nl-t32r4",
 )  # fmt: skip
 
 
@@ -1091,8 +1093,8 @@ def get_rows(
     backend: Backend | None = None,
 ) -> F32:
     """Embedding lookup: rows ``ids`` of a ``[n_rows, n_cols]`` table in ``fmt``
-    ("q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "mxfp4-t32r4", "f16",
-    "f32"), as float32
+    ("q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "mxfp4-t32r4",
+    "iq4_nl-t32r4", "f16", "f32"), as float32
     ``[T, n_cols]``."""
     if fmt not in _FMT:
         raise HTPInputError(f"fmt must be one of {sorted(_FMT)}, got {fmt!r}")

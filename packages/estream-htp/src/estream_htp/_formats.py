@@ -22,6 +22,7 @@ __all__ = [
     "Q8_0_TILE_BYTES",
     "TILE_FORMATS",
     "FormatError",
+    "dequantize_iq4_nl",
     "dequantize_mxfp4",
     "dequantize_q4_0",
     "dequantize_q4_k",
@@ -30,6 +31,7 @@ __all__ = [
     "dequantize_q8_0",
     "dequantize_tiles",
     "matrix_nbytes",
+    "pack_iq4_nl_t32r4",
     "pack_mxfp4_t32r4",
     "pack_q4_0_t32r4",
     "pack_q4_k_t32r4",
@@ -39,6 +41,7 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_q4_0",
     "quantize_q8_0",
+    "unpack_iq4_nl_t32r4",
     "unpack_mxfp4_t32r4",
     "unpack_q4_0_t32r4",
     "unpack_q4_k_t32r4",
@@ -60,6 +63,7 @@ TILE_FORMATS = {
     "q5_k-t32r4": Q5_K_TILE_BYTES,
     "q6_k-t32r4": Q6_K_TILE_BYTES,
     "mxfp4-t32r4": MXFP4_TILE_BYTES,
+    "iq4_nl-t32r4": Q4_0_TILE_BYTES,
 }
 QK_K = 256  # values of a K-quant super-block
 Q4_K_BLOCK_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
@@ -490,6 +494,32 @@ def unpack_mxfp4_t32r4(buf: npt.ArrayLike, n: int, k: int) -> npt.NDArray[np.uin
     return np.concatenate([e, qs], axis=2)
 
 
+# ---------------------------------------------------------------- IQ4_NL tiles
+# iq4_nl-t32r4 is q4_0-t32r4's layout (an IQ4_NL block is a Q4_0 block whose 4-bit codes index a
+# non-linear table instead of being nibble - 8); padding rows as Q4_0's: scale 0, bytes 0x88.
+IQ4_NL_KV = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+
+
+def dequantize_iq4_nl(blocks: npt.ArrayLike) -> npt.NDArray[np.float32]:
+    """IQ4_NL blocks ``uint8[N, K/32, 18]`` -> ``float32[N, K]``: ``d * kv[code]`` in float32."""
+    b = _blocks(blocks, 18)
+    d = np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    qs = b[..., 2:]
+    q = IQ4_NL_KV[np.concatenate([qs & 15, qs >> 4], axis=2)].astype(np.float32)
+    return (q * d[..., None]).reshape(b.shape[0], -1)
+
+
+def pack_iq4_nl_t32r4(blocks: npt.ArrayLike) -> npt.NDArray[np.uint8]:
+    """IQ4_NL blocks ``uint8[N, K/32, 18]`` (or ``[N, K/32*18]``) -> ``iq4_nl-t32r4``
+    (lossless)."""
+    return _pack(_blocks(blocks, 18), 16, 0x88)
+
+
+def unpack_iq4_nl_t32r4(buf: npt.ArrayLike, n: int, k: int) -> npt.NDArray[np.uint8]:
+    """Inverse of :func:`pack_iq4_nl_t32r4`: IQ4_NL blocks ``uint8[n, k/32, 18]``."""
+    return _unpack(buf, n, k, 16, "iq4_nl-t32r4")
+
+
 def dequantize_tiles(buf: npt.ArrayLike, fmt: str, n: int, k: int) -> npt.NDArray[np.float32]:
     """``float32[n, k]`` values of a tile-format matrix (padding rows dropped)."""
     if fmt == "q4_0-t32r4":
@@ -504,4 +534,6 @@ def dequantize_tiles(buf: npt.ArrayLike, fmt: str, n: int, k: int) -> npt.NDArra
         return dequantize_q6_k(unpack_q6_k_t32r4(buf, n, k))
     if fmt == "mxfp4-t32r4":
         return dequantize_mxfp4(unpack_mxfp4_t32r4(buf, n, k))
+    if fmt == "iq4_nl-t32r4":
+        return dequantize_iq4_nl(unpack_iq4_nl_t32r4(buf, n, k))
     raise FormatError(f"unknown tile format {fmt!r}; expected one of {sorted(TILE_FORMATS)}")

@@ -14,6 +14,7 @@ from estream_htp._formats import (
     dequantize_q8_0,
     dequantize_tiles,
     matrix_nbytes,
+    pack_iq4_nl_t32r4,
     pack_mxfp4_t32r4,
     pack_q4_0_t32r4,
     pack_q4_k_t32r4,
@@ -34,6 +35,7 @@ __all__ = [
     "dequantize_q8_0",
     "dequantize_tiles",
     "matrix_nbytes",
+    "pack_iq4_nl_t32r4",
     "pack_mxfp4_t32r4",
     "pack_q4_0_t32r4",
     "pack_q4_k_t32r4",
@@ -44,6 +46,7 @@ __all__ = [
     "quantize_q4_0",
     "quantize_q8_0",
     "random_experts",
+    "random_iq4_nl_blocks",
     "random_mxfp4_blocks",
     "random_q4_0_blocks",
     "random_q4_k_blocks",
@@ -155,6 +158,14 @@ def random_q6_k_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[
     return b
 
 
+def random_iq4_nl_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[np.uint8]:
+    """Random valid IQ4_NL blocks ``uint8[n, k/32, 18]`` (finite fp16 scales, any codes)."""
+    b = rng.integers(0, 256, size=(n, k // 32, 18), dtype=np.uint8)
+    d = (rng.standard_normal((n, k // 32)) * 5e-4).astype(np.float16)
+    b[..., :2] = d[..., None].view(np.uint8)
+    return b
+
+
 def random_mxfp4_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[np.uint8]:
     """Random valid MXFP4 blocks ``uint8[n, k/32, 17]``: exponents 2^-12..2^-1 per block (and the
     subnormal scales of exponents 0 and 1 in some blocks), any codes."""
@@ -168,6 +179,8 @@ def random_mxfp4_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray
 def _random_tiles(rng: np.random.Generator, fmt: str, n: int, k: int) -> npt.NDArray[np.uint8]:
     if fmt == "mxfp4-t32r4":
         return pack_mxfp4_t32r4(random_mxfp4_blocks(rng, n, k))
+    if fmt == "iq4_nl-t32r4":
+        return pack_iq4_nl_t32r4(random_iq4_nl_blocks(rng, n, k))
     if fmt == "q4_k-t32r4":
         return pack_q4_k_t32r4(random_q4_k_blocks(rng, n, k))
     if fmt == "q5_k-t32r4":

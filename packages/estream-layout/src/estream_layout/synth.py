@@ -66,6 +66,7 @@ Q4_K: Final = GGMLQuantizationType.Q4_K
 Q5_K: Final = GGMLQuantizationType.Q5_K
 Q6_K: Final = GGMLQuantizationType.Q6_K
 MXFP4: Final = GGMLQuantizationType.MXFP4
+IQ4_NL: Final = GGMLQuantizationType.IQ4_NL
 
 
 @attrs.frozen
@@ -290,7 +291,7 @@ def _arch_keys(arch: str, d: SynthDims, n_vocab: int) -> list[tuple[str, Any, GG
 def _random_blocks(
     rng: np.random.Generator, t: _T, rows: int, qtype: GGMLQuantizationType
 ) -> np.ndarray:
-    """Random valid Q4_0/Q8_0 blocks for `rows` rows of `t`, scaled so that y = W x keeps the
+    """Random valid Q4_0/Q8_0/IQ4_NL blocks for `rows` rows of `t`, scaled so that y = W x keeps the
     scale of x: per-element RMS ~ gain / sqrt(K)."""
     k = t.shape[-1]
     block, size = GGML_QUANT_SIZES[qtype]
@@ -298,7 +299,8 @@ def _random_blocks(
     n_words = -(-nb * size // 4)
     raw = rng.integers(0, 1 << 32, size=n_words, dtype=np.uint32).view(np.uint8)[: nb * size]
     blocks = raw.reshape(nb, size)
-    q_rms = 4.64 if qtype == Q4_0 else 73.9  # RMS of a uniform random nibble-8 / int8
+    # RMS of a uniform random nibble-8 / IQ4_NL table value / int8
+    q_rms = {Q4_0: 4.64, IQ4_NL: 67.4}.get(qtype, 73.9)
     d = t.gain / (q_rms * np.sqrt(k))
     # Signed scales, as llama.cpp's quantizer writes them (d = max / -8 takes the sign of the
     # largest-magnitude element): random nibbles have mean -0.5, and all-positive scales would
@@ -430,9 +432,10 @@ def _tensor_data(
         return (rng.standard_normal(t.shape) / np.sqrt(t.shape[-1])).astype(np.float32)
     if t.kind == "router":
         return _router(t, rng, hot, u)
-    if t.kind == "embed" and t.qtype not in (Q4_K, Q5_K, Q6_K):  # gguf cannot quantize K-quants
+    # gguf cannot quantize K-quants or IQ4_NL
+    if t.kind == "embed" and t.qtype not in (Q4_K, Q5_K, Q6_K, IQ4_NL):
         return _embedding(t, rng, u)
-    if t.qtype in (Q4_0, Q8_0):
+    if t.qtype in (Q4_0, Q8_0, IQ4_NL):
         return _random_blocks(rng, t, rows, t.qtype)
     if t.qtype == Q4_K:
         return _random_q4_k(rng, t, rows)

@@ -22,6 +22,8 @@ from gguf import quants as gguf_quants
 
 __all__ = [
     "FORMATS",
+    "IQ4_NL_KVALUES",
+    "IQ4_NL_T32R4",
     "MXFP4_KVALUES",
     "MXFP4_MAX_EXPONENT",
     "MXFP4_T32R4",
@@ -92,9 +94,19 @@ Q5_K_T32R4: Final = TileFormat(
 MXFP4_T32R4: Final = TileFormat(
     "mxfp4-t32r4", GGMLQuantizationType.MXFP4, 17, 4, 0x00, header_bytes=TILE, scale_bytes=1
 )
+# IQ4_NL: Q4_0's block and tile layout (padding rows too: scale 0, codes 0x88); the 4-bit
+# codes index a non-linear table.
+IQ4_NL_T32R4: Final = TileFormat("iq4_nl-t32r4", GGMLQuantizationType.IQ4_NL, 18, 4, 0x88)
 FORMATS: Final = {
-    f.name: f for f in (Q4_0_T32R4, Q8_0_T32R4, Q4_K_T32R4, Q5_K_T32R4, Q6_K_T32R4, MXFP4_T32R4)
-}
+    f.name: f
+    for f in (
+        Q4_0_T32R4, Q8_0_T32R4, Q4_K_T32R4, Q5_K_T32R4, Q6_K_T32R4, MXFP4_T32R4, IQ4_NL_T32R4
+    )
+}  # fmt: skip
+# llama.cpp's kvalues_iq4nl: the int8 value of each IQ4_NL code (value = d * IQ4_NL_KVALUES[code]).
+IQ4_NL_KVALUES: Final = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8
+)
 # The E2M1 value of each 4-bit code, doubled (so they are integers): codes 0..7 are
 # 0, 0.5, 1, 1.5, 2, 3, 4, 6 and 8..15 their negatives. A block's value is code value x 2 x
 # 2^(e - 128), i.e. the doubled value times half the E8M0 scale 2^(e - 127).
@@ -424,6 +436,8 @@ def dequantize_blocks(rows: np.ndarray, fmt: str | TileFormat = "q4_0-t32r4") ->
     qs = b[..., 2:]
     if f is Q4_0_T32R4:
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - 8
+    elif f is IQ4_NL_T32R4:
+        q = IQ4_NL_KVALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)]
     else:
         q = qs.view(np.int8)
     w = q.astype(np.float32) * d[..., None]
