@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+import estream_cli
 from estream import memory
 from estream.errors import BadRequestError, EStreamError, PackError
 
@@ -513,6 +514,8 @@ def _check_model(args: argparse.Namespace) -> None:
 
 
 def _main(argv: list[str]) -> int:
+    if signal.getsignal(signal.SIGINT) is estream_cli.interrupted_while_starting:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # see estream_cli/__init__
     if argv and argv[0] in PASS_THROUGH:
         return _pass_through(argv[0], argv[1:])  # --help / usage errors exit as theirs do
     try:
