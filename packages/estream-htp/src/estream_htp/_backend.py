@@ -20,6 +20,7 @@ allocated shared with `Backend.empty` / `Backend.share`.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import mmap
 import os
@@ -864,11 +865,24 @@ class RouteBuffers:
 
 
 def _unregister_quietly(ref: weakref.ref[Backend], bid: int) -> None:
+    """Finalizer of a registered mapping. It runs wherever the collector runs, so a signal
+    handler's exception (Ctrl-C) can land inside it, where Python would print and drop it: the
+    buffer would stay registered and its range in `_regions`, and a later mapping at the same
+    address would resolve to the stale buffer. So the unregistration is finished first, then
+    a KeyboardInterrupt is raised again in the main thread."""
     b = ref()
     if b is None or b._b is None:
         return
-    with contextlib.suppress(HTPError):  # the backend may have died meanwhile
-        b.unregister(bid)
+    with b._lock:  # no other thread registers (and reuses the id) between the two attempts
+        try:
+            with contextlib.suppress(HTPError):  # the backend may have died meanwhile
+                b.unregister(bid)
+        except BaseException as exc:
+            with contextlib.suppress(HTPError):  # done already: an error, nothing freed twice
+                b.unregister(bid)
+            if not isinstance(exc, KeyboardInterrupt):
+                raise
+            _thread.interrupt_main()  # seen by the code the collector interrupted
 
 
 class Call:
