@@ -46,10 +46,11 @@ def with_chat_template(src, dst, template: str) -> None:
     w.close()
 
 
-@pytest.fixture(scope="module", params=["qwen3moe", "lfm2moe"])
+@pytest.fixture(scope="module", params=["qwen3moe", "lfm2moe", "gpt-oss"])
 def models(tmp_path_factory, request):
     """(plain model, the same model with a chat template); lfm2moe: the task commands over a
-    short-convolution hybrid (classify/score/rerank use shared-prefix branches)."""
+    short-convolution hybrid (classify/score/rerank use shared-prefix branches); gpt-oss: over
+    a sliding window (8 tokens on tiny) and attention sinks."""
     d = tmp_path_factory.mktemp("taskcli")
     src = d / "m.gguf"
     synth_model(request.param, "tiny", src, seed=4)
