@@ -375,6 +375,49 @@ def test_reglu_experts_quantize_each_experts_rows(tmp_path, backend, monkeypatch
     assert np.array_equal(logits[0], logits[1])
 
 
+@pytest.mark.parametrize("backend", ["host", "host-process"])
+def test_gpt_oss_experts_add_their_biases_and_clamp(tmp_path, backend, monkeypatch):
+    """gpt-oss's experts run through `OAIGraph` with float32 rows and the layer of their biases
+    (stream and resident alike, same logits); its activation is the reference's `swiglu_oai`
+    of the biased projections, clamp included (values far beyond ±7), for every expert."""
+    from reference import swiglu_oai
+
+    from estream.experts import OAIGraph
+
+    src = synth_model("gpt-oss", "tiny", tmp_path / "g.gguf", seed=5)
+    dst = tmp_path / "g.estream"
+    pack_model(src, dst, progress=False)
+    seen: list[tuple[str, int]] = []
+    real_run = OAIGraph.run
+
+    def run(self, x, *a, layer=-1, **kw):
+        seen.append((type(x).__name__, layer))
+        return real_run(self, x, *a, layer=layer, **kw)
+
+    monkeypatch.setattr(OAIGraph, "run", run)
+    toks = _tokens(301, 29, seed=3)
+    logits = []
+    for kw in ({"mode": "resident"}, {"mode": "stream", "G": 2, "Q": 2, "B": 3}):
+        with estream.load(dst, backend=backend, act="q8", **kw) as eng:
+            graph = eng.experts.graph
+            assert isinstance(graph, OAIGraph)
+            logits.append(eng.prefill(toks, all_logits=True).logits)
+    assert {name for name, _ in seen} == {"ndarray"}
+    assert {layer for _, layer in seen} == set(eng.hp.moe_layers)
+    assert np.array_equal(logits[0], logits[1])
+    rng = np.random.default_rng(0)
+    ff = eng.hp.n_ff_exp
+    for layer in eng.hp.moe_layers:
+        bg, bu, _ = graph.biases[layer]
+        for e in range(eng.hp.n_experts):
+            g = (rng.standard_normal((3, ff)) * 12).astype(np.float32)
+            u = (rng.standard_normal((3, ff)) * 12).astype(np.float32)
+            want = swiglu_oai(g.astype(np.float64) + bg[e], u.astype(np.float64) + bu[e])
+            assert np.abs(want).max() > 7.0
+            got = graph._activate(g, u, layer, e)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("schedule", ["after-routing", "early"])
 def test_pre_attention_router_starts_the_routed_reads_before_attention(
     tmp_path, schedule, monkeypatch
