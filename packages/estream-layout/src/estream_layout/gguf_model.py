@@ -929,7 +929,8 @@ class ModelSpec:
 
     @property
     def expert_glu(self) -> str:
-        """The experts' gated activation: "swiglu" or "reglu"."""
+        """The experts' gated activation: "swiglu", "reglu" or "swiglu_oai" (gpt-oss: clamped,
+        with expert biases)."""
         return self.record.expert_glu
 
     @property

@@ -536,15 +536,15 @@ class Ops:
         shared: FFN | None = None,
         routes: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> np.ndarray:
-        """Route each token to its top-k experts and sum their gated (SwiGLU or ReGLU)
-        outputs, weighted, plus the always-on ``shared`` experts' FFN if given; all read ``h``
+        """Route each token to its top-k experts and sum their gated (SwiGLU, ReGLU or
+        gpt-oss's SwiGLU-OAI) outputs, weighted, plus the always-on ``shared`` experts' FFN if given; all read ``h``
         quantized once.
 
         The router runs here on ``h`` unless ``routes`` (ids, weights) were computed before
         (`route`, on another input: SmallThinker routes the layer's input); the experts run
         through the expert source, which the engine's loop told at layer start to begin reading
-        this layer's experts. ReGLU experts read ``h`` in float32 (their op quantizes each
-        row itself)."""
+        this layer's experts. ReGLU and SwiGLU-OAI experts read ``h`` in float32 (their op
+        quantizes each row itself)."""
         ids, weights = self.route(h, w) if routes is None else routes
         rows = self.quantize_input(h) if w.glu == "swiglu" else None
         y = self.zeros((h.shape[0], self.hp.n_embd))

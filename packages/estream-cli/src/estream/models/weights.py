@@ -196,7 +196,7 @@ class Gating:
 @attrs.frozen
 class MoE:
     """One layer's routed experts: the router, its gating, where the experts are stored, and
-    their gated activation (``glu``: "swiglu" or "reglu")."""
+    their gated activation (``glu``: "swiglu", "reglu" or "swiglu_oai")."""
 
     experts: ExpertLayer
     router: np.ndarray = attrs.field(eq=False)  # [d, E], transposed for x @ W
