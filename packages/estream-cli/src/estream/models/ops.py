@@ -537,8 +537,8 @@ class Ops:
         routes: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> np.ndarray:
         """Route each token to its top-k experts and sum their gated (SwiGLU, ReGLU or
-        gpt-oss's SwiGLU-OAI) outputs, weighted, plus the always-on ``shared`` experts' FFN if given; all read ``h``
-        quantized once.
+        gpt-oss's SwiGLU-OAI) outputs, weighted, plus the always-on ``shared`` experts' FFN if
+        given; all read ``h`` quantized once.
 
         The router runs here on ``h`` unless ``routes`` (ids, weights) were computed before
         (`route`, on another input: SmallThinker routes the layer's input); the experts run
