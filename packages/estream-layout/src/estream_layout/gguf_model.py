@@ -34,6 +34,17 @@ from .errors import (
 )
 from .families import BY_ARCH, BY_FAMILY, GATING_FUNCS, RECORDS, Family, Want
 from .gguf_header import GGUFHeader, read_header
+from .limits import (
+    MAX_CONTEXT,
+    MAX_CONV_CACHE,
+    MAX_EXPERTS,
+    MAX_HEADS,
+    MAX_INT,
+    MAX_LAYERS,
+    MAX_VOCAB,
+    MAX_WIDTH,
+    MIN_CONTEXT,
+)
 
 __all__ = [
     "EXPERT_PROJECTIONS",
@@ -62,17 +73,6 @@ FAMILIES: Final = {f.gguf_arch: f.name for f in RECORDS}
 QK_NORM: Final = {f.name: f.qk_norm for f in RECORDS}
 _GATING_FUNCS: Final = GATING_FUNCS
 
-# Sane ranges for metadata, far beyond any published model, so that a corrupt or hostile value
-# is refused before anything is sized by it (block_count 2**31 must not build 2**31 of anything).
-MAX_LAYERS: Final = 1 << 12
-MAX_WIDTH: Final = 1 << 20  # embedding, FFN, head and LoRA widths
-MAX_HEADS: Final = 1 << 14
-MAX_EXPERTS: Final = 1 << 16
-MAX_VOCAB: Final = 1 << 24
-MAX_CONTEXT: Final = 1 << 24  # tokens
-MIN_CONTEXT: Final = 16  # tokens: a context shorter than this is not a language model's
-MAX_CONV_CACHE: Final = 1 << 10
-MAX_INT: Final = (1 << 63) - 1
 
 # RoPE scaling types llama.cpp knows (llama_rope_scaling_type); the engine computes none,
 # linear and yarn and refuses the others by name.

@@ -11,6 +11,7 @@ from typing import Any
 from gguf import GGMLQuantizationType, GGUFValueType, Keys
 
 from ..errors import InvalidGGUFError
+from ..limits import MAX_CONV_CACHE
 from . import Family, KeyList
 from ._plan import Plan, Want
 
@@ -46,7 +47,6 @@ def _check(
     (> 1) with a `[n_embd, l_cache]` kernel per convolution layer, MoE exactly from layer
     `leading_dense_block_count` on, each MoE layer's selection bias `exp_probs_b` (`[E]`), and
     attention as wide as the model (`attn_output` is `[n_embd, n_embd]`)."""
-    from ..gguf_model import MAX_CONV_CACHE
 
     l_cache = meta.integer(Keys.ShortConv.L_CACHE, lo=2, hi=MAX_CONV_CACHE)
     for i, h in enumerate(n_head_kv):

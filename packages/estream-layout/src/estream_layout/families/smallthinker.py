@@ -21,6 +21,7 @@ from typing import Any, Final
 
 from gguf import GGUFValueType, Keys
 
+from ..limits import MAX_LAYERS
 from . import Family, KeyList
 from .olmoe import moe_layer, moe_synth_layer
 
@@ -41,7 +42,6 @@ def attention_pattern(
     meta: Any, n_layers: int, rope_base: float
 ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """(window, sliding layers, NoPE layers) as llama.cpp's loader derives them from a file."""
-    from ..gguf_model import MAX_LAYERS
 
     window = meta.integer(Keys.Attention.SLIDING_WINDOW, 0, hi=1 << 31)
     if window == 0:
