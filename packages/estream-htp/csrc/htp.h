@@ -57,7 +57,10 @@ typedef enum htp_format {
     HTP_FMT_Q6_K_T32R4 = 6, /* 1152-byte 32x32 tiles of GGML Q6_K sub-blocks */
     HTP_FMT_MXFP4_T32R4 = 7, /* 544-byte 32x32 tiles of GGML MXFP4 blocks (E8M0 + FP4 E2M1) */
     HTP_FMT_Q5_K_T32R4 = 8,  /* 832-byte 32x32 tiles of GGML Q5_K sub-blocks */
-    HTP_FMT_IQ4_NL_T32R4 = 9 /* 576-byte 32x32 tiles of GGML IQ4_NL blocks (Q4_0's layout) */
+    HTP_FMT_IQ4_NL_T32R4 = 9, /* 576-byte 32x32 tiles of GGML IQ4_NL blocks (Q4_0's layout) */
+    HTP_FMT_Q4_1_T32R4 = 10,  /* 640-byte 32x32 tiles of GGML Q4_1 blocks */
+    HTP_FMT_Q5_0_T32R4 = 11,  /* 704-byte 32x32 tiles of GGML Q5_0 blocks */
+    HTP_FMT_Q5_1_T32R4 = 12   /* 768-byte 32x32 tiles of GGML Q5_1 blocks */
 } htp_format;
 
 typedef enum htp_simd {

@@ -28,6 +28,10 @@ void htp_q5kq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q
                               float *out, uint32_t ldo, uint32_t rows) {
     htp_q5k_strip_body(strip, kb, a, nt, out, ldo, rows);
 }
+void htp_affq8_strip_portable(const uint8_t *strip, uint32_t fmt, uint32_t kb, const htp_act_q8 *a,
+                              uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    htp_aff_strip_body(strip, fmt, kb, a, nt, out, ldo, rows);
+}
 void htp_nlq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                              float *out, uint32_t ldo, uint32_t rows) {
     htp_iq4nl_strip_body(strip, kb, a, nt, out, ldo, rows);
@@ -55,6 +59,7 @@ const htp_isa htp_isa_portable = {
     .kq8_nt = 64,
     .q5kq8_strip = htp_q5kq8_strip_portable,
     .nlq8_strip = htp_nlq8_strip_portable,
+    .affq8_strip = htp_affq8_strip_portable,
     .mxq8_strip = htp_mxq8_strip_portable,
     .mxq8_nt = 64,
     .dequant_tile = htp_dequant_portable,
@@ -147,13 +152,17 @@ size_t htp_tile_bytes(uint32_t fmt) {
     case HTP_FMT_MXFP4_T32R4: return HTP_MXFP4_TILE_BYTES;
     case HTP_FMT_Q5_K_T32R4: return HTP_Q5K_TILE_BYTES;
     case HTP_FMT_IQ4_NL_T32R4: return HTP_Q4_TILE_BYTES;
+    case HTP_FMT_Q4_1_T32R4: return HTP_Q41_TILE_BYTES;
+    case HTP_FMT_Q5_0_T32R4: return HTP_Q50_TILE_BYTES;
+    case HTP_FMT_Q5_1_T32R4: return HTP_Q51_TILE_BYTES;
     default: return 0;
     }
 }
 int htp_is_weight_format(uint32_t fmt) {
     return fmt == HTP_FMT_Q4_0_T32R4 || fmt == HTP_FMT_Q8_0_T32R4 || fmt == HTP_FMT_Q4_K_T32R4 ||
            fmt == HTP_FMT_Q6_K_T32R4 || fmt == HTP_FMT_MXFP4_T32R4 || fmt == HTP_FMT_Q5_K_T32R4 ||
-           fmt == HTP_FMT_IQ4_NL_T32R4;
+           fmt == HTP_FMT_IQ4_NL_T32R4 || fmt == HTP_FMT_Q4_1_T32R4 || fmt == HTP_FMT_Q5_0_T32R4 ||
+           fmt == HTP_FMT_Q5_1_T32R4;
 }
 uint64_t htp_matrix_bytes(uint32_t fmt, uint32_t n, uint32_t k) {
     return (uint64_t)((n + 31) / 32) * (k / 32) * htp_tile_bytes(fmt);
@@ -178,6 +187,8 @@ void htp_gemm_tiles(const htp_isa *isa, const uint8_t *w, uint32_t fmt, uint32_t
     } else if (fmt == HTP_FMT_MXFP4_T32R4) {
         const htp_isa *mi = isa->mxq8_strip ? isa : &htp_isa_portable;
         strip_fn = mi->mxq8_strip, ntmax = mi->mxq8_nt;
+    } else if (fmt == HTP_FMT_Q4_1_T32R4 || fmt == HTP_FMT_Q5_0_T32R4 || fmt == HTP_FMT_Q5_1_T32R4) {
+        strip_fn = NULL, ntmax = isa->mxq8_nt ? isa->mxq8_nt : 64;
     } else if (fmt == HTP_FMT_IQ4_NL_T32R4) {
         const htp_isa *ni = isa->nlq8_strip ? isa : &htp_isa_portable;
         strip_fn = ni->nlq8_strip, ntmax = ni->mxq8_nt;
@@ -200,7 +211,11 @@ void htp_gemm_tiles(const htp_isa *isa, const uint8_t *w, uint32_t fmt, uint32_t
             for (uint32_t t0 = 0; t0 < t; t0 += ntmax) {
                 const uint32_t nt = HTP_MIN(ntmax, t - t0);
                 const htp_act_q8 a = {q8->q + (size_t)t0 * k, q8->d + (size_t)t0 * kb, q8->s + (size_t)t0 * kb};
-                strip_fn(strip, kb, &a, nt, o + (size_t)t0 * ldo, ldo, rows);
+                if (strip_fn)
+                    strip_fn(strip, kb, &a, nt, o + (size_t)t0 * ldo, ldo, rows);
+                else /* Q4_1 / Q5_0 / Q5_1: one kernel for the three, told the format */
+                    (isa->affq8_strip ? isa->affq8_strip : htp_affq8_strip_portable)(
+                        strip, fmt, kb, &a, nt, o + (size_t)t0 * ldo, ldo, rows);
             }
         } else {
             for (uint32_t j = 0; j < kb; j++) dequant(strip + j * tbytes, fmt, panel + (size_t)j * 1024);
@@ -335,6 +350,11 @@ void htp_exec_get_rows(const htp_get_rows_params *pr, const uint8_t *p, const in
                     format == HTP_FMT_Q6_K_T32R4 || format == HTP_FMT_MXFP4_T32R4) {
                     float panel[1024]; /* the tile's values, then row r of them */
                     htp_dequant_kq_tile_body(tile, format, panel);
+                    for (int c = 0; c < 32; c++) ob[c] = panel[c * 32 + r];
+                } else if (format == HTP_FMT_Q4_1_T32R4 || format == HTP_FMT_Q5_0_T32R4 ||
+                           format == HTP_FMT_Q5_1_T32R4) {
+                    float panel[1024];
+                    htp_dequant_aff_tile(tile, format, panel);
                     for (int c = 0; c < 32; c++) ob[c] = panel[c * 32 + r];
                 } else if (format == HTP_FMT_IQ4_NL_T32R4) {
                     for (int g = 0; g < 4; g++)

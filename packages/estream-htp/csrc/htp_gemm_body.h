@@ -267,8 +267,90 @@ HTP_INLINE void htp_iq4nl_strip_body(const uint8_t *strip, uint32_t kb, const ht
     }
 }
 
+/* Q4_1 / Q5_0 / Q5_1 tiles (docs/format.md): q4_1-t32r4 (640 B) = the rows' (d, m) fp16 pairs
+ * at 4r, then 4 groups of Q4_0-order nibbles at 128; q5_0-t32r4 (704 B) = fp16 d at 2r, each
+ * row's 32 fifth bits as a little-endian uint32 at 64 + 4r (bit c = column c), nibbles at 192;
+ * q5_1-t32r4 (768 B) = (d, m) at 4r, fifth bits at 128 + 4r, nibbles at 256. q = nibble + 16 x
+ * fifth bit; W = d*q + m (Q4_1, Q5_1) or d*(q - 16) (Q5_0). */
+typedef struct htp_aff_layout {
+    uint32_t bytes, m, qh, nib; /* tile bytes; has an m; offset of the fifth bits (0: none) and
+                                   of the nibbles */
+} htp_aff_layout;
+HTP_INLINE htp_aff_layout htp_aff_layout_of(uint32_t fmt) {
+    if (fmt == HTP_FMT_Q4_1_T32R4) return (htp_aff_layout){HTP_Q41_TILE_BYTES, 1, 0, 128};
+    if (fmt == HTP_FMT_Q5_0_T32R4) return (htp_aff_layout){HTP_Q50_TILE_BYTES, 0, 64, 192};
+    return (htp_aff_layout){HTP_Q51_TILE_BYTES, 1, 128, 256};
+}
+/* The 5-bit (or 4-bit) value of column c of row r, and the row's d and m. */
+HTP_INLINE int32_t htp_aff_q(const uint8_t *tile, htp_aff_layout L, int r, int c) {
+    const uint8_t v = tile[L.nib + 128 * ((c % 16) / 4) + 4 * r + c % 4];
+    int32_t q = c < 16 ? (v & 15) : (v >> 4);
+    if (L.qh) q |= ((tile[L.qh + 4 * r + c / 8] >> (c % 8)) & 1) << 4;
+    return q;
+}
+HTP_INLINE void htp_aff_dm(const uint8_t *tile, htp_aff_layout L, int r, float *d, float *m) {
+    uint16_t h, hm = 0;
+    memcpy(&h, tile + (L.m ? 4 * r : 2 * r), 2);
+    if (L.m) memcpy(&hm, tile + 4 * r + 2, 2);
+    *d = htp_f16_to_f32(h);
+    *m = htp_f16_to_f32(hm);
+}
+HTP_INLINE void htp_dequant_aff_tile(const uint8_t *p, uint32_t fmt, float *panel) {
+    const htp_aff_layout L = htp_aff_layout_of(fmt);
+    for (int r = 0; r < 32; r++) {
+        float d, m;
+        htp_aff_dm(p, L, r, &d, &m);
+        for (int c = 0; c < 32; c++) {
+            const int32_t q = htp_aff_q(p, L, r, c);
+            panel[c * 32 + r] = L.m ? d * (float)q + m : d * (float)(q - 16);
+        }
+    }
+}
+/* x Q8 activations, reference order, any nt: per row and 32-block the exact int32 dot = sum q*a
+ * (Q5_0: sum (q - 16)*a) and the activations' sum sa; then Q5_0: (float)dot * (d*da), llama.cpp's
+ * vec_dot_q5_0_q8_0; Q4_1 / Q5_1: (float)dot * (d*da) + (float)sa * (m*da), its
+ * vec_dot_q4_1_q8_1 / q5_1 (the activation sum times m). Each product and sum its own
+ * statement (no fused multiply-add). */
+HTP_INLINE void htp_aff_strip_body(const uint8_t *strip, uint32_t fmt, uint32_t kb,
+                                   const htp_act_q8 *a, uint32_t nt, float *out, uint32_t ldo,
+                                   uint32_t rows) {
+    const htp_aff_layout L = htp_aff_layout_of(fmt);
+    const uint32_t k = kb * 32;
+    for (uint32_t tt = 0; tt < nt; tt++) {
+        float acc[32];
+        for (int r = 0; r < 32; r++) acc[r] = 0.0f;
+        const int8_t *qa = a->q + (size_t)tt * k;
+        for (uint32_t j = 0; j < kb; j++) {
+            const uint8_t *tile = strip + (size_t)j * L.bytes;
+            const int8_t *qb = qa + 32 * j;
+            const float da = a->d[(size_t)tt * kb + j];
+            const int32_t sa = a->s[(size_t)tt * kb + j];
+            for (int r = 0; r < 32; r++) {
+                int32_t dot = 0;
+                for (int c = 0; c < 32; c++) dot += htp_aff_q(tile, L, r, c) * qb[c];
+                float d, m;
+                htp_aff_dm(tile, L, r, &d, &m);
+                if (L.m) {
+                    const float p1 = (float)dot * (d * da);
+                    const float p2 = (float)sa * (m * da);
+                    const float v = p1 + p2;
+                    acc[r] += v;
+                } else {
+                    const float v = (float)(dot - 16 * sa) * (d * da);
+                    acc[r] += v;
+                }
+            }
+        }
+        for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = acc[r];
+    }
+}
+
 /* panel[c*32 + r] = W[row r][col c] for one tile (32 rows, 32 columns). */
 HTP_INLINE void htp_dequant_tile_body(const uint8_t *p, uint32_t fmt, float *panel) {
+    if (fmt == HTP_FMT_Q4_1_T32R4 || fmt == HTP_FMT_Q5_0_T32R4 || fmt == HTP_FMT_Q5_1_T32R4) {
+        htp_dequant_aff_tile(p, fmt, panel);
+        return;
+    }
     if (fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q5_K_T32R4 || fmt == HTP_FMT_Q6_K_T32R4 ||
         fmt == HTP_FMT_MXFP4_T32R4) {
         htp_dequant_kq_tile_body(p, fmt, panel);

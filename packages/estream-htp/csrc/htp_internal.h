@@ -40,7 +40,10 @@
 #define HTP_Q4K_TILE_BYTES 704  /* d, dmin (fp16), sc, m (uint8) per row, then Q4_0-order nibbles */
 #define HTP_Q6K_TILE_BYTES 1152 /* d (fp16), two int8 scales per row, then int8 values */
 #define HTP_Q5K_TILE_BYTES 832  /* Q4_K's header and nibbles, then each row's fifth bits */
-#define HTP_MXFP4_TILE_BYTES 544 /* E8M0 exponent byte per row, then Q4_0-order FP4 codes */
+#define HTP_MXFP4_TILE_BYTES 544
+#define HTP_Q41_TILE_BYTES 640 /* (d, m) fp16 pair per row, then Q4_0-order nibbles */
+#define HTP_Q50_TILE_BYTES 704 /* fp16 d per row, each row's fifth bits, then nibbles */
+#define HTP_Q51_TILE_BYTES 768 /* (d, m) per row, each row's fifth bits, then nibbles */ /* E8M0 exponent byte per row, then Q4_0-order FP4 codes */
 #define HTP_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define HTP_MAX(a, b) ((a) > (b) ? (a) : (b))
 
@@ -210,6 +213,9 @@ typedef struct htp_isa {
     /* Q5_K tiles x Q8 activations (NULL: the portable kernel), kq8_nt tokens a call */
     void (*q5kq8_strip)(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                         float *out, uint32_t ldo, uint32_t rows);
+    /* Q4_1 / Q5_0 / Q5_1 tiles x Q8 activations (NULL: the portable kernel), mxq8_nt tokens */
+    void (*affq8_strip)(const uint8_t *strip, uint32_t fmt, uint32_t kb, const htp_act_q8 *a,
+                        uint32_t nt, float *out, uint32_t ldo, uint32_t rows);
     /* IQ4_NL tiles x Q8 activations (NULL: the portable kernel), mxq8_nt tokens a call */
     void (*nlq8_strip)(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                        float *out, uint32_t ldo, uint32_t rows);
@@ -292,11 +298,14 @@ void htp_q6kq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q
                               float *out, uint32_t ldo, uint32_t rows);
 void htp_q5kq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                               float *out, uint32_t ldo, uint32_t rows);
+void htp_affq8_strip_portable(const uint8_t *strip, uint32_t fmt, uint32_t kb, const htp_act_q8 *a,
+                              uint32_t nt, float *out, uint32_t ldo, uint32_t rows);
 void htp_nlq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                              float *out, uint32_t ldo, uint32_t rows);
 void htp_mxq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                              float *out, uint32_t ldo, uint32_t rows);
-/* whether fmt is a weight tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL) */
+/* whether fmt is a weight tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0,
+ * Q5_1) */
 int htp_is_weight_format(uint32_t fmt);
 void htp_f32_strip_portable(const float *panel, uint32_t k, const float *x, uint32_t ldx,
                             uint32_t nt, float *out, uint32_t ldo, uint32_t rows);

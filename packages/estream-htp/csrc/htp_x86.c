@@ -61,6 +61,11 @@ HTP_INSTANTIATE(avx512, HTP_T_AVX512)
                                                            uint32_t rows) {                      \
         htp_iq4nl_strip_body(strip, kb, a, nt, out, ldo, rows);                                  \
     }                                                                                            \
+    TARGET HTP_NO_CONTRACT static void affq8_strip_##SUFFIX(                                     \
+        const uint8_t *strip, uint32_t fmt, uint32_t kb, const htp_act_q8 *a, uint32_t nt,       \
+        float *out, uint32_t ldo, uint32_t rows) {                                               \
+        htp_aff_strip_body(strip, fmt, kb, a, nt, out, ldo, rows);                               \
+    }                                                                                            \
     TARGET static void dequant_kq_##SUFFIX(const uint8_t *p, uint32_t fmt, float *panel) {       \
         htp_dequant_kq_tile_body(p, fmt, panel);                                                 \
     }
@@ -984,6 +989,7 @@ const htp_isa htp_isa_avx2 = {
     .kq8_nt = 64,
     .q5kq8_strip = q5kq8_strip_avx2,
     .nlq8_strip = nlq8_strip_avx2,
+    .affq8_strip = affq8_strip_avx2,
     .mxq8_strip = mxq8_strip_fast_avx2,
     .mxq8_nt = 64,
     .dequant_tile = dequant_avx2,
@@ -1024,6 +1030,7 @@ const htp_isa htp_isa_avx512 = {
     .kq8_nt = 64,
     .q5kq8_strip = q5kq8_strip_avx512,
     .nlq8_strip = nlq8_strip_avx512,
+    .affq8_strip = affq8_strip_avx512,
     .mxq8_strip = mxq8_strip_fast_bw,
     .mxq8_nt = 64,
     .dequant_kq_tile = dequant_kq_avx512,
@@ -1043,6 +1050,7 @@ const htp_isa htp_isa_avx512vnni = {
     .kq8_nt = 64,
     .q5kq8_strip = q5kq8_strip_vnni,
     .nlq8_strip = nlq8_strip_vnni,
+    .affq8_strip = affq8_strip_vnni,
     .mxq8_strip = mxq8_strip_fast_vnni,
     .mxq8_nt = 64,
     .dequant_kq_tile = dequant_kq_vnni,
@@ -1064,6 +1072,7 @@ const htp_isa htp_isa_amx = {
     .kq8_nt = 64,
     .q5kq8_strip = q5kq8_strip_vnni,
     .nlq8_strip = nlq8_strip_vnni,
+    .affq8_strip = affq8_strip_vnni,
     .mxq8_strip = mxq8_strip_fast_vnni,
     .mxq8_nt = 64,
     .dequant_kq_tile = dequant_kq_vnni,

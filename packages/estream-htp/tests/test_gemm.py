@@ -133,14 +133,18 @@ def test_gemm_kquant_tables_agree(fmt: str) -> None:
 
 
 MX, NL = "mxfp4-t32r4", "iq4_nl-t32r4"  # 4-bit codes looked up in a table of values
+AFF = ["q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4"]  # d*q + m / d*(q - 16), q of 4 or 5 bits
 
 
 def _mx_case(t: int, n: int, kb: int, seed: int, fmt: str = MX):
-    """Random valid MXFP4 (or IQ4_NL) blocks for W[n][32*kb] packed as fmt, and activations."""
+    """Random valid MXFP4 (or IQ4_NL, Q4_1, Q5_0, Q5_1) blocks for W[n][32*kb] packed as fmt,
+    and activations."""
     rng = np.random.default_rng(seed)
     k = 32 * kb
     if fmt == MX:
         buf = T.pack_mxfp4_t32r4(T.random_mxfp4_blocks(rng, n, k))
+    elif fmt in AFF:
+        buf = T.pack_q4_1_q5_t32r4(T.random_q4_1_q5_blocks(rng, n, k, fmt), fmt)
     else:
         buf = T.pack_iq4_nl_t32r4(T.random_iq4_nl_blocks(rng, n, k))
     x = (rng.standard_normal((t, k)) * rng.uniform(0.1, 10)).astype(np.float32)
@@ -148,12 +152,12 @@ def _mx_case(t: int, n: int, kb: int, seed: int, fmt: str = MX):
 
 
 @pytest.mark.parametrize("simd", SIMD_PARAMS)
-@pytest.mark.parametrize("fmt", [MX, NL])
+@pytest.mark.parametrize("fmt", [MX, NL, *AFF])
 @given(shape=shapes)
 def test_gemm_mxfp4_and_iq4_nl_f32_matches_float64(simd: str, fmt: str, shape) -> None:
-    """MXFP4 tiles (any codes, subnormal scales included) and IQ4_NL tiles with fp32
-    activations, awkward N (padding rows) and K of 1..6 blocks, into a NaN-poisoned output: the
-    float64 product of the dequantized tiles, to fp32 rounding."""
+    """MXFP4 tiles (any codes, subnormal scales included), IQ4_NL, Q4_1, Q5_0 and Q5_1 tiles
+    with fp32 activations, awkward N (padding rows) and K of 1..6 blocks, into a NaN-poisoned
+    output: the float64 product of the dequantized tiles, to fp32 rounding."""
     t, n, kb, seed = shape
     x, buf = _mx_case(t, n, kb, seed, fmt)
     out = np.full((t, n), np.nan, dtype=np.float32)
@@ -165,12 +169,12 @@ def test_gemm_mxfp4_and_iq4_nl_f32_matches_float64(simd: str, fmt: str, shape) -
 
 
 @pytest.mark.parametrize("simd", SIMD_PARAMS)
-@pytest.mark.parametrize("fmt", [MX, NL])
+@pytest.mark.parametrize("fmt", [MX, NL, *AFF])
 @given(shape=shapes)
 def test_gemm_mxfp4_and_iq4_nl_q8_matches_float64(simd: str, fmt: str, shape) -> None:
-    """MXFP4 and IQ4_NL tiles with int8 activations (per 32-block): the float64 product of the
-    dequantized tiles with the same int8-rounded activations, to fp32 rounding; 1 and 2
-    threads give the same bits."""
+    """MXFP4, IQ4_NL, Q4_1, Q5_0 and Q5_1 tiles with int8 activations (per 32-block): the
+    float64 product of the dequantized tiles with the same int8-rounded activations, to fp32
+    rounding; 1 and 2 threads give the same bits."""
     t, n, kb, seed = shape
     x, buf = _mx_case(t, n, kb, seed, fmt)
     ys = []
@@ -184,18 +188,19 @@ def test_gemm_mxfp4_and_iq4_nl_q8_matches_float64(simd: str, fmt: str, shape) ->
     assert T.rel_l2_floored(ys[0], T.ref_gemm(xq, buf, n, fmt), mag, x.shape[1]) <= Q8_EXACT_TOL
 
 
-def test_gemm_iq4_nl_tables_give_portable_bits() -> None:
-    """Every kernel table this CPU runs gives the portable table's IQ4_NL x Q8 results bit for
-    bit (exact integer block sums, the portable epilogue: product, then sum), codes of every
-    value and activations of +-127 included."""
-    x, buf = _mx_case(29, 70, 7, 11, NL)
+@pytest.mark.parametrize("fmt", [NL, *AFF])
+def test_gemm_iq4_nl_tables_give_portable_bits(fmt: str) -> None:
+    """Every kernel table this CPU runs gives the portable table's IQ4_NL (Q4_1, Q5_0, Q5_1) x
+    Q8 results bit for bit (exact integer block sums, the portable epilogue: products, then
+    sums), codes of every value and activations of +-127 included."""
+    x, buf = _mx_case(29, 70, 7, 11, fmt)
     x[:3, ::2] = 50.0
     with mode(simd="portable", act="q8", threads=1):
-        base = htp.gemm(x, buf, 70, NL)
+        base = htp.gemm(x, buf, 70, fmt)
     assert np.isfinite(base).all()
     for simd in LEVELS:
         with mode(simd=simd, act="q8"):
-            y = htp.gemm(x, buf, 70, NL)
+            y = htp.gemm(x, buf, 70, fmt)
         assert np.array_equal(y.view(np.uint32), base.view(np.uint32)), simd
 
 

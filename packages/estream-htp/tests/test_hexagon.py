@@ -127,7 +127,9 @@ def test_gemm_kquant_bit_exact(
     act=st.sampled_from(["q8", "f32"]),
     seed=st.integers(0, 2**16),
 )
-@pytest.mark.parametrize("fmt", ["mxfp4-t32r4", "iq4_nl-t32r4"])
+@pytest.mark.parametrize(
+    "fmt", ["mxfp4-t32r4", "iq4_nl-t32r4", "q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4"]
+)
 def test_gemm_mxfp4_bit_exact(
     host: htp.Backend, hexagon: htp.Backend, fmt: str, n: int, t: int, kb: int, act: str, seed: int
 ) -> None:
@@ -139,6 +141,8 @@ def test_gemm_mxfp4_bit_exact(
     k = 32 * kb
     if fmt == "mxfp4-t32r4":
         buf = T.pack_mxfp4_t32r4(T.random_mxfp4_blocks(rng, n, k))
+    elif fmt != "iq4_nl-t32r4":
+        buf = T.pack_q4_1_q5_t32r4(T.random_q4_1_q5_blocks(rng, n, k, fmt), fmt)
     else:
         buf = T.pack_iq4_nl_t32r4(T.random_iq4_nl_blocks(rng, n, k))
     x = rng.standard_normal((t, k)).astype(np.float32)
@@ -238,6 +242,7 @@ def test_expert_op_bit_exact(
             ("mxfp4-t32r4", "mxfp4-t32r4", "q6_k-t32r4"),
             ("q5_k-t32r4", "q5_k-t32r4", "q6_k-t32r4"),
             ("iq4_nl-t32r4", "iq4_nl-t32r4", "q8_0-t32r4"),
+            ("q4_1-t32r4", "q5_1-t32r4", "q5_0-t32r4"),
         ]
     ),
     act=st.sampled_from(["q8", "f32"]),

@@ -460,16 +460,20 @@ def test_get_rows_kquant(fmt: str, n: int, sb: int, t: int, seed: int) -> None:
     assert np.array_equal(got, T.dequantize_tiles(table, fmt, n, k)[ids])
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4-t32r4", "iq4_nl-t32r4"])
+@pytest.mark.parametrize(
+    "fmt", ["mxfp4-t32r4", "iq4_nl-t32r4", "q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4"]
+)
 @given(n=st.integers(1, 70), kb=st.integers(1, 5), t=st.integers(1, 10), seed=st.integers(0, 99))
 def test_get_rows_mxfp4(fmt: str, n: int, kb: int, t: int, seed: int) -> None:
     """Embedding rows of an MXFP4 table (awkward row counts: padding rows; subnormal scales in
     some blocks) are the tiles' dequantized values bit for bit (code value x 2^(e-128)); the
-    same for an IQ4_NL table (d x kvalues_iq4nl[code])."""
+    same for IQ4_NL (d x kvalues_iq4nl[code]), Q4_1, Q5_0 and Q5_1 tables."""
     rng = np.random.default_rng(seed)
     k = 32 * kb
     if fmt == "mxfp4-t32r4":
         table = T.pack_mxfp4_t32r4(T.random_mxfp4_blocks(rng, n, k))
+    elif fmt != "iq4_nl-t32r4":
+        table = T.pack_q4_1_q5_t32r4(T.random_q4_1_q5_blocks(rng, n, k, fmt), fmt)
     else:
         table = T.pack_iq4_nl_t32r4(T.random_iq4_nl_blocks(rng, n, k))
     ids = rng.integers(0, n, t).astype(np.int32)

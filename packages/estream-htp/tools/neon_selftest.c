@@ -5,7 +5,8 @@
  *   neon_selftest [--first-failure]      every check below (or up to the first that fails);
  *                                        last line "OK" or "FAILED"
  *   neon_selftest strip FMT KB NT SIMD   one Q8-activation GEMM of one 32-row strip (KB tiles,
- *                                        NT tokens, FMT q4_0 | q8_0 | q4_k | q5_k | q6_k | mxfp4 | iq4_nl, SIMD neon |
+ *                                        NT tokens, FMT q4_0 | q8_0 | q4_k | q5_k | q6_k |
+ *                                        mxfp4 | iq4_nl | q4_1 | q5_0 | q5_1, SIMD neon |
  *                                        portable, one thread): the workload that
  *                                        tools/neon_instr_mix.py traces
  *
@@ -13,7 +14,7 @@
  * multiple of 32 or of 16, token counts across the kernels' token blocks, strided inputs and
  * outputs) with NaN-poisoned outputs whose margins (columns past n of a wider row) must stay
  * poisoned and whose written part must be finite:
- * - GEMM, every tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL) x both activation formats, NEON and portable tables, 1 and 2
+ * - GEMM, every tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0, Q5_1) x both activation formats, NEON and portable tables, 1 and 2
  *   threads: each within the rounding bound of its fp32 sums of a float64 reference (Q8: of the
  *   library's own quantized activations), 1 and 2 threads bit-identical.
  * - GEMM from Q8 rows quantized once and GEMM of three matrices sharing one input: bit-identical
@@ -116,6 +117,9 @@ static int run(uint32_t simd, uint32_t threads, htp_op_desc *op, const buf *b, u
 /* ---- weights: strips of 32x32 tiles (docs/format.md section 1) ---- */
 static int is_q45k(uint32_t fmt) { return fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q5_K_T32R4; }
 static int is_kq(uint32_t fmt) { return is_q45k(fmt) || fmt == HTP_FMT_Q6_K_T32R4; }
+/* Q4_1 / Q5_1: an fp16 (d, m) pair per row at 4r; Q5_0 / Q5_1: the rows' fifth bits as words */
+static int has_m(uint32_t fmt) { return fmt == HTP_FMT_Q4_1_T32R4 || fmt == HTP_FMT_Q5_1_T32R4; }
+static int is_aff(uint32_t fmt) { return has_m(fmt) || fmt == HTP_FMT_Q5_0_T32R4; }
 static size_t tile_bytes(uint32_t fmt) {
     switch (fmt) {
     case HTP_FMT_Q4_0_T32R4: return 576;
@@ -124,6 +128,9 @@ static size_t tile_bytes(uint32_t fmt) {
     case HTP_FMT_MXFP4_T32R4: return 544;
     case HTP_FMT_Q5_K_T32R4: return 832;
     case HTP_FMT_IQ4_NL_T32R4: return 576;
+    case HTP_FMT_Q4_1_T32R4: return 640;
+    case HTP_FMT_Q5_0_T32R4: return 704;
+    case HTP_FMT_Q5_1_T32R4: return 768;
     default: return 1152; /* HTP_FMT_Q6_K_T32R4 */
     }
 }
@@ -138,6 +145,9 @@ static const char *fmt_name(uint32_t fmt) {
     case HTP_FMT_MXFP4_T32R4: return "mxfp4";
     case HTP_FMT_Q5_K_T32R4: return "q5_k";
     case HTP_FMT_IQ4_NL_T32R4: return "iq4_nl";
+    case HTP_FMT_Q4_1_T32R4: return "q4_1";
+    case HTP_FMT_Q5_0_T32R4: return "q5_0";
+    case HTP_FMT_Q5_1_T32R4: return "q5_1";
     default: return "q6_k";
     }
 }
@@ -166,6 +176,11 @@ static uint8_t *make_weights(uint32_t fmt, uint32_t n, uint32_t k, int unit) {
         }
         if (fmt == HTP_FMT_Q6_K_T32R4)
             for (size_t b = 128; b < tb; b++) tile[b] = (uint8_t)(int8_t)((int)(rnd() % 64) - 32);
+        if (has_m(fmt)) /* (d, m) pairs: unit d = m = 1 */
+            for (int h = 0; h < 64; h++) {
+                const uint16_t v = unit ? 0x3c00 : awkward_f16();
+                memcpy(tile + 2 * h, &v, 2);
+            }
         if (fmt == HTP_FMT_MXFP4_T32R4) /* E8M0 exponents: scale 2^(e-128) = 1, or 2^-16..2^8 */
             for (int r = 0; r < 32; r++) tile[r] = (uint8_t)(unit ? 128 : 112 + rnd() % 25);
     }
@@ -193,6 +208,13 @@ static int w_q(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, uint32_
         const uint8_t v = tile[32 + 128 * ((c % 16) / 4) + 4 * r + c % 4];
         return mx_kv[c < 16 ? (v & 15) : (v >> 4)];
     }
+    if (is_aff(fmt)) { /* Q4_1: nibble; Q5_1: + 16 x fifth bit; Q5_0: that - 16 */
+        const uint32_t hdr = has_m(fmt) ? 128 : 64, nib = fmt == HTP_FMT_Q4_1_T32R4 ? 128 : hdr + 128;
+        const uint8_t v = tile[nib + 128 * ((c % 16) / 4) + 4 * r + c % 4];
+        int q = c < 16 ? (v & 15) : (v >> 4);
+        if (fmt != HTP_FMT_Q4_1_T32R4) q += 16 * ((tile[hdr + 4 * r + c / 8] >> (c % 8)) & 1);
+        return fmt == HTP_FMT_Q5_0_T32R4 ? q - 16 : q;
+    }
     if (fmt == HTP_FMT_Q8_0_T32R4) return (int8_t)tile[64 + 128 * (c / 4) + 4 * r + c % 4];
     if (fmt == HTP_FMT_Q6_K_T32R4) return (int8_t)tile[128 + 128 * (c / 4) + 4 * r + c % 4];
     const uint8_t v = tile[(is_q45k(fmt) ? 192 : 64) + 128 * ((c % 16) / 4) + 4 * r + c % 4];
@@ -207,9 +229,16 @@ static double w_val(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, ui
                     double *mag) {
     const uint8_t *tile = tile_at(w, fmt, k, row, col / 32);
     const uint32_t r = row % 32, c = col % 32;
-    const double d = fmt == HTP_FMT_MXFP4_T32R4 ? mx_half(tile, r) : f16_at(tile + 2 * r);
+    const double d = fmt == HTP_FMT_MXFP4_T32R4 ? mx_half(tile, r)
+                     : has_m(fmt)                ? f16_at(tile + 4 * r)
+                                                 : f16_at(tile + 2 * r);
     const int q = w_q(w, fmt, k, row, col);
     double v = d * q, m = fabs(v);
+    if (has_m(fmt)) {
+        const double mn = f16_at(tile + 4 * r + 2);
+        v = d * q + mn;
+        m = fabs(d * q) + fabs(mn);
+    }
     if (is_q45k(fmt)) {
         const double lo = f16_at(tile + 64 + 2 * r) * tile[160 + r];
         v = d * tile[128 + r] * q - lo;
@@ -236,7 +265,10 @@ static void w_block(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, ui
         sa += a[c];
     }
     *s1 = fmt == HTP_FMT_MXFP4_T32R4 ? mx_half(tile, r) : f16_at(tile + 2 * r), *s2 = 0, *i2 = 0;
-    if (is_q45k(fmt)) {
+    if (has_m(fmt)) { /* d * dot + m * sum(a): s1 * i1 - s2 * i2 with s2 = m, i2 = -sum(a) */
+        *s1 = f16_at(tile + 4 * r), *s2 = f16_at(tile + 4 * r + 2);
+        *i1 = lo + hi, *i2 = -sa;
+    } else if (is_q45k(fmt)) {
         *i1 = tile[128 + r] * (lo + hi), *i2 = tile[160 + r] * sa;
         *s2 = f16_at(tile + 64 + 2 * r);
     } else if (fmt == HTP_FMT_Q6_K_T32R4) {
@@ -320,7 +352,7 @@ static void gemm_ref(uint32_t fmt, uint32_t act, const uint8_t *w, uint32_t n, u
 static int check_gemm_ref(const char *what, const float *y, uint32_t ldy, uint32_t fmt,
                           uint32_t act, uint32_t n, uint32_t k, uint32_t t, const double *ref,
                           const double *mag) {
-    const double terms = (act == HTP_ACT_Q8 ? k / 32 : k) + (is_kq(fmt) ? 4 : 2);
+    const double terms = (act == HTP_ACT_Q8 ? k / 32 : k) + (is_kq(fmt) || has_m(fmt) ? 4 : 2);
     for (uint32_t tt = 0; tt < t; tt++)
         for (uint32_t r = 0; r < n; r++) {
             const double want = ref[(size_t)tt * n + r], bound = terms * U32 * mag[(size_t)tt * n + r];
@@ -731,14 +763,14 @@ static int check_others(void) {
 /* One Q8-activation GEMM of one 32-row strip: the traced workload of tools/neon_instr_mix.py. */
 static int strip(int argc, char **argv) {
     if (argc != 6) {
-        fprintf(stderr, "usage: %s strip q4_0|q8_0|q4_k|q5_k|q6_k|mxfp4|iq4_nl KB NT neon|portable\n", argv[0]);
+        fprintf(stderr, "usage: %s strip q4_0|q8_0|q4_k|q5_k|q6_k|mxfp4|iq4_nl|q4_1|q5_0|q5_1 KB NT neon|portable\n", argv[0]);
         return 64;
     }
     uint32_t fmt = 0;
-    for (uint32_t f = HTP_FMT_Q4_0_T32R4; f <= HTP_FMT_IQ4_NL_T32R4; f++)
+    for (uint32_t f = HTP_FMT_Q4_0_T32R4; f <= HTP_FMT_Q5_1_T32R4; f++)
         if (f != HTP_FMT_F16 && f != HTP_FMT_F32 && !strcmp(argv[2], fmt_name(f))) fmt = f;
     if (!fmt) {
-        fprintf(stderr, "unknown tile format %s (q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4, iq4_nl)\n", argv[2]);
+        fprintf(stderr, "unknown tile format %s (q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4, iq4_nl, q4_1, q5_0, q5_1)\n", argv[2]);
         return 64;
     }
     const uint32_t kb = (uint32_t)atoi(argv[3]), nt = (uint32_t)atoi(argv[4]);
@@ -776,10 +808,11 @@ int main(int argc, char **argv) {
      * t across the NEON kernel's 2-token and the portable kernel's 64-token blocks */
     const uint32_t shapes[][3] = {{1, 32, 1},  {48, 64, 3}, {49, 96, 2},   {33, 64, 4},
                                   {100, 96, 7}, {64, 256, 17}, {17, 512, 65}, {200, 160, 5}};
-    const uint32_t fmts[7] = {HTP_FMT_Q4_0_T32R4, HTP_FMT_Q8_0_T32R4, HTP_FMT_Q4_K_T32R4,
-                              HTP_FMT_Q6_K_T32R4, HTP_FMT_MXFP4_T32R4, HTP_FMT_Q5_K_T32R4,
-                              HTP_FMT_IQ4_NL_T32R4};
-    for (int f = 0; f < 7; f++) {
+    const uint32_t fmts[10] = {HTP_FMT_Q4_0_T32R4, HTP_FMT_Q8_0_T32R4, HTP_FMT_Q4_K_T32R4,
+                               HTP_FMT_Q6_K_T32R4, HTP_FMT_MXFP4_T32R4, HTP_FMT_Q5_K_T32R4,
+                               HTP_FMT_IQ4_NL_T32R4, HTP_FMT_Q4_1_T32R4, HTP_FMT_Q5_0_T32R4,
+                               HTP_FMT_Q5_1_T32R4};
+    for (int f = 0; f < 10; f++) {
         for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
             for (uint32_t act = 0; act < 2; act++)
                 CHECK(check_gemm(fmts[f], act, shapes[i][0], shapes[i][1], shapes[i][2]));

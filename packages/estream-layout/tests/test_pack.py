@@ -304,6 +304,9 @@ TILE_OF = {
     "Q6_K": "q6_k-t32r4",
     "MXFP4": "mxfp4-t32r4",
     "IQ4_NL": "iq4_nl-t32r4",
+    "Q4_1": "q4_1-t32r4",
+    "Q5_0": "q5_0-t32r4",
+    "Q5_1": "q5_1-t32r4",
 }
 
 
@@ -319,12 +322,14 @@ TILE_OF = {
         ("MXFP4", "Q8_0"),
         ("Q5_K", "Q6_K"),
         ("IQ4_NL", "Q8_0"),
+        ("Q4_1", None),
+        ("Q5_0", "Q5_1"),
     ],
 )
 def test_source_expert_types_pack_losslessly(
     etype: str, down: str | None, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 and IQ4_NL experts (alone, or mixed per projection as Q4_K_M mixes them) are
+    """Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0 and Q5_1 experts (alone, or mixed per projection as Q4_K_M mixes them) are
     re-laid, not re-quantized: no warning, the manifest records the source type and each
     projection's format, and every tile unpacks to the source's blocks."""
     dims = {"n_embd": 256, "n_ff_exp": 256} if etype in ("Q4_K", "Q5_K", "Q6_K") else {}

@@ -167,7 +167,7 @@ def test_tile_nbytes_and_errors() -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         tile_nbytes(32, 48)
     with pytest.raises(ValueError, match="unknown tile format"):
-        tile_nbytes(32, 32, "q5_0-t32r4")
+        tile_nbytes(32, 32, "q3_k-t32r4")
     with pytest.raises(ValueError, match="whole number"):
         pack_tiles(np.zeros((4, 19), np.uint8))
     with pytest.raises(TypeError):
@@ -401,3 +401,53 @@ def test_iq4_nl_tiles_roundtrip_and_dequantize_like_gguf(n, kb, batch, seed) -> 
         want = gguf_quants.dequantize(src, GGMLQuantizationType.IQ4_NL).astype(np.float32)
         got = dequantize_tiles(one, n, k, "iq4_nl-t32r4")
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+AFFINE = [
+    ("q4_1-t32r4", GGMLQuantizationType.Q4_1, 20),
+    ("q5_0-t32r4", GGMLQuantizationType.Q5_0, 22),
+    ("q5_1-t32r4", GGMLQuantizationType.Q5_1, 24),
+]
+
+
+@pytest.mark.parametrize(("fmt", "qtype", "bs"), AFFINE)
+@given(n=st.integers(1, 70), kb=st.integers(1, 4), batch=st.integers(0, 2), seed=st.integers(0, 99))
+def test_q4_1_q5_tiles_roundtrip_and_read_by_their_layout(
+    fmt, qtype, bs, n, kb, batch, seed
+) -> None:
+    """Q4_1 / Q5_0 / Q5_1 blocks (finite fp16 d and m, any bits; any N, batches) re-laid as
+    tiles: unpacking gives the source bytes back, and a tile read by its documented layout
+    alone (docs/format.md: d (and m) per row, the row's fifth bits as a little-endian word,
+    Q4_0-order nibbles) gives gguf-py's dequantization bit for bit."""
+    rng = np.random.default_rng(seed)
+    shape = (batch, n, kb * bs) if batch else (n, kb * bs)
+    rows = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    b = rows.reshape(*shape[:-1], kb, bs)
+    hdr = 2 if qtype == GGMLQuantizationType.Q5_0 else 4
+    b[..., :hdr] = (
+        (rng.standard_normal((*shape[:-1], kb, hdr // 2)) * 1e-2).astype(np.float16).view(np.uint8)
+    )
+    buf = pack_tiles(rows, fmt)
+    k = 32 * kb
+    assert np.array_equal(unpack_tiles(buf.reshape(-1), n, k, fmt).reshape(shape), rows)
+    one, src = (buf[0], rows[0]) if batch else (buf, rows)
+    want = gguf_quants.dequantize(src, qtype).astype(np.float32)
+    tb = {20: 640, 22: 704, 24: 768}[bs]
+    t = one.reshape(-1, kb, tb)  # [row tile, column tile, bytes]
+    h = 32 * hdr
+    d = t[..., :h].reshape(-1, kb, 32, hdr // 2, 2).copy().view(np.float16)[..., 0]
+    d = d.astype(np.float32)  # [tiles, kb, 32 rows, (d, m)]
+    g0 = h + (128 if qtype != GGMLQuantizationType.Q4_1 else 0)
+    nib = t[..., g0 : g0 + 512].reshape(-1, kb, 4, 32, 4).transpose(0, 1, 3, 2, 4)
+    nib = nib.reshape(-1, kb, 32, 16)
+    q = np.concatenate([nib & 15, nib >> 4], axis=-1).astype(np.int32)
+    if qtype != GGMLQuantizationType.Q4_1:
+        words = t[..., h : h + 128].copy().view("<u4")  # [tiles, kb, 32 rows]
+        q |= (((words[..., None] >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int32)
+    if qtype == GGMLQuantizationType.Q5_0:
+        v = d[..., 0, None] * (q - 16).astype(np.float32)
+    else:
+        v = d[..., 0, None] * q.astype(np.float32) + d[..., 1, None]
+    got = v.transpose(0, 2, 1, 3).reshape(-1, k)[:n]
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(dequantize_tiles(one, n, k, fmt).view(np.uint32), want.view(np.uint32))

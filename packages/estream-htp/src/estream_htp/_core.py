@@ -86,6 +86,9 @@ _FMT = {
     "q6_k-t32r4": lib.HTP_FMT_Q6_K_T32R4,
     "mxfp4-t32r4": lib.HTP_FMT_MXFP4_T32R4,
     "iq4_nl-t32r4": lib.HTP_FMT_IQ4_NL_T32R4,
+    "q4_1-t32r4": lib.HTP_FMT_Q4_1_T32R4,
+    "q5_0-t32r4": lib.HTP_FMT_Q5_0_T32R4,
+    "q5_1-t32r4": lib.HTP_FMT_Q5_1_T32R4,
     "f16": lib.HTP_FMT_F16,
     "f32": lib.HTP_FMT_F32,
 }
@@ -413,7 +416,7 @@ def quantize_q8(x: F32, out: Q8Rows | None = None, *, backend: Backend | None = 
 # ---------------------------------------------------------------- expert op
 EXPERT_FORMATS = (
     "q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "mxfp4-t32r4",
-    "iq4_nl-t32r4",
+    "iq4_nl-t32r4", "q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4",
 )  # fmt: skip
 
 
@@ -1094,7 +1097,7 @@ def get_rows(
 ) -> F32:
     """Embedding lookup: rows ``ids`` of a ``[n_rows, n_cols]`` table in ``fmt``
     ("q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "mxfp4-t32r4",
-    "iq4_nl-t32r4", "f16", "f32"), as float32
+    "iq4_nl-t32r4", "q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4", "f16", "f32"), as float32
     ``[T, n_cols]``."""
     if fmt not in _FMT:
         raise HTPInputError(f"fmt must be one of {sorted(_FMT)}, got {fmt!r}")

@@ -25,6 +25,7 @@ __all__ = [
     "dequantize_iq4_nl",
     "dequantize_mxfp4",
     "dequantize_q4_0",
+    "dequantize_q4_1_q5",
     "dequantize_q4_k",
     "dequantize_q5_k",
     "dequantize_q6_k",
@@ -34,6 +35,7 @@ __all__ = [
     "pack_iq4_nl_t32r4",
     "pack_mxfp4_t32r4",
     "pack_q4_0_t32r4",
+    "pack_q4_1_q5_t32r4",
     "pack_q4_k_t32r4",
     "pack_q5_k_t32r4",
     "pack_q6_k_t32r4",
@@ -44,6 +46,7 @@ __all__ = [
     "unpack_iq4_nl_t32r4",
     "unpack_mxfp4_t32r4",
     "unpack_q4_0_t32r4",
+    "unpack_q4_1_q5_t32r4",
     "unpack_q4_k_t32r4",
     "unpack_q5_k_t32r4",
     "unpack_q6_k_t32r4",
@@ -64,6 +67,9 @@ TILE_FORMATS = {
     "q6_k-t32r4": Q6_K_TILE_BYTES,
     "mxfp4-t32r4": MXFP4_TILE_BYTES,
     "iq4_nl-t32r4": Q4_0_TILE_BYTES,
+    "q4_1-t32r4": 640,
+    "q5_0-t32r4": 704,
+    "q5_1-t32r4": 768,
 }
 QK_K = 256  # values of a K-quant super-block
 Q4_K_BLOCK_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
@@ -520,6 +526,47 @@ def unpack_iq4_nl_t32r4(buf: npt.ArrayLike, n: int, k: int) -> npt.NDArray[np.ui
     return _unpack(buf, n, k, 16, "iq4_nl-t32r4")
 
 
+# ---------------------------------------------------------------- Q4_1 / Q5_0 / Q5_1 tiles
+# Blocks: Q4_1 (20 B) fp16 d, fp16 m, qs[16]; Q5_0 (22 B) fp16 d, qh (uint32 LE, bit c = the
+# fifth bit of element c), qs[16]; Q5_1 (24 B) d, m, qh, qs. qs in Q4_0's nibble order; q = nibble
+# + 16 x fifth bit; value = d*q + m (Q4_1, Q5_1), d*(q - 16) (Q5_0). Tiles: the header bytes
+# (d or the (d, m) pair) of each row, then the rest in 4-byte groups (Q5_x: the qh word first).
+_AFF = {"q4_1-t32r4": (20, 4), "q5_0-t32r4": (22, 2), "q5_1-t32r4": (24, 4)}  # block, header
+
+
+def pack_q4_1_q5_t32r4(blocks: npt.ArrayLike, fmt: str) -> npt.NDArray[np.uint8]:
+    """Q4_1 / Q5_0 / Q5_1 blocks ``uint8[N, K/32, block]`` -> ``fmt`` tiles (lossless)."""
+    size, hdr = _AFF[fmt]
+    b = _blocks(blocks, size)
+    return _pack_fields([b[..., :hdr], b[..., hdr:]], [0, 0])
+
+
+def unpack_q4_1_q5_t32r4(buf: npt.ArrayLike, fmt: str, n: int, k: int) -> npt.NDArray[np.uint8]:
+    """Inverse of :func:`pack_q4_1_q5_t32r4`."""
+    size, hdr = _AFF[fmt]
+    h, q = _unpack_fields(buf, n, k, [hdr, size - hdr], fmt)
+    return np.concatenate([h, q], axis=2)
+
+
+def dequantize_q4_1_q5(blocks: npt.ArrayLike, fmt: str) -> npt.NDArray[np.float32]:
+    """Q4_1 / Q5_0 / Q5_1 blocks -> ``float32[N, K]`` (llama.cpp's dequantize_row_q4_1/q5_0/q5_1,
+    in float32: d*q + m, or d*(q - 16))."""
+    size, hdr = _AFF[fmt]
+    b = _blocks(blocks, size)
+    d = np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    qs = b[..., -16:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=2).astype(np.int32)
+    if fmt != "q4_1-t32r4":
+        qh = np.ascontiguousarray(b[..., hdr : hdr + 4]).view("<u4")[..., 0]
+        q |= (((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int32)
+    if fmt == "q5_0-t32r4":
+        v = d[..., None] * (q - 16).astype(np.float32)
+    else:
+        m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+        v = d[..., None] * q.astype(np.float32) + m[..., None]
+    return v.reshape(b.shape[0], -1)
+
+
 def dequantize_tiles(buf: npt.ArrayLike, fmt: str, n: int, k: int) -> npt.NDArray[np.float32]:
     """``float32[n, k]`` values of a tile-format matrix (padding rows dropped)."""
     if fmt == "q4_0-t32r4":
@@ -536,4 +583,6 @@ def dequantize_tiles(buf: npt.ArrayLike, fmt: str, n: int, k: int) -> npt.NDArra
         return dequantize_mxfp4(unpack_mxfp4_t32r4(buf, n, k))
     if fmt == "iq4_nl-t32r4":
         return dequantize_iq4_nl(unpack_iq4_nl_t32r4(buf, n, k))
+    if fmt in _AFF:
+        return dequantize_q4_1_q5(unpack_q4_1_q5_t32r4(buf, fmt, n, k), fmt)
     raise FormatError(f"unknown tile format {fmt!r}; expected one of {sorted(TILE_FORMATS)}")

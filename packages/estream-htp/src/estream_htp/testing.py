@@ -17,6 +17,7 @@ from estream_htp._formats import (
     pack_iq4_nl_t32r4,
     pack_mxfp4_t32r4,
     pack_q4_0_t32r4,
+    pack_q4_1_q5_t32r4,
     pack_q4_k_t32r4,
     pack_q5_k_t32r4,
     pack_q6_k_t32r4,
@@ -38,6 +39,7 @@ __all__ = [
     "pack_iq4_nl_t32r4",
     "pack_mxfp4_t32r4",
     "pack_q4_0_t32r4",
+    "pack_q4_1_q5_t32r4",
     "pack_q4_k_t32r4",
     "pack_q5_k_t32r4",
     "pack_q6_k_t32r4",
@@ -49,6 +51,7 @@ __all__ = [
     "random_iq4_nl_blocks",
     "random_mxfp4_blocks",
     "random_q4_0_blocks",
+    "random_q4_1_q5_blocks",
     "random_q4_k_blocks",
     "random_q5_k_blocks",
     "random_q6_k_blocks",
@@ -158,6 +161,22 @@ def random_q6_k_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[
     return b
 
 
+def random_q4_1_q5_blocks(
+    rng: np.random.Generator, n: int, k: int, fmt: str
+) -> npt.NDArray[np.uint8]:
+    """Random valid Q4_1 / Q5_0 / Q5_1 blocks (``fmt`` their tile format's name): finite fp16
+    ``d`` (and ``m``), any fifth bits and nibbles."""
+    size = {"q4_1-t32r4": 20, "q5_0-t32r4": 22, "q5_1-t32r4": 24}[fmt]
+    b = rng.integers(0, 256, size=(n, k // 32, size), dtype=np.uint8)
+    b[..., :2] = (
+        (rng.standard_normal((n, k // 32)) * 2e-3).astype(np.float16)[..., None].view(np.uint8)
+    )
+    if fmt != "q5_0-t32r4":
+        m = (rng.standard_normal((n, k // 32)) * 1e-2).astype(np.float16)
+        b[..., 2:4] = m[..., None].view(np.uint8)
+    return b
+
+
 def random_iq4_nl_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[np.uint8]:
     """Random valid IQ4_NL blocks ``uint8[n, k/32, 18]`` (finite fp16 scales, any codes)."""
     b = rng.integers(0, 256, size=(n, k // 32, 18), dtype=np.uint8)
@@ -181,6 +200,8 @@ def _random_tiles(rng: np.random.Generator, fmt: str, n: int, k: int) -> npt.NDA
         return pack_mxfp4_t32r4(random_mxfp4_blocks(rng, n, k))
     if fmt == "iq4_nl-t32r4":
         return pack_iq4_nl_t32r4(random_iq4_nl_blocks(rng, n, k))
+    if fmt in ("q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4"):
+        return pack_q4_1_q5_t32r4(random_q4_1_q5_blocks(rng, n, k, fmt), fmt)
     if fmt == "q4_k-t32r4":
         return pack_q4_k_t32r4(random_q4_k_blocks(rng, n, k))
     if fmt == "q5_k-t32r4":

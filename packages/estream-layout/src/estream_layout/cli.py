@@ -23,7 +23,20 @@ __all__ = ["pack_main", "synth_main"]
 EXIT_PROBLEMS = 1
 EXIT_ERROR = 2
 # GGML types estream-synth writes (random valid blocks; F16/F32 as values)
-SYNTH_TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ4_NL", "F16", "F32"]
+SYNTH_TYPES = [
+    "Q4_0",
+    "Q8_0",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "MXFP4",
+    "IQ4_NL",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "F16",
+    "F32",
+]
 
 
 def _fail(prog: str, msg: str) -> int:

@@ -67,6 +67,9 @@ Q5_K: Final = GGMLQuantizationType.Q5_K
 Q6_K: Final = GGMLQuantizationType.Q6_K
 MXFP4: Final = GGMLQuantizationType.MXFP4
 IQ4_NL: Final = GGMLQuantizationType.IQ4_NL
+Q4_1: Final = GGMLQuantizationType.Q4_1
+Q5_0: Final = GGMLQuantizationType.Q5_0
+Q5_1: Final = GGMLQuantizationType.Q5_1
 
 
 @attrs.frozen
@@ -299,8 +302,9 @@ def _random_blocks(
     n_words = -(-nb * size // 4)
     raw = rng.integers(0, 1 << 32, size=n_words, dtype=np.uint32).view(np.uint8)[: nb * size]
     blocks = raw.reshape(nb, size)
-    # RMS of a uniform random nibble-8 / IQ4_NL table value / int8
-    q_rms = {Q4_0: 4.64, IQ4_NL: 67.4}.get(qtype, 73.9)
+    # RMS of a uniform random nibble-8 / IQ4_NL table value / 4- or 5-bit q (Q4_1 / Q5_0, Q5_1,
+    # their m kept small) / int8
+    q_rms = {Q4_0: 4.64, IQ4_NL: 67.4, Q4_1: 9.0, Q5_0: 9.2, Q5_1: 18.3}.get(qtype, 73.9)
     d = t.gain / (q_rms * np.sqrt(k))
     # Signed scales, as llama.cpp's quantizer writes them (d = max / -8 takes the sign of the
     # largest-magnitude element): random nibbles have mean -0.5, and all-positive scales would
@@ -308,6 +312,9 @@ def _random_blocks(
     sign = rng.integers(0, 2, size=nb) * 2.0 - 1.0
     scales = (d * rng.uniform(0.75, 1.25, size=nb) * sign).astype(np.float16)
     blocks[:, :2] = scales.view(np.uint8).reshape(nb, 2)
+    if qtype in (Q4_1, Q5_1):  # m: minus half the block's range, so values centre on 0
+        mins = (-scales.astype(np.float32) * (8.0 if qtype == Q4_1 else 16.0)).astype(np.float16)
+        blocks[:, 2:4] = mins.view(np.uint8).reshape(nb, 2)
     return blocks.reshape(rows, -1)
 
 
@@ -433,9 +440,9 @@ def _tensor_data(
     if t.kind == "router":
         return _router(t, rng, hot, u)
     # gguf cannot quantize K-quants or IQ4_NL
-    if t.kind == "embed" and t.qtype not in (Q4_K, Q5_K, Q6_K, IQ4_NL):
+    if t.kind == "embed" and t.qtype not in (Q4_K, Q5_K, Q6_K, IQ4_NL, Q4_1, Q5_0, Q5_1):
         return _embedding(t, rng, u)
-    if t.qtype in (Q4_0, Q8_0, IQ4_NL):
+    if t.qtype in (Q4_0, Q8_0, IQ4_NL, Q4_1, Q5_0, Q5_1):
         return _random_blocks(rng, t, rows, t.qtype)
     if t.qtype == Q4_K:
         return _random_q4_k(rng, t, rows)

@@ -28,7 +28,10 @@ __all__ = [
     "MXFP4_MAX_EXPONENT",
     "MXFP4_T32R4",
     "Q4_0_T32R4",
+    "Q4_1_T32R4",
     "Q4_K_T32R4",
+    "Q5_0_T32R4",
+    "Q5_1_T32R4",
     "Q5_K_T32R4",
     "Q6_K_T32R4",
     "Q8_0_T32R4",
@@ -97,10 +100,21 @@ MXFP4_T32R4: Final = TileFormat(
 # IQ4_NL: Q4_0's block and tile layout (padding rows too: scale 0, codes 0x88); the 4-bit
 # codes index a non-linear table.
 IQ4_NL_T32R4: Final = TileFormat("iq4_nl-t32r4", GGMLQuantizationType.IQ4_NL, 18, 4, 0x88)
+# Q4_1 / Q5_1: the block's fp16 (d, m) pair is the row's 4-byte "scale" (at 4r); Q5_0 / Q5_1:
+# the block's 32 fifth bits (qh, a little-endian word) are the first 4-byte group, the nibbles
+# follow in Q4_0's order. Padding rows are all zero (d = m = 0: value 0).
+Q4_1_T32R4: Final = TileFormat(
+    "q4_1-t32r4", GGMLQuantizationType.Q4_1, 20, 4, 0, header_bytes=4 * TILE, scale_bytes=4
+)
+Q5_0_T32R4: Final = TileFormat("q5_0-t32r4", GGMLQuantizationType.Q5_0, 22, 5, 0)
+Q5_1_T32R4: Final = TileFormat(
+    "q5_1-t32r4", GGMLQuantizationType.Q5_1, 24, 5, 0, header_bytes=4 * TILE, scale_bytes=4
+)
 FORMATS: Final = {
     f.name: f
     for f in (
-        Q4_0_T32R4, Q8_0_T32R4, Q4_K_T32R4, Q5_K_T32R4, Q6_K_T32R4, MXFP4_T32R4, IQ4_NL_T32R4
+        Q4_0_T32R4, Q8_0_T32R4, Q4_K_T32R4, Q5_K_T32R4, Q6_K_T32R4, MXFP4_T32R4, IQ4_NL_T32R4,
+        Q4_1_T32R4, Q5_0_T32R4, Q5_1_T32R4,
     )
 }  # fmt: skip
 # llama.cpp's kvalues_iq4nl: the int8 value of each IQ4_NL code (value = d * IQ4_NL_KVALUES[code]).
@@ -184,7 +198,7 @@ def _views(
     tb = f.tile_bytes
     g = f.n_groups
     sb = src_rows.reshape(-1)
-    sdt = "<u2" if f.scale_bytes == 2 else "u1"
+    sdt = {1: "u1", 2: "<u2", 4: "<u4"}[f.scale_bytes]
     # source: [tile i, block j, row r] scales (u2; u1) and [i, j, group, r] quant pieces (u4)
     src_s = np.ndarray(
         (n_tiles_total, kb, TILE),
@@ -422,7 +436,7 @@ def dequantize_blocks(rows: np.ndarray, fmt: str | TileFormat = "q4_0-t32r4") ->
     """GGML block rows `[..., N, K/32*bs]` (Q4_0, Q8_0, MXFP4; Q4_K / Q6_K `[..., N, K/256*bs]`)
     -> float32 `[..., N, K]` (exact; K-quants through gguf-py's dequantize, llama.cpp's rule)."""
     f = tile_format(fmt)
-    if f.block_elems != TILE:
+    if f.block_elems != TILE or f in (Q4_1_T32R4, Q5_0_T32R4, Q5_1_T32R4):
         w = gguf_quants.dequantize(np.ascontiguousarray(rows), f.ggml_type)
         return np.asarray(w, dtype=np.float32)
     if f is MXFP4_T32R4:

@@ -121,7 +121,7 @@ def _finite(buf: Any, tile: int, fmt: str) -> bool:
 
 
 # Bytes of fp16 row scales at the start of a tile, per tile format (docs/format.md).
-_FP16_HEADER = {"q4_k-t32r4": 128, "q5_k-t32r4": 128}
+_FP16_HEADER = {"q4_k-t32r4": 128, "q5_k-t32r4": 128, "q4_1-t32r4": 128, "q5_1-t32r4": 128}
 
 
 def _dense_nan_problem(m: Manifest, name: str) -> str:
