@@ -10,7 +10,12 @@ range, plus the load average: on a shared machine only the ratios mean something
 bench-results/ab_engine.json.
 
     python integration/bench/ab_engine.py MODEL.estream --a OLD_ROOTS --b NEW_ROOTS \\
-        [--tokens 1024] [--pairs 5] [--act q8] [--threads 2] [--mode resident]
+        [--a-model OLD.estream] [--tokens 1024] [--pairs 5] [--act q8] [--threads 2]
+        [--mode resident]
+
+When the pack format changed between the builds, give the baseline its own pack of the same
+GGUF, made by its own estream-layout (``--a-model``; put that estream-layout's source root in
+``--a``).
 
 Example roots for a worktree W: ``W/packages/estream-htp/src:W/packages/estream-cli/src``
 (build the extension in place first: ``cd W/packages/estream-htp && python setup.py
@@ -72,6 +77,9 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--a", required=True, help="PYTHONPATH of the baseline build")
     ap.add_argument("--b", required=True, help="PYTHONPATH of the new build")
+    ap.add_argument(
+        "--a-model", help="the baseline's pack of the same GGUF (default: MODEL for both)"
+    )
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--act", default="q8", choices=["q8", "f32"])
@@ -87,12 +95,15 @@ def main() -> None:
         "threads": args.threads,
         "mode": args.mode,
     }
+    specs = {"a": dict(spec), "b": spec}
+    if args.a_model:
+        specs["a"]["model"] = str(Path(args.a_model).resolve())
     runs: dict[str, list[dict]] = {"a": [], "b": []}
     load = [os.getloadavg()[0]]
     for i in range(args.pairs):
         order = (("a", args.a), ("b", args.b)) if i % 2 == 0 else (("b", args.b), ("a", args.a))
         for side, roots in order:
-            runs[side].append(run_side(roots, spec))
+            runs[side].append(run_side(roots, specs[side]))
         load.append(os.getloadavg()[0])
     summary = {}
     print(f"{args.pairs} pairs, {args.tokens} tokens, act={args.act}, mode={args.mode}")
@@ -113,7 +124,13 @@ def main() -> None:
     print(f"  load average (1 min) during the run: {min(load):.1f}..{max(load):.1f}")
     out = ROOT / "bench-results"
     out.mkdir(exist_ok=True)
-    doc = {"spec": spec, "summary": summary, "runs": runs, "load_average": load}
+    doc = {
+        "spec": spec,
+        "a_model": specs["a"]["model"],
+        "summary": summary,
+        "runs": runs,
+        "load_average": load,
+    }
     (out / "ab_engine.json").write_text(json.dumps(doc, indent=2))
 
 
