@@ -454,3 +454,120 @@ def test_pre_attention_router_starts_the_routed_reads_before_attention(
         assert {(r.layer, r.group) for r in res.reads} == {(g.layer, g.group) for g in res.records}
     with estream.load(dst, mode="resident", act="f32") as eng:
         assert np.array_equal(eng.prefill(toks, all_logits=True).logits, res.logits)
+
+
+# SmallThinker's window is llama.cpp's fixed 4096 tokens (the loader ignores the file's value),
+# and the tiny preset's context is 4096 too, so no tiny pass can outgrow it. These tests shrink
+# the window, in the family record (what packing stores in the manifest) and in the reference
+# alike, to a few tokens: the engine reads the window from the pack, so this exercises the same
+# masking a 4096-token window gets past 4096 tokens.
+SMALL_WINDOW = 8
+
+
+@pytest.fixture(scope="module")
+def small_window_smallthinker(tmp_path_factory):
+    import reference
+
+    from estream_layout.families import smallthinker as family
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(family, "SWA_WINDOW", SMALL_WINDOW)
+    mp.setattr(reference, "SMALLTHINKER_SWA", SMALL_WINDOW)
+    d = tmp_path_factory.mktemp("st-window")
+    src, dst = d / "st.gguf", d / "st.estream"
+    synth_model("smallthinker", "tiny", src, seed=11)
+    pack_model(src, dst, progress=False)
+    yield src, dst
+    mp.undo()
+
+
+WINDOW_MODES = [{"mode": "resident"}, {"mode": "stream", "G": 2, "Q": 2, "B": 3}]
+
+
+@pytest.mark.parametrize("kw", WINDOW_MODES, ids=["resident", "stream"])
+def test_smallthinker_window_past_its_length_matches_the_reference(small_window_smallthinker, kw):
+    """A SmallThinker pass longer than its sliding window runs (no refusal) and, with f32
+    activations, equals the float64 reference that masks each sliding layer's query to its
+    last `SMALL_WINDOW` keys, within 1e-5; the window changes the reference's logits at this
+    length, so ignoring it would fail."""
+    import reference
+
+    src, dst = small_window_smallthinker
+    with estream.load(dst, act="f32", **kw) as eng:
+        assert eng.hp.sliding_window == SMALL_WINDOW and eng.hp.swa_layers
+        toks = _tokens(eng.hp.n_vocab, 5 * SMALL_WINDOW + 3, seed=4)
+        got = eng.prefill(toks, all_logits=True).logits
+    ref = reference.reference_forward(src, toks)
+    assert rel_l2(got, ref) <= 1e-5
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(reference, "SMALLTHINKER_SWA", len(toks))  # no key ever out of the window
+        unwindowed = reference.reference_forward(src, toks)
+    assert rel_l2(unwindowed, ref) > 1e-3
+
+
+def _windowed_batch(V: int, window: int) -> list:
+    """Requests around ``window``: shorter, equal, longer (several windows), branch requests
+    whose prefix alone or with a branch exceeds it; the pass totals many windows."""
+    from estream import BranchRequest
+
+    rng = np.random.default_rng(8)
+    return [
+        rng.integers(0, V, window - 3),
+        rng.integers(0, V, 3 * window + 1),
+        BranchRequest(rng.integers(0, V, window + 2), [rng.integers(0, V, n) for n in (1, 5)]),
+        rng.integers(0, V, window),
+        BranchRequest(rng.integers(0, V, 3), [rng.integers(0, V, window + 4), [1]]),
+        rng.integers(0, V, 2 * window - 1),
+    ]
+
+
+def _assert_batch_matches_reference(src, results, reqs) -> None:
+    from reference import reference_forward
+
+    from estream import BranchRequest
+
+    for req, res in zip(reqs, results, strict=True):
+        if isinstance(req, BranchRequest):
+            p = np.asarray(req.prefix)
+            assert rel_l2(res.prefix_logits, reference_forward(src, p)[-1]) <= 1e-5
+            for b, got in zip(req.branches, res.branch_logits, strict=True):
+                b = np.asarray(b)
+                ref = reference_forward(src, np.concatenate([p, b]))
+                assert rel_l2(got, ref[len(p) :]) <= 1e-5
+        else:
+            assert rel_l2(res.logits, reference_forward(src, req)) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["resident", "stream"])
+def test_smallthinker_batch_keeps_the_window_within_each_request(small_window_smallthinker, mode):
+    """Requests packed into one pass (`prefill_many`, one pass for all of them) whose lengths
+    straddle the sliding window, plain and branched: each request's f32 logits equal the
+    float64 reference of that request alone within 1e-5, i.e. each query sees only its own
+    request's keys, and of those only the last `SMALL_WINDOW`."""
+    src, dst = small_window_smallthinker
+    kw = {"G": 2, "Q": 2, "B": 3} if mode == "stream" else {}
+    with estream.load(dst, mode=mode, act="f32", **kw) as eng:
+        reqs = _windowed_batch(eng.hp.n_vocab, SMALL_WINDOW)
+        results = list(eng.prefill_many(reqs, batch_tokens=10_000, all_logits=True))
+    assert len({id(r.metrics["pass"]) for r in results}) == 1  # one pass
+    assert results[0].metrics["pass"]["tokens"] > 4 * SMALL_WINDOW
+    _assert_batch_matches_reference(src, results, reqs)
+
+
+@pytest.mark.parametrize("mode", ["resident", "stream"])
+def test_gpt_oss_batch_keeps_window_and_sinks_within_each_request(tmp_path, mode):
+    """gpt-oss (tiny preset: window 8 on the even layers, per-head sinks): requests packed into
+    one pass around its window each equal the float64 reference of the request alone within
+    1e-5 with f32 activations."""
+    src, dst = tmp_path / "g.gguf", tmp_path / "g.estream"
+    synth_model("gpt-oss", "tiny", src, seed=12)
+    pack_model(src, dst, progress=False)
+    kw = {"G": 2, "Q": 2, "B": 3} if mode == "stream" else {}
+    with estream.load(dst, mode=mode, act="f32", **kw) as eng:
+        window = eng.hp.sliding_window
+        assert window > 0 and eng.hp.swa_layers
+        reqs = _windowed_batch(eng.hp.n_vocab, window)
+        results = list(eng.prefill_many(reqs, batch_tokens=10_000, all_logits=True))
+    assert len({id(r.metrics["pass"]) for r in results}) == 1
+    assert results[0].metrics["pass"]["tokens"] > 4 * window
+    _assert_batch_matches_reference(src, results, reqs)

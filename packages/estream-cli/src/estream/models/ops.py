@@ -22,7 +22,6 @@ import numpy as np
 import estream_htp as htp
 from estream_layout import ModelSpec
 
-from ..errors import UnsupportedModelError
 from ..experts import ExpertSource
 from ..packed import DenseTensor, ExpertLayer
 from .layout import Segment, SeqLayout, segment_rows
@@ -314,25 +313,20 @@ class Ops:
 
     # blocks
     def attention(self, w: Attention, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """q/k/v projections, q/k RMSNorm, RoPE, causal GQA attention, output projection."""
+        """q/k/v projections, q/k RMSNorm, RoPE, causal GQA attention (``w.window`` > 0: each
+        query sees the last ``w.window`` positions of its own request), output projection."""
         t = h.shape[0]
         q, k, v = self.matmuls(h, (w.wq, w.wk, w.wv), "attn_qkv")
         if w.qk_norm != "none":
             with self.timed("qk_norm"):
                 q, k = self._qk_norm(w, q, k)
-        if w.window and t > w.window:
-            raise UnsupportedModelError(
-                f"a sliding-window layer attends to the last {w.window} tokens, and a pass of {t} "
-                f"tokens exceeds that: the attention kernel has no window mask yet; prefill at "
-                f"most {w.window} tokens per pass"
-            )
         q = np.ascontiguousarray(q.reshape(t, w.n_head, w.head_dim))
         k = np.ascontiguousarray(k.reshape(t, w.n_head_kv, w.head_dim))
         v = np.ascontiguousarray(v.reshape(t, w.n_head_kv, -1))
         if w.rope is not None:  # None: a NoPE layer
             self.rope(q, pos, w.rope)
             self.rope(k, pos, w.rope)
-        a = self.attend(q, k, v, w.scale)
+        a = self.attend(q, k, v, w.scale, window=w.window)
         return self.matmul(np.ascontiguousarray(a.reshape(t, -1)), w.wo, "attn_out")
 
     def _qk_norm(self, w: Attention, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
