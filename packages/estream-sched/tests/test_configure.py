@@ -398,3 +398,41 @@ def test_configure_tokens_errors() -> None:
     with pytest.raises(ProfileError, match="calibration prompt length"):
         configure(bare, 2**40, tokens=512)
     assert configure(bare, 2**40).tokens is None
+
+
+@given(profiles(), st.floats(0.0, 1.0))
+def test_routes_at_layer_start_never_predict_slower_after_routing(p: Profile, f: float) -> None:
+    """``after-routing``: with the router before attention (reads at layer start) the chosen
+    configuration's predicted time is never above the one whose reads wait for ``T_ne``, and it
+    equals ``early``'s (both release the reads at layer start); ``early`` ignores the flag."""
+    depths = [
+        q for q in _depths(p, "model") if any(math.ceil(p.n_experts / g) >= q for g in p.groups)
+    ]
+    assume(depths)
+    budget = int(min(minimum_memory(p, q) for q in depths) + f * p.n_experts * p.expert_bytes * 2)
+    waits = configure(p, budget, schedule="after-routing")
+    at_start = configure(p, budget, schedule="after-routing", routes_at_layer_start=True)
+    early = configure(p, budget)
+    assert at_start.predicted_s <= waits.predicted_s
+    assert at_start.predicted_s == early.predicted_s
+    assert configure(p, budget, routes_at_layer_start=True).predicted_s == early.predicted_s
+
+
+def test_routes_at_layer_start_hide_reads_behind_attention() -> None:
+    """On a read-bound profile with non-expert work (t_ne > 0), pre-attention routing predicts
+    strictly less than reads that wait for the router after attention, for the same (G, Q, B)
+    and for the configurator's choice; the gap is at most one T_ne per layer."""
+    spec = SyntheticSpec(n_layers=4, t_ne=5e-3, stream_bw=2e8, peak_bw=4e8)
+    p = synthetic_profile(spec, seed=3)
+    budget = 1024 * 2**20
+    waits = configure(p, budget, schedule="after-routing")
+    at_start = configure(p, budget, schedule="after-routing", routes_at_layer_start=True)
+    assert at_start.predicted_s < waits.predicted_s
+    fixed = {"q0": waits.Q}
+    same = configure(p, budget, schedule="after-routing", routes_at_layer_start=True, **fixed)
+    row = next(r for r in same.table if (r.g, r.b) == (waits.G, waits.B))
+    assert row.predicted_s < waits.predicted_s
+    t_ne = max(lp.t_ne for g in p.groups for lp in p.candidates[g])
+    assert waits.predicted_s - row.predicted_s <= p.n_layers * t_ne * (1 + 1e-9)
+    with pytest.raises(ValueError, match="schedule"):
+        configure(p, budget, schedule="ondemand")  # type: ignore[arg-type]

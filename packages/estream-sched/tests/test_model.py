@@ -197,3 +197,56 @@ def test_schedule_equality_and_total() -> None:
     s = pipeline_schedule([1.0, 2.0], [1.0, 1.0], 0.5, 1, 1)
     assert s == Schedule(a=s.a, d=s.d, s=s.s, f=s.f, t_ne=0.5)
     assert s != Schedule(a=s.a, d=s.d, s=s.s, f=s.f + 1, t_ne=0.5)
+
+
+@given(pipeline_instances(min_groups=1))
+def test_routes_at_layer_start_never_slower_and_strictly_faster_when_reads_matter(
+    inst: PipelineInstance,
+) -> None:
+    """Reads released at layer start (a router before attention: ``t_read = 0``) never end the
+    layer later than reads that wait for the non-expert work (``t_read = t_ne``), and end it
+    strictly earlier whenever that work takes time and the first read does: the path through
+    the first read then starts ``t_ne`` later and bounds every other path."""
+    at_start = f_K(inst)
+    waiting = float(pipeline_time(inst.L, inst.X, inst.t_ne, inst.q, inst.b, t_read=inst.t_ne))
+    assert at_start <= waiting
+    if inst.t_ne > 0 and inst.L[0] > 0:
+        assert at_start < waiting
+
+
+@given(pipeline_instances(), st.sampled_from(["round_robin", "shared_queue"]))
+def test_reads_released_at_t_ne_match_the_simulator(inst: PipelineInstance, policy: str) -> None:
+    """The recurrence with ``t_read = t_ne`` equals the simulator whose reads wait for the
+    non-expert work (round robin exactly; a shared queue never beats it), and no read starts
+    before ``t_ne``."""
+    rec = pipeline_schedule(inst.L, inst.X, inst.t_ne, inst.q, inst.b, t_read=inst.t_ne)
+    sim = simulate(inst.L, inst.X, inst.t_ne, inst.q, inst.b, reader_policy=policy, reads_wait=True)  # type: ignore[arg-type]
+    assert np.all(rec.a >= inst.t_ne) and np.all(sim.a >= inst.t_ne)
+    if policy == "round_robin":
+        assert rec.allclose(sim, rtol=1e-12, atol=1e-12)
+
+
+def test_release_time_hand_derived() -> None:
+    """q = 1, b = 2, reads 2 s, executions 1 s, non-expert work 3 s: released at layer start
+    the reads end at 2 and 4 and the layer at 5; released at ``t_ne`` they end at 5 and 7 and
+    the layer at 8 (three seconds of attention no longer hide a read)."""
+    early = pipeline_schedule([2, 2], [1, 1], 3.0, 1, 2)
+    late = pipeline_schedule([2, 2], [1, 1], 3.0, 1, 2, t_read=3.0)
+    assert early.d.tolist() == [2, 4] and early.f.tolist() == [4, 5]
+    assert late.a.tolist() == [3, 5] and late.d.tolist() == [5, 7] and late.f.tolist() == [6, 8]
+    with pytest.raises(ValueError, match="t_read"):
+        pipeline_time([1.0], [1.0], 0.0, 1, 1, t_read=-1.0)
+
+
+@given(pipeline_instances(min_groups=1, max_q=3, max_b=5))
+def test_sweep_banks_with_release_equals_the_recurrence(inst: PipelineInstance) -> None:
+    """The configurator's fast path with ``t_read`` gives the recurrence's ``f_K`` for every
+    bank count from ``q``."""
+    L, X = inst.L[None, :], inst.X[None, :]
+    t = np.array([inst.t_ne])
+    q = inst.q
+    got = sweep_banks(L, X, t, q, q, q + 4, t_read=t)[0]
+    want = [
+        pipeline_time(inst.L, inst.X, inst.t_ne, q, b, t_read=inst.t_ne) for b in range(q, q + 5)
+    ]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

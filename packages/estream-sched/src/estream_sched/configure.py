@@ -25,6 +25,12 @@ Service-time model (see README "Modelling choices"):
   understated at long prompts, which only makes reads look more exposed than they are). Reads
   do not change with ``T``.
 * Groups with zero routes are dropped from the schedule, as the runtime drops them.
+* When reads may start (``schedule``): ``"early"`` issues them at layer start, so they overlap
+  the layer's non-expert work (attention, router). ``"after-routing"`` issues them once the
+  routes are known: for most architectures the router runs after attention, so the reads start
+  at ``T_ne`` and overlap nothing before it; an architecture whose router reads the layer's
+  input before attention (``routes_at_layer_start=True``) knows them at layer start, and its
+  routed reads overlap attention as ``early``'s do (the router's own time is taken as 0).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ __all__ = [
     "configure",
     "format_bytes",
     "model_arrays",
+    "reads_wait_for_attention",
     "route_slope",
     "scaled_exec_times",
     "sweep",
@@ -55,6 +62,16 @@ __all__ = [
 
 ReadModel = Literal["calibrated", "bandwidth", "measured"]
 _READ_MODELS = ("calibrated", "bandwidth", "measured")
+ScheduleName = Literal["early", "after-routing"]
+_SCHEDULES = ("early", "after-routing")
+
+
+def reads_wait_for_attention(schedule: str, routes_at_layer_start: bool) -> bool:
+    """Whether a layer's reads start only when its non-expert work ends (module docstring):
+    ``after-routing`` with a router that runs after attention."""
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"schedule must be one of {_SCHEDULES}, got {schedule!r}")
+    return schedule == "after-routing" and not routes_at_layer_start
 
 
 class BudgetError(ValueError):
@@ -318,8 +335,11 @@ def sweep(
     q: int | None = None,
     read_model: ReadModel = "calibrated",
     tokens: int | None = None,
+    schedule: ScheduleName = "early",
+    routes_at_layer_start: bool = False,
 ) -> dict[int, tuple[NDArray[np.int64], NDArray[np.float64]]]:
-    """Mean per-layer ``T_pipe`` for every ``g`` and every ``b`` in ``q..ceil(N_e/g)``.
+    """Mean per-layer ``T_pipe`` for every ``g`` and every ``b`` in ``q..ceil(N_e/g)``, reads
+    released as ``schedule`` and ``routes_at_layer_start`` say (module docstring).
 
     Returns ``{g: (b_values, mean_T_pipe)}``. Bank counts ``b >= K_max`` (the most groups any
     calibration layer schedules) cannot bind (``f_{k-b}`` is then ``f_{<=0} = 0``), so they are
@@ -328,7 +348,8 @@ def sweep(
     q0 = choose_q0(profile.bandwidth) if q is None else int(q)
     if q0 < 1:
         raise ValueError(f"q must be >= 1, got {q0}")
-    key = ("sweep", q0, read_model, tokens)  # budget-independent: once per profile and depth
+    wait = reads_wait_for_attention(schedule, routes_at_layer_start)
+    key = ("sweep", q0, read_model, tokens, wait)  # budget-independent: once per profile, depth
     hit = profile._cache.get(key)
     if hit is not None:
         return dict(hit)  # type: ignore[arg-type]
@@ -340,7 +361,8 @@ def sweep(
             continue
         m = models[g]
         b_hi = max(q0, min(b_top, m.k_max))
-        f = sweep_banks(m.L, m.X, m.t_ne, q0, q0, b_hi)  # [W, b_hi - q0 + 1]
+        t_read = m.t_ne if wait else None
+        f = sweep_banks(m.L, m.X, m.t_ne, q0, q0, b_hi, t_read)  # [W, b_hi - q0 + 1]
         mean = f.mean(axis=0)
         if b_top > b_hi:
             mean = np.concatenate([mean, np.full(b_top - b_hi, mean[-1])])
@@ -356,11 +378,24 @@ _Q_RULES = ("model", "pooled", "every-g")
 
 
 def _configure_at(
-    profile: Profile, budget: int, Q: int, read_model: ReadModel, tokens: int | None
+    profile: Profile,
+    budget: int,
+    Q: int,
+    read_model: ReadModel,
+    tokens: int | None,
+    schedule: ScheduleName,
+    routes_at_layer_start: bool,
 ) -> tuple[list[Row], tuple[float, int, int, int] | None, dict[int, Any]]:
     """Every ``(g, b)`` at queue depth ``Q``: the table rows and the best feasible
     ``(value, memory, g, b)`` (None if none fits)."""
-    sw = sweep(profile, q=Q, read_model=read_model, tokens=tokens)
+    sw = sweep(
+        profile,
+        q=Q,
+        read_model=read_model,
+        tokens=tokens,
+        schedule=schedule,
+        routes_at_layer_start=routes_at_layer_start,
+    )
     W_e = profile.expert_bytes
     nl = profile.n_layers
     rows: list[Row] = []
@@ -429,8 +464,14 @@ def configure(
     q_rule: QRule = "model",
     read_model: ReadModel = "calibrated",
     tokens: int | None = None,
+    schedule: ScheduleName = "early",
+    routes_at_layer_start: bool = False,
 ) -> Choice:
     """Choose ``(G, Q, B)`` for a process-memory budget (bytes).
+
+    ``schedule`` (``"early"`` or ``"after-routing"``) and ``routes_at_layer_start`` (the
+    architecture's router reads the layer's input, before attention): when the layer's reads
+    may start (module docstring). ``after-routing`` without it waits for ``T_ne``.
 
     ``tokens``: the prompt length to configure for (module docstring: the groups' execution
     times and ``T_ne`` are scaled from the calibration prompt's); default the calibration
@@ -453,6 +494,7 @@ def configure(
     """
     if q_rule not in _Q_RULES:
         raise ValueError(f"q_rule must be one of {_Q_RULES}, got {q_rule!r}")
+    reads_wait_for_attention(schedule, routes_at_layer_start)  # validates the schedule
     budget = int(budget_bytes)
     if tokens is not None:
         tokens = int(tokens)
@@ -465,7 +507,9 @@ def configure(
     best: tuple[float, int, int, int, int] | None = None  # (value, memory, q, g, b)
     sweeps: dict[int, dict[int, Any]] = {}
     for Q in depths:
-        r, b_at, sw = _configure_at(profile, budget, Q, read_model, tokens)
+        r, b_at, sw = _configure_at(
+            profile, budget, Q, read_model, tokens, schedule, routes_at_layer_start
+        )
         rows += r
         if sw:
             sweeps[Q] = sw

@@ -11,6 +11,9 @@ tests and the tool for what-if studies the recurrence does not cover:
 * ``simulate_layers(..., cross_layer_readahead=True)``: the loader may start the next layer's
   reads into banks freed by the current layer (an oracle that knows the next layer's routed
   groups: an upper bound on what read-ahead can win).
+* ``reads_wait=True``: a layer's reads start only when its non-expert work has ended (the
+  ``after-routing`` schedule with a router after attention); the recurrence with
+  ``t_read = t_ne``.
 """
 
 from __future__ import annotations
@@ -112,9 +115,11 @@ class _Sim:
         b: int,
         policy: ReaderPolicy,
         readahead: bool,
+        wait: bool = False,
     ) -> None:
         self.layers = layers
         self.q, self.b, self.policy, self.readahead = q, b, policy, readahead
+        self.wait = wait
         self.groups: list[_Group] = []
         self.first: list[int] = []  # global index of each layer's first group
         for li, (L, X, _) in enumerate(layers):
@@ -149,6 +154,8 @@ class _Sim:
         self.push(end, _NE_DONE, li)
 
     def may_read(self, j: int) -> bool:
+        if self.wait:  # the layer's routes are known once its non-expert work is done
+            return self.groups[j].layer == self.layer and self.ne_done
         return self.readahead or self.groups[j].layer <= self.layer
 
     def begin_read(self, t: float, j: int, reader: Reader, bank: Bank) -> None:
@@ -294,10 +301,12 @@ def simulate(
     b: int,
     *,
     reader_policy: ReaderPolicy = "round_robin",
+    reads_wait: bool = False,
 ) -> Schedule:
-    """Simulate one layer (1-D ``L``, ``X``); returns its :class:`Schedule`."""
+    """Simulate one layer (1-D ``L``, ``X``); returns its :class:`Schedule`. ``reads_wait``:
+    no read starts before the non-expert work ends (module docstring)."""
     _check_qb(q, b, reader_policy)
-    sim = _Sim([_layer(L, X, t_ne)], int(q), int(b), reader_policy, False)
+    sim = _Sim([_layer(L, X, t_ne)], int(q), int(b), reader_policy, False, bool(reads_wait))
     sim.run()
     return sim.result().layers[0]
 
