@@ -73,18 +73,52 @@ def test_a_budget_is_configured_once(model: Path, monkeypatch: pytest.MonkeyPatc
     """With a budget, loading runs the configurator once and `default_batch_tokens` uses the
     memory figure it predicted (kept in `StreamConfig.memory_bytes`) without running it
     again: allowance = budget - predicted + the profile pass's activations."""
-    calls: list[tuple[int, int | None]] = []
+    calls: list[tuple[int, int | None, str]] = []
     predicted = 700 << 20
 
-    def configure(m: object, budget: int, tokens: int | None = None) -> SimpleNamespace:
-        calls.append((budget, tokens))
+    def configure(
+        m: object, budget: int, tokens: int | None = None, schedule: str = "early"
+    ) -> SimpleNamespace:
+        calls.append((budget, tokens, schedule))
         return SimpleNamespace(G=2, Q=2, B=3, memory_bytes=predicted)
 
     monkeypatch.setattr(config, "configure_for_budget", configure)
     with estream.load(model, budget="1GiB", budget_tokens=64) as eng:
-        assert calls == [(1 << 30, 64)]
+        assert calls == [(1 << 30, 64, "early")]
         assert eng.config == config.StreamConfig(2, 2, 3, "budget", predicted)
         per = pass_bytes_per_token(eng.hp)
         want = ((1 << 30) - predicted + PROFILE_TOKENS * per) // per
         assert eng.default_batch_tokens() == max(64, min(8192, want))
-        assert calls == [(1 << 30, 64)]  # not run again
+        assert calls == [(1 << 30, 64, "early")]  # not run again
+    with estream.load(model, budget="1GiB", schedule="after-routing"):
+        assert calls[-1] == (1 << 30, None, "after-routing")  # the engine's schedule
+
+
+def test_after_routing_is_configured_with_reads_from_layer_start_for_a_pre_attention_router(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`configure_for_budget` tells the configurator where a model's router runs: for
+    SmallThinker (router on the layer's input) ``after-routing`` is predicted as ``early``
+    (reads from layer start, overlapping attention); for OLMoE (router after attention) its
+    reads wait for the non-expert work, so on the same read-bound profile with non-expert time
+    it predicts strictly more; ``ondemand`` is configured as ``early``."""
+    import estream_sched as es
+    from estream.packed import PackedModel
+
+    synth_model("smallthinker", "tiny", tmp_path / "st.gguf", seed=7)
+    pack_model(tmp_path / "st.gguf", tmp_path / "st.estream", progress=False)
+    profile = es.synthetic_profile(
+        es.SyntheticSpec(n_layers=4, t_ne=5e-3, stream_bw=2e8, peak_bw=4e8), seed=3
+    )
+    monkeypatch.setattr(config, "stored_profile", lambda m: profile)
+    st, olmoe = PackedModel(tmp_path / "st.estream"), PackedModel(model)
+    assert st.hparams.router_input == "layer" and olmoe.hparams.router_input == "ffn_norm"
+    budget = 1 << 30
+
+    def predicted(m: PackedModel, schedule: str) -> float:
+        return float(config.configure_for_budget(m, budget, None, schedule).predicted_s)
+
+    early = predicted(olmoe, "early")
+    assert predicted(st, "early") == early == predicted(olmoe, "ondemand")
+    assert predicted(st, "after-routing") == early
+    assert predicted(olmoe, "after-routing") > early

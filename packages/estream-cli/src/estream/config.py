@@ -48,9 +48,11 @@ def resolve_config(
     Q: int | None,
     B: int | None,
     tokens: int | None = None,
+    schedule: str = "early",
 ) -> StreamConfig | None:
     """`(G, Q, B)` for a stream-kind mode; None for ``resident`` (no arena). ``tokens``: the
-    prompt length a budget's configuration is chosen for (default: the calibration length)."""
+    prompt length a budget's configuration is chosen for (default: the calibration length);
+    ``schedule``: the streamed source's, as the configurator models it (`configure_for_budget`)."""
     hp = model.hparams
     if mode == "resident":
         return None
@@ -68,7 +70,7 @@ def resolve_config(
         b = B or max(q, 2)
         cfg = StreamConfig(G or min(4, hp.n_experts), q, b, "explicit")
     elif budget is not None:
-        choice = configure_for_budget(model, budget, tokens)
+        choice = configure_for_budget(model, budget, tokens, schedule)
         cfg = StreamConfig(
             int(choice.G), int(choice.Q), int(choice.B), "budget", int(choice.memory_bytes)
         )
@@ -90,12 +92,23 @@ def stored_profile(model: PackedModel) -> es.Profile:
     return es.Profile.from_dict(prof)
 
 
-def configure_for_budget(model: PackedModel, budget: int, tokens: int | None = None) -> es.Choice:
+def configure_for_budget(
+    model: PackedModel, budget: int, tokens: int | None = None, schedule: str = "early"
+) -> es.Choice:
     """(G, Q, B) for a memory budget from the stored profile, for prompts of ``tokens`` tokens
-    (default: the profile's calibration length); clear error below the minimum."""
+    (default: the profile's calibration length); clear error below the minimum.
+
+    ``schedule``: ``after-routing`` is modelled with its reads starting when the routes are
+    known: at layer start when the architecture's router reads the layer's input (before
+    attention), after the layer's non-expert work otherwise; any other schedule as ``early``
+    (reads from layer start)."""
     profile = stored_profile(model)
+    sched = "after-routing" if schedule == "after-routing" else "early"
+    at_start = model.hparams.router_input == "layer"
     try:
-        return es.configure(profile, int(budget), tokens=tokens)
+        return es.configure(
+            profile, int(budget), tokens=tokens, schedule=sched, routes_at_layer_start=at_start
+        )
     except es.BudgetError as exc:
         raise BudgetTooSmallError(str(exc), exc.minimum_bytes) from None
 

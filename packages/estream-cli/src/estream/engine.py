@@ -249,7 +249,9 @@ class Engine:
         self.budget, self.budget_tokens = o.budget, o.budget_tokens
         self.model = PackedModel(path)
         self.hp = hp = self.model.hparams
-        self.config = resolve_config(self.model, o.mode, o.budget, o.G, o.Q, o.B, o.budget_tokens)
+        self.config = resolve_config(
+            self.model, o.mode, o.budget, o.G, o.Q, o.B, o.budget_tokens, o.schedule
+        )
         self.arch = architecture(hp)
         htp.set_num_threads(int(o.n_threads or DEFAULT_THREADS))
         self._capacity = 4096
