@@ -571,3 +571,45 @@ def test_gpt_oss_batch_keeps_window_and_sinks_within_each_request(tmp_path, mode
     assert len({id(r.metrics["pass"]) for r in results}) == 1
     assert results[0].metrics["pass"]["tokens"] > 4 * window
     _assert_batch_matches_reference(src, results, reqs)
+
+
+def _trace_spans(tmp_path, arch: str, seed: int, capsys) -> tuple[dict, dict]:
+    """`estream prefill --trace` of a tiny `arch` model streamed with ``after-routing``: per MoE
+    layer, (end of its attention op) and (start of its first group read), in trace µs."""
+    import json
+
+    from estream_cli.main import main
+
+    src, dst, trace = tmp_path / f"{arch}.gguf", tmp_path / f"{arch}.estream", tmp_path / "t.json"
+    synth_model(arch, "tiny", src, seed=seed)
+    pack_model(src, dst, progress=False)
+    ids = ",".join(str(int(t)) for t in _tokens(301, 1200, seed=1))  # attention: tens of ms
+    argv = ["prefill", str(dst), "--tokens", ids, "--trace", str(trace), "--act", "f32"]
+    argv += ["-G", "2", "-Q", "2", "-B", "3", "--schedule", "after-routing"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    attn_end = {
+        e["args"]["layer"]: e["ts"] + e["dur"]
+        for e in events
+        if e["name"].startswith("attention L")
+    }
+    first_read: dict[int, float] = {}
+    for e in events:
+        if e["name"].startswith("read L"):
+            layer = e["args"]["layer"]
+            first_read[layer] = min(first_read.get(layer, e["ts"]), e["ts"])
+    return attn_end, first_read
+
+
+def test_trace_shows_smallthinker_reads_starting_during_attention(tmp_path, capsys):
+    """In the trace of a streamed ``after-routing`` prefill, every SmallThinker MoE layer's
+    first group read starts before that layer's attention op ends (the routes are known at
+    layer start), while OLMoE's (router after attention) all start after it."""
+    attn_end, first_read = _trace_spans(tmp_path, "smallthinker", 6, capsys)
+    assert first_read and set(first_read) <= set(attn_end)
+    early = {layer: first_read[layer] < attn_end[layer] for layer in first_read}
+    assert all(early.values()), early
+    attn_end, first_read = _trace_spans(tmp_path, "olmoe", 6, capsys)
+    assert first_read
+    assert all(first_read[layer] >= attn_end[layer] for layer in first_read)
