@@ -481,10 +481,14 @@ def small_window_smallthinker(tmp_path_factory):
     mp.undo()
 
 
-WINDOW_MODES = [{"mode": "resident"}, {"mode": "stream", "G": 2, "Q": 2, "B": 3}]
+WINDOW_MODES = [
+    {"mode": "resident"},
+    {"mode": "stream", "G": 2, "Q": 2, "B": 3},
+    {"mode": "stream", "G": 2, "Q": 2, "B": 3, "backend": "host-process", "dense_ops": "backend"},
+]
 
 
-@pytest.mark.parametrize("kw", WINDOW_MODES, ids=["resident", "stream"])
+@pytest.mark.parametrize("kw", WINDOW_MODES, ids=["resident", "stream", "stream-executor"])
 def test_smallthinker_window_past_its_length_matches_the_reference(small_window_smallthinker, kw):
     """A SmallThinker pass longer than its sliding window runs (no refusal) and, with f32
     activations, equals the float64 reference that masks each sliding layer's query to its
