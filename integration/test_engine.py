@@ -579,7 +579,8 @@ def test_gpt_oss_batch_keeps_window_and_sinks_within_each_request(tmp_path, mode
 
 def _trace_spans(tmp_path, arch: str, seed: int, capsys) -> tuple[dict, dict]:
     """`estream prefill --trace` of a tiny `arch` model streamed with ``after-routing``: per MoE
-    layer, (end of its attention op) and (start of its first group read), in trace µs."""
+    layer, (start and end of its attention op) and (first submission and first start of its
+    group reads), in trace µs."""
     import json
 
     from estream_cli.main import main
@@ -593,27 +594,33 @@ def _trace_spans(tmp_path, arch: str, seed: int, capsys) -> tuple[dict, dict]:
     assert main(argv) == 0
     capsys.readouterr()
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
-    attn_end = {
-        e["args"]["layer"]: e["ts"] + e["dur"]
+    attn = {
+        e["args"]["layer"]: (e["ts"], e["ts"] + e["dur"])
         for e in events
         if e["name"].startswith("attention L")
     }
-    first_read: dict[int, float] = {}
+    submitted: dict[int, float] = {}
+    started: dict[int, float] = {}
     for e in events:
         if e["name"].startswith("read L"):
-            layer = e["args"]["layer"]
-            first_read[layer] = min(first_read.get(layer, e["ts"]), e["ts"])
-    return attn_end, first_read
+            layer, sub = e["args"]["layer"], e["args"]["submitted_s"] * 1e6
+            submitted[layer] = min(submitted.get(layer, sub), sub)
+            started[layer] = min(started.get(layer, e["ts"]), e["ts"])
+    return attn, submitted, started
 
 
 def test_trace_shows_smallthinker_reads_starting_during_attention(tmp_path, capsys):
     """In the trace of a streamed ``after-routing`` prefill, every SmallThinker MoE layer's
-    first group read starts before that layer's attention op ends (the routes are known at
-    layer start), while OLMoE's (router after attention) all start after it."""
-    attn_end, first_read = _trace_spans(tmp_path, "smallthinker", 6, capsys)
-    assert first_read and set(first_read) <= set(attn_end)
-    early = {layer: first_read[layer] < attn_end[layer] for layer in first_read}
-    assert all(early.values()), early
-    attn_end, first_read = _trace_spans(tmp_path, "olmoe", 6, capsys)
-    assert first_read
-    assert all(first_read[layer] >= attn_end[layer] for layer in first_read)
+    group reads are submitted before that layer's attention op starts (the routes are known at
+    layer start: program order, not timing), and most start before it ends (reader threads
+    are timed, so not all on a loaded machine); OLMoE's (router after attention) are submitted
+    and started only after its attention ends."""
+    attn, submitted, started = _trace_spans(tmp_path, "smallthinker", 6, capsys)
+    assert submitted and set(submitted) <= set(attn)
+    assert all(submitted[layer] < attn[layer][0] for layer in submitted), (submitted, attn)
+    overlapped = [layer for layer in started if started[layer] < attn[layer][1]]
+    assert len(overlapped) * 2 > len(started), (started, attn)
+    attn, submitted, started = _trace_spans(tmp_path, "olmoe", 6, capsys)
+    assert submitted
+    assert all(submitted[layer] >= attn[layer][1] for layer in submitted)
+    assert all(started[layer] >= attn[layer][1] for layer in started)

@@ -124,7 +124,9 @@ def build_events(
         ev.append(
             es.TraceEvent(
                 f"read L{r.layer} g{r.group}", f"bank {r.bank}", r.t_start - t0, r.t_end - t0,
-                "read", args={"layer": r.layer, "group": r.group, "bytes": r.nbytes},
+                "read",
+                args={"layer": r.layer, "group": r.group, "bytes": r.nbytes,
+                      "submitted_s": r.t_submit - t0},
             )
         )  # fmt: skip
     return ev
