@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import _sigint  # noqa: F401  (first: a Ctrl-C during the imports below is one line)
 from .checks import check_pack
 from .diskspace import check_disk_space
 from .errors import (

@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 
+from . import _sigint
 from .errors import LayoutError
 from .synth import ARCHES, PRESET_ARCH, PRESETS
 
@@ -22,6 +23,7 @@ __all__ = ["pack_main", "synth_main"]
 
 EXIT_PROBLEMS = 1
 EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 # GGML types estream-synth writes (random valid blocks; F16/F32 as values)
 SYNTH_TYPES = [
     "Q4_0",
@@ -64,6 +66,7 @@ def _terminate_as_interrupt() -> Iterator[None]:
 
 def pack_main(argv: Sequence[str] | None = None) -> int:
     """`estream-pack SRC.gguf -o NAME.estream | --verify DIR [--against SRC] | --inspect DIR`."""
+    _sigint.restore()
     ap = argparse.ArgumentParser(
         prog="estream-pack",
         description="Pack a GGUF MoE model into EStream's streamable layout, or verify/inspect a pack.",
@@ -137,7 +140,8 @@ def pack_main(argv: Sequence[str] | None = None) -> int:
     except LayoutError as e:
         return _fail("estream-pack", str(e))
     except KeyboardInterrupt:
-        return _fail("estream-pack", "interrupted; nothing was written")
+        _fail("estream-pack", "interrupted; nothing was written")
+        return EXIT_INTERRUPTED
     except OSError as e:
         return _fail("estream-pack", f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
 
@@ -163,6 +167,7 @@ def _dims(items: Sequence[str]) -> dict[str, int] | str:
 
 def synth_main(argv: Sequence[str] | None = None) -> int:
     """`estream-synth --arch A --preset P [--seed N] [--vocab VOCAB.gguf] -o model.gguf`."""
+    _sigint.restore()
     ap = argparse.ArgumentParser(
         prog="estream-synth",
         description="Write a synthetic GGUF MoE model that llama.cpp can load.",
@@ -238,7 +243,8 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         return _fail("estream-synth", f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
     except KeyboardInterrupt:
-        return _fail("estream-synth", "interrupted")
+        _fail("estream-synth", "interrupted")
+        return EXIT_INTERRUPTED
     print(f"wrote {path} ({path.stat().st_size / 2**20:,.1f} MiB)")
     return 0
 
