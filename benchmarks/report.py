@@ -454,11 +454,27 @@ class Bench:
     #: False for figures that are not times (errors, packet counts): a loaded machine is
     #: noted, but does not make them "not a result".
     timed: bool = True
+    #: What distinguishes runs that do not replace each other (another model or quantization):
+    #: the page shows the newest result of each variant. None: one result, the newest.
+    variant: Callable[[Figures], str] | None = None
+
+
+def engine_variant(f: Figures) -> str:
+    """bench_engine's model (the preset of the cached file's name) and quantization."""
+    stem = Path(str(f.get("model") or "")).name.removesuffix(".estream")
+    quant = str(f.get("quant") or "q4_0")
+    parts = stem.split("-s")[0].split("-", 1) if stem else []
+    preset = parts[1] if len(parts) == 2 else "olmoe-1b-7b"
+    return f"{preset}, {quant}"
 
 
 #: How each benchmark is shown (same names as `record.BENCHES`, in page order).
 BENCHES: dict[str, Bench] = {
-    "bench_engine": Bench("End-to-end prefill: stream vs resident vs llama.cpp", render_engine),
+    "bench_engine": Bench(
+        "End-to-end prefill: stream vs resident vs llama.cpp",
+        render_engine,
+        variant=engine_variant,
+    ),
     "bench_tasks": Bench("Many short requests: batched vs one by one", render_tasks),
     "bench_ray": Bench("Corpus classify on Ray Data: 1 and 2 actors", render_ray),
     "bench_vs_llama": Bench("Prefill tokens/s against llama-bench on one GGUF", render_vs_llama),
@@ -584,7 +600,7 @@ def status(doc: dict[str, Any]) -> str:
 OK = f"> measured; load average within {LOADED_PER_CORE} per core"
 
 
-def section(name: str, path: Path, doc: dict[str, Any]) -> list[str]:
+def section(name: str, path: Path, doc: dict[str, Any], label: str = "") -> list[str]:
     bench = BENCHES[name]
     try:
         table = bench.render(doc["figures"])
@@ -594,7 +610,7 @@ def section(name: str, path: Path, doc: dict[str, Any]) -> list[str]:
         ) from None
     steal = doc["steal_s"]
     lines = [
-        f"## {name}: {bench.title}",
+        f"## {name}: {bench.title}" + (f" ({label})" if label else ""),
         "",
         f"> {status(doc)}" if status(doc) != "ok" else OK,
         "",
@@ -630,7 +646,8 @@ def render_page(results: dict[str, list[tuple[Path, dict[str, Any]]]]) -> str:
         "`hexagon`) records its run there as one JSON file: the machine (CPU model and flags,",
         "cores), the 1-minute load average before and after, the hypervisor's steal during the",
         "run, the commit, the date, the exact command and the script's own figures. Older results",
-        "stay in that folder; this page shows the newest of each benchmark.",
+        "stay in that folder; this page shows the newest of each benchmark (of each model and",
+        "quantization, for bench_engine).",
         "",
         f"A run whose load average exceeded {LOADED_PER_CORE} per core (1.5 on a 2-core machine) "
         "before or after it",
@@ -642,9 +659,19 @@ def render_page(results: dict[str, list[tuple[Path, dict[str, Any]]]]) -> str:
     ]
     missing = [n for n in BENCHES if n not in results]
     for name in BENCHES:
-        if name in results:
+        if name not in results:
+            continue
+        variant = BENCHES[name].variant
+        if variant is None:
             path, doc = latest(results[name])
             lines += section(name, path, doc)
+            continue
+        groups: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
+        for entry in results[name]:
+            groups.setdefault(variant(entry[1]["figures"]), []).append(entry)
+        for label in sorted(groups):
+            path, doc = latest(groups[label])
+            lines += section(name, path, doc, label)
     if missing:
         lines += ["## Not yet recorded", "", ", ".join(f"`{n}`" for n in missing) + ".", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
@@ -663,11 +690,15 @@ def _headline_table(f: Figures) -> Table:
 
 
 def headline(results: dict[str, list[tuple[Path, dict[str, Any]]]]) -> str:
-    """The README's headline: bench_engine's 1K and 4K rows from its newest result that has
-    them and was not taken on a loaded machine (else the newest that has them, marked)."""
-    newest_first = sorted(
-        results.get("bench_engine", []), key=lambda e: (e[1]["date"] or "", e[0].name)
-    )[::-1]
+    """The README's headline: bench_engine's 1K and 4K rows from its newest result on the
+    OLMoE-1B-7B-shaped Q4_0 model that has them and was not taken on a loaded machine (else
+    the newest that has them, marked)."""
+    headline_runs = [
+        e
+        for e in results.get("bench_engine", [])
+        if engine_variant(e[1]["figures"]) == "olmoe-1b-7b, q4_0"
+    ]
+    newest_first = sorted(headline_runs, key=lambda e: (e[1]["date"] or "", e[0].name))[::-1]
     usable = [(d, _headline_table(d["figures"])) for _, d in newest_first]
     usable = [(d, t) for d, t in usable if t.rows]
     if not usable:

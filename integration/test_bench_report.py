@@ -178,6 +178,26 @@ def test_the_headline_skips_a_newer_loaded_run(tmp_path: Path) -> None:
     assert "| 1K tokens | 2.5 s |" in report.headline(report.load_results(tmp_path / "results"))
 
 
+def test_each_engine_model_and_quantization_keeps_its_own_section(tmp_path: Path) -> None:
+    """bench_engine runs of another quantization (or model) do not replace each other on the
+    page: the newest of each is shown under its own label, and the README headline stays on
+    the OLMoE-shaped Q4_0 model even when a Q4_K_M run is newer."""
+    recorded(tmp_path, "bench_engine", engine_figures(stream=3.0), (0.1, 0.1))
+    time.sleep(1.1)  # result files are named by the second
+    q4km = {**engine_figures(stream=5.0), "quant": "q4_k_m",
+            "model": "/c/olmoe-olmoe-1b-7b-s0-q4_k_m.estream"}  # fmt: skip
+    recorded(tmp_path, "bench_engine", q4km, (0.1, 0.1))
+    results = report.load_results(tmp_path / "results")
+    page = report.render_page(results)
+    assert (
+        "## bench_engine: End-to-end prefill: stream vs resident vs llama.cpp (olmoe-1b-7b, q4_0)"
+        in page
+    )
+    assert "(olmoe-1b-7b, q4_k_m)" in page
+    assert "| 1K | 3 s |" in page and "| 1K | 5 s |" in page
+    assert "| 1K tokens | 3 s |" in report.headline(results)
+
+
 def test_the_newest_result_is_rendered(tmp_path: Path) -> None:
     """Of several results of one benchmark the page shows the newest by date, and a recorded
     run is newer than a transcribed one of the same day."""

@@ -14,7 +14,12 @@ and then the same inside a 1.5 GiB memory cgroup (v1 or v2), where llama.cpp pag
 OOM-killed. Prints a table and writes bench-results/bench_engine.json.
 
     nox -s bench_engine -- [--preset olmoe-1b-7b|deepseek-v2-lite|lfm2-8b-a1b]
-                           [--lengths 256,1024,4096] [--budget 1.5GiB] [--no-llama] [--no-cgroup]
+                           [--quant q4_0|q4_k_m|q6_k|q8_0] [--lengths 256,1024,4096]
+                           [--budget 1.5GiB] [--no-llama] [--no-cgroup]
+
+``--quant`` synthesizes the file with those GGML types (``q4_k_m``: Q4_K matrices with Q6_K
+expert down projections and output, llama.cpp's Q4_K_M mix); the engine computes them as
+stored and llama.cpp runs the same file.
 """
 
 from __future__ import annotations
@@ -192,9 +197,22 @@ def llama_cmd(gguf: Path, tokens: np.ndarray, threads: int) -> list[str]:
     return [sys.executable, "-c", _LLAMA_CHILD, json.dumps(spec)]
 
 
-def model_paths(arch: str, preset: str, seed: int = 0) -> tuple[Path, Path]:
+#: ``--quant``: the GGML types of a synthesized file, as llama.cpp's presets of those names mix
+#: them (Q4_K_M: Q4_K matrices, Q6_K expert down projections and output).
+QUANTS: dict[str, dict[str, str]] = {
+    "q4_0": {},
+    "q4_k_m": {
+        "expert_type": "Q4_K", "expert_down_type": "Q6_K", "dense_type": "Q4_K",
+        "output_type": "Q6_K",
+    },
+    "q6_k": {"expert_type": "Q6_K", "dense_type": "Q6_K", "output_type": "Q6_K"},
+    "q8_0": {"expert_type": "Q8_0", "dense_type": "Q8_0", "output_type": "Q8_0"},
+}  # fmt: skip
+
+
+def model_paths(arch: str, preset: str, seed: int = 0, quant: str = "q4_0") -> tuple[Path, Path]:
     """Where the benchmarks keep a synthetic preset's GGUF and its pack (gitignored cache)."""
-    stem = f"{arch}-{preset}-s{seed}"
+    stem = f"{arch}-{preset}-s{seed}" + ("" if quant == "q4_0" else f"-{quant}")
     return CACHE / f"{stem}.gguf", CACHE / f"{stem}.estream"
 
 
@@ -229,15 +247,17 @@ def configure_and_store(dst: Path, budget: int) -> Any:
     return choice
 
 
-def prepare(preset: str, budget: int, seed: int = 0, arch: str = "olmoe") -> tuple[Path, Path]:
+def prepare(
+    preset: str, budget: int, seed: int = 0, arch: str = "olmoe", quant: str = "q4_0"
+) -> tuple[Path, Path]:
     from estream_layout import LayoutError, Manifest, pack_model, synth_model
 
     CACHE.mkdir(parents=True, exist_ok=True)
-    src, dst = model_paths(arch, preset, seed)
+    src, dst = model_paths(arch, preset, seed, quant)
     if not src.exists():
-        print(f"synthesizing {src} …", flush=True)
+        print(f"synthesizing {src} ({quant}) …", flush=True)
         t0 = time.perf_counter()
-        synth_model(arch, preset, src, seed=seed)
+        synth_model(arch, preset, src, seed=seed, **QUANTS[quant])
         print(f"  {format_bytes(src.stat().st_size)} in {time.perf_counter() - t0:.1f} s")
     try:
         Manifest.from_path(dst)  # also refuses a cached pack of an older format version
@@ -310,6 +330,12 @@ def main() -> int:
         "| any estream-synth preset",
     )
     ap.add_argument("--arch", help="architecture (default: the preset's, else olmoe)")
+    ap.add_argument(
+        "--quant",
+        default="q4_0",
+        choices=sorted(QUANTS),
+        help="GGML types of the synthesized file (q4_k_m: llama.cpp's Q4_K_M mix); default q4_0",
+    )
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--no-cgroup", action="store_true")
     ap.add_argument("--skip-free", action="store_true", help="only the memory-capped runs")
@@ -324,7 +350,7 @@ def main() -> int:
     from estream_layout import PRESET_ARCH
 
     arch = args.arch or PRESET_ARCH.get(args.preset, "olmoe")
-    src, dst = prepare(args.preset, budget, arch=arch)
+    src, dst = prepare(args.preset, budget, arch=arch, quant=args.quant)
     from estream.packed import PackedModel
 
     hp = PackedModel(dst).hparams
@@ -401,6 +427,7 @@ def main() -> int:
     RESULTS.mkdir(exist_ok=True)
     doc = {
         "model": str(dst),
+        "quant": args.quant,
         "budget_bytes": budget,
         "threads": args.threads,
         "runs": rows,

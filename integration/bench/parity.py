@@ -202,13 +202,20 @@ def tensor_types(path: Path) -> dict[str, dict[str, int]]:
 
 def packed_copy(src: Path, dst: Path) -> Path:
     """`src` with every tensor the packer re-quantizes replaced by that re-quantization, with
-    the packer's rules and rounding (gguf-py's ggml reference quantizers): non-Q4_0 experts ->
-    Q4_0; other matrices that are not Q4_0/Q8_0 and whose rows tile by 32 -> Q8_0. Its
-    reference is what the engine computes on exactly, so engine (f32 activations) against it
-    separates the engine's own error from the re-quantization's."""
+    the packer's own rules (`EXPERT_TILE_FORMATS`, `dense_format`) and gguf-py's ggml reference
+    quantizers: experts of a type without a tile format -> Q4_0 (``requantize="q4_0"``); other
+    matrices the packer stores as Q8_0 tiles although they are not Q8_0 (F16, BF16, F32, types
+    without a tile format) -> Q8_0. Every other tensor is kept as it is. Its reference is what
+    the engine computes on exactly, so engine (f32 activations) against it separates the
+    engine's own error from the re-quantization's."""
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import dequantize, quantize
+
+    from estream_layout import ModelSpec
+    from estream_layout.pack import EXPERT_TILE_FORMATS, dense_format
+
+    spec = ModelSpec.from_gguf(src)
 
     reader = GGUFReader(str(src))
     writer = GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
@@ -222,13 +229,13 @@ def packed_copy(src: Path, dst: Path) -> Path:
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # numpy order
         qt = t.tensor_type
         target = None
-        if "_exps." in t.name and qt != Q.Q4_0:
-            target = Q.Q4_0
+        if t.name.endswith("_exps.weight"):
+            if Q(qt).name not in EXPERT_TILE_FORMATS:
+                target = Q.Q4_0
         elif (
-            len(shape) > 1
-            and not t.name.endswith("ffn_gate_inp.weight")
-            and qt not in (Q.Q4_0, Q.Q8_0)
-            and shape[-1] % 32 == 0
+            t.name in spec.tensors
+            and qt != Q.Q8_0
+            and dense_format(spec.tensors[t.name]) == "q8_0-t32r4"
         ):
             target = Q.Q8_0
         if target is None:
