@@ -459,6 +459,27 @@ class Bench:
     variant: Callable[[Figures], str] | None = None
 
 
+def _parity_rows(f: Figures) -> set[tuple[str, str]]:
+    return {(str(r.get("arch")), str(r.get("variant"))) for r in f.get("rows", [])}
+
+
+def _superseded(name: str, doc: dict[str, Any], others: list[dict[str, Any]]) -> bool:
+    """A parity result all of whose rows a newer result also has: that one replaces it."""
+    if name != "parity":
+        return False
+    mine = _parity_rows(doc["figures"])
+    key = (doc["date"] or "",)
+    return any(mine <= _parity_rows(o["figures"]) and (o["date"] or "",) > key for o in others)
+
+
+def parity_variant(f: Figures) -> str:
+    """A parity run's architectures and weight variants (a run of a few rows does not replace
+    the whole table)."""
+    archs = sorted({str(r.get("arch")) for r in f.get("rows", [])})
+    variants = sorted({str(r.get("variant")) for r in f.get("rows", [])})
+    return f"{', '.join(archs)}; {', '.join(variants)}"
+
+
 def engine_variant(f: Figures) -> str:
     """bench_engine's model (the preset of the cached file's name) and quantization."""
     stem = Path(str(f.get("model") or "")).name.removesuffix(".estream")
@@ -485,7 +506,10 @@ BENCHES: dict[str, Bench] = {
     "bench_sched": Bench("Configurator selection time", render_sched),
     "bench_tokenizer": Bench("Tokenization speed", render_tokenizer),
     "parity": Bench(
-        "Logits against a float64 reference, engine and llama.cpp", render_parity, timed=False
+        "Logits against a float64 reference, engine and llama.cpp",
+        render_parity,
+        timed=False,
+        variant=parity_variant,
     ),
     "eval_parity": Bench("Perplexity against llama.cpp", render_eval_parity, timed=False),
     "bench_hexagon": Bench("Host side of the hexagon protocol", render_hexagon),
@@ -647,7 +671,7 @@ def render_page(results: dict[str, list[tuple[Path, dict[str, Any]]]]) -> str:
         "cores), the 1-minute load average before and after, the hypervisor's steal during the",
         "run, the commit, the date, the exact command and the script's own figures. Older results",
         "stay in that folder; this page shows the newest of each benchmark (of each model and",
-        "quantization, for bench_engine).",
+        "quantization for bench_engine, of each set of architectures and variants for parity).",
         "",
         f"A run whose load average exceeded {LOADED_PER_CORE} per core (1.5 on a 2-core machine) "
         "before or after it",
@@ -669,9 +693,11 @@ def render_page(results: dict[str, list[tuple[Path, dict[str, Any]]]]) -> str:
         groups: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
         for entry in results[name]:
             groups.setdefault(variant(entry[1]["figures"]), []).append(entry)
-        for label in sorted(groups):
-            path, doc = latest(groups[label])
-            lines += section(name, path, doc, label)
+        newest = {label: latest(entries) for label, entries in groups.items()}
+        for label in sorted(newest):
+            path, doc = newest[label]
+            if not _superseded(name, doc, [d for lb, (_, d) in newest.items() if lb != label]):
+                lines += section(name, path, doc, label)
     if missing:
         lines += ["## Not yet recorded", "", ", ".join(f"`{n}`" for n in missing) + ".", ""]
     return "\n".join(lines).rstrip("\n") + "\n"

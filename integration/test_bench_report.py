@@ -198,6 +198,28 @@ def test_each_engine_model_and_quantization_keeps_its_own_section(tmp_path: Path
     assert "| 1K tokens | 3 s |" in report.headline(results)
 
 
+def test_parity_runs_of_other_rows_are_kept_and_covered_ones_replaced(tmp_path: Path) -> None:
+    """A parity run of a few rows does not hide the whole table; an older run whose rows a
+    newer run all has is replaced by it."""
+
+    def rows(*pairs: tuple[str, str], err: float) -> dict[str, Any]:
+        return {"tokens": 256, "rows": [
+            {"arch": a, "variant": v, "llamacpp_vs_ref": {"rel_l2": err, "top1": 1.0}}
+            for a, v in pairs
+        ]}  # fmt: skip
+
+    recorded(tmp_path, "parity", rows(("olmoe", "q4_0"), err=0.011), (0.1, 0.1))
+    time.sleep(1.1)
+    recorded(
+        tmp_path, "parity", rows(("olmoe", "q4_0"), ("mixtral", "q4_0"), err=0.022), (0.1, 0.1)
+    )
+    time.sleep(1.1)
+    recorded(tmp_path, "parity", rows(("olmoe", "lq4_k_m"), err=0.033), (0.1, 0.1))
+    page = report.render_page(report.load_results(tmp_path / "results"))
+    assert page.count("## parity:") == 2
+    assert "2.2e-02" in page and "3.3e-02" in page and "1.1e-02" not in page
+
+
 def test_the_newest_result_is_rendered(tmp_path: Path) -> None:
     """Of several results of one benchmark the page shows the newest by date, and a recorded
     run is newer than a transcribed one of the same day."""
