@@ -126,13 +126,15 @@ def test_validate_names_the_missing_field(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("load", "loaded"), [((0.2, 1.6), True), ((1.6, 0.2), True), ((1.5, 1.5), False)]
+    ("load", "loaded"),
+    [((0.2, 3.6), True), ((1.6, 0.2), True), ((1.5, 3.5), False), ((0.2, 2.1), False)],
 )
 def test_a_loaded_run_is_marked_not_a_result(
     tmp_path: Path, load: tuple[float, float], loaded: bool
 ) -> None:
-    """On 2 cores a run whose load average exceeded 1.5 before or after it (0.75 per core) is
-    marked 'loaded machine: not a result' on the page and in the headline; at 1.5 it is not."""
+    """On 2 cores a run whose load average exceeded 1.5 before it (0.75 per core), or 3.5 after
+    it (its own two threads account for about 2), is marked 'loaded machine: not a result' on
+    the page and in the headline; at exactly those values, or 2.1 after it, it is not."""
     recorded(tmp_path, "bench_engine", engine_figures(), load)
     results = report.load_results(tmp_path / "results")
     _, doc = report.latest(results["bench_engine"])
@@ -218,6 +220,23 @@ def test_parity_runs_of_other_rows_are_kept_and_covered_ones_replaced(tmp_path: 
     page = report.render_page(report.load_results(tmp_path / "results"))
     assert page.count("## parity:") == 2
     assert "2.2e-02" in page and "3.3e-02" in page and "1.1e-02" not in page
+
+
+def test_an_attention_only_kernel_run_keeps_the_kernel_table(tmp_path: Path) -> None:
+    """`bench_kernels -- --attention` writes only attention rows: it is shown beside the newest
+    whole kernel table, not instead of it."""
+
+    def rows(*ops: str) -> dict[str, Any]:
+        return {"rows": [{"op": o, "htp_gflops": 100, "pct_of_best_peak": 50, "peak_kind": "fp32",
+                          "blas_gflops": 10, "blas_1thread_gflops": None,
+                          "speedup_vs_best_blas": 10.0} for o in ops]}  # fmt: skip
+
+    recorded(tmp_path, "bench_kernels", rows("fused expert op, q8", "attention X"), (0.1, 0.1))
+    time.sleep(1.1)
+    recorded(tmp_path, "bench_kernels", rows("attention Y T=4096 f32"), (0.1, 0.1))
+    page = report.render_page(report.load_results(tmp_path / "results"))
+    assert page.count("## bench_kernels:") == 2
+    assert "fused expert op, q8" in page and "attention Y T=4096 f32" in page
 
 
 def test_the_newest_result_is_rendered(tmp_path: Path) -> None:
