@@ -209,6 +209,7 @@ class Backend:
         timeout: float = 60.0,
         executor: Sequence[str] | None = None,
     ) -> None:
+        # long: the constructor's option checks, this backend's state, then one descriptor
         if kind not in BACKENDS:
             raise HTPInputError(f"backend must be one of {', '.join(BACKENDS)}, got {kind!r}")
         if act not in ACT:

@@ -167,6 +167,7 @@ def _dims(items: Sequence[str]) -> dict[str, int] | str:
 
 def synth_main(argv: Sequence[str] | None = None) -> int:
     """`estream-synth --arch A --preset P [--seed N] [--vocab VOCAB.gguf] -o model.gguf`."""
+    # long: the command's option table (ten options), then one call and its error mapping
     _sigint.restore()
     ap = argparse.ArgumentParser(
         prog="estream-synth",

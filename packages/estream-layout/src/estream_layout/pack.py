@@ -795,6 +795,7 @@ def pack_model(
     source) when they fit in `layer_buffer_bytes`; bigger layers (e.g. Mixtral-8x7B's ~800 MB)
     are read one expert at a time instead, so peak memory stays bounded either way.
     """
+    # long: a third is the docstring; the body is check, write to a temporary, place
     spec = ModelSpec.from_gguf(src)
     dst_path = Path(dst).absolute()
     replacing = _check_target(dst_path, Path(spec.path), force)

@@ -490,6 +490,7 @@ def synth_model(
     `progress` prints a progress line on stderr. Raises `InsufficientDiskSpaceError` before
     writing anything when the output's filesystem cannot hold the planned file.
     """
+    # long: a third is the docstring of the synthesizer's options
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise InvalidArgumentError(f"seed {seed!r} must be an integer from 0 to 2**63 - 1")
     d = synth_dims(arch, preset)

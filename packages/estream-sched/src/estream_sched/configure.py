@@ -467,6 +467,7 @@ def configure(
     schedule: ScheduleName = "early",
     routes_at_layer_start: bool = False,
 ) -> Choice:
+    # long: half of it is the docstring of the configurator's options
     """Choose ``(G, Q, B)`` for a process-memory budget (bytes).
 
     ``schedule`` (``"early"`` or ``"after-routing"``) and ``routes_at_layer_start`` (the
