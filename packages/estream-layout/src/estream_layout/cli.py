@@ -66,7 +66,6 @@ def _terminate_as_interrupt() -> Iterator[None]:
 
 def pack_main(argv: Sequence[str] | None = None) -> int:
     """`estream-pack SRC.gguf -o NAME.estream | --verify DIR [--against SRC] | --inspect DIR`."""
-    _sigint.restore()
     ap = argparse.ArgumentParser(
         prog="estream-pack",
         description="Pack a GGUF MoE model into EStream's streamable layout, or verify/inspect a pack.",
@@ -88,6 +87,7 @@ def pack_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="with --inspect/--verify: print JSON")
     args = ap.parse_args(argv)
     try:
+        _sigint.restore()  # from here a Ctrl-C is a KeyboardInterrupt, caught below
         if args.verify:
             from .verify import verify_pack
 
@@ -168,7 +168,6 @@ def _dims(items: Sequence[str]) -> dict[str, int] | str:
 def synth_main(argv: Sequence[str] | None = None) -> int:
     """`estream-synth --arch A --preset P [--seed N] [--vocab VOCAB.gguf] -o model.gguf`."""
     # long: the command's option table (ten options), then one call and its error mapping
-    _sigint.restore()
     ap = argparse.ArgumentParser(
         prog="estream-synth",
         description="Write a synthetic GGUF MoE model that llama.cpp can load.",
@@ -225,6 +224,7 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
     from .synth import synth_model
 
     try:
+        _sigint.restore()  # from here a Ctrl-C is a KeyboardInterrupt, caught below
         path = synth_model(
             args.arch,
             args.preset,
