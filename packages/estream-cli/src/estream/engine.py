@@ -191,7 +191,9 @@ class EngineOptions:
     read; ``direct``: O_DIRECT reads (None: where supported); ``progress``: a layer counter on
     a terminal; ``act``, ``attention``: how the kernels multiply (`ACTS`, `ATTENTION`);
     ``backend``: where the expert ops run (`estream_htp.BACKENDS`); ``dense_ops``: where the
-    other ops run (`DENSE_OPS`; None: on the backend if it is an accelerator, else here)."""
+    other ops run (`DENSE_OPS`; None: on the backend if it is an accelerator, else here);
+    ``op_stats``: count every op's work and add the per-op table (`estream.opstats`) to each
+    pass's metrics as ``op_table`` (off: nothing is counted)."""
 
     dense_ops: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(_one_of(DENSE_OPS))
@@ -210,6 +212,7 @@ class EngineOptions:
     verify: bool = False
     direct: bool | None = None
     progress: bool = False
+    op_stats: bool = False
 
 
 class Engine:
@@ -664,6 +667,7 @@ class Engine:
             shared=self._dense_shared,
             attn_products=self.attention,
             pool=self._pool,
+            op_work=[] if self.options.op_stats else None,
         )
         rec = PassRecorder(
             ops,

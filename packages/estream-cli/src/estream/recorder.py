@@ -17,6 +17,7 @@ import estream_htp as htp
 from .experts import ExpertSource
 from .metrics import build_events, op_times, run_metrics
 from .models.ops import Ops
+from .opstats import op_table
 
 __all__ = ["PassRecorder"]
 
@@ -46,6 +47,7 @@ class PassRecorder:
         self.show = progress and sys.stderr.isatty()
         self.spans: list[Span] = []  # per layer: "non-expert" parts and the whole "layer"
         self.op_spans: list[Span] = []  # every timed op, with its layer (-1: embedding, head)
+        self.op_work: list[tuple[str, int, str, int]] = []  # (op, layer, precision, operations)
         backend.trace = []  # every op the backend ran through a fence, with its times
         backend.reset_stats()
         self.t_start = time.perf_counter()
@@ -54,6 +56,9 @@ class PassRecorder:
     def _collect(self, layer: int) -> None:
         self.op_spans += [(name, layer, s0, s1) for name, s0, s1 in self.ops.op_spans]
         self.ops.op_spans.clear()
+        if self.ops.op_work:
+            self.op_work += [(name, layer, p, n) for name, p, n in self.ops.op_work]
+            self.ops.op_work.clear()
 
     def begin_layer(self, i: int) -> None:
         """Layer ``i`` starts (the embedding's ops, before the first, are the pass's)."""
@@ -101,6 +106,11 @@ class PassRecorder:
                 t_ne[layer] += s1 - s0
         metrics["layer_t_ne_s"] = t_ne
         metrics["op_time_s"] = op_times(self.op_spans)
+        if self.ops.op_work is not None:  # per-op work counted: the per-op table
+            metrics["op_table"] = op_table(
+                total_s=metrics["ttft_s"], n_layers=self.n_layers, op_spans=self.op_spans,
+                op_work=self.op_work, records=records,
+            )  # fmt: skip
         be = self.backend
         queue, be.trace = be.trace or [], None
         metrics.update({f"backend_{k}": v for k, v in be.stats().items()})

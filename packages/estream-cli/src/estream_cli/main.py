@@ -114,7 +114,10 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     # With an output on standard output (-), the report goes to stderr: stdout holds the file.
     report = sys.stderr if stdout_claimed(outputs) else sys.stdout
     ids, tok = _tokens_from_args(args)
-    with engine_from_args(args, progress=not args.json, tokens=max(1, len(ids))) as engine:
+    op_stats = bool(args.op_stats or args.trace)  # a traced run keeps the table in its metadata
+    with engine_from_args(
+        args, progress=not args.json, tokens=max(1, len(ids)), op_stats=op_stats
+    ) as engine:
         res = engine.prefill(ids, all_logits=bool(args.all_logits))
     m = dict(res.metrics)
     m["end_to_end_s"] = time.perf_counter() - t0
@@ -399,7 +402,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--all-logits", metavar="OUT.npy", help="save float32 logits [T, n_vocab]")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace-event timeline")
+    p.add_argument(
+        "--trace",
+        metavar="OUT.json",
+        help="write a Chrome trace-event timeline (its metadata and the report hold the per-op "
+        "table, as with --op-stats)",
+    )
+    p.add_argument(
+        "--op-stats",
+        action="store_true",
+        help="print the per-op table: time, share of the pass, work (GOP), GOP/s of each op "
+        "kind (in --json: metrics.op_table)",
+    )
     add_engine_opts(p)
     p.set_defaults(func=cmd_prefill)
 

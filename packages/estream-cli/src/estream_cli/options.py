@@ -235,10 +235,11 @@ def check_engine_opts(args: argparse.Namespace) -> None:
 
 
 def engine_from_args(
-    args: argparse.Namespace, *, progress: bool, tokens: int | None = None
+    args: argparse.Namespace, *, progress: bool, tokens: int | None = None, op_stats: bool = False
 ) -> Engine:
     """Load the engine with the options `add_engine_opts` added to a sub-command; ``tokens``:
-    the prompt length a ``--budget`` configuration is chosen for (one request's length)."""
+    the prompt length a ``--budget`` configuration is chosen for (one request's length);
+    ``op_stats``: each pass's metrics get the per-op table (`estream.opstats`)."""
     check_engine_opts(args)
     return load(
         args.model,
@@ -256,4 +257,5 @@ def engine_from_args(
         backend=args.backend,
         dense_ops=args.dense_ops,
         progress=progress,
+        op_stats=op_stats,
     )

@@ -9,6 +9,7 @@ from typing import Any, TextIO
 
 import estream_sched as es
 from estream import memory
+from estream.opstats import format_table
 
 from .output import write_output
 
@@ -47,6 +48,11 @@ def print_metrics(m: dict[str, Any], out: TextIO | None = None) -> None:
         print(f"  {'time by op':<30s} " + ", ".join(
             f"{k} {v * 1e3:.1f} ms ({100 * v / total:.0f}%)" for k, v in ops.items()
         ), file=out)  # fmt: skip
+    table = m.get("op_table")
+    if table:
+        print('  per-op table (README: "Reading the per-op table"):', file=out)
+        for line in format_table(table, indent="    "):
+            print(line, file=out)
 
 
 def public_metrics(m: dict[str, Any]) -> dict[str, Any]:

@@ -204,17 +204,17 @@ def mla_attention(ops: Ops, w: MLA, h: np.ndarray, pos: np.ndarray) -> np.ndarra
     # q (or the q LoRA's down-projection) and the compressed KV share h: one op
     q, kv = ops.matmuls(h, (w.wq if w.wq is not None else w.wq_a, w.wkv_a), "attn_q_kv_a")  # type: ignore[arg-type]
     if w.wq is None:
-        q = ops.matmul(ops.rms_norm(q, w.q_a_norm), w.wq_b)  # type: ignore[arg-type]
+        q = ops.matmul(ops.rms_norm(q, w.q_a_norm), w.wq_b, "attn_q_b")  # type: ignore[arg-type]
     # kv [T, rank + rope]: compressed KV | shared RoPE key
     latent = ops.rms_norm(ops.cols(kv, 0, w.rank), w.kv_a_norm)
     k_pe = ops.cols(kv, w.rank, w.rank + rope).reshape(t, 1, rope)
     if w.wkv_b is not None:
-        kv_b = ops.matmul(latent, w.wkv_b).reshape(t * n_head, nope + w.d_v)
+        kv_b = ops.matmul(latent, w.wkv_b, "attn_kv_b").reshape(t * n_head, nope + w.d_v)
         k_nope = kv_b[:, :nope]  # [T*H, nope], a view
         v = ops.cols(kv_b, nope, nope + w.d_v).reshape(t, n_head, w.d_v)
     else:
-        k_nope = ops.matmul(latent, w.wk_b).reshape(t * n_head, nope)  # type: ignore[arg-type]
-        v = ops.matmul(latent, w.wv_b).reshape(t, n_head, w.d_v)  # type: ignore[arg-type]
+        k_nope = ops.matmul(latent, w.wk_b, "attn_kv_b").reshape(t * n_head, nope)  # type: ignore[arg-type]
+        v = ops.matmul(latent, w.wv_b, "attn_kv_b").reshape(t, n_head, w.d_v)  # type: ignore[arg-type]
     # heads as [rope | nope], assembled by copy ops: rows are (token, head)
     width = rope + nope
     q2 = q.reshape(t * n_head, width)
@@ -228,7 +228,7 @@ def mla_attention(ops: Ops, w: MLA, h: np.ndarray, pos: np.ndarray) -> np.ndarra
     ops.copy(k_pe.reshape(t, rope), kh2[:, :rope], rep=n_head)  # one RoPE key for every head
     ops.copy(k_nope, kh2[:, rope:])
     a = ops.attend(qh, kh, v, w.scale)  # [T, H, v]
-    return ops.matmul(np.ascontiguousarray(a.reshape(t, -1)), w.wo)
+    return ops.matmul(np.ascontiguousarray(a.reshape(t, -1)), w.wo, "attn_out")
 
 
 def layer(ops: Ops, hp: ModelSpec, w: Layer, x: np.ndarray, pos: np.ndarray) -> np.ndarray:

@@ -23,6 +23,7 @@ import estream_htp as htp
 from estream_layout import ModelSpec
 
 from ..experts import ExpertSource
+from ..opstats import attention_macs
 from ..packed import DenseTensor, ExpertLayer
 from .layout import Segment, SeqLayout, segment_rows
 from .weights import FFN, Attention, Head, MoE, Rope, ShortConv
@@ -43,6 +44,9 @@ class Ops:
     and the softmax weights rounded to bfloat16, fp32 sums; the engine uses it with q8
     activations).
 
+    ``op_work``: a list to count each call's work into (`count`; None: nothing is counted,
+    the default), for the per-op table of `estream.opstats`.
+
     ``backend``: where the kernel ops run (None: this process's default backend). The weights
     they read are made visible to it once (`estream_htp.Backend.visible`: copied into shared
     memory for an executor the first time an op uses them), kept in ``shared`` (the engine's,
@@ -62,6 +66,7 @@ class Ops:
         shared: dict[int, tuple[np.ndarray, np.ndarray]] | None = None,
         attn_products: str = "f32",
         pool: htp.ActivationArena | None = None,
+        op_work: list[tuple[str, str, int]] | None = None,
     ) -> None:
         self.hp = hp
         self.experts = experts
@@ -71,6 +76,7 @@ class Ops:
         self.attn_products = attn_products
         self.op_spans: list[tuple[str, float, float]] = []
         self.pool = pool
+        self.op_work = op_work
         self._rows: htp.Q8Rows | None = None  # an MoE layer's input, quantized once
         self._layer: ExpertLayer | None = None  # the routed experts of the running layer
 
@@ -78,6 +84,16 @@ class Ops:
         """``with ops.timed(name): ...``: the block's (name, start, end) goes to ``op_spans``
         when it completes (the one clock of the ops)."""
         return _Timed(self.op_spans, name)
+
+    def count(self, name: str, precision: str, macs: int) -> None:
+        """Op ``name`` did ``macs`` multiply-adds in ``precision`` ("int8", "fp32", "bf16"):
+        2 operations each, into ``op_work`` when work is counted."""
+        if self.op_work is not None:
+            self.op_work.append((name, precision, 2 * int(macs)))
+
+    def _gemm_precision(self, w: DenseTensor) -> str:
+        """What a GEMM on ``w`` multiplies in: int8 for a tiled matrix under int8 activations."""
+        return "int8" if w.fmt != "f32" and self.backend.act == "q8" else "fp32"
 
     def _w(self, a: np.ndarray | None) -> np.ndarray | None:
         """A weight array as the backend reads it (`estream_htp.Backend.visible`), made once."""
@@ -247,6 +263,8 @@ class Ops:
                 )
             else:
                 y = htp.gemm(x, self._w(w.data), w.shape[0], w.fmt, out, backend=self.backend)
+        if self.op_work is not None:
+            self.count(op, self._gemm_precision(w), x.shape[0] * w.shape[0] * x.shape[1])
         return y
 
     def matmuls(
@@ -270,6 +288,9 @@ class Ops:
                 [self._out((x.shape[0], w.shape[0])) for w in tiled],  # type: ignore[misc]
                 backend=self.backend,
             )
+        if self.op_work is not None:
+            for w in tiled:
+                self.count(op, self._gemm_precision(w), x.shape[0] * w.shape[0] * x.shape[1])
         done = iter(ys)
         return [next(done) if w.fmt != "f32" else self.matmul(x, w, op) for w in ws]
 
@@ -364,8 +385,23 @@ class Ops:
         causally to itself: with a pool the same kernel with the ancestors' rows as its context
         (their keys and values gathered with copy ops), without one `_continued_attention`
         (BLAS). Nothing crosses requests."""
+        if self.op_work is not None:
+            self._count_attention(q, v, window)
         with self.timed("attention"):
             return self._attend(q, k, v, scale, window=window, sinks=sinks)
+
+    def _count_attention(self, q: np.ndarray, v: np.ndarray, window: int) -> None:
+        """The attention's multiply-adds under the pass's layout (`opstats.attention_macs`)."""
+        lay = self.layout
+        if lay is None or lay.single:
+            segs = [(0, q.shape[0])]
+        else:
+            segs = [
+                (sum(c.length for c in lay.context(i)) if s.parent >= 0 else 0, s.length)
+                for i, s in enumerate(lay.segments)
+            ]
+        macs = attention_macs(segs, q.shape[1], q.shape[2], v.shape[2], window)
+        self.count("attention", "bf16" if self.attn_products == "bf16" else "fp32", macs)
 
     def _attend(
         self,
@@ -435,6 +471,8 @@ class Ops:
         """B, C, x = in_proj(h); out_proj(C * conv(B * x)), the convolution causal per sequence."""
         d = w.out_proj.shape[0]
         bcx = self.matmul(h, w.in_proj, "conv_in")
+        if self.op_work is not None:  # the depthwise convolution: taps per channel and row
+            self.count("short_conv", "fp32", h.shape[0] * d * w.kernel.shape[1])
         with self.timed("short_conv"):
             bx = self._mul(bcx[:, :d], bcx[:, 2 * d : 3 * d])
             y = self._mul(bcx[:, d : 2 * d], self.causal_conv(bx, w.kernel))
@@ -470,12 +508,16 @@ class Ops:
             htp.conv1d_causal(seg, kernel_s, history, out[rows], backend=be)  # type: ignore[arg-type]
         return out
 
-    def dense_ffn(self, h: np.ndarray, w: FFN, rows: htp.Q8Rows | None = None) -> np.ndarray:
-        """SwiGLU FFN; ``rows``: ``h`` already quantized (`quantize_input`), for gate/up."""
-        g, u = self.matmuls(h, (w.gate, w.up), "ffn", rows)
-        with self.timed("ffn"):
+    def dense_ffn(
+        self, h: np.ndarray, w: FFN, rows: htp.Q8Rows | None = None, op: str = "ffn"
+    ) -> np.ndarray:
+        """SwiGLU FFN; ``rows``: ``h`` already quantized (`quantize_input`), for gate/up. Its
+        GEMMs are timed as ``op`` ("ffn": a dense layer's; "shared_ffn": shared experts), the
+        SwiGLU between them as "glu"."""
+        g, u = self.matmuls(h, (w.gate, w.up), op, rows)
+        with self.timed("glu"):
             a = htp.swiglu(g, u, self._out(g.shape), backend=self.backend)
-        return self.matmul(a, w.down, "ffn")
+        return self.matmul(a, w.down, op)
 
     def quantize_input(self, h: np.ndarray) -> htp.Q8Rows | None:
         """With int8 products, ``h`` quantized once (`htp.quantize_q8`) for every op that
@@ -507,6 +549,8 @@ class Ops:
         the routes now (`ExpertSource.routes_known`) and may read the routed groups while
         attention runs."""
         g = w.gating
+        if self.op_work is not None:
+            self.count("router", "fp32", x.shape[0] * w.router.shape[0] * w.router.shape[1])
         with self.timed("router"):
             logits = self.linear_f32(x, w.router)
             if w.logit_bias is not None:  # gpt-oss: a bias on the logits themselves
@@ -542,10 +586,13 @@ class Ops:
         ids, weights = self.route(h, w) if routes is None else routes
         rows = self.quantize_input(h) if w.glu == "swiglu" else None
         y = self.zeros((h.shape[0], self.hp.n_embd))
+        if self.op_work is not None:  # gate, up and down of every route
+            macs = ids.size * 3 * self.hp.n_embd * self.hp.n_ff_exp
+            self.count("experts", "int8" if self.backend.act == "q8" else "fp32", macs)
         with self.timed("experts"):  # the routed experts: the engine's expert phase
             self.experts.run_layer(w.experts, h if rows is None else rows, ids, weights, y)
         if shared is not None:
-            y = self.add(y, self.dense_ffn(h, shared, rows))
+            y = self.add(y, self.dense_ffn(h, shared, rows, "shared_ffn"))
         return y
 
 
