@@ -47,6 +47,8 @@ class Table:
     headers: list[str]
     rows: list[list[str]]
     notes: list[str] = field(default_factory=list)
+    #: Further tables shown after this one and its notes, each under its caption.
+    more: list[tuple[str, Table]] = field(default_factory=list)
 
     def markdown(self) -> list[str]:
         def line(cells: list[str]) -> str:  # a cell's own '|' or line break would split it
@@ -144,6 +146,33 @@ def render_engine(f: Figures) -> Table:
     )
     if f.get("cgroup_note"):
         t.notes.append(f"Memory-capped runs: {f['cgroup_note']}.")
+    for r in f["runs"]:
+        if r.get("op_table"):
+            cap = f" in a {budget} cgroup" if r.get("cgroup") else ""
+            title = f"Per-op table: `{r['system']}`, {prompt(r['length'])} tokens{cap}"
+            t.more.append((f"**{title}** (TTFT {ttft(r)})", _op_table(r["op_table"])))
+    if t.more:
+        peaks = f.get("peaks_gops") or {}
+        shown = ", ".join(f"{k} {num(v)}" for k, v in peaks.items() if v) or "not measured"
+        t.notes.append(
+            "Per-op tables (`-- --trace`): each op kind's summed wall time, its share of the "
+            "pass, its work (GOP, 2 per multiply-add) and the achieved rate, also as a share of "
+            f"the machine's measured peak for its precision (GOP/s: {shown}); `expert_wait` is "
+            "time the routed-expert phase waited for reads, `untimed` what no op accounts for."
+        )
+    return t
+
+
+def _op_table(table: dict[str, Any]) -> Table:
+    """A run's per-op table (estream's `op_table`, with bench_engine's peaks)."""
+    t = Table(["op", "time", "share", "GOP", "GOP/s", "precision", "of peak"], [])
+    for r in table["rows"]:
+        pct = r.get("pct_of_peak")
+        t.rows.append([
+            f"`{r['op']}`", trim(f"{r['time_s'] * 1e3:.2f}") + " ms", f"{100 * r['share']:.1f} %",
+            num(r.get("gop")), num(r.get("gops")), r.get("precision") or "–",
+            f"{pct:.1f} %" if pct is not None else "–",
+        ])  # fmt: skip
     return t
 
 
@@ -679,6 +708,8 @@ def section(name: str, path: Path, doc: dict[str, Any], label: str = "") -> list
     if doc["transcribed"]:
         table.notes.append(doc["note"])
     lines += [*table.notes, ""] if table.notes else []
+    for caption, sub in table.more:
+        lines += [caption, "", *sub.markdown(), ""]
     return lines
 
 

@@ -166,6 +166,38 @@ def test_engine_table_and_headline_figures(tmp_path: Path) -> None:
     assert "| 4K tokens | 12 s | 16 s | 32 s | 0.750 | 0.375 |" in head
 
 
+def test_engine_runs_with_a_per_op_table_render_it(tmp_path: Path) -> None:
+    """A bench_engine result whose stream run carries a per-op table (``--trace``) shows it
+    under the engine table, a row per op kind with its time, share, work, rate and share of
+    the recorded peak; a run without one adds no table."""
+    figures = engine_figures(stream=3.0)
+    stream_1k = next(r for r in figures["runs"] if r["system"] == "stream" and r["length"] == 1024)
+    stream_1k["op_table"] = {
+        "total_s": 3.0,
+        "rows": [
+            {"op": "experts", "time_s": 2.0, "share": 2 / 3, "precision": "int8", "gop": 50.0,
+             "gops": 25.0, "pct_of_peak": 12.5},
+            {"op": "expert_wait", "time_s": 0.5, "share": 0.5 / 3, "precision": None,
+             "gop": None, "gops": None, "pct_of_peak": None},
+            {"op": "untimed", "time_s": 0.5, "share": 0.5 / 3, "precision": None, "gop": None,
+             "gops": None, "pct_of_peak": None},
+        ],
+        "per_layer_s": {},
+    }  # fmt: skip
+    figures["peaks_gops"] = {"int8": 200.0, "fp32": 80.0, "bf16": None}
+    recorded(tmp_path, "bench_engine", figures, (0.1, 0.1))
+    page = report.render_page(report.load_results(tmp_path / "results"))
+    assert page.count("**Per-op table:") == 1
+    assert "**Per-op table: `stream`, 1K tokens** (TTFT 3 s)" in page
+    assert "| `experts` | 2000 ms | 66.7 % | 50 | 25 | int8 | 12.5 % |" in page
+    assert "| `expert_wait` | 500 ms | 16.7 % | – | – | – | – |" in page
+    assert "int8 200, fp32 80)" in page
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    recorded(plain, "bench_engine", engine_figures(stream=3.0), (0.1, 0.1))
+    assert "Per-op table" not in report.render_page(report.load_results(plain / "results"))
+
+
 def test_the_headline_skips_a_newer_loaded_run(tmp_path: Path) -> None:
     """The README headline shows the newest bench_engine run not taken on a loaded machine; a
     newer loaded run appears on the page (marked) but does not replace the headline."""

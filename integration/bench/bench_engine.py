@@ -20,6 +20,14 @@ OOM-killed. Prints a table and writes bench-results/bench_engine.json.
 ``--quant`` synthesizes the file with those GGML types (``q4_k_m``: Q4_K matrices with Q6_K
 expert down projections and output, llama.cpp's Q4_K_M mix); the engine computes them as
 stored and llama.cpp runs the same file.
+
+``--trace`` adds the engine's per-op table to every stream and resident run (`estream prefill
+--op-stats`: time, share, work and GOP/s of each op kind, README of estream-cli: "Reading the
+per-op table"), each rate also as a share of this machine's peak for its precision (int8 dot
+product, fp32 FMA, bf16 dot product), measured before and after the runs by bench_kernels'
+own `measure_peaks` (in a child process on the runs' threads; the better of the two is used).
+The tables are printed and stored with the runs (``op_table``) and the peaks as ``peaks_gops``.
+A quick look on a tiny model: ``--preset tiny --lengths 64 --no-llama --no-cgroup --trace``.
 """
 
 from __future__ import annotations
@@ -185,6 +193,44 @@ def _run(
     return m
 
 
+#: bench_kernels, whose `measure_peaks` gives the peaks the per-op table is read against.
+KERNELS_BENCH = ROOT / "packages" / "estream-htp" / "bench"
+
+_PEAKS_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import bench_kernels
+import estream_htp as htp
+htp.set_num_threads(bench_kernels.THREADS)
+print(json.dumps(bench_kernels.measure_peaks()))
+"""
+
+
+def measure_peaks(threads: int) -> dict[str, float | None]:
+    """bench_kernels' measured peaks (GOP/s, 2 per multiply-add, per precision: "int8",
+    "fp32", "bf16"; None: no such instruction) on ``threads`` threads, in a child process
+    with the environment bench_kernels sets itself (so that it does not re-execute)."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+    }
+    env.update({"BENCH_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)})
+    proc = subprocess.run(
+        [sys.executable, "-c", _PEAKS_CHILD, str(KERNELS_BENCH)],
+        capture_output=True, text=True, env=env, timeout=600, check=True,
+    )  # fmt: skip
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def best_peaks(*measured: dict[str, float | None]) -> dict[str, float | None]:
+    """Per precision, the best of several measurements (a peak measured at a busy moment of a
+    shared machine is low)."""
+    keys = {k for m in measured for k in m}
+    return {
+        k: max((m[k] for m in measured if m.get(k) is not None), default=None)  # type: ignore[type-var]
+        for k in sorted(keys)
+    }
+
+
 def engine_cmd(model: Path, tokens: np.ndarray, mode: str, threads: int) -> list[str]:
     return [
         sys.executable, "-m", "estream_cli.main", "prefill", str(model), "--mode", mode,
@@ -317,6 +363,23 @@ def run_system(
     return m
 
 
+def print_op_tables(rows: list[dict[str, Any]], peaks: dict[str, float | None]) -> None:
+    """Each engine run's per-op table, its rates as shares of ``peaks`` (added to the run's
+    ``op_table``)."""
+    from estream.opstats import add_peaks, format_table
+
+    shown = ", ".join(f"{k} {v:.0f}" if v else f"{k} n/a" for k, v in peaks.items())
+    print(f"\nper-op tables (measured peaks, GOP/s: {shown})")
+    for r in rows:
+        if "op_table" not in r:
+            continue
+        r["op_table"] = add_peaks(r["op_table"], peaks)
+        cap = " (cgroup)" if r.get("cgroup") else ""
+        print(f"\n  {r['system']} T={r['length']}{cap}: TTFT {r['ttft_s'] * 1e3:.1f} ms")
+        for line in format_table(r["op_table"], indent="    "):
+            print(line)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="256,1024,4096")
@@ -344,6 +407,11 @@ def main() -> int:
         "--cgroup-timeout", type=float, default=900.0, help="seconds before a capped run is cut"
     )
     ap.add_argument("--out", default="bench_engine.json")
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="per-op table of every engine run (time, share, GOP/s, share of the measured peak)",
+    )
     args = ap.parse_args()
     budget = parse_bytes(args.budget)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -365,11 +433,14 @@ def main() -> int:
             print(f"llama.cpp unavailable: {exc}", flush=True)
     rows: list[dict[str, Any]] = []
     systems = ["stream", "resident"] + (["llama.cpp"] if llama_ok else [])
+    peaks_start = measure_peaks(args.threads) if args.trace else None
 
     def one(system: str, T: int, cg: Cgroup | None) -> dict[str, Any]:
         timeout = args.cgroup_timeout if cg else 3600.0
         # stream: the budget's configuration for this prompt length, chosen by `prefill` itself
-        extra = ("--budget", str(budget)) if system == "stream" else ()
+        extra: tuple[str, ...] = ("--budget", str(budget)) if system == "stream" else ()
+        if args.trace and system != "llama.cpp":
+            extra += ("--op-stats",)
         m = run_system(
             system, T, src=src, dst=dst, n_vocab=hp.n_vocab, threads=args.threads,
             timeout=timeout, cgroup=cg, engine_args=extra,
@@ -396,6 +467,11 @@ def main() -> int:
                         rows.append(one(system, T, cg))
             finally:
                 cg.close()
+
+    peaks = None
+    if peaks_start is not None:
+        peaks = best_peaks(peaks_start, measure_peaks(args.threads))
+        print_op_tables(rows, peaks)
 
     def get(system: str, T: int, cg: bool, key: str) -> float | None:
         for r in rows:
@@ -434,6 +510,8 @@ def main() -> int:
         "summary": summary,
         "cgroup_note": cg_note,
     }
+    if peaks is not None:
+        doc["peaks_gops"] = peaks
     (RESULTS / args.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {RESULTS / args.out}")
     return 0

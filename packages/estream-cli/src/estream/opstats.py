@@ -141,7 +141,7 @@ def format_table(table: dict[str, Any], *, indent: str = "  ") -> list[str]:
     head = (
         f"{indent}{'op':<13s} {'time ms':>9s} {'share':>6s} {'GOP':>9s} {'GOP/s':>8s} {'prec':>5s}"
     )
-    lines = [head + (f" {'of peak':>7s}" if peaks else "")]
+    lines = [head + (f" {'of peak':>8s}" if peaks else "")]
     for r in table["rows"]:
         line = (
             f"{indent}{r['op']:<13s} {r['time_s'] * 1e3:9.2f} {100 * r['share']:5.1f}%"
@@ -149,7 +149,7 @@ def format_table(table: dict[str, Any], *, indent: str = "  ") -> list[str]:
         )
         if peaks:
             pct = r.get("pct_of_peak")
-            line += f" {pct:6.1f}%" if pct is not None else f" {'-':>7s}"
+            line += f" {pct:7.1f}%" if pct is not None else f" {'-':>8s}"
         lines.append(line)
     total = sum(r["time_s"] for r in table["rows"])
     lines.append(f"{indent}{'total':<13s} {total * 1e3:9.2f} {100 * total / table['total_s']:5.1f}%"
