@@ -118,3 +118,45 @@ def test_attention_precision_reports_both_products_per_activation_format(tmp_pat
     )  # fmt: skip
     assert bad.returncode == 2 and "--tokens and --prompts must be >= 1" in bad.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def _bench_engine():
+    sys.path.insert(0, str(ROOT / "integration" / "bench"))
+    import bench_engine
+
+    return bench_engine
+
+
+def test_bench_engine_peaks_are_bench_kernels_measurement() -> None:
+    """bench_engine's peaks come from bench_kernels' `measure_peaks` (run in a child on the
+    given threads): a GOP/s figure for int8 and fp32 (bf16 where there is such an instruction),
+    and the better of two measurements is kept per precision."""
+    be = _bench_engine()
+    peaks = be.measure_peaks(1)
+    assert set(peaks) == {"int8", "fp32", "bf16"}
+    assert peaks["int8"] > 0 and peaks["fp32"] > 0
+    best = be.best_peaks({"int8": 10.0, "fp32": None}, {"int8": 12.0, "fp32": 3.0, "bf16": None})
+    assert best == {"bf16": None, "fp32": 3.0, "int8": 12.0}
+
+
+def test_bench_engine_trace_tables_read_rates_against_the_peaks(capsys) -> None:
+    """With ``--trace`` each engine run that has a per-op table gets every rate's share of the
+    peak of its precision, and the table is printed; a run without one is left as it was."""
+    from estream.opstats import op_table
+
+    be = _bench_engine()
+    table = op_table(
+        total_s=1.0, n_layers=1, op_spans=[("experts", 0, 0.0, 0.5), ("norm", 0, 0.5, 0.6)],
+        op_work=[("experts", 0, "int8", 10**10)],
+    )  # fmt: skip
+    rows = [
+        {"system": "stream", "length": 64, "ttft_s": 1.0, "op_table": table},
+        {"system": "llama.cpp", "length": 64, "ttft_s": 2.0},
+    ]
+    be.print_op_tables(rows, {"int8": 40.0, "fp32": 10.0, "bf16": None})
+    got = {r["op"]: r for r in rows[0]["op_table"]["rows"]}
+    assert got["experts"]["pct_of_peak"] == 50.0  # 10 GOP in 0.5 s = 20 GOP/s of 40
+    assert got["norm"]["pct_of_peak"] is None
+    assert "op_table" not in rows[1]
+    out = capsys.readouterr().out
+    assert "stream T=64" in out and "of peak" in out and "50.0%" in out
