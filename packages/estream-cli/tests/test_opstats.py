@@ -91,6 +91,31 @@ def test_work_counts_are_the_hand_computed_ones(tiny_models) -> None:
         assert rows[op]["gops"] == pytest.approx(rows[op]["gop"] / rows[op]["time_s"])
 
 
+def test_work_counts_of_a_hybrid_model_are_the_hand_computed_ones(tiny_models) -> None:
+    """LFM2-MoE "tiny" (4 layers, d 64: short convolutions of 3 taps in layers 0 and 2,
+    attention of 4 heads of 16 with 2 KV heads in 1 and 3; a dense SwiGLU of width 96 in
+    layer 0, 8 experts of width 64, top-2, in 1-3), one 40-token prompt: every op kind's
+    multiply-adds by hand, times 2."""
+    T, d, H, Hkv, hd, ff, E, k, f, V, taps = 40, 64, 4, 2, 16, 96, 8, 2, 64, 301, 3
+    want = {
+        "conv_in": 2 * T * d * 3 * d,
+        "conv_out": 2 * T * d * d,
+        "short_conv": 2 * T * d * taps,
+        "attn_qkv": 2 * T * d * (H * hd + 2 * Hkv * hd),
+        "attention": 2 * H * (hd + hd) * (T * (T + 1) // 2),
+        "attn_out": 2 * T * (H * hd) * d,
+        "ffn": 1 * T * 3 * d * ff,
+        "router": 3 * T * d * E,
+        "experts": 3 * T * k * 3 * d * f,
+        "output_head": V * d,
+    }
+    with load(tiny_models["lfm2moe"], mode="resident", op_stats=True) as eng:
+        res = eng.prefill(np.arange(T) % eng.hp.n_vocab)
+    rows = {r["op"]: r for r in res.metrics["op_table"]["rows"]}
+    for op, macs in want.items():
+        assert rows[op]["gop"] * 1e9 == pytest.approx(2 * macs, rel=1e-9), op
+
+
 def _brute_attention_keys(segments, window):
     keys = 0
     for ctx, n in segments:
