@@ -7,7 +7,8 @@ Also measures the per-op submission overhead of the host-process (executor) back
 in-process host backend. Run with `nox -s bench_kernels`. `-- --attention` runs only the
 attention rows, at T = 1K, 4K and 16K on OLMoE's, DeepSeek-V2-Lite's MLA (192/128) and a
 GQA sliding-window-with-sinks head shape (`--attention-lengths=64,200` to change the lengths,
-`--out=PATH` for the JSON). The BLAS baseline must get this machine's best kernel, so the
+`--out=PATH` for the JSON); `-- --source-types` runs only the GEMM on each block type files store
+(Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4) and the expert op on Q4_K_M's, Q8_0's and Q4_0's experts. The BLAS baseline must get this machine's best kernel, so the
 script re-executes itself with OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE removed from its own
 environment (nothing else is touched). Both sides use 2 threads. Writes
 bench-results/bench_kernels.json.
@@ -41,6 +42,7 @@ D, FF, E, K = 2048, 1024, 64, 8
 QUICK = "--quick" in sys.argv
 ONLY_SUBMISSION = "--submission" in sys.argv  # just the host vs host-process section
 ONLY_ATTENTION = "--attention" in sys.argv  # just the attention rows, at ATTN_LENGTHS
+ONLY_SOURCE_TYPES = "--source-types" in sys.argv  # just the SOURCE_TYPES GEMM and expert rows
 
 
 def _flag_value(name: str) -> str | None:
@@ -184,19 +186,20 @@ def bench_gemm(rng: np.random.Generator, row, n: int, k: int, t: int) -> None:
 
 def _random_tiles(rng: np.random.Generator, fmt: str, n: int, k: int) -> np.ndarray:
     """Valid random weights of `fmt` (GGUF's own block types, re-laid as tiles)."""
-    if fmt == "q4_k-t32r4":
-        return T.pack_q4_k_t32r4(T.random_q4_k_blocks(rng, n, k))
-    if fmt == "q6_k-t32r4":
-        return T.pack_q6_k_t32r4(T.random_q6_k_blocks(rng, n, k))
-    return T.pack_q8_0_t32r4(T.random_q8_0_blocks(rng, n, k))
+    return T.random_experts(rng, 1, k, n, (fmt, fmt, fmt))[0][0]
+
+
+#: The block types files store that the source-type rows run, Q4_0 first: the K-quant and
+#: MXFP4 rows read against it in the same run.
+SOURCE_TYPES = ("q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "mxfp4")
 
 
 def bench_gemm_source_types(rng: np.random.Generator, row, n: int, k: int, t: int) -> None:
-    """The GEMM on the block types files store (Q8_0, Q4_K, Q6_K), int8 and fp32 activations:
+    """The GEMM on the block types files store (SOURCE_TYPES), int8 and fp32 activations:
     each row's share of the measured peak of its instruction (int8 dot / fp32 FMA)."""
     x = rng.standard_normal((t, k)).astype(np.float32)
     out = np.empty((t, n), np.float32)
-    for fmt in ("q8_0-t32r4", "q4_k-t32r4", "q6_k-t32r4"):
+    for fmt in (f"{name}-t32r4" for name in SOURCE_TYPES):
         buf = _random_tiles(rng, fmt, n, k)
         wd = T.dequantize_tiles(buf, fmt, n, k)
         ref = x @ wd.T
@@ -204,13 +207,13 @@ def bench_gemm_source_types(rng: np.random.Generator, row, n: int, k: int, t: in
         for act in ("q8", "f32"):
             htp.set_activation_format(act)
             t_h = best_of(lambda buf=buf, fmt=fmt: htp.gemm(x, buf, n, fmt, out=out))
-            row(f"gemm {fmt[:4]} {n}x{k} T={t} act={act}", 2.0 * t * n * k, t_h, t_blas,
+            row(f"gemm {fmt.split('-')[0]} {n}x{k} T={t} act={act}", 2.0 * t * n * k, t_h, t_blas,
                 {"rel_l2_vs_blas_f32": T.rel_l2(out, ref)})  # fmt: skip
 
 
 def bench_experts_source_types(rng: np.random.Generator, row) -> None:
-    """The expert op at OLMoE shapes on Q4_K_M's expert mix (Q4_K gate/up, Q6_K down) and on
-    Q8_0 experts, T = 1024."""
+    """The expert op at OLMoE shapes on Q4_K_M's expert mix (Q4_K gate/up, Q6_K down), on Q8_0
+    experts and on Q4_0 experts (the reference the K-quant row is read against), T = 1024."""
     t = 1024
     x = rng.standard_normal((t, D)).astype(np.float32)
     ids, wts = htp.router_topk(rng.standard_normal((t, E)).astype(np.float32), K)
@@ -219,7 +222,7 @@ def bench_experts_source_types(rng: np.random.Generator, row) -> None:
     flops = 2.0 * 3 * D * FF * tokens.size
     slots = np.arange(E, dtype=np.int32)
     for name, fmts in (("Q4_K_M", ("q4_k-t32r4", "q4_k-t32r4", "q6_k-t32r4")),
-                       ("Q8_0", ("q8_0-t32r4",) * 3)):  # fmt: skip
+                       ("Q8_0", ("q8_0-t32r4",) * 3), ("Q4_0", ("q4_0-t32r4",) * 3)):  # fmt: skip
         gate, up, down = T.random_experts(rng, E, D, FF, fmts)
         shapes = ((gate, (FF, D), fmts[0]), (up, (FF, D), fmts[1]), (down, (D, FF), fmts[2]))
         deq = [
@@ -551,6 +554,9 @@ def main() -> None:
 
     if ONLY_ATTENTION:
         bench_attention(rng, row)
+    elif ONLY_SOURCE_TYPES:
+        bench_gemm_source_types(rng, row, 2048, 2048, 256)
+        bench_experts_source_types(rng, row)
     elif not ONLY_SUBMISSION:
         for n, k, t in ((2048, 2048, 256), (50304, 2048, 256)):
             if not (QUICK and n > 4096):
@@ -560,7 +566,7 @@ def main() -> None:
         if not QUICK:
             bench_experts_source_types(rng, row)
         bench_attention(rng, row)
-    if not ONLY_ATTENTION:
+    if not (ONLY_ATTENTION or ONLY_SOURCE_TYPES):
         bench_submission(results)
 
     if results["peak_int8_gops"] is not None:
