@@ -100,10 +100,12 @@ def test_the_runner_answers_rows_as_the_task_functions(pack) -> None:
     assert pack_state(pack) == before
 
 
-def test_a_corrupt_pack_fails_the_actor_start(pack, tmp_path) -> None:
-    """An actor verifies the whole pack once when it starts: a flipped byte in an expert
-    record is a PackError naming the problem, before any row is answered."""
+def test_a_corrupt_pack_fails_the_first_block_and_every_later_one(pack, tmp_path) -> None:
+    """An actor verifies the whole pack once, on a thread beside its load and first block: a
+    flipped byte in an expert record is a PackError naming the problem instead of the first
+    block's answers, and of every later block's; `close` leaves no check thread behind."""
     import shutil
+    import threading
 
     bad = tmp_path / "bad.estream"
     shutil.copytree(pack, bad)
@@ -113,7 +115,28 @@ def test_a_corrupt_pack_fails_the_actor_start(pack, tmp_path) -> None:
     experts.write_bytes(bytes(blob))
     with estream.load(bad, **ENGINE_KW):  # a load alone reads no expert record: it passes
         pass
-    with pytest.raises(estream.PackError, match=r"crc|checksum"):
+    runner = data.TaskRunner(bad, "classify", defaults={"labels": ["a", "b"]}, engine=ENGINE_KW)
+    try:
+        for _ in range(2):
+            with pytest.raises(estream.PackError, match=r"experts\.bin.*checksum"):
+                runner.answer([{"id": 1, "prompt": "hi"}])
+    finally:
+        runner.close()
+    assert not [t for t in threading.enumerate() if t.name == "estream-pack-check"]
+
+
+def test_a_pack_that_fails_to_load_reports_its_check(pack, tmp_path) -> None:
+    """When the load itself fails on a damaged pack, the runner's error is the whole-pack
+    check's (every file's problems counted), not the load's (its first file only)."""
+    import shutil
+
+    bad = tmp_path / "bad.estream"
+    shutil.copytree(pack, bad)
+    for name in ("model.gguf", "experts.bin"):
+        blob = bytearray((bad / name).read_bytes())
+        blob[len(blob) // 2] ^= 0xFF
+        (bad / name).write_bytes(bytes(blob))
+    with pytest.raises(estream.PackError, match=r"model\.gguf: checksum .*\(and 1 more\)"):
         data.TaskRunner(bad, "classify", engine=ENGINE_KW)
 
 

@@ -234,8 +234,9 @@ def test_parquet_out_and_in(pack, local_ray, tmp_path, capsys):
 
 
 def test_a_corrupt_pack_fails_the_job_with_its_checksum_error(pack, local_ray, tmp_path, capsys):
-    """An actor verifies the pack when it starts: a flipped byte in an expert record fails the
-    job with one last line naming the checksum that differs, exit 1, nothing written."""
+    """An actor verifies the pack beside its first block: a flipped byte in an expert record
+    fails the job with one last line naming the checksum that differs (no answer is written
+    before the check has passed), exit 1, nothing written."""
     import shutil
 
     bad = tmp_path / "bad.estream"
@@ -248,5 +249,30 @@ def test_a_corrupt_pack_fails_the_job_with_its_checksum_error(pack, local_ray, t
     argv = ["classify", str(bad), "--input", str(src), "--labels", "a,b", *ENGINE, "--ray"]
     assert main([*argv, "--output", str(out)]) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("estream: error: an actor could not start: ") and "checksum" in last
+    assert last.startswith("estream: error: ") and "checksum" in last and "experts.bin" in last
     assert not out.exists()
+
+
+def test_a_local_ray_runs_its_actors_at_the_commands_priority(tmp_path):
+    """The local Ray instance the command starts runs its workers at the command's own
+    niceness (Ray's default, 15, lets any other process take an actor's cores first)."""
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import argparse, os, ray
+        from estream_cli.ray_commands import _start_ray
+        assert _start_ray(ray, argparse.Namespace(ray=None), 1, 1)
+        try:
+            print(os.nice(0), ray.get(ray.remote(lambda: os.nice(0)).remote()))
+        finally:
+            ray.shutdown()
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    mine, worker = out.stdout.split()
+    assert worker == mine

@@ -4,9 +4,11 @@ Needs the optional extra ``estream-cli[ray]`` (Ray Data); ``import estream`` nev
 module, and this module imports Ray only when a function below needs it.
 
 `TaskRunner` is a callable class for ``Dataset.map_batches``: each actor loads the pack once
-(``stream`` within its own memory budget, or ``resident``), after verifying it once
+(``stream`` within its own memory budget, or ``resident``) and verifies it once
 (`estream_layout.verify.verify_pack`: the manifest and every checksum; the pack is only ever
-opened read-only), then answers every block it is given with the batched task planner
+opened read-only) while the load and the first block run — no answer leaves an actor before
+its check has passed, and a pack that fails it fails the job with the check's error —, then
+answers every block it is given with the batched task planner
 (`estream.tasks.run_plans`, passes of at most ``batch_tokens`` tokens). `classify`, `score`,
 `rerank` and `embed` wrap it: they take a dataset of requests (the fields of the ``--input``
 lines of the ``estream`` task commands) and return a dataset of results with the fields of the
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -169,7 +172,8 @@ class TaskRunner:
     field's value where a row has none (``{"labels": [...]}``). ``engine``: keyword arguments
     of `estream.load` (``mode``, ``budget`` — per actor —, ``n_threads``, ``act``, ...).
     ``template``: wrap texts with the model's chat template. ``verify``: check the whole pack
-    (manifest and every checksum) once when the actor starts. ``keep``: columns copied from
+    (manifest and every checksum) once, on a thread beside the load and the first block,
+    whose answers wait for it (a failed check raises PackError from that call on). ``keep``: columns copied from
     each request row to its result row (``id`` always is, when the dataset has it).
     ``output``: ``"columns"`` — the result's fields as columns, as in the command's result
     lines — or ``"json"`` — the result as JSON text in a ``result`` column, with ``error`` and
@@ -202,17 +206,24 @@ class TaskRunner:
         self.defaults = dict(defaults or {})
         self.batch_tokens = batch_tokens
         self.keep = ("id", *(k for k in keep if k != "id"))
-        if verify:
-            verify_once(pack)
-        self.tokenizer = Tokenizer.from_gguf(pack)
-        self.template = tasks.chat_template(pack, self.tokenizer) if template else None
-        self.engine = load(pack, **dict(engine or {}))
+        # The whole-pack check reads every byte once: it runs beside the model's load and the
+        # first block (no answer leaves the actor before it has passed), not before them.
+        self._check = _Check(pack) if verify else None
+        try:
+            self.tokenizer = Tokenizer.from_gguf(pack)
+            self.template = tasks.chat_template(pack, self.tokenizer) if template else None
+            self.engine = load(pack, **dict(engine or {}))
+        except BaseException:
+            self._checked()  # a pack that fails its check: that is the error to report
+            raise
 
     def answer(self, rows: Sequence[Mapping[str, Any]]) -> list[Any]:
         """The results of ``rows`` (requests), in order: a task result, or the exception that
         kept a request from being answered."""
         from . import tasks
 
+        if self._check is not None and self._check.done():
+            self._checked()  # a pack that failed its check answers nothing more
         plans: list[Any] = []
         for row in rows:
             try:
@@ -220,7 +231,14 @@ class TaskRunner:
                 plans.append(_plan(self.task, self.engine, self.tokenizer, self.template, req))
             except Exception as exc:  # this request fails on its own row
                 plans.append(exc)
-        return list(tasks.run_plans(self.engine, plans, batch_tokens=self.batch_tokens))
+        results = list(tasks.run_plans(self.engine, plans, batch_tokens=self.batch_tokens))
+        self._checked()
+        return results
+
+    def _checked(self) -> None:
+        """Wait for the pack's check (once); PackError if it failed."""
+        if self._check is not None:
+            self._check.result()
 
     def __call__(self, batch: Any) -> Any:
         import pyarrow as pa
@@ -250,7 +268,41 @@ class TaskRunner:
         return pa.table({k: pa.array([r.get(k) for r in out], typed.get(k)) for k in names})
 
     def close(self) -> None:
-        self.engine.close()
+        try:
+            self.engine.close()
+        finally:
+            if self._check is not None:
+                self._check.join()
+
+
+class _Check:
+    """`verify_once` of a pack on a thread of its own (hashing and reading release the GIL):
+    started at once, its outcome taken with `result`."""
+
+    def __init__(self, pack: str | os.PathLike[str]) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(pack,), name="estream-pack-check", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, pack: str | os.PathLike[str]) -> None:
+        try:
+            verify_once(pack)
+        except BaseException as exc:  # handed to the thread that takes the result
+            self._error = exc
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> None:
+        """Wait for the check; raise its error (PackError: a checksum that differs, ...)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def verify_once(pack: str | os.PathLike[str]) -> None:

@@ -176,7 +176,10 @@ def _start_ray(ray: Any, args: argparse.Namespace, actors: int, threads: int) ->
             raise BadRequestError(f"--ray {args.ray}: cannot connect to Ray ({msg})") from None
     else:  # a local instance: the actors' CPUs, one more for the readers and writers
         cpus = max(os.cpu_count() or 1, actors * threads) + 1
-        ray.init(num_cpus=cpus, include_dashboard=False, **quiet)
+        # Ray starts its workers at niceness 15 by default: the actors are this command's
+        # work, so they run at the priority of the command itself.
+        system = {"worker_niceness": 0}
+        ray.init(num_cpus=cpus, include_dashboard=False, _system_config=system, **quiet)
     ctx = ray.data.DataContext.get_current()
     for name in ("ray", "ray.data"):
         logging.getLogger(name).setLevel(logging.ERROR)
