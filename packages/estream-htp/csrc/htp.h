@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define HTP_ABI_VERSION 2
+#define HTP_ABI_VERSION 3
 #define HTP_MAX_REFS 10
 #define HTP_QUEUE_DEPTH 64
 #define HTP_TMP_BUFFER 2147483648
@@ -194,7 +194,26 @@ typedef struct htp_expert_params {
     uint32_t format_up;      /* appended (was reserved, 0): up's tile format, 0 = `format` */
     uint32_t format_down;    /* down's tile format, 0 = `format` (a file may mix the types of
                                 an expert's projections, e.g. Q4_K_M's Q6_K ffn_down) */
+    /* Appended (ABI 3; zeros are the original SwiGLU op without biases). */
+    uint32_t glu;        /* htp_glu: the gated activation of gate g and up u */
+    float glu_alpha;     /* HTP_GLU_SWIGLU_OAI: the sigmoid's scale (> 0); else 0 */
+    float glu_limit;     /* HTP_GLU_SWIGLU_OAI: the clamp (> 0); else 0 */
+    uint32_t has_bias;   /* 1: a tenth reference holds f32 biases indexed by expert id: gate
+                            [E][d_ff] at its offset, up [E][d_ff] bias_up bytes and down
+                            [E][d_model] bias_down bytes further (multiples of 4); g, u get
+                            their expert's row before the activation, down's output before
+                            the weighting. 0: no biases, both offsets 0 */
+    uint64_t bias_up, bias_down;
 } htp_expert_params;
+
+/* The expert op's gated activation h = act(g, u) (g, u after their biases, if any):
+ * SWIGLU: silu(g) * u; REGLU: max(g, 0) * u; SWIGLU_OAI (gpt-oss): with g' = min(g, limit) and
+ * u' = clamp(u, -limit, limit), g' * sigmoid(alpha * g') * (u' + 1). */
+typedef enum htp_glu {
+    HTP_GLU_SWIGLU = 0,
+    HTP_GLU_REGLU = 1,
+    HTP_GLU_SWIGLU_OAI = 2
+} htp_glu;
 
 typedef struct htp_get_rows_params {
     uint32_t format, n_rows, n_cols, t;
@@ -210,7 +229,7 @@ typedef struct htp_rms_norm_params { /* rows of n_groups groups of d; w may be a
  * (ggml's rope_yarn): the scaled and unscaled angles of pair j are mixed by
  * ramp(j) * ext_factor, ramp(j) = 1 - clamp((j - corr_low) / max(0.001, corr_high - corr_low),
  * 0, 1), and cos/sin are multiplied by attn_factor, times (1 + 0.1 ln(1/freq_scale)) when
- * ext_factor != 0. Appended fields: the descriptor stays within htp_op_params' 64 bytes. */
+ * ext_factor != 0. Appended fields: the descriptor stays within htp_op_params' 96 bytes. */
 typedef struct htp_rope_params {
     uint32_t t, n_heads, head_dim, n_rot, mode;
     float freq_base, freq_scale;
@@ -299,7 +318,7 @@ typedef union htp_op_params {
     htp_copy_params copy;
     htp_fill_params fill;
     htp_quantize_params quantize;
-    uint8_t raw[64];
+    uint8_t raw[96];
 } htp_op_params;
 
 /* One op. Unused refs and reserved fields must be zero. */
@@ -327,18 +346,18 @@ typedef struct htp_op_times {
 static_assert(sizeof(htp_backend_desc) == 32, "htp_backend_desc ABI");
 static_assert(sizeof(htp_buffer_desc) == 32, "htp_buffer_desc ABI");
 static_assert(sizeof(htp_ref) == 16, "htp_ref ABI");
-static_assert(sizeof(htp_expert_params) == 64, "htp_expert_params ABI");
-static_assert(sizeof(htp_op_params) == 64, "htp_op_params ABI");
+static_assert(sizeof(htp_expert_params) == 96, "htp_expert_params ABI");
+static_assert(sizeof(htp_op_params) == 96, "htp_op_params ABI");
 static_assert(sizeof(htp_rope_params) == 48, "htp_rope_params ABI");
-static_assert(sizeof(htp_op_desc) == 240, "htp_op_desc ABI");
+static_assert(sizeof(htp_op_desc) == 272, "htp_op_desc ABI");
 static_assert(sizeof(htp_op_times) == 32, "htp_op_times ABI");
 #elif defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
 _Static_assert(sizeof(htp_backend_desc) == 32, "htp_backend_desc ABI");
 _Static_assert(sizeof(htp_buffer_desc) == 32, "htp_buffer_desc ABI");
 _Static_assert(sizeof(htp_ref) == 16, "htp_ref ABI");
-_Static_assert(sizeof(htp_expert_params) == 64, "htp_expert_params ABI");
-_Static_assert(sizeof(htp_op_params) == 64, "htp_op_params ABI");
-_Static_assert(sizeof(htp_op_desc) == 240, "htp_op_desc ABI");
+_Static_assert(sizeof(htp_expert_params) == 96, "htp_expert_params ABI");
+_Static_assert(sizeof(htp_op_params) == 96, "htp_op_params ABI");
+_Static_assert(sizeof(htp_op_desc) == 272, "htp_op_desc ABI");
 _Static_assert(sizeof(htp_op_times) == 32, "htp_op_times ABI");
 #endif
 

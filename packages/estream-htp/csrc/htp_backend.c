@@ -323,7 +323,8 @@ static uint32_t refs_of(const htp_op_desc *op) {
     switch (op->opcode) {
     case HTP_OP_NOP: return 0;
     case HTP_OP_GEMM: return op->p.gemm.n_more <= 2 ? 3 + 2 * op->p.gemm.n_more : UINT32_MAX;
-    case HTP_OP_EXPERT: return 9;
+    case HTP_OP_EXPERT: /* a tenth reference with the biases */
+        return op->p.expert.has_bias <= 1 ? 9 + op->p.expert.has_bias : UINT32_MAX;
     case HTP_OP_GET_ROWS: return 3;
     case HTP_OP_RMS_NORM: return op->p.rms_norm.has_weight ? 3 : 2;
     case HTP_OP_ROPE: return 2;
@@ -350,6 +351,16 @@ static htp_status exec_expert(htp_backend *b, const htp_op_desc *op) {
     const uint32_t d = p->d_model, ff = p->d_ff, T = p->n_tokens, R = p->n_routes, E = p->n_experts;
     if (!d || !ff || d % 32 || ff % 32 || !p->capacity) return HTP_E_INVALID;
     if (p->x_q8 && op->act != HTP_ACT_Q8) return HTP_E_INVALID; /* Q8 rows need Q8 products */
+    if (p->glu > HTP_GLU_SWIGLU_OAI) return HTP_E_INVALID;
+    if (p->glu == HTP_GLU_SWIGLU_OAI) { /* alpha and limit positive and finite */
+        if (!(p->glu_alpha > 0.0f && isfinite(p->glu_alpha) && p->glu_limit > 0.0f &&
+              isfinite(p->glu_limit)))
+            return HTP_E_INVALID;
+    } else if (p->glu_alpha != 0.0f || p->glu_limit != 0.0f) {
+        return HTP_E_BAD_OP; /* fields the activation does not use must be zero */
+    }
+    if (!p->has_bias && (p->bias_up || p->bias_down)) return HTP_E_BAD_OP;
+    if (p->has_bias && (p->bias_up % 4 || p->bias_down % 4)) return HTP_E_INVALID;
     const float *x = NULL, *w;
     const int32_t *tok_s, *exp_s, *slot_s;
     const uint8_t *xr = NULL;
@@ -361,6 +372,18 @@ static htp_status exec_expert(htp_backend *b, const htp_op_desc *op) {
     GET(3, nbytes(R, 4), RD, 4, w);
     GET(4, nbytes(E, 4), RD, 4, slot_s);
     GET(8, nbytes3(T, d, 4), WR, 4, y);
+    const float *bias[3] = {NULL, NULL, NULL};
+    if (p->has_bias) { /* gate's rows at the reference, up's and down's at their offsets */
+        const uint64_t gb = nbytes3(E, ff, 4), db = nbytes3(E, d, 4);
+        uint64_t span = gb;
+        if (p->bias_up > UINT64_MAX - gb || p->bias_down > UINT64_MAX - db) return HTP_E_BOUNDS;
+        span = HTP_MAX(span, HTP_MAX(p->bias_up + gb, p->bias_down + db));
+        const uint8_t *bb;
+        GET(9, span, RD, 4, bb);
+        bias[0] = (const float *)bb;
+        bias[1] = (const float *)(bb + p->bias_up);
+        bias[2] = (const float *)(bb + p->bias_down);
+    }
     if (R == 0) return HTP_OK;
     /* Index arrays are copied before they are checked, so a submitter writing to them while
      * the op runs cannot steer the kernels outside the buffers. */
@@ -398,7 +421,8 @@ static htp_status exec_expert(htp_backend *b, const htp_op_desc *op) {
     }
     const htp_act_q8 rows = xr ? htp_q8_rows(xr, T, d) : (htp_act_q8){NULL, NULL, NULL};
     if (st == HTP_OK)
-        st = htp_exec_expert(&b->ex, p, op->act, x, tokens, experts, w, slot, planes, y, xr ? &rows : NULL);
+        st = htp_exec_expert(&b->ex, p, op->act, x, tokens, experts, w, slot, planes, y, xr ? &rows : NULL,
+                             bias);
     free(idx);
     return st;
 }

@@ -5,14 +5,16 @@
  * one parallel region:
  *   (a) gather the routed token rows (in Q8 mode: rows quantized once per token before the
  *       passes, or by the caller once for several ops: x_q8), partitioned by record;
- *   (b) gate and up GEMMs + SwiGLU: work items (up to SUB routes of one slot, a block of d_ff
- *       tiles), handed out as threads come free;
- *   (c) down GEMM + scatter-add weight*y: work items (a block of d_model tiles, over every
- *       slot in order), handed out the same way. Each item reads every routed row of h once,
- *       so there are only ~4 per thread: more would multiply that traffic (32 MB of h at
- *       4K tokens) for no better balance.
+ *   (b) gate and up GEMMs (+ their experts' biases) + the gated activation (SwiGLU, ReGLU or
+ *       SwiGLU-OAI: htp.h's htp_glu): work items (up to SUB routes of one slot, a block of
+ *       d_ff tiles), handed out as threads come free;
+ *   (c) down GEMM (+ its expert's bias) + scatter-add weight*y: work items (a block of d_model
+ *       tiles, over every slot in order), handed out the same way. Each item reads every
+ *       routed row of h once, so there are only ~4 per thread: more would multiply that
+ *       traffic (32 MB of h at 4K tokens) for no better balance.
  * Every output element is produced by one thread in slot order, so results are bit-identical
  * for any thread count and whichever thread takes an item. */
+#include "htp_attn_body.h" /* htp_exp_neg */
 #include "htp_internal.h"
 
 #define SUB 128  /* routes per GEMM call inside a slot (bounds per-thread scratch) */
@@ -58,7 +60,33 @@ typedef struct run_ctx {
     uint32_t r0, nr, nseg, nsub;
     int q8;
     uint32_t next_b, next_c; /* the next work item of phases (b) and (c) (htp_next) */
+    const int32_t *experts;  /* expert id of each route (bias rows) */
+    const float *const *bias; /* gate [E][ff], up [E][ff], down [E][d], or NULLs */
+    uint32_t glu;             /* htp_glu */
+    float alpha, limit;       /* SwiGLU-OAI's */
 } run_ctx;
+
+/* g = act(g, u) over n values (htp.h's htp_glu). SwiGLU is the table's vector body; ReGLU and
+ * SwiGLU-OAI one scalar body for every table (the sigmoid as the scalar SwiGLU computes it:
+ * e = exp(-|z|), (z >= 0 ? 1 : e) / (1 + e)). NaN propagates through the clamps. */
+static void glu_apply(const run_ctx *c, float *g, const float *u, uint32_t n) {
+    if (c->glu == HTP_GLU_REGLU) {
+        for (uint32_t i = 0; i < n; i++) g[i] = (g[i] < 0.0f ? 0.0f : g[i]) * u[i];
+    } else if (c->glu == HTP_GLU_SWIGLU_OAI) {
+        const float lim = c->limit, alpha = c->alpha;
+        for (uint32_t i = 0; i < n; i++) {
+            const float x = g[i] > lim ? lim : g[i];
+            const float v = u[i] > lim ? lim : (u[i] < -lim ? -lim : u[i]);
+            const float z = alpha * x;
+            const float e = htp_exp_neg(-fabsf(z));
+            const float sig = (z >= 0.0f ? 1.0f : e) / (1.0f + e);
+            const float s = x * sig;
+            g[i] = s * (v + 1.0f);
+        }
+    } else {
+        c->isa->swiglu(g, u, n, g);
+    }
+}
 
 static void ws_release(struct htp_expert_ws *g) {
     free(g->rec_route);
@@ -168,7 +196,8 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
     float *tmp = (float *)htp_scratch(c->pool, ith, 2, 0);
     float *panel = (float *)htp_scratch(c->pool, ith, 0, 0);
 
-    /* (b) gate, up, SwiGLU: items (piece of a slot's routes, block of d_ff tiles) */
+    /* (b) gate, up, their biases, the activation: items (piece of a slot's routes, block of
+     * d_ff tiles) */
     const uint32_t n_fblk = (fb + FBLK - 1) / FBLK;
     for (uint32_t item; (item = htp_next(&c->next_b)) < c->nsub * n_fblk;) {
         const uint32_t sub = item / n_fblk;
@@ -192,8 +221,17 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
         }
         for (uint32_t i = 0; i < n; i++) {
             float *gi = tg + (size_t)i * ncol;
-            const float *ui = tu + (size_t)i * ncol;
-            isa->swiglu(gi, ui, ncol, gi);
+            float *ui = tu + (size_t)i * ncol;
+            if (c->bias[0]) { /* this route's expert's rows of the gate and up biases */
+                const size_t e = (size_t)c->experts[c->r0 + (uint32_t)g->rec_route[rec + i]];
+                const float *bg = c->bias[0] + e * ff + (size_t)b * 32;
+                const float *bu = c->bias[1] + e * ff + (size_t)b * 32;
+                for (uint32_t col = 0; col < ncol; col++) {
+                    gi[col] += bg[col];
+                    ui[col] += bu[col];
+                }
+            }
+            glu_apply(c, gi, ui, ncol);
             if (c->q8) { /* the item's blocks of this route's h are contiguous: one call */
                 const size_t o = (size_t)(rec + i) * fb + b;
                 isa->quantize_row_q8(gi, ncol, g->hq + o * 32, g->hd + o, g->hs + o);
@@ -228,7 +266,13 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
                     const float wgt = c->weights[route];
                     float *yr = c->y + (size_t)c->tokens[route] * d + (size_t)b * 32;
                     const float *src = tmp + (size_t)i * dcol;
-                    for (uint32_t col = 0; col < dcol; col++) yr[col] += wgt * src[col];
+                    if (c->bias[2]) { /* down's bias row of the route's expert, then weighted */
+                        const float *bd = c->bias[2] + (size_t)c->experts[route] * d + b * 32;
+                        for (uint32_t col = 0; col < dcol; col++)
+                            yr[col] += wgt * (src[col] + bd[col]);
+                    } else {
+                        for (uint32_t col = 0; col < dcol; col++) yr[col] += wgt * src[col];
+                    }
                 }
             }
         }
@@ -300,11 +344,12 @@ htp_status htp_expert_formats(const htp_expert_params *p, uint32_t fmt[3]) {
 }
 
 /* Validated by the caller (htp_host_execute): shapes, formats, every index, the slot range
- * against the planes' registered sizes. */
+ * against the planes' registered sizes, the activation's fields, the biases' bounds. */
 htp_status htp_exec_expert(htp_exec *ex, const htp_expert_params *p, uint32_t act,
                            const float *x, const int32_t *tokens, const int32_t *experts,
                            const float *weights, const int32_t *slot_of_expert,
-                           const uint8_t *const planes[3], float *y, const htp_act_q8 *xq) {
+                           const uint8_t *const planes[3], float *y, const htp_act_q8 *xq,
+                           const float *const bias[3]) {
     const uint32_t R = p->n_routes;
     if (R == 0) return HTP_OK;
     const uint32_t d = p->d_model, ff = p->d_ff, C = p->capacity;
@@ -405,7 +450,8 @@ htp_status htp_exec_expert(htp_exec *ex, const htp_expert_params *p, uint32_t ac
                 }
             for (uint32_t i = 0; i < nr; i++) g->rec_route[g->counts[g->route_slot[i]]++] = g->stage[i];
             run_ctx c = {g, ex->isa, ex->pool, d, ff, {0, 0, 0}, planes, p->slot_stride, x, &rows, tokens, weights,
-                         y, 0, nr, nseg, nsub, q8, 0, 0};
+                         y, 0, nr, nseg, nsub, q8, 0, 0, experts, bias, p->glu, p->glu_alpha,
+                         p->glu_limit};
             htp_expert_formats(p, c.fmt);
             htp_parallel(ex->pool, run_task, &c);
         }

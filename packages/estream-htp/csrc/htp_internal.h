@@ -349,10 +349,13 @@ htp_status htp_exec_gemm(htp_exec *e, const htp_gemm_mat *mats, uint32_t n_mats,
 /* The tile formats of an expert's gate, up and down (`format`, `format_up`, `format_down`, 0 =
  * `format`): HTP_E_UNSUPPORTED unless each is a weight tile format the expert op computes. */
 htp_status htp_expert_formats(const htp_expert_params *p, uint32_t fmt[3]);
+/* The routed-expert op (htp.h's HTP_OP_EXPERT, activation p->glu); bias: gate [E][d_ff], up
+ * [E][d_ff], down [E][d_model] f32 rows indexed by expert id, or NULLs (p->has_bias = 0). */
 htp_status htp_exec_expert(htp_exec *e, const htp_expert_params *p, uint32_t act,
                            const float *x, const int32_t *tokens, const int32_t *experts,
                            const float *weights, const int32_t *slot_of_expert,
-                           const uint8_t *const planes[3], float *y, const htp_act_q8 *xq);
+                           const uint8_t *const planes[3], float *y, const htp_act_q8 *xq,
+                           const float *const bias[3]);
 /* Q8 rows (htp.h, htp_quantize_params) of x[t][d]; the parts of `out` as an htp_act_q8. */
 htp_act_q8 htp_q8_rows(const uint8_t *rows, uint32_t t, uint32_t d);
 void htp_exec_quantize(htp_exec *e, const htp_quantize_params *p, const float *x, uint8_t *out);

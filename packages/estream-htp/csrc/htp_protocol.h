@@ -38,7 +38,7 @@ typedef struct queue_slot {
     uint32_t reserved;
     uint64_t started_ns, completed_ns;
 } queue_slot;
-_Static_assert(sizeof(queue_slot) == 264, "queue_slot");
+_Static_assert(sizeof(queue_slot) == 296, "queue_slot");
 
 typedef struct htp_queue {
     uint32_t magic, abi_version, depth, slot_bytes;

@@ -60,8 +60,9 @@ def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     every tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0, Q5_1) and
     activation format within the fp32 rounding bound of float64, exact-integer GEMMs
     bit-identical to the int64 dot product and to the portable table, GEMM from Q8 rows and
-    with a shared input, the expert op, quantization, attention (MLA's head dims with a sliding
-    window and sinks among them), SwiGLU, fp32 matmul), and each kind of check ran."""
+    with a shared input, the expert op (SwiGLU, ReGLU and SwiGLU-OAI, with and without
+    biases), quantization, attention (MLA's head dims with a sliding window and sinks among
+    them), SwiGLU, fp32 matmul), and each kind of check ran."""
     r = _qemu(selftest, "max")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr
     lines = r.stdout.splitlines()
@@ -88,6 +89,12 @@ def test_without_dotprod_the_library_reports_portable(selftest: Path) -> None:
 
 def test_selftest_fails_when_a_dot_product_is_off_by_one(selftest: Path, tmp_path: Path) -> None:
     """The self-test is able to fail: with every int8 dot-product (and matrix-product) call of
+    for glu in (0, 1, 2):  # SwiGLU, ReGLU, SwiGLU-OAI with biases on the NEON table
+        for act in ("f32", "q8"):
+            assert any(
+                s.startswith(f"expert q4_0 act={act} neon ") and f"glu={glu} bias=1" in s
+                for s in lines
+            ), (glu, act)
     the NEON kernels adding 1 to its accumulator, it reports mismatches and exits 1."""
     csrc = tmp_path / "csrc"
     shutil.copytree(PKG / "csrc", csrc)

@@ -318,6 +318,50 @@ def test_expert_op_routes_past_capacity_and_scattered_slots(
     assert _same(outs[0], outs[1]) and not np.allclose(outs[1], 0.5)
 
 
+@settings(max_examples=2 * _X)
+@given(
+    t=st.integers(1, 9),
+    glu=st.sampled_from(["reglu", "swiglu_oai", "swiglu"]),
+    with_bias=st.booleans(),
+    act=st.sampled_from(["q8", "f32"]),
+    seed=st.integers(0, 2**16),
+)
+def test_expert_op_glu_kinds_and_biases_bit_exact(
+    host: htp.Backend,
+    hexagon: htp.Backend,
+    t: int,
+    glu: str,
+    with_bias: bool,
+    act: str,
+    seed: int,
+) -> None:
+    """ReGLU and SwiGLU-OAI experts (SwiGLU too), with and without their f32 biases (large
+    enough to reach SwiGLU-OAI's clamps): the executor gives the host's bits, and with f32
+    products the float64 reference within 1e-5."""
+    rng = np.random.default_rng(seed)
+    n_e, d, ff, k = 3, 64, 96, 2
+    gate, up, down = T.random_experts(rng, n_e, d, ff)
+    bias = None
+    if with_bias:
+        bias = tuple(
+            (4.0 * rng.standard_normal(s)).astype(np.float32)
+            for s in ((n_e, ff), (n_e, ff), (n_e, d))
+        )
+    x = (3.0 * rng.standard_normal((t, d))).astype(np.float32)
+    ids = np.stack([rng.permutation(n_e)[:k] for _ in range(t)]).astype(np.int32)
+    wts = rng.random((t, k)).astype(np.float32)
+    kw = dict(act=act, glu=glu, biases=bias)
+    a = htp.moe_ffn(x, gate, up, down, ids, wts, backend=host, **kw)
+    b = htp.moe_ffn(x, gate, up, down, ids, wts, backend=hexagon, **kw)
+    assert _same(a, b) and np.isfinite(b).all()
+    if act == "f32":
+        tokens = np.repeat(np.arange(t, dtype=np.int32), k)
+        ref = T.ref_expert_op(
+            x, tokens, ids.reshape(-1), wts.reshape(-1), gate, up, down, ff, glu=glu, biases=bias
+        )
+        assert T.rel_l2(b, ref) < 1e-5
+
+
 def test_small_ops(host: htp.Backend, hexagon: htp.Backend) -> None:
     rng = np.random.default_rng(7)
     x = rng.standard_normal((13, 96)).astype(np.float32)

@@ -500,10 +500,12 @@ static double rel_l2(const double *a, const double *b, size_t n) {
     return sqrt(num / (den > 0 ? den : 1));
 }
 
-/* y[T][d] += sum over routes of weight * down(silu(gate x) * up x), E experts in scattered
- * slots (stride past the matrix), one unrouted token and one expert without routes. */
+/* y[T][d] += sum over routes of weight * down(act(gate x, up x)), E experts in scattered
+ * slots (stride past the matrix), one unrouted token and one expert without routes; act is the
+ * op's `glu` (SwiGLU, ReGLU, SwiGLU-OAI with alpha 1.702 and limit 7), and with `bias` each
+ * expert's f32 rows are added to gate and up before it and to down's output. */
 static int check_expert(uint32_t fmt, uint32_t act, uint32_t d, uint32_t ff, uint32_t T,
-                        uint32_t capacity) {
+                        uint32_t capacity, uint32_t glu, int bias) {
     enum { E = 4 };
     const int32_t slot_of[E] = {2, -1, 0, 1}; /* expert 1 is not resident and never routed */
     const size_t bytes[3] = {(size_t)(ff / 32) * (d / 32) * tile_bytes(fmt),
@@ -533,6 +535,11 @@ static int check_expert(uint32_t fmt, uint32_t act, uint32_t d, uint32_t ff, uin
     }
     float *y0 = malloc(sizeof(float) * T * d), *y[2];
     for (size_t i = 0; i < (size_t)T * d; i++) y0[i] = frand();
+    /* gate [E][ff], up [E][ff], down [E][d]: large enough to reach SwiGLU-OAI's clamps */
+    const size_t nbias = (size_t)E * (2 * ff + d);
+    float *bb = malloc(sizeof(float) * nbias);
+    for (size_t i = 0; i < nbias; i++) bb[i] = 8.0f * frand();
+    const float alpha = 1.702f, limit = 7.0f;
     const uint32_t levels[2] = {HTP_SIMD_PORTABLE, HTP_SIMD_NEON};
     int bad = 0;
     for (int l = 0; l < 2; l++) {
@@ -546,29 +553,43 @@ static int check_expert(uint32_t fmt, uint32_t act, uint32_t d, uint32_t ff, uin
         op.p.expert.n_routes = R, op.p.expert.n_experts = E, op.p.expert.capacity = capacity;
         op.p.expert.format = fmt;
         for (int j = 0; j < 3; j++) op.p.expert.slot_stride[j] = stride[j];
-        const buf b[9] = {{x, sizeof(float) * T * d, RD},  {tok, 4 * R, RD},
-                          {ex, 4 * R, RD},                 {wt, 4 * R, RD},
-                          {(void *)slot_of, 4 * E, RD},    {plane[0], 3 * stride[0], RD},
-                          {plane[1], 3 * stride[1], RD},   {plane[2], 3 * stride[2], RD},
-                          {y[l], sizeof(float) * T * d, RW}};
-        bad |= run(levels[l], 2, &op, b, 9);
+        op.p.expert.glu = glu;
+        if (glu == HTP_GLU_SWIGLU_OAI) op.p.expert.glu_alpha = alpha, op.p.expert.glu_limit = limit;
+        if (bias) {
+            op.p.expert.has_bias = 1;
+            op.p.expert.bias_up = 4 * (uint64_t)E * ff, op.p.expert.bias_down = 8 * (uint64_t)E * ff;
+        }
+        const buf b[10] = {{x, sizeof(float) * T * d, RD},  {tok, 4 * R, RD},
+                           {ex, 4 * R, RD},                 {wt, 4 * R, RD},
+                           {(void *)slot_of, 4 * E, RD},    {plane[0], 3 * stride[0], RD},
+                           {plane[1], 3 * stride[1], RD},   {plane[2], 3 * stride[2], RD},
+                           {y[l], sizeof(float) * T * d, RW}, {bb, sizeof(float) * nbias, RD}};
+        bad |= run(levels[l], 2, &op, b, bias ? 10 : 9);
     }
     /* float64 reference */
     double *ref = malloc(sizeof(double) * T * d), *h = malloc(sizeof(double) * ff);
     for (size_t i = 0; i < (size_t)T * d; i++) ref[i] = y0[i];
     for (uint32_t r = 0; r < R; r++) {
-        const size_t s = (size_t)slot_of[ex[r]];
+        const size_t s = (size_t)slot_of[ex[r]], e = (size_t)ex[r];
         const float *xr = x + (size_t)tok[r] * d;
         for (uint32_t f = 0; f < ff; f++) {
-            double g = 0, u = 0;
+            double g = bias ? bb[e * ff + f] : 0, u = bias ? bb[(E + e) * ff + f] : 0;
             for (uint32_t c = 0; c < d; c++) {
                 g += w_val(plane[0] + s * stride[0], fmt, d, f, c, NULL) * xr[c];
                 u += w_val(plane[1] + s * stride[1], fmt, d, f, c, NULL) * xr[c];
             }
-            h[f] = g / (1.0 + exp(-g)) * u;
+            if (glu == HTP_GLU_REGLU) {
+                h[f] = (g > 0 ? g : 0) * u;
+            } else if (glu == HTP_GLU_SWIGLU_OAI) {
+                g = g < limit ? g : limit;
+                u = u < -limit ? -limit : (u > limit ? limit : u);
+                h[f] = g / (1.0 + exp(-alpha * g)) * (u + 1);
+            } else {
+                h[f] = g / (1.0 + exp(-g)) * u;
+            }
         }
         for (uint32_t o = 0; o < d; o++) {
-            double acc = 0;
+            double acc = bias ? bb[2 * (size_t)E * ff + e * d + o] : 0;
             for (uint32_t c = 0; c < ff; c++)
                 acc += w_val(plane[2] + s * stride[2], fmt, ff, o, c, NULL) * h[c];
             ref[(size_t)tok[r] * d + o] += wt[r] * acc;
@@ -595,14 +616,15 @@ static int check_expert(uint32_t fmt, uint32_t act, uint32_t d, uint32_t ff, uin
             want[i] = (act == HTP_ACT_F32 ? ref[i] : (double)y[0][i]) - y0[i];
         }
         const double e = rel_l2(got, want, (size_t)T * d), tol = act == HTP_ACT_F32 ? 1e-5 : 1e-6;
-        printf("expert %s act=%s %s d=%u ff=%u T=%u capacity=%u: rel %.3g vs %s\n", fmt_name(fmt),
-               an, l ? "neon" : "portable", d, ff, T, capacity, e,
+        printf("expert %s act=%s %s d=%u ff=%u T=%u capacity=%u glu=%u bias=%d: rel %.3g vs %s\n",
+               fmt_name(fmt), an, l ? "neon" : "portable", d, ff, T, capacity, glu, bias, e,
                act == HTP_ACT_F32 ? "float64" : "portable");
         if (!(e <= tol)) bad = 1;
     }
     free(got), free(want);
     for (int j = 0; j < 3; j++) free(plane[j]);
     free(x), free(tok), free(ex), free(wt), free(y0), free(y[0]), free(y[1]), free(ref), free(h);
+    free(bb);
     return bad;
 }
 
@@ -824,10 +846,17 @@ int main(int argc, char **argv) {
         CHECK(check_gemm_exact(fmts[f], 100, 1024, 3));
         CHECK(check_gemm_forms(fmts[f], 96, 5));
         for (uint32_t act = 0; act < 2; act++) {
-            CHECK(check_expert(fmts[f], act, 64, 96, 9, 64));
-            CHECK(check_expert(fmts[f], act, 96, 64, 13, 5)); /* routes split into passes */
+            CHECK(check_expert(fmts[f], act, 64, 96, 9, 64, HTP_GLU_SWIGLU, 0));
+            CHECK(check_expert(fmts[f], act, 96, 64, 13, 5, HTP_GLU_SWIGLU, 0)); /* split passes */
         }
     }
+    /* the other activations, with and without biases (Q4_0 and Q8_0 tiles) */
+    for (int f = 0; f < 2; f++)
+        for (uint32_t glu = HTP_GLU_SWIGLU; glu <= HTP_GLU_SWIGLU_OAI; glu++)
+            for (uint32_t act = 0; act < 2; act++) {
+                CHECK(check_expert(fmts[f], act, 64, 96, 9, 64, glu, 1));
+                if (glu != HTP_GLU_SWIGLU) CHECK(check_expert(fmts[f], act, 96, 64, 13, 5, glu, 0));
+            }
     CHECK(check_others());
 #undef CHECK
 done:

@@ -15,6 +15,7 @@ from estream_htp._backend import (
     best_simd_level,
 )
 from estream_htp._core import (
+    GLU_KINDS,
     Backend,
     CapacityError,
     ExecutorDiedError,
@@ -33,6 +34,7 @@ from estream_htp._core import (
     conv1d_causal,
     copy_rows,
     default_backend,
+    expert_biases,
     fill,
     gemm,
     gemm_shared,
@@ -71,6 +73,7 @@ from estream_htp._formats import (
 
 __all__ = [
     "BACKENDS",
+    "GLU_KINDS",
     "SIMD_LEVELS",
     "ActivationArena",
     "Backend",
@@ -94,6 +97,7 @@ __all__ = [
     "copy_rows",
     "default_backend",
     "dequantize_tiles",
+    "expert_biases",
     "fill",
     "gemm",
     "gemm_shared",

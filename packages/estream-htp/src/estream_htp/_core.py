@@ -35,6 +35,7 @@ from estream_htp._ffi import ffi, lib
 from estream_htp._formats import TILE_FORMATS, matrix_nbytes
 
 __all__ = [
+    "GLU_KINDS",
     "Backend",
     "CapacityError",
     "ExecutorDiedError",
@@ -52,6 +53,7 @@ __all__ = [
     "conv1d_causal",
     "copy_rows",
     "default_backend",
+    "expert_biases",
     "fill",
     "gemm",
     "get_activation_format",
@@ -430,12 +432,18 @@ def _expert_formats(formats: str | Sequence[str]) -> tuple[str, str, str]:
     return fs  # type: ignore[return-value]
 
 
+#: The expert op's gated activations (htp.h's htp_glu): name -> code.
+GLU_KINDS = {"swiglu": 0, "reglu": 1, "swiglu_oai": 2}
+
+
 class ExpertGraph:
     """The fused routed-expert op for ``d_model``/``d_ff``, cut into passes of ``capacity``
     routes, accepting up to ``t_max`` tokens, on a backend (default: the default backend).
     ``formats``: the tile format of every projection, or of gate, up and down each (a file may
-    store an expert's projections in different types). The working buffers live in the backend
-    and are reused for every expert and layer."""
+    store an expert's projections in different types). ``glu``: the gated activation of gate g
+    and up u — "swiglu" ``silu(g)·u``, "reglu" ``max(g, 0)·u`` or "swiglu_oai" (gpt-oss:
+    ``g'·sigmoid(alpha·g')·(u' + 1)``, ``g' = min(g, limit)``, ``u' = clamp(u, ±limit)``).
+    The working buffers live in the backend and are reused for every expert and layer."""
 
     def __init__(
         self,
@@ -446,7 +454,20 @@ class ExpertGraph:
         *,
         backend: Backend | None = None,
         formats: str | Sequence[str] = "q4_0-t32r4",
+        glu: str = "swiglu",
+        alpha: float = 1.702,
+        limit: float = 7.0,
     ) -> None:
+        if glu not in GLU_KINDS:
+            raise HTPInputError(f"glu must be one of {list(GLU_KINDS)}, got {glu!r}")
+        if glu == "swiglu_oai" and not all(
+            isinstance(v, (int, float)) and 0 < float(v) < float("inf") for v in (alpha, limit)
+        ):
+            raise HTPInputError(
+                f"swiglu_oai needs alpha and limit finite and > 0, got {alpha!r}, {limit!r}"
+            )
+        self.glu = glu
+        self.alpha, self.limit = (float(alpha), float(limit)) if glu == "swiglu_oai" else (0.0, 0.0)
         for v, nm in ((d_model, "d_model"), (d_ff, "d_ff")):
             if _u32(v, nm, 1) % 32:
                 raise HTPInputError(f"{nm} must be a multiple of 32, got {v}")
@@ -495,8 +516,10 @@ class ExpertGraph:
         *,
         act: str | None = None,
         formats: str | Sequence[str] | None = None,
+        biases: F32 | None = None,
     ) -> None:
-        """``y[t] += w · down(silu(gate(x[t])) * up(x[t]))`` for every route ``(t, e, w)``.
+        """``y[t] += w · down(silu(gate(x[t])) * up(x[t]))`` for every route ``(t, e, w)``
+        (with the graph's ``glu`` in place of SwiGLU).
 
         ``planes``: addresses (in this process) of slot 0 of the gate/up/down planes, inside
         memory registered with the backend (host backends also take unregistered memory);
@@ -504,9 +527,12 @@ class ExpertGraph:
         ``slot_of_expert[e]``. ``x`` may be `Q8Rows` (`quantize_q8`) with ``act="q8"``: the
         same bits as from the fp32 rows, quantized once for every op on that input.
         ``formats`` (default: the graph's) gives this call's tile formats: one layer's experts
-        may be stored in other types than another's."""
+        may be stored in other types than another's. ``biases``: the experts' f32 bias rows
+        as one array (`expert_biases`) for the ``E = len(slot_of_expert)`` experts: expert
+        ``e``'s gate and up rows are added to its projections before the activation, its down
+        row to its output before the weighting."""
         c = self._call(
-            x, tokens, experts, weights, slot_of_expert, planes, strides, y, act, formats
+            x, tokens, experts, weights, slot_of_expert, planes, strides, y, act, formats, biases
         )
         if c is not None:
             self.backend.run(c)
@@ -524,13 +550,14 @@ class ExpertGraph:
         *,
         act: str | None = None,
         formats: str | Sequence[str] | None = None,
+        biases: F32 | None = None,
     ) -> Fence | None:
         """As `run`, but returns the op's completion fence at once (None if nothing is
         routed). The operands must stay untouched until the fence completes; ``y`` must be in
         registered memory (`Backend.empty`) on a host-process backend so that ops queued one
         after another accumulate into the same array."""
         c = self._call(
-            x, tokens, experts, weights, slot_of_expert, planes, strides, y, act, formats
+            x, tokens, experts, weights, slot_of_expert, planes, strides, y, act, formats, biases
         )
         if c is None:
             return None
@@ -556,6 +583,7 @@ class ExpertGraph:
         y: F32,
         act: str | None,
         formats: str | Sequence[str] | None = None,
+        biases: F32 | None = None,
     ) -> Any:
         # long: the expert op's validator, one check per operand, then its descriptor
         if self._closed:
@@ -587,6 +615,14 @@ class ExpertGraph:
         if not y.flags.writeable:
             raise HTPInputError("y must be writeable")
         e = slot_of_expert.shape[0]
+        if biases is not None:
+            biases = _arr(biases, "biases", np.float32, 1)
+            nb = e * (2 * self.d_ff + self.d_model)
+            if biases.shape[0] != nb:
+                raise HTPInputError(
+                    f"biases must hold the gate, up and down rows of {e} experts "
+                    f"({nb} floats, see expert_biases), got {biases.shape[0]}"
+                )
         if r:
             if tokens.min() < 0 or tokens.max() >= t:
                 raise HTPInputError(
@@ -624,11 +660,36 @@ class ExpertGraph:
         p.format_up, p.format_down = _FMT[fmts[1]], _FMT[fmts[2]]
         p.x_q8 = int(rows)
         p.slot_stride = strides_i
+        p.glu, p.glu_alpha, p.glu_limit = GLU_KINDS[self.glu], self.alpha, self.limit
         c.ref(x.data if rows else x).ref(tokens).ref(experts).ref(weights).ref(slot_of_expert)
         for j in range(3):
             c.ref_address(planes_i[j], max_slot * strides_i[j] + need[j])
         c.ref(y, "rw")
+        if biases is not None:  # gate [E][ff], then up [E][ff], then down [E][d]
+            p.has_bias, p.bias_up, p.bias_down = 1, 4 * e * self.d_ff, 8 * e * self.d_ff
+            c.ref(biases)
         return c
+
+
+def expert_biases(
+    gate: F32, up: F32, down: F32, *, backend: Backend | None = None
+) -> npt.NDArray[np.float32]:
+    """The experts' f32 bias rows (``gate``, ``up`` ``[E, d_ff]``, ``down`` ``[E, d_model]``)
+    as the one array `ExpertGraph.run` takes as ``biases``: in the backend's shared memory on
+    an executor backend, so that no op copies them."""
+    g = _arr(np.ascontiguousarray(gate, np.float32), "gate", np.float32, 2)
+    u = _arr(np.ascontiguousarray(up, np.float32), "up", np.float32, 2)
+    d = _arr(np.ascontiguousarray(down, np.float32), "down", np.float32, 2)
+    if u.shape != g.shape or d.shape[0] != g.shape[0]:
+        raise HTPInputError(
+            f"gate and up must be [E, d_ff] and down [E, d_model] with one E, got "
+            f"{g.shape}, {u.shape}, {d.shape}"
+        )
+    be = _be(backend)
+    n = g.size + u.size + d.size
+    out = np.empty(n, np.float32) if be.kind == "host" else be.empty((n,), np.float32)
+    out[: g.size], out[g.size : 2 * g.size], out[2 * g.size :] = g.ravel(), u.ravel(), d.ravel()
+    return out
 
 
 def moe_ffn(
@@ -643,9 +704,12 @@ def moe_ffn(
     act: str | None = None,
     backend: Backend | None = None,
     formats: str | Sequence[str] = "q4_0-t32r4",
+    glu: str = "swiglu",
+    biases: tuple[F32, F32, F32] | None = None,
 ) -> F32:
     """Routed SwiGLU experts over packed tile-format byte arrays ``[E, nbytes]`` (``formats``:
-    one for all three projections, or gate's, up's and down's).
+    one for all three projections, or gate's, up's and down's); ``glu`` another activation
+    (`ExpertGraph`), ``biases`` the experts' gate, up and down bias rows.
 
     Returns ``Y[T, d] = Σ_k w[t,k] · down_e(silu(gate_e(x[t])) * up_e(x[t]))`` with
     ``e = topk_ids[t, k]``. ``ff`` is inferred from the gate byte count when not given."""
@@ -693,7 +757,12 @@ def moe_ffn(
         return y
     tokens = np.repeat(np.arange(t, dtype=np.int32), k)
     shared = [be.share(p) for p in planes] if be.kind != "host" else planes
-    with ExpertGraph(d, ff, capacity=min(t * k, 8192), t_max=t, backend=be, formats=fmts) as g:
+    bias = None if biases is None else expert_biases(*biases, backend=be)
+    if bias is not None and bias.size != e * (2 * ff + d):
+        raise HTPInputError(f"biases must be [E={e}, ff={ff}] twice and [E, d={d}]")
+    with ExpertGraph(
+        d, ff, capacity=min(t * k, 8192), t_max=t, backend=be, formats=fmts, glu=glu
+    ) as g:
         g.run(
             x,
             tokens,
@@ -704,6 +773,7 @@ def moe_ffn(
             [p.strides[0] for p in shared],
             y,
             act=act,
+            biases=bias,
         )
     return y
 

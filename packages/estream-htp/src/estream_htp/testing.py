@@ -388,9 +388,16 @@ def ref_expert_op(
     magnitude: bool = False,
     q8: bool = False,
     formats: tuple[str, str, str] = ("q4_0-t32r4",) * 3,
+    glu: str = "swiglu",
+    biases: tuple[npt.ArrayLike, npt.ArrayLike, npt.ArrayLike] | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> F64:
     """float64 ``Σ_r w_r · down_e(silu(gate_e(x_t)) * up_e(x_t))`` (planes ``[E, nbytes]`` in
-    the tile formats ``formats``: gate, up, down).
+    the tile formats ``formats``: gate, up, down); ``glu`` "reglu" ``max(g, 0)·u`` or
+    "swiglu_oai" ``g'·sigmoid(alpha·g')·(u' + 1)`` (``g' = min(g, limit)``, ``u'`` clamped to
+    ``±limit``) in place of SwiGLU; ``biases`` (gate, up ``[E, ff]``, down ``[E, d]``) added to
+    gate and up before the activation and to down's output before the weighting.
 
     ``magnitude=True`` returns ``Σ_r |w_r| · |down_e| · |h_r|`` instead (the rounding scale);
     ``q8=True`` feeds x and h through the int8 activation rounding as the q8 path does."""
@@ -407,12 +414,22 @@ def ref_expert_op(
                 dequantize_tiles(down[e], formats[2], d, ff).astype(np.float64),
             )
         wg, wu, wd = cache[e]
-        g = wg @ xx[tok]
-        h = g / (1.0 + np.exp(-g)) * (wu @ xx[tok])
+        g, u = wg @ xx[tok], wu @ xx[tok]
+        if biases is not None:
+            g = g + np.asarray(biases[0], dtype=np.float64)[e]
+            u = u + np.asarray(biases[1], dtype=np.float64)[e]
+        if glu == "reglu":
+            h = np.maximum(g, 0.0) * u
+        elif glu == "swiglu_oai":
+            g = np.minimum(g, limit)
+            h = g / (1.0 + np.exp(-alpha * g)) * (np.clip(u, -limit, limit) + 1.0)
+        else:
+            h = g / (1.0 + np.exp(-g)) * u
         if q8:
             h = ref_q8_activations(h.astype(np.float32)).astype(np.float64)
+        bd = 0.0 if biases is None else np.asarray(biases[2], dtype=np.float64)[e]
         if magnitude:
-            y[tok] += abs(float(w)) * (np.abs(wd) @ np.abs(h))
+            y[tok] += abs(float(w)) * (np.abs(wd) @ np.abs(h) + np.abs(bd))
         else:
-            y[tok] += float(w) * (wd @ h)
+            y[tok] += float(w) * (wd @ h + bd)
     return y
