@@ -36,7 +36,7 @@ were checked against llama.cpp's ``src/models/<arch>.cpp``, ``build_moe_ffn`` in
   its router reads the layer's input (before the attention norm), not the FFN norm's output.
 * gpt-oss: biases on q/k/v/o, a learned sink logit per query head in each row's softmax,
   NeoX RoPE (YaRN in the published models), the window ``attention.sliding_window`` on the
-  even layers; ``attn_post_norm`` (not ``ffn_norm``) feeds the experts; the router adds its
+  even layers; ``post_attention_norm`` (not ``ffn_norm``) feeds the experts; the router adds its
   bias to the logits, picks the top-k logits and softmaxes them among themselves; experts add
   their biases and use the clamped ``swiglu_oai``.
 * SmallThinker attention: no q/k norms, NeoX RoPE; with a sliding window in the file, the
@@ -517,9 +517,9 @@ class ReferenceConfig:
                 period = int(get("attention.sliding_window_pattern", 4))
                 extra["n_swa"] = SMALLTHINKER_SWA
                 extra["swa_layers"] = tuple(i for i in range(n_layer) if i % period)
-                extra["nope_layers"] = tuple(
-                    i for i in range(n_layer) if i % SMALLTHINKER_NOPE_STEP == 0
-                )
+                # llama.cpp: use_rope = (step == n_layer) || (i % step != 0)
+                if n_layer != SMALLTHINKER_NOPE_STEP:
+                    extra["nope_layers"] = tuple(range(0, n_layer, SMALLTHINKER_NOPE_STEP))
         elif arch == "gpt-oss":
             extra["n_swa"] = int(get("attention.sliding_window"))
             extra["swa_layers"] = tuple(
@@ -673,8 +673,8 @@ class ReferenceModel:
         else:
             mixed = self._attention(il, h, positions)
         x = x + mixed
-        # gpt-oss: the experts read attn_post_norm of the residual (it has no ffn_norm)
-        ffn_norm = "attn_post_norm" if cfg.arch == "gpt-oss" else "ffn_norm"
+        # gpt-oss: the experts read post_attention_norm of the residual (it has no ffn_norm)
+        ffn_norm = "post_attention_norm" if cfg.arch == "gpt-oss" else "ffn_norm"
         h = rms_norm(x, self.tensor(p + ffn_norm + ".weight"), cfg.rms_eps)
         return x + self._ffn(il, h, router_in)
 

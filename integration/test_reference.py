@@ -211,7 +211,7 @@ class _Naive:
                 n_kv = int(list(kv_md)[il]) if isinstance(kv_md, list) else int(kv_md)
                 mixed = self.gqa(p, hs, n_head, n_kv, eps, il)
             xs = [x + m for x, m in zip(xs, mixed)]
-            post = "attn_post_norm" if arch == "gpt-oss" else "ffn_norm"
+            post = "post_attention_norm" if arch == "gpt-oss" else "ffn_norm"
             hs = [self.rmsnorm(x, self.w(p + post + ".weight"), eps) for x in xs]
             if arch == "smallthinker":
                 xs = [x + self.moe(p, h, r) for x, h, r in zip(xs, hs, layer_in)]
@@ -229,7 +229,8 @@ class _Naive:
         # layers il % 4 == 0 have no position embedding
         swa = arch == "smallthinker" and int(self.md("attention.sliding_window", 0)) > 0
         window = 4096 if swa and il % int(self.md("attention.sliding_window_pattern", 4)) else 0
-        nope = swa and il % 4 == 0
+        # llama.cpp's graph takes RoPE everywhere when the step (4) equals the layer count
+        nope = swa and il % 4 == 0 and int(self.md("block_count")) != 4
         if arch == "gpt-oss":  # the window on the even layers
             window = int(self.md("attention.sliding_window")) if il % 2 == 0 else 0
         wq, wk, wv = (self.w(p + f"attn_{n}.weight") for n in "qkv")

@@ -1,10 +1,18 @@
 """Synthetic Hugging Face checkpoints for llama.cpp's own converter (``convert_hf_to_gguf.py``).
 
-`write_checkpoint` writes a directory as the DeepSeek-V2 (``DeepseekV2ForCausalLM``) and
-LFM2-MoE (``Lfm2MoeForCausalLM``) releases lay it out — ``config.json`` with the published
-field names, ``model.safetensors`` with the Hugging Face tensor names and shapes (one tensor per
-expert, ``kv_b_proj`` fused, the depthwise ``conv.conv`` kernel as ``[d, 1, L]``), a byte-level
-BPE ``tokenizer.json`` — filled with Gaussian F32 weights at the scales estream-synth uses.
+`write_checkpoint` writes a directory as the DeepSeek-V2 (``DeepseekV2ForCausalLM``), LFM2-MoE
+(``Lfm2MoeForCausalLM``), gpt-oss (``GptOssForCausalLM``) and SmallThinker
+(``SmallThinkerForCausalLM``) releases lay it out — ``config.json`` with the published field
+names, ``model.safetensors`` with the Hugging Face tensor names and shapes (one tensor per expert,
+``kv_b_proj`` fused, the depthwise ``conv.conv`` kernel as ``[d, 1, L]``; gpt-oss's experts as
+one ``[E, in, out]`` tensor per projection with ``gate`` and ``up`` interleaved in
+``gate_up_proj``), a byte-level BPE ``tokenizer.json`` — filled with Gaussian F32 weights at the
+scales estream-synth uses. ``mxfp4=True`` (gpt-oss only) stores the expert matrices as the
+published gpt-oss checkpoints do: MXFP4 ``*_blocks`` (``[E, out, in/32, 16]`` bytes, two FP4
+E2M1 codes a byte, the even element in the low nibble) and ``*_scales`` (``[E, out, in/32]``
+E8M0 exponents, bias 127) with ``quantization_config.quant_method = "mxfp4"``; the converter then
+writes them to the GGUF as MXFP4 without re-quantizing. The float weights are the same draws as
+without it, so the F32 checkpoint of the same seed is the MXFP4 one's original.
 `convert` then runs llama.cpp's converter on it (in its own virtual environment, with torch),
 so the GGUF tensor names, splits (``attn_k_b``/``attn_v_b``), merged expert tensors and metadata
 are llama.cpp's, not EStream's.
@@ -35,7 +43,19 @@ SDIST = "llama-cpp-python==0.3.36"
 TORCH = os.environ.get("ESTREAM_CONVERT_TORCH", "torch==2.13.0+cpu")
 CONVERT_DEPS = ("transformers", "safetensors", "sentencepiece", "protobuf", "numpy")
 
-HF_ARCH = {"deepseek2": "DeepseekV2ForCausalLM", "lfm2moe": "Lfm2MoeForCausalLM"}
+HF_ARCH = {
+    "deepseek2": "DeepseekV2ForCausalLM",
+    "lfm2moe": "Lfm2MoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
+    "smallthinker": "SmallThinkerForCausalLM",
+}
+#: FP4 E2M1, the values of MXFP4's 4-bit codes (before the block's power-of-two scale)
+FP4_E2M1 = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=np.float32,
+)
+#: gpt-oss's SwiGLU clamp (config.json ``swiglu_limit``; llama.cpp's graph fixes it at 7)
+GPT_OSS_SWIGLU_LIMIT = 7.0
 
 
 class ConverterError(RuntimeError):
@@ -43,14 +63,22 @@ class ConverterError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------ safetensors
+def _st_array(a: np.ndarray) -> np.ndarray:
+    """`a` as stored: uint8 as bytes (MXFP4 blocks and scales), anything else as F32."""
+    if a.dtype == np.uint8:
+        return np.ascontiguousarray(a)
+    return np.ascontiguousarray(a, dtype="<f4")
+
+
 def save_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """The safetensors format: u64 header length, JSON header, raw little-endian data."""
+    """The safetensors format: u64 header length, JSON header, raw little-endian data (F32, or
+    U8 for uint8 arrays)."""
     header: dict[str, Any] = {}
     offset = 0
     for name, a in tensors.items():
-        n = a.astype("<f4").nbytes
+        n = _st_array(a).nbytes
         header[name] = {
-            "dtype": "F32",
+            "dtype": "U8" if a.dtype == np.uint8 else "F32",
             "shape": list(a.shape),
             "data_offsets": [offset, offset + n],
         }
@@ -62,8 +90,38 @@ def save_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for a in tensors.values():
-            f.write(np.ascontiguousarray(a, dtype="<f4").tobytes())
+            f.write(_st_array(a).tobytes())
     tmp.replace(path)
+
+
+def mxfp4_pack(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`w` (``[..., cols]``, cols a multiple of 32) as Hugging Face's MXFP4 tensors:
+    ``blocks`` ``[..., cols/32, 16]`` uint8 (two E2M1 codes a byte, element ``2j`` in the low
+    nibble, ``2j+1`` in the high one) and ``scales`` ``[..., cols/32]`` uint8 (E8M0: the block's
+    power-of-two exponent + 127, the smallest that keeps its largest magnitude within 6).
+    Each value is rounded to the nearest code (ties to the lower code)."""
+    if w.shape[-1] % 32:
+        raise ValueError(f"MXFP4 rows must be a multiple of 32 long, not {w.shape[-1]}")
+    b = np.asarray(w, dtype=np.float32).reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
+    amax = np.abs(b).max(axis=-1)
+    exp = np.ceil(np.log2(np.maximum(amax, np.float32(2.0**-120)) / 6.0))
+    exp = np.clip(exp, -127, 127)
+    scaled = b / np.exp2(exp)[..., None]
+    codes = np.empty(b.shape, dtype=np.uint8)
+    for idx in np.ndindex(b.shape[:-2]):  # one row at a time: bounded memory
+        dist = np.abs(scaled[idx][..., None] - FP4_E2M1)
+        codes[idx] = dist.argmin(axis=-1)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return blocks, (exp + 127).astype(np.uint8)
+
+
+def mxfp4_unpack(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The float values of Hugging Face MXFP4 `blocks` and `scales` (`mxfp4_pack`'s layout):
+    ``[..., cols]``."""
+    lo, hi = FP4_E2M1[blocks & 0x0F], FP4_E2M1[blocks >> 4]
+    vals = np.stack((lo, hi), axis=-1).reshape(*blocks.shape[:-1], 32)
+    vals = vals * np.exp2(scales.astype(np.float32) - 127.0)[..., None]
+    return vals.reshape(*blocks.shape[:-2], blocks.shape[-2] * 32)
 
 
 # ------------------------------------------------------------------------------ checkpoint
@@ -131,10 +189,15 @@ def _tokenizer(out: Path, n_vocab: int, seed: int) -> tuple[int, int]:
     return eos, eos
 
 
-def write_checkpoint(arch: str, dims: Any, out: Path, *, seed: int = 0) -> Path:
-    """A synthetic HF checkpoint of `arch` with estream-synth's `SynthDims` `dims` in `out`."""
+def write_checkpoint(
+    arch: str, dims: Any, out: Path, *, seed: int = 0, mxfp4: bool = False
+) -> Path:
+    """A synthetic HF checkpoint of `arch` with estream-synth's `SynthDims` `dims` in `out`;
+    ``mxfp4``: the experts in MXFP4 as the published gpt-oss checkpoints (gpt-oss only)."""
     if arch not in HF_ARCH:
         raise ValueError(f"no Hugging Face layout for {arch!r}; choose from {sorted(HF_ARCH)}")
+    if mxfp4 and arch != "gpt-oss":
+        raise ValueError(f"no MXFP4 checkpoint layout for {arch!r}; only gpt-oss has one")
     d = dims
     out.mkdir(parents=True, exist_ok=True)
     bos, eos = _tokenizer(out, d.n_vocab, seed)
@@ -232,6 +295,10 @@ def write_checkpoint(arch: str, dims: Any, out: Path, *, seed: int = 0) -> Path:
                 "mscale": round(d.yarn_log_mul * 10, 6),
                 "mscale_all_dim": round(d.yarn_log_mul * 10, 6),
             }
+    elif arch == "gpt-oss":
+        config = _gpt_oss(d, t, rng, lin, norm, mxfp4)
+    elif arch == "smallthinker":
+        config = _smallthinker(d, t, rng, lin, norm)
     else:  # lfm2moe
         hd = d.head_dim
         layer_types = [
@@ -296,9 +363,159 @@ def write_checkpoint(arch: str, dims: Any, out: Path, *, seed: int = 0) -> Path:
             "eos_token_id": eos,
             "torch_dtype": "float32",
         }
+    config.update(bos_token_id=bos, eos_token_id=eos)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     save_safetensors(out / "model.safetensors", t)
     return out
+
+
+def _gpt_oss(
+    d: Any, t: dict[str, np.ndarray], rng: np.random.Generator, lin: Any, norm: Any, mxfp4: bool
+) -> dict[str, Any]:
+    """gpt-oss tensors into `t` (openai/gpt-oss-20b's names); returns its config.json."""
+    ne, E, hd, ff = d.n_embd, d.n_experts, d.head_dim, d.n_ff_exp
+
+    def bias(name: str, *shape: int) -> None:
+        t[name] = 0.1 * rng.standard_normal(shape, dtype=np.float32)
+
+    for i in range(d.n_layers):
+        p = f"model.layers.{i}."
+        norm(p + "input_layernorm.weight", ne)
+        for proj, rows in (("q", d.n_head * hd), ("k", d.n_head_kv * hd), ("v", d.n_head_kv * hd)):
+            lin(p + f"self_attn.{proj}_proj.weight", rows, ne)
+            bias(p + f"self_attn.{proj}_proj.bias", rows)
+        lin(p + "self_attn.o_proj.weight", ne, d.n_head * hd, 0.5)
+        bias(p + "self_attn.o_proj.bias", ne)
+        t[p + "self_attn.sinks"] = rng.standard_normal(d.n_head, dtype=np.float32)
+        norm(p + "post_attention_layernorm.weight", ne)
+        t[p + "mlp.router.weight"] = rng.standard_normal((E, ne), dtype=np.float32) * (
+            2.0 / np.sqrt(ne)
+        )
+        bias(p + "mlp.router.bias", E)
+        # [E, out, in]; gate rows at even, up rows at odd positions of gate_up (as published)
+        gate_up = rng.standard_normal((E, 2 * ff, ne), dtype=np.float32) * (1.0 / np.sqrt(ne))
+        down = rng.standard_normal((E, ne, ff), dtype=np.float32) * (0.5 / np.sqrt(ff))
+        for name, w in (("down_proj", down), ("gate_up_proj", gate_up)):
+            if mxfp4:
+                blocks, scales = mxfp4_pack(w)
+                t[p + f"mlp.experts.{name}_blocks"] = blocks
+                t[p + f"mlp.experts.{name}_scales"] = scales
+            else:  # the dequantized (bf16) release stores them as [E, in, out]
+                t[p + f"mlp.experts.{name}"] = np.ascontiguousarray(w.transpose(0, 2, 1))
+        bias(p + "mlp.experts.down_proj_bias", E, ne)
+        bias(p + "mlp.experts.gate_up_proj_bias", E, 2 * ff)
+    norm("model.norm.weight", ne)
+    lin("lm_head.weight", d.n_vocab, ne)
+    window = d.sliding_window or 128
+    config: dict[str, Any] = {
+        "architectures": [HF_ARCH["gpt-oss"]],
+        "model_type": "gpt_oss",
+        "vocab_size": d.n_vocab,
+        "hidden_size": ne,
+        "intermediate_size": ff,
+        "num_hidden_layers": d.n_layers,
+        "num_attention_heads": d.n_head,
+        "num_key_value_heads": d.n_head_kv,
+        "head_dim": hd,
+        "num_local_experts": E,
+        "num_experts_per_tok": d.n_experts_used,
+        "experts_per_token": d.n_experts_used,
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "swiglu_limit": GPT_OSS_SWIGLU_LIMIT,
+        "sliding_window": window,
+        # the even layers slide (llama.cpp's fixed pattern for gpt-oss, as published)
+        "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(d.n_layers)
+        ],
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000.0,
+        "max_position_embeddings": d.n_ctx,
+        "initial_context_length": d.yarn_orig_ctx if d.yarn_factor > 0 else d.n_ctx,
+        "router_aux_loss_coef": 0.9,
+        "output_router_logits": False,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "torch_dtype": "float32",
+    }
+    if d.yarn_factor > 0:  # gpt-oss-20b's rope_scaling block
+        config["rope_scaling"] = {
+            "rope_type": "yarn",
+            "factor": d.yarn_factor,
+            "original_max_position_embeddings": d.yarn_orig_ctx,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        }
+    if mxfp4:  # as published: attention, router, embeddings and head stay unquantized
+        config["quantization_config"] = {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+        }
+    return config
+
+
+#: SmallThinker's published layer layout: every 4th layer from 0 is full attention without
+#: RoPE, the others slide with RoPE (PowerInfer/SmallThinker-4BA0.6B's config.json)
+SMALLTHINKER_WINDOW = 4096
+
+
+def _smallthinker(
+    d: Any, t: dict[str, np.ndarray], rng: np.random.Generator, lin: Any, norm: Any
+) -> dict[str, Any]:
+    """SmallThinker tensors into `t` (PowerInfer's names); returns its config.json.
+
+    With ``dims.sliding_window`` > 0 the layers follow the published layout (a window on
+    three layers of four, NoPE on the fourth, from layer 0); with 0, no window and RoPE on every
+    layer."""
+    ne, E, hd, ff = d.n_embd, d.n_experts, d.head_dim, d.n_ff_exp
+    for i in range(d.n_layers):
+        p = f"model.layers.{i}."
+        norm(p + "input_layernorm.weight", ne)
+        lin(p + "self_attn.q_proj.weight", d.n_head * hd, ne)
+        lin(p + "self_attn.k_proj.weight", d.n_head_kv * hd, ne)
+        lin(p + "self_attn.v_proj.weight", d.n_head_kv * hd, ne)
+        lin(p + "self_attn.o_proj.weight", ne, d.n_head * hd, 0.5)
+        norm(p + "post_attention_layernorm.weight", ne)
+        t[p + "block_sparse_moe.primary_router.weight"] = rng.standard_normal(
+            (E, ne), dtype=np.float32
+        ) * (2.0 / np.sqrt(ne))
+        for e in range(E):
+            lin(p + f"block_sparse_moe.experts.{e}.gate.weight", ff, ne)
+            lin(p + f"block_sparse_moe.experts.{e}.up.weight", ff, ne)
+            lin(p + f"block_sparse_moe.experts.{e}.down.weight", ne, ff, 0.5)
+    norm("model.norm.weight", ne)
+    lin("lm_head.weight", d.n_vocab, ne)
+    windowed = d.sliding_window > 0
+    return {
+        "architectures": [HF_ARCH["smallthinker"]],
+        "model_type": "smallthinker",
+        "vocab_size": d.n_vocab,
+        "hidden_size": ne,
+        "num_hidden_layers": d.n_layers,
+        "num_attention_heads": d.n_head,
+        "num_key_value_heads": d.n_head_kv,
+        "head_dim": hd,
+        "moe_num_primary_experts": E,
+        "moe_num_active_primary_experts": d.n_experts_used,
+        "moe_ffn_hidden_size": ff,
+        "moe_primary_router_apply_softmax": d.expert_gating == "softmax",
+        "moe_layer_layout": [1] * d.n_layers,
+        "sliding_window_layout": [int(windowed and i % 4 != 0) for i in range(d.n_layers)],
+        "sliding_window_size": SMALLTHINKER_WINDOW if windowed else None,
+        "rope_layout": [int(not windowed or i % 4 != 0) for i in range(d.n_layers)],
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": d.n_ctx,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
 
 
 # ------------------------------------------------------------------------------ converter

@@ -158,7 +158,8 @@ def llama_logits(
 
 
 # llama_ftype values (llama.h) of the quantizations the benchmarks ask llama.cpp for.
-LLAMA_FTYPES = {"F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+LLAMA_FTYPES = {"F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18,
+                "MXFP4_MOE": 38}  # fmt: skip
 
 # Runs in the child: llama.cpp's own quantizer (what the llama-quantize tool calls).
 _QUANT_CHILD = r"""

@@ -18,13 +18,19 @@ an F32 KV cache, on which llama.cpp computes in float32 — that run isolates th
 More variants are made with llama.cpp's own quantizer (``llama_model_quantize``, the function
 behind ``llama-quantize``): ``lq4_0``, ``lq4_k_m``, ``lq5_k_m``, ``lq6_k`` and ``lq8_0``. Their
 source, variant ``lf32``, is an F32 model with continuous Gaussian weights (expert width 256 so
-that every expert matrix can take Q4_K): for deepseek2 and lfm2moe a synthetic Hugging Face
+that every expert matrix can take Q4_K): for deepseek2, lfm2moe, gpt-oss and smallthinker (with
+the published window/NoPE layer layout) a synthetic Hugging Face
 checkpoint converted by llama.cpp's own ``convert_hf_to_gguf.py`` (``hf_checkpoint.py``; torch
 is installed for it into ``.cache/llama-convert``), for the other architectures estream-synth
 writing the tensor names and metadata that converter writes (``--lq-source`` chooses). It is
-quantized by llama.cpp to Q4_0, Q4_K_M, Q5_K_M, Q6_K and Q8_0 with its default per-tensor
+quantized by llama.cpp to Q4_0, Q4_K_M, Q5_K_M, Q6_K and Q8_0 (and MXFP4_MOE: MXFP4 experts,
+the rest Q8_0) with its default per-tensor
 choices (for Q4_K_M: Q6_K output and some ffn_down/attn_v, Q5_0/Q8_0 fallbacks where a row is
-not a multiple of 256). Every engine and llama.cpp result there is compared with the reference
+not a multiple of 256). For gpt-oss, ``lmxfp4`` is the form it is published in: the
+checkpoint itself carries MXFP4 expert blocks and scales (``quantization_config`` mxfp4), which
+llama.cpp's converter writes to the GGUF as MXFP4 unchanged, the other tensors F32; its float
+weights are the F32 source's, so it has the same original. Every engine and llama.cpp result
+there is compared with the reference
 of the quantized file *and* with the reference of the F32 original (``*_vs_src``), next to the
 quantized model's own distance from the original (``ref_vs_src``). The packer keeps Q4_0, Q8_0, Q4_K and Q6_K tensors as they are;
 it is run with ``requantize="q4_0"``, so experts of other types (Q5_0, Q5_K) are re-quantized to
@@ -34,7 +40,9 @@ the packer stores it (``packed_copy``), which separates the engine's own error f
 re-quantization's.
 
 Usage: ``nox -s parity [-- --archs olmoe,qwen3moe,mixtral --preset small --tokens 256
---variants q4_0,f32,lf32,lq4_0,lq4_k_m,lq5_k_m,lq6_k,lq8_0]``.
+--variants q4_0,f32,lf32,lq4_0,lq4_k_m,lq5_k_m,lq6_k,lq8_0]``; gpt-oss and smallthinker are not
+in the default ``--archs`` (``--archs gpt-oss,smallthinker --variants
+lf32,lmxfp4,lmxfp4_moe,lq4_k_m,lq8_0``).
 Writes ``bench-results/parity.json``. If llama.cpp refuses a synthetic GGUF, its exact message
 is printed, stored in the JSON and appended to ``bench-results/synth-issues.md``.
 """
@@ -79,9 +87,20 @@ LLAMA_QUANT = {
     "lq5_k_m": "Q5_K_M",
     "lq6_k": "Q6_K",
     "lq8_0": "Q8_0",
+    "lmxfp4_moe": "MXFP4_MOE",
 }
+# variants whose quantized experts come in the Hugging Face checkpoint itself (gpt-oss's
+# published MXFP4 form), converted by llama.cpp's converter
+HF_QUANT = {"lmxfp4": "checkpoint with MXFP4 experts -> llama.cpp converter (MXFP4 kept)"}
+QUANTIZED = {*LLAMA_QUANT, *HF_QUANT}
 # the F32 source of those: expert rows of 256 (a Q4_K super-block), otherwise the preset
 LLAMA_QUANT_DIMS = {"n_ff_exp": 256}
+# per architecture, on top: SmallThinker's published layer layout (a window on three layers of
+# four, NoPE on the fourth) over five layers, so that NoPE layers 0 and 4 are part of the
+# comparison (with exactly four layers llama.cpp takes RoPE on every layer)
+HF_SOURCE_DIMS: dict[str, dict[str, Any]] = {
+    "smallthinker": {"sliding_window": 4096, "n_layers": 5}
+}
 
 
 def compare(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
@@ -151,21 +170,37 @@ def f32_copy(src: Path, dst: Path, overrides: dict[str, Any] | None = None) -> P
     return dst
 
 
+def _hf_dims(arch: str, preset: str) -> Any:
+    """The shapes of `arch`'s synthetic Hugging Face checkpoint (`f32_source`, `hf_quant`)."""
+    import attrs
+
+    from estream_layout import synth_dims
+
+    extra = {**LLAMA_QUANT_DIMS, **HF_SOURCE_DIMS.get(arch, {})}
+    return attrs.evolve(synth_dims(arch, preset), **extra)
+
+
+def hf_quant(arch: str, preset: str, dst: Path, seed: int, work: Path) -> str:
+    """`HF_QUANT`'s ``lmxfp4``: the F32 source's checkpoint with its experts in MXFP4 (as the
+    published gpt-oss checkpoints), through llama.cpp's converter; returns how it was made."""
+    hf = write_checkpoint(arch, _hf_dims(arch, preset), work / f"hf-{arch}-{preset}-mxfp4",
+                          seed=seed, mxfp4=True)  # fmt: skip
+    convert(hf, dst, "f32")
+    return f"synthetic HF checkpoint ({HF_ARCH[arch]}), {HF_QUANT['lmxfp4']}"
+
+
 def f32_source(arch: str, preset: str, dst: Path, seed: int, how: str, work: Path) -> str:
     """The F32 model the llama.cpp-quantized variants start from; returns how it was made.
 
-    ``convert`` (``auto`` for deepseek2/lfm2moe): a synthetic Hugging Face checkpoint of the
+    ``convert`` (``auto`` for the `HF_ARCH` ones): a synthetic Hugging Face checkpoint of the
     preset's shapes through llama.cpp's ``convert_hf_to_gguf.py``; ``synth`` (``auto`` for the
     others): estream-synth writing the converter's tensor names and metadata itself."""
-    from estream_layout import synth_dims, synth_model
+    from estream_layout import synth_model
 
     if how == "auto":
         how = "convert" if arch in HF_ARCH else "synth"
     if how == "convert":
-        import attrs
-
-        dims = attrs.evolve(synth_dims(arch, preset), **LLAMA_QUANT_DIMS)
-        hf = write_checkpoint(arch, dims, work / f"hf-{arch}-{preset}", seed=seed)
+        hf = write_checkpoint(arch, _hf_dims(arch, preset), work / f"hf-{arch}-{preset}", seed=seed)
         convert(hf, dst, "f32")
         return f"synthetic HF checkpoint ({HF_ARCH[arch]}) -> llama.cpp converter F32"
     synth_model(arch, preset, dst, seed=seed, expert_type="F32", dense_type="F32",
@@ -298,15 +333,17 @@ def main(argv: list[str] | None = None) -> int:
         default="q4_0,f32,lf32,lq4_0,lq4_k_m,lq5_k_m,lq6_k,lq8_0",
         help="q4_0: the synthetic model; f32: it dequantized; yarn: f32 with YaRN RoPE; "
         "lf32: an F32 model made with llama.cpp's converter (see --lq-source); "
-        "lq4_0 / lq4_k_m / lq5_k_m / lq6_k / lq8_0: it quantized by llama.cpp to Q4_0 / "
-        "Q4_K_M / Q5_K_M / Q6_K / Q8_0",
+        "lq4_0 / lq4_k_m / lq5_k_m / lq6_k / lq8_0 / lmxfp4_moe: it quantized by llama.cpp to "
+        "Q4_0 / Q4_K_M / Q5_K_M / Q6_K / Q8_0 / MXFP4_MOE; lmxfp4 (gpt-oss): its checkpoint "
+        "with MXFP4 experts through llama.cpp's converter",
     )
     ap.add_argument(
         "--lq-source",
         choices=("auto", "convert", "synth"),
         default="auto",
         help="the F32 model behind lf32/lq4_0/lq4_k_m: llama.cpp's converter on a synthetic HF "
-        "checkpoint (auto: deepseek2, lfm2moe) or estream-synth's F32 GGUF (auto: the others)",
+        "checkpoint (auto: deepseek2, lfm2moe, gpt-oss, smallthinker) or estream-synth's F32 "
+        "GGUF (auto: the others)",
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-engine", action="store_true")
@@ -337,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             gguf = base if variant == "q4_0" else work / f"{arch}-{args.preset}-{variant}.gguf"
             src32 = work / f"{arch}-{args.preset}-f32src.gguf"
             try:
-                if variant in LLAMA_QUANT or variant == "lf32":
+                if variant in QUANTIZED or variant == "lf32":
                     if not src32.exists():
                         how = f32_source(arch, args.preset, src32, args.seed, args.lq_source, work)
                         sources[arch] = how
@@ -352,6 +389,12 @@ def main(argv: list[str] | None = None) -> int:
                     row["source"] += f" -> llama.cpp quantizer {LLAMA_QUANT[variant]}"
                     row["tensor_types"] = tensor_types(gguf)
                     print(f"{arch}/{variant}: llama.cpp wrote {row['tensor_types']}", flush=True)
+                elif variant in HF_QUANT:
+                    row["source"] = hf_quant(arch, args.preset, gguf, args.seed, work)
+                    row["tensor_types"] = tensor_types(gguf)
+                    print(
+                        f"{arch}/{variant}: the converter wrote {row['tensor_types']}", flush=True
+                    )
                 elif not base.exists():
                     synth_model(arch, args.preset, base, seed=args.seed)
                 if variant == "f32":
@@ -375,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                 ref = model.forward(tokens)
                 if variant == "lf32":
                     src_ref = ref
-                elif variant in LLAMA_QUANT and src_ref is None:
+                elif variant in QUANTIZED and src_ref is None:
                     src_ref = ReferenceModel(src32).forward(tokens)
             except Exception as exc:
                 row["error"] = f"reference failed: {type(exc).__name__}: {exc}"
@@ -383,11 +426,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             row["t_reference_s"] = time.perf_counter() - t0
             row["n_vocab"] = int(ref.shape[1])
-            yard = src_ref if variant in LLAMA_QUANT else None
+            yard = src_ref if variant in QUANTIZED else None
             if yard is not None:
                 row["ref_vs_src"] = compare(ref, yard)
             packed_ref = None
-            if variant in LLAMA_QUANT and not args.no_engine:
+            if variant in QUANTIZED and not args.no_engine:
                 try:
                     pgguf = work / f"{gguf.stem}-as-packed.gguf"
                     packed_ref = ReferenceModel(packed_copy(gguf, pgguf)).forward(tokens)
@@ -416,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"top-1 {c['top1']:.3f}",
                     flush=True,
                 )
-            if (variant == "q4_0" or variant in LLAMA_QUANT) and not args.no_engine:
+            if (variant == "q4_0" or variant in QUANTIZED) and not args.no_engine:
                 acts = [a.strip() for a in args.engine_acts.split(",") if a.strip()] or [""]
                 for n, act in enumerate(acts):
                     if n:  # one row per engine activation format

@@ -61,13 +61,27 @@ def test_smallthinker_tiny_has_llama_cpps_window_pattern(tiny: Path) -> None:
     full layers i % 4 == 0 without RoPE; the router reads the layer input; experts are ReGLU
     under the file's gating (sigmoid here), renormalised."""
     spec = ModelSpec.from_gguf(tiny)
-    assert spec.arch == "smallthinker" and spec.n_layers == 4
+    assert spec.arch == "smallthinker" and spec.n_layers == 3
     assert spec.sliding_window == 4096
-    assert spec.swa_layers == (1, 2, 3) and spec.nope_layers == (0,)
+    assert spec.swa_layers == (1, 2) and spec.nope_layers == (0,)
     assert spec.expert_gating_func == "sigmoid" and spec.expert_weights_norm
     assert spec.router_input == "layer" and spec.expert_glu == "reglu"
     assert spec.rope_type == "neox" and spec.qk_norm == "none"
     assert ModelSpec.from_dict(spec.summary()).summary() == spec.summary()
+
+
+@pytest.mark.parametrize(
+    ("n_layers", "nope"), [(3, (0,)), (4, ()), (5, (0, 4)), (8, (0, 4)), (9, (0, 4, 8))]
+)
+def test_smallthinker_nope_layers_follow_llama_cpps_graph(
+    tmp_path: Path, n_layers: int, nope: tuple[int, ...]
+) -> None:
+    """With a window, llama.cpp's graph leaves layers i % 4 == 0 without RoPE, except in a
+    model of exactly four layers, where its test `step == n_layer` gives every layer RoPE."""
+    path = synth_model("smallthinker", "tiny", tmp_path / "m.gguf", seed=1, n_layers=n_layers)
+    spec = ModelSpec.from_gguf(path)
+    assert spec.nope_layers == nope
+    assert spec.swa_layers == tuple(i for i in range(n_layers) if i % 4)
 
 
 def test_smallthinker_window_value_and_pattern_key(tiny: Path, tmp_path: Path) -> None:
@@ -77,11 +91,11 @@ def test_smallthinker_window_value_and_pattern_key(tiny: Path, tmp_path: Path) -
     spec = ModelSpec.from_gguf(
         mutate_gguf(tiny, tmp_path / "a.gguf", set_kv={S + "attention.sliding_window": 16})
     )
-    assert spec.sliding_window == 4096 and spec.swa_layers == (1, 2, 3)
+    assert spec.sliding_window == 4096 and spec.swa_layers == (1, 2)
     spec = ModelSpec.from_gguf(
         mutate_gguf(tiny, tmp_path / "b.gguf", set_kv={S + "attention.sliding_window_pattern": 2})
     )
-    assert spec.swa_layers == (1, 3) and spec.nope_layers == (0,)
+    assert spec.swa_layers == (1,) and spec.nope_layers == (0,)
     spec = ModelSpec.from_gguf(
         mutate_gguf(tiny, tmp_path / "c.gguf", set_kv={S + "attention.sliding_window": DROP})
     )
@@ -170,7 +184,7 @@ def test_gpt_oss_tiny_reads_as_llama_cpp_loads_it(gpt_oss_tiny: Path, tmp_path: 
     assert shapes["blk.1.attn_output.bias"] == (64,) and shapes["blk.1.ffn_gate_inp.bias"] == (8,)
     assert shapes["blk.0.ffn_gate_exps.bias"] == (8, 64) == shapes["blk.0.ffn_up_exps.bias"]
     assert shapes["blk.0.ffn_down_exps.bias"] == (8, 64)
-    assert "blk.0.attn_post_norm.weight" in shapes and "blk.0.ffn_norm.weight" not in shapes
+    assert "blk.0.post_attention_norm.weight" in shapes and "blk.0.ffn_norm.weight" not in shapes
     assert "output.weight" in shapes
     assert ModelSpec.from_dict(spec.summary()).summary() == spec.summary()
     four = synth_model("gpt-oss", "tiny", tmp_path / "four.gguf", seed=1, n_layers=4)
@@ -183,7 +197,7 @@ def test_gpt_oss_tiny_reads_as_llama_cpp_loads_it(gpt_oss_tiny: Path, tmp_path: 
         ({G + "attention.sliding_window": DROP}, None, "attention.sliding_window is missing"),
         ({}, "blk.1.attn_sinks.weight", "blk.1.attn_sinks.weight is missing"),
         ({}, "blk.0.ffn_down_exps.bias", "blk.0.ffn_down_exps.bias is missing"),
-        ({}, "blk.0.attn_post_norm.weight", "blk.0.attn_post_norm.weight is missing"),
+        ({}, "blk.0.post_attention_norm.weight", "blk.0.post_attention_norm.weight is missing"),
     ],
 )
 def test_gpt_oss_file_without_what_llama_cpp_requires_is_refused(
@@ -219,3 +233,27 @@ def test_gpt_oss_published_preset_is_the_model_card() -> None:
     assert (d.sliding_window, d.yarn_factor, d.yarn_orig_ctx) == (128, 32.0, 4096)
     with pytest.raises(ValueError, match="use --arch gpt-oss"):
         synth_dims("olmoe", "gpt-oss-20b")
+
+
+def _llama_cpp_tensor_names(gguf_arch: str, n_layers: int) -> set[str]:
+    """Every tensor name gguf-py (llama.cpp's own tables) defines for `gguf_arch`, with the
+    ``.weight`` / ``.bias`` suffixes."""
+    arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[gguf_arch]
+    out: set[str] = set()
+    for t in gguf.MODEL_TENSORS[arch]:
+        base = gguf.TENSOR_NAMES[t]
+        for bid in range(n_layers) if "{bid}" in base else [0]:
+            out |= {base.format(bid=bid) + s for s in (".weight", ".bias")}
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_every_tensor_a_record_names_is_llama_cpps_name(arch: str, tmp_path: Path) -> None:
+    """Each tensor a synthesized file of the family holds (the names its record requires and
+    writes) is a name llama.cpp's tables define for the GGUF architecture: a name of the
+    engine's own would never be found in a file llama.cpp's converter wrote."""
+    path = synth_model(arch, "tiny", tmp_path / "m.gguf", seed=2)
+    spec = ModelSpec.from_gguf(path)
+    names = {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    unknown = names - _llama_cpp_tensor_names(spec.record.gguf_arch, spec.n_layers)
+    assert not unknown, sorted(unknown)

@@ -3,7 +3,7 @@
 Each layer: grouped-query attention on `attn_norm` of the input, with biases on q, k, v and
 the output projection, NeoX RoPE (YaRN in the published models), one learned sink logit per
 query head in every row's softmax, and a sliding window on the sliding layers (the family
-record's: the even ones); then the routed experts on `attn_post_norm` of the residual. The
+record's: the even ones); then the routed experts on `post_attention_norm` of the residual. The
 router adds its bias to the logits; the selected experts' weights are the softmax of their
 logits (`ModelSpec`: softmax gating, renormalised: the same numbers). The experts add their
 biases and use the clamped SwiGLU-OAI (`estream.experts.OAIGraph`). No shared expert.
@@ -49,7 +49,7 @@ def bind(model: PackedModel) -> Weights[Layer]:
             bv=f32(f"blk.{i}.attn_v.bias"),
             bo=f32(f"blk.{i}.attn_output.bias"),
             sinks=f32(f"blk.{i}.attn_sinks.weight"),
-            post_norm=f32(f"blk.{i}.attn_post_norm.weight"),
+            post_norm=f32(f"blk.{i}.post_attention_norm.weight"),
             moe=bind_moe(model, i),
         )
         for i in range(model.hparams.n_layers)

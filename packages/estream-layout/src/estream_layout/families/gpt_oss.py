@@ -3,7 +3,7 @@
 Every layer is grouped-query attention with biases on q, k, v and the output projection, one
 learned sink logit per query head (`attn_sinks`: joins each row's softmax as an extra key of
 value zero), NeoX RoPE (YaRN-scaled in the published models) and no q/k norms; then
-`attn_post_norm` of the residual (the experts' input: there is no `ffn_norm`) and a mixture of
+`post_attention_norm` of the residual (the experts' input: there is no `ffn_norm`) and a mixture of
 experts. The router has a bias (`ffn_gate_inp.bias`, added to the logits); the top-k logits are
 softmaxed among themselves (llama.cpp's `SOFTMAX_WEIGHT` gating: the same experts and weights as
 a softmax over all experts renormalised over the selected ones, which is how the record states
@@ -57,7 +57,7 @@ def _layer(want: Want, i: int) -> None:
     s, p, w = want.spec, f"blk.{i}.", want.required
     d, nh, e = s.n_embd, s.n_head, s.n_experts
     kv, hk, hv = s.n_head_kv[i], s.head_dim_k, s.head_dim_v
-    w[p + "attn_norm.weight"] = w[p + "attn_post_norm.weight"] = (d,)
+    w[p + "attn_norm.weight"] = w[p + "post_attention_norm.weight"] = (d,)
     want.gqa(i)
     w[p + "attn_q.bias"] = (nh * hk,)
     w[p + "attn_k.bias"] = (kv * hk,)
@@ -83,7 +83,7 @@ def _synth_layer(plan: Plan, i: int) -> None:
     plan.add(p + "attn_v.bias", (nkv * hd,), F32, "conv")
     plan.add(p + "attn_output.bias", (ne,), F32, "conv")
     plan.add(p + "attn_sinks.weight", (nh,), F32, "conv")
-    plan.norm(p + "attn_post_norm.weight", ne)
+    plan.norm(p + "post_attention_norm.weight", ne)
     plan.experts(i)
     plan.add(p + "ffn_gate_inp.bias", (e,), F32, "conv")
     plan.add(p + "ffn_gate_exps.bias", (e, ff), F32, "conv")

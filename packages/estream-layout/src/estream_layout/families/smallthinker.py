@@ -10,7 +10,9 @@ renormalised to sum to 1.
 With `attention.sliding_window` present and > 0, llama.cpp's loader fixes the window at 4096
 tokens whatever the value, and sets the layer pattern of `attention.sliding_window_pattern`
 (default 4) with the full-attention layer first: layer `i` slides iff `i % pattern != 0`; the
-full layers `i % 4 == 0` (`n_no_rope_layer_step`, 4 and not a GGUF key) take no RoPE (NoPE).
+full layers `i % 4 == 0` (`n_no_rope_layer_step`, 4 and not a GGUF key) take no RoPE (NoPE) —
+unless the model has exactly 4 layers: llama.cpp's graph takes RoPE on every layer when the step
+equals the layer count (`use_rope = step == n_layer || i % step != 0`).
 Without it every layer is full attention with RoPE.
 """
 
@@ -55,7 +57,8 @@ def attention_pattern(
             "kind is not implemented",
         )
     swa = tuple(i for i in range(n_layers) if i % pattern != 0)
-    nope = tuple(i for i in range(n_layers) if i % NO_ROPE_LAYER_STEP == 0)
+    # llama.cpp's graph: use_rope = (step == n_layer) || (i % step != 0)
+    nope = () if n_layers == NO_ROPE_LAYER_STEP else tuple(range(0, n_layers, NO_ROPE_LAYER_STEP))
     return SWA_WINDOW, swa, nope
 
 
@@ -75,8 +78,9 @@ def _keys(d: Any) -> KeyList:
 
 
 _PRESETS: Final[Mapping[str, Mapping[str, Any]]] = {
-    # four layers: with the window, layer 0 and 4.. are NoPE full attention, 1-3 slide with RoPE
-    "tiny": {"n_layers": 4, "sliding_window": SWA_WINDOW, "expert_gating": "sigmoid"},
+    # three layers: with the window, layer 0 is NoPE full attention, 1-2 slide with RoPE (with
+    # exactly four, llama.cpp would take RoPE on every layer)
+    "tiny": {"n_layers": 3, "sliding_window": SWA_WINDOW, "expert_gating": "sigmoid"},
     # softmax gating and no window: RoPE on every layer
     "small": {"expert_gating": "softmax"},
     # PowerInfer/SmallThinker-4BA0.6B (the model card's table and the config class's
