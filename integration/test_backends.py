@@ -27,14 +27,6 @@ def packed(request, tmp_path_factory):
     return dst
 
 
-def _needs_executor_experts(packed):
-    """Skip for a family whose experts the executor does not run: SmallThinker's ReGLU experts
-    and gpt-oss's SwiGLU-OAI ones run in this process (`ReGLUGraph`, `OAIGraph`) until the
-    expert kernel has their activations."""
-    if packed.name.startswith(("smallthinker", "gpt-oss")):
-        pytest.skip("ReGLU / SwiGLU-OAI experts run in this process, not in the executor")
-
-
 @pytest.mark.parametrize(
     "kw",
     [
@@ -67,7 +59,6 @@ def test_modes_bit_identical_under_both_backends(packed, kw):
 def test_host_process_streams_with_ops_in_flight(packed):
     """With B=4 the host submits a group's op and acquires the next bank before the op's fence:
     the records show a group starting before the previous one ended."""
-    _needs_executor_experts(packed)
     toks = np.random.default_rng(5).integers(0, 64, size=64)
     with estream.load(packed, backend="host-process", G=1, Q=1, B=4) as eng:
         res = eng.prefill(toks)
@@ -84,7 +75,6 @@ def test_executor_killed_during_prefill_is_a_clear_error_and_frees_every_bank(pa
     import estream_htp as htp
     from estream_arena import BankState
 
-    _needs_executor_experts(packed)
     toks = np.random.default_rng(6).integers(0, 64, size=48)
     with estream.load(packed, backend="host-process", G=1, Q=1, B=3) as eng:
         pid = eng.backend.pid

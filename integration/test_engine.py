@@ -286,15 +286,12 @@ def test_moe_layer_input_is_quantized_once_for_all_its_consumers(
     """With int8 products an MoE layer quantizes its input once (`htp.quantize_q8`) and every
     op that reads it gets those rows: each group's expert op (stream), the one expert op
     (resident), the shared experts' gate/up (deepseek2). One quantization per MoE layer, and
-    logits bit-identical to every op quantizing its input itself. (SwiGLU families: ReGLU
-    experts run as tile GEMMs per expert, each quantizing its own rows, see
-    `test_reglu_experts_quantize_each_experts_rows`.)"""
+    logits bit-identical to every op quantizing its input itself; every family, ReGLU and
+    SwiGLU-OAI experts included (the fused op computes their activations)."""
     import estream_htp as htp
     from estream.models import ops as ops_mod
 
     arch, _, dst = packed
-    if arch in ("smallthinker", "gpt-oss"):
-        pytest.skip("ReGLU and SwiGLU-OAI experts have no shared quantized input (test below)")
     calls: list[int] = []
     inputs: list[str] = []
     gemm_rows: list[int] = []
@@ -348,74 +345,47 @@ def test_moe_layer_input_is_quantized_once_for_all_its_consumers(
 
 
 @pytest.mark.parametrize("backend", ["host", "host-process"])
-def test_reglu_experts_quantize_each_experts_rows(tmp_path, backend, monkeypatch):
-    """SmallThinker's ReGLU experts run through `ReGLUGraph` (the fused expert op is SwiGLU):
-    the layer input reaches it as float32 rows, never as one quantized copy, and the ReGLU
-    op runs in stream and resident mode alike, with the same logits in both."""
-    from estream.experts import ReGLUGraph
+@pytest.mark.parametrize("arch", ["smallthinker", "gpt-oss"])
+def test_reglu_and_oai_experts_run_in_the_fused_op(tmp_path, arch, backend, monkeypatch):
+    """SmallThinker's ReGLU experts and gpt-oss's SwiGLU-OAI ones (with their biases) run
+    through the backend's fused expert op (`GLUGraph` over an `ExpertGraph` of the family's
+    activation), in stream and resident mode alike with the same logits: under int8 products
+    each layer's input reaches it quantized once (`Q8Rows`), and gpt-oss's op gets the
+    layer's own gate/up/down bias rows (every MoE layer's), SmallThinker's none."""
+    import estream_htp as htp
+    from estream.experts import GLUGraph
 
-    src = synth_model("smallthinker", "tiny", tmp_path / "st.gguf", seed=5)
-    dst = tmp_path / "st.estream"
+    src = synth_model(arch, "tiny", tmp_path / "m.gguf", seed=5)
+    dst = tmp_path / "m.estream"
     pack_model(src, dst, progress=False)
-    seen: list[str] = []
-    real_run = ReGLUGraph.run
+    seen: list[tuple[str, str, int]] = []  # (x's type, activation, id of the biases)
+    for name in ("run", "submit"):
+        real = getattr(htp.ExpertGraph, name)
 
-    def run(self, x, *a, **kw):
-        seen.append(type(x).__name__)
-        return real_run(self, x, *a, **kw)
+        def spy(self, x, *a, real=real, biases=None, **kw):
+            seen.append((type(x).__name__, self.glu, -1 if biases is None else id(biases)))
+            return real(self, x, *a, biases=biases, **kw)
 
-    monkeypatch.setattr(ReGLUGraph, "run", run)
+        monkeypatch.setattr(htp.ExpertGraph, name, spy)
     toks = _tokens(301, 29, seed=3)
-    logits = []
-    for kw in ({"mode": "resident"}, {"mode": "stream", "G": 2, "Q": 2, "B": 3}):
-        with estream.load(dst, backend=backend, act="q8", **kw) as eng:
-            assert isinstance(eng.experts.graph, ReGLUGraph)
-            logits.append(eng.prefill(toks, all_logits=True).logits)
-    assert seen and set(seen) == {"ndarray"}
-    assert np.array_equal(logits[0], logits[1])
-
-
-@pytest.mark.parametrize("backend", ["host", "host-process"])
-def test_gpt_oss_experts_add_their_biases_and_clamp(tmp_path, backend, monkeypatch):
-    """gpt-oss's experts run through `OAIGraph` with float32 rows and the layer of their biases
-    (stream and resident alike, same logits); its activation is the reference's `swiglu_oai`
-    of the biased projections, clamp included (values far beyond ±7), for every expert."""
-    from reference import swiglu_oai
-
-    from estream.experts import OAIGraph
-
-    src = synth_model("gpt-oss", "tiny", tmp_path / "g.gguf", seed=5)
-    dst = tmp_path / "g.estream"
-    pack_model(src, dst, progress=False)
-    seen: list[tuple[str, int]] = []
-    real_run = OAIGraph.run
-
-    def run(self, x, *a, layer=-1, **kw):
-        seen.append((type(x).__name__, layer))
-        return real_run(self, x, *a, layer=layer, **kw)
-
-    monkeypatch.setattr(OAIGraph, "run", run)
-    toks = _tokens(301, 29, seed=3)
-    logits = []
+    logits, bias_ids = [], set()
     for kw in ({"mode": "resident"}, {"mode": "stream", "G": 2, "Q": 2, "B": 3}):
         with estream.load(dst, backend=backend, act="q8", **kw) as eng:
             graph = eng.experts.graph
-            assert isinstance(graph, OAIGraph)
+            assert isinstance(graph, GLUGraph)
             logits.append(eng.prefill(toks, all_logits=True).logits)
-    assert {name for name, _ in seen} == {"ndarray"}
-    assert {layer for _, layer in seen} == set(eng.hp.moe_layers)
+            bias_ids |= {id(v) for v in graph.biases.values()}
+            assert set(graph.biases) == (set(eng.hp.moe_layers) if arch == "gpt-oss" else set())
+            for layer, got in graph.biases.items():
+                want = [
+                    eng.model.dense(f"blk.{layer}.ffn_{j}_exps.bias").f32().ravel()
+                    for j in ("gate", "up", "down")
+                ]
+                assert np.array_equal(got, np.concatenate(want))
+    glu = "reglu" if arch == "smallthinker" else "swiglu_oai"
+    assert seen and {(t, g) for t, g, _ in seen} == {("Q8Rows", glu)}
     assert np.array_equal(logits[0], logits[1])
-    rng = np.random.default_rng(0)
-    ff = eng.hp.n_ff_exp
-    for layer in eng.hp.moe_layers:
-        bg, bu, _ = graph.biases[layer]
-        for e in range(eng.hp.n_experts):
-            g = (rng.standard_normal((3, ff)) * 12).astype(np.float32)
-            u = (rng.standard_normal((3, ff)) * 12).astype(np.float32)
-            want = swiglu_oai(g.astype(np.float64) + bg[e], u.astype(np.float64) + bu[e])
-            assert np.abs(want).max() > 7.0
-            got = graph._activate(g, u, layer, e)
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert {b for *_, b in seen} == (bias_ids if arch == "gpt-oss" else {-1})
 
 
 @pytest.mark.parametrize("schedule", ["after-routing", "early"])

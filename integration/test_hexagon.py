@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(
     "(apt-get install clang-19 lld-19 qemu-user-static)",
 )
 FULL = os.environ.get("ESTREAM_HEXAGON_FULL", "").strip() == "1"
-ALL_ARCHS = ["olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe"]
+ALL_ARCHS = ["olmoe", "qwen3moe", "mixtral", "deepseek2", "lfm2moe", "smallthinker", "gpt-oss"]
 ARCHS = ALL_ARCHS if FULL else ["olmoe"]
 MODES = (
     [

@@ -18,7 +18,6 @@ this process completes the fence as the op is submitted.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import time
 from collections import deque
@@ -39,9 +38,8 @@ from .packed import ExpertLayer, PackedModel, read_whole
 __all__ = [
     "SCHEDULES",
     "ExpertSource",
+    "GLUGraph",
     "GroupRecord",
-    "OAIGraph",
-    "ReGLUGraph",
     "ResidentExperts",
     "StreamedExperts",
     "flatten_routes",
@@ -137,153 +135,58 @@ class ExpertSource(Protocol):
     def close(self) -> None: ...
 
 
-class _Done:
-    """The completion fence of an op that ran as it was submitted."""
+class GLUGraph:
+    """The fused routed-expert op (`estream_htp.ExpertGraph`) of a family whose experts are
+    not plain SwiGLU: the family record's activation (``expert_glu``: SmallThinker's ReGLU,
+    gpt-oss's clamped SwiGLU-OAI) and, for gpt-oss, each layer's expert biases
+    (`blk.N.ffn_{gate,up,down}_exps.bias`, resident f32, laid out once per layer as the op
+    takes them, in the backend's shared memory) — all in the op itself, on every backend. The
+    expert source passes the layer (``layer=``). Everything else is the wrapped graph's."""
 
-    done = True
-
-    def poll(self) -> bool:
-        return True
-
-    def wait(self, timeout: float | None = None) -> None:
-        return None
-
-
-class ReGLUGraph:
-    """The routed-expert op for ReGLU experts, ``y[t] += w · down(relu(gate x[t]) * up x[t])``,
-    with `estream_htp.ExpertGraph`'s operands (routes, slot table, plane addresses, strides):
-    the fused expert kernel computes SwiGLU, so this runs each routed expert as tile GEMMs
-    (gate and up sharing the quantized input, then down) on its rows, in this process (an
-    executor's planes are mapped here too). ``x`` must be float32 rows: each GEMM quantizes
-    them itself under int8 activations. Everything else is the wrapped graph's."""
-
-    def __init__(self, graph: htp.ExpertGraph) -> None:
-        self.graph = graph
-        # the GEMMs read this process's memory: the graph's backend if its ops do, else the
-        # default (in-process) one
-        be = graph.backend
-        self._host = htp.default_backend() if be.shared_memory else be
+    def __init__(self, graph: htp.ExpertGraph, model: PackedModel) -> None:
+        hp = model.hparams
+        self.graph = htp.ExpertGraph(
+            graph.d_model, graph.d_ff, graph.capacity, graph.t_max,
+            backend=graph.backend, formats=graph.formats, glu=hp.expert_glu,
+        )  # fmt: skip
+        self.biases: dict[int, np.ndarray] = {}
+        if hp.expert_glu == "swiglu_oai":
+            self.biases = {
+                i: htp.expert_biases(
+                    *(
+                        model.dense(f"blk.{i}.ffn_{j}_exps.bias").f32()
+                        for j in ("gate", "up", "down")
+                    ),
+                    backend=graph.backend,
+                )
+                for i in hp.moe_layers
+            }
 
     def __getattr__(self, name: str) -> Any:
         if name == "graph":  # not set yet: no recursion through the delegation
             raise AttributeError(name)
         return getattr(self.graph, name)
 
-    def run(
-        self,
-        x: np.ndarray,
-        tokens: np.ndarray,
-        experts: np.ndarray,
-        weights: np.ndarray,
-        slot_of_expert: np.ndarray,
-        planes: Any,
-        strides: Any,
-        y: np.ndarray,
-        *,
-        act: str | None = None,
-        formats: Any = None,
-        layer: int = -1,
-    ) -> None:
-        if isinstance(x, htp.Q8Rows):
-            raise TypeError(f"{type(self).__name__} experts read float32 rows, not Q8Rows")
-        g = self.graph
-        fmts = g.formats if formats is None else formats
-        fmts = (fmts,) * 3 if isinstance(fmts, str) else tuple(fmts)
-        act = g.backend.act if act is None else act
-        d, ff = g.d_model, g.d_ff
-        nbytes = (
-            htp.matrix_nbytes(fmts[0], ff, d),
-            htp.matrix_nbytes(fmts[1], ff, d),
-            htp.matrix_nbytes(fmts[2], d, ff),
-        )
-        tokens, experts = np.asarray(tokens), np.asarray(experts)
-        weights = np.asarray(weights, dtype=np.float32)
-        for e in np.unique(experts):
-            sel = np.nonzero(experts == e)[0]
-            rows = tokens[sel]
-            slot = int(slot_of_expert[e])
-            gate, up, down = (
-                _bytes_at(int(planes[j]) + slot * int(strides[j]), nbytes[j]) for j in range(3)
-            )
-            xe = np.ascontiguousarray(x[rows], dtype=np.float32)
-            if fmts[0] == fmts[1]:
-                gu = htp.gemm_shared(
-                    xe, [(gate, ff), (up, ff)], fmts[0], act=act, backend=self._host
-                )
-            else:
-                gu = [
-                    htp.gemm(xe, gate, ff, fmts[0], act=act, backend=self._host),
-                    htp.gemm(xe, up, ff, fmts[1], act=act, backend=self._host),
-                ]
-            a = self._activate(gu[0], gu[1], layer, int(e))
-            out = htp.gemm(a, down, d, fmts[2], act=act, backend=self._host)
-            y[rows] += weights[sel, None] * self._down_bias(out, layer, int(e))
+    def run(self, *args: Any, layer: int = -1, **kw: Any) -> None:
+        self.graph.run(*args, biases=self.biases.get(layer), **kw)
 
-    def _activate(self, gate: np.ndarray, up: np.ndarray, layer: int, e: int) -> np.ndarray:
-        """Expert ``e``'s gated activation of its gate and up projections: ReGLU."""
-        return np.maximum(gate, np.float32(0.0)) * up
-
-    def _down_bias(self, out: np.ndarray, layer: int, e: int) -> np.ndarray:
-        """Expert ``e``'s down projection after its bias (none here)."""
-        return out
-
-    def submit(self, *args: Any, **kw: Any) -> _Done:
-        """As `run`, done when it returns: the fence is complete."""
-        self.run(*args, **kw)
-        return _Done()
+    def submit(self, *args: Any, layer: int = -1, **kw: Any) -> htp.Fence | None:
+        return self.graph.submit(*args, biases=self.biases.get(layer), **kw)
 
 
-class OAIGraph(ReGLUGraph):
-    """gpt-oss's routed experts: each projection adds its expert's bias row
-    (`blk.N.ffn_{gate,up,down}_exps.bias`, resident f32) and the activation is the clamped
-    SwiGLU-OAI, ``min(g, 7) · sigmoid(1.702 · min(g, 7)) · (clamp(u, -7, 7) + 1)``; run as
-    `ReGLUGraph` runs its experts (tile GEMMs per routed expert, in this process), since the
-    fused expert kernel has neither. The expert source passes the layer (``layer=``)."""
-
-    ALPHA = np.float32(1.702)
-    LIMIT = np.float32(7.0)
-
-    def __init__(self, graph: htp.ExpertGraph, model: PackedModel) -> None:
-        super().__init__(graph)
-        self.biases = {
-            i: tuple(
-                np.ascontiguousarray(model.dense(f"blk.{i}.ffn_{j}_exps.bias").f32())
-                for j in ("gate", "up", "down")
-            )
-            for i in model.hparams.moe_layers
-        }
-
-    def _activate(self, gate: np.ndarray, up: np.ndarray, layer: int, e: int) -> np.ndarray:
-        bg, bu, _ = self.biases[layer]
-        g = np.minimum(gate + bg[e], self.LIMIT)
-        u = np.clip(up + bu[e], -self.LIMIT, self.LIMIT)
-        return np.ascontiguousarray(g / (np.float32(1.0) + np.exp(-self.ALPHA * g)) * (u + 1))
-
-    def _down_bias(self, out: np.ndarray, layer: int, e: int) -> np.ndarray:
-        return out + self.biases[layer][2][e]
-
-
-def _bytes_at(address: int, n: int) -> np.ndarray:
-    """The ``n`` bytes mapped in this process at ``address`` as a uint8 array (no copy)."""
-    return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(address))
-
-
-def expert_op(graph: htp.ExpertGraph, model: PackedModel) -> htp.ExpertGraph | ReGLUGraph:
+def expert_op(graph: htp.ExpertGraph, model: PackedModel) -> htp.ExpertGraph | GLUGraph:
     """The op a model's routed experts run through: the fused graph for SwiGLU experts, a
-    `ReGLUGraph` over it for ReGLU experts, an `OAIGraph` for gpt-oss's (the family record's
-    `expert_glu`)."""
-    glu = model.hparams.expert_glu
-    if glu == "swiglu_oai":
-        return OAIGraph(graph, model)
-    return ReGLUGraph(graph) if glu == "reglu" else graph
+    `GLUGraph` (the fused op with the family's activation and biases) for the others (the
+    family record's `expert_glu`)."""
+    return graph if model.hparams.expert_glu == "swiglu" else GLUGraph(graph, model)
 
 
 def _formats(graph: Any, layer: ExpertLayer) -> dict[str, Any]:
     """The expert op's `formats` argument for a layer: its tile formats where they are not the
     graph's own (a file may store a layer's projections in other types than the first's); and
-    the layer, for an op with per-layer weights of its own (`OAIGraph`'s biases)."""
+    the layer, for an op with per-layer weights of its own (`GLUGraph`'s biases)."""
     kw: dict[str, Any] = {} if layer.formats == graph.formats else {"formats": layer.formats}
-    if isinstance(graph, OAIGraph):
+    if isinstance(graph, GLUGraph):
         kw["layer"] = layer.index
     return kw
 

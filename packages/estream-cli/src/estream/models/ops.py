@@ -581,10 +581,9 @@ class Ops:
         The router runs here on ``h`` unless ``routes`` (ids, weights) were computed before
         (`route`, on another input: SmallThinker routes the layer's input); the experts run
         through the expert source, which the engine's loop told at layer start to begin reading
-        this layer's experts. ReGLU and SwiGLU-OAI experts read ``h`` in float32 (their op
-        quantizes each row itself)."""
+        this layer's experts (the fused expert op, whatever the activation)."""
         ids, weights = self.route(h, w) if routes is None else routes
-        rows = self.quantize_input(h) if w.glu == "swiglu" else None
+        rows = self.quantize_input(h)
         y = self.zeros((h.shape[0], self.hp.n_embd))
         if self.op_work is not None:  # gate, up and down of every route
             macs = ids.size * 3 * self.hp.n_embd * self.hp.n_ff_exp
