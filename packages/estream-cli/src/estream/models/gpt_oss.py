@@ -6,7 +6,7 @@ query head in every row's softmax, and a sliding window on the sliding layers (t
 record's: the even ones); then the routed experts on `post_attention_norm` of the residual. The
 router adds its bias to the logits; the selected experts' weights are the softmax of their
 logits (`ModelSpec`: softmax gating, renormalised: the same numbers). The experts add their
-biases and use the clamped SwiGLU-OAI (`estream.experts.OAIGraph`). No shared expert.
+biases and use the clamped SwiGLU-OAI (`estream.experts.GLUGraph`). No shared expert.
 """
 
 from __future__ import annotations
