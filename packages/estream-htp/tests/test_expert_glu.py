@@ -131,9 +131,11 @@ def test_glu_and_bias_errors() -> None:
     w = np.ones(2, np.float32)
     with pytest.raises(htp.HTPInputError, match="glu must be one of"):
         htp.ExpertGraph(d, ff, 8, t, glu="geglu")
-    for bad in ((0.0, 7.0), (1.702, float("inf")), (float("nan"), 7.0)):
+    for bad in ((0.0, 7.0), (1.702, float("inf")), (float("nan"), 7.0), ("x", 7.0), (1.0, None)):
         with pytest.raises(htp.HTPInputError, match="alpha and limit"):
             htp.ExpertGraph(d, ff, 8, t, glu="swiglu_oai", alpha=bad[0], limit=bad[1])
+    g32 = htp.ExpertGraph(d, ff, 8, t, glu="swiglu_oai", alpha=np.float32(1.5), limit=np.int64(6))
+    assert (g32.alpha, g32.limit) == (1.5, 6.0)
     with htp.ExpertGraph(d, ff, 8, t, glu="swiglu_oai") as g:
         y = np.zeros((t, d), np.float32)
         with pytest.raises(htp.HTPInputError, match="biases must hold"):

@@ -460,14 +460,16 @@ class ExpertGraph:
     ) -> None:
         if glu not in GLU_KINDS:
             raise HTPInputError(f"glu must be one of {list(GLU_KINDS)}, got {glu!r}")
-        if glu == "swiglu_oai" and not all(
-            isinstance(v, (int, float)) and 0 < float(v) < float("inf") for v in (alpha, limit)
-        ):
+        try:
+            a, lim = float(alpha), float(limit)
+        except (TypeError, ValueError):
+            a = lim = float("nan")
+        if glu == "swiglu_oai" and not (0 < a < float("inf") and 0 < lim < float("inf")):
             raise HTPInputError(
                 f"swiglu_oai needs alpha and limit finite and > 0, got {alpha!r}, {limit!r}"
             )
         self.glu = glu
-        self.alpha, self.limit = (float(alpha), float(limit)) if glu == "swiglu_oai" else (0.0, 0.0)
+        self.alpha, self.limit = (a, lim) if glu == "swiglu_oai" else (0.0, 0.0)
         for v, nm in ((d_model, "d_model"), (d_ff, "d_ff")):
             if _u32(v, nm, 1) % 32:
                 raise HTPInputError(f"{nm} must be a multiple of 32, got {v}")
