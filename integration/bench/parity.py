@@ -9,7 +9,11 @@ evaluated on the same random token ids by
   is installed and the model packs,
 
 and all-position logits are compared pairwise: relative L2 error ``|a-b|/|b|`` and top-1
-agreement. Two weight variants: ``q4_0``, the synthetic model as llama.cpp runs it by default
+agreement, on ``--prompts`` prompts of random ids (8 by default; the same prompts for every
+engine): the error is the geometric mean over prompts, top-1 agreement is over all their
+positions, and ``engine_minus_llamacpp`` gives the engine's top-1 agreement minus llama.cpp's and
+the ratio of their errors, each with a 95% bootstrap interval over prompts (a near-tie flips on
+rounding alone, so one prompt's few flips are not a difference between the engines). Two weight variants: ``q4_0``, the synthetic model as llama.cpp runs it by default
 (F16 KV cache; its CPU Q4_0 matmuls quantize activations to Q8_0, so ~1e-2 differences are
 llama.cpp's own rounding), and ``f32``, the same model with every tensor dequantized to F32 and
 an F32 KV cache, on which llama.cpp computes in float32 — that run isolates the *conventions*
@@ -123,6 +127,53 @@ def compare(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
         "n_decisive": int(decisive.sum()),
         "top1_decisive": float(np.mean(agree[decisive])) if decisive.any() else float("nan"),
         "top1_margin_median": float(np.median(margin)),
+    }
+
+
+def aggregate(per_prompt: list[dict[str, float]]) -> dict[str, Any]:
+    """`compare` results of the same row on several prompts (of equal length) as one: the
+    relative L2 error as the geometric mean over prompts (0 when one is 0), top-1 agreement over all positions,
+    the per-prompt figures kept beside them (``rel_l2_prompts``, ``top1_prompts``)."""
+    rel = np.array([c["rel_l2"] for c in per_prompt])
+    n_dec = sum(c["n_decisive"] for c in per_prompt)
+    return {
+        "rel_l2": float(np.exp(np.mean(np.log(rel)))) if rel.min() > 0 else 0.0,
+        "rel_l2_max_pos": max(c["rel_l2_max_pos"] for c in per_prompt),
+        "top1": float(np.mean([c["top1"] for c in per_prompt])),
+        "max_abs": max(c["max_abs"] for c in per_prompt),
+        "n_decisive": n_dec,
+        "top1_decisive": (
+            sum(c["top1_decisive"] * c["n_decisive"] for c in per_prompt if c["n_decisive"]) / n_dec
+            if n_dec
+            else float("nan")
+        ),
+        "top1_margin_median": float(np.median([c["top1_margin_median"] for c in per_prompt])),
+        "n_prompts": len(per_prompt),
+        "rel_l2_prompts": [float(x) for x in rel],
+        "top1_prompts": [float(c["top1"]) for c in per_prompt],
+    }
+
+
+def paired(
+    engine: list[dict[str, float]], llama: list[dict[str, float]], *, draws: int = 10000
+) -> dict[str, Any]:
+    """The engine against llama.cpp on the same prompts (per-prompt `compare` results of both
+    against the same reference): the top-1 agreement difference (engine minus llama.cpp) and the
+    ratio of geometric-mean errors, each with a 95% percentile bootstrap interval over prompts
+    (the prompts are resampled, a prompt's positions stay together)."""
+    d_top1 = np.array([e["top1"] - ll["top1"] for e, ll in zip(engine, llama, strict=True)])
+    d_log = np.array(
+        [np.log(e["rel_l2"]) - np.log(ll["rel_l2"]) for e, ll in zip(engine, llama, strict=True)]
+    )
+    pick = np.random.default_rng(0).integers(0, len(d_top1), size=(draws, len(d_top1)))
+    top1_lo, top1_hi = np.percentile(d_top1[pick].mean(axis=1), [2.5, 97.5])
+    log_lo, log_hi = np.percentile(d_log[pick].mean(axis=1), [2.5, 97.5])
+    return {
+        "n_prompts": len(d_top1),
+        "top1_diff": float(d_top1.mean()),
+        "top1_diff_ci95": [float(top1_lo), float(top1_hi)],
+        "rel_l2_ratio": float(np.exp(d_log.mean())),
+        "rel_l2_ratio_ci95": [float(np.exp(log_lo)), float(np.exp(log_hi))],
     }
 
 
@@ -329,6 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=256, help="prompt length T")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--prompts",
+        type=int,
+        default=8,
+        help="random prompts per row (seeds seed..seed+N-1); errors are geometric means over "
+        "them, engine minus llama.cpp with a bootstrap interval over prompts",
+    )
+    ap.add_argument(
         "--variants",
         default="q4_0,f32,lf32,lq4_0,lq4_k_m,lq5_k_m,lq6_k,lq8_0",
         help="q4_0: the synthetic model; f32: it dequantized; yarn: f32 with YaRN RoPE; "
@@ -366,7 +424,6 @@ def main(argv: list[str] | None = None) -> int:
 
     sources: dict[str, str] = {}  # arch -> how its F32 source was made
     for arch in archs:
-        src_ref: np.ndarray | None = None  # reference logits of the F32 source of lq* variants
         for variant in variants:
             row: dict[str, Any] = {"arch": arch, "preset": args.preset, "variant": variant}
             rows.append(row)
@@ -410,83 +467,126 @@ def main(argv: list[str] | None = None) -> int:
                 row["error"] = f"synth failed: {type(exc).__name__}: {exc}"
                 print(f"{arch}/{variant}: {row['error']}")
                 continue
-            rng = np.random.default_rng(args.seed)
-            t0 = time.perf_counter()
+            t_ref = t_lcpp = 0.0
+            t_eng: dict[str, float] = {}
+            per: dict[str, list[dict[str, float]]] = {}  # comparison key -> one per prompt
+            acts = [a.strip() for a in args.engine_acts.split(",") if a.strip()] or [""]
+            run_engine = (variant == "q4_0" or variant in QUANTIZED) and not args.no_engine
+            eng_per: dict[str, dict[str, list[dict[str, float]]]] = {a: {} for a in acts}
+            eng_note: dict[str, str] = {}
+            lcpp_error = ""
             try:
                 model = ReferenceModel(gguf)
-                tokens = rng.integers(0, model.config.n_vocab, size=args.tokens).tolist()
-                ref = model.forward(tokens)
-                if variant == "lf32":
-                    src_ref = ref
-                elif variant in QUANTIZED and src_ref is None:
-                    src_ref = ReferenceModel(src32).forward(tokens)
             except Exception as exc:
                 row["error"] = f"reference failed: {type(exc).__name__}: {exc}"
                 traceback.print_exc()
                 continue
-            row["t_reference_s"] = time.perf_counter() - t0
-            row["n_vocab"] = int(ref.shape[1])
-            yard = src_ref if variant in QUANTIZED else None
-            if yard is not None:
-                row["ref_vs_src"] = compare(ref, yard)
-            packed_ref = None
-            if variant in QUANTIZED and not args.no_engine:
+            for p in range(args.prompts):  # prompt p: random ids from seed + p (p 0: --seed's)
+                rng = np.random.default_rng(args.seed + p)
+                tokens = rng.integers(0, model.config.n_vocab, size=args.tokens).tolist()
+                t0 = time.perf_counter()
                 try:
-                    pgguf = work / f"{gguf.stem}-as-packed.gguf"
-                    packed_ref = ReferenceModel(packed_copy(gguf, pgguf)).forward(tokens)
-                    row["packed_ref_vs_ref"] = compare(packed_ref, ref)
+                    ref = model.forward(tokens)
+                    yard = None
+                    if variant in QUANTIZED or variant == "lf32":
+                        # the F32 source's reference on this prompt, kept on disk for the
+                        # architecture's other variants
+                        src_file = work / f"{arch}-{args.preset}-srcref-{p}.npy"
+                        if variant == "lf32":
+                            np.save(src_file, ref)
+                        elif not src_file.exists():
+                            np.save(src_file, ReferenceModel(src32).forward(tokens))
+                        if variant in QUANTIZED:
+                            yard = np.load(src_file, mmap_mode="r")
                 except Exception as exc:
-                    row["packed_ref_error"] = f"{type(exc).__name__}: {exc}"
+                    row["error"] = f"reference failed: {type(exc).__name__}: {exc}"
                     traceback.print_exc()
-            t0 = time.perf_counter()
-            try:
-                lcpp = llama_logits(
-                    gguf, tokens, n_threads=args.threads, kv_f32=variant in ("f32", "yarn", "lf32")
-                )
-                row["t_llamacpp_s"] = time.perf_counter() - t0
-                row["llamacpp_vs_ref"] = compare(lcpp, ref)
+                    break
+                t_ref += time.perf_counter() - t0
+                row["n_vocab"] = int(ref.shape[1])
                 if yard is not None:
-                    row["llamacpp_vs_src"] = compare(lcpp, yard)
-            except LlamaCppError as exc:
+                    per.setdefault("ref_vs_src", []).append(compare(ref, yard))
+                packed_ref = None
+                if variant in QUANTIZED and not args.no_engine and "packed_ref_error" not in row:
+                    try:
+                        pgguf = work / f"{gguf.stem}-as-packed.gguf"
+                        if not pgguf.exists():
+                            packed_copy(gguf, pgguf)
+                        packed_ref = ReferenceModel(pgguf).forward(tokens)
+                        per.setdefault("packed_ref_vs_ref", []).append(compare(packed_ref, ref))
+                    except Exception as exc:
+                        row["packed_ref_error"] = f"{type(exc).__name__}: {exc}"
+                        traceback.print_exc()
                 lcpp = None
-                row["llamacpp_error"] = str(exc)
-                print(f"\n{arch}/{variant}: llama.cpp refused the model:\n{exc}\n")
-                note_issue(arch, args.preset, variant, str(exc))
+                if not lcpp_error:
+                    t0 = time.perf_counter()
+                    try:
+                        lcpp = llama_logits(gguf, tokens, n_threads=args.threads,
+                                            kv_f32=variant in ("f32", "yarn", "lf32"))  # fmt: skip
+                        t_lcpp += time.perf_counter() - t0
+                        per.setdefault("llamacpp_vs_ref", []).append(compare(lcpp, ref))
+                        if yard is not None:
+                            per.setdefault("llamacpp_vs_src", []).append(compare(lcpp, yard))
+                    except LlamaCppError as exc:
+                        lcpp_error = str(exc)
+                        print(f"\n{arch}/{variant}: llama.cpp refused the model:\n{exc}\n")
+                        note_issue(arch, args.preset, variant, str(exc))
+                for act in acts if run_engine else []:
+                    if act in eng_note:
+                        continue
+                    t0 = time.perf_counter()
+                    eng, why = engine_logits(gguf, work, tokens, args.engine_mode, act)
+                    if eng is None:
+                        eng_note[act] = why
+                        print(f"{arch}/{variant}: engine ({act}) skipped: {why}", flush=True)
+                        continue
+                    t_eng[act] = t_eng.get(act, 0.0) + time.perf_counter() - t0
+                    e = eng_per[act]
+                    e.setdefault("engine_vs_ref", []).append(compare(eng, ref))
+                    if yard is not None:
+                        e.setdefault("engine_vs_src", []).append(compare(eng, yard))
+                    if packed_ref is not None:
+                        e.setdefault("engine_vs_packed_ref", []).append(compare(eng, packed_ref))
+                    if lcpp is not None:
+                        e.setdefault("engine_vs_llamacpp", []).append(compare(eng, lcpp))
+                del ref, yard, packed_ref, lcpp
+            if "error" in row:
+                continue
+            row["t_reference_s"] = t_ref
+            row["t_llamacpp_s"] = t_lcpp
+            if lcpp_error:
+                row["llamacpp_error"] = lcpp_error
+            for key, cmps in per.items():
+                row[key] = aggregate(cmps)
             if "llamacpp_vs_ref" in row:
                 c = row["llamacpp_vs_ref"]
                 print(
                     f"{arch}/{variant}: llama.cpp vs reference rel L2 {c['rel_l2']:.2e}, "
-                    f"top-1 {c['top1']:.3f}",
+                    f"top-1 {c['top1']:.3f} ({args.prompts} prompts)",
                     flush=True,
                 )
-            if (variant == "q4_0" or variant in QUANTIZED) and not args.no_engine:
-                acts = [a.strip() for a in args.engine_acts.split(",") if a.strip()] or [""]
-                for n, act in enumerate(acts):
-                    if n:  # one row per engine activation format
-                        row = {k: v for k, v in row.items() if not k.startswith("engine")}
-                        rows.append(row)
-                    row["engine_act"] = act
-                    t0 = time.perf_counter()
-                    eng, why = engine_logits(gguf, work, tokens, args.engine_mode, act)
-                    if eng is None:
-                        row["engine_note"] = why
-                        print(f"{arch}/{variant}: engine ({act}) skipped: {why}", flush=True)
-                        continue
-                    row["t_engine_s"] = time.perf_counter() - t0
-                    row["engine_requantized"] = requantized(work / (gguf.stem + ".estream"))
-                    row["engine_vs_ref"] = compare(eng, ref)
-                    if yard is not None:
-                        row["engine_vs_src"] = compare(eng, yard)
-                    if packed_ref is not None:
-                        row["engine_vs_packed_ref"] = compare(eng, packed_ref)
-                    if lcpp is not None:
-                        row["engine_vs_llamacpp"] = compare(eng, lcpp)
-                    c = row["engine_vs_ref"]
-                    print(
-                        f"{arch}/{variant}: engine ({act}) vs reference rel L2 "
-                        f"{c['rel_l2']:.2e}, top-1 {c['top1']:.3f}",
-                        flush=True,
+            for n, act in enumerate(acts if run_engine else []):
+                if n:  # one row per engine activation format
+                    row = {k: v for k, v in row.items() if not k.startswith("engine")}
+                    rows.append(row)
+                row["engine_act"] = act
+                if act in eng_note:
+                    row["engine_note"] = eng_note[act]
+                    continue
+                row["t_engine_s"] = t_eng[act]
+                row["engine_requantized"] = requantized(work / (gguf.stem + ".estream"))
+                for key, cmps in eng_per[act].items():
+                    row[key] = aggregate(cmps)
+                if "llamacpp_vs_ref" in per and not lcpp_error:
+                    row["engine_minus_llamacpp"] = paired(
+                        eng_per[act]["engine_vs_ref"], per["llamacpp_vs_ref"]
                     )
+                c = row["engine_vs_ref"]
+                print(
+                    f"{arch}/{variant}: engine ({act}) vs reference rel L2 "
+                    f"{c['rel_l2']:.2e}, top-1 {c['top1']:.3f}",
+                    flush=True,
+                )
 
         _write(args, version, rows)  # after every architecture: a cut run keeps its rows
     _print_table(rows)
@@ -506,6 +606,7 @@ def _write(args: argparse.Namespace, version: str, rows: list[dict[str, Any]]) -
         "tokens": args.tokens,
         "engine_mode": args.engine_mode,
         "seed": args.seed,
+        "prompts": args.prompts,
         "targets": {"rel_l2": TARGET_REL_L2, "top1": TARGET_TOP1},
         "rows": rows,
     }

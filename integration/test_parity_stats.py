@@ -1,0 +1,79 @@
+"""The parity benchmark's figures over several prompts (integration/bench/parity.py):
+geometric-mean errors and the engine-minus-llama.cpp bootstrap interval over prompts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+
+from parity import aggregate, compare, paired
+
+
+def _logits(rng: np.random.Generator, t: int = 64, v: int = 50) -> np.ndarray:
+    """Random logits with a clear top-1 on every row (a margin that small noise cannot flip)."""
+    out = rng.normal(size=(t, v))
+    out[np.arange(t), rng.integers(0, v, size=t)] += 8.0
+    return out
+
+
+def _flip(ref: np.ndarray, n: int, scale: float) -> np.ndarray:
+    """`ref` plus noise of relative size `scale`, with the top-1 moved on the first `n` rows."""
+    rng = np.random.default_rng(n)
+    out = ref + scale * np.linalg.norm(ref) / np.sqrt(ref.size) * rng.normal(size=ref.shape)
+    for i in range(n):
+        j = int(np.argsort(ref[i])[-2])
+        out[i, j] = out[i].max() + 1.0
+    return out
+
+
+def test_one_prompt_aggregates_to_its_own_comparison() -> None:
+    """With one prompt the aggregated figures are that prompt's `compare` figures."""
+    ref = _logits(np.random.default_rng(0))
+    c = compare(_flip(ref, 3, 0.01), ref)
+    a = aggregate([c])
+    assert a["n_prompts"] == 1
+    for key in ("rel_l2", "top1", "max_abs", "n_decisive", "top1_decisive"):
+        assert a[key] == c[key]
+
+
+def test_error_is_the_geometric_mean_over_prompts_and_top1_is_over_all_positions() -> None:
+    """Two prompts with errors about 1e-2 and 4e-2 aggregate to the geometric mean of the two
+    (not their arithmetic mean); top-1 agreement is the share of all positions of both prompts."""
+    rng = np.random.default_rng(1)
+    refs = [_logits(rng), _logits(rng)]
+    cmps = [compare(_flip(refs[0], 2, 0.01), refs[0]), compare(_flip(refs[1], 6, 0.04), refs[1])]
+    a = aggregate(cmps)
+    expect = float(np.sqrt(cmps[0]["rel_l2"] * cmps[1]["rel_l2"]))
+    assert np.isclose(a["rel_l2"], expect, rtol=1e-12)
+    assert not np.isclose(a["rel_l2"], (cmps[0]["rel_l2"] + cmps[1]["rel_l2"]) / 2, rtol=1e-3)
+    assert a["top1"] == 1.0 - 8 / 128
+    assert a["rel_l2_prompts"] == [cmps[0]["rel_l2"], cmps[1]["rel_l2"]]
+    assert a["top1_prompts"] == [1.0 - 2 / 64, 1.0 - 6 / 64]
+
+
+def test_paired_difference_and_interval_over_prompts() -> None:
+    """The engine one flip behind llama.cpp on every prompt: the difference is exactly -1/64
+    with a collapsed interval; with differences that vary over prompts the 95% interval holds
+    the mean, lies within the per-prompt extremes and is not a single point."""
+    rng = np.random.default_rng(2)
+    refs = [_logits(rng) for _ in range(6)]
+    llama = [compare(_flip(r, 2, 0.01), r) for r in refs]
+    behind = paired([compare(_flip(r, 3, 0.02), r) for r in refs], llama)
+    assert behind["n_prompts"] == 6
+    assert np.isclose(behind["top1_diff"], -1 / 64) and np.allclose(
+        behind["top1_diff_ci95"], -1 / 64
+    )
+    assert behind["rel_l2_ratio"] > 1.0
+    lo, hi = behind["rel_l2_ratio_ci95"]
+    assert lo <= behind["rel_l2_ratio"] <= hi
+
+    flips = [0, 4, 1, 3, 2, 2]
+    mixed = paired([compare(_flip(r, n, 0.01), r) for r, n in zip(refs, flips)], llama)
+    diffs = [(2 - n) / 64 for n in flips]
+    assert np.isclose(mixed["top1_diff"], np.mean(diffs))
+    lo, hi = mixed["top1_diff_ci95"]
+    assert min(diffs) <= lo < mixed["top1_diff"] < hi <= max(diffs)
