@@ -373,6 +373,18 @@ def _vs(c: dict[str, Any] | None) -> str:
     return f"{c['rel_l2']:.1e}" + (f" ({c['top1']:.3f})" if c.get("top1") is not None else "")
 
 
+def _vs_llama(c: dict[str, Any] | None, d: dict[str, Any] | None) -> str:
+    """`_vs`, then (over several prompts) the engine minus llama.cpp: top-1 difference and error
+    ratio, each with its 95% bootstrap interval over prompts."""
+    if not c or not d:
+        return _vs(c)
+    (t_lo, t_hi), (r_lo, r_hi) = d["top1_diff_ci95"], d["rel_l2_ratio_ci95"]
+    return (
+        f"{_vs(c)}; vs llama.cpp: top-1 {d['top1_diff']:+.3f} [{t_lo:+.3f}, {t_hi:+.3f}], "
+        f"error ×{d['rel_l2_ratio']:.2f} [{r_lo:.2f}, {r_hi:.2f}]"
+    )
+
+
 def render_parity(f: Figures) -> Table:
     t = Table(["arch", "weights", "llama.cpp vs ref", "engine q8 vs ref", "engine f32 vs ref",
                "engine f32 vs packed ref",
@@ -387,15 +399,26 @@ def render_parity(f: Figures) -> Table:
         note = next((r[k] for r in rows for k in ("error", "llamacpp_error", "engine_note")
                      if r.get(k)), "")  # fmt: skip
         t.rows.append([
-            arch, f"`{variant}`", _vs(first.get("llamacpp_vs_ref")), _vs(q8.get("engine_vs_ref")),
+            arch, f"`{variant}`", _vs(first.get("llamacpp_vs_ref")),
+            _vs_llama(q8.get("engine_vs_ref"), q8.get("engine_minus_llamacpp")),
             _vs(f32.get("engine_vs_ref")), _vs(f32.get("engine_vs_packed_ref")),
             " / ".join(f"{c['rel_l2']:.1e}" if c else "–" for c in src) if any(src) else "–",
             note.splitlines()[0] if note else "",
         ])  # fmt: skip
+    n = f.get("prompts") or 1
     t.notes.append(
-        f"All-position logits, {f['tokens']} random tokens: relative L2 error against the "
-        f"float64 reference of the same GGUF, top-1 agreement in brackets; `packed ref` is the "
-        "reference of the file as the packer stores it."
+        f"All-position logits, {f['tokens']} random tokens"
+        + (f" × {n} prompts (the same for both engines)" if n > 1 else "")
+        + ": relative L2 error against the float64 reference of the same GGUF"
+        + (" (geometric mean over prompts)" if n > 1 else "")
+        + ", top-1 agreement in brackets; `packed ref` is the reference of the file as the "
+        "packer stores it."
+        + (
+            " `vs llama.cpp`: the engine's top-1 agreement minus llama.cpp's and the ratio of "
+            "their errors, with 95% bootstrap intervals over prompts."
+            if n > 1
+            else ""
+        )
         + (f" llama-cpp-python {f['llama_cpp_python']}." if f.get("llama_cpp_python") else "")
     )
     return t

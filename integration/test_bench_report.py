@@ -254,6 +254,34 @@ def test_parity_runs_of_other_rows_are_kept_and_covered_ones_replaced(tmp_path: 
     assert "2.2e-02" in page and "3.3e-02" in page and "1.1e-02" not in page
 
 
+def test_parity_over_several_prompts_shows_engine_minus_llama_cpp_with_its_interval(
+    tmp_path: Path,
+) -> None:
+    """A parity run over several prompts shows, beside the engine's q8 figures, its top-1
+    agreement minus llama.cpp's and its error ratio with their 95% intervals, and says that the
+    errors are geometric means over that many prompts; a one-prompt run shows neither."""
+    figures = {"tokens": 256, "prompts": 8, "rows": [
+        {"arch": "olmoe", "variant": "q4_0", "engine_act": "q8",
+         "engine_vs_ref": {"rel_l2": 0.0117, "top1": 0.974},
+         "llamacpp_vs_ref": {"rel_l2": 0.0139, "top1": 0.976},
+         "engine_minus_llamacpp": {"n_prompts": 8, "top1_diff": -0.0024,
+                                   "top1_diff_ci95": [-0.0068, 0.0015], "rel_l2_ratio": 0.843,
+                                   "rel_l2_ratio_ci95": [0.83, 0.856]}}]}  # fmt: skip
+    recorded(tmp_path, "parity", figures, (0.1, 0.1))
+    page = report.render_page(report.load_results(tmp_path / "results"))
+    assert (
+        "| 1.2e-02 (0.974); vs llama.cpp: top-1 -0.002 [-0.007, +0.002], error ×0.84 "
+        "[0.83, 0.86] |" in page
+    )
+    assert "256 random tokens × 8 prompts" in page and "geometric mean over prompts" in page
+
+    one = {"tokens": 256, "rows": [{**figures["rows"][0], "variant": "lq4_0"}]}
+    del one["rows"][0]["engine_minus_llamacpp"]
+    table = report.render_parity(one)
+    assert table.rows[0][3] == "1.2e-02 (0.974)"
+    assert not any("prompts" in n for n in table.notes)
+
+
 def test_an_attention_only_kernel_run_keeps_the_kernel_table(tmp_path: Path) -> None:
     """`bench_kernels -- --attention` writes only attention rows: it is shown beside the newest
     whole kernel table, not instead of it."""
