@@ -206,8 +206,36 @@ def test_unsupported_expert_type_is_one_line_and_requantize_opts_in(
     assert pack_main([str(src), "-o", str(dst), "--no-progress", "--requantize", "q4_0"]) == 0
     assert Manifest.from_path(dst).source["requantized"] is True
     capsys.readouterr()
-    bad = ["--arch", "qwen3moe", "--preset", "tiny", "--expert-type", "Q4_K", "-o", str(src)]
+    bad = [
+        "--arch",
+        "qwen3moe",
+        "--preset",
+        "tiny",
+        "--expert-type",
+        "Q4_K",
+        "-o",
+        str(tmp_path / "k.gguf"),
+    ]
     assert synth_main(bad) == 2
     assert "multiple of the Q4_K block size 256" in _one_error_line(
         capsys.readouterr().err, "estream-synth"
     )
+
+
+def test_synth_never_replaces_a_file_unless_forced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`estream-synth -o` onto an existing file (or a directory) is one error line and leaves
+    it as it was; with --force the file is replaced by the new model."""
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"somebody's file")
+    argv = ["--arch", "qwen3moe", "--preset", "tiny", "--no-progress", "-o", str(out)]
+    assert synth_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already exists; add --force" in err
+    assert out.read_bytes() == b"somebody's file"
+    assert synth_main([*argv[:-2], "-o", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert synth_main([*argv, "--force"]) == 0
+    assert out.read_bytes()[:4] == b"GGUF"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]

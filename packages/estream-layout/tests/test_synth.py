@@ -152,3 +152,41 @@ def test_synth_seed_is_checked_in_the_api(tmp_path: Path) -> None:
         with pytest.raises(InvalidArgumentError, match="seed"):
             synth_model("olmoe", "tiny", tmp_path / "m.gguf", seed=seed)  # type: ignore[arg-type]
     assert not list(tmp_path.iterdir())
+
+
+def test_an_interrupted_synth_leaves_no_partial_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GGUF is written under a temporary name and renamed into place when complete: a run
+    stopped mid-write leaves nothing new in the directory and an existing file as it was; a
+    complete run leaves only the file, with the mode a new file gets under the umask."""
+    import os
+
+    from estream_layout import synth
+
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"an older file")
+    calls = {"n": 0}
+    real = synth._tensor_data
+
+    def stop_at_the_third(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(synth, "_tensor_data", stop_at_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        synth_model("olmoe", "tiny", out, seed=0)
+    assert calls["n"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    assert out.read_bytes() == b"an older file"
+    monkeypatch.setattr(synth, "_tensor_data", real)
+    umask = os.umask(0o027)
+    try:
+        synth_model("olmoe", "tiny", out, seed=0)
+    finally:
+        os.umask(umask)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    assert out.stat().st_mode & 0o777 == 0o640
+    assert ModelSpec.from_gguf(out).n_layers > 0

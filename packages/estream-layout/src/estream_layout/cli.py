@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from . import _sigint
 from .errors import LayoutError
@@ -184,6 +186,7 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
         help="GGUF to copy tokenizer.ggml.* from (default: by family; '-': a generated one)",
     )
     ap.add_argument("-o", "--output", required=True, help="output .gguf path")
+    ap.add_argument("--force", action="store_true", help="replace an existing output file")
     ap.add_argument(
         "--expert-type",
         choices=SYNTH_TYPES,
@@ -220,6 +223,13 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
             "estream-synth",
             f"preset {args.preset} is the shape of a {PRESET_ARCH[args.preset]} model; "
             f"use --arch {PRESET_ARCH[args.preset]}",
+        )
+    out = Path(args.output)
+    if out.is_dir() or args.output.endswith(("/", os.sep)):
+        return _fail("estream-synth", f"-o {args.output}: is a directory; give a file path")
+    if (out.exists() or out.is_symlink()) and not args.force:
+        return _fail(
+            "estream-synth", f"-o {args.output}: already exists; add --force to replace it"
         )
     from .synth import synth_model
 

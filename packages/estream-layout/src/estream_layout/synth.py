@@ -11,6 +11,7 @@ real models. Tensor data is generated and written one tensor at a time, so the 4
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -514,11 +515,22 @@ def synth_model(
     # header: the tokenizer (a few MiB for 152K tokens and their merges) plus tensor infos
     planned = data_bytes + 32 * len(plan) + (vocab_path.stat().st_size if vocab_path else 0)
     planned += 1 << 20
-    reclaimed = out.stat().st_size if out.is_file() else 0  # GGUFWriter truncates it
-    check_disk_space(out, planned, f"writing {out.name}", reclaimed=reclaimed)
+    # written beside `out` under a temporary name and renamed over it once complete: a run that
+    # is killed leaves no partial GGUF under the name (an existing file stays until the rename)
+    check_disk_space(out, planned, f"writing {out.name}")
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = _Progress(data_bytes, f"synthesizing {out.name}", progress)
-    writer = GGUFWriter(out, GGUF_ARCH[arch])
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # the mode a plain new file gets (mkstemp's is 0600)
+        writer = GGUFWriter(tmp, GGUF_ARCH[arch])
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     try:
         _add_header(writer, arch, d, n_vocab, expert_type, vocab_kv, plan)
         writer.write_header_to_file()
@@ -538,11 +550,12 @@ def synth_model(
             writer.write_tensor_data(np.ascontiguousarray(data))
             del data
             bar.update(t.nbytes)
+        writer.close()
+        os.replace(tmp, out)
     except BaseException:
         writer.close()
-        out.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    writer.close()
     bar.close()
     return out
 
