@@ -60,7 +60,8 @@ typedef enum htp_format {
     HTP_FMT_IQ4_NL_T32R4 = 9, /* 576-byte 32x32 tiles of GGML IQ4_NL blocks (Q4_0's layout) */
     HTP_FMT_Q4_1_T32R4 = 10,  /* 640-byte 32x32 tiles of GGML Q4_1 blocks */
     HTP_FMT_Q5_0_T32R4 = 11,  /* 704-byte 32x32 tiles of GGML Q5_0 blocks */
-    HTP_FMT_Q5_1_T32R4 = 12   /* 768-byte 32x32 tiles of GGML Q5_1 blocks */
+    HTP_FMT_Q5_1_T32R4 = 12,  /* 768-byte 32x32 tiles of GGML Q5_1 blocks */
+    HTP_FMT_IQ4_XS_T32R4 = 13 /* 608-byte 32x32 tiles of GGML IQ4_XS sub-blocks */
 } htp_format;
 
 typedef enum htp_simd {

@@ -444,6 +444,7 @@ static htp_status exec_get_rows(htp_backend *b, const htp_op_desc *op) {
     case HTP_FMT_Q4_1_T32R4:
     case HTP_FMT_Q5_0_T32R4:
     case HTP_FMT_Q5_1_T32R4:
+    case HTP_FMT_IQ4_XS_T32R4:
         if (p->n_cols % 32) return HTP_E_INVALID;
         need = htp_matrix_bytes(p->format, p->n_rows, p->n_cols);
         break;

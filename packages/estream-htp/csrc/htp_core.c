@@ -36,6 +36,10 @@ void htp_nlq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8
                              float *out, uint32_t ldo, uint32_t rows) {
     htp_iq4nl_strip_body(strip, kb, a, nt, out, ldo, rows);
 }
+void htp_xsq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                             float *out, uint32_t ldo, uint32_t rows) {
+    htp_iq4xs_strip_body(strip, kb, a, nt, out, ldo, rows);
+}
 void htp_mxq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                              float *out, uint32_t ldo, uint32_t rows) {
     htp_mxfp4_strip_body(strip, kb, a, nt, out, ldo, rows);
@@ -59,6 +63,7 @@ const htp_isa htp_isa_portable = {
     .kq8_nt = 64,
     .q5kq8_strip = htp_q5kq8_strip_portable,
     .nlq8_strip = htp_nlq8_strip_portable,
+    .xsq8_strip = htp_xsq8_strip_portable,
     .affq8_strip = htp_affq8_strip_portable,
     .mxq8_strip = htp_mxq8_strip_portable,
     .mxq8_nt = 64,
@@ -155,6 +160,7 @@ size_t htp_tile_bytes(uint32_t fmt) {
     case HTP_FMT_Q4_1_T32R4: return HTP_Q41_TILE_BYTES;
     case HTP_FMT_Q5_0_T32R4: return HTP_Q50_TILE_BYTES;
     case HTP_FMT_Q5_1_T32R4: return HTP_Q51_TILE_BYTES;
+    case HTP_FMT_IQ4_XS_T32R4: return HTP_IQ4XS_TILE_BYTES;
     default: return 0;
     }
 }
@@ -162,7 +168,7 @@ int htp_is_weight_format(uint32_t fmt) {
     return fmt == HTP_FMT_Q4_0_T32R4 || fmt == HTP_FMT_Q8_0_T32R4 || fmt == HTP_FMT_Q4_K_T32R4 ||
            fmt == HTP_FMT_Q6_K_T32R4 || fmt == HTP_FMT_MXFP4_T32R4 || fmt == HTP_FMT_Q5_K_T32R4 ||
            fmt == HTP_FMT_IQ4_NL_T32R4 || fmt == HTP_FMT_Q4_1_T32R4 || fmt == HTP_FMT_Q5_0_T32R4 ||
-           fmt == HTP_FMT_Q5_1_T32R4;
+           fmt == HTP_FMT_Q5_1_T32R4 || fmt == HTP_FMT_IQ4_XS_T32R4;
 }
 uint64_t htp_matrix_bytes(uint32_t fmt, uint32_t n, uint32_t k) {
     return (uint64_t)((n + 31) / 32) * (k / 32) * htp_tile_bytes(fmt);
@@ -177,7 +183,8 @@ void htp_gemm_tiles(const htp_isa *isa, const uint8_t *w, uint32_t fmt, uint32_t
     /* the strip kernel and its tokens per call for this format (K-quant and MXFP4 kernels a
      * table does not have: the portable ones) */
     const int kq = fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q5_K_T32R4 ||
-                   fmt == HTP_FMT_Q6_K_T32R4 || fmt == HTP_FMT_MXFP4_T32R4;
+                   fmt == HTP_FMT_Q6_K_T32R4 || fmt == HTP_FMT_MXFP4_T32R4 ||
+                   fmt == HTP_FMT_IQ4_XS_T32R4;
     void (*strip_fn)(const uint8_t *, uint32_t, const htp_act_q8 *, uint32_t, float *, uint32_t, uint32_t);
     uint32_t ntmax;
     if (fmt == HTP_FMT_Q4_0_T32R4) {
@@ -192,6 +199,9 @@ void htp_gemm_tiles(const htp_isa *isa, const uint8_t *w, uint32_t fmt, uint32_t
     } else if (fmt == HTP_FMT_IQ4_NL_T32R4) {
         const htp_isa *ni = isa->nlq8_strip ? isa : &htp_isa_portable;
         strip_fn = ni->nlq8_strip, ntmax = ni->mxq8_nt;
+    } else if (fmt == HTP_FMT_IQ4_XS_T32R4) {
+        const htp_isa *xi = isa->xsq8_strip ? isa : &htp_isa_portable;
+        strip_fn = xi->xsq8_strip, ntmax = xi->kq8_nt;
     } else if (fmt == HTP_FMT_Q5_K_T32R4) {
         const htp_isa *ki = isa->q5kq8_strip ? isa : &htp_isa_portable;
         strip_fn = ki->q5kq8_strip, ntmax = ki->kq8_nt;
@@ -347,7 +357,8 @@ void htp_exec_get_rows(const htp_get_rows_params *pr, const uint8_t *p, const in
                 const float d = htp_f16_to_f32(h);
                 float *ob = o + 32 * j;
                 if (format == HTP_FMT_Q4_K_T32R4 || format == HTP_FMT_Q5_K_T32R4 ||
-                    format == HTP_FMT_Q6_K_T32R4 || format == HTP_FMT_MXFP4_T32R4) {
+                    format == HTP_FMT_Q6_K_T32R4 || format == HTP_FMT_MXFP4_T32R4 ||
+                    format == HTP_FMT_IQ4_XS_T32R4) {
                     float panel[1024]; /* the tile's values, then row r of them */
                     htp_dequant_kq_tile_body(tile, format, panel);
                     for (int c = 0; c < 32; c++) ob[c] = panel[c * 32 + r];

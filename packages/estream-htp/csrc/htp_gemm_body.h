@@ -17,7 +17,24 @@
  *   then 8 groups of 128 B at 128 with int8 values -32..31 (column 4g+b of row r at
  *   128 + 128g + 4r + b); W = (d*sc)*q. */
 HTP_INLINE void htp_dequant_kq_tile_body(const uint8_t *p, uint32_t fmt, float *panel) {
-    if (fmt == HTP_FMT_MXFP4_T32R4) { /* (the tiles with other than one fp16 scale per row) */
+    if (fmt == HTP_FMT_IQ4_XS_T32R4) { /* (d * sc) * kv[code], llama.cpp's dequantize_row_iq4_xs */
+        float s[32];
+        for (int r = 0; r < 32; r++) {
+            uint16_t h;
+            memcpy(&h, p + 2 * r, 2);
+            s[r] = htp_f16_to_f32(h) * (float)(int8_t)p[64 + r];
+        }
+        for (int gi = 0; gi < 4; gi++)
+            for (int b = 0; b < 4; b++) {
+                float *lo = panel + (4 * gi + b) * 32;
+                float *hi = panel + (16 + 4 * gi + b) * 32;
+                for (int r = 0; r < 32; r++) {
+                    const uint8_t v = p[96 + gi * 128 + r * 4 + b];
+                    lo[r] = s[r] * (float)htp_iq4nl_kvalues[v & 15];
+                    hi[r] = s[r] * (float)htp_iq4nl_kvalues[v >> 4];
+                }
+            }
+    } else if (fmt == HTP_FMT_MXFP4_T32R4) { /* (the tiles with other than one fp16 scale per row) */
         float s[32];
         for (int r = 0; r < 32; r++) s[r] = htp_e8m0_half(p[r]);
         for (int gi = 0; gi < 4; gi++)
@@ -345,6 +362,47 @@ HTP_INLINE void htp_aff_strip_body(const uint8_t *strip, uint32_t fmt, uint32_t 
     }
 }
 
+/* IQ4_XS tiles x Q8 activations, reference order, any nt. iq4_xs-t32r4 (608 B): fp16 d per row
+ * at 2r, the row's int8 sub-block scale sc = ls - 32 (-32..31) at 64 + r, then the IQ4_NL codes in
+ * Q4_0's nibble order at 96 (byte 4g+b of row r at 96 + 128g + 4r + b). Per row and 32-block the
+ * exact int32 dot = sum kv[code] * a, then acc += (float)(sc * dot) * (d * da), product then sum:
+ * llama.cpp's vec_dot_iq4_xs_q8_K with the activation scale per 32-block instead of per 256
+ * (|sc * dot| <= 32 * 127 * 127 * 32 < 2^24: the conversion is exact). */
+HTP_INLINE void htp_iq4xs_strip_body(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                     uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    const uint32_t k = kb * 32;
+    for (uint32_t tt = 0; tt < nt; tt++) {
+        float acc[32];
+        for (int r = 0; r < 32; r++) acc[r] = 0.0f;
+        const int8_t *qa = a->q + (size_t)tt * k;
+        for (uint32_t j = 0; j < kb; j++) {
+            const uint8_t *tile = strip + (size_t)j * HTP_IQ4XS_TILE_BYTES;
+            const int8_t *qb = qa + 32 * j;
+            const float da = a->d[(size_t)tt * kb + j];
+            int32_t dot[32];
+            for (int r = 0; r < 32; r++) {
+                int32_t sacc = 0;
+                for (int gi = 0; gi < 4; gi++)
+                    for (int b = 0; b < 4; b++) {
+                        const uint8_t v = tile[96 + gi * 128 + r * 4 + b];
+                        sacc += (int32_t)htp_iq4nl_kvalues[v & 15] * qb[4 * gi + b] +
+                                (int32_t)htp_iq4nl_kvalues[v >> 4] * qb[16 + 4 * gi + b];
+                    }
+                dot[r] = sacc;
+            }
+            for (int r = 0; r < 32; r++) {
+                uint16_t h;
+                memcpy(&h, tile + 2 * r, 2);
+                const int32_t isc = (int32_t)(int8_t)tile[64 + r] * dot[r];
+                const float sc = htp_f16_to_f32(h) * da;
+                const float v = (float)isc * sc;
+                acc[r] += v;
+            }
+        }
+        for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = acc[r];
+    }
+}
+
 /* panel[c*32 + r] = W[row r][col c] for one tile (32 rows, 32 columns). */
 HTP_INLINE void htp_dequant_tile_body(const uint8_t *p, uint32_t fmt, float *panel) {
     if (fmt == HTP_FMT_Q4_1_T32R4 || fmt == HTP_FMT_Q5_0_T32R4 || fmt == HTP_FMT_Q5_1_T32R4) {
@@ -352,7 +410,7 @@ HTP_INLINE void htp_dequant_tile_body(const uint8_t *p, uint32_t fmt, float *pan
         return;
     }
     if (fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q5_K_T32R4 || fmt == HTP_FMT_Q6_K_T32R4 ||
-        fmt == HTP_FMT_MXFP4_T32R4) {
+        fmt == HTP_FMT_MXFP4_T32R4 || fmt == HTP_FMT_IQ4_XS_T32R4) {
         htp_dequant_kq_tile_body(p, fmt, panel);
         return;
     }

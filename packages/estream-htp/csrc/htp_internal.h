@@ -44,6 +44,7 @@
 #define HTP_Q41_TILE_BYTES 640 /* (d, m) fp16 pair per row, then Q4_0-order nibbles */
 #define HTP_Q50_TILE_BYTES 704 /* fp16 d per row, each row's fifth bits, then nibbles */
 #define HTP_Q51_TILE_BYTES 768 /* (d, m) per row, each row's fifth bits, then nibbles */ /* E8M0 exponent byte per row, then Q4_0-order FP4 codes */
+#define HTP_IQ4XS_TILE_BYTES 608 /* fp16 d, int8 sub-block scale per row, then IQ4_NL codes */
 #define HTP_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define HTP_MAX(a, b) ((a) > (b) ? (a) : (b))
 
@@ -219,6 +220,9 @@ typedef struct htp_isa {
     /* IQ4_NL tiles x Q8 activations (NULL: the portable kernel), mxq8_nt tokens a call */
     void (*nlq8_strip)(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                        float *out, uint32_t ldo, uint32_t rows);
+    /* IQ4_XS tiles x Q8 activations (NULL: the portable kernel), kq8_nt tokens a call */
+    void (*xsq8_strip)(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                       float *out, uint32_t ldo, uint32_t rows);
     /* MXFP4 tiles x Q8 activations (NULL: the portable kernel), mxq8_nt tokens a call */
     void (*mxq8_strip)(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                        float *out, uint32_t ldo, uint32_t rows);
@@ -302,10 +306,12 @@ void htp_affq8_strip_portable(const uint8_t *strip, uint32_t fmt, uint32_t kb, c
                               uint32_t nt, float *out, uint32_t ldo, uint32_t rows);
 void htp_nlq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                              float *out, uint32_t ldo, uint32_t rows);
+void htp_xsq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+                             float *out, uint32_t ldo, uint32_t rows);
 void htp_mxq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                              float *out, uint32_t ldo, uint32_t rows);
 /* whether fmt is a weight tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0,
- * Q5_1) */
+ * Q5_1, IQ4_XS) */
 int htp_is_weight_format(uint32_t fmt);
 void htp_f32_strip_portable(const float *panel, uint32_t k, const float *x, uint32_t ldx,
                             uint32_t nt, float *out, uint32_t ldo, uint32_t rows);

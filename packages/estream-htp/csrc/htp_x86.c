@@ -61,6 +61,12 @@ HTP_INSTANTIATE(avx512, HTP_T_AVX512)
                                                            uint32_t rows) {                      \
         htp_iq4nl_strip_body(strip, kb, a, nt, out, ldo, rows);                                  \
     }                                                                                            \
+    TARGET HTP_NO_CONTRACT static void xsq8_strip_##SUFFIX(const uint8_t *strip, uint32_t kb,    \
+                                                           const htp_act_q8 *a, uint32_t nt,     \
+                                                           float *out, uint32_t ldo,             \
+                                                           uint32_t rows) {                      \
+        htp_iq4xs_strip_body(strip, kb, a, nt, out, ldo, rows);                                  \
+    }                                                                                            \
     TARGET HTP_NO_CONTRACT static void affq8_strip_##SUFFIX(                                     \
         const uint8_t *strip, uint32_t fmt, uint32_t kb, const htp_act_q8 *a, uint32_t nt,       \
         float *out, uint32_t ldo, uint32_t rows) {                                               \
@@ -1039,6 +1045,7 @@ const htp_isa htp_isa_avx2 = {
     .kq8_nt = 64,
     .q5kq8_strip = q5kq8_strip_avx2,
     .nlq8_strip = nlq8_strip_avx2,
+    .xsq8_strip = xsq8_strip_avx2,
     .affq8_strip = affq8_strip_avx2,
     .mxq8_strip = mxq8_strip_fast_avx2,
     .mxq8_nt = 64,
@@ -1080,6 +1087,7 @@ const htp_isa htp_isa_avx512 = {
     .kq8_nt = 64,
     .q5kq8_strip = q5kq8_strip_fast_bw,
     .nlq8_strip = nlq8_strip_avx512,
+    .xsq8_strip = xsq8_strip_avx512,
     .affq8_strip = affq8_strip_avx512,
     .mxq8_strip = mxq8_strip_fast_bw,
     .mxq8_nt = 64,
@@ -1100,6 +1108,7 @@ const htp_isa htp_isa_avx512vnni = {
     .kq8_nt = 64,
     .q5kq8_strip = q5kq8_strip_fast_vnni,
     .nlq8_strip = nlq8_strip_vnni,
+    .xsq8_strip = xsq8_strip_vnni,
     .affq8_strip = affq8_strip_vnni,
     .mxq8_strip = mxq8_strip_fast_vnni,
     .mxq8_nt = 64,
@@ -1122,6 +1131,7 @@ const htp_isa htp_isa_amx = {
     .kq8_nt = 64,
     .q5kq8_strip = q5kq8_strip_fast_vnni,
     .nlq8_strip = nlq8_strip_vnni,
+    .xsq8_strip = xsq8_strip_vnni,
     .affq8_strip = affq8_strip_vnni,
     .mxq8_strip = mxq8_strip_fast_vnni,
     .mxq8_nt = 64,

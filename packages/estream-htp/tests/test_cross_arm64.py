@@ -57,7 +57,7 @@ def selftest(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     """On a CPU with the dot-product extension every check of the self-test passes (GEMM of
-    every tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0, Q5_1) and
+    every tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0, Q5_1, IQ4_XS) and
     activation format within the fp32 rounding bound of float64, exact-integer GEMMs
     bit-identical to the int64 dot product and to the portable table, GEMM from Q8 rows and
     with a shared input, the expert op (SwiGLU, ReGLU and SwiGLU-OAI, with and without
@@ -67,7 +67,19 @@ def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr
     lines = r.stdout.splitlines()
     assert lines[-1] == "OK"
-    for fmt in ("q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "mxfp4", "iq4_nl", "q4_1", "q5_0", "q5_1"):
+    for fmt in (
+        "q4_0",
+        "q8_0",
+        "q4_k",
+        "q5_k",
+        "q6_k",
+        "mxfp4",
+        "iq4_nl",
+        "q4_1",
+        "q5_0",
+        "q5_1",
+        "iq4_xs",
+    ):
         for act in ("f32", "q8"):
             assert any(re.match(rf"gemm {fmt} act={act} n=\d+ k=\d+ t=\d+: ok$", s) for s in lines)
             assert any(s.startswith(f"expert {fmt} act={act} neon ") for s in lines)

@@ -280,6 +280,9 @@ Q4K, Q5K, Q6K = "q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4"
 FORMAT_MIXES = [(Q8, Q8, Q8), (Q4, Q4, Q8), (Q8, Q4, Q8)]
 # Q4_K_M's expert mix (Q4_K gate/up, Q6_K down), all Q6_K, and K-quants next to Q8_0 / Q4_0
 KQ_MIXES = [(Q4K, Q4K, Q6K), (Q6K, Q6K, Q6K), (Q4K, Q4K, Q4K), (Q4K, Q8, Q4), (Q5K, Q5K, Q6K)]
+# IQ4_XS experts (published MoE IQ4_XS files), and IQ4_XS next to a K-quant / IQ4_NL down
+XS = "iq4_xs-t32r4"
+KQ_MIXES += [(XS, XS, XS), (XS, XS, Q6K), (XS, Q4K, "iq4_nl-t32r4")]
 # MXFP4 experts (gpt-oss), and MXFP4 next to another type
 MX = "mxfp4-t32r4"
 NL = "iq4_nl-t32r4"
@@ -292,14 +295,14 @@ MX_MIXES += [(Q41, Q41, Q41), (Q50, Q50, Q51), (Q51, Q4, Q50)]
 @pytest.mark.parametrize("act", ["f32", "q8"])
 @pytest.mark.parametrize("formats", FORMAT_MIXES + KQ_MIXES + MX_MIXES)
 def test_expert_op_q8_0_and_kquant_weights_match_float64(simd: str, act: str, formats) -> None:
-    """Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0, Q5_1 weights (every projection, or
+    """Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4, IQ4_NL, Q4_1, Q5_0, Q5_1 weights (every projection, or
     mixed per projection) at awkward sizes (d_model 3 tiles and d_ff 5 tiles, or for K-quants 1
     and 2 super-blocks; 43 tokens, slots with 1..40 routes, padded planes): the op's
     accumulated result matches the float64 reference of the same tiles (f32 products), or that
     reference with the int8 activation rounding applied (q8); with a NaN-poisoned plane padding
     and 1 and 2 threads giving the same bits."""
     rng = np.random.default_rng(21)
-    kq = any(f in (Q4K, Q5K, Q6K) for f in formats)
+    kq = any(f in (Q4K, Q5K, Q6K, XS) for f in formats)
     d, ff, n_exp, t = (256, 512, 5, 43) if kq else (96, 160, 5, 43)
     gate, up, down = T.random_experts(rng, n_exp, d, ff, formats)
     experts = np.concatenate([np.full(40, 2), [0], rng.integers(0, n_exp, 60)]).astype(np.int32)

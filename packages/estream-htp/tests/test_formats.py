@@ -97,3 +97,37 @@ def test_mxfp4_quantizer_is_close_and_packs_floats() -> None:
     assert np.all(np.abs(T.dequantize_mxfp4(b) - w) <= step)
     assert T.rel_l2(T.dequantize_mxfp4(b), w) < 0.15
     assert np.array_equal(T.pack_mxfp4_t32r4(w), T.pack_mxfp4_t32r4(b))
+
+
+@given(n=st.integers(1, 70), sb=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_iq4_xs_pack_unpack_roundtrip_and_values(n: int, sb: int, seed: int) -> None:
+    """IQ4_XS blocks of any bytes (finite d) re-laid as iq4_xs-t32r4 and back are the same bytes;
+    a tile row read by its documented layout (fp16 d at 2r, int8 ls - 32 at 64 + r, codes at
+    96 + 128g + 4r + b) gives gguf-py's dequantized values bit for bit, and so does the tiles'
+    dequantizer; padding rows have d = 0 and codes 0 (their sub-block scale byte is 0: ls = 32)."""
+    from gguf import GGMLQuantizationType
+    from gguf import quants as gq
+
+    rng = np.random.default_rng(seed)
+    k = 256 * sb
+    blocks = T.random_iq4_xs_blocks(rng, n, k)
+    buf = T.pack_iq4_xs_t32r4(blocks)
+    assert buf.size == T.matrix_nbytes("iq4_xs-t32r4", n, k) == -(-n // 32) * (k // 32) * 608
+    assert np.array_equal(T.unpack_iq4_xs_t32r4(buf, n, k), blocks)
+    want = gq.dequantize(blocks.reshape(n, -1), GGMLQuantizationType.IQ4_XS).astype(np.float32)
+    got = T.dequantize_tiles(buf, "iq4_xs-t32r4", n, k)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    kv = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+    tiles = buf.reshape(-(-n // 32), k // 32, 608)
+    r = n - 1 - 32 * ((n - 1) // 32)  # the last real row, in the last row tile
+    for j in range(k // 32):
+        t = tiles[-1, j]
+        d = np.float32(t[2 * r : 2 * r + 2].view(np.float16)[0])
+        s = d * np.float32(t[64 + r].astype(np.int8))
+        codes = np.concatenate([t[96 + 128 * g + 4 * r : 100 + 128 * g + 4 * r] for g in range(4)])
+        vals = kv[np.concatenate([codes & 15, codes >> 4])].astype(np.float32) * s
+        assert np.array_equal(
+            vals.view(np.uint32), want[n - 1, 32 * j : 32 * j + 32].view(np.uint32)
+        )
+    pad = T.unpack_iq4_xs_t32r4(buf, -(-n // 32) * 32, k)[n:]
+    assert not pad[..., :2].any() and not pad[..., 8:].any()  # d = 0, codes 0

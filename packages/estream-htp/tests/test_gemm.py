@@ -63,7 +63,8 @@ def test_gemm_q8_matches_float64(simd: str, fmt: str, shape) -> None:
     assert np.all(err <= bound * 1.001 + 1e-5 * mag)
 
 
-KQ_FORMATS = ["q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4"]
+KQ_FORMATS = ["q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "iq4_xs-t32r4"]  # 256-value blocks
+XS = "iq4_xs-t32r4"
 kq_shapes = st.tuples(
     st.integers(1, 19), st.integers(1, 77), st.integers(1, 3), st.integers(0, 2**32 - 1)
 )
@@ -77,6 +78,8 @@ def _kq_case(t: int, n: int, sb: int, seed: int, fmt: str):
         buf = T.pack_q4_k_t32r4(T.random_q4_k_blocks(rng, n, k))
     elif fmt == "q5_k-t32r4":
         buf = T.pack_q5_k_t32r4(T.random_q5_k_blocks(rng, n, k))
+    elif fmt == XS:
+        buf = T.pack_iq4_xs_t32r4(T.random_iq4_xs_blocks(rng, n, k))
     else:
         buf = T.pack_q6_k_t32r4(T.random_q6_k_blocks(rng, n, k))
     x = (rng.standard_normal((t, k)) * rng.uniform(0.1, 10)).astype(np.float32)
@@ -130,6 +133,26 @@ def test_gemm_kquant_tables_agree(fmt: str) -> None:
         with mode(simd=simd, act="q8"):
             y = htp.gemm(x, buf, 70, fmt)
         assert T.rel_l2(y, base) <= 1e-6, simd
+
+
+def test_gemm_iq4_xs_tables_give_portable_bits() -> None:
+    """Every kernel table this CPU runs gives the portable table's IQ4_XS x Q8 results bit for
+    bit (exact integer block sums, the portable epilogue: (float)(sc x dot) x (d x da), then the
+    sum), codes of every value, sub-block scales -32 and 31 and activations of +-127 included."""
+    rng = np.random.default_rng(17)
+    blocks = T.random_iq4_xs_blocks(rng, 70, 768)
+    blocks[:2, :, 2:8] = np.array([[0, 0, 0, 0, 0, 0], [0xFF] * 6], np.uint8)[:, None, :]
+    buf = T.pack_iq4_xs_t32r4(blocks)
+    x = np.random.default_rng(18).standard_normal((29, 768)).astype(np.float32)
+    x[:3, ::2] = 50.0
+    with mode(simd="portable", act="q8", threads=1):
+        base = htp.gemm(x, buf, 70, XS)
+    assert np.isfinite(base).all()
+    assert np.abs(base[:, :2]).max() > 0  # the extreme-scale rows are not all zero
+    for simd in LEVELS:
+        with mode(simd=simd, act="q8"):
+            y = htp.gemm(x, buf, 70, XS)
+        assert np.array_equal(y.view(np.uint32), base.view(np.uint32)), simd
 
 
 MX, NL = "mxfp4-t32r4", "iq4_nl-t32r4"  # 4-bit codes looked up in a table of values

@@ -92,22 +92,24 @@ def test_gemm_bit_exact(
 @given(
     n=st.integers(1, 40),
     t=st.integers(1, 6),
-    fmt=st.sampled_from(["q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4"]),
+    fmt=st.sampled_from(["q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "iq4_xs-t32r4"]),
     act=st.sampled_from(["q8", "f32"]),
     seed=st.integers(0, 2**16),
 )
 def test_gemm_kquant_bit_exact(
     host: htp.Backend, hexagon: htp.Backend, n: int, t: int, fmt: str, act: str, seed: int
 ) -> None:
-    """Q4_K / Q5_K / Q6_K tiles (one super-block of K, padding rows): the executor's GEMM gives the
-    host's bits, and the float64 reference of the tiles (with the int8-rounded activations on
-    the q8 path) to fp32 rounding."""
+    """Q4_K / Q5_K / Q6_K / IQ4_XS tiles (one super-block of K, padding rows): the executor's GEMM
+    gives the host's bits, and the float64 reference of the tiles (with the int8-rounded
+    activations on the q8 path) to fp32 rounding."""
     rng = np.random.default_rng(seed)
     k = 256
     if fmt == "q4_k-t32r4":
         buf = T.pack_q4_k_t32r4(T.random_q4_k_blocks(rng, n, k))
     elif fmt == "q5_k-t32r4":
         buf = T.pack_q5_k_t32r4(T.random_q5_k_blocks(rng, n, k))
+    elif fmt == "iq4_xs-t32r4":
+        buf = T.pack_iq4_xs_t32r4(T.random_iq4_xs_blocks(rng, n, k))
     else:
         buf = T.pack_q6_k_t32r4(T.random_q6_k_blocks(rng, n, k))
     x = rng.standard_normal((t, k)).astype(np.float32)
@@ -243,6 +245,7 @@ def test_expert_op_bit_exact(
             ("q5_k-t32r4", "q5_k-t32r4", "q6_k-t32r4"),
             ("iq4_nl-t32r4", "iq4_nl-t32r4", "q8_0-t32r4"),
             ("q4_1-t32r4", "q5_1-t32r4", "q5_0-t32r4"),
+            ("iq4_xs-t32r4", "iq4_xs-t32r4", "q6_k-t32r4"),
         ]
     ),
     act=st.sampled_from(["q8", "f32"]),
@@ -257,11 +260,11 @@ def test_expert_op_q8_0_and_kquant_weights_bit_exact(
     act: str,
     seed: int,
 ) -> None:
-    """Q8_0, Q4_K, Q6_K and MXFP4 expert weights (all projections, or mixed as Q4_K_M mixes them):
-    the executor gives the host's bits, and with f32 products the float64 reference within
-    1e-5."""
+    """Q8_0, Q4_K, Q6_K, IQ4_XS and MXFP4 expert weights (all projections, or mixed as Q4_K_M
+    mixes them): the executor gives the host's bits, and with f32 products the float64
+    reference within 1e-5."""
     rng = np.random.default_rng(seed)
-    kq = any(f.startswith(("q4_k", "q5_k", "q6_k")) for f in formats)
+    kq = any(f.startswith(("q4_k", "q5_k", "q6_k", "iq4_xs")) for f in formats)
     d, ff, k = (256, 256, min(2, n_e)) if kq else (64, 64, min(2, n_e))
     gate, up, down = T.random_experts(rng, n_e, d, ff, formats)
     x = rng.standard_normal((t, d)).astype(np.float32)
@@ -274,6 +277,42 @@ def test_expert_op_q8_0_and_kquant_weights_bit_exact(
         tokens = np.repeat(np.arange(t, dtype=np.int32), k)
         ref = T.ref_expert_op(
             x, tokens, ids.reshape(-1), wts.reshape(-1), gate, up, down, ff, formats=formats
+        )
+        assert T.rel_l2(b, ref) < 1e-5
+
+
+@pytest.mark.parametrize("act", ["q8", "f32"])
+def test_iq4_xs_gemm_and_expert_op_bit_exact(
+    host: htp.Backend, hexagon: htp.Backend, act: str
+) -> None:
+    """IQ4_XS tiles (two super-blocks of K, padding rows, sub-block scales -32 and 31): the
+    executor's GEMM and expert op (IQ4_XS gate/up, Q6_K down) give the host's bits, and the
+    float64 references of the tiles (int8-rounded activations on the q8 path) within 1e-5."""
+    rng = np.random.default_rng(23)
+    n, k, t = 45, 512, 5
+    blocks = T.random_iq4_xs_blocks(rng, n, k)
+    blocks[:2, :, 2:8] = np.array([[0] * 6, [0xFF] * 6], np.uint8)[:, None, :]
+    buf = T.pack_iq4_xs_t32r4(blocks)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    fmt = "iq4_xs-t32r4"
+    a = htp.gemm(x, buf, n, fmt, out=_nan((t, n)), act=act, backend=host)
+    b = htp.gemm(x, buf, n, fmt, out=_nan((t, n)), act=act, backend=hexagon)
+    assert _same(a, b)
+    xr = x if act == "f32" else T.ref_q8_activations(x)
+    mag = T.ref_gemm_magnitude(xr, buf, n, fmt)
+    assert T.rel_l2_floored(b, T.ref_gemm(xr, buf, n, fmt), mag, k) < 1e-5
+    formats = (fmt, fmt, "q6_k-t32r4")
+    gate, up, down = T.random_experts(rng, 3, 256, 256, formats)
+    xe = rng.standard_normal((t, 256)).astype(np.float32)
+    ids = np.stack([rng.permutation(3)[:2] for _ in range(t)]).astype(np.int32)
+    wts = rng.random((t, 2)).astype(np.float32)
+    a = htp.moe_ffn(xe, gate, up, down, ids, wts, act=act, backend=host, formats=formats)
+    b = htp.moe_ffn(xe, gate, up, down, ids, wts, act=act, backend=hexagon, formats=formats)
+    assert _same(a, b) and np.isfinite(b).all()
+    if act == "f32":
+        tokens = np.repeat(np.arange(t, dtype=np.int32), 2)
+        ref = T.ref_expert_op(
+            xe, tokens, ids.reshape(-1), wts.reshape(-1), gate, up, down, 256, formats=formats
         )
         assert T.rel_l2(b, ref) < 1e-5
 
@@ -414,6 +453,7 @@ def test_small_ops(host: htp.Backend, hexagon: htp.Backend) -> None:
         ("q5_k-t32r4", T.pack_q5_k_t32r4(T.random_q5_k_blocks(krng, 50, 256))),
         ("mxfp4-t32r4", T.pack_mxfp4_t32r4(T.random_mxfp4_blocks(krng, 50, 256))),
         ("iq4_nl-t32r4", T.pack_iq4_nl_t32r4(T.random_iq4_nl_blocks(krng, 50, 256))),
+        ("iq4_xs-t32r4", T.pack_iq4_xs_t32r4(T.random_iq4_xs_blocks(krng, 50, 256))),
     ):
         ra, rb = both(htp.get_rows, tab, fmt, 50, 256, ids)
         assert _same(ra, rb) and np.isfinite(rb).all()

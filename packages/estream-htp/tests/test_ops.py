@@ -441,17 +441,20 @@ def test_get_rows(fmt: str, n: int, kb: int, t: int, seed: int) -> None:
     assert np.array_equal(htp.get_rows(table, fmt, n, k, ids), dense[ids])
 
 
-@pytest.mark.parametrize("fmt", ["q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4"])
+@pytest.mark.parametrize("fmt", ["q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "iq4_xs-t32r4"])
 @given(n=st.integers(1, 70), sb=st.integers(1, 2), t=st.integers(1, 10), seed=st.integers(0, 99))
 def test_get_rows_kquant(fmt: str, n: int, sb: int, t: int, seed: int) -> None:
     """Embedding rows of a K-quant table (awkward row counts: padding rows) are the tiles'
-    dequantized values bit for bit (llama.cpp's (d*sc)*q - dmin*m in fp32)."""
+    dequantized values bit for bit (llama.cpp's (d*sc)*q - dmin*m in fp32; IQ4_XS's
+    (d*(ls - 32))*kv[code])."""
     rng = np.random.default_rng(seed)
     k = 256 * sb
     if fmt == "q4_k-t32r4":
         table = T.pack_q4_k_t32r4(T.random_q4_k_blocks(rng, n, k))
     elif fmt == "q5_k-t32r4":
         table = T.pack_q5_k_t32r4(T.random_q5_k_blocks(rng, n, k))
+    elif fmt == "iq4_xs-t32r4":
+        table = T.pack_iq4_xs_t32r4(T.random_iq4_xs_blocks(rng, n, k))
     else:
         table = T.pack_q6_k_t32r4(T.random_q6_k_blocks(rng, n, k))
     ids = rng.integers(0, n, t).astype(np.int32)

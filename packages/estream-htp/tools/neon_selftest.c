@@ -6,7 +6,7 @@
  *                                        last line "OK" or "FAILED"
  *   neon_selftest strip FMT KB NT SIMD   one Q8-activation GEMM of one 32-row strip (KB tiles,
  *                                        NT tokens, FMT q4_0 | q8_0 | q4_k | q5_k | q6_k |
- *                                        mxfp4 | iq4_nl | q4_1 | q5_0 | q5_1, SIMD neon |
+ *                                        mxfp4 | iq4_nl | q4_1 | q5_0 | q5_1 | iq4_xs, SIMD neon |
  *                                        portable, one thread): the workload that
  *                                        tools/neon_instr_mix.py traces
  *
@@ -14,7 +14,7 @@
  * multiple of 32 or of 16, token counts across the kernels' token blocks, strided inputs and
  * outputs) with NaN-poisoned outputs whose margins (columns past n of a wider row) must stay
  * poisoned and whose written part must be finite:
- * - GEMM, every tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0, Q5_1) x both activation formats, NEON and portable tables, 1 and 2
+ * - GEMM, every tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0, Q5_1, IQ4_XS) x both activation formats, NEON and portable tables, 1 and 2
  *   threads: each within the rounding bound of its fp32 sums of a float64 reference (Q8: of the
  *   library's own quantized activations), 1 and 2 threads bit-identical.
  * - GEMM from Q8 rows quantized once and GEMM of three matrices sharing one input: bit-identical
@@ -117,6 +117,8 @@ static int run(uint32_t simd, uint32_t threads, htp_op_desc *op, const buf *b, u
 /* ---- weights: strips of 32x32 tiles (docs/format.md section 1) ---- */
 static int is_q45k(uint32_t fmt) { return fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q5_K_T32R4; }
 static int is_kq(uint32_t fmt) { return is_q45k(fmt) || fmt == HTP_FMT_Q6_K_T32R4; }
+/* IQ4_XS: fp16 d at 2r, the int8 sub-block scale ls - 32 at 64 + r, IQ4_NL codes from 96 */
+static int is_xs(uint32_t fmt) { return fmt == HTP_FMT_IQ4_XS_T32R4; }
 /* Q4_1 / Q5_1: an fp16 (d, m) pair per row at 4r; Q5_0 / Q5_1: the rows' fifth bits as words */
 static int has_m(uint32_t fmt) { return fmt == HTP_FMT_Q4_1_T32R4 || fmt == HTP_FMT_Q5_1_T32R4; }
 static int is_aff(uint32_t fmt) { return has_m(fmt) || fmt == HTP_FMT_Q5_0_T32R4; }
@@ -131,6 +133,7 @@ static size_t tile_bytes(uint32_t fmt) {
     case HTP_FMT_Q4_1_T32R4: return 640;
     case HTP_FMT_Q5_0_T32R4: return 704;
     case HTP_FMT_Q5_1_T32R4: return 768;
+    case HTP_FMT_IQ4_XS_T32R4: return 608;
     default: return 1152; /* HTP_FMT_Q6_K_T32R4 */
     }
 }
@@ -148,6 +151,7 @@ static const char *fmt_name(uint32_t fmt) {
     case HTP_FMT_Q4_1_T32R4: return "q4_1";
     case HTP_FMT_Q5_0_T32R4: return "q5_0";
     case HTP_FMT_Q5_1_T32R4: return "q5_1";
+    case HTP_FMT_IQ4_XS_T32R4: return "iq4_xs";
     default: return "q6_k";
     }
 }
@@ -169,6 +173,8 @@ static uint8_t *make_weights(uint32_t fmt, uint32_t n, uint32_t k, int unit) {
                 memcpy(tile + 64 + 2 * r, &hm, 2);
                 tile[128 + r] = (uint8_t)(rnd() % (unit ? 4 : 64));
                 tile[160 + r] = (uint8_t)(rnd() % (unit ? 4 : 64));
+            } else if (is_xs(fmt)) { /* ls - 32: -32..31, or -2..2 */
+                tile[64 + r] = (uint8_t)(int8_t)(unit ? (int)(rnd() % 5) - 2 : (int)(rnd() % 64) - 32);
             } else if (fmt == HTP_FMT_Q6_K_T32R4 && unit) {
                 tile[64 + 2 * r] = (uint8_t)(int8_t)((int)(rnd() % 5) - 2);
                 tile[65 + 2 * r] = (uint8_t)(int8_t)((int)(rnd() % 5) - 2);
@@ -200,7 +206,7 @@ static double mx_half(const uint8_t *tile, uint32_t r) { return ldexp(1.0, (int)
 /* IQ4_NL: llama.cpp's kvalues_iq4nl, the int8 value of each code. */
 static const int nl_kv[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 /* The stored integer of W[row][col] (Q4_0: nibble - 8; Q4_K: nibble 0..15; MXFP4: the doubled
- * E2M1 value of the code; IQ4_NL: kvalues_iq4nl[code]; else int8). */
+ * E2M1 value of the code; IQ4_NL, IQ4_XS: kvalues_iq4nl[code]; else int8). */
 static int w_q(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, uint32_t col) {
     const uint8_t *tile = tile_at(w, fmt, k, row, col / 32);
     const uint32_t r = row % 32, c = col % 32;
@@ -217,11 +223,11 @@ static int w_q(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, uint32_
     }
     if (fmt == HTP_FMT_Q8_0_T32R4) return (int8_t)tile[64 + 128 * (c / 4) + 4 * r + c % 4];
     if (fmt == HTP_FMT_Q6_K_T32R4) return (int8_t)tile[128 + 128 * (c / 4) + 4 * r + c % 4];
-    const uint8_t v = tile[(is_q45k(fmt) ? 192 : 64) + 128 * ((c % 16) / 4) + 4 * r + c % 4];
+    const uint8_t v = tile[(is_q45k(fmt) ? 192 : is_xs(fmt) ? 96 : 64) + 128 * ((c % 16) / 4) + 4 * r + c % 4];
     const int q = c < 16 ? (v & 15) : (v >> 4);
     if (fmt == HTP_FMT_Q5_K_T32R4) /* the fifth bit: bit c of row r's word at 704 + 4r */
         return q + 16 * ((tile[704 + 4 * r + c / 8] >> (c % 8)) & 1);
-    if (fmt == HTP_FMT_IQ4_NL_T32R4) return nl_kv[q];
+    if (fmt == HTP_FMT_IQ4_NL_T32R4 || is_xs(fmt)) return nl_kv[q];
     return fmt == HTP_FMT_Q4_K_T32R4 ? q : q - 8;
 }
 /* W[row][col] in float64; *mag (if not NULL) the sum of its parts' magnitudes. */
@@ -245,6 +251,9 @@ static double w_val(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, ui
         m = fabs(d * tile[128 + r] * q) + fabs(lo);
     } else if (fmt == HTP_FMT_Q6_K_T32R4) {
         v = d * (int8_t)tile[64 + 2 * r + (c >= 16)] * q;
+        m = fabs(v);
+    } else if (is_xs(fmt)) {
+        v = d * (int8_t)tile[64 + r] * q;
         m = fabs(v);
     }
     if (mag) *mag = m;
@@ -273,6 +282,8 @@ static void w_block(const uint8_t *w, uint32_t fmt, uint32_t k, uint32_t row, ui
         *s2 = f16_at(tile + 64 + 2 * r);
     } else if (fmt == HTP_FMT_Q6_K_T32R4) {
         *i1 = (int8_t)tile[64 + 2 * r] * lo + (int8_t)tile[65 + 2 * r] * hi;
+    } else if (is_xs(fmt)) {
+        *i1 = (int8_t)tile[64 + r] * (lo + hi);
     } else {
         *i1 = lo + hi;
     }
@@ -352,7 +363,7 @@ static void gemm_ref(uint32_t fmt, uint32_t act, const uint8_t *w, uint32_t n, u
 static int check_gemm_ref(const char *what, const float *y, uint32_t ldy, uint32_t fmt,
                           uint32_t act, uint32_t n, uint32_t k, uint32_t t, const double *ref,
                           const double *mag) {
-    const double terms = (act == HTP_ACT_Q8 ? k / 32 : k) + (is_kq(fmt) || has_m(fmt) ? 4 : 2);
+    const double terms = (act == HTP_ACT_Q8 ? k / 32 : k) + (is_kq(fmt) || has_m(fmt) || is_xs(fmt) ? 4 : 2);
     for (uint32_t tt = 0; tt < t; tt++)
         for (uint32_t r = 0; r < n; r++) {
             const double want = ref[(size_t)tt * n + r], bound = terms * U32 * mag[(size_t)tt * n + r];
@@ -785,14 +796,14 @@ static int check_others(void) {
 /* One Q8-activation GEMM of one 32-row strip: the traced workload of tools/neon_instr_mix.py. */
 static int strip(int argc, char **argv) {
     if (argc != 6) {
-        fprintf(stderr, "usage: %s strip q4_0|q8_0|q4_k|q5_k|q6_k|mxfp4|iq4_nl|q4_1|q5_0|q5_1 KB NT neon|portable\n", argv[0]);
+        fprintf(stderr, "usage: %s strip q4_0|q8_0|q4_k|q5_k|q6_k|mxfp4|iq4_nl|q4_1|q5_0|q5_1|iq4_xs KB NT neon|portable\n", argv[0]);
         return 64;
     }
     uint32_t fmt = 0;
-    for (uint32_t f = HTP_FMT_Q4_0_T32R4; f <= HTP_FMT_Q5_1_T32R4; f++)
+    for (uint32_t f = HTP_FMT_Q4_0_T32R4; f <= HTP_FMT_IQ4_XS_T32R4; f++)
         if (f != HTP_FMT_F16 && f != HTP_FMT_F32 && !strcmp(argv[2], fmt_name(f))) fmt = f;
     if (!fmt) {
-        fprintf(stderr, "unknown tile format %s (q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4, iq4_nl, q4_1, q5_0, q5_1)\n", argv[2]);
+        fprintf(stderr, "unknown tile format %s (q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4, iq4_nl, q4_1, q5_0, q5_1, iq4_xs)\n", argv[2]);
         return 64;
     }
     const uint32_t kb = (uint32_t)atoi(argv[3]), nt = (uint32_t)atoi(argv[4]);
@@ -830,11 +841,11 @@ int main(int argc, char **argv) {
      * t across the NEON kernel's 2-token and the portable kernel's 64-token blocks */
     const uint32_t shapes[][3] = {{1, 32, 1},  {48, 64, 3}, {49, 96, 2},   {33, 64, 4},
                                   {100, 96, 7}, {64, 256, 17}, {17, 512, 65}, {200, 160, 5}};
-    const uint32_t fmts[10] = {HTP_FMT_Q4_0_T32R4, HTP_FMT_Q8_0_T32R4, HTP_FMT_Q4_K_T32R4,
+    const uint32_t fmts[11] = {HTP_FMT_Q4_0_T32R4, HTP_FMT_Q8_0_T32R4, HTP_FMT_Q4_K_T32R4,
                                HTP_FMT_Q6_K_T32R4, HTP_FMT_MXFP4_T32R4, HTP_FMT_Q5_K_T32R4,
                                HTP_FMT_IQ4_NL_T32R4, HTP_FMT_Q4_1_T32R4, HTP_FMT_Q5_0_T32R4,
-                               HTP_FMT_Q5_1_T32R4};
-    for (int f = 0; f < 10; f++) {
+                               HTP_FMT_Q5_1_T32R4, HTP_FMT_IQ4_XS_T32R4};
+    for (int f = 0; f < 11; f++) {
         for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
             for (uint32_t act = 0; act < 2; act++)
                 CHECK(check_gemm(fmts[f], act, shapes[i][0], shapes[i][1], shapes[i][2]));

@@ -91,6 +91,7 @@ _FMT = {
     "q4_1-t32r4": lib.HTP_FMT_Q4_1_T32R4,
     "q5_0-t32r4": lib.HTP_FMT_Q5_0_T32R4,
     "q5_1-t32r4": lib.HTP_FMT_Q5_1_T32R4,
+    "iq4_xs-t32r4": lib.HTP_FMT_IQ4_XS_T32R4,
     "f16": lib.HTP_FMT_F16,
     "f32": lib.HTP_FMT_F32,
 }
@@ -418,7 +419,7 @@ def quantize_q8(x: F32, out: Q8Rows | None = None, *, backend: Backend | None = 
 # ---------------------------------------------------------------- expert op
 EXPERT_FORMATS = (
     "q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "mxfp4-t32r4",
-    "iq4_nl-t32r4", "q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4",
+    "iq4_nl-t32r4", "q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4", "iq4_xs-t32r4",
 )  # fmt: skip
 
 
@@ -1169,8 +1170,8 @@ def get_rows(
 ) -> F32:
     """Embedding lookup: rows ``ids`` of a ``[n_rows, n_cols]`` table in ``fmt``
     ("q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "mxfp4-t32r4",
-    "iq4_nl-t32r4", "q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4", "f16", "f32"), as float32
-    ``[T, n_cols]``."""
+    "iq4_nl-t32r4", "q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4", "iq4_xs-t32r4", "f16", "f32"), as
+    float32 ``[T, n_cols]``."""
     if fmt not in _FMT:
         raise HTPInputError(f"fmt must be one of {sorted(_FMT)}, got {fmt!r}")
     n_rows = _u32(n_rows, "n_rows", 1)

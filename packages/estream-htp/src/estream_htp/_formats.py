@@ -23,6 +23,7 @@ __all__ = [
     "TILE_FORMATS",
     "FormatError",
     "dequantize_iq4_nl",
+    "dequantize_iq4_xs",
     "dequantize_mxfp4",
     "dequantize_q4_0",
     "dequantize_q4_1_q5",
@@ -33,6 +34,7 @@ __all__ = [
     "dequantize_tiles",
     "matrix_nbytes",
     "pack_iq4_nl_t32r4",
+    "pack_iq4_xs_t32r4",
     "pack_mxfp4_t32r4",
     "pack_q4_0_t32r4",
     "pack_q4_1_q5_t32r4",
@@ -44,6 +46,7 @@ __all__ = [
     "quantize_q4_0",
     "quantize_q8_0",
     "unpack_iq4_nl_t32r4",
+    "unpack_iq4_xs_t32r4",
     "unpack_mxfp4_t32r4",
     "unpack_q4_0_t32r4",
     "unpack_q4_1_q5_t32r4",
@@ -70,11 +73,13 @@ TILE_FORMATS = {
     "q4_1-t32r4": 640,
     "q5_0-t32r4": 704,
     "q5_1-t32r4": 768,
+    "iq4_xs-t32r4": 608,
 }
 QK_K = 256  # values of a K-quant super-block
 Q4_K_BLOCK_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
 Q5_K_BLOCK_BYTES = 176  # Q4_K's d, dmin, scales, then qh[32] (fifth bits), then qs[128]
 Q6_K_BLOCK_BYTES = 210  # 128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, fp16 d
+IQ4_XS_BLOCK_BYTES = 136  # fp16 d, uint16 scales_h, 4 bytes scales_l, 128 bytes of codes
 
 
 class FormatError(ValueError):
@@ -526,6 +531,61 @@ def unpack_iq4_nl_t32r4(buf: npt.ArrayLike, n: int, k: int) -> npt.NDArray[np.ui
     return _unpack(buf, n, k, 16, "iq4_nl-t32r4")
 
 
+# ---------------------------------------------------------------- IQ4_XS tiles
+# IQ4_XS block (136 B, 256 values): fp16 d, uint16 scales_h (bits 2j, 2j+1: the high two bits of
+# sub-block j's 6-bit scale), scales_l[4] (nibble j % 2 of byte j // 2: the low four bits), then
+# qs[128]: sub-block j's 32 codes in bytes 16j..16j+15, Q4_0's nibble order. Value = (d * (ls -
+# 32)) * kv[code]. iq4_xs-t32r4 (608 B): per sub-block row the fp16 d (repeated), the int8
+# ls - 32, then the 16 code bytes in 4-byte groups. Padding rows are all zero (d = 0: value 0).
+def _iq4_xs_fields(b: npt.NDArray[np.uint8]) -> list[npt.NDArray[np.uint8]]:
+    """IQ4_XS blocks [N, S, 136] -> per sub-block fields [N, 8S, *]: d, ls - 32, code bytes."""
+    n, sb, _ = b.shape
+    sh = np.ascontiguousarray(b[..., 2:4]).view("<u2")[..., 0].astype(np.uint32)  # [n, sb]
+    hi = (sh[..., None] >> (2 * np.arange(8, dtype=np.uint32))) & 3  # [n, sb, 8]
+    sl = b[..., 4:8]
+    lo = np.stack([sl & 15, sl >> 4], axis=3).reshape(n, sb, 8).astype(np.uint32)
+    ls = (lo | (hi << 4)).astype(np.int16) - 32
+    sc = ls.astype(np.int8).view(np.uint8).reshape(n, sb * 8, 1)
+    return [np.repeat(b[..., 0:2], 8, axis=1), sc, b[..., 8:].reshape(n, sb * 8, 16)]
+
+
+def _iq4_xs_blocks(f: list[npt.NDArray[np.uint8]]) -> npt.NDArray[np.uint8]:
+    d, sc, qs = f
+    n, kb, _ = qs.shape
+    sb = kb // 8
+    ls = (sc.view(np.int8).astype(np.int16) + 32).astype(np.uint32).reshape(n, sb, 8)
+    sh = ((ls >> 4) << (2 * np.arange(8, dtype=np.uint32))).sum(axis=2).astype("<u2")
+    lo = (ls & 15).astype(np.uint8)
+    sl = lo[..., 0::2] | (lo[..., 1::2] << 4)
+    return np.concatenate(
+        [d.reshape(n, sb, 8, 2)[:, :, 0], sh[..., None].view(np.uint8), sl, qs.reshape(n, sb, 128)],
+        axis=2,
+    ).astype(np.uint8)
+
+
+def pack_iq4_xs_t32r4(blocks: npt.ArrayLike) -> npt.NDArray[np.uint8]:
+    """IQ4_XS blocks ``uint8[N, K/256, 136]`` (or ``[N, K/256*136]``) -> ``iq4_xs-t32r4``
+    (lossless)."""
+    return _pack_fields(_iq4_xs_fields(_kblocks(blocks, IQ4_XS_BLOCK_BYTES)), [0, 0, 0])
+
+
+def unpack_iq4_xs_t32r4(buf: npt.ArrayLike, n: int, k: int) -> npt.NDArray[np.uint8]:
+    """Inverse of :func:`pack_iq4_xs_t32r4`: IQ4_XS blocks ``uint8[n, k/256, 136]``."""
+    _check_k(k, "iq4_xs-t32r4")
+    return _iq4_xs_blocks(_unpack_fields(buf, n, k, [2, 1, 16], "iq4_xs-t32r4"))
+
+
+def dequantize_iq4_xs(blocks: npt.ArrayLike) -> npt.NDArray[np.float32]:
+    """IQ4_XS blocks ``uint8[N, K/256, 136]`` -> ``float32[N, K]``: ``(d * (ls - 32)) *
+    kv[code]`` in float32, llama.cpp's dequantize_row_iq4_xs."""
+    b = _kblocks(blocks, IQ4_XS_BLOCK_BYTES)
+    d, sc, qs = _iq4_xs_fields(b)
+    s = np.ascontiguousarray(d).view(np.float16)[..., 0].astype(np.float32)
+    s = s * sc[..., 0].view(np.int8).astype(np.float32)
+    q = IQ4_NL_KV[np.concatenate([qs & 15, qs >> 4], axis=2)].astype(np.float32)
+    return (s[..., None] * q).reshape(b.shape[0], -1)
+
+
 # ---------------------------------------------------------------- Q4_1 / Q5_0 / Q5_1 tiles
 # Blocks: Q4_1 (20 B) fp16 d, fp16 m, qs[16]; Q5_0 (22 B) fp16 d, qh (uint32 LE, bit c = the
 # fifth bit of element c), qs[16]; Q5_1 (24 B) d, m, qh, qs. qs in Q4_0's nibble order; q = nibble
@@ -583,6 +643,8 @@ def dequantize_tiles(buf: npt.ArrayLike, fmt: str, n: int, k: int) -> npt.NDArra
         return dequantize_mxfp4(unpack_mxfp4_t32r4(buf, n, k))
     if fmt == "iq4_nl-t32r4":
         return dequantize_iq4_nl(unpack_iq4_nl_t32r4(buf, n, k))
+    if fmt == "iq4_xs-t32r4":
+        return dequantize_iq4_xs(unpack_iq4_xs_t32r4(buf, n, k))
     if fmt in _AFF:
         return dequantize_q4_1_q5(unpack_q4_1_q5_t32r4(buf, fmt, n, k), fmt)
     raise FormatError(f"unknown tile format {fmt!r}; expected one of {sorted(TILE_FORMATS)}")

@@ -15,6 +15,7 @@ from estream_htp._formats import (
     dequantize_tiles,
     matrix_nbytes,
     pack_iq4_nl_t32r4,
+    pack_iq4_xs_t32r4,
     pack_mxfp4_t32r4,
     pack_q4_0_t32r4,
     pack_q4_1_q5_t32r4,
@@ -25,6 +26,7 @@ from estream_htp._formats import (
     quantize_mxfp4,
     quantize_q4_0,
     quantize_q8_0,
+    unpack_iq4_xs_t32r4,
     unpack_mxfp4_t32r4,
     unpack_q4_0_t32r4,
     unpack_q8_0_t32r4,
@@ -37,6 +39,7 @@ __all__ = [
     "dequantize_tiles",
     "matrix_nbytes",
     "pack_iq4_nl_t32r4",
+    "pack_iq4_xs_t32r4",
     "pack_mxfp4_t32r4",
     "pack_q4_0_t32r4",
     "pack_q4_1_q5_t32r4",
@@ -49,6 +52,7 @@ __all__ = [
     "quantize_q8_0",
     "random_experts",
     "random_iq4_nl_blocks",
+    "random_iq4_xs_blocks",
     "random_mxfp4_blocks",
     "random_q4_0_blocks",
     "random_q4_1_q5_blocks",
@@ -67,6 +71,7 @@ __all__ = [
     "ref_router_topk",
     "rel_l2",
     "rel_l2_floored",
+    "unpack_iq4_xs_t32r4",
     "unpack_mxfp4_t32r4",
     "unpack_q4_0_t32r4",
     "unpack_q8_0_t32r4",
@@ -185,6 +190,15 @@ def random_iq4_nl_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArra
     return b
 
 
+def random_iq4_xs_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[np.uint8]:
+    """Random valid IQ4_XS blocks ``uint8[n, k/256, 136]``: a finite fp16 ``d``, any 6-bit
+    sub-block scales and codes (``k`` a multiple of 256)."""
+    b = rng.integers(0, 256, size=(n, k // 256, 136), dtype=np.uint8)
+    d = (rng.standard_normal((n, k // 256)) * 3e-5).astype(np.float16)
+    b[..., :2] = d[..., None].view(np.uint8)
+    return b
+
+
 def random_mxfp4_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray[np.uint8]:
     """Random valid MXFP4 blocks ``uint8[n, k/32, 17]``: exponents 2^-12..2^-1 per block (and the
     subnormal scales of exponents 0 and 1 in some blocks), any codes."""
@@ -200,6 +214,8 @@ def _random_tiles(rng: np.random.Generator, fmt: str, n: int, k: int) -> npt.NDA
         return pack_mxfp4_t32r4(random_mxfp4_blocks(rng, n, k))
     if fmt == "iq4_nl-t32r4":
         return pack_iq4_nl_t32r4(random_iq4_nl_blocks(rng, n, k))
+    if fmt == "iq4_xs-t32r4":
+        return pack_iq4_xs_t32r4(random_iq4_xs_blocks(rng, n, k))
     if fmt in ("q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4"):
         return pack_q4_1_q5_t32r4(random_q4_1_q5_blocks(rng, n, k, fmt), fmt)
     if fmt == "q4_k-t32r4":
