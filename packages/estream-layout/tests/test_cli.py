@@ -145,6 +145,10 @@ KQ_DIMS = ["--dim", "n_embd=256", "--dim", "n_ff_exp=256"]
         (["--expert-type", "MXFP4", "--dense-type", "MXFP4"], ["mxfp4-t32r4"] * 3),
         (["--expert-type", "IQ4_NL", "--dense-type", "IQ4_NL"], ["iq4_nl-t32r4"] * 3),
         (
+            ["--expert-type", "IQ4_XS", "--dense-type", "IQ4_XS", *KQ_DIMS, "--dim", "head_dim=64"],
+            ["iq4_xs-t32r4"] * 3,
+        ),
+        (
             [
                 "--expert-type",
                 "Q4_K",
@@ -181,6 +185,7 @@ def test_synth_types_pack_as_stored_and_inspect_shows_them(
             "Q8_0": "q8_0-t32r4: 10 tensors",
             "MXFP4": "mxfp4-t32r4: 9 tensors",
             "IQ4_NL": "iq4_nl-t32r4: 9 tensors",
+            "IQ4_XS": "iq4_xs-t32r4: 9 tensors",
         }
         assert dense[types[types.index("--dense-type") + 1]] in out and "q4_0-t32r4" not in out
 

@@ -307,6 +307,7 @@ TILE_OF = {
     "Q4_1": "q4_1-t32r4",
     "Q5_0": "q5_0-t32r4",
     "Q5_1": "q5_1-t32r4",
+    "IQ4_XS": "iq4_xs-t32r4",
 }
 
 
@@ -324,15 +325,18 @@ TILE_OF = {
         ("IQ4_NL", "Q8_0"),
         ("Q4_1", None),
         ("Q5_0", "Q5_1"),
+        ("IQ4_XS", None),
+        ("IQ4_XS", "Q6_K"),
     ],
 )
 def test_source_expert_types_pack_losslessly(
     etype: str, down: str | None, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0 and Q5_1 experts (alone, or mixed per projection as Q4_K_M mixes them) are
+    """Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0, Q5_1 and IQ4_XS experts (alone, or mixed per projection as Q4_K_M mixes them) are
     re-laid, not re-quantized: no warning, the manifest records the source type and each
     projection's format, and every tile unpacks to the source's blocks."""
-    dims = {"n_embd": 256, "n_ff_exp": 256} if etype in ("Q4_K", "Q5_K", "Q6_K") else {}
+    kq = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+    dims = {"n_embd": 256, "n_ff_exp": 256} if etype in kq else {}
     src = synth_model(
         "qwen3moe", "tiny", tmp_path / "m.gguf", expert_type=etype, expert_down_type=down,
         dims=dims,
@@ -400,7 +404,8 @@ def test_unsupported_expert_types_are_refused_by_name(tmp_path: Path) -> None:
         pack_model(src, tmp_path / "m.estream", progress=False)
     msg = str(e.value)
     assert "F16" in msg and "blk.0.ffn_gate_exps.weight" in msg
-    assert "Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4" in msg and "--requantize q4_0" in msg
+    supported = "Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0, Q5_1, IQ4_XS"
+    assert supported in msg and "--requantize q4_0" in msg
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
     with pytest.raises(InvalidArgumentError, match="requantize"):
         pack_model(src, tmp_path / "m.estream", progress=False, requantize="q8_0")

@@ -18,6 +18,7 @@ from estream_layout.tiles import (
 )
 
 FMTS = {"q4_0-t32r4": (18, 4, 576, 0x88), "q8_0-t32r4": (34, 8, 1088, 0x00)}
+IQ4_XS = GGMLQuantizationType.IQ4_XS
 
 
 def reference_pack(blocks: np.ndarray, fmt: str) -> bytes:
@@ -186,10 +187,13 @@ def test_pad_rows_keeps_data() -> None:
 # ------------------------------------------------------------------ K-quant tiles
 def _kq_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, n: int, k: int) -> np.ndarray:
     """Random valid K-quant rows `[n, k/256*block_bytes]` (finite fp16 scales, any bits)."""
-    bb = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q5_K: 176}.get(qtype, 210)
+    sizes = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q5_K: 176, IQ4_XS: 136}
+    bb = sizes.get(qtype, 210)
     b = rng.integers(0, 256, size=(n, k // 256, bb), dtype=np.uint8)
     d = (rng.standard_normal((n, k // 256, 2)) * 1e-2).astype(np.float16).view(np.uint8)
-    if qtype != GGMLQuantizationType.Q6_K:
+    if qtype == IQ4_XS:  # d only: scales_h, scales_l and the codes are any bits
+        b[..., 0:2] = d[..., :2]
+    elif qtype != GGMLQuantizationType.Q6_K:
         b[..., 0:4] = d.reshape(n, k // 256, 4)
     else:
         b[..., 208:210] = d[..., :2]
@@ -200,6 +204,7 @@ KQ = [
     ("q4_k-t32r4", GGMLQuantizationType.Q4_K),
     ("q5_k-t32r4", GGMLQuantizationType.Q5_K),
     ("q6_k-t32r4", GGMLQuantizationType.Q6_K),
+    ("iq4_xs-t32r4", IQ4_XS),
 ]
 
 
@@ -379,6 +384,28 @@ def test_q5_k_tile_values_follow_the_documented_layout(n, sb, seed) -> None:
         v = (d * sc)[..., None] * q.astype(np.float32) - (dmin * mn)[..., None]
         got[:, 32 * j : 32 * j + 32] = v.reshape(-1, 32)
     assert np.array_equal(got[:n].view(np.uint32), want.view(np.uint32))
+
+
+@given(n=st.integers(1, 40), sb=st.integers(1, 2), seed=st.integers(0, 99))
+def test_iq4_xs_tile_values_follow_the_documented_layout(n, sb, seed) -> None:
+    """An iq4_xs-t32r4 tile read by its documented layout alone (docs/format.md: fp16 d at 2r,
+    int8 ls - 32 at 64 + r, Q4_0-order codes from 96 indexing kvalues_iq4nl) gives gguf-py's
+    IQ4_XS values bit for bit; padding rows read as 0."""
+    rng = np.random.default_rng(seed)
+    rows = _kq_blocks(rng, IQ4_XS, n, 256 * sb)
+    want = gguf_quants.dequantize(rows, IQ4_XS).astype(np.float32)
+    t = pack_tiles(rows, "iq4_xs-t32r4").reshape(-1, 8 * sb, 608)  # [row tile, column tile]
+    kv = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+    got = np.empty((t.shape[0] * 32, 256 * sb), np.float32)
+    for j in range(8 * sb):
+        tile = t[:, j]
+        d = tile[:, 0:64].copy().view(np.float16).astype(np.float32)
+        sc = tile[:, 64:96].view(np.int8).astype(np.float32)
+        codes = tile[:, 96:608].reshape(-1, 4, 32, 4).transpose(0, 2, 1, 3).reshape(-1, 32, 16)
+        q = kv[np.concatenate([codes & 15, codes >> 4], axis=-1)].astype(np.float32)
+        got[:, 32 * j : 32 * j + 32] = ((d * sc)[..., None] * q).reshape(-1, 32)
+    assert np.array_equal(got[:n].view(np.uint32), want.view(np.uint32))
+    assert not got[n:].any()
 
 
 @given(n=st.integers(1, 70), kb=st.integers(1, 5), batch=st.integers(0, 2), seed=st.integers(0, 99))

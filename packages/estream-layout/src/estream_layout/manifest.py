@@ -63,12 +63,12 @@ LOCK_NAME: Final = ".manifest.lock"
 MODEL_GGUF: Final = "model.gguf"
 DENSE_FORMATS: Final = (
     "q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "mxfp4-t32r4",
-    "iq4_nl-t32r4", "q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4", "f32",
+    "iq4_nl-t32r4", "q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4", "iq4_xs-t32r4", "f32",
 )  # fmt: skip
 # Tile formats of expert projections (each projection of each layer has its own).
 EXPERT_FORMATS: Final = (
     "q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "mxfp4-t32r4",
-    "iq4_nl-t32r4", "q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4",
+    "iq4_nl-t32r4", "q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4", "iq4_xs-t32r4",
 )  # fmt: skip
 PROJECTIONS: Final = ("gate", "up", "down")
 # Far above any real model (Qwen3-235B has 128 experts per layer); refused before allocating.

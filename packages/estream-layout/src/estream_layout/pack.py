@@ -106,6 +106,7 @@ _QUANT_PASSTHROUGH: Final = {
     GGMLQuantizationType.Q4_1: "q4_1-t32r4",
     GGMLQuantizationType.Q5_0: "q5_0-t32r4",
     GGMLQuantizationType.Q5_1: "q5_1-t32r4",
+    GGMLQuantizationType.IQ4_XS: "iq4_xs-t32r4",
 }
 _FLOAT_TYPES: Final = {
     GGMLQuantizationType.F32,
@@ -126,8 +127,8 @@ def dense_format(info: TensorInfo) -> str:
       gpt-oss's per-expert `ffn_*_exps.bias` `[E, rows]`) and float matrices whose row length
       is not a multiple of 32 (e.g. lfm2's short-convolution kernels) -> `f32`;
     * Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 matrices -> `q4_0-t32r4`, `q8_0-t32r4`, `q4_k-t32r4`,
-      `q5_k-t32r4`, `q6_k-t32r4`, `mxfp4-t32r4` (lossless), IQ4_NL, Q4_1, Q5_0, Q5_1 ->
-      `iq4_nl-t32r4`, `q4_1-t32r4`, `q5_0-t32r4`, `q5_1-t32r4`;
+      `q5_k-t32r4`, `q6_k-t32r4`, `mxfp4-t32r4` (lossless), IQ4_NL, Q4_1, Q5_0, Q5_1, IQ4_XS ->
+      `iq4_nl-t32r4`, `q4_1-t32r4`, `q5_0-t32r4`, `q5_1-t32r4`, `iq4_xs-t32r4`;
     * other matrices (F16/BF16/F32, other quantized types ...) -> dequantized, re-quantized to
       Q8_0 -> `q8_0-t32r4` (one rounding step; none for F16/BF16 beyond Q8_0's).
     """
@@ -162,14 +163,16 @@ _BLOCK_BYTES: Final = {
     GGMLQuantizationType.Q4_K: (144, (0, 2)),
     GGMLQuantizationType.Q5_K: (176, (0, 2)),
     GGMLQuantizationType.Q6_K: (210, (208,)),
+    GGMLQuantizationType.IQ4_XS: (136, (0,)),
 }
 
 
 def _check_finite(info: TensorInfo, what: str, values: Any = None, raw: Any = None) -> None:
     """Refuse NaN/Inf source weights: a float tensor's values, or the fp16 block scales of raw
-    Q4_0/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_NL/Q4_1/Q5_0/Q5_1 rows (their only floating-point part), or the E8M0 exponents of MXFP4
-    rows (above `MXFP4_MAX_EXPONENT` a block's values overflow float32 or are NaN). A NaN
-    weight would otherwise pack, load and silently poison every activation that meets it."""
+    Q4_0/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_NL/Q4_1/Q5_0/Q5_1/IQ4_XS rows (their only floating-point part),
+    or the E8M0 exponents of MXFP4 rows (above `MXFP4_MAX_EXPONENT` a block's values overflow
+    float32 or are NaN). A NaN weight would otherwise pack, load and silently poison every
+    activation that meets it."""
     if values is not None:
         bad = ~np.isfinite(values)
     elif info.qtype == GGMLQuantizationType.MXFP4:
@@ -593,19 +596,9 @@ def _write_dense_tensor(
     return crc
 
 
-# Expert tensor types kept as they are (lossless re-layout), and their tile formats.
-EXPERT_TILE_FORMATS: Final = {
-    "Q4_0": "q4_0-t32r4",
-    "Q8_0": "q8_0-t32r4",
-    "Q4_K": "q4_k-t32r4",
-    "Q5_K": "q5_k-t32r4",
-    "Q6_K": "q6_k-t32r4",
-    "MXFP4": "mxfp4-t32r4",
-    "IQ4_NL": "iq4_nl-t32r4",
-    "Q4_1": "q4_1-t32r4",
-    "Q5_0": "q5_0-t32r4",
-    "Q5_1": "q5_1-t32r4",
-}
+# Expert tensor types kept as they are (lossless re-layout), and their tile formats: the quantized
+# types with a kernel (`_QUANT_PASSTHROUGH`, the one list; the refusal names these).
+EXPERT_TILE_FORMATS: Final = {qt.name: fmt for qt, fmt in _QUANT_PASSTHROUGH.items()}
 
 
 def expert_format(info: TensorInfo) -> str:
@@ -783,7 +776,7 @@ def pack_model(
     Refuses to replace an existing `dst` unless `force`. Returns the written manifest.
 
     Expert tensors keep their type (`EXPERT_TILE_FORMATS`: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4,
-    IQ4_NL, Q4_1, Q5_0, Q5_1).
+    IQ4_NL, Q4_1, Q5_0, Q5_1, IQ4_XS).
     A file with expert tensors of another type is refused (`UnsupportedTensorTypeError`, naming
     them and the supported types) unless `requantize="q4_0"`: then those tensors, and only those, are
     dequantized and re-quantized to Q4_0 (double quantization, with a loud warning).

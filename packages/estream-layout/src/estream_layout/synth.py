@@ -71,6 +71,7 @@ IQ4_NL: Final = GGMLQuantizationType.IQ4_NL
 Q4_1: Final = GGMLQuantizationType.Q4_1
 Q5_0: Final = GGMLQuantizationType.Q5_0
 Q5_1: Final = GGMLQuantizationType.Q5_1
+IQ4_XS: Final = GGMLQuantizationType.IQ4_XS
 
 
 @attrs.frozen
@@ -410,6 +411,18 @@ def _random_q6_k(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
+def _random_iq4_xs(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
+    """Random IQ4_XS super-blocks (256 elements, 136 B: fp16 d, 2 B scales_h, 4 B scales_l, 128 B
+    of IQ4_NL codes) with d chosen for an element RMS of ~gain/sqrt(K)."""
+    k = t.shape[-1]
+    nb = rows * (k // 256)
+    raw = rng.integers(0, 256, size=(nb, 136), dtype=np.uint8)
+    # value = d * (ls - 32) * kv[code], ls - 32 in -32..31 (RMS ~18.5), kv RMS ~67.4
+    d = (t.gain / (1246.0 * np.sqrt(k)) * rng.uniform(0.75, 1.25, size=nb)).astype(np.float16)
+    raw[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+    return raw.reshape(rows, -1)
+
+
 def _random_mxfp4(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
     """MXFP4 blocks (17 B: E8M0 exponent, 16 B of FP4 codes) of random weights with element RMS
     ~gain/sqrt(K), through this package's own quantizer (`tiles.quantize_mxfp4`), a few rows at
@@ -440,8 +453,8 @@ def _tensor_data(
         return (rng.standard_normal(t.shape) / np.sqrt(t.shape[-1])).astype(np.float32)
     if t.kind == "router":
         return _router(t, rng, hot, u)
-    # gguf cannot quantize K-quants or IQ4_NL
-    if t.kind == "embed" and t.qtype not in (Q4_K, Q5_K, Q6_K, IQ4_NL, Q4_1, Q5_0, Q5_1):
+    # gguf cannot quantize K-quants or IQ4_NL / IQ4_XS
+    if t.kind == "embed" and t.qtype not in (Q4_K, Q5_K, Q6_K, IQ4_NL, Q4_1, Q5_0, Q5_1, IQ4_XS):
         return _embedding(t, rng, u)
     if t.qtype in (Q4_0, Q8_0, IQ4_NL, Q4_1, Q5_0, Q5_1):
         return _random_blocks(rng, t, rows, t.qtype)
@@ -451,6 +464,8 @@ def _tensor_data(
         return _random_q5_k(rng, t, rows)
     if t.qtype == Q6_K:
         return _random_q6_k(rng, t, rows)
+    if t.qtype == IQ4_XS:
+        return _random_iq4_xs(rng, t, rows)
     if t.qtype == MXFP4:
         return _random_mxfp4(rng, t, rows)
     w = (rng.standard_normal(t.shape) * (t.gain / np.sqrt(k))).astype(np.float32)

@@ -24,6 +24,7 @@ __all__ = [
     "FORMATS",
     "IQ4_NL_KVALUES",
     "IQ4_NL_T32R4",
+    "IQ4_XS_T32R4",
     "MXFP4_KVALUES",
     "MXFP4_MAX_EXPONENT",
     "MXFP4_T32R4",
@@ -110,11 +111,17 @@ Q5_0_T32R4: Final = TileFormat("q5_0-t32r4", GGMLQuantizationType.Q5_0, 22, 5, 0
 Q5_1_T32R4: Final = TileFormat(
     "q5_1-t32r4", GGMLQuantizationType.Q5_1, 24, 5, 0, header_bytes=4 * TILE, scale_bytes=4
 )
+# IQ4_XS: a 136-byte super-block of 256 (fp16 d, 6-bit sub-block scales ls split into scales_h
+# and scales_l, IQ4_NL codes); one tile row per 32-element sub-block: the fp16 d (repeated),
+# the int8 ls - 32, then the codes in Q4_0's nibble order (docs/format.md §1).
+IQ4_XS_T32R4: Final = TileFormat(
+    "iq4_xs-t32r4", GGMLQuantizationType.IQ4_XS, 136, 4, 0, header_bytes=3 * TILE, block_elems=256
+)
 FORMATS: Final = {
     f.name: f
     for f in (
         Q4_0_T32R4, Q8_0_T32R4, Q4_K_T32R4, Q5_K_T32R4, Q6_K_T32R4, MXFP4_T32R4, IQ4_NL_T32R4,
-        Q4_1_T32R4, Q5_0_T32R4, Q5_1_T32R4,
+        Q4_1_T32R4, Q5_0_T32R4, Q5_1_T32R4, IQ4_XS_T32R4,
     )
 }  # fmt: skip
 # llama.cpp's kvalues_iq4nl: the int8 value of each IQ4_NL code (value = d * IQ4_NL_KVALUES[code]).
@@ -233,8 +240,19 @@ def _views(
 def _kq_split(sb: np.ndarray, f: TileFormat) -> list[np.ndarray]:
     """Super-blocks `[M, S, block_bytes]` -> the per-row fields of their 8*S sub-blocks, each
     `[M, 8S, size]` uint8, the quants last (Q4_K: d, dmin, sc, m, nibbles; Q5_K: the same
-    with the fifth bits' word after the nibbles; Q6_K: d, scale pair, values)."""
+    with the fifth bits' word after the nibbles; Q6_K: d, scale pair, values; IQ4_XS: d,
+    ls - 32, codes)."""
     m, s, _ = sb.shape
+    if f is IQ4_XS_T32R4:  # d; ls - 32 from scales_h (2 bits per sub-block) and scales_l (4)
+        sh = sb[..., 2:4].copy().view("<u2").astype(np.uint32)  # [m, s, 1]
+        hi = (sh >> (2 * np.arange(8, dtype=np.uint32))) & 3  # [m, s, 8]
+        lo = np.stack([sb[..., 4:8] & 15, sb[..., 4:8] >> 4], axis=-1).reshape(m, s, 8)
+        ls = (lo | (hi << 4)).astype(np.int16) - 32
+        return [
+            np.repeat(sb[..., 0:2], 8, axis=1),
+            ls.astype(np.int8).view(np.uint8).reshape(m, 8 * s, 1),
+            sb[..., 8:].reshape(m, 8 * s, 16),
+        ]
     if f is Q4_K_T32R4 or f is Q5_K_T32R4:
         packed = sb[..., 4:16].reshape(m, s, 3, 4)
         a, b, c = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
@@ -272,6 +290,14 @@ def _kq_join(fields: list[np.ndarray], f: TileFormat) -> np.ndarray:
     q = fields[-1]
     m, kb, _ = q.shape
     s = kb // 8
+    if f is IQ4_XS_T32R4:
+        d, sc, qs = fields
+        ls = (sc.view(np.int8).astype(np.int16) + 32).astype(np.uint32).reshape(m, s, 8)
+        sh = ((ls >> 4) << (2 * np.arange(8, dtype=np.uint32))).sum(axis=-1).astype("<u2")
+        lo = (ls & 15).astype(np.uint8)
+        sl = lo[..., 0::2] | (lo[..., 1::2] << 4)
+        parts = [d[:, ::8], sh[..., None].view(np.uint8), sl, qs.reshape(m, s, 128)]
+        return np.concatenate(parts, axis=-1).astype(np.uint8)
     if f is Q4_K_T32R4 or f is Q5_K_T32R4:
         d, dmin, sc, mn, nib = fields
         high = None
@@ -326,7 +352,7 @@ def _kq_pack(rows: np.ndarray, f: TileFormat) -> np.ndarray:
 def _kq_unpack(a: np.ndarray, n_mats: int, n_rows: int, n_cols: int, f: TileFormat) -> np.ndarray:
     nt, kb = _ceil_tiles(n_rows), n_cols // TILE
     t = a.reshape(n_mats, nt, kb, f.tile_bytes)
-    sizes = [2, 2] if f is Q6_K_T32R4 else [2, 2, 1, 1]
+    sizes = {Q6_K_T32R4: [2, 2], IQ4_XS_T32R4: [2, 1]}.get(f, [2, 2, 1, 1])
     fields, off = [], 0
     for size in sizes:
         x = t[..., off : off + TILE * size].reshape(n_mats, nt, kb, TILE, size)
