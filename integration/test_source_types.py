@@ -1,7 +1,7 @@
 """A GGUF computed as it is: expert tensors stored as Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL,
-Q4_1, Q5_0 or Q5_1 (every projection, or mixed per projection as quantizer mixes such as Q4_K_M
-write them) are packed without re-quantization, the manifest records each projection's format,
-and the engine runs those tiles in every mode and on every backend.
+Q4_1, Q5_0, Q5_1 or IQ4_XS (every projection, or mixed per projection as quantizer mixes such as
+Q4_K_M write them) are packed without re-quantization, the manifest records each projection's
+format, and the engine runs those tiles in every mode and on every backend.
 
 ``act="f32"`` is the exact path: the logits match the float64 reference of the source file
 (which dequantizes the file's own blocks) to fp32 accumulation; the int8 path and the other
@@ -76,6 +76,7 @@ KQ_DIMS = {"n_embd": 256, "n_ff_exp": 256}  # K-quant rows: whole 256-value supe
         "mxfp4-dense",
         "iq4_nl",
         "q5_0",
+        "iq4_xs",
     ],
 )
 def packed(request, tmp_path_factory):
@@ -113,6 +114,11 @@ def packed(request, tmp_path_factory):
         src = synth_model("qwen3moe", "tiny", d / "m.gguf", seed=13, expert_type="Q5_0",
                           expert_down_type="Q5_1", dense_type="Q4_1")  # fmt: skip
         want = ("q5_0-t32r4", "q5_0-t32r4", "q5_1-t32r4")
+    elif request.param == "iq4_xs":  # IQ4_XS experts and dense matrices (published MoE files)
+        dims = {**KQ_DIMS, "n_head": 4, "head_dim": 64, "n_ff": 256}
+        src = synth_model("qwen3moe", "tiny", d / "m.gguf", seed=16, expert_type="IQ4_XS",
+                          dense_type="IQ4_XS", dims=dims)  # fmt: skip
+        want = ("iq4_xs-t32r4",) * 3
     elif request.param == "all-q6_k":
         src = synth_model("qwen3moe", "tiny", d / "m.gguf", seed=6, expert_type="Q6_K",
                           dims=KQ_DIMS)  # fmt: skip
@@ -138,7 +144,8 @@ def test_manifest_records_each_projection_format(packed):
     kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(src).tensors}
     tiles = {"Q4_0": "q4_0-t32r4", "Q8_0": "q8_0-t32r4", "Q4_K": "q4_k-t32r4", "Q6_K": "q6_k-t32r4",
              "Q5_K": "q5_k-t32r4", "MXFP4": "mxfp4-t32r4", "IQ4_NL": "iq4_nl-t32r4",
-             "Q4_1": "q4_1-t32r4", "Q5_0": "q5_0-t32r4", "Q5_1": "q5_1-t32r4"}  # fmt: skip
+             "Q4_1": "q4_1-t32r4", "Q5_0": "q5_0-t32r4", "Q5_1": "q5_1-t32r4",
+             "IQ4_XS": "iq4_xs-t32r4"}  # fmt: skip
     for name, t in doc["dense"]["tensors"].items():  # quantized matrices keep their type too
         if t["format"] != "f32":
             assert t["format"] == tiles[kinds[name]], name
