@@ -246,6 +246,22 @@ HTP_INLINE void htp_mxfp4_strip_body(const uint8_t *strip, uint32_t kb, const ht
     }
 }
 
+/* The exact int32 dots of a tile's 32 rows of IQ4_NL codes (Q4_0's nibble order, from `codes`)
+ * with one 32-value block of int8 activations `qb`: sum kv[code] * a per row (IQ4_NL and
+ * IQ4_XS tiles differ only in what precedes their codes). */
+HTP_INLINE void htp_iq4_codes_dot(const uint8_t *codes, const int8_t *qb, int32_t dot[32]) {
+    for (int r = 0; r < 32; r++) {
+        int32_t sacc = 0;
+        for (int gi = 0; gi < 4; gi++)
+            for (int b = 0; b < 4; b++) {
+                const uint8_t v = codes[gi * 128 + r * 4 + b];
+                sacc += (int32_t)htp_iq4nl_kvalues[v & 15] * qb[4 * gi + b] +
+                        (int32_t)htp_iq4nl_kvalues[v >> 4] * qb[16 + 4 * gi + b];
+            }
+        dot[r] = sacc;
+    }
+}
+
 /* IQ4_NL tiles x Q8 activations, reference order, any nt. iq4_nl-t32r4 (576 B) is laid as
  * q4_0-t32r4 (fp16 d per row, then the codes in Q4_0's nibble order at 64); per row and 32-block
  * the exact int32 dot = sum kv[code] * a (kv: llama.cpp's kvalues_iq4nl, -127..113), then
@@ -262,16 +278,7 @@ HTP_INLINE void htp_iq4nl_strip_body(const uint8_t *strip, uint32_t kb, const ht
             const int8_t *qb = qa + 32 * j;
             const float da = a->d[(size_t)tt * kb + j];
             int32_t dot[32];
-            for (int r = 0; r < 32; r++) {
-                int32_t sacc = 0;
-                for (int gi = 0; gi < 4; gi++)
-                    for (int b = 0; b < 4; b++) {
-                        const uint8_t v = tile[64 + gi * 128 + r * 4 + b];
-                        sacc += (int32_t)htp_iq4nl_kvalues[v & 15] * qb[4 * gi + b] +
-                                (int32_t)htp_iq4nl_kvalues[v >> 4] * qb[16 + 4 * gi + b];
-                    }
-                dot[r] = sacc;
-            }
+            htp_iq4_codes_dot(tile + 64, qb, dot);
             for (int r = 0; r < 32; r++) {
                 uint16_t h;
                 memcpy(&h, tile + 2 * r, 2);
@@ -380,16 +387,7 @@ HTP_INLINE void htp_iq4xs_strip_body(const uint8_t *strip, uint32_t kb, const ht
             const int8_t *qb = qa + 32 * j;
             const float da = a->d[(size_t)tt * kb + j];
             int32_t dot[32];
-            for (int r = 0; r < 32; r++) {
-                int32_t sacc = 0;
-                for (int gi = 0; gi < 4; gi++)
-                    for (int b = 0; b < 4; b++) {
-                        const uint8_t v = tile[96 + gi * 128 + r * 4 + b];
-                        sacc += (int32_t)htp_iq4nl_kvalues[v & 15] * qb[4 * gi + b] +
-                                (int32_t)htp_iq4nl_kvalues[v >> 4] * qb[16 + 4 * gi + b];
-                    }
-                dot[r] = sacc;
-            }
+            htp_iq4_codes_dot(tile + 96, qb, dot);
             for (int r = 0; r < 32; r++) {
                 uint16_t h;
                 memcpy(&h, tile + 2 * r, 2);
