@@ -261,3 +261,83 @@ def test_layers_of_different_types_run_as_stored(tmp_path):
     with estream.load(dst, backend="host-process", **stream) as eng:
         other_be = eng.prefill(toks, all_logits=True).logits
     assert rel_l2(other_be, host) <= 1e-5
+
+
+F32_DENSE_ARCHS = [
+    "qwen3moe",
+    "olmoe",
+    "mixtral",
+    "deepseek2",
+    "lfm2moe",
+    "gpt-oss",
+    "smallthinker",
+]
+
+
+@pytest.fixture(scope="module", params=F32_DENSE_ARCHS)
+def f32_dense(request, tmp_path_factory):
+    """A file whose dense matrices (attention, MLA projections, shared experts, dense FFN layers,
+    convolutions, token embedding) and output head are all F32, packed."""
+    d = tmp_path_factory.mktemp(f"f32-dense-{request.param}")
+    src = synth_model(request.param, "tiny", d / "m.gguf", seed=17, dense_type="F32",
+                      output_type="F32")  # fmt: skip
+    dst = d / "m.estream"
+    pack_model(src, dst, progress=False)
+    return src, dst
+
+
+def test_f32_dense_matrices_are_packed_and_computed_as_f32(f32_dense):
+    """F32 dense matrices stay `f32` in the manifest (no re-quantization to Q8_0), and with fp32
+    activations the logits equal the file's float64 reference to fp32 accumulation (1e-5), in
+    resident and stream mode."""
+    from reference import reference_forward
+
+    src, dst = f32_dense
+    doc = json.loads((dst / "manifest.json").read_text())
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(src).tensors}
+    n_mat = 0
+    for name, t in doc["dense"]["tensors"].items():
+        if kinds[name] == "F32":
+            assert t["format"] == "f32", name
+            n_mat += len(t["shape"]) >= 2
+    assert n_mat >= 4
+    for name in ("token_embd.weight", "output.weight"):  # lfm2 ties its head to the embedding
+        if name in kinds:
+            assert doc["dense"]["tensors"][name]["format"] == "f32", name
+    assert doc["source"]["requantized"] is False
+    toks = np.random.default_rng(3).integers(0, 200, size=29)
+    ref = reference_forward(src, toks)
+    for kw in ({"mode": "resident"}, {"mode": "stream", "G": 2, "Q": 2, "B": 3}):
+        with estream.load(dst, act="f32", **kw) as eng:
+            got = eng.prefill(toks, all_logits=True).logits
+        assert rel_l2(got, ref) <= 1e-5, kw
+        assert np.array_equal(np.argmax(got, axis=1), np.argmax(ref, axis=1)), kw
+
+
+@pytest.mark.parametrize(
+    ("backend", "act"),
+    [
+        ("host-process", "q8"),
+        ("host-process", "f32"),
+        pytest.param(
+            "hexagon",
+            "f32",
+            marks=pytest.mark.skipif(not _HEXAGON, reason="hexagon toolchain not installed"),
+        ),
+    ],
+)
+def test_f32_dense_matrices_on_every_backend_match_host(f32_dense, backend, act):
+    """The f32 dense matrices (fp32 products under either activation setting) computed by the
+    host-process and hexagon executors give the host's logits within 1e-5 (their kernel tables
+    accumulate in another order). Hexagon runs the exact path only: its HVX fp32 sums differ from
+    the host's by ~1e-7, and under int8 activations such a difference can flip one activation's
+    rounding downstream (deepseek2: 1e-4)."""
+    _, dst = f32_dense
+    toks = np.random.default_rng(4).integers(0, 200, size=23)
+    kw = {"mode": "stream", "G": 2, "Q": 2, "B": 3, "act": act}
+    with estream.load(dst, backend="host", **kw) as eng:
+        host = eng.prefill(toks, all_logits=True).logits
+    with estream.load(dst, backend=backend, **kw) as eng:
+        got = eng.prefill(toks, all_logits=True).logits
+    assert np.isfinite(got).all()
+    assert rel_l2(got, host) <= 1e-5

@@ -630,3 +630,23 @@ def test_progress_off_a_terminal_prints_each_step_once(capsys):
     steps = [int(line.rsplit(" ", 1)[1].rstrip("%")) for line in lines]
     assert steps == sorted(set(steps)), lines
     assert steps[-1] == 100 and all(s % 10 == 0 for s in steps), lines
+
+
+def test_f32_dense_matrices_stay_f32(tmp_path: Path) -> None:
+    """Dense matrices stored as F32 are packed as `f32`: the manifest records the source type
+    and dense.bin holds the file's own values bit for bit (no re-quantization)."""
+    src = synth_model("qwen3moe", "tiny", tmp_path / "f.gguf", dense_type="F32", output_type="F32")
+    m = pack_model(src, tmp_path / "f.estream", progress=False)
+    reader = gguf.GGUFReader(src)
+    n_checked = 0
+    for t in reader.tensors:
+        if t.tensor_type != gguf.GGMLQuantizationType.F32 or t.name not in m.dense:
+            continue
+        e = m.dense[t.name]
+        assert e.format == "f32", t.name
+        body = np.fromfile(m.dense_path, np.float32, count=e.bytes // 4, offset=e.offset)
+        assert np.array_equal(body.view(np.uint32), np.asarray(t.data).view(np.uint32).ravel())
+        n_checked += len(e.shape) == 2
+    assert n_checked >= 6
+    assert m.source["requantized"] is False
+    assert verify_pack(m.root, against=src).ok

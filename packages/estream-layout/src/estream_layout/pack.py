@@ -129,12 +129,15 @@ def dense_format(info: TensorInfo) -> str:
     * Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 matrices -> `q4_0-t32r4`, `q8_0-t32r4`, `q4_k-t32r4`,
       `q5_k-t32r4`, `q6_k-t32r4`, `mxfp4-t32r4` (lossless), IQ4_NL, Q4_1, Q5_0, Q5_1, IQ4_XS ->
       `iq4_nl-t32r4`, `q4_1-t32r4`, `q5_0-t32r4`, `q5_1-t32r4`, `iq4_xs-t32r4`;
-    * other matrices (F16/BF16/F32, other quantized types ...) -> dequantized, re-quantized to
-      Q8_0 -> `q8_0-t32r4` (one rounding step; none for F16/BF16 beyond Q8_0's).
+    * F32 matrices -> `f32` (lossless: the engine computes them with fp32 activations);
+    * other matrices (F16/BF16, other quantized types ...) -> dequantized, re-quantized to
+      Q8_0 -> `q8_0-t32r4` (one rounding step, Q8_0's).
     """
     if len(info.shape) == 1 or info.name.endswith(("ffn_gate_inp.weight", ".bias")):
         return "f32"
     qt = info.qtype
+    if qt == GGMLQuantizationType.F32:
+        return "f32"
     if qt in _QUANT_PASSTHROUGH:
         return _QUANT_PASSTHROUGH[qt]
     if info.shape[-1] % TILE:
