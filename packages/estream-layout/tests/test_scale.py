@@ -156,7 +156,8 @@ def test_synth_planned_size_is_enough_and_not_wasteful(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The check uses the real planned size: a disk with exactly the file's size plus the
-    stated header margin is accepted, one with 1 MiB less than the tensor data is refused."""
+    stated header margin is accepted, one with 1 MiB less than the tensor data is refused, for
+    a new file and for a replacement alike (which leaves the old file whole)."""
     src = synth_model("qwen3moe", "small", tmp_path / "a.gguf", seed=1)
     size = src.stat().st_size
     data = sum(t.nbytes for t in ModelSpec.from_gguf(src).tensors.values())
@@ -164,9 +165,13 @@ def test_synth_planned_size_is_enough_and_not_wasteful(
     with pytest.raises(InsufficientDiskSpaceError):
         synth_model("qwen3moe", "small", tmp_path / "b.gguf", seed=1)
     assert not (tmp_path / "b.gguf").exists()
-    # overwriting in place frees the old file first: the same small disk suffices
-    synth_model("qwen3moe", "small", src, seed=1)
-    assert src.stat().st_size == size
+    # replacing a file writes the new one beside it first: the old file's bytes are not counted
+    # as free, and a refused replacement leaves the old file whole
+    before = src.read_bytes()
+    with pytest.raises(InsufficientDiskSpaceError):
+        synth_model("qwen3moe", "small", src, seed=2)
+    assert src.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf"]
     _fake_free(monkeypatch, size + 8 * (1 << 20))
     synth_model("qwen3moe", "small", tmp_path / "c.gguf", seed=1)
     assert (tmp_path / "c.gguf").read_bytes() == src.read_bytes()
