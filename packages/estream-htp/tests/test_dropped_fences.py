@@ -6,6 +6,7 @@ next submit, and a registered mapping whose finalizer is interrupted is still un
 from __future__ import annotations
 
 import gc
+import signal
 import weakref
 from typing import Any
 
@@ -90,7 +91,16 @@ def test_interrupted_finalizer_still_unregisters(
 ) -> None:
     """A KeyboardInterrupt raised inside a mapping's finalizer: the buffer is unregistered
     (its range forgotten, its id freed on the C side) and the interrupt is raised again in
-    the main thread."""
+    the main thread (where SIGINT is Python's: a test run started in the background, with
+    SIGINT ignored, gets Python's handler for this test)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupted_finalizer(kind, monkeypatch)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted_finalizer(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with htp.Backend(kind, n_threads=1) as be:
         a = be.empty(4096, np.uint8)
         bid = next(b for s, e, b in be._regions if s == int(a.ctypes.data))
