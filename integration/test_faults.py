@@ -585,9 +585,19 @@ _ENTRY = (
 )
 
 
+def _sigint_dfl() -> None:
+    """In a child before it runs: SIGINT's default action, so that Python installs its handler
+    (a test run started in the background inherits an ignored SIGINT, which a program rightly
+    keeps ignoring)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cli(*argv: str) -> subprocess.Popen:  # type: ignore[type-arg]
     p = subprocess.Popen(
-        [sys.executable, "-c", _ENTRY, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [sys.executable, "-c", _ENTRY, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=_sigint_dfl,
     )
     assert p.stderr is not None and p.stderr.readline() == b"ready\n"
     return p
@@ -638,7 +648,7 @@ def test_signals_during_a_pack_leave_nothing(
     )
     p = subprocess.Popen(
         [sys.executable, "-c", code, str(src), "-o", str(tmp_path / "m.estream"), "--no-progress"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_sigint_dfl,
     )  # fmt: skip
     assert p.stdout is not None
     p.stdout.readline()  # inside the first layer

@@ -33,6 +33,9 @@ def test_sigint_at_any_moment_is_one_line(gguf):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            # SIGINT's default action in the child, so that Python installs its handler even
+            # when this test run inherited an ignored SIGINT (a background job)
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         time.sleep(delay)
         p.send_signal(signal.SIGINT)
