@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -539,13 +540,24 @@ def kernels_variant(f: Figures) -> str:
     return "attention" if ops and all(o.startswith("attention") for o in ops) else "all kernels"
 
 
+#: The cached model's name: ARCH-PRESET-sSEED[-QUANT] (bench_engine.model_paths); an arch name
+#: may hold a dash (gpt-oss), a preset may hold "-s" (smallthinker-4b-...).
+_ENGINE_MODEL = re.compile(r"(gpt-oss|[^-]+)-(.+)-s\d+(?:-[a-z0-9_]+)?")
+#: Families whose preset's own expert type (what `--quant q4_0`, "the preset's types", gives)
+#: is not Q4_0.
+_PRESET_EXPERTS = {"gpt-oss": "mxfp4 experts"}
+
+
 def engine_variant(f: Figures) -> str:
     """bench_engine's model (the preset of the cached file's name) and quantization."""
     stem = Path(str(f.get("model") or "")).name.removesuffix(".estream")
     quant = str(f.get("quant") or "q4_0")
-    parts = stem.split("-s")[0].split("-", 1) if stem else []
-    preset = parts[1] if len(parts) == 2 else "olmoe-1b-7b"
-    return f"{preset}, {quant}"
+    m = _ENGINE_MODEL.fullmatch(stem)
+    if m is None:
+        return f"olmoe-1b-7b, {quant}"
+    if quant == "q4_0":
+        quant = _PRESET_EXPERTS.get(m.group(1), quant)
+    return f"{m.group(2)}, {quant}"
 
 
 #: How each benchmark is shown (same names as `record.BENCHES`, in page order).

@@ -544,3 +544,21 @@ def test_each_renderer_makes_a_well_formed_table(bench: str) -> None:
     table = report.BENCHES[bench].render(figures)
     assert table.rows and all(len(r) == len(table.headers) for r in table.rows)
     assert any(line.startswith(row) for line in table.markdown())
+
+
+@pytest.mark.parametrize(
+    ("model", "quant", "variant"),
+    [
+        ("olmoe-olmoe-1b-7b-s0.estream", "q4_0", "olmoe-1b-7b, q4_0"),
+        ("olmoe-olmoe-1b-7b-s0-q4_k_m.estream", "q4_k_m", "olmoe-1b-7b, q4_k_m"),
+        ("deepseek2-deepseek-v2-lite-s0.estream", "q4_0", "deepseek-v2-lite, q4_0"),
+        ("gpt-oss-gpt-oss-20b-s0.estream", "q4_0", "gpt-oss-20b, mxfp4 experts"),
+        ("smallthinker-smallthinker-4b-a0.6b-s0.estream", "q4_0", "smallthinker-4b-a0.6b, q4_0"),
+    ],
+)
+def test_engine_results_are_told_apart_by_model(model: str, quant: str, variant: str) -> None:
+    """bench_engine's variant (which result of a model the page keeps) reads the preset from the
+    cached model's name whatever dashes its family or preset holds, and says when the preset's
+    own experts are not Q4_0: a SmallThinker run is not taken for an OLMoE one."""
+    figures = {"model": f"/cache/models/{model}", "quant": quant}
+    assert report.engine_variant(figures) == variant
