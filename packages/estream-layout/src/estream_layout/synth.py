@@ -399,28 +399,31 @@ def _random_q5_k(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def _random_q6_k(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
-    """Random Q6_K super-blocks (256 elements, 210 B: 128 B low nibbles, 64 B high bit pairs,
-    16 int8 scales, fp16 d) with d chosen for an element RMS of ~gain/sqrt(K)."""
+def _random_superblocks(
+    rng: np.random.Generator, t: _T, rows: int, nbytes: int, rms: float, d_at: int
+) -> np.ndarray:
+    """Random super-blocks of 256 elements and ``nbytes`` bytes whose fp16 d (at byte ``d_at``)
+    gives an element RMS of ~gain/sqrt(K); ``rms``: the RMS of the rest of an element's value
+    (scale times code) for uniformly random bytes."""
     k = t.shape[-1]
     nb = rows * (k // 256)
-    raw = rng.integers(0, 256, size=(nb, 210), dtype=np.uint8)
-    # value = d * scale * (q - 32), scale any int8 (RMS ~74), q - 32 in -32..31 (RMS ~18.5)
-    d = (t.gain / (1370.0 * np.sqrt(k)) * rng.uniform(0.75, 1.25, size=nb)).astype(np.float16)
-    raw[:, 208:210] = d.view(np.uint8).reshape(nb, 2)
+    raw = rng.integers(0, 256, size=(nb, nbytes), dtype=np.uint8)
+    d = (t.gain / (rms * np.sqrt(k)) * rng.uniform(0.75, 1.25, size=nb)).astype(np.float16)
+    raw[:, d_at : d_at + 2] = d.view(np.uint8).reshape(nb, 2)
     return raw.reshape(rows, -1)
+
+
+def _random_q6_k(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
+    """Random Q6_K super-blocks (210 B: 128 B low nibbles, 64 B high bit pairs, 16 int8 scales,
+    fp16 d); value = d * scale * (q - 32), scale any int8 (RMS ~74), q - 32 in -32..31 (RMS
+    ~18.5)."""
+    return _random_superblocks(rng, t, rows, 210, 1370.0, 208)
 
 
 def _random_iq4_xs(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
-    """Random IQ4_XS super-blocks (256 elements, 136 B: fp16 d, 2 B scales_h, 4 B scales_l, 128 B
-    of IQ4_NL codes) with d chosen for an element RMS of ~gain/sqrt(K)."""
-    k = t.shape[-1]
-    nb = rows * (k // 256)
-    raw = rng.integers(0, 256, size=(nb, 136), dtype=np.uint8)
-    # value = d * (ls - 32) * kv[code], ls - 32 in -32..31 (RMS ~18.5), kv RMS ~67.4
-    d = (t.gain / (1246.0 * np.sqrt(k)) * rng.uniform(0.75, 1.25, size=nb)).astype(np.float16)
-    raw[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
-    return raw.reshape(rows, -1)
+    """Random IQ4_XS super-blocks (136 B: fp16 d, 2 B scales_h, 4 B scales_l, 128 B of IQ4_NL
+    codes); value = d * (ls - 32) * kv[code], ls - 32 in -32..31 (RMS ~18.5), kv RMS ~67.4."""
+    return _random_superblocks(rng, t, rows, 136, 1246.0, 0)
 
 
 def _random_mxfp4(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
