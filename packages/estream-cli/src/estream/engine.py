@@ -30,10 +30,17 @@ from estream_layout import ModelSpec
 from . import memory
 from .config import StreamConfig, resolve_config
 from .errors import BadRequestError, EngineClosedError, NonFiniteError
-from .experts import SCHEDULES, ExpertSource, GroupRecord, ResidentExperts, StreamedExperts
+from .experts import (
+    SCHEDULES,
+    ExpertSource,
+    GLUGraph,
+    GroupRecord,
+    ResidentExperts,
+    StreamedExperts,
+)
 from .models import architecture
 from .models.layout import SeqLayout
-from .models.ops import Ops
+from .models.ops import Ops, copy_bytes
 from .packed import PackedModel
 from .recorder import PassRecorder
 
@@ -73,6 +80,23 @@ MAX_PASS_TOKENS = 1 << 16
 #: Times in a row an engine starts a new executor after its executor process died (a pass
 #: that completes resets the count); one more death closes the engine's backend for good.
 MAX_EXECUTOR_RESTARTS = 2
+
+
+def _arrays(obj: object) -> list[np.ndarray]:
+    """The distinct numpy arrays held in bound weights (attrs records, tuples, lists, dicts)."""
+    found: dict[int, np.ndarray] = {}
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, np.ndarray):
+            found[id(o)] = o
+        elif attrs.has(type(o)):
+            stack.extend(getattr(o, f.name) for f in attrs.fields(type(o)))
+        elif isinstance(o, tuple | list):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+    return list(found.values())
 
 
 def pass_bytes_per_token(hp: ModelSpec, *, all_logits: bool = False) -> int:
@@ -679,6 +703,24 @@ class Engine:
         )
         return ops, rec
 
+    @property
+    def weight_copy_bytes(self) -> int:
+        """Resident bytes of the weight copies the engine holds beside the dense blob
+        (``dense_bytes``) and the experts (``expert_memory_bytes``): gpt-oss's expert biases
+        laid out per layer for the expert op, the arrays bound outside the dense blob (the
+        routers transposed, the expert order tables), and the dense matrices' derived arrays,
+        made on a pass's first use (the transposed copy of a matrix stored as F32; weights
+        copied into an executor's shared memory)."""
+        graph = getattr(self.experts, "graph", None)
+        biases = graph.bias_bytes if isinstance(graph, GLUGraph) else 0
+        blob = self.model.dense_blob
+        bound = sum(
+            int(a.nbytes)
+            for a in _arrays(self.weights)
+            if blob is None or not np.may_share_memory(a, blob)
+        )
+        return biases + bound + copy_bytes(self._dense_shared)
+
     def _describe(self, T: int) -> dict[str, Any]:
         c = self.config
         d: dict[str, Any] = {
@@ -695,6 +737,7 @@ class Engine:
             "load_s": self.load_s,
             "expert_memory_bytes": int(self.experts.memory_bytes),
             "dense_bytes": int(self.model.dense_bytes),
+            "weight_copy_bytes": self.weight_copy_bytes,
         }
         if c is not None:
             d.update({"G": c.G, "Q": c.Q, "B": c.B, "config_source": c.source})

@@ -162,6 +162,11 @@ class GLUGraph:
                 for i in hp.moe_layers
             }
 
+    @property
+    def bias_bytes(self) -> int:
+        """Bytes of the expert biases laid out for the op (a copy beside the dense weights)."""
+        return sum(int(b.nbytes) for b in self.biases.values())
+
     def __getattr__(self, name: str) -> Any:
         if name == "graph":  # not set yet: no recursion through the delegation
             raise AttributeError(name)

@@ -273,6 +273,12 @@ class PackedModel:
         return 0 if self._dense_blob is None else int(self._dense_blob.nbytes)
 
     @property
+    def dense_blob(self) -> np.ndarray | None:
+        """The dense weights in memory (None before `load_dense`): every `dense` tensor's
+        data is a view of it."""
+        return self._dense_blob
+
+    @property
     def record_bytes(self) -> int:
         return next(iter(self.layers.values())).record_bytes
 

@@ -142,8 +142,11 @@ def profile_model(
             eng.prefill(tokens[: min(T, 8)])  # warm-up: dense weights paged in, pool started
             res = eng.prefill(tokens)
             arena_bytes = eng.experts.memory_bytes
-        # process-owned memory only: MemAvailable also moves with other processes on the machine
-        m_other[g] = max(0, int(res.metrics["peak_rss_bytes"]) - int(arena_bytes))
+            # what the engine holds beside the arena: the dense weights and their copies
+            held = int(eng.model.dense_bytes) + eng.weight_copy_bytes
+        # process-owned memory only: MemAvailable also moves with other processes on the
+        # machine; never below the weights held (a high-water mark that missed them)
+        m_other[g] = max(held, int(res.metrics["peak_rss_bytes"]) - int(arena_bytes))
         cand[g] = _layer_profiles(res, model, g)
         say(
             f"  g={g:<3d} B={B:<3d} ttft={res.metrics['ttft_s'] * 1e3:8.1f} ms"

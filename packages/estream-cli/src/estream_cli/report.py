@@ -21,6 +21,7 @@ _METRIC_ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("peak_memory_bytes", "peak memory", memory.format_bytes),
     ("expert_memory_bytes", "expert memory (arena)", memory.format_bytes),
     ("dense_bytes", "dense weights (resident)", memory.format_bytes),
+    ("weight_copy_bytes", "weight copies (resident)", memory.format_bytes),
     ("bytes_read", "expert bytes read", memory.format_bytes),
     ("bytes_read_before_pass", "  of which read before the pass began", memory.format_bytes),
     ("io_compute_overlap", "I/O–compute overlap", lambda v: f"{v * 100:.1f} %"),

@@ -28,7 +28,19 @@ from ..packed import DenseTensor, ExpertLayer
 from .layout import Segment, SeqLayout, segment_rows
 from .weights import FFN, Attention, Head, MoE, Rope, ShortConv
 
-__all__ = ["Ops"]
+__all__ = ["Ops", "copy_bytes"]
+
+
+def copy_bytes(shared: dict[int, tuple[object, np.ndarray]]) -> int:
+    """Bytes of the weight copies in an `Ops` ``shared`` cache: the derived arrays (`Ops._wt`:
+    the transposed f32 matrices) and the weights made visible to an executor by copying
+    (`Ops._w`); an array that is its weight's own memory, as the host backend reads it, is
+    not a copy."""
+    n = 0
+    for key, arr in shared.values():
+        if not isinstance(key, np.ndarray) or not np.may_share_memory(key, arr):
+            n += int(arr.nbytes)
+    return n
 
 
 # -- the operations a layer is written with -----------------------------------------------------
