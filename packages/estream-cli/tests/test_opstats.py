@@ -193,17 +193,33 @@ def test_table_splits_expert_waits_and_shares_peaks() -> None:
 
 
 def test_prefill_op_stats_prints_the_table(tiny_models, capsys, tmp_path) -> None:
-    """``estream prefill --op-stats`` prints a row per op kind; with ``--json`` the table is
-    ``metrics.op_table``; a ``--trace`` file carries it in its metadata."""
+    """``estream prefill --op-stats`` prints a row per op kind and each rate's share of the
+    CPU's measured peak for its precision; with ``--json`` the table is ``metrics.op_table``
+    (with the peaks it was read against); a ``--trace`` file carries it in its metadata; on
+    the host-process backend, whose CPU the command cannot time, the table has no peaks."""
     m = str(tiny_models["olmoe"])
     assert main(["prefill", m, "--tokens", "1,2,3,4,5", "--op-stats", "-G", "2"]) == 0
     out = capsys.readouterr().out
-    assert "per-op table" in out
+    assert "per-op table" in out and "of peak" in out
     for op in ("attn_qkv", "attention", "experts", "expert_wait", "untimed", "total"):
         assert any(line.split()[:1] == [op] for line in out.splitlines()), op
     assert main(["prefill", m, "--tokens", "1,2,3", "--op-stats", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert {r["op"] for r in doc["metrics"]["op_table"]["rows"]} >= {"attention", "experts"}
+    table = json.loads(capsys.readouterr().out)["metrics"]["op_table"]
+    assert {r["op"] for r in table["rows"]} >= {"attention", "experts"}
+    peaks = table["peaks_gops"]
+    assert peaks["int8"] > 0 and peaks["fp32"] > 0
+    read = 0
+    for r in table["rows"]:
+        peak = peaks.get(r["precision"]) if r["precision"] else None
+        if peak and r["gops"] is not None:
+            assert r["pct_of_peak"] == pytest.approx(100 * r["gops"] / peak), r["op"]
+            read += 1
+        else:
+            assert r["pct_of_peak"] is None, r["op"]
+    assert read >= 3  # experts, attention, the q/k/v GEMMs at least
+    args = ["prefill", m, "--tokens", "1,2,3", "--op-stats", "--json", "--backend", "host-process"]
+    assert main(args) == 0
+    assert "peaks_gops" not in json.loads(capsys.readouterr().out)["metrics"]["op_table"]
     trace = tmp_path / "t.json"
     assert main(["prefill", m, "--tokens", "1,2,3", "--trace", str(trace)]) == 0
     capsys.readouterr()

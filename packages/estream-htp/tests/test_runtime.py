@@ -129,6 +129,46 @@ def test_mac_peaks(level: str) -> None:
             _core._mac_peak("fp64", 1000, backend=be)
 
 
+@pytest.mark.parametrize("level", SIMD_PARAMS)
+def test_measure_peaks_public(level: str) -> None:
+    """`measure_peaks` gives a positive rate exactly for the kinds whose instruction the level
+    has and None for the others; a backend in an executor process, whose CPU this process
+    cannot time, gives None for every kind; a bad repeat count is refused."""
+    with htp.Backend("host", n_threads=1, simd=level) as be:
+        peaks = htp.measure_peaks(backend=be, repeats=2, iters=20_000)
+        assert set(peaks) == {"int8", "fp32", "bf16"}
+        for kind, gops in peaks.items():
+            try:
+                _core._mac_peak(kind, 1000, backend=be)
+            except htp.HTPUnsupportedError:
+                assert gops is None, kind
+            else:
+                assert gops is not None and 0 < gops < float("inf"), kind
+        with pytest.raises(htp.HTPInputError, match="repeats must be a positive int"):
+            htp.measure_peaks(backend=be, repeats=0)
+    with htp.Backend("host-process", n_threads=1) as remote:
+        assert htp.measure_peaks(backend=remote, repeats=1, iters=1000) == {
+            "int8": None,
+            "fp32": None,
+            "bf16": None,
+        }
+
+
+def test_measure_peaks_is_the_best_run_in_gop_per_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each kind's figure is the best of its `repeats` runs, counted as 2 ops per multiply-add
+    and given in units of 1e9 (runs of one kind never lend their rate to another)."""
+    rates = {"int8": [1e9, 4e9, 2e9], "fp32": [5e8, 3e8, 1e8], "bf16": [7e9, 1e9, 6e9]}
+    calls: dict[str, int] = {k: 0 for k in rates}
+
+    def fake(kind: str, iters: int = 0, *, backend: object = None) -> float:
+        calls[kind] += 1
+        return rates[kind][calls[kind] - 1]
+
+    monkeypatch.setattr(_core, "_mac_peak", fake)
+    assert htp.measure_peaks(repeats=3) == pytest.approx({"int8": 8.0, "fp32": 1.0, "bf16": 14.0})
+    assert calls == {"int8": 3, "fp32": 3, "bf16": 3}
+
+
 # The x86 kernel sets and the /proc/cpuinfo flags each one needs.
 _X86_NEEDS = {
     "avx2": {"avx2", "fma"},

@@ -1362,3 +1362,24 @@ def _mac_peak(kind: str, iters: int = 5_000_000, *, backend: Backend | None = No
         lib.htp_bench_mac_peak(be._handle(), _PEAKS[kind], _u32(iters, "iters", 1), p), "mac_peak"
     )
     return float(p[0])
+
+
+def measure_peaks(
+    *, backend: Backend | None = None, repeats: int = 5, iters: int = 2_000_000
+) -> dict[str, float | None]:
+    """This machine's measured peak rates on a host backend's threads, in GOP/s (2 per
+    multiply-add): ``{"int8": ..., "fp32": ..., "bf16": ...}`` for its SIMD level's int8 dot
+    product, fp32 FMA and bf16 dot product, each the best of ``repeats`` runs of ``iters``
+    iterations (about 0.1 s each at the defaults). None for an instruction the level or CPU
+    lacks, and for every kind on a backend that runs its ops elsewhere (an executor process or
+    the DSP), whose rates the host cannot time. The per-op tables read achieved rates
+    against these."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise HTPInputError(f"repeats must be a positive int, got {repeats!r}")
+    out: dict[str, float | None] = {}
+    for kind in _PEAKS:
+        try:
+            out[kind] = max(_mac_peak(kind, iters, backend=backend) for _ in range(repeats)) * 2e-9
+        except HTPUnsupportedError:
+            out[kind] = None
+    return out
