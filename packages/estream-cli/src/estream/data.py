@@ -30,10 +30,16 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .errors import BadRequestError, EStreamError, PackError
+from .errors import (
+    BadRequestError,
+    BudgetTooSmallError,
+    EStreamError,
+    InsufficientMemoryError,
+    PackError,
+)
 
 __all__ = [
     "TASKS",
@@ -213,8 +219,8 @@ class TaskRunner:
             self.tokenizer = Tokenizer.from_gguf(pack)
             self.template = tasks.chat_template(pack, self.tokenizer) if template else None
             self.engine = load(pack, **dict(engine or {}))
-        except BaseException:
-            self._checked()  # a pack that fails its check: that is the error to report
+        except BaseException as exc:
+            self._load_failed(exc)
             raise
 
     def answer(self, rows: Sequence[Mapping[str, Any]]) -> list[Any]:
@@ -239,6 +245,18 @@ class TaskRunner:
         """Wait for the pack's check (once); PackError if it failed."""
         if self._check is not None:
             self._check.result()
+
+    def _load_failed(self, exc: BaseException) -> None:
+        """The load raised ``exc``: a failed check is the error to report when the pack may be
+        what failed (its checksum error, waited for); an error of the options or the machine
+        (`_NOT_THE_PACK`, an interrupt) comes out at once, the check stopped."""
+        if self._check is None:
+            return
+        at_once = isinstance(exc, _NOT_THE_PACK) or not isinstance(exc, Exception)
+        if at_once and not self._check.done():
+            self._check.stop()
+        else:
+            self._checked()
 
     def __call__(self, batch: Any) -> Any:
         import pyarrow as pa
@@ -275,12 +293,17 @@ class TaskRunner:
                 self._check.join()
 
 
+#: Load errors a damaged pack does not cause: the runner reports them without the pack's check.
+_NOT_THE_PACK = (BadRequestError, BudgetTooSmallError, InsufficientMemoryError, TypeError)
+
+
 class _Check:
     """`verify_once` of a pack on a thread of its own (hashing and reading release the GIL):
-    started at once, its outcome taken with `result`."""
+    started at once, its outcome taken with `result`, or ended early with `stop`."""
 
     def __init__(self, pack: str | os.PathLike[str]) -> None:
         self._error: BaseException | None = None
+        self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(pack,), name="estream-pack-check", daemon=True
         )
@@ -288,7 +311,7 @@ class _Check:
 
     def _run(self, pack: str | os.PathLike[str]) -> None:
         try:
-            verify_once(pack)
+            verify_once(pack, stop=self._stop.is_set)
         except BaseException as exc:  # handed to the thread that takes the result
             self._error = exc
 
@@ -298,6 +321,12 @@ class _Check:
     def join(self) -> None:
         self._thread.join()
 
+    def stop(self) -> None:
+        """End the check before it has read the whole pack (its outcome is not known then)
+        and wait for its thread."""
+        self._stop.set()
+        self._thread.join()
+
     def result(self) -> None:
         """Wait for the check; raise its error (PackError: a checksum that differs, ...)."""
         self._thread.join()
@@ -305,14 +334,15 @@ class _Check:
             raise self._error
 
 
-def verify_once(pack: str | os.PathLike[str]) -> None:
+def verify_once(pack: str | os.PathLike[str], stop: Callable[[], bool] | None = None) -> None:
     """The whole pack checked (manifest, every checksum), or PackError naming the first
-    problem."""
+    problem. ``stop``: see `estream_layout.verify_pack` (VerifyStoppedError once it says
+    True)."""
     from estream_layout import LayoutError
     from estream_layout.verify import verify_pack
 
     try:
-        report = verify_pack(pack)
+        report = verify_pack(pack, stop=stop)
     except FileNotFoundError as exc:
         raise PackError(f"{pack}: no such packed model ({exc.strerror})") from None
     except LayoutError as exc:

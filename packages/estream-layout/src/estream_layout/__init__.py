@@ -23,6 +23,7 @@ from .errors import (
     UnalignedReductionError,
     UnsupportedArchitectureError,
     UnsupportedTensorTypeError,
+    VerifyStoppedError,
 )
 from .gguf_model import (
     EXPERT_PROJECTIONS,
@@ -92,6 +93,7 @@ __all__ = [
     "UnsupportedArchitectureError",
     "UnsupportedTensorTypeError",
     "VerifyReport",
+    "VerifyStoppedError",
     "__version__",
     "check_disk_space",
     "check_pack",

@@ -20,6 +20,7 @@ __all__ = [
     "UnalignedReductionError",
     "UnsupportedArchitectureError",
     "UnsupportedTensorTypeError",
+    "VerifyStoppedError",
 ]
 
 
@@ -78,6 +79,10 @@ class PackFormatError(LayoutError):
 
 class ChecksumError(PackFormatError):
     """A stored checksum does not match the bytes on disk."""
+
+
+class VerifyStoppedError(LayoutError):
+    """A pack check was stopped by its caller before it read every byte: nothing concluded."""
 
 
 class ProfileError(LayoutError):

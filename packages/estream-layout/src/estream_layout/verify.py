@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import attrs
 import numpy as np
 
 from .checks import check_pack
-from .errors import ChecksumError
+from .errors import ChecksumError, VerifyStoppedError
 from .gguf_model import EXPERT_PROJECTIONS, ModelSpec, TensorReader, dequantize_rows
 from .manifest import LayerEntry, Manifest
 from .pack import _QUANT_PASSTHROUGH, dense_format
@@ -139,11 +140,19 @@ def nonfinite_record(m: Manifest, layer: LayerEntry, record: Any) -> list[str]:
     return out
 
 
-def verify_checksums(m: Manifest, problems: list[str]) -> tuple[int, int]:
+def verify_checksums(
+    m: Manifest, problems: list[str], stop: Callable[[], bool] | None = None
+) -> tuple[int, int]:
     """Read every byte of the pack and compare it with the manifest's checksums (model.gguf,
     every dense tensor, every expert record); appends what differs to `problems`. Returns
     (expert records, bytes) checked. Reads in bounded chunks: memory does not grow with the
-    model."""
+    model. ``stop``: asked before each chunk and record; when it says True the check raises
+    VerifyStoppedError at once (another thread ending a check it no longer needs)."""
+
+    def go_on() -> None:
+        if stop is not None and stop():
+            raise VerifyStoppedError(f"{m.root}: the check was stopped before it read every byte")
+
     n_bytes = 0
     data = m.model_gguf_path.read_bytes()
     n_bytes += len(data)
@@ -159,6 +168,7 @@ def verify_checksums(m: Manifest, problems: list[str]) -> tuple[int, int]:
             step = max(1, (16 << 20) // tile) * tile if tile else 16 << 20  # whole tiles
             crc, left, finite = 0, t.bytes, True
             while left:
+                go_on()
                 chunk = fh.read(min(left, step))
                 if not chunk:
                     break
@@ -180,6 +190,7 @@ def verify_checksums(m: Manifest, problems: list[str]) -> tuple[int, int]:
         for layer in m.layers:
             fh.seek(layer.offset)
             for pos in range(layer.n_experts):
+                go_on()
                 rec = fh.read(layer.record_bytes)
                 if len(rec) != layer.record_bytes:
                     problems.append(f"{m.experts_file}: layer {layer.index}: record {pos} is short")
@@ -198,7 +209,10 @@ def verify_checksums(m: Manifest, problems: list[str]) -> tuple[int, int]:
 
 
 def verify_pack(
-    path: str | os.PathLike[str], against: str | os.PathLike[str] | None = None
+    path: str | os.PathLike[str],
+    against: str | os.PathLike[str] | None = None,
+    *,
+    stop: Callable[[], bool] | None = None,
 ) -> VerifyReport:
     """Check a packed model: the manifest validation every load runs (types, ranges, sizes
     against the files, its own sha256), then every checksum (model.gguf, each dense tensor,
@@ -206,12 +220,13 @@ def verify_pack(
     to the source's blocks bit for bit. Every check a load runs comes first (`check_pack`): a
     manifest or pack that would not load raises PackFormatError (or ChecksumError) with the
     message the load gives; checksum differences, NaN/infinite weights (which a load refuses
-    too) and source differences are reported in `problems`."""
+    too) and source differences are reported in `problems`. ``stop``: see `verify_checksums`
+    (the source comparison is not stopped)."""
     m = Manifest.from_path(path)
     with contextlib.suppress(ChecksumError):  # model.gguf's: reported below with the others
         check_pack(m)
     problems: list[str] = []
-    n_records, n_bytes = verify_checksums(m, problems)
+    n_records, n_bytes = verify_checksums(m, problems, stop)
     compared = 0
     if against is not None and not problems:
         compared = _compare_with_source(m, Path(against), problems)
