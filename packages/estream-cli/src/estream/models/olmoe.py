@@ -36,6 +36,15 @@ def bind(model: PackedModel) -> Weights[Layer]:
     return Weights(bind_head(model), layers)
 
 
-def layer(ops: Ops, hp: ModelSpec, w: Layer, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+def layer(
+    ops: Ops,
+    hp: ModelSpec,
+    w: Layer,
+    x: np.ndarray,
+    pos: np.ndarray,
+    routes: tuple[np.ndarray, np.ndarray] | None = None,
+) -> np.ndarray:
+    """Attention, then the experts on the FFN norm; ``routes``: the layer's routes when found
+    before attention (SmallThinker's layer), else the router runs on the FFN norm."""
     x = ops.add(x, ops.attention(w.attn, ops.rms_norm(x, w.attn_norm), pos))
-    return ops.add(x, ops.moe(ops.rms_norm(x, w.ffn_norm), w.moe))
+    return ops.add(x, ops.moe(ops.rms_norm(x, w.ffn_norm), w.moe, routes=routes))

@@ -7,7 +7,8 @@ none on the NoPE layers; a sliding window on the sliding layers), then ReGLU exp
 FFN norm of the attention's output, weighted by the routes found at the start. As in llama.cpp's
 `src/models/smallthinker.cpp`; which layers slide or skip RoPE is the family record's (read
 into `ModelSpec`). Its weights are OLMoE's (`olmoe.Layer`, `olmoe.bind`: the same tensors, the
-ReGLU being the family record's `expert_glu`); only the order of the layer's steps is its own.
+ReGLU being the family record's `expert_glu`), and so is the rest of its layer (`olmoe.layer`,
+given the routes): only routing first is its own.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from estream_layout import ModelSpec
 
+from . import olmoe
 from .olmoe import Layer, bind
 from .ops import Ops
 
@@ -24,5 +26,4 @@ __all__ = ["Layer", "bind", "layer"]
 
 def layer(ops: Ops, hp: ModelSpec, w: Layer, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
     routes = ops.route(x, w.moe, before_attention=True)  # on the layer's input
-    x = ops.add(x, ops.attention(w.attn, ops.rms_norm(x, w.attn_norm), pos))
-    return ops.add(x, ops.moe(ops.rms_norm(x, w.ffn_norm), w.moe, routes=routes))
+    return olmoe.layer(ops, hp, w, x, pos, routes=routes)
