@@ -276,3 +276,52 @@ def test_a_local_ray_runs_its_actors_at_the_commands_priority(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     mine, worker = out.stdout.split()
     assert worker == mine
+
+
+def test_a_job_reports_its_phases_and_shares_its_rows_between_the_actors(
+    pack, local_ray, tmp_path, capsys
+):
+    """Without ``--block-rows`` 200 rows on two actors are two blocks of 100 (the rows shared
+    evenly: no block splits a pass the command without ``--ray`` makes on one actor); the
+    job's phases line on stderr names the driver's steps and each actor's start, load, pack
+    check and first block."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"hi {i}"} for i in range(200)])
+    argv = ["classify", str(pack), "--input", str(src), "--labels", ",".join(LABELS), *ENGINE]
+    out = ["--output", str(tmp_path / "o.jsonl"), "--ray", "--actors", "2"]
+    assert main([*argv, *out]) == 0
+    phases = [s for s in capsys.readouterr().err.splitlines() if " phases: " in s]
+    assert len(phases) == 1, phases
+    line = phases[0]
+    for part in ("Ray start", "first block back", "writing", "model load", "pack check"):
+        assert part in line, line
+    assert "(100 rows;" in line and "(200 rows;" not in line
+    assert "2 blocks answered in" in line
+
+
+def test_each_block_carries_its_timings_and_the_first_the_actors_start(pack):
+    """With ``timings`` a block's first row holds its timings (rows, seconds of the block, of
+    its passes, of the wait for the check), the actor's first block also the start phases and
+    the check's duration; the other rows hold none, and the answers are the same as without."""
+    kw = {"defaults": {"labels": LABELS}, "engine": ENGINE_KW}
+    runner = data.TaskRunner(pack, "classify", timings=True, **kw)
+    plain = data.TaskRunner(pack, "classify", **kw)
+    try:
+        block = pa.table({"id": [1, 2, 3], "prompt": ["a b", "c d", "e"]})
+        first, second, bare = runner(block), runner(block), plain(block)
+    finally:
+        runner.close()
+        plain.close()
+    for out in (first, second):
+        col = out.column("_timings").to_pylist()
+        assert col[0] is not None and col[1:] == [None, None]
+        assert out.drop_columns(["_timings"]).drop_columns(["metrics"]).to_pylist() == (
+            bare.drop_columns(["metrics"]).to_pylist()
+        )
+    t1 = json.loads(first.column("_timings")[0].as_py())
+    t2 = json.loads(second.column("_timings")[0].as_py())
+    assert t1["rows"] == t2["rows"] == 3 and t1["actor"] == os.getpid()
+    assert t1["block_s"] >= t1["run_s"] + t1["plan_s"] + t1["wait_s"] > 0
+    assert set(t1["init"]) == {"started", "imports_s", "tokenizer_s", "load_s"}
+    assert t1["check_s"] > 0 and t1["init"]["load_s"] > 0
+    assert "init" not in t2 and "check_s" not in t2
+    assert "_timings" not in bare.column_names

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -183,7 +184,13 @@ class TaskRunner:
     each request row to its result row (``id`` always is, when the dataset has it).
     ``output``: ``"columns"`` — the result's fields as columns, as in the command's result
     lines — or ``"json"`` — the result as JSON text in a ``result`` column, with ``error`` and
-    ``bad_request`` (whether the error is the request's own fault).
+    ``bad_request`` (whether the error is the request's own fault). ``timings``: add a
+    ``_timings`` column, JSON text on each block's first row (null on the others): the block's
+    rows and seconds (``block_s``: the whole call; ``plan_s``, ``run_s``: planning and the
+    passes; ``wait_s``: waiting for the pack's check after them), and on the actor's first
+    block its start (``init``: ``imports_s``, ``tokenizer_s``, ``load_s`` — `estream.load`:
+    the pack opened, the dense weights read, the first reads started —, and ``started``, the
+    wall clock when the constructor began) and the check's own duration (``check_s``).
 
     A call takes a ``pyarrow.Table`` block (``batch_format="pyarrow"``) and returns one."""
 
@@ -199,7 +206,9 @@ class TaskRunner:
         verify: bool = True,
         keep: Sequence[str] = (),
         output: str = "columns",
+        timings: bool = False,
     ) -> None:
+        started, t0 = time.time(), time.perf_counter()
         from . import tasks
         from .engine import load
         from .tokenizer import Tokenizer
@@ -212,16 +221,28 @@ class TaskRunner:
         self.defaults = dict(defaults or {})
         self.batch_tokens = batch_tokens
         self.keep = ("id", *(k for k in keep if k != "id"))
+        self.timings = timings
+        self._blocks = 0
         # The whole-pack check reads every byte once: it runs beside the model's load and the
         # first block (no answer leaves the actor before it has passed), not before them.
         self._check = _Check(pack) if verify else None
         try:
+            t1 = time.perf_counter()
             self.tokenizer = Tokenizer.from_gguf(pack)
             self.template = tasks.chat_template(pack, self.tokenizer) if template else None
+            t2 = time.perf_counter()
             self.engine = load(pack, **dict(engine or {}))
         except BaseException as exc:
             self._load_failed(exc)
             raise
+        t3 = time.perf_counter()
+        self.init = {
+            "started": started,
+            "imports_s": t1 - t0,
+            "tokenizer_s": t2 - t1,
+            "load_s": t3 - t2,
+        }
+        self._last: dict[str, float] = {}
 
     def answer(self, rows: Sequence[Mapping[str, Any]]) -> list[Any]:
         """The results of ``rows`` (requests), in order: a task result, or the exception that
@@ -230,6 +251,7 @@ class TaskRunner:
 
         if self._check is not None and self._check.done():
             self._checked()  # a pack that failed its check answers nothing more
+        t0 = time.perf_counter()
         plans: list[Any] = []
         for row in rows:
             try:
@@ -237,8 +259,11 @@ class TaskRunner:
                 plans.append(_plan(self.task, self.engine, self.tokenizer, self.template, req))
             except Exception as exc:  # this request fails on its own row
                 plans.append(exc)
+        t1 = time.perf_counter()
         results = list(tasks.run_plans(self.engine, plans, batch_tokens=self.batch_tokens))
+        t2 = time.perf_counter()
         self._checked()
+        self._last = {"plan_s": t1 - t0, "run_s": t2 - t1, "wait_s": time.perf_counter() - t2}
         return results
 
     def _checked(self) -> None:
@@ -261,6 +286,7 @@ class TaskRunner:
     def __call__(self, batch: Any) -> Any:
         import pyarrow as pa
 
+        t0 = time.perf_counter()
         rows = batch.to_pylist()
         out: list[dict[str, Any]] = []
         for row, res in zip(rows, self.answer(rows), strict=True):
@@ -283,7 +309,23 @@ class TaskRunner:
         if self.output == "columns" and "error" not in names:
             names.append("error")
         typed = {"error": pa.string(), "result": pa.string(), "bad_request": pa.bool_()}
-        return pa.table({k: pa.array([r.get(k) for r in out], typed.get(k)) for k in names})
+        columns = {k: pa.array([r.get(k) for r in out], typed.get(k)) for k in names}
+        if self.timings:
+            columns["_timings"] = pa.array(
+                [self._timing(len(rows), time.perf_counter() - t0)] + [None] * (len(rows) - 1),
+                pa.string(),
+            )
+        return pa.table(columns)
+
+    def _timing(self, rows: int, seconds: float) -> str:
+        """The ``_timings`` entry of a block of ``rows`` answered in ``seconds``."""
+        self._blocks += 1
+        t: dict[str, Any] = {"actor": os.getpid(), "rows": rows, "block_s": seconds}
+        t |= self._last
+        if self._blocks == 1:
+            t["init"] = self.init
+            t["check_s"] = self._check.seconds if self._check is not None else None
+        return json.dumps(t)
 
     def close(self) -> None:
         try:
@@ -304,16 +346,20 @@ class _Check:
     def __init__(self, pack: str | os.PathLike[str]) -> None:
         self._error: BaseException | None = None
         self._stop = threading.Event()
+        self.seconds: float | None = None  # the check's own duration, once done
         self._thread = threading.Thread(
             target=self._run, args=(pack,), name="estream-pack-check", daemon=True
         )
         self._thread.start()
 
     def _run(self, pack: str | os.PathLike[str]) -> None:
+        t0 = time.perf_counter()
         try:
             verify_once(pack, stop=self._stop.is_set)
         except BaseException as exc:  # handed to the thread that takes the result
             self._error = exc
+        finally:
+            self.seconds = time.perf_counter() - t0
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -367,12 +413,13 @@ def apply(
     engine: Mapping[str, Any] | None = None,
     keep: Sequence[str] = (),
     output: str = "columns",
+    timings: bool = False,
     runner: type[TaskRunner] = TaskRunner,
 ) -> Any:
     """``ds.map_batches`` with `TaskRunner` on a pool of ``actors`` actors of ``threads`` compute
     threads (and CPUs) each: a lazy dataset of results. ``batch_size``: the rows of one block
-    (one call of an actor, and what is run again when an actor dies). ``runner``: `TaskRunner`
-    or a subclass.
+    (one call of an actor, and what is run again when an actor dies). ``timings``: each block's
+    phases in a ``_timings`` column (see `TaskRunner`). ``runner``: `TaskRunner` or a subclass.
 
     Ray Data's actor pool restarts an actor that died and runs its block again (its defaults,
     ``max_restarts=-1`` and ``max_task_retries=-1``, which this leaves in place)."""
@@ -394,6 +441,7 @@ def apply(
             "verify": verify,
             "keep": tuple(keep),
             "output": output,
+            "timings": timings,
         },
         batch_format="pyarrow",
         batch_size=batch_size,

@@ -41,7 +41,8 @@ from .output import STDOUT, check_output, write_json
 
 __all__ = ["add_ray_opts", "run_ray"]
 
-#: Rows of one block: one call of an actor, and what is answered again if the actor dies.
+#: Most rows of one block without ``--block-rows`` (`default_block_rows`): one call of an
+#: actor, and what is answered again if the actor dies.
 DEFAULT_BLOCK_ROWS = 256
 
 
@@ -73,8 +74,9 @@ def add_ray_opts(p: argparse.ArgumentParser) -> None:
         "--block-rows",
         type=positive_int,
         metavar="N",
-        help=f"with --ray: requests per block, the unit an actor answers and a restarted actor "
-        f"answers again (default {DEFAULT_BLOCK_ROWS})",
+        help="with --ray: requests per block, the unit an actor answers and a restarted actor "
+        f"answers again (default: the requests shared evenly between the actors, at most "
+        f"{DEFAULT_BLOCK_ROWS} a block)",
     )
 
 
@@ -246,7 +248,6 @@ def run_ray(args: argparse.Namespace, task: Any, requests: Any) -> int:
     _check_args(args)
     t0 = time.perf_counter()
     actors, threads = args.actors or 1, args.threads or 1
-    block_rows = args.block_rows or DEFAULT_BLOCK_ROWS
     out_path = args.output if args.output is not None else STDOUT
     parquet_out = _is_parquet(out_path)
     if parquet_out:
@@ -255,18 +256,22 @@ def run_ray(args: argparse.Namespace, task: Any, requests: Any) -> int:
         check_output(out_path, "--output")
     parquet_in = args.input != "-" and _is_parquet(args.input)
     reqs, ids = _read_input(args, task, requests, parquet_in, parquet_out)
+    n = len(ids) if parquet_in else len(reqs)
+    block_rows = args.block_rows or default_block_rows(n, actors)
     PackedModel(args.model)  # a missing or broken pack fails here, once, not in every actor
     check_engine_opts(args)
+    phases = Phases(t0)
+    phases.mark("input")
     ray = data.need_ray()
+    phases.mark("import_ray")
     started = _start_ray(ray, args, actors, threads)
+    phases.mark("ray_init")
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     try:
         if parquet_in:
             ds = ray.data.read_parquet(args.input)
-            n = len(ids)
         else:
-            n = len(reqs)
             items = [
                 {"_pos": i, data.REQUEST_COLUMN: json.dumps(req)}
                 | ({"id": key["id"]} if parquet_out else {})
@@ -283,15 +288,27 @@ def run_ray(args: argparse.Namespace, task: Any, requests: Any) -> int:
             "defaults": _defaults(args, task.name),
         }
         t1 = time.perf_counter()
+        phases.mark("dataset")
         try:
             if parquet_out:
                 out = data.apply(ds, task.name, args.model, output="columns", **common)
                 failed = _write_parquet(out, out_path, ids)
                 broken = 0
+                phases.mark("run_and_write")
             else:
-                out = data.apply(ds, task.name, args.model, keep=("_pos",), output="json", **common)
-                lines, failed, broken = _result_lines(out, reqs, ids, args.input)
+                out = data.apply(
+                    ds,
+                    task.name,
+                    args.model,
+                    keep=("_pos",),
+                    output="json",
+                    timings=True,
+                    **common,
+                )
+                lines, failed, broken = _result_lines(out, reqs, ids, args.input, phases)
+                phases.mark("collect")
                 write_json(out_path, "--output", lines, lines=True)
+                phases.mark("write")
         except Exception as exc:
             raise _own_error(exc) from None
         dt = time.perf_counter() - t1
@@ -304,7 +321,77 @@ def run_ray(args: argparse.Namespace, task: Any, requests: Any) -> int:
         f"{dt:.2f} s ({n / max(dt, 1e-9):.1f}/s; start {t1 - t0:.2f} s){fails}",
         file=sys.stderr,
     )
+    print(f"estream {task.name}: phases: {phases.describe()}", file=sys.stderr)
     return 1 if broken else 2 if failed else 0
+
+
+def default_block_rows(rows: int, actors: int) -> int:
+    """Rows of a block without ``--block-rows``: the rows shared evenly between the actors, at
+    most `DEFAULT_BLOCK_ROWS` (a pass never spans two blocks, so fewer blocks than that make
+    no more passes than the command without ``--ray`` makes on one actor)."""
+    return max(1, min(DEFAULT_BLOCK_ROWS, math.ceil(rows / actors)))
+
+
+class Phases:
+    """Where a ``--ray`` job's time went: the driver's own steps (seconds from the start of
+    `run_ray` to each `mark`) and what the actors report with each block (`TaskRunner`'s
+    ``_timings``), summed up in one line by `describe`."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.marks: dict[str, float] = {}
+        self.blocks: list[dict[str, Any]] = []
+        self.first_block: float | None = None  # when the first block's results came back
+        self.job_started: float | None = None  # wall clock: execution began (see `mark`)
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.perf_counter()
+        if name == "dataset":
+            self.job_started = time.time()
+
+    def arrived(self) -> None:
+        """Results came back (the first time: the first block's)."""
+        if self.first_block is None:
+            self.first_block = time.perf_counter()
+
+    def describe(self) -> str:
+        parts: list[str] = []
+        prev = self.t0
+        names = {
+            "input": "input and pack checked",
+            "import_ray": "Ray imported",
+            "ray_init": "Ray start",
+            "dataset": "dataset",
+            "collect": "all blocks back",
+            "write": "writing",
+            "run_and_write": "run and Parquet writing",
+        }
+        for name, t in self.marks.items():
+            if name == "collect" and self.first_block is not None:
+                parts.append(f"first block back {self.first_block - prev:.2f} s")
+                prev = self.first_block
+            parts.append(f"{names[name]} {t - prev:.2f} s")
+            prev = t
+        firsts = [b for b in self.blocks if "init" in b]
+        for b in firsts:
+            init = b["init"]
+            up = init["started"] - (self.job_started or init["started"])
+            check = b.get("check_s")
+            parts.append(
+                f"actor {b['actor']}: up after {up:.2f} s, imports {init['imports_s']:.2f} s, "
+                f"tokenizer {init['tokenizer_s']:.2f} s, model load {init['load_s']:.2f} s, "
+                + (f"pack check {check:.2f} s, " if check is not None else "")
+                + f"first block {b['block_s']:.2f} s ({b['rows']} rows; "
+                f"waited {b.get('wait_s', 0.0):.2f} s for the check)"
+            )
+        if self.blocks:
+            secs = [b["block_s"] for b in self.blocks]
+            passes = sum(b.get("run_s", 0.0) for b in self.blocks)
+            parts.append(
+                f"{plural(len(secs), 'block')} answered in {sum(secs):.2f} s "
+                f"(longest {max(secs):.2f} s; in the passes {passes:.2f} s)"
+            )
+        return "; ".join(parts)
 
 
 def _own_error(exc: BaseException) -> BaseException:
@@ -333,15 +420,26 @@ _NAMED_ERROR = re.compile(r"\bestream[\w.]*\.\w+Error: (.+?)(?=$|\n)")
 
 
 def _result_lines(
-    out: Any, reqs: list[tuple[dict[str, Any], str, dict[str, Any]]], ids: list[Any], name: str
+    out: Any,
+    reqs: list[tuple[dict[str, Any], str, dict[str, Any]]],
+    ids: list[Any],
+    name: str,
+    phases: Phases | None = None,
 ) -> tuple[list[dict[str, Any]], int, int]:
     """The result lines in input order, each as the command without ``--ray`` writes it, after
-    checking that every input row was answered exactly once; (lines, failed, broken)."""
+    checking that every input row was answered exactly once; (lines, failed, broken). Each
+    block's ``_timings`` entry goes to ``phases``."""
     lines: list[dict[str, Any]] = []
     seen: collections.Counter[int] = collections.Counter()
     failed = broken = 0
     by_pos: dict[int, dict[str, Any]] = {}
     for batch in out.iter_batches(batch_format="pyarrow", batch_size=None):
+        if phases is not None:
+            phases.arrived()
+            if "_timings" in batch.column_names:
+                for entry in batch.column("_timings").to_pylist():
+                    if entry is not None:
+                        phases.blocks.append(json.loads(entry))
         for row in batch.to_pylist():
             pos = row.get("_pos")
             key: dict[str, Any]
