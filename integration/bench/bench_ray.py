@@ -16,10 +16,13 @@ each a fresh process, the pack's files evicted from the page cache first (per-fi
 load: ``wall``) and for the run alone (the command's own timing, after load or Ray start:
 ``run``; a Ray run's includes its actors' pack verification and model load, which the plain
 run's does not). The overhead of Ray at one actor is ``ray-1``'s time over ``plain``'s, minus
-one, for both; each Ray run's answers are compared with the plain run's (less the metrics).
+one, for both; each Ray run's answers are compared with the plain run's (less the metrics),
+and its ``phases`` line (where its time went: Ray start, each actor's start, load, pack check
+and blocks) is kept with its run. Blocks are the command's default (the rows shared between
+the actors: one actor answers them in the plain command's passes) unless ``--block-rows``.
 Writes bench-results/bench_ray.json.
 
-    nox -s bench_ray -- [--preset olmoe-1b-7b] [--rows 128] [--budget 1.5GiB] [--block-rows 32]
+    nox -s bench_ray -- [--preset olmoe-1b-7b] [--rows 128] [--budget 1.5GiB] [--block-rows N]
 """
 
 from __future__ import annotations
@@ -165,7 +168,9 @@ def run_system(system: str, pack: Path, rows: Path, out: Path, args: Any) -> dic
     if args.batch_tokens:
         cmd += ["--batch-tokens", str(args.batch_tokens)]
     if system != "plain":
-        cmd += ["--ray", "--actors", system.split("-")[1], "--block-rows", str(args.block_rows)]
+        cmd += ["--ray", "--actors", system.split("-")[1]]
+        if args.block_rows:
+            cmd += ["--block-rows", str(args.block_rows)]
     _evict(pack)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     t0 = time.perf_counter()
@@ -178,7 +183,11 @@ def run_system(system: str, pack: Path, rows: Path, out: Path, args: Any) -> dic
     if done.returncode != 0 or m is None:
         tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
         return {"system": system, "error": f"exit {done.returncode}: {tail[0]}", "load": load}
-    return {"system": system, "wall_s": wall, "run_s": float(m.group(2)), "load": load}
+    out = {"system": system, "wall_s": wall, "run_s": float(m.group(2)), "load": load}
+    phases = [s for s in done.stderr.splitlines() if " phases: " in s]
+    if phases:  # a Ray run's phases line: where the time went
+        out["phases"] = phases[-1].split(" phases: ", 1)[1]
+    return out
 
 
 def _answers(path: Path) -> list[str]:
@@ -215,7 +224,12 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=128, help="utterances (default 128)")
     ap.add_argument("--labels", type=int, default=60, help="intent labels (default 60)")
     ap.add_argument("--budget", default="1.5GiB", help="memory budget of each process/actor")
-    ap.add_argument("--block-rows", type=int, default=32, help="rows per Ray block (default 32)")
+    ap.add_argument(
+        "--block-rows",
+        type=int,
+        default=None,
+        help="rows per Ray block (default: the command's, the rows shared between the actors)",
+    )
     ap.add_argument("--batch-tokens", type=int, default=None, help="default: the engine's")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"some of {','.join(SYSTEMS)}")
     ap.add_argument("--timeout", type=float, default=7200)

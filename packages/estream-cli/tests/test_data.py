@@ -184,3 +184,27 @@ def test_output_writes_the_result_lines_and_keeps_a_file_on_failure(pack, tmp_pa
     assert main([*argv, "--output", str(out)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
     assert out.read_text() == "keep me\n"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness: Linux")
+def test_the_pack_check_runs_below_the_priority_of_the_passes(pack, monkeypatch) -> None:
+    """The actor's whole-pack check runs on a thread whose niceness is the actor's plus
+    `CHECK_NICENESS` (capped at 19), so the passes get the cores first; the thread that
+    started it keeps its own niceness, and the check still checks the pack."""
+    import os
+    import threading
+
+    seen: list[int] = []
+    check = data.verify_once
+
+    def recorded(pack, stop=None):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        check(pack, stop=stop)
+
+    monkeypatch.setattr(data, "verify_once", recorded)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    c = data._Check(pack)
+    c.result()
+    assert seen == [min(19, mine + data.CHECK_NICENESS)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+    assert c.seconds is not None and c.seconds > 0
