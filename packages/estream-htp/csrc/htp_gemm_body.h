@@ -86,10 +86,39 @@ HTP_INLINE void htp_dequant_kq_tile_body(const uint8_t *p, uint32_t fmt, float *
     }
 }
 
+/* The K-quant int8 epilogues: one fp32 sequence per format, which every table (portable, AVX2,
+ * AVX-512, NEON, HVX) follows operation for operation, so all give the same bits. Every product
+ * that is rounded feeds only a multiplicand of an explicit fused multiply-add, so no compiler
+ * contraction (-ffp-contract=fast or on) can change the sequence.
+ * Q4_K / Q5_K, per row and 32-block, given the exact int32 dot = sum q*a and the block's
+ * activation sum sa: ds = d*sc and dm = dmin*m (exact in fp32: an 11-bit fp16 significand times
+ * a 6-bit integer; the SIMD kernels take them once per tile), then
+ *     acc = fma((float)dot, ds*da, acc);  acc = fma(-dm, (float)sa*da, acc).
+ * Q6_K, given the exact int32 sc0*dot0 + sc1*dot1:  acc = fma((float)dot, d*da, acc).
+ * (float)dot is exact (|dot| < 2^24 for all three). HTP_FMAF(a, b, c) = a*b + c rounded once:
+ * Hexagon's sffma (Rx += sfmpy(Rs, Rt), fused; the freestanding runtime has no fmaf), elsewhere
+ * the compiler's fmaf (one instruction under FMA / NEON, glibc's correctly rounded fmaf on the
+ * baseline x86-64 portable table). */
+#if defined(__hexagon__)
+#define HTP_FMAF(a, b, c) __builtin_HEXAGON_F2_sffma((c), (a), (b))
+#else
+#define HTP_FMAF(a, b, c) __builtin_fmaf((a), (b), (c))
+#endif
+HTP_INLINE float htp_q45k_epilogue(float acc, int32_t dot, int32_t sa, float ds, float dm,
+                                   float da) {
+    const float dsda = ds * da, sada = (float)sa * da;
+    acc = HTP_FMAF((float)dot, dsda, acc);
+    return HTP_FMAF(-dm, sada, acc);
+}
+HTP_INLINE float htp_q6k_epilogue(float acc, int32_t dot, float d, float da) {
+    const float dda = d * da;
+    return HTP_FMAF((float)dot, dda, acc);
+}
+
 /* Q4_K tiles x Q8 activations, reference order, any nt. Per row and 32-block: the integer dot
  * of the nibbles with the activations, dot, and the block's activation sum, sa (exact int32);
- * then acc += (float)(sc*dot) * (d*da) - (float)(m*sa) * (dmin*da): llama.cpp's
- * vec_dot_q4_K_q8_K with the activation scale per 32-block instead of per 256. */
+ * then htp_q45k_epilogue: llama.cpp's vec_dot_q4_K_q8_K rule (d*sc*dot - dmin*m*sa) * da with
+ * the activation scale per 32-block instead of per 256, in the one fp32 order all tables share. */
 HTP_INLINE void htp_q4k_strip_body(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
                                    uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
     const uint32_t k = kb * 32;
@@ -116,11 +145,9 @@ HTP_INLINE void htp_q4k_strip_body(const uint8_t *strip, uint32_t kb, const htp_
                 uint16_t h, hm;
                 memcpy(&h, tile + 2 * r, 2);
                 memcpy(&hm, tile + 64 + 2 * r, 2);
-                const int32_t isc = (int32_t)tile[128 + r] * dot[r];
-                const int32_t imn = (int32_t)tile[160 + r] * sa;
-                const float s1 = htp_f16_to_f32(h) * da, s2 = htp_f16_to_f32(hm) * da;
-                const float v = (float)isc * s1 - (float)imn * s2;
-                acc[r] += v;
+                const float ds = htp_f16_to_f32(h) * (float)tile[128 + r];
+                const float dm = htp_f16_to_f32(hm) * (float)tile[160 + r];
+                acc[r] = htp_q45k_epilogue(acc[r], dot[r], sa, ds, dm, da);
             }
         }
         for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = acc[r];
@@ -131,7 +158,7 @@ HTP_INLINE void htp_q4k_strip_body(const uint8_t *strip, uint32_t kb, const htp_
  * fifth bit (0..31); q5_k-t32r4 (832 B) is q4_k-t32r4 followed by a fifth group at 704: row r's
  * fifth bits as a little-endian uint32 at 704 + 4r (bit c = column c). Per row and 32-block the
  * exact int32 dot = sum q*a and the block's activation sum sa, then llama.cpp's
- * vec_dot_q5_K_q8_K rule (float)(sc*dot) * (d*da) - (float)(m*sa) * (dmin*da). */
+ * vec_dot_q5_K_q8_K rule in the shared order (htp_q45k_epilogue). */
 HTP_INLINE void htp_q5k_strip_body(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
                                    uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
     const uint32_t k = kb * 32;
@@ -163,11 +190,9 @@ HTP_INLINE void htp_q5k_strip_body(const uint8_t *strip, uint32_t kb, const htp_
                 uint16_t hd, hm;
                 memcpy(&hd, tile + 2 * r, 2);
                 memcpy(&hm, tile + 64 + 2 * r, 2);
-                const int32_t isc = (int32_t)tile[128 + r] * dot[r];
-                const int32_t imn = (int32_t)tile[160 + r] * sa;
-                const float s1 = htp_f16_to_f32(hd) * da, s2 = htp_f16_to_f32(hm) * da;
-                const float v = (float)isc * s1 - (float)imn * s2;
-                acc[r] += v;
+                const float ds = htp_f16_to_f32(hd) * (float)tile[128 + r];
+                const float dm = htp_f16_to_f32(hm) * (float)tile[160 + r];
+                acc[r] = htp_q45k_epilogue(acc[r], dot[r], sa, ds, dm, da);
             }
         }
         for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = acc[r];
@@ -175,7 +200,7 @@ HTP_INLINE void htp_q5k_strip_body(const uint8_t *strip, uint32_t kb, const htp_
 }
 
 /* Q6_K tiles x Q8 activations, reference order, any nt: per row and 32-block the exact integer
- * sc0 * dot(columns 0..15) + sc1 * dot(columns 16..31), times d*da. */
+ * sc0 * dot(columns 0..15) + sc1 * dot(columns 16..31), times d*da (htp_q6k_epilogue). */
 HTP_INLINE void htp_q6k_strip_body(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
                                    uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
     const uint32_t k = kb * 32;
@@ -200,7 +225,7 @@ HTP_INLINE void htp_q6k_strip_body(const uint8_t *strip, uint32_t kb, const htp_
             for (int r = 0; r < 32; r++) {
                 uint16_t h;
                 memcpy(&h, tile + 2 * r, 2);
-                acc[r] += (float)dot[r] * (htp_f16_to_f32(h) * da);
+                acc[r] = htp_q6k_epilogue(acc[r], dot[r], htp_f16_to_f32(h), da);
             }
         }
         for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = acc[r];

@@ -158,27 +158,64 @@ Q4_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)
 Q4_KERNEL(bw, HTP_T_AVX512, DOT_BW)
 
 /* ---- Q4_K x Q8 tile kernel, AVX-512: the Q4_0 kernel's nibble scheme (a q4_k tile's groups are
- * Q4_0-ordered nibbles, values 0..15, at byte 192), integer sums from 0; per block the exact
- * int32 sc*dot and m*sum(activations) (vpmulld), then (sc*dot)·(d·da) − (m*sa)·(dmin·da) in
- * fp32. The integer parts are the portable body's; only the fp32 rounding order differs. */
+ * Q4_0-ordered nibbles, values 0..15, at byte 192), integer sums from 0 (the portable body's
+ * exact int32 dot per row and block). The scales go into fp32 once per tile, not per token:
+ * d·sc and dmin·m are exact in fp32 (an fp16 significand of 11 bits times a 6-bit integer), so
+ * per token and block the epilogue is the shared htp_q45k_epilogue lane-wise,
+ * acc = fma(dot, (d·sc)·da, acc), acc = fma(−dmin·m, sa·da, acc): two fused multiply-adds and
+ * no integer multiply, the same bits as every other table. The same kernel runs q5_k tiles
+ * (Q5 = 1: the fifth bits added to the nibbles before the dot products, q5k_fifth). */
+/* 16 fp16 / 16 uint8 values of a tile as fp32 lanes (the K-quant scale vectors). */
+HTP_T_AVX512 static inline __attribute__((always_inline)) __m512 q4k_f16x16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+HTP_T_AVX512 static inline __attribute__((always_inline)) __m512 q4k_u8x16(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* Q5_K: a q5_k-t32r4 tile is a q4_k one with each row's 32 fifth bits as a little-endian uint32
+ * at 704 + 4r (bit c = column c). For one 64-byte half of a group (16 rows, a 32-bit lane each),
+ * byte `byte` of the row's fifth bits holds, from bit 4*`odd`, the bits of the lane's four
+ * columns: vpshufb copies that byte to the lane's 4 bytes, vptestmb picks bit b for byte b, and
+ * 16 is added to the nibbles whose bit is set (q = nibble + 16 x fifth bit, 0..31; no
+ * vpmaddubsw pair saturates: 2 x 31 x 127). */
+HTP_T_AVX512 static inline __attribute__((always_inline)) __m512i q5k_fifth(__m512i nib,
+                                                                            const uint8_t *hb,
+                                                                            int byte, int odd) {
+    const __m512i bits = _mm512_loadu_si512((const void *)hb);
+    const __m512i idx = _mm512_add_epi8(
+        _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12)),
+        _mm512_set1_epi8((char)byte));
+    const __mmask64 set = _mm512_test_epi8_mask(
+        _mm512_shuffle_epi8(bits, idx), _mm512_set1_epi32(odd ? (int)0x80402010 : 0x08040201));
+    return _mm512_mask_add_epi8(nib, set, nib, _mm512_set1_epi8(16));
+}
+
 #define Q4K_KERNEL(SUFFIX, TARGET, DOT)                                                          \
     TARGET static inline __attribute__((always_inline)) void q4kq8_block_##SUFFIX(               \
         const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s,    \
-        uint32_t k, float *out, uint32_t ldo, uint32_t rows, const int NT) {                     \
+        uint32_t k, float *out, uint32_t ldo, uint32_t rows, const int NT, const int Q5) {       \
         const __m512i m4 = _mm512_set1_epi8(0x0f);                                               \
         __m512 acc[6][2];                                                                        \
         for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();                \
         for (uint32_t j = 0; j < kb; j++) {                                                      \
-            const uint8_t *tile = strip + (size_t)j * HTP_Q4K_TILE_BYTES;                       \
+            const uint8_t *tile =                                                                \
+                strip + (size_t)j * (Q5 ? HTP_Q5K_TILE_BYTES : HTP_Q4K_TILE_BYTES);              \
             __m512i ia[6][2];                                                                    \
             for (int u = 0; u < NT; u++) ia[u][0] = ia[u][1] = _mm512_setzero_si512();           \
             for (int g = 0; g < 4; g++) {                                                        \
                 const __m512i v0 = _mm512_loadu_si512((const void *)(tile + 192 + 128 * g));    \
                 const __m512i v1 = _mm512_loadu_si512((const void *)(tile + 256 + 128 * g));    \
-                const __m512i l0 = _mm512_and_si512(v0, m4);                                     \
-                const __m512i l1 = _mm512_and_si512(v1, m4);                                     \
-                const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);               \
-                const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);               \
+                __m512i l0 = _mm512_and_si512(v0, m4);                                           \
+                __m512i l1 = _mm512_and_si512(v1, m4);                                           \
+                __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);                     \
+                __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);                     \
+                if (Q5) {                                                                        \
+                    l0 = q5k_fifth(l0, tile + 704, g / 2, g % 2);                                \
+                    l1 = q5k_fifth(l1, tile + 768, g / 2, g % 2);                                \
+                    h0 = q5k_fifth(h0, tile + 704, 2 + g / 2, g % 2);                            \
+                    h1 = q5k_fifth(h1, tile + 768, 2 + g / 2, g % 2);                            \
+                }                                                                                \
                 for (int u = 0; u < NT; u++) {                                                   \
                     const int8_t *qa = q + (size_t)u * k + 32 * j + 4 * g;                       \
                     int32_t alo, ahi;                                                            \
@@ -191,27 +228,20 @@ Q4_KERNEL(bw, HTP_T_AVX512, DOT_BW)
                     ia[u][1] = DOT(ia[u][1], h1, bh);                                            \
                 }                                                                                \
             }                                                                                    \
-            const __m512 dw0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile));       \
-            const __m512 dw1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 32)));\
-            const __m512 dm0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 64)));\
-            const __m512 dm1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 96)));\
-            const __m512i sc0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 128))); \
-            const __m512i sc1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 144))); \
-            const __m512i mn0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 160))); \
-            const __m512i mn1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 176))); \
+            const __m512 ds0 = _mm512_mul_ps(q4k_f16x16(tile), q4k_u8x16(tile + 128));           \
+            const __m512 ds1 = _mm512_mul_ps(q4k_f16x16(tile + 32), q4k_u8x16(tile + 144));      \
+            const __m512 dm0 = _mm512_mul_ps(q4k_f16x16(tile + 64), q4k_u8x16(tile + 160));      \
+            const __m512 dm1 = _mm512_mul_ps(q4k_f16x16(tile + 96), q4k_u8x16(tile + 176));      \
             for (int u = 0; u < NT; u++) {                                                       \
-                const __m512 da = _mm512_set1_ps(d[(size_t)u * kb + j]);                         \
-                const __m512i sa = _mm512_set1_epi32(s[(size_t)u * kb + j]);                     \
-                const __m512 p0 = _mm512_cvtepi32_ps(_mm512_mullo_epi32(ia[u][0], sc0));         \
-                const __m512 p1 = _mm512_cvtepi32_ps(_mm512_mullo_epi32(ia[u][1], sc1));         \
-                const __m512 n0 = _mm512_cvtepi32_ps(_mm512_mullo_epi32(sa, mn0));               \
-                const __m512 n1 = _mm512_cvtepi32_ps(_mm512_mullo_epi32(sa, mn1));               \
-                const __m512 v0 = _mm512_fmsub_ps(p0, _mm512_mul_ps(dw0, da),                    \
-                                                  _mm512_mul_ps(n0, _mm512_mul_ps(dm0, da)));    \
-                const __m512 v1 = _mm512_fmsub_ps(p1, _mm512_mul_ps(dw1, da),                    \
-                                                  _mm512_mul_ps(n1, _mm512_mul_ps(dm1, da)));    \
-                acc[u][0] = _mm512_add_ps(acc[u][0], v0);                                        \
-                acc[u][1] = _mm512_add_ps(acc[u][1], v1);                                        \
+                const float dau = d[(size_t)u * kb + j];                                         \
+                const __m512 da = _mm512_set1_ps(dau);                                           \
+                const __m512 sada = _mm512_set1_ps((float)s[(size_t)u * kb + j] * dau);          \
+                acc[u][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[u][0]), _mm512_mul_ps(ds0, da), \
+                                            acc[u][0]);                                          \
+                acc[u][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[u][1]), _mm512_mul_ps(ds1, da), \
+                                            acc[u][1]);                                          \
+                acc[u][0] = _mm512_fnmadd_ps(dm0, sada, acc[u][0]);                              \
+                acc[u][1] = _mm512_fnmadd_ps(dm1, sada, acc[u][1]);                              \
             }                                                                                    \
         }                                                                                        \
         const __mmask16 k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);    \
@@ -223,9 +253,9 @@ Q4_KERNEL(bw, HTP_T_AVX512, DOT_BW)
             _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);                    \
         }                                                                                        \
     }                                                                                            \
-    TARGET static void q4kq8_strip_fast_##SUFFIX(const uint8_t *strip, uint32_t kb,              \
-                                                 const htp_act_q8 *a, uint32_t nt, float *out,   \
-                                                 uint32_t ldo, uint32_t rows) {                  \
+    TARGET static inline __attribute__((always_inline)) void k45q8_strip_##SUFFIX(               \
+        const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out,         \
+        uint32_t ldo, uint32_t rows, const int Q5) {                                             \
         const uint32_t k = kb * 32;                                                              \
         for (uint32_t t0 = 0; t0 < nt; t0 += 6) {                                                \
             const uint32_t n = nt - t0 < 6 ? nt - t0 : 6;                                        \
@@ -234,23 +264,41 @@ Q4_KERNEL(bw, HTP_T_AVX512, DOT_BW)
             const int32_t *s = a->s + (size_t)t0 * kb;                                           \
             float *o = out + (size_t)t0 * ldo;                                                   \
             switch (n) {                                                                         \
-            case 6: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 6); break;         \
-            case 5: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 5); break;         \
-            case 4: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 4); break;         \
-            case 3: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 3); break;         \
-            case 2: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 2); break;         \
-            default: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 1); break;        \
+            case 6: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 6, Q5); break;     \
+            case 5: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 5, Q5); break;     \
+            case 4: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 4, Q5); break;     \
+            case 3: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 3, Q5); break;     \
+            case 2: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 2, Q5); break;     \
+            default: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 1, Q5); break;    \
             }                                                                                    \
         }                                                                                        \
+    }                                                                                            \
+    TARGET static void q4kq8_strip_fast_##SUFFIX(const uint8_t *strip, uint32_t kb,              \
+                                                 const htp_act_q8 *a, uint32_t nt, float *out,   \
+                                                 uint32_t ldo, uint32_t rows) {                  \
+        k45q8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, 0);                               \
+    }                                                                                            \
+    TARGET static void q5kq8_strip_fast_##SUFFIX(const uint8_t *strip, uint32_t kb,              \
+                                                 const htp_act_q8 *a, uint32_t nt, float *out,   \
+                                                 uint32_t ldo, uint32_t rows) {                  \
+        k45q8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, 1);                               \
     }
 
 Q4K_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)
 Q4K_KERNEL(bw, HTP_T_AVX512, DOT_BW)
 
 /* ---- Q6_K x Q8 tile kernel, AVX-512: the int8 values (-32..31) are made unsigned by +32 for
- * the u8 x s8 dot product, so each half's sum carries 32 x (its activations' sum), taken back
- * exactly; then the int32 sc0*dot0 + sc1*dot1 (the scale pairs at byte 64 + 2r sign-extended
- * from 16-bit lanes) times d·da. Groups 0..3 are columns 0..15, groups 4..7 columns 16..31. */
+ * the u8 x s8 dot product, so each half's sum carries 32 x (its activations' sum): the integer
+ * sums start at -32 x that sum (as the Q4_0 kernel's start at -8 x the block's), the half sums
+ * taken with one vpsadbw per token and block; then the int32 sc0*dot0 + sc1*dot1 (the scale
+ * pairs at byte 64 + 2r sign-extended from 16-bit lanes) times d·da. Groups 0..3 are columns
+ * 0..15, groups 4..7 columns 16..31. */
+HTP_T_AVX512 static inline __attribute__((always_inline)) int32_t q6k_sum16(const int8_t *a) {
+    /* sum of 16 int8: vpsadbw on the values + 128, less 16 x 128 */
+    const __m128i v = _mm_xor_si128(_mm_loadu_si128((const __m128i *)a), _mm_set1_epi8((char)0x80));
+    const __m128i t = _mm_sad_epu8(v, _mm_setzero_si128());
+    return _mm_cvtsi128_si32(_mm_add_epi64(t, _mm_unpackhi_epi64(t, t))) - 16 * 128;
+}
 #define Q6K_KERNEL(SUFFIX, TARGET, DOT)                                                          \
     TARGET static inline __attribute__((always_inline)) void q6kq8_block_##SUFFIX(               \
         const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s,    \
@@ -261,8 +309,11 @@ Q4K_KERNEL(bw, HTP_T_AVX512, DOT_BW)
         for (uint32_t j = 0; j < kb; j++) {                                                      \
             const uint8_t *tile = strip + (size_t)j * HTP_Q6K_TILE_BYTES;                       \
             __m512i lo[4][2], hi[4][2];                                                          \
-            for (int u = 0; u < NT; u++)                                                         \
-                lo[u][0] = lo[u][1] = hi[u][0] = hi[u][1] = _mm512_setzero_si512();              \
+            for (int u = 0; u < NT; u++) {                                                       \
+                const int32_t slo = q6k_sum16(q + (size_t)u * k + 32 * j);                       \
+                lo[u][0] = lo[u][1] = _mm512_set1_epi32(-32 * slo);                              \
+                hi[u][0] = hi[u][1] = _mm512_set1_epi32(-32 * (s[(size_t)u * kb + j] - slo));    \
+            }                                                                                    \
             for (int g = 0; g < 4; g++) {                                                        \
                 const uint8_t *gl = tile + 128 + 128 * g, *gh = gl + 512;                        \
                 const __m512i l0 = _mm512_add_epi8(_mm512_loadu_si512((const void *)gl), off);   \
@@ -289,18 +340,11 @@ Q4K_KERNEL(bw, HTP_T_AVX512, DOT_BW)
             const __m512i sl1 = _mm512_srai_epi32(_mm512_slli_epi32(x1, 24), 24);                \
             const __m512i sh0 = _mm512_srai_epi32(x0, 8), sh1 = _mm512_srai_epi32(x1, 8);        \
             for (int u = 0; u < NT; u++) {                                                       \
-                const int8_t *qa = q + (size_t)u * k + 32 * j;                                   \
-                int32_t slo = 0;                                                                 \
-                for (int i = 0; i < 16; i++) slo += qa[i];                                       \
-                const int32_t shi = s[(size_t)u * kb + j] - slo;                                 \
-                const __m512i cl = _mm512_set1_epi32(32 * slo), ch = _mm512_set1_epi32(32 * shi); \
                 const __m512 da = _mm512_set1_ps(d[(size_t)u * kb + j]);                         \
-                const __m512i i0 = _mm512_add_epi32(                                             \
-                    _mm512_mullo_epi32(_mm512_sub_epi32(lo[u][0], cl), sl0),                     \
-                    _mm512_mullo_epi32(_mm512_sub_epi32(hi[u][0], ch), sh0));                    \
-                const __m512i i1 = _mm512_add_epi32(                                             \
-                    _mm512_mullo_epi32(_mm512_sub_epi32(lo[u][1], cl), sl1),                     \
-                    _mm512_mullo_epi32(_mm512_sub_epi32(hi[u][1], ch), sh1));                    \
+                const __m512i i0 = _mm512_add_epi32(_mm512_mullo_epi32(lo[u][0], sl0),           \
+                                                    _mm512_mullo_epi32(hi[u][0], sh0));          \
+                const __m512i i1 = _mm512_add_epi32(_mm512_mullo_epi32(lo[u][1], sl1),           \
+                                                    _mm512_mullo_epi32(hi[u][1], sh1));          \
                 acc[u][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(dw0, da), acc[u][0]); \
                 acc[u][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(dw1, da), acc[u][1]); \
             }                                                                                    \
@@ -570,9 +614,16 @@ HTP_T_AVX2 static void q4q8_strip_avx2(const uint8_t *strip, uint32_t kb, const 
     }
 }
 
+/* 8 uint8 values as fp32 lanes (the AVX2 K-quant scale vectors) */
+HTP_T_AVX2 static inline __attribute__((always_inline)) __m256 htp_u8x8_ps(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
 /* ---- Q4_K x Q8 tile kernel, AVX2: the Q4_0 AVX2 scheme (16 rows a pass, 16-bit block sums of
  * nibbles x activations, |sum| <= 30480) on q4_k tiles (groups at byte 192, values 0..15), then
- * per block the exact int32 sc*dot and m*sum(activations) and the fp32 scale/min epilogue. */
+ * per block the exact int32 dot (vpmaddwd by ones) and the shared fp32 epilogue
+ * (htp_q45k_epilogue): d·sc and dmin·m taken into fp32 once per tile (exact), then
+ * acc = fma(dot, (d·sc)·da, acc), acc = fma(−dmin·m, sa·da, acc). */
 HTP_T_AVX2 static inline __attribute__((always_inline)) void q4kq8_rows16_avx2(
     const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s, uint32_t k,
     float *out, uint32_t ldo, uint32_t rows, uint32_t pass, const int NT) {
@@ -611,21 +662,19 @@ HTP_T_AVX2 static inline __attribute__((always_inline)) void q4kq8_rows16_avx2(
         const __m256 dm0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hd + 64)));
         const __m256 dm1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hd + 80)));
         const uint8_t *hs = tile + 128 + 16 * pass, *hm = tile + 160 + 16 * pass;
-        const __m256i sc0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)hs));
-        const __m256i sc1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(hs + 8)));
-        const __m256i mn0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)hm));
-        const __m256i mn1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(hm + 8)));
-        for (int u = 0; u < NT; u++) {
-            const __m256 da = _mm256_set1_ps(d[(size_t)u * kb + j]);
-            const __m256i sa = _mm256_set1_epi32(s[(size_t)u * kb + j]);
-            const __m256i i0 = _mm256_mullo_epi32(_mm256_madd_epi16(p16[u][0], ones), sc0);
-            const __m256i i1 = _mm256_mullo_epi32(_mm256_madd_epi16(p16[u][1], ones), sc1);
-            const __m256 n0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(sa, mn0)), _mm256_mul_ps(dm0, da));
-            const __m256 n1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(sa, mn1)), _mm256_mul_ps(dm1, da));
-            const __m256 v0 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(dw0, da), n0);
-            const __m256 v1 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(dw1, da), n1);
-            _mm256_storeu_ps(acc[u], _mm256_add_ps(_mm256_loadu_ps(acc[u]), v0));
-            _mm256_storeu_ps(acc[u] + 8, _mm256_add_ps(_mm256_loadu_ps(acc[u] + 8), v1));
+        /* d·sc and dmin·m, exact in fp32, once per tile (htp_q45k_scales) */
+        const __m256 ds0 = _mm256_mul_ps(dw0, htp_u8x8_ps(hs)), ds1 = _mm256_mul_ps(dw1, htp_u8x8_ps(hs + 8));
+        const __m256 dmm0 = _mm256_mul_ps(dm0, htp_u8x8_ps(hm)), dmm1 = _mm256_mul_ps(dm1, htp_u8x8_ps(hm + 8));
+        for (int u = 0; u < NT; u++) { /* htp_q45k_epilogue, lane-wise */
+            const float dau = d[(size_t)u * kb + j];
+            const __m256 da = _mm256_set1_ps(dau);
+            const __m256 sada = _mm256_set1_ps((float)s[(size_t)u * kb + j] * dau);
+            const __m256 f0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16[u][0], ones));
+            const __m256 f1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16[u][1], ones));
+            __m256 a0 = _mm256_fmadd_ps(f0, _mm256_mul_ps(ds0, da), _mm256_loadu_ps(acc[u]));
+            __m256 a1 = _mm256_fmadd_ps(f1, _mm256_mul_ps(ds1, da), _mm256_loadu_ps(acc[u] + 8));
+            _mm256_storeu_ps(acc[u], _mm256_fnmadd_ps(dmm0, sada, a0));
+            _mm256_storeu_ps(acc[u] + 8, _mm256_fnmadd_ps(dmm1, sada, a1));
         }
     }
     const uint32_t r0 = 16u * pass, live = rows - r0 < 16 ? rows - r0 : 16;
@@ -717,20 +766,32 @@ HTP_T_AVX2 static void q8q8_strip_fast_avx2(const uint8_t *strip, uint32_t kb, c
 }
 
 /* ---- Q6_K x Q8 tile kernel, AVX2: the Q8_0 AVX2 scheme (|w| x sign-carried activations) on
- * q6_k tiles, the two 16-column halves summed apart (groups 0..3 and 4..7), then the exact
- * int32 sc0*dot0 + sc1*dot1 (scale pairs sign-extended from 16-bit lanes) times d·da. */
+ * q6_k tiles; the vpmaddwd that widens each group's 16-bit pairs multiplies them by the row's
+ * scale of that half (sc0 for groups 0..3 = columns 0..15, sc1 for groups 4..7, in both 16-bit
+ * halves of the row's lane), so one int32 sum per row collects the exact sc0*dot0 + sc1*dot1
+ * (|pair| <= 2 x 32 x 127, times |sc| <= 128, 16 pairs: far inside int32), times d·da. */
 HTP_T_AVX2 static inline __attribute__((always_inline)) void q6kq8_rows16_avx2(
     const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, uint32_t k, float *out,
     uint32_t ldo, uint32_t rows, uint32_t pass, const int NT) {
-    const __m256i ones = _mm256_set1_epi16(1);
     float acc[4][16];
     for (int u = 0; u < NT; u++)
         for (int r = 0; r < 16; r++) acc[u][r] = 0.0f;
     for (uint32_t j = 0; j < kb; j++) {
         const uint8_t *tile = strip + (size_t)j * HTP_Q6K_TILE_BYTES;
-        __m256i half[2][4][2];
-        for (int h = 0; h < 2; h++)
-            for (int u = 0; u < NT; u++) half[h][u][0] = half[h][u][1] = _mm256_setzero_si256();
+        const uint8_t *hd = tile + 32 * pass, *hs = tile + 64 + 32 * pass;
+        /* the scale pairs (int8 sc0, sc1 at byte 64 + 2r): sc[h][v] = each row's scale of half h
+         * in both 16-bit halves of its lane, for rows 8v..8v+7 of the pass */
+        __m256i sc[2][2];
+        for (int v = 0; v < 2; v++) {
+            const __m256i x = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(hs + 16 * v)));
+            const __m256i lo = _mm256_srai_epi32(_mm256_slli_epi32(x, 24), 24);
+            const __m256i hi = _mm256_srai_epi32(x, 8);
+            const __m256i low16 = _mm256_set1_epi32(0xffff);
+            sc[0][v] = _mm256_or_si256(_mm256_and_si256(lo, low16), _mm256_slli_epi32(lo, 16));
+            sc[1][v] = _mm256_or_si256(_mm256_and_si256(hi, low16), _mm256_slli_epi32(hi, 16));
+        }
+        __m256i isum[4][2];
+        for (int u = 0; u < NT; u++) isum[u][0] = isum[u][1] = _mm256_setzero_si256();
         for (int g = 0; g < 8; g++) {
             const int h = g >> 2;
             const uint8_t *gp = tile + 128 + 128 * g + 64 * pass;
@@ -743,24 +804,15 @@ HTP_T_AVX2 static inline __attribute__((always_inline)) void q6kq8_rows16_avx2(
                 const __m256i b = _mm256_set1_epi32(av);
                 const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(b, w0));
                 const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(b, w1));
-                half[h][u][0] = _mm256_add_epi32(half[h][u][0], _mm256_madd_epi16(p0, ones));
-                half[h][u][1] = _mm256_add_epi32(half[h][u][1], _mm256_madd_epi16(p1, ones));
+                isum[u][0] = _mm256_add_epi32(isum[u][0], _mm256_madd_epi16(p0, sc[h][0]));
+                isum[u][1] = _mm256_add_epi32(isum[u][1], _mm256_madd_epi16(p1, sc[h][1]));
             }
         }
-        const uint8_t *hd = tile + 32 * pass, *hs = tile + 64 + 32 * pass;
         const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hd));
         const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hd + 16)));
-        const __m256i x0 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)hs));
-        const __m256i x1 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(hs + 16)));
-        const __m256i sl0 = _mm256_srai_epi32(_mm256_slli_epi32(x0, 24), 24);
-        const __m256i sl1 = _mm256_srai_epi32(_mm256_slli_epi32(x1, 24), 24);
-        const __m256i sh0 = _mm256_srai_epi32(x0, 8), sh1 = _mm256_srai_epi32(x1, 8);
         for (int u = 0; u < NT; u++) {
             const __m256 da = _mm256_set1_ps(d[(size_t)u * kb + j]);
-            const __m256i i0 = _mm256_add_epi32(_mm256_mullo_epi32(half[0][u][0], sl0),
-                                                _mm256_mullo_epi32(half[1][u][0], sh0));
-            const __m256i i1 = _mm256_add_epi32(_mm256_mullo_epi32(half[0][u][1], sl1),
-                                                _mm256_mullo_epi32(half[1][u][1], sh1));
+            const __m256i i0 = isum[u][0], i1 = isum[u][1];
             _mm256_storeu_ps(acc[u], _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(dw0, da), _mm256_loadu_ps(acc[u])));
             _mm256_storeu_ps(acc[u] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(dw1, da), _mm256_loadu_ps(acc[u] + 8)));
         }
@@ -1035,7 +1087,7 @@ const htp_isa htp_isa_avx512 = {
     .q4kq8_strip = q4kq8_strip_fast_bw,
     .q6kq8_strip = q6kq8_strip_fast_bw,
     .kq8_nt = 64,
-    .q5kq8_strip = q5kq8_strip_avx512,
+    .q5kq8_strip = q5kq8_strip_fast_bw,
     .nlq8_strip = nlq8_strip_avx512,
     .xsq8_strip = xsq8_strip_avx512,
     .affq8_strip = affq8_strip_avx512,
@@ -1056,7 +1108,7 @@ const htp_isa htp_isa_avx512vnni = {
     .q4kq8_strip = q4kq8_strip_fast_vnni,
     .q6kq8_strip = q6kq8_strip_fast_vnni,
     .kq8_nt = 64,
-    .q5kq8_strip = q5kq8_strip_vnni,
+    .q5kq8_strip = q5kq8_strip_fast_vnni,
     .nlq8_strip = nlq8_strip_vnni,
     .xsq8_strip = xsq8_strip_vnni,
     .affq8_strip = affq8_strip_vnni,
@@ -1079,7 +1131,7 @@ const htp_isa htp_isa_amx = {
     .q4kq8_strip = q4kq8_strip_fast_vnni,
     .q6kq8_strip = q6kq8_strip_fast_vnni,
     .kq8_nt = 64,
-    .q5kq8_strip = q5kq8_strip_vnni,
+    .q5kq8_strip = q5kq8_strip_fast_vnni,
     .nlq8_strip = nlq8_strip_vnni,
     .xsq8_strip = xsq8_strip_vnni,
     .affq8_strip = affq8_strip_vnni,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import LEVELS, SIMD_PARAMS, mode
+from helpers import LEVELS, SIMD_PARAMS, kquant_stress_case, mode
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -122,17 +122,44 @@ def test_gemm_kquant_q8_matches_float64(simd: str, fmt: str, shape) -> None:
     assert T.rel_l2_floored(ys[0], T.ref_gemm(xq, buf, n, fmt), mag, x.shape[1]) <= Q8_EXACT_TOL
 
 
-@pytest.mark.parametrize("fmt", KQ_FORMATS)
-def test_gemm_kquant_tables_agree(fmt: str) -> None:
-    """Every kernel table this CPU runs gives the portable table's K-quant results (the integer
-    block sums are exact; only the fp32 accumulation may be ordered differently)."""
-    x, buf = _kq_case(29, 70, 2, 3, fmt)
+@pytest.mark.parametrize("fmt", ["q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4"])
+@pytest.mark.parametrize(
+    ("t", "n", "sb", "seed"), [(1, 1, 1, 1), (7, 33, 1, 2), (29, 70, 2, 3), (65, 97, 3, 4)]
+)
+def test_gemm_kquant_tables_give_portable_bits(
+    fmt: str, t: int, n: int, sb: int, seed: int
+) -> None:
+    """Q4_K, Q5_K and Q6_K tiles x int8 activations: every kernel table this CPU runs gives the
+    portable table's results bit for bit (exact integer block sums and one shared fp32
+    epilogue), at token counts off the kernels' 4 / 6 / 64 token steps, row counts off 16 / 32,
+    1..3 super-blocks, and scales that stress the rounding (_kq_stress_case)."""
+    _, buf, x = kquant_stress_case(t, n, sb, seed, fmt)
     with mode(simd="portable", act="q8", threads=1):
-        base = htp.gemm(x, buf, 70, fmt)
+        base = htp.gemm(x, buf, n, fmt)
+    assert np.isfinite(base).all() and np.abs(base).max() > 0
+    for simd in LEVELS:
+        for th in (1, 2):
+            with mode(simd=simd, act="q8", threads=th):
+                y = htp.gemm(x, buf, n, fmt)
+            assert np.array_equal(y.view(np.uint32), base.view(np.uint32)), (simd, th)
+
+
+@pytest.mark.parametrize("fmt", KQ_FORMATS)
+def test_gemm_kquant_stress_matches_float64(fmt: str) -> None:
+    """The stress inputs of the bit test (scales over four decades, near-cancelling mins,
+    activations over six decades) stay within fp32 rounding of the float64 product of the
+    dequantized tiles and the same int8-rounded activations, on every table."""
+    if fmt == XS:
+        x, buf = _kq_case(29, 70, 2, 3, fmt)
+    else:
+        _, buf, x = kquant_stress_case(29, 70, 2, 3, fmt)
+    xq = T.ref_q8_activations(x)
+    mag = T.ref_gemm_magnitude(xq, buf, 70, fmt)
+    ref = T.ref_gemm(xq, buf, 70, fmt)
     for simd in LEVELS:
         with mode(simd=simd, act="q8"):
             y = htp.gemm(x, buf, 70, fmt)
-        assert T.rel_l2(y, base) <= 1e-6, simd
+        assert T.rel_l2_floored(y, ref, mag, x.shape[1]) <= Q8_EXACT_TOL, simd
 
 
 def test_gemm_iq4_xs_tables_give_portable_bits() -> None:

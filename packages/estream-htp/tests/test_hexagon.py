@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from helpers import needs_hexagon
+from helpers import kquant_stress_case, needs_hexagon
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -119,6 +119,18 @@ def test_gemm_kquant_bit_exact(
     xr = x if act == "f32" else T.ref_q8_activations(x)
     mag = T.ref_gemm_magnitude(xr, buf, n, fmt)
     assert T.rel_l2_floored(b, T.ref_gemm(xr, buf, n, fmt), mag, k) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4"])
+def test_gemm_kquant_stress_bit_exact(host: htp.Backend, hexagon: htp.Backend, fmt: str) -> None:
+    """Q4_K / Q5_K / Q6_K tiles whose scales stress the fp32 epilogue's rounding (helpers'
+    kquant_stress_case: scales over four decades, extreme 6-bit scales and mins, activations
+    over six decades), 2 super-blocks, 7 tokens, 37 rows: the executor's int8 GEMM gives the
+    host's bits."""
+    _, buf, x = kquant_stress_case(7, 37, 2, 11, fmt)
+    a = htp.gemm(x, buf, 37, fmt, out=_nan((7, 37)), act="q8", backend=host)
+    b = htp.gemm(x, buf, 37, fmt, out=_nan((7, 37)), act="q8", backend=hexagon)
+    assert np.isfinite(a).all() and _same(a, b)
 
 
 @settings(max_examples=4 * _X)
