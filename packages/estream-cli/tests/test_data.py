@@ -208,3 +208,28 @@ def test_the_pack_check_runs_below_the_priority_of_the_passes(pack, monkeypatch)
     assert seen == [min(19, mine + data.CHECK_NICENESS)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
     assert c.seconds is not None and c.seconds > 0
+
+
+def test_a_tokenizer_that_fails_beside_the_load_fails_the_runner_and_closes_the_engine(
+    pack, monkeypatch
+) -> None:
+    """The tokenizer is read on a thread beside the model's load: when it fails, the runner
+    raises its error (not a result-less runner) and the engine loaded beside it is closed."""
+    from estream import engine as engine_mod
+    from estream import tokenizer as tokenizer_mod
+
+    loaded: list = []
+    real_load = engine_mod.load
+
+    def load(*a, **kw):
+        loaded.append(real_load(*a, **kw))
+        return loaded[-1]
+
+    def broken(path):
+        raise BadRequestError("model.gguf: no vocabulary")
+
+    monkeypatch.setattr(engine_mod, "load", load)
+    monkeypatch.setattr(tokenizer_mod.Tokenizer, "from_gguf", staticmethod(broken))
+    with pytest.raises(BadRequestError, match="no vocabulary"):
+        data.TaskRunner(pack, "classify", engine=ENGINE_KW)
+    assert len(loaded) == 1 and loaded[0]._closed

@@ -189,9 +189,10 @@ class TaskRunner:
     ``_timings`` column, JSON text on each block's first row (null on the others): the block's
     rows and seconds (``block_s``: the whole call; ``plan_s``, ``run_s``: planning and the
     passes; ``wait_s``: waiting for the pack's check after them), and on the actor's first
-    block its start (``init``: ``imports_s``, ``tokenizer_s``, ``load_s`` — `estream.load`:
-    the pack opened, the dense weights read, the first reads started —, and ``started``, the
-    wall clock when the constructor began) and the check's own duration (``check_s``).
+    block its start (``init``: ``imports_s``; ``load_s``, `estream.load`: the pack opened,
+    the dense weights read, the first reads started; ``tokenizer_s``, read beside the load;
+    ``started``, the wall clock when the constructor began) and the check's own duration
+    (``check_s``).
 
     A call takes a ``pyarrow.Table`` block (``batch_format="pyarrow"``) and returns one."""
 
@@ -227,21 +228,30 @@ class TaskRunner:
         # The whole-pack check reads every byte once: it runs beside the model's load and the
         # first block (no answer leaves the actor before it has passed), not before them.
         self._check = _Check(pack) if verify else None
+        t1 = time.perf_counter()
+        # The tokenizer (Python parsing model.gguf's vocabulary) is read beside the model's load
+        # (mostly reads of dense.bin that release the GIL).
+        tok = _Beside(Tokenizer.from_gguf, pack, name="estream-tokenizer")
         try:
-            t1 = time.perf_counter()
-            self.tokenizer = Tokenizer.from_gguf(pack)
-            self.template = tasks.chat_template(pack, self.tokenizer) if template else None
-            t2 = time.perf_counter()
-            self.engine = load(pack, **dict(engine or {}))
+            try:
+                self.engine = load(pack, **dict(engine or {}))
+            finally:
+                t2 = time.perf_counter()
+                tok.join()
+            try:
+                self.tokenizer = tok.result()
+                self.template = tasks.chat_template(pack, self.tokenizer) if template else None
+            except BaseException:
+                self.engine.close()
+                raise
         except BaseException as exc:
             self._load_failed(exc)
             raise
-        t3 = time.perf_counter()
         self.init = {
             "started": started,
             "imports_s": t1 - t0,
-            "tokenizer_s": t2 - t1,
-            "load_s": t3 - t2,
+            "tokenizer_s": tok.seconds,
+            "load_s": t2 - t1,
         }
         self._last: dict[str, float] = {}
 
@@ -338,6 +348,36 @@ class TaskRunner:
 
 #: Load errors a damaged pack does not cause: the runner reports them without the pack's check.
 _NOT_THE_PACK = (BadRequestError, BudgetTooSmallError, InsufficientMemoryError, TypeError)
+
+
+class _Beside:
+    """``fn(*args)`` on a thread of its own, started at once; its value or error taken with
+    `result` (after `join`), its duration in `seconds`."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, name: str) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._value = fn(*args)
+        except BaseException as exc:  # handed to the thread that takes the result
+            self._error = exc
+        finally:
+            self.seconds = time.perf_counter() - t0
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 class _Check:
