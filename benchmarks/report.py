@@ -210,10 +210,12 @@ def render_ray(f: Figures) -> Table:
             f"Ray at one actor: {100 * f['overhead_one_actor_run']:+.1f} % run time, "
             f"{100 * f['overhead_one_actor_wall']:+.1f} % wall time against the plain command."
         )
+    rows = f.get("block_rows")  # none: the command's default, the rows shared between actors
+    blocks = f"blocks of {rows} rows" if rows else "the rows shared evenly between the actors"
     t.notes.append(
         f"{n} MASSIVE-shaped rows ({f.get('mean_words', 0):.1f} words, {f.get('labels', '–')} "
-        f"labels) on `{f.get('preset', '–')}`, one thread per process or actor, blocks of "
-        f"{f.get('block_rows', '–')} rows; {f.get('cold', '')}."
+        f"labels) on `{f.get('preset', '–')}`, one thread per process or actor, {blocks}; "
+        f"{f.get('cold', '')}."
     )
     return t
 

@@ -562,3 +562,14 @@ def test_engine_results_are_told_apart_by_model(model: str, quant: str, variant:
     own experts are not Q4_0: a SmallThinker run is not taken for an OLMoE one."""
     figures = {"model": f"/cache/models/{model}", "quant": quant}
     assert report.engine_variant(figures) == variant
+
+
+def test_the_ray_note_names_the_blocks_given_or_the_commands_default() -> None:
+    """bench_ray's note gives the rows of a block when the run set ``--block-rows`` and says
+    the rows were shared between the actors when it used the command's default (no count)."""
+    figures = dict(FIGURES["bench_ray"][0])
+    given = " ".join(report.render_ray(figures).notes)
+    figures["block_rows"] = None
+    default = " ".join(report.render_ray(figures).notes)
+    assert "blocks of 32 rows" in given and "shared evenly" not in given
+    assert "the rows shared evenly between the actors" in default and "blocks of" not in default
