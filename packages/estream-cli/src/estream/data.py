@@ -191,8 +191,9 @@ class TaskRunner:
     passes; ``wait_s``: waiting for the pack's check after them), and on the actor's first
     block its start (``init``: ``imports_s``; ``load_s``, `estream.load`: the pack opened,
     the dense weights read, the first reads started; ``tokenizer_s``, read beside the load;
-    ``started``, the wall clock when the constructor began) and the check's own duration
-    (``check_s``).
+    ``started``, the wall clock when the constructor began; ``process_s``, how long the
+    actor's process had been running then — Ray's worker start —, Linux only, else null)
+    and the check's own duration (``check_s``).
 
     A call takes a ``pyarrow.Table`` block (``batch_format="pyarrow"``) and returns one."""
 
@@ -210,7 +211,7 @@ class TaskRunner:
         output: str = "columns",
         timings: bool = False,
     ) -> None:
-        started, t0 = time.time(), time.perf_counter()
+        started, t0, age = time.time(), time.perf_counter(), _process_age()
         from . import tasks
         from .engine import load
         from .tokenizer import Tokenizer
@@ -249,6 +250,7 @@ class TaskRunner:
             raise
         self.init = {
             "started": started,
+            "process_s": age,
             "imports_s": t1 - t0,
             "tokenizer_s": tok.seconds,
             "load_s": t2 - t1,
@@ -348,6 +350,17 @@ class TaskRunner:
 
 #: Load errors a damaged pack does not cause: the runner reports them without the pack's check.
 _NOT_THE_PACK = (BadRequestError, BudgetTooSmallError, InsufficientMemoryError, TypeError)
+
+
+def _process_age() -> float | None:
+    """Seconds since this process started (Linux, to the clock tick; None elsewhere)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # from the state, field 3, on
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+        return since_boot - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # starttime, field 22
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 class _Beside:

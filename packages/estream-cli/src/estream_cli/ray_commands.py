@@ -377,8 +377,11 @@ class Phases:
             init = b["init"]
             up = init["started"] - (self.job_started or init["started"])
             check = b.get("check_s")
+            proc = init.get("process_s")
             parts.append(
-                f"actor {b['actor']}: up after {up:.2f} s, imports {init['imports_s']:.2f} s, "
+                f"actor {b['actor']}: up after {up:.2f} s"
+                + (f" (its process {proc:.2f} s old)" if proc is not None else "")
+                + f", imports {init['imports_s']:.2f} s, "
                 f"tokenizer {init['tokenizer_s']:.2f} s, model load {init['load_s']:.2f} s, "
                 + (f"pack check {check:.2f} s, " if check is not None else "")
                 + f"first block {b['block_s']:.2f} s ({b['rows']} rows; "
