@@ -619,30 +619,60 @@ HTP_T_AVX2 static inline __attribute__((always_inline)) __m256 htp_u8x8_ps(const
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
+/* Q5_K, AVX2: for 32 bytes of a group (8 rows, a 32-bit lane each) and the rows' fifth-bit
+ * words at hb (row i's at hb + 4i), byte `byte` of each word holds from bit 4*`odd` the bits of
+ * the lane's four columns: vpshufb copies it to the lane's 4 bytes, the byte's own bit is
+ * tested (and + cmpeq) and 16 added to the nibbles whose bit is set. */
+HTP_T_AVX2 static inline __attribute__((always_inline)) __m256i q5k_fifth_avx2(__m256i nib,
+                                                                             const uint8_t *hb,
+                                                                             int byte, int odd) {
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)hb);
+    const __m256i idx = _mm256_add_epi8(
+        _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4,
+                         8, 8, 8, 8, 12, 12, 12, 12),
+        _mm256_set1_epi8((char)byte));
+    const __m256i bit = _mm256_set1_epi32(odd ? (int)0x80402010 : 0x08040201);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(bits, idx), bit), bit);
+    return _mm256_add_epi8(nib, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+
 /* ---- Q4_K x Q8 tile kernel, AVX2: the Q4_0 AVX2 scheme (16 rows a pass, 16-bit block sums of
  * nibbles x activations, |sum| <= 30480) on q4_k tiles (groups at byte 192, values 0..15), then
  * per block the exact int32 dot (vpmaddwd by ones) and the shared fp32 epilogue
  * (htp_q45k_epilogue): d·sc and dmin·m taken into fp32 once per tile (exact), then
- * acc = fma(dot, (d·sc)·da, acc), acc = fma(−dmin·m, sa·da, acc). */
+ * acc = fma(dot, (d·sc)·da, acc), acc = fma(−dmin·m, sa·da, acc). With Q5 = 1 it runs q5_k
+ * tiles: each row's fifth bits (the word at 704 + 4r) add 16 to the nibbles whose bit is set
+ * (q5k_fifth_avx2), and since q reaches 31 the 16-bit sums are widened every two groups
+ * (8 products x 31 x 127 = 31496 fit in int16). */
 HTP_T_AVX2 static inline __attribute__((always_inline)) void q4kq8_rows16_avx2(
     const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s, uint32_t k,
-    float *out, uint32_t ldo, uint32_t rows, uint32_t pass, const int NT) {
+    float *out, uint32_t ldo, uint32_t rows, uint32_t pass, const int NT, const int Q5) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1);
     float acc[4][16];
     for (int u = 0; u < NT; u++)
         for (int r = 0; r < 16; r++) acc[u][r] = 0.0f;
     for (uint32_t j = 0; j < kb; j++) {
-        const uint8_t *tile = strip + (size_t)j * HTP_Q4K_TILE_BYTES;
-        __m256i p16[4][2];
-        for (int u = 0; u < NT; u++) p16[u][0] = p16[u][1] = _mm256_setzero_si256();
+        const uint8_t *tile = strip + (size_t)j * (Q5 ? HTP_Q5K_TILE_BYTES : HTP_Q4K_TILE_BYTES);
+        __m256i p16[4][2], i32[4][2];
+        for (int u = 0; u < NT; u++) {
+            p16[u][0] = p16[u][1] = _mm256_setzero_si256();
+            i32[u][0] = i32[u][1] = _mm256_setzero_si256();
+        }
         for (int g = 0; g < 4; g++) {
             const uint8_t *gp = tile + 192 + 128 * g + 64 * pass;
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)gp);
             const __m256i v1 = _mm256_loadu_si256((const __m256i *)(gp + 32));
-            const __m256i l0 = _mm256_and_si256(v0, m4), l1 = _mm256_and_si256(v1, m4);
-            const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
-            const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+            __m256i l0 = _mm256_and_si256(v0, m4), l1 = _mm256_and_si256(v1, m4);
+            __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+            __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+            if (Q5) {
+                const uint8_t *hb = tile + 704 + 64 * pass;
+                l0 = q5k_fifth_avx2(l0, hb, g / 2, g % 2);
+                l1 = q5k_fifth_avx2(l1, hb + 32, g / 2, g % 2);
+                h0 = q5k_fifth_avx2(h0, hb, 2 + g / 2, g % 2);
+                h1 = q5k_fifth_avx2(h1, hb + 32, 2 + g / 2, g % 2);
+            }
             for (int u = 0; u < NT; u++) {
                 const int8_t *qa = q + (size_t)u * k + 32 * j + 4 * g;
                 int32_t alo, ahi;
@@ -655,6 +685,12 @@ HTP_T_AVX2 static inline __attribute__((always_inline)) void q4kq8_rows16_avx2(
                 p16[u][1] = _mm256_add_epi16(p16[u][1], _mm256_maddubs_epi16(h1, bh));
                 __asm__("" : "+x"(p16[u][0]), "+x"(p16[u][1]));
             }
+            if (Q5 && g % 2 == 1) /* widen before the int16 sums could overflow */
+                for (int u = 0; u < NT; u++)
+                    for (int h = 0; h < 2; h++) {
+                        i32[u][h] = _mm256_add_epi32(i32[u][h], _mm256_madd_epi16(p16[u][h], ones));
+                        p16[u][h] = _mm256_setzero_si256();
+                    }
         }
         const uint8_t *hd = tile + 32 * pass;
         const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hd));
@@ -669,8 +705,10 @@ HTP_T_AVX2 static inline __attribute__((always_inline)) void q4kq8_rows16_avx2(
             const float dau = d[(size_t)u * kb + j];
             const __m256 da = _mm256_set1_ps(dau);
             const __m256 sada = _mm256_set1_ps((float)s[(size_t)u * kb + j] * dau);
-            const __m256 f0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16[u][0], ones));
-            const __m256 f1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16[u][1], ones));
+            const __m256 f0 = _mm256_cvtepi32_ps(
+                Q5 ? i32[u][0] : _mm256_madd_epi16(p16[u][0], ones));
+            const __m256 f1 = _mm256_cvtepi32_ps(
+                Q5 ? i32[u][1] : _mm256_madd_epi16(p16[u][1], ones));
             __m256 a0 = _mm256_fmadd_ps(f0, _mm256_mul_ps(ds0, da), _mm256_loadu_ps(acc[u]));
             __m256 a1 = _mm256_fmadd_ps(f1, _mm256_mul_ps(ds1, da), _mm256_loadu_ps(acc[u] + 8));
             _mm256_storeu_ps(acc[u], _mm256_fnmadd_ps(dmm0, sada, a0));
@@ -682,8 +720,9 @@ HTP_T_AVX2 static inline __attribute__((always_inline)) void q4kq8_rows16_avx2(
         for (uint32_t r = 0; r < live; r++) out[(size_t)u * ldo + r0 + r] = acc[u][r];
 }
 
-HTP_T_AVX2 static void q4kq8_strip_fast_avx2(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
-                                             uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+HTP_T_AVX2 static inline __attribute__((always_inline)) void k45q8_strip_avx2(
+    const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out, uint32_t ldo,
+    uint32_t rows, const int Q5) {
     const uint32_t k = kb * 32;
     for (uint32_t t0 = 0; t0 < nt; t0 += 4) {
         const uint32_t n = nt - t0 < 4 ? nt - t0 : 4;
@@ -693,13 +732,22 @@ HTP_T_AVX2 static void q4kq8_strip_fast_avx2(const uint8_t *strip, uint32_t kb, 
         float *o = out + (size_t)t0 * ldo;
         for (uint32_t pass = 0; 16 * pass < rows; pass++) {
             switch (n) {
-            case 4: q4kq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 4); break;
-            case 3: q4kq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 3); break;
-            case 2: q4kq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 2); break;
-            default: q4kq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 1); break;
+            case 4: q4kq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 4, Q5); break;
+            case 3: q4kq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 3, Q5); break;
+            case 2: q4kq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 2, Q5); break;
+            default: q4kq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 1, Q5); break;
             }
         }
     }
+}
+
+HTP_T_AVX2 static void q4kq8_strip_fast_avx2(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                             uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    k45q8_strip_avx2(strip, kb, a, nt, out, ldo, rows, 0);
+}
+HTP_T_AVX2 static void q5kq8_strip_fast_avx2(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                             uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    k45q8_strip_avx2(strip, kb, a, nt, out, ldo, rows, 1);
 }
 
 /* ---- Q8_0 x Q8 tile kernel, AVX2: 16 rows a pass (two ymm of 32-bit lanes per group), up to 4
@@ -1045,7 +1093,7 @@ const htp_isa htp_isa_avx2 = {
     .q4kq8_strip = q4kq8_strip_fast_avx2,
     .q6kq8_strip = q6kq8_strip_fast_avx2,
     .kq8_nt = 64,
-    .q5kq8_strip = q5kq8_strip_avx2,
+    .q5kq8_strip = q5kq8_strip_fast_avx2,
     .nlq8_strip = nlq8_strip_avx2,
     .xsq8_strip = xsq8_strip_avx2,
     .affq8_strip = affq8_strip_avx2,
