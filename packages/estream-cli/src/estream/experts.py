@@ -296,9 +296,12 @@ class StreamedExperts:
         verify: bool = False,
         direct: bool | None = None,
         on_group: Callable[[GroupRecord], None] | None = None,
+        coalesce: bool = True,
     ) -> None:
         self.model = model
         self.graph = expert_op(graph, model)
+        #: Ready groups whose banks follow in the arena join one op (see `_run_groups`).
+        self.coalesce = bool(coalesce)
         self.records: list[GroupRecord] = []
         n_e = max(lay.n_experts for lay in model.layers.values())
         self._slot_of_expert = np.full(n_e, -1, dtype=np.int32)
@@ -479,8 +482,16 @@ class StreamedExperts:
         starts: np.ndarray,
         routed: np.ndarray,
     ) -> None:
-        """Submit each routed group's op; its bank is released at the op's completion fence
-        (at once on a backend that runs the op in this process, as it is submitted)."""
+        """Submit the routed groups' ops, in group order; each op's banks are released at its
+        completion fence (at once on a backend that runs the op in this process, as it is
+        submitted).
+
+        Groups already Ready when an op is submitted join it (with ``coalesce``) while their
+        banks follow the previous one's in the arena, so that the op meets its slots in group
+        order: the contributions reach ``y`` in the order separate ops would add them (slot
+        ascending, then route order), and the result is bit for bit the same, while the op's
+        fixed costs (its dispatch, its threads' start and barriers) are paid once. One bank is
+        always left to the loader."""
         rb = self._routes
         xs = x if isinstance(x, htp.Q8Rows) else rb.activation("x", x)
         ts, es, ws = rb.put("t", tokens), rb.put("e", experts), rb.put("w", w)
@@ -489,49 +500,75 @@ class StreamedExperts:
         ys = y if direct else rb.put("y", np.zeros_like(y))
         n_e = self._slot_of_expert.size
         table = rb.put("slots", np.full((max(len(routed), 1), n_e), -1, np.int32))
-        inflight: deque[tuple[Any, Any, int, float, float]] = deque()
+        # per op: its fence, (bank, group, t_wait) of each group it runs, its start
+        inflight: deque[tuple[Any, list[tuple[Any, int, float]], float]] = deque()
+        held = 0  # banks held by the ops in flight
         error: BaseException | None = None
+        order = [int(k) for k in routed]
 
         def retire() -> None:
-            nonlocal error
-            fence, bank, k, t_wait, t0 = inflight.popleft()
+            nonlocal error, held
+            fence, members, t0 = inflight.popleft()
             try:
                 fence.wait()
             except BaseException as e:  # the op failed or the executor died: nothing reads now
                 error = error or e
             finally:
-                self.loader.release(bank)
-            self._record(
-                GroupRecord(layer.index, k, int(counts[k]), t_wait, t0, time.perf_counter())
-            )
+                for bank, _, _ in members:
+                    self.loader.release(bank)
+                held -= len(members)
+            t1 = time.perf_counter()
+            for _, k, t_wait in members:
+                self._record(GroupRecord(layer.index, k, int(counts[k]), t_wait, t0, t1))
+
+        def ready_after(k: int, prev: int) -> bool:
+            """Group ``k`` is Ready in a bank after bank ``prev`` (joins the op at no wait)."""
+            slot = self.loader.residency().get(k * self.G)
+            return slot is not None and slot // self.G > prev
 
         try:
-            for i, k in enumerate(int(k) for k in routed):
+            i = 0
+            while i < len(order):
+                k = order[i]
                 while inflight and inflight[0][0].poll():
                     retire()
-                while inflight and len(inflight) >= self.B - 1:  # keep a bank for the loader
+                while inflight and held >= self.B - 1:  # keep a bank for the loader
                     retire()
                 if error is not None:
                     break
                 if self.schedule == "ondemand":
                     self.loader.submit([self._request(layer, k)])
                 t_wait = time.perf_counter()
-                bank = self.loader.acquire(k, timeout=ACQUIRE_TIMEOUT_S)
+                members = [(self.loader.acquire(k, timeout=ACQUIRE_TIMEOUT_S), k, t_wait)]
                 try:
+                    while (
+                        self.coalesce
+                        and i + len(members) < len(order)
+                        and held + len(members) < self.B - 1
+                        and ready_after(order[i + len(members)], members[-1][0].index)
+                    ):
+                        kn = order[i + len(members)]
+                        t_next = time.perf_counter()
+                        members.append((self.loader.acquire(kn, timeout=0), kn, t_next))
                     t0 = time.perf_counter()
-                    first = k * self.G
-                    members = layer.order[first : first + bank.n_records]
                     row = table[i]
-                    row[members] = np.asarray(bank.slots, dtype=np.int32)
-                    sl = slice(int(starts[k]), int(starts[k + 1]))
+                    for bank, kb, _ in members:
+                        first = kb * self.G
+                        row[layer.order[first : first + bank.n_records]] = np.asarray(
+                            bank.slots, dtype=np.int32
+                        )
+                    sl = slice(int(starts[k]), int(starts[members[-1][1] + 1]))
                     fence = self.graph.submit(
                         xs, ts[sl], es[sl], ws[sl], row, self._planes, self._strides, ys,
                         **_formats(self.graph, layer),
                     )  # fmt: skip
                 except BaseException:
-                    self.loader.release(bank)
+                    for bank, _, _ in members:
+                        self.loader.release(bank)
                     raise
-                inflight.append((fence, bank, k, t_wait, t0))
+                inflight.append((fence, members, t0))
+                held += len(members)
+                i += len(members)
         finally:
             while inflight:
                 retire()
