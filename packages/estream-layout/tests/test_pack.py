@@ -649,3 +649,25 @@ def test_f32_dense_matrices_stay_f32(tmp_path: Path) -> None:
     assert n_checked >= 6
     assert m.source["requantized"] is False
     assert verify_pack(m.root, against=src).ok
+
+
+@pytest.mark.parametrize(
+    ("ggml_type", "shape", "want"),
+    [
+        ("F16", (64, 96), "f16-t32r4"),
+        ("BF16", (2, 64, 32), "bf16-t32r4"),  # a per-head stack: one tiled matrix per head
+        ("F32", (64, 96), "f32"),
+        ("F16", (64, 3), "f32"),  # rows not a multiple of 32: not tiled
+        ("BF16", (64, 3), "f32"),
+        ("Q4_K", (64, 256), "q4_k-t32r4"),
+        ("Q2_K", (64, 256), "q8_0-t32r4"),  # no kernel: re-quantized
+        ("Q3_K", (64, 256), "q8_0-t32r4"),
+        ("F16", (96,), "f32"),  # 1-D
+    ],
+)
+def test_dense_format_of_each_source_type(ggml_type: str, shape: tuple, want: str) -> None:
+    """The dense.bin format each source type and shape gets: F16 / BF16 matrices their own
+    tiles, F32 `f32`, float matrices with rows not a multiple of 32 `f32`, quantized types
+    with a kernel their tiles, the others `q8_0-t32r4`, 1-D tensors `f32`."""
+    info = pack_mod.TensorInfo(f"blk.0.attn_q.{ggml_type}", ggml_type, shape, 0, 0)
+    assert pack_mod.dense_format(info) == want
