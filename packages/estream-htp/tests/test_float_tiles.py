@@ -115,7 +115,8 @@ def test_every_table_agrees_and_shared_gemms_equal_single_ones(fmt: str) -> None
 @pytest.mark.parametrize("fmt", FLOAT_FMTS)
 def test_int8_activation_rows_are_refused(fmt: str) -> None:
     """Q8Rows (int8 activations) given for an f16/bf16 matrix are refused with one clear error
-    naming the format, before anything runs; the output is left untouched."""
+    naming the format, before anything runs, and a raw descriptor doing so by the C validator;
+    the output is left untouched."""
     rng = np.random.default_rng(1)
     buf = T.random_f16_t32r4(rng, 40, 64, fmt)
     x = rng.standard_normal((3, 64)).astype(np.float32)
@@ -124,6 +125,15 @@ def test_int8_activation_rows_are_refused(fmt: str) -> None:
         out = np.full((3, 40), np.nan, np.float32)
         with pytest.raises(htp.HTPInputError, match=f"{fmt} matrices are multiplied in fp32"):
             htp.gemm(rows, buf, 40, fmt, out=out)
+        # a descriptor giving Q8 rows for these tiles is refused by the C validator too
+        be = htp.default_backend()
+        c = be.call(htp._core.lib.HTP_OP_GEMM, "q8")
+        p = c.p.gemm
+        p.format, p.n, p.k, p.t, p.ldx, p.ldy = htp._core._FMT[fmt], 40, 64, 3, 64, 40
+        p.x_q8 = 1
+        c.ref(buf).ref(rows.data).ref(out, "w")
+        with pytest.raises(htp.HTPInputError, match="kernel rejected"):
+            be.run(c)
     assert np.isnan(out).all()
 
 
