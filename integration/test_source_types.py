@@ -1,7 +1,9 @@
 """A GGUF computed as it is: expert tensors stored as Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL,
 Q4_1, Q5_0, Q5_1 or IQ4_XS (every projection, or mixed per projection as quantizer mixes such as
 Q4_K_M write them) are packed without re-quantization, the manifest records each projection's
-format, and the engine runs those tiles in every mode and on every backend.
+format, and the engine runs those tiles in every mode and on every backend. Dense matrices
+stored as F32, F16 or BF16 are kept as they are too (`f32`, `f16-t32r4`, `bf16-t32r4`) and
+multiplied in fp32.
 
 ``act="f32"`` is the exact path: the logits match the float64 reference of the source file
 (which dequantizes the file's own blocks) to fp32 accumulation; the int8 path and the other
@@ -336,6 +338,85 @@ def test_f32_dense_matrices_on_every_backend_match_host(f32_dense, backend, act)
     the host's by ~1e-7, and under int8 activations such a difference can flip one activation's
     rounding downstream (deepseek2: 1e-4)."""
     _, dst = f32_dense
+    toks = np.random.default_rng(4).integers(0, 200, size=23)
+    kw = {"mode": "stream", "G": 2, "Q": 2, "B": 3, "act": act}
+    with estream.load(dst, backend="host", **kw) as eng:
+        host = eng.prefill(toks, all_logits=True).logits
+    with estream.load(dst, backend=backend, **kw) as eng:
+        got = eng.prefill(toks, all_logits=True).logits
+    assert np.isfinite(got).all()
+    assert rel_l2(got, host) <= 1e-5
+
+
+F16_DENSE_CASES = [
+    (arch, dtype)
+    for dtype in ("F16", "BF16")
+    for arch in ("qwen3moe", "deepseek2", "lfm2moe", "gpt-oss")
+]
+
+
+@pytest.fixture(scope="module", params=F16_DENSE_CASES, ids=lambda p: f"{p[0]}-{p[1]}")
+def f16_dense(request, tmp_path_factory):
+    """A file whose dense matrices (attention, MLA projections, shared experts, dense FFN layers,
+    convolutions, token embedding) and output head are all F16 (or all BF16), packed."""
+    arch, dtype = request.param
+    d = tmp_path_factory.mktemp(f"{dtype.lower()}-dense-{arch}")
+    src = synth_model(arch, "tiny", d / "m.gguf", seed=19, dense_type=dtype, output_type=dtype)
+    dst = d / "m.estream"
+    pack_model(src, dst, progress=False)
+    return src, dst, dtype
+
+
+def test_f16_bf16_dense_matrices_are_packed_as_stored_and_computed_in_fp32(f16_dense):
+    """F16 / BF16 dense matrices are packed as `f16-t32r4` / `bf16-t32r4` tiles (the manifest
+    holds the source type; no re-quantization to Q8_0; matrices whose rows are not a multiple
+    of 32, like LFM2's convolutions, stay f32), and with fp32 activations the logits equal the
+    file's float64 reference to fp32 accumulation (1e-5), in resident and stream mode; under
+    int8 activations they stay fp32 products and the logits stay finite."""
+    from reference import reference_forward
+
+    src, dst, dtype = f16_dense
+    fmt = dtype.lower() + "-t32r4"
+    doc = json.loads((dst / "manifest.json").read_text())
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(src).tensors}
+    n_tiled = 0
+    for name, t in doc["dense"]["tensors"].items():
+        if kinds[name] == dtype and len(t["shape"]) >= 2:
+            want = fmt if t["shape"][-1] % 32 == 0 else "f32"
+            assert t["format"] == want, name
+            n_tiled += want == fmt
+    assert n_tiled >= 4
+    assert doc["dense"]["tensors"]["token_embd.weight"]["format"] == fmt
+    assert "q8_0-t32r4" not in {t["format"] for t in doc["dense"]["tensors"].values()}
+    assert doc["source"]["requantized"] is False
+    toks = np.random.default_rng(3).integers(0, 200, size=29)
+    ref = reference_forward(src, toks)
+    for kw in ({"mode": "resident"}, {"mode": "stream", "G": 2, "Q": 2, "B": 3}):
+        with estream.load(dst, act="f32", **kw) as eng:
+            got = eng.prefill(toks, all_logits=True).logits
+        assert rel_l2(got, ref) <= 1e-5, kw
+        assert np.array_equal(np.argmax(got, axis=1), np.argmax(ref, axis=1)), kw
+    with estream.load(dst, act="q8", mode="resident") as eng:
+        assert np.isfinite(eng.prefill(toks, all_logits=True).logits).all()
+
+
+@pytest.mark.parametrize(
+    ("backend", "act"),
+    [
+        ("host-process", "q8"),
+        ("host-process", "f32"),
+        pytest.param(
+            "hexagon",
+            "f32",
+            marks=pytest.mark.skipif(not _HEXAGON, reason="hexagon toolchain not installed"),
+        ),
+    ],
+)
+def test_f16_bf16_dense_matrices_on_every_backend_match_host(f16_dense, backend, act):
+    """The F16 / BF16 tiles (fp32 products under either activation setting) computed by the
+    host-process and hexagon executors give the host's logits within 1e-5 (their kernel tables
+    may accumulate in another order); the exact path only on hexagon, as for f32 matrices."""
+    _, dst, _ = f16_dense
     toks = np.random.default_rng(4).integers(0, 200, size=23)
     kw = {"mode": "stream", "G": 2, "Q": 2, "B": 3, "act": act}
     with estream.load(dst, backend="host", **kw) as eng:

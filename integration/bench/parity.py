@@ -290,8 +290,8 @@ def packed_copy(src: Path, dst: Path) -> Path:
     """`src` with every tensor the packer re-quantizes replaced by that re-quantization, with
     the packer's own rules (`EXPERT_TILE_FORMATS`, `dense_format`) and gguf-py's ggml reference
     quantizers: experts of a type without a tile format -> Q4_0 (``requantize="q4_0"``); other
-    matrices the packer stores as Q8_0 tiles although they are not Q8_0 (F16, BF16, F32, types
-    without a tile format) -> Q8_0. Every other tensor is kept as it is. Its reference is what
+    matrices the packer stores as Q8_0 tiles although they are not Q8_0 (quantized types without
+    a tile format, e.g. Q2_K, Q3_K; F32, F16 and BF16 matrices are kept) -> Q8_0. Every other tensor is kept as it is. Its reference is what
     the engine computes on exactly, so engine (f32 activations) against it separates the
     engine's own error from the re-quantization's."""
     from gguf import GGMLQuantizationType as Q

@@ -227,3 +227,20 @@ def test_prefill_op_stats_prints_the_table(tiny_models, capsys, tmp_path) -> Non
     assert meta["op_table"]["total_s"] == meta["ttft_s"]
     assert main(["prefill", m, "--tokens", "1,2,3", "--json"]) == 0
     assert "op_table" not in json.loads(capsys.readouterr().out)["metrics"]
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_f16_bf16_dense_matrices_are_counted_as_fp32_products(tmp_path, dtype) -> None:
+    """OLMoE "tiny" with F16 / BF16 dense matrices (packed as f16-t32r4 / bf16-t32r4) under
+    int8 activations: their GEMMs (q/k/v, output projection, output head) are fp32 products,
+    the Q4_0 experts stay int8; the logits are finite."""
+    src = synth_model("olmoe", "tiny", tmp_path / "m.gguf", dense_type=dtype, output_type=dtype)
+    dst = tmp_path / "m.estream"
+    pack_model(src, dst, progress=False)
+    with load(dst, mode="resident", act="q8", op_stats=True) as eng:
+        res = eng.prefill(np.arange(40) % eng.hp.n_vocab, all_logits=True)
+    assert np.isfinite(res.logits).all()
+    rows = {r["op"]: r for r in res.metrics["op_table"]["rows"]}
+    precision = {op: rows[op]["precision"] for op in ("attn_qkv", "attn_out", "output_head")}
+    assert precision == {"attn_qkv": "fp32", "attn_out": "fp32", "output_head": "fp32"}
+    assert rows["experts"]["precision"] == "int8"

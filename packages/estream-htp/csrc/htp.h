@@ -61,7 +61,9 @@ typedef enum htp_format {
     HTP_FMT_Q4_1_T32R4 = 10,  /* 640-byte 32x32 tiles of GGML Q4_1 blocks */
     HTP_FMT_Q5_0_T32R4 = 11,  /* 704-byte 32x32 tiles of GGML Q5_0 blocks */
     HTP_FMT_Q5_1_T32R4 = 12,  /* 768-byte 32x32 tiles of GGML Q5_1 blocks */
-    HTP_FMT_IQ4_XS_T32R4 = 13 /* 608-byte 32x32 tiles of GGML IQ4_XS sub-blocks */
+    HTP_FMT_IQ4_XS_T32R4 = 13, /* 608-byte 32x32 tiles of GGML IQ4_XS sub-blocks */
+    HTP_FMT_F16_T32R4 = 14,    /* 2048-byte 32x32 tiles of IEEE half values (dense GEMM, rows) */
+    HTP_FMT_BF16_T32R4 = 15    /* 2048-byte 32x32 tiles of bfloat16 values (dense GEMM, rows) */
 } htp_format;
 
 typedef enum htp_simd {

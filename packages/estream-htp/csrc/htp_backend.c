@@ -445,6 +445,8 @@ static htp_status exec_get_rows(htp_backend *b, const htp_op_desc *op) {
     case HTP_FMT_Q5_0_T32R4:
     case HTP_FMT_Q5_1_T32R4:
     case HTP_FMT_IQ4_XS_T32R4:
+    case HTP_FMT_F16_T32R4:
+    case HTP_FMT_BF16_T32R4:
         if (p->n_cols % 32) return HTP_E_INVALID;
         need = htp_matrix_bytes(p->format, p->n_rows, p->n_cols);
         break;
@@ -494,12 +496,13 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
     case HTP_OP_NOP: return HTP_OK;
     case HTP_OP_GEMM: {
         const htp_gemm_params *p = &op->p.gemm;
-        if (!htp_is_weight_format(p->format)) return HTP_E_INVALID;
+        if (!htp_is_dense_format(p->format)) return HTP_E_INVALID;
         if (p->k == 0 || p->k % 32 || p->n == 0 || p->ldx < p->k || p->ldy < p->n) return HTP_E_INVALID;
         if ((p->n_more < 1 && p->n_b) || (p->n_more < 2 && p->n_c)) return HTP_E_BAD_OP;
         if ((p->n_more >= 1 && !p->n_b) || (p->n_more >= 2 && !p->n_c)) return HTP_E_INVALID;
         if (p->x_q8 > 1) return HTP_E_BAD_OP;
         if (p->x_q8 && (op->act != HTP_ACT_Q8 || p->ldx != p->k)) return HTP_E_INVALID;
+        if (p->x_q8 && HTP_IS_FLOAT_TILE(p->format)) return HTP_E_INVALID; /* fp32 products only */
         const float *x = NULL;
         const uint8_t *xr = NULL;
         htp_gemm_mat m[3];

@@ -161,6 +161,8 @@ size_t htp_tile_bytes(uint32_t fmt) {
     case HTP_FMT_Q5_0_T32R4: return HTP_Q50_TILE_BYTES;
     case HTP_FMT_Q5_1_T32R4: return HTP_Q51_TILE_BYTES;
     case HTP_FMT_IQ4_XS_T32R4: return HTP_IQ4XS_TILE_BYTES;
+    case HTP_FMT_F16_T32R4:
+    case HTP_FMT_BF16_T32R4: return HTP_F16T_TILE_BYTES;
     default: return 0;
     }
 }
@@ -170,6 +172,7 @@ int htp_is_weight_format(uint32_t fmt) {
            fmt == HTP_FMT_IQ4_NL_T32R4 || fmt == HTP_FMT_Q4_1_T32R4 || fmt == HTP_FMT_Q5_0_T32R4 ||
            fmt == HTP_FMT_Q5_1_T32R4 || fmt == HTP_FMT_IQ4_XS_T32R4;
 }
+int htp_is_dense_format(uint32_t fmt) { return htp_is_weight_format(fmt) || HTP_IS_FLOAT_TILE(fmt); }
 uint64_t htp_matrix_bytes(uint32_t fmt, uint32_t n, uint32_t k) {
     return (uint64_t)((n + 31) / 32) * (k / 32) * htp_tile_bytes(fmt);
 }
@@ -308,7 +311,11 @@ htp_status htp_exec_gemm(htp_exec *e, const htp_gemm_mat *mats, uint32_t n_mats,
                          uint32_t k, const float *x, uint32_t t, uint32_t ldx, uint32_t act,
                          const htp_act_q8 *xq) {
     if (t == 0) return HTP_OK;
-    gemm_ctx c = {e->isa, e->pool, mats, n_mats, fmt, k, t, ldx, 0, x, NULL, NULL, NULL, act == HTP_ACT_Q8, 0, 0};
+    /* F16 / BF16 tiles are multiplied in fp32 under either activation format (the caller
+     * refuses int8 rows given for them) */
+    const int use_q8 = act == HTP_ACT_Q8 && !HTP_IS_FLOAT_TILE(fmt);
+    if (xq && !use_q8) return HTP_E_INVALID;
+    gemm_ctx c = {e->isa, e->pool, mats, n_mats, fmt, k, t, ldx, 0, x, NULL, NULL, NULL, use_q8, 0, 0};
     for (uint32_t i = 0; i < n_mats; i++) c.tiles += (mats[i].n + 31) / 32;
     void *buf = NULL;
     if (c.use_q8 && xq) { /* quantized by the caller, once for every op on this input */
@@ -356,7 +363,9 @@ void htp_exec_get_rows(const htp_get_rows_params *pr, const uint8_t *p, const in
                 memcpy(&h, tile + 2 * r, 2);
                 const float d = htp_f16_to_f32(h);
                 float *ob = o + 32 * j;
-                if (format == HTP_FMT_Q4_K_T32R4 || format == HTP_FMT_Q5_K_T32R4 ||
+                if (HTP_IS_FLOAT_TILE(format)) {
+                    for (int c = 0; c < 32; c++) ob[c] = htp_f16t_value(tile, format, r, c);
+                } else if (format == HTP_FMT_Q4_K_T32R4 || format == HTP_FMT_Q5_K_T32R4 ||
                     format == HTP_FMT_Q6_K_T32R4 || format == HTP_FMT_MXFP4_T32R4 ||
                     format == HTP_FMT_IQ4_XS_T32R4) {
                     float panel[1024]; /* the tile's values, then row r of them */

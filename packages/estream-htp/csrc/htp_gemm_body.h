@@ -426,8 +426,25 @@ HTP_INLINE void htp_iq4xs_strip_body(const uint8_t *strip, uint32_t kb, const ht
     }
 }
 
+/* Row r, column c of an f16-t32r4 / bf16-t32r4 tile as fp32 (exact): the 16-bit value at
+ * 128 * (c / 2) + 4r + 2 * (c % 2); F16 converted, BF16 the high half of a float32. */
+HTP_INLINE float htp_f16t_value(const uint8_t *p, uint32_t fmt, int r, int c) {
+    uint16_t h;
+    memcpy(&h, p + 128 * (c >> 1) + 4 * r + 2 * (c & 1), 2);
+    if (fmt == HTP_FMT_F16_T32R4) return htp_f16_to_f32(h);
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 /* panel[c*32 + r] = W[row r][col c] for one tile (32 rows, 32 columns). */
 HTP_INLINE void htp_dequant_tile_body(const uint8_t *p, uint32_t fmt, float *panel) {
+    if (HTP_IS_FLOAT_TILE(fmt)) {
+        for (int c = 0; c < 32; c++)
+            for (int r = 0; r < 32; r++) panel[c * 32 + r] = htp_f16t_value(p, fmt, r, c);
+        return;
+    }
     if (fmt == HTP_FMT_Q4_1_T32R4 || fmt == HTP_FMT_Q5_0_T32R4 || fmt == HTP_FMT_Q5_1_T32R4) {
         htp_dequant_aff_tile(p, fmt, panel);
         return;

@@ -45,6 +45,9 @@
 #define HTP_Q50_TILE_BYTES 704 /* fp16 d per row, each row's fifth bits, then nibbles */
 #define HTP_Q51_TILE_BYTES 768 /* (d, m) per row, each row's fifth bits, then nibbles */ /* E8M0 exponent byte per row, then Q4_0-order FP4 codes */
 #define HTP_IQ4XS_TILE_BYTES 608 /* fp16 d, int8 sub-block scale per row, then IQ4_NL codes */
+#define HTP_F16T_TILE_BYTES 2048 /* F16 / BF16 values: 16 groups of 128 B, two columns a row each */
+/* F16 / BF16 tiles: dense matrices only, multiplied in fp32 (no int8 kernel, no experts) */
+#define HTP_IS_FLOAT_TILE(fmt) ((fmt) == HTP_FMT_F16_T32R4 || (fmt) == HTP_FMT_BF16_T32R4)
 #define HTP_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define HTP_MAX(a, b) ((a) > (b) ? (a) : (b))
 
@@ -313,6 +316,7 @@ void htp_mxq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8
 /* whether fmt is a weight tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0,
  * Q5_1, IQ4_XS) */
 int htp_is_weight_format(uint32_t fmt);
+int htp_is_dense_format(uint32_t fmt); /* a weight format, or an F16 / BF16 tile format */
 void htp_f32_strip_portable(const float *panel, uint32_t k, const float *x, uint32_t ldx,
                             uint32_t nt, float *out, uint32_t ldo, uint32_t rows);
 void htp_quantize_q8_portable(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s);

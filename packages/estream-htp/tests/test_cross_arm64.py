@@ -58,7 +58,8 @@ def selftest(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     """On a CPU with the dot-product extension every check of the self-test passes (GEMM of
     every tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0, Q5_1, IQ4_XS) and
-    activation format within the fp32 rounding bound of float64, exact-integer GEMMs
+    activation format within the fp32 rounding bound of float64; F16 / BF16 dense tiles in fp32
+    under either act, NEON giving the portable bits, the values read exactly; exact-integer GEMMs
     bit-identical to the int64 dot product and to the portable table, GEMM from Q8 rows and
     with a shared input, the expert op (SwiGLU, ReGLU and SwiGLU-OAI, with and without
     biases), quantization, attention (MLA's head dims with a sliding window and sinks among
@@ -85,6 +86,8 @@ def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
             assert any(s.startswith(f"expert {fmt} act={act} neon ") for s in lines)
         assert any(s.startswith(f"gemm {fmt} exact integer sums") for s in lines)
         assert any(s.startswith(f"gemm {fmt} from Q8 rows and shared input") for s in lines)
+    for fmt in ("f16", "bf16"):  # dense tiles: every shape, fp32 under either act, exact values
+        assert sum(bool(re.match(rf"gemm {fmt} n=\d+ k=\d+ t=\d+: ok$", s)) for s in lines) == 8
     assert any(s.startswith("quantize") for s in lines)
     for op in ("attention", "swiglu", "matmul_f32"):
         assert any(s.startswith(op) and "vs float64" in s for s in lines), op

@@ -92,6 +92,36 @@ def test_gemm_bit_exact(
 @given(
     n=st.integers(1, 40),
     t=st.integers(1, 6),
+    kb=st.integers(1, 3),
+    fmt=st.sampled_from(["f16-t32r4", "bf16-t32r4"]),
+    act=st.sampled_from(["q8", "f32"]),
+    seed=st.integers(0, 2**16),
+)
+def test_gemm_and_rows_of_float_tiles_bit_exact(
+    host: htp.Backend, hexagon: htp.Backend, n: int, t: int, kb: int, fmt: str, act: str, seed: int
+) -> None:
+    """F16 / BF16 tiles (subnormal values, padding rows): the executor's GEMM (fp32 under
+    either act) and embedding rows give the host's bits, the GEMM the float64 product of the
+    exact values to fp32 rounding."""
+    rng = np.random.default_rng(seed)
+    k = 32 * kb
+    buf = T.random_f16_t32r4(rng, n, k, fmt)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    a = htp.gemm(x, buf, n, fmt, out=_nan((t, n)), act=act, backend=host)
+    b = htp.gemm(x, buf, n, fmt, out=_nan((t, n)), act=act, backend=hexagon)
+    assert _same(a, b)
+    mag = T.ref_gemm_magnitude(x, buf, n, fmt)
+    assert T.rel_l2_floored(b, T.ref_gemm(x, buf, n, fmt), mag, k) < 1e-5
+    ids = rng.integers(0, n, size=t).astype(np.int32)
+    ra = htp.get_rows(buf, fmt, n, k, ids, _nan((t, k)), backend=host)
+    rb = htp.get_rows(buf, fmt, n, k, ids, _nan((t, k)), backend=hexagon)
+    assert _same(ra, rb) and _same(ra, htp.dequantize_tiles(buf, fmt, n, k)[ids])
+
+
+@settings(max_examples=4 * _X)
+@given(
+    n=st.integers(1, 40),
+    t=st.integers(1, 6),
     fmt=st.sampled_from(["q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "iq4_xs-t32r4"]),
     act=st.sampled_from(["q8", "f32"]),
     seed=st.integers(0, 2**16),

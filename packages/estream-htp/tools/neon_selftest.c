@@ -17,6 +17,7 @@
  * - GEMM, every tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0, Q5_1, IQ4_XS) x both activation formats, NEON and portable tables, 1 and 2
  *   threads: each within the rounding bound of its fp32 sums of a float64 reference (Q8: of the
  *   library's own quantized activations), 1 and 2 threads bit-identical.
+ * - GEMM of F16 / BF16 dense tiles: fp32 products under either act, the values read exactly.
  * - GEMM from Q8 rows quantized once and GEMM of three matrices sharing one input: bit-identical
  *   to the one-matrix GEMM of the fp32 input.
  * - GEMM whose float arithmetic is exact (unit scales, integer activations that quantize to
@@ -134,6 +135,8 @@ static size_t tile_bytes(uint32_t fmt) {
     case HTP_FMT_Q5_0_T32R4: return 704;
     case HTP_FMT_Q5_1_T32R4: return 768;
     case HTP_FMT_IQ4_XS_T32R4: return 608;
+    case HTP_FMT_F16_T32R4:
+    case HTP_FMT_BF16_T32R4: return 2048;
     default: return 1152; /* HTP_FMT_Q6_K_T32R4 */
     }
 }
@@ -820,6 +823,94 @@ static int strip(int argc, char **argv) {
     return bad;
 }
 
+/* F16 / BF16 tiles (2048 B, no header; the value of row r, column c at 128 * (c / 2) + 4r +
+ * 2 * (c % 2)): random values of both signs around 2^-4..2^4 with zeros and subnormals mixed
+ * in. Under either act the products are fp32 (the same bits), within fp32 rounding of the
+ * float64 value, NEON equal to portable, 2 threads to 1; multiplied by the identity they are
+ * the values themselves, bit for bit (exact conversion). */
+static double f16t_value(uint32_t fmt, uint16_t h) {
+    if (fmt == HTP_FMT_F16_T32R4) return f16_to_double(h);
+    const int e = (h >> 7) & 255, m = h & 127;
+    const double v = e ? ldexp(128 + m, e - 134) : ldexp(m, -133);
+    return (h & 0x8000) ? -v : v;
+}
+static uint16_t f16t_random(uint32_t fmt) {
+    const uint16_t sign = (uint16_t)((rnd() & 1) << 15);
+    const int f16 = fmt == HTP_FMT_F16_T32R4;
+    switch (rnd() % 16) {
+    case 0: return sign;
+    case 1: return (uint16_t)(sign | (1 + rnd() % (f16 ? 0x3ff : 0x7f))); /* subnormal */
+    default:
+        return f16 ? (uint16_t)(sign | ((11 + rnd() % 8) << 10) | (rnd() & 0x3ff))
+                   : (uint16_t)(sign | ((123 + rnd() % 8) << 7) | (rnd() & 0x7f));
+    }
+}
+static int check_float_tiles(uint32_t fmt, uint32_t n, uint32_t k, uint32_t t) {
+    const char *name = fmt == HTP_FMT_F16_T32R4 ? "f16" : "bf16";
+    const size_t bytes = (size_t)((n + 31) / 32) * (k / 32) * 2048;
+    uint8_t *w = calloc(bytes, 1);
+    double *val = malloc(sizeof(double) * n * k);
+    for (uint32_t row = 0; row < n; row++)
+        for (uint32_t col = 0; col < k; col++) {
+            const uint16_t h = f16t_random(fmt);
+            const size_t tile = ((size_t)(row / 32) * (k / 32) + col / 32) * 2048;
+            const uint32_t r = row % 32, c = col % 32;
+            memcpy(w + tile + 128 * (c / 2) + 4 * r + 2 * (c % 2), &h, 2);
+            val[(size_t)row * k + col] = f16t_value(fmt, h);
+        }
+    const uint32_t ldx = k + 3, ldy = n + 2;
+    float *x = malloc(sizeof(float) * t * ldx), *y[2][2][2];
+    for (size_t i = 0; i < (size_t)t * ldx; i++) x[i] = frand();
+    const uint32_t levels[2] = {HTP_SIMD_PORTABLE, HTP_SIMD_NEON};
+    char what[128];
+    int bad = 0;
+    for (int l = 0; l < 2; l++)
+        for (uint32_t act = 0; act < 2; act++)
+            for (uint32_t th = 1; th <= 2; th++) {
+                float *o = y[l][act][th - 1] = malloc(sizeof(float) * t * ldy);
+                snprintf(what, sizeof what, "gemm %s act=%s %s n=%u k=%u t=%u threads=%u", name,
+                         act ? "q8" : "f32", l ? "neon" : "portable", n, k, t, th);
+                bad = bad || gemm(levels[l], th, fmt, act, w, n, k, t, x, ldx, o, ldy);
+                bad = bad || check_written(what, o, t, n, ldy);
+                for (uint32_t tt = 0; tt < t && !bad; tt++)
+                    for (uint32_t r = 0; r < n && !bad; r++) {
+                        double v = 0, m = 0;
+                        for (uint32_t c = 0; c < k; c++) {
+                            const double p = val[(size_t)r * k + c] * x[(size_t)tt * ldx + c];
+                            v += p, m += fabs(p);
+                        }
+                        const double got = o[(size_t)tt * ldy + r];
+                        if (!(fabs(got - v) <= (k + 2) * U32 * m + 1e-37)) {
+                            printf("%s: y[%u][%u] = %.9g, float64 reference %.9g\n", what, tt, r, got, v);
+                            bad = 1;
+                        }
+                    }
+                if (!bad && (act || th == 2 || l) &&
+                    memcmp(o, y[0][0][0], sizeof(float) * t * ldy)) {
+                    printf("%s: differs from portable act=f32 with 1 thread\n", what);
+                    bad = 1;
+                }
+            }
+    /* the identity: y[c][r] = W[r][c] exactly (-0.0 summed from +0.0 reads +0.0) */
+    float *eye = calloc((size_t)k * k, sizeof(float)), *yi = malloc(sizeof(float) * k * n);
+    for (uint32_t c = 0; c < k; c++) eye[(size_t)c * k + c] = 1.0f;
+    for (int l = 0; l < 2 && !bad; l++) {
+        bad = gemm(levels[l], 2, fmt, HTP_ACT_F32, w, n, k, k, eye, k, yi, n);
+        for (uint32_t c = 0; c < k && !bad; c++)
+            for (uint32_t r = 0; r < n && !bad; r++)
+                if (yi[(size_t)c * n + r] != (float)val[(size_t)r * k + c]) {
+                    printf("gemm %s identity %s: W[%u][%u] = %.9g, read %.9g\n", name,
+                           l ? "neon" : "portable", r, c, val[(size_t)r * k + c], yi[(size_t)c * n + r]);
+                    bad = 1;
+                }
+    }
+    if (!bad) printf("gemm %s n=%u k=%u t=%u: ok\n", name, n, k, t);
+    for (int l = 0; l < 2; l++)
+        for (int a = 0; a < 2; a++) free(y[l][a][0]), free(y[l][a][1]);
+    free(w), free(val), free(x), free(eye), free(yi);
+    return bad;
+}
+
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "strip")) return strip(argc, argv);
     const int first = argc > 1 && !strcmp(argv[1], "--first-failure");
@@ -868,6 +959,9 @@ int main(int argc, char **argv) {
                 CHECK(check_expert(fmts[f], act, 64, 96, 9, 64, glu, 1));
                 if (glu != HTP_GLU_SWIGLU) CHECK(check_expert(fmts[f], act, 96, 64, 13, 5, glu, 0));
             }
+    for (uint32_t fmt = HTP_FMT_F16_T32R4; fmt <= HTP_FMT_BF16_T32R4; fmt++)
+        for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
+            CHECK(check_float_tiles(fmt, shapes[i][0], shapes[i][1], shapes[i][2]));
     CHECK(check_others());
 #undef CHECK
 done:

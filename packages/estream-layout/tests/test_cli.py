@@ -144,6 +144,8 @@ KQ_DIMS = ["--dim", "n_embd=256", "--dim", "n_ff_exp=256"]
         (["--expert-type", "Q6_K", *KQ_DIMS], ["q6_k-t32r4"] * 3),
         (["--expert-type", "MXFP4", "--dense-type", "MXFP4"], ["mxfp4-t32r4"] * 3),
         (["--expert-type", "IQ4_NL", "--dense-type", "IQ4_NL"], ["iq4_nl-t32r4"] * 3),
+        (["--dense-type", "F16"], ["q4_0-t32r4"] * 3),
+        (["--dense-type", "BF16"], ["q4_0-t32r4"] * 3),
         (
             ["--expert-type", "IQ4_XS", "--dense-type", "IQ4_XS", *KQ_DIMS, "--dim", "head_dim=64"],
             ["iq4_xs-t32r4"] * 3,
@@ -186,8 +188,11 @@ def test_synth_types_pack_as_stored_and_inspect_shows_them(
             "MXFP4": "mxfp4-t32r4: 9 tensors",
             "IQ4_NL": "iq4_nl-t32r4: 9 tensors",
             "IQ4_XS": "iq4_xs-t32r4: 9 tensors",
+            "F16": "f16-t32r4: 9 tensors",
+            "BF16": "bf16-t32r4: 9 tensors",
         }
-        assert dense[types[types.index("--dense-type") + 1]] in out and "q4_0-t32r4" not in out
+        line = next(x for x in out.splitlines() if "dense.bin:" in x)
+        assert dense[types[types.index("--dense-type") + 1]] in line and "q4_0-t32r4" not in line
 
 
 def test_unsupported_expert_type_is_one_line_and_requantize_opts_in(

@@ -637,3 +637,27 @@ def test_corrupted_source_gguf_bytes_give_one_clear_error_or_a_valid_pack(
             outcomes["refused"] += 1
         assert sorted(p.name for p in tmp_path.iterdir()) == ["src.gguf"], (how, pos)
     assert outcomes["refused"] > 50, outcomes
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_float16_dense_formats_are_validated_by_the_manifest(tmp_path: Path, dtype: str) -> None:
+    """A pack with f16-t32r4 / bf16-t32r4 dense matrices loads; the same manifest (digest
+    rewritten) with one of them given another size, a 1-D shape or an unknown format spelling
+    is refused naming the field."""
+    src = synth_model("olmoe", "tiny", tmp_path / "m.gguf", dense_type=dtype)
+    root = pack_model(src, tmp_path / "m.estream", progress=False).root
+    fmt = dtype.lower() + "-t32r4"
+    doc = _doc(root)
+    name = "blk.0.attn_k.weight"
+    assert doc["dense"]["tensors"][name]["format"] == fmt
+    assert Manifest.from_dict(doc, root).dense[name].format == fmt
+    f = f"dense.tensors[{name!r}]"
+    for key, value, field in (
+        ("bytes", doc["dense"]["tensors"][name]["bytes"] + 4096, f + ".bytes"),
+        ("shape", [4096], f + ".shape"),
+        ("format", dtype.lower() + "-t32r8", f + ".format"),
+    ):
+        bad = json.loads(json.dumps(doc))
+        bad["dense"]["tensors"][name][key] = value
+        with pytest.raises(PackFormatError, match=re.escape(f"manifest.json: {field}: ")):
+            Manifest.from_dict(reseal(bad), root)

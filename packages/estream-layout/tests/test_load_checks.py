@@ -281,3 +281,29 @@ def test_nan_in_k_quant_dense_scales_fails_verify_like_a_load(tmp_path: Path, at
     load_says = nonfinite_dense(Manifest.from_path(root), np.fromfile(root / "dense.bin", np.uint8))
     assert load_says == [f"dense.bin: dense tensor {name} holds NaN or infinite values"]
     assert list(verify_pack(root).problems) == load_says
+
+
+@pytest.mark.parametrize(("dtype", "bad"), [("F16", 0x7C00), ("BF16", 0x7FC0)], ids=["f16", "bf16"])
+def test_nonfinite_value_in_float16_dense_tiles_fails_verify_like_a_load(
+    tmp_path: Path, dtype: str, bad: int
+) -> None:
+    """One value deep inside an f16-t32r4 / bf16-t32r4 dense tensor (no scales: any value can
+    be the bad one) set to Inf / NaN, crc32 recomputed: the load's check and --verify report
+    it alike; the untouched pack passes both."""
+    src = synth_model("qwen3moe", "tiny", tmp_path / "m.gguf", dense_type=dtype)
+    root = pack_model(src, tmp_path / "m.estream", progress=False).root
+    name = "blk.0.attn_q.weight"
+    t = Manifest.from_path(root).dense[name]
+    assert t.format == dtype.lower() + "-t32r4"
+    assert (
+        nonfinite_dense(Manifest.from_path(root), np.fromfile(root / "dense.bin", np.uint8)) == []
+    )
+    blob = bytearray((root / "dense.bin").read_bytes())
+    at = t.offset + t.bytes - 2 * 37  # a value of the last tile, not its first bytes
+    blob[at : at + 2] = np.array([bad], "<u2").tobytes()
+    (root / "dense.bin").write_bytes(bytes(blob))
+    crc = zlib.crc32(blob[t.offset : t.offset + t.bytes])
+    _edit_manifest(root, lambda d: d["dense"]["tensors"][name].__setitem__("crc32", crc))
+    load_says = nonfinite_dense(Manifest.from_path(root), np.fromfile(root / "dense.bin", np.uint8))
+    assert load_says == [f"dense.bin: dense tensor {name} holds NaN or infinite values"]
+    assert list(verify_pack(root).problems) == load_says

@@ -27,7 +27,7 @@ from estream_layout import (
 )
 from estream_layout import pack as pack_mod
 from estream_layout.manifest import VERSION
-from estream_layout.tiles import dequantize_blocks, tile_nbytes, unpack_tiles
+from estream_layout.tiles import dequantize_blocks, dequantize_tiles, tile_nbytes, unpack_tiles
 
 PAGE = 4096
 
@@ -469,33 +469,32 @@ def test_streaming_mode_for_big_layers_is_identical(
     assert verify_pack(b.root, against=src).ok
 
 
-def test_float_dense_matrices_become_q8_tiles(tmp_path: Path) -> None:
-    """Dense matrices of a type without a tile format (F16) are converted to q8_0-t32r4: one
-    rounding step away from the source values."""
-    src = synth_model(
-        "qwen3moe", "tiny", tmp_path / "k.gguf", dense_type="F16", n_embd=256, head_dim=64
-    )
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_float16_dense_matrices_are_kept_as_stored(tmp_path: Path, dtype: str) -> None:
+    """Dense matrices stored as F16 / BF16 are packed as `f16-t32r4` / `bf16-t32r4`: the
+    manifest records the format, unpacking the tiles gives the file's bytes back, and the
+    tiles' values are gguf-py's dequantization of the GGUF tensor bit for bit (no
+    re-quantization); --verify against the source passes."""
+    src = synth_model("qwen3moe", "tiny", tmp_path / "k.gguf", dense_type=dtype, output_type=dtype)
     m = pack_model(src, tmp_path / "k.estream", progress=False)
+    qtype = gguf.GGMLQuantizationType[dtype]
+    fmt = dtype.lower() + "-t32r4"
     reader = gguf.GGUFReader(src)
     n_checked = 0
     for t in reader.tensors:
-        if t.tensor_type != gguf.GGMLQuantizationType.F16 or t.name not in m.dense:
+        if t.tensor_type != qtype or t.name not in m.dense:
             continue
         e = m.dense[t.name]
-        if len(e.shape) == 1:
-            continue
-        assert e.format == "q8_0-t32r4"
-        want = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float64)
+        assert e.format == fmt, t.name
+        raw = np.asarray(t.data).view(np.uint8).reshape(*e.shape[:-1], -1)
+        want = gguf.quants.dequantize(raw, qtype).astype(np.float32)
         body = np.fromfile(m.dense_path, np.uint8, count=e.bytes, offset=e.offset)
-        got = dequantize_blocks(unpack_tiles(body, *e.shape, "q8_0-t32r4"), "q8_0-t32r4")
-        amax = (
-            np.abs(want.reshape(-1, 32)).max(axis=1).reshape(want.shape[0], -1).repeat(32, axis=1)
-        )
-        # round to nearest (d/2) + fp16 rounding of d (127 steps x 2^-11 relative), and for
-        # tiny blocks whose d is an fp16 subnormal (spacing 2^-24): 127 x 2^-25 absolute
-        assert (np.abs(got - want) <= amax / 127 * 0.57 + 127 * 2.0**-25).all(), t.name
+        assert np.array_equal(unpack_tiles(body, *e.shape, fmt), raw), t.name
+        got = dequantize_tiles(body, *e.shape, fmt)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), t.name
         n_checked += 1
-    assert n_checked >= 4
+    assert n_checked >= 6
+    assert m.source["requantized"] is False
     assert verify_pack(m.root, against=src).ok
 
 
@@ -650,3 +649,25 @@ def test_f32_dense_matrices_stay_f32(tmp_path: Path) -> None:
     assert n_checked >= 6
     assert m.source["requantized"] is False
     assert verify_pack(m.root, against=src).ok
+
+
+@pytest.mark.parametrize(
+    ("ggml_type", "shape", "want"),
+    [
+        ("F16", (64, 96), "f16-t32r4"),
+        ("BF16", (2, 64, 32), "bf16-t32r4"),  # a per-head stack: one tiled matrix per head
+        ("F32", (64, 96), "f32"),
+        ("F16", (64, 3), "f32"),  # rows not a multiple of 32: not tiled
+        ("BF16", (64, 3), "f32"),
+        ("Q4_K", (64, 256), "q4_k-t32r4"),
+        ("Q2_K", (64, 256), "q8_0-t32r4"),  # no kernel: re-quantized
+        ("Q3_K", (64, 256), "q8_0-t32r4"),
+        ("F16", (96,), "f32"),  # 1-D
+    ],
+)
+def test_dense_format_of_each_source_type(ggml_type: str, shape: tuple, want: str) -> None:
+    """The dense.bin format each source type and shape gets: F16 / BF16 matrices their own
+    tiles, F32 `f32`, float matrices with rows not a multiple of 32 `f32`, quantized types
+    with a kernel their tiles, the others `q8_0-t32r4`, 1-D tensors `f32`."""
+    info = pack_mod.TensorInfo(f"blk.0.attn_q.{ggml_type}", ggml_type, shape, 0, 0)
+    assert pack_mod.dense_format(info) == want

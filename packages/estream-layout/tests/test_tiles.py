@@ -478,3 +478,47 @@ def test_q4_1_q5_tiles_roundtrip_and_read_by_their_layout(
     got = v.transpose(0, 2, 1, 3).reshape(-1, k)[:n]
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert np.array_equal(dequantize_tiles(one, n, k, fmt).view(np.uint32), want.view(np.uint32))
+
+
+FLOAT16 = [("f16-t32r4", GGMLQuantizationType.F16), ("bf16-t32r4", GGMLQuantizationType.BF16)]
+
+
+@pytest.mark.parametrize(("fmt", "qtype"), FLOAT16)
+@given(n=st.integers(1, 70), kb=st.integers(1, 4), batch=st.integers(0, 2), seed=st.integers(0, 99))
+def test_float16_tiles_roundtrip_and_dequantize_like_gguf(fmt, qtype, n, kb, batch, seed) -> None:
+    """F16 / BF16 rows (any 16-bit patterns: subnormals, infinities, NaNs; any N with padding
+    rows, batches) re-laid as f16-t32r4 / bf16-t32r4: unpacking gives the source bytes back and
+    the tiles' values are gguf-py's dequantization of the source bit for bit."""
+    rng = np.random.default_rng(seed)
+    shape = (batch, n, 32 * kb) if batch else (n, 32 * kb)
+    rows = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16).view(np.uint8)
+    buf = pack_tiles(rows, fmt)
+    assert buf.shape == (*shape[:-2], tile_nbytes(n, 32 * kb, fmt))
+    assert tile_nbytes(n, 32 * kb, fmt) == -(-n // 32) * kb * 2048
+    assert np.array_equal(unpack_tiles(buf.reshape(-1), n, 32 * kb, fmt).reshape(rows.shape), rows)
+    for i in range(max(batch, 1)):
+        src = rows[i] if batch else rows
+        want = np.asarray(gguf_quants.dequantize(src, qtype), dtype=np.float32)
+        got = dequantize_tiles(buf[i] if batch else buf, n, 32 * kb, fmt)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt", ["f16-t32r4", "bf16-t32r4"])
+@given(n=st.integers(1, 40), kb=st.integers(1, 3), seed=st.integers(0, 99))
+def test_float16_tile_bytes_follow_the_documented_layout(fmt, n, kb, seed) -> None:
+    """A 2048-byte f16-t32r4 / bf16-t32r4 tile read by its documented layout alone
+    (docs/format.md: no header; the 16-bit value of row r, column c at byte 128 * (c // 2) +
+    4 * r + 2 * (c % 2)) holds the source matrix's 16-bit values; padding rows are 0."""
+    rng = np.random.default_rng(seed)
+    u = rng.integers(0, 1 << 16, size=(n, 32 * kb), dtype=np.uint16)
+    t = pack_tiles(u.view(np.uint8), fmt).reshape(-1, kb, 2048)  # [row tile, column tile]
+    got = np.empty((t.shape[0] * 32, 32 * kb), np.uint16)
+    for i in range(t.shape[0]):
+        for j in range(kb):
+            tile = t[i, j]
+            for r in range(32):
+                for c in range(32):
+                    o = 128 * (c // 2) + 4 * r + 2 * (c % 2)
+                    got[32 * i + r, 32 * j + c] = int(tile[o]) | int(tile[o + 1]) << 8
+    assert np.array_equal(got[:n], u)
+    assert not got[n:].any()

@@ -99,7 +99,7 @@ def read_gguf_kv(path: str | Path) -> dict[str, Any]:
 @attrs.frozen
 class DenseTensor:
     name: str
-    fmt: str  # q4_0-t32r4 | q8_0-t32r4 | f32
+    fmt: str  # a dense format of the manifest: q4_0-t32r4, ..., f16-t32r4, bf16-t32r4, f32
     shape: tuple[int, ...]
     data: np.ndarray = attrs.field(eq=False, repr=False)
 

@@ -63,6 +63,7 @@ from estream_htp._core import (
     swiglu,
 )
 from estream_htp._formats import (
+    FLOAT_TILE_FORMATS,
     FormatError,
     dequantize_tiles,
     matrix_nbytes,
@@ -74,6 +75,7 @@ from estream_htp._formats import (
 
 __all__ = [
     "BACKENDS",
+    "FLOAT_TILE_FORMATS",
     "GLU_KINDS",
     "SIMD_LEVELS",
     "ActivationArena",

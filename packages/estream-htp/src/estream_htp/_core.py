@@ -32,7 +32,7 @@ from estream_htp._backend import (
     check,
 )
 from estream_htp._ffi import ffi, lib
-from estream_htp._formats import TILE_FORMATS, matrix_nbytes
+from estream_htp._formats import FLOAT_TILE_FORMATS, TILE_FORMATS, matrix_nbytes
 
 __all__ = [
     "GLU_KINDS",
@@ -92,6 +92,8 @@ _FMT = {
     "q5_0-t32r4": lib.HTP_FMT_Q5_0_T32R4,
     "q5_1-t32r4": lib.HTP_FMT_Q5_1_T32R4,
     "iq4_xs-t32r4": lib.HTP_FMT_IQ4_XS_T32R4,
+    "f16-t32r4": lib.HTP_FMT_F16_T32R4,
+    "bf16-t32r4": lib.HTP_FMT_BF16_T32R4,
     "f16": lib.HTP_FMT_F16,
     "f32": lib.HTP_FMT_F32,
 }
@@ -269,7 +271,9 @@ def gemm(
     backend: Backend | None = None,
 ) -> F32:
     """``Y[T, N] = X[T, K] · Wᵀ`` with ``W[N][K]`` in a tile format (flat uint8 buffer).
-    ``x`` may be `Q8Rows` (`quantize_q8`) with ``act="q8"``: the same bits as from the rows."""
+    ``x`` may be `Q8Rows` (`quantize_q8`) with ``act="q8"``: the same bits as from the rows.
+    ``f16-t32r4`` / ``bf16-t32r4`` matrices are multiplied in fp32 under either ``act`` (their
+    values converted exactly; ``x`` must be float32)."""
     (y,) = gemm_shared(x, [(w, n)], fmt, None if out is None else [out], act=act, backend=backend)
     return y
 
@@ -301,6 +305,10 @@ def gemm_shared(
         t, k = x.shape
     if fmt not in TILE_FORMATS:
         raise HTPInputError(f"fmt must be one of {sorted(TILE_FORMATS)}, got {fmt!r}")
+    if rows and fmt in FLOAT_TILE_FORMATS:
+        raise HTPInputError(
+            f"{fmt} matrices are multiplied in fp32: pass x as float32, not as Q8Rows"
+        )
     if k == 0 or k % 32:
         raise HTPInputError(f"x.shape[1] (K) must be a positive multiple of 32, got {k}")
     if not 1 <= len(mats) <= GEMM_MAX_MATRICES:
@@ -1170,7 +1178,8 @@ def get_rows(
 ) -> F32:
     """Embedding lookup: rows ``ids`` of a ``[n_rows, n_cols]`` table in ``fmt``
     ("q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "mxfp4-t32r4",
-    "iq4_nl-t32r4", "q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4", "iq4_xs-t32r4", "f16", "f32"), as
+    "iq4_nl-t32r4", "q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4", "iq4_xs-t32r4", "f16-t32r4",
+    "bf16-t32r4", "f16", "f32"), as
     float32 ``[T, n_cols]``."""
     if fmt not in _FMT:
         raise HTPInputError(f"fmt must be one of {sorted(_FMT)}, got {fmt!r}")

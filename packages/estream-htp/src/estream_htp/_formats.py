@@ -17,11 +17,13 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "FLOAT_TILE_FORMATS",
     "MXFP4_TILE_BYTES",
     "Q4_0_TILE_BYTES",
     "Q8_0_TILE_BYTES",
     "TILE_FORMATS",
     "FormatError",
+    "dequantize_f16_t32r4",
     "dequantize_iq4_nl",
     "dequantize_iq4_xs",
     "dequantize_mxfp4",
@@ -33,6 +35,7 @@ __all__ = [
     "dequantize_q8_0",
     "dequantize_tiles",
     "matrix_nbytes",
+    "pack_f16_t32r4",
     "pack_iq4_nl_t32r4",
     "pack_iq4_xs_t32r4",
     "pack_mxfp4_t32r4",
@@ -74,7 +77,12 @@ TILE_FORMATS = {
     "q5_0-t32r4": 704,
     "q5_1-t32r4": 768,
     "iq4_xs-t32r4": 608,
+    "f16-t32r4": 2048,
+    "bf16-t32r4": 2048,
 }
+# Tile formats of 16-bit float values (dense matrices only): multiplied in fp32 under either
+# activation format, never with int8 activation rows.
+FLOAT_TILE_FORMATS = ("f16-t32r4", "bf16-t32r4")
 QK_K = 256  # values of a K-quant super-block
 Q4_K_BLOCK_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
 Q5_K_BLOCK_BYTES = 176  # Q4_K's d, dmin, scales, then qh[32] (fifth bits), then qs[128]
@@ -627,8 +635,32 @@ def dequantize_q4_1_q5(blocks: npt.ArrayLike, fmt: str) -> npt.NDArray[np.float3
     return v.reshape(b.shape[0], -1)
 
 
+# f16-t32r4 / bf16-t32r4 (2048 B, no header): group g (128 B) holds, for rows 0..31, the row's
+# 16-bit values of columns 2g and 2g+1; padding rows are zero.
+def pack_f16_t32r4(values: npt.ArrayLike) -> npt.NDArray[np.uint8]:
+    """16-bit values ``uint16[N, K]`` (F16 or BF16 bit patterns, ``K % 32 == 0``) ->
+    ``f16-t32r4`` / ``bf16-t32r4`` tiles (the two share the byte layout; lossless)."""
+    v = np.asarray(values)
+    if v.dtype != np.uint16 or v.ndim != 2 or v.shape[0] == 0 or v.shape[1] % 32 or not v.size:
+        raise FormatError(f"expected uint16[N, K] with K a multiple of 32, got {v.dtype} {v.shape}")
+    b = np.ascontiguousarray(v).view(np.uint8).reshape(v.shape[0], v.shape[1] // 32, 64)
+    return _pack_fields([b], [0])
+
+
+def dequantize_f16_t32r4(buf: npt.ArrayLike, fmt: str, n: int, k: int) -> npt.NDArray[np.float32]:
+    """``float32[n, k]`` values of ``f16-t32r4`` (IEEE half) or ``bf16-t32r4`` (bfloat16) tiles,
+    each converted exactly."""
+    (b,) = _unpack_fields(buf, n, k, [64], fmt)
+    u = np.ascontiguousarray(b).view("<u2").reshape(n, k)
+    if fmt == "f16-t32r4":
+        return u.view(np.float16).astype(np.float32)
+    return (u.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
 def dequantize_tiles(buf: npt.ArrayLike, fmt: str, n: int, k: int) -> npt.NDArray[np.float32]:
     """``float32[n, k]`` values of a tile-format matrix (padding rows dropped)."""
+    if fmt in FLOAT_TILE_FORMATS:
+        return dequantize_f16_t32r4(buf, fmt, n, k)
     if fmt == "q4_0-t32r4":
         return dequantize_q4_0(unpack_q4_0_t32r4(buf, n, k))
     if fmt == "q8_0-t32r4":

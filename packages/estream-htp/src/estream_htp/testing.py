@@ -14,6 +14,7 @@ from estream_htp._formats import (
     dequantize_q8_0,
     dequantize_tiles,
     matrix_nbytes,
+    pack_f16_t32r4,
     pack_iq4_nl_t32r4,
     pack_iq4_xs_t32r4,
     pack_mxfp4_t32r4,
@@ -38,6 +39,7 @@ __all__ = [
     "dequantize_q8_0",
     "dequantize_tiles",
     "matrix_nbytes",
+    "pack_f16_t32r4",
     "pack_iq4_nl_t32r4",
     "pack_iq4_xs_t32r4",
     "pack_mxfp4_t32r4",
@@ -51,6 +53,7 @@ __all__ = [
     "quantize_q4_0",
     "quantize_q8_0",
     "random_experts",
+    "random_f16_t32r4",
     "random_iq4_nl_blocks",
     "random_iq4_xs_blocks",
     "random_mxfp4_blocks",
@@ -207,6 +210,25 @@ def random_mxfp4_blocks(rng: np.random.Generator, n: int, k: int) -> npt.NDArray
     e[rng.random((n, k // 32)) < 0.05] = rng.integers(0, 2)
     b[..., 0] = e
     return b
+
+
+def random_f16_t32r4(
+    rng: np.random.Generator, n: int, k: int, fmt: str = "f16-t32r4", *, largest: bool = False
+) -> npt.NDArray[np.uint8]:
+    """Random ``f16-t32r4`` / ``bf16-t32r4`` tiles of ``W[n][k]``: standard-normal values with
+    some of the format's edge values mixed in (subnormals, the smallest normal, -0.0; with
+    ``largest`` its largest finite values too, which overflow a float32 sum for BF16)."""
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    if fmt == "f16-t32r4":
+        u = w.astype(np.float16).view(np.uint16)
+        special = [0x0001, 0x83FF, 0x8000, 0x0400] + ([0x7BFF, 0xFBFF] if largest else [])
+    else:  # round to nearest even into the high half
+        b = w.view(np.uint32)
+        u = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+        special = [0x0001, 0x807F, 0x8000, 0x0080] + ([0x7F7F, 0xFF7F] if largest else [])
+    pick = rng.random((n, k)) < 0.03
+    u[pick] = rng.choice(np.array(special, np.uint16), size=int(pick.sum()))
+    return pack_f16_t32r4(u)
 
 
 def _random_tiles(rng: np.random.Generator, fmt: str, n: int, k: int) -> npt.NDArray[np.uint8]:

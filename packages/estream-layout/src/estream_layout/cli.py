@@ -26,7 +26,7 @@ __all__ = ["pack_main", "synth_main"]
 EXIT_PROBLEMS = 1
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
-# GGML types estream-synth writes (random valid blocks; F16/F32 as values)
+# GGML types estream-synth writes (random valid blocks; F16/BF16/F32 as values)
 SYNTH_TYPES = [
     "Q4_0",
     "Q8_0",
@@ -40,6 +40,7 @@ SYNTH_TYPES = [
     "Q5_1",
     "IQ4_XS",
     "F16",
+    "BF16",
     "F32",
 ]
 

@@ -63,7 +63,8 @@ LOCK_NAME: Final = ".manifest.lock"
 MODEL_GGUF: Final = "model.gguf"
 DENSE_FORMATS: Final = (
     "q4_0-t32r4", "q8_0-t32r4", "q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "mxfp4-t32r4",
-    "iq4_nl-t32r4", "q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4", "iq4_xs-t32r4", "f32",
+    "iq4_nl-t32r4", "q4_1-t32r4", "q5_0-t32r4", "q5_1-t32r4", "iq4_xs-t32r4", "f16-t32r4",
+    "bf16-t32r4", "f32",
 )  # fmt: skip
 # Tile formats of expert projections (each projection of each layer has its own).
 EXPERT_FORMATS: Final = (
@@ -125,7 +126,7 @@ class DenseEntry:
     name: str
     offset: int
     bytes: int
-    format: str  # "q4_0-t32r4" | "q8_0-t32r4" | "f32"
+    format: str  # one of DENSE_FORMATS ("q4_0-t32r4", ..., "f16-t32r4", "bf16-t32r4", "f32")
     shape: tuple[int, ...]  # logical numpy shape ([N, K], [H, N, K] or [n])
     crc32: int = 0  # zlib.crc32 of the tensor's bytes
 

@@ -108,6 +108,13 @@ _QUANT_PASSTHROUGH: Final = {
     GGMLQuantizationType.Q5_1: "q5_1-t32r4",
     GGMLQuantizationType.IQ4_XS: "iq4_xs-t32r4",
 }
+# Dense matrices kept as they are (lossless re-layout): the quantized types with a kernel, and
+# F16 / BF16 (16-bit float tiles, computed in fp32; F32 matrices stay plain `f32`).
+_DENSE_PASSTHROUGH: Final = {
+    **_QUANT_PASSTHROUGH,
+    GGMLQuantizationType.F16: "f16-t32r4",
+    GGMLQuantizationType.BF16: "bf16-t32r4",
+}
 _FLOAT_TYPES: Final = {
     GGMLQuantizationType.F32,
     GGMLQuantizationType.F16,
@@ -130,16 +137,18 @@ def dense_format(info: TensorInfo) -> str:
       `q5_k-t32r4`, `q6_k-t32r4`, `mxfp4-t32r4` (lossless), IQ4_NL, Q4_1, Q5_0, Q5_1, IQ4_XS ->
       `iq4_nl-t32r4`, `q4_1-t32r4`, `q5_0-t32r4`, `q5_1-t32r4`, `iq4_xs-t32r4`;
     * F32 matrices -> `f32` (lossless: the engine computes them with fp32 activations);
-    * other matrices (F16/BF16, other quantized types ...) -> dequantized, re-quantized to
-      Q8_0 -> `q8_0-t32r4` (one rounding step, Q8_0's).
+    * F16 / BF16 matrices -> `f16-t32r4` / `bf16-t32r4` (lossless: the file's 16-bit values,
+      computed in fp32 like `f32` matrices);
+    * other matrices (other quantized types ...) -> dequantized, re-quantized to Q8_0 ->
+      `q8_0-t32r4` (one rounding step, Q8_0's).
+
+    The kept types are `_DENSE_PASSTHROUGH`'s.
     """
     if len(info.shape) == 1 or info.name.endswith(("ffn_gate_inp.weight", ".bias")):
         return "f32"
     qt = info.qtype
     if qt == GGMLQuantizationType.F32:
         return "f32"
-    if qt in _QUANT_PASSTHROUGH:
-        return _QUANT_PASSTHROUGH[qt]
     if info.shape[-1] % TILE:
         if qt in _FLOAT_TYPES:
             return "f32"
@@ -147,7 +156,7 @@ def dense_format(info: TensorInfo) -> str:
             f"{info.name}: {info.ggml_type} matrix with reduction dimension {info.shape[-1]}, "
             "not a multiple of 32, cannot be tiled"
         )
-    return "q8_0-t32r4"
+    return _DENSE_PASSTHROUGH.get(qt, "q8_0-t32r4")
 
 
 def _dense_nbytes(info: TensorInfo, fmt: str) -> int:
@@ -589,9 +598,12 @@ def _write_dense_tensor(
             if fmt == "f32":
                 write(np.ascontiguousarray(_dequantize_checked(raw, info), np.float32).tobytes())
                 continue
-            src_fmt = _QUANT_PASSTHROUGH.get(info.qtype)
+            src_fmt = _DENSE_PASSTHROUGH.get(info.qtype)
             if src_fmt == fmt:
-                _check_finite(info, "", raw=raw)
+                if info.qtype in _FLOAT_TYPES:  # F16 / BF16: every value is checked
+                    _dequantize_checked(raw, info)
+                else:
+                    _check_finite(info, "", raw=raw)
                 blocks = raw
             else:
                 blocks = quantize_q8_0(_dequantize_checked(raw, info))

@@ -21,6 +21,8 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 __all__ = [
+    "BF16_T32R4",
+    "F16_T32R4",
     "FORMATS",
     "IQ4_NL_KVALUES",
     "IQ4_NL_T32R4",
@@ -117,11 +119,20 @@ Q5_1_T32R4: Final = TileFormat(
 IQ4_XS_T32R4: Final = TileFormat(
     "iq4_xs-t32r4", GGMLQuantizationType.IQ4_XS, 136, 4, 0, header_bytes=3 * TILE, block_elems=256
 )
+# F16 / BF16: no scale; a "block" is 32 consecutive 16-bit values of a row (64 B), so a tile
+# is 16 groups: group g = values 2g, 2g+1 of each row (a little-endian 32-bit word), rows
+# 0..31 in order (docs/format.md §1). Padding rows are all zero (value +0.0).
+F16_T32R4: Final = TileFormat(
+    "f16-t32r4", GGMLQuantizationType.F16, 64, 16, 0, header_bytes=0, scale_bytes=0
+)
+BF16_T32R4: Final = TileFormat(
+    "bf16-t32r4", GGMLQuantizationType.BF16, 64, 16, 0, header_bytes=0, scale_bytes=0
+)
 FORMATS: Final = {
     f.name: f
     for f in (
         Q4_0_T32R4, Q8_0_T32R4, Q4_K_T32R4, Q5_K_T32R4, Q6_K_T32R4, MXFP4_T32R4, IQ4_NL_T32R4,
-        Q4_1_T32R4, Q5_0_T32R4, Q5_1_T32R4, IQ4_XS_T32R4,
+        Q4_1_T32R4, Q5_0_T32R4, Q5_1_T32R4, IQ4_XS_T32R4, F16_T32R4, BF16_T32R4,
     )
 }  # fmt: skip
 # llama.cpp's kvalues_iq4nl: the int8 value of each IQ4_NL code (value = d * IQ4_NL_KVALUES[code]).
@@ -205,10 +216,11 @@ def _views(
     tb = f.tile_bytes
     g = f.n_groups
     sb = src_rows.reshape(-1)
-    sdt = {1: "u1", 2: "<u2", 4: "<u4"}[f.scale_bytes]
+    sdt = {0: "u1", 1: "u1", 2: "<u2", 4: "<u4"}[f.scale_bytes]
+    n_s = TILE if f.scale_bytes else 0  # F16 / BF16 tiles have no scales
     # source: [tile i, block j, row r] scales (u2; u1) and [i, j, group, r] quant pieces (u4)
     src_s = np.ndarray(
-        (n_tiles_total, kb, TILE),
+        (n_tiles_total, kb, n_s),
         dtype=sdt,
         buffer=sb,
         offset=0,
@@ -224,7 +236,7 @@ def _views(
     tbuf = tiles.reshape(-1)
     sbytes = f.scale_bytes
     dst_s = np.ndarray(
-        (n_tiles_total, kb, TILE), dtype=sdt, buffer=tbuf, offset=0, strides=(kb * tb, tb, sbytes)
+        (n_tiles_total, kb, n_s), dtype=sdt, buffer=tbuf, offset=0, strides=(kb * tb, tb, sbytes)
     )
     dst_q = np.ndarray(
         (n_tiles_total, kb, g, TILE),
@@ -459,9 +471,15 @@ def e8m0_to_fp32_half(e: np.ndarray) -> np.ndarray:
 
 
 def dequantize_blocks(rows: np.ndarray, fmt: str | TileFormat = "q4_0-t32r4") -> np.ndarray:
-    """GGML block rows `[..., N, K/32*bs]` (Q4_0, Q8_0, MXFP4; Q4_K / Q6_K `[..., N, K/256*bs]`)
-    -> float32 `[..., N, K]` (exact; K-quants through gguf-py's dequantize, llama.cpp's rule)."""
+    """GGML block rows `[..., N, K/32*bs]` (Q4_0, Q8_0, MXFP4; Q4_K / Q6_K `[..., N, K/256*bs]`;
+    F16 / BF16 `[..., N, 2K]` bytes) -> float32 `[..., N, K]` (exact; K-quants through gguf-py's
+    dequantize, llama.cpp's rule)."""
     f = tile_format(fmt)
+    if f is F16_T32R4:
+        return np.ascontiguousarray(rows).view("<f2").astype(np.float32)
+    if f is BF16_T32R4:  # the 16 high bits of a float32
+        u = np.ascontiguousarray(rows).view("<u2").astype(np.uint32) << np.uint32(16)
+        return u.view(np.float32)
     if f.block_elems != TILE or f in (Q4_1_T32R4, Q5_0_T32R4, Q5_1_T32R4):
         w = gguf_quants.dequantize(np.ascontiguousarray(rows), f.ggml_type)
         return np.asarray(w, dtype=np.float32)

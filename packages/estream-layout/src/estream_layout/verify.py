@@ -21,7 +21,7 @@ from .checks import check_pack
 from .errors import ChecksumError, VerifyStoppedError
 from .gguf_model import EXPERT_PROJECTIONS, ModelSpec, TensorReader, dequantize_rows
 from .manifest import LayerEntry, Manifest
-from .pack import _QUANT_PASSTHROUGH, dense_format
+from .pack import _DENSE_PASSTHROUGH, dense_format
 from .tiles import MXFP4_MAX_EXPONENT, quantize_q4_0, quantize_q8_0, tile_format, unpack_tiles
 
 __all__ = [
@@ -90,9 +90,9 @@ def _record_problem(m: Manifest, layer: int, pos: int, expert: int) -> str:
 
 
 def nonfinite_dense(m: Manifest, blob: np.ndarray) -> list[str]:
-    """Dense tensors of an in-memory dense.bin with NaN/Inf values (f32) or block scales (tiled
-    formats: the first 64 bytes of every tile are its 32 fp16 row scales). Cheap (it reads the
-    f32 tensors and ~11% of the tiled ones) and catches what a crc32 cannot be asked for on every
+    """Dense tensors of an in-memory dense.bin with NaN/Inf values (f32, f16-t32r4, bf16-t32r4)
+    or block scales (other tiled formats: the first 64 bytes of every tile are its 32 fp16 row
+    scales). Cheap (it reads the float tensors and ~11% of the quantized ones) and catches what a crc32 cannot be asked for on every
     load: a weight that would turn activations into NaN, which int8 activations then hide."""
     out = []
     for t in m.dense.values():
@@ -111,12 +111,17 @@ def _finite(buf: Any, tile: int, fmt: str) -> bool:
     """Whether `buf` (whole tiles of `tile` bytes of format `fmt`, or float32 values when `tile`
     is 0) holds only finite weights: every f32 value, or the fp16 row scales at the start of
     every tile (32 `d`; q4_k-t32r4 has 32 `dmin` after them), or for mxfp4-t32r4 the 32 E8M0
-    exponent bytes, each at most `MXFP4_MAX_EXPONENT`."""
+    exponent bytes, each at most `MXFP4_MAX_EXPONENT`, or every 16-bit value of f16-t32r4 /
+    bf16-t32r4 tiles."""
     a = np.frombuffer(buf, dtype=np.uint8)
     if not tile:
         return bool(np.isfinite(a.view(np.float32)).all())
     if fmt == "mxfp4-t32r4":
         return bool((a.reshape(-1, tile)[:, :32] <= MXFP4_MAX_EXPONENT).all())
+    if fmt == "f16-t32r4":  # every value (no scales)
+        return bool(np.isfinite(a.view(np.float16)).all())
+    if fmt == "bf16-t32r4":  # every value: exponent bits all ones is Inf or NaN
+        return bool(((a.view("<u2") & 0x7F80) != 0x7F80).all())
     floats = _FP16_HEADER.get(fmt, 64)
     return bool(np.isfinite(a.reshape(-1, tile)[:, :floats].copy().view(np.float16)).all())
 
@@ -289,7 +294,7 @@ def _compare_with_source(m: Manifest, src: Path, problems: list[str]) -> int:
                 ok = np.array_equal(buf.view(np.float32), want.astype(np.float32))
             else:
                 got = unpack_tiles(buf, info.shape[-2], info.shape[-1], t.format)
-                if _QUANT_PASSTHROUGH.get(info.qtype) == t.format:
+                if _DENSE_PASSTHROUGH.get(info.qtype) == t.format:
                     want = raw
                 else:
                     want = quantize_q8_0(dequantize_rows(raw, info))

@@ -104,8 +104,11 @@ class Ops:
             self.op_work.append((name, precision, 2 * int(macs)))
 
     def _gemm_precision(self, w: DenseTensor) -> str:
-        """What a GEMM on ``w`` multiplies in: int8 for a tiled matrix under int8 activations."""
-        return "int8" if w.fmt != "f32" and self.backend.act == "q8" else "fp32"
+        """What a GEMM on ``w`` multiplies in: int8 for a quantized tiled matrix under int8
+        activations; fp32 for f32 matrices and F16/BF16 tiles (`htp.FLOAT_TILE_FORMATS`, which
+        the kernels multiply in fp32 under either activation format)."""
+        fp32 = w.fmt == "f32" or w.fmt in htp.FLOAT_TILE_FORMATS
+        return "int8" if not fp32 and self.backend.act == "q8" else "fp32"
 
     def _w(self, a: np.ndarray | None) -> np.ndarray | None:
         """A weight array as the backend reads it (`estream_htp.Backend.visible`), made once."""
@@ -259,7 +262,7 @@ class Ops:
         w: DenseTensor,
         op: str = "matmul",
     ) -> np.ndarray:
-        """`x @ w.T` for a resident matrix (tiled Q4_0/Q8_0 or f32, through the kernels);
+        """`x @ w.T` for a resident matrix (tiled, F16/BF16 tiles or f32, through the kernels);
         timed as ``op``.
 
         The kernels compute every row on its own (int8 quantization per row, one accumulator
@@ -288,8 +291,12 @@ class Ops:
         timed together as ``op``."""
         tiled = [w for w in ws if w.fmt != "f32"]
         fmts = {w.fmt for w in tiled}
-        if rows is not None and (len(tiled) != len(ws) or len(fmts) != 1):
-            rows = None  # mixed formats (rare): each matrix quantizes its input itself
+        if rows is not None and (
+            len(tiled) != len(ws) or len(fmts) != 1 or fmts <= set(htp.FLOAT_TILE_FORMATS)
+        ):
+            # mixed formats (rare): each matrix quantizes its input itself; F16/BF16 tiles
+            # take the fp32 input (their products are fp32)
+            rows = None
         if len(fmts) != 1 or (rows is None and len(tiled) < 2):
             return [self.matmul(x, w, op) for w in ws]
         with self.timed(op):
