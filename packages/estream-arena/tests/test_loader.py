@@ -473,3 +473,46 @@ def test_constructor_failures_leave_nothing_behind(rfile, workdir) -> None:
     assert all(mm.closed for mm in maps)
     with pytest.raises(LoaderClosedError, match="arena is closed"):
         GroupLoader(arena, rfile.path, 1)
+
+
+def _sleeps(native_id: int) -> int:
+    with open(f"/proc/self/task/{native_id}/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches line")
+
+
+def _settled(threads: list[threading.Thread]) -> list[int]:
+    """The threads' sleep counts once they stay the same for 0.2 s (a loaded machine may be
+    slow to let a woken thread run and sleep again)."""
+    deadline = time.monotonic() + 10
+    last = [_sleeps(t.native_id) for t in threads]
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = [_sleeps(t.native_id) for t in threads]
+        if now == last:
+            return now
+        last = now
+    raise AssertionError("the reader threads never settled")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="per-thread counters: Linux")
+def test_a_freed_bank_wakes_one_idle_reader_not_all(rfile) -> None:
+    """Releasing the only bank makes one queued read possible: one of the Q idle reader threads
+    wakes (its sleep count grows) and reads it; the others sleep on, and releasing a bank with
+    nothing queued wakes none. Every reader woken at each release would cost Q context
+    switches on the cores the consumer computes on."""
+    Q = 4
+    with Arena(rfile.layout, 1, 1) as arena, GroupLoader(arena, rfile.path, Q) as ld:
+        readers = [t for t in threading.enumerate() if t.name.startswith("estream-arena-loader")]
+        assert len(readers) == Q
+        ld.begin_layer(0)
+        ld.submit(groups_of(rfile, 1)[:2])
+        bank = ld.acquire(0, timeout=10)
+        before = _settled(readers)  # every reader idle: one bank, held here
+        ld.release(bank)
+        ld.release(ld.acquire(1, timeout=10))
+        after = _settled(readers)  # the reader of group 1 idle again
+        assert sum(a != b for a, b in zip(after, before, strict=True)) == 1, (before, after)
+        ld.end_layer()

@@ -139,7 +139,13 @@ class GroupLoader:
         self.queue_depth = int(queue_depth)
         self.verify = bool(verify)
         self._reader: Reader = reader if reader is not None else os.preadv
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        #: Consumers (acquire, end_layer) wait here: every read's completion wakes them.
+        self._cond = threading.Condition(lock)
+        #: Idle reader threads wait here, woken one per read made possible (a request queued,
+        #: a bank freed) rather than all at once: a reader woken for nothing still takes a CPU
+        #: from the compute threads for its context switch.
+        self._work = threading.Condition(lock)
         self._res = Residency(arena.n_banks, arena.group_size)
         self._queue: deque[tuple[GroupRequest, float]] = deque()
         self._closed = False
@@ -261,7 +267,7 @@ class GroupLoader:
                     jobs.append((nxt, self._res.reserve(nxt.group), t_next))
                     nbytes += nb
                 return jobs, layer
-            self._cond.wait()
+            self._work.wait()
 
     def _worker(self) -> None:
         scratch = None
@@ -283,6 +289,7 @@ class GroupLoader:
                     self._inflight -= 1
                     st = self._stats
                     st.n_syscalls += n_sys
+                    freed = 0
                     for (req, bank, t_submit), err in zip(jobs, errs, strict=True):
                         nbytes = req.n_records * rb
                         if err is None:
@@ -290,6 +297,7 @@ class GroupLoader:
                             if self._res.group_state(req.group) is GroupState.DROPPED:
                                 self._res.retire(bank)
                                 outcome = "retired"
+                                freed += 1
                             else:
                                 self._res.publish(bank)
                                 outcome = "published"
@@ -305,6 +313,8 @@ class GroupLoader:
                             )
                         )
                     self._cond.notify_all()
+                    if freed and self._queue:
+                        self._work.notify(freed)
         finally:
             if scratch is not None:
                 with contextlib.suppress(BufferError):  # a caller still holds a view: GC frees it
@@ -501,7 +511,7 @@ class GroupLoader:
             for r in requests:
                 self._res.submit(r.group, r.n_records)
                 self._queue.append((r, now))
-            self._cond.notify_all()
+            self._work.notify(len(requests))
 
     def drop(self, groups: Iterable[int]) -> None:
         """Groups with no routes: never read if queued; Ready banks freed at once; banks being
@@ -518,6 +528,7 @@ class GroupLoader:
             for g in groups:
                 self._res.drop(g)
             self._cond.notify_all()
+            self._work.notify_all()  # Ready banks freed, queued reads gone
 
     def acquire(self, group: int, timeout: float | None = None) -> Bank:
         """Block until ``group`` is Ready, mark it InUse and return its bank.
@@ -608,6 +619,8 @@ class GroupLoader:
                 )
             self._res.release(bank.index)
             self._cond.notify_all()
+            if self._queue:  # one bank freed: one queued read made possible
+                self._work.notify()
 
     def end_layer(self) -> None:
         """Close the layer; every submitted group must be released or dropped.
@@ -669,6 +682,7 @@ class GroupLoader:
             self._closed = True
             self._queue.clear()
             self._cond.notify_all()
+            self._work.notify_all()
         me = threading.current_thread()
         for t in self._threads:
             if t is not me:
