@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 from collections import Counter
@@ -297,6 +298,8 @@ def test_a_job_reports_its_phases_and_shares_its_rows_between_the_actors(
     assert "(100 rows;" in line and "(200 rows;" not in line
     assert ("s old)" in line) == sys.platform.startswith("linux")  # the actor process's age
     assert "2 blocks answered in" in line
+    # each block went to its own actor (not both to the first actor up)
+    assert len(re.findall(r"actor \d+: ", line)) == 2, line
 
 
 def test_each_block_carries_its_timings_and_the_first_the_actors_start(pack):

@@ -517,7 +517,9 @@ def apply(
         },
         batch_format="pyarrow",
         batch_size=batch_size,
-        compute=ray.data.ActorPoolStrategy(size=actors),
+        # One block in flight per actor: a block is minutes of passes, and a second one queued
+        # behind it on the first actor to start would leave another actor idle.
+        compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1),
         num_cpus=threads,
     )
 

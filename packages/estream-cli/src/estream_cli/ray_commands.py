@@ -41,6 +41,9 @@ from .output import STDOUT, check_output, write_json
 
 __all__ = ["add_ray_opts", "run_ray"]
 
+#: Seconds the job waits for every actor to start and load the model before giving blocks out.
+ACTOR_START_TIMEOUT_S = 3600
+
 #: Most rows of one block without ``--block-rows`` (`default_block_rows`): one call of an
 #: actor, and what is answered again if the actor dies.
 DEFAULT_BLOCK_ROWS = 256
@@ -268,6 +271,9 @@ def run_ray(args: argparse.Namespace, task: Any, requests: Any) -> int:
     phases.mark("ray_init")
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
+    # Blocks go out once every actor has loaded the model: the first actor up would otherwise
+    # take blocks meant to be shared (Ray Data's default provisions the pool asynchronously).
+    ctx.wait_for_min_actors_s = ACTOR_START_TIMEOUT_S
     try:
         if parquet_in:
             ds = ray.data.read_parquet(args.input)
