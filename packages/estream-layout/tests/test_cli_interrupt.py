@@ -100,3 +100,35 @@ def test_sigint_at_any_moment_is_one_line(gguf: Path, tmp_path: Path, program: s
         assert left == [], left
         interrupted += 1
     assert interrupted >= 1, f"no signal landed in a run (start {start:.3f} s, run {run_s:.3f} s)"
+
+
+@pytest.mark.parametrize("placed", [False, True])
+def test_an_interrupt_after_the_pack_is_placed_reports_it_written(
+    gguf: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    placed: bool,
+) -> None:
+    """A Ctrl-C that lands after the finished pack was renamed into place (while its manifest is
+    read back) is not reported as "nothing was written": the command prints the packed line and
+    exits 0; one that lands before the pack is placed is the usual one-line error and 130."""
+    from estream_layout import cli, pack
+
+    out = tmp_path / "m.estream"
+    real = pack.pack_model
+
+    def interrupted(src, dst, **kw):  # type: ignore[no-untyped-def]
+        if placed:
+            real(src, dst, **kw)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pack, "pack_model", interrupted)
+    code = cli.pack_main([str(gguf), "-o", str(out), "--no-progress"])
+    cap = capsys.readouterr()
+    if placed:
+        assert code == 0 and cap.out.startswith(f"packed {gguf} -> {out}"), cap
+        assert "error" not in cap.err and (out / "manifest.json").is_file()
+    else:
+        assert code == 130 and not out.exists(), cap
+        assert cap.err.strip() == "estream-pack: error: interrupted; nothing was written"

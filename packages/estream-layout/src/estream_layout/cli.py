@@ -50,6 +50,16 @@ def _fail(prog: str, msg: str) -> int:
     return EXIT_ERROR
 
 
+def _identity(path: str) -> tuple[int, int] | None:
+    """The (device, inode) of what is at ``path`` now, None when nothing is: a pack placed by
+    this command is a new directory there."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
 @contextlib.contextmanager
 def _terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM raises KeyboardInterrupt while packing (main thread only), so the temporary
@@ -127,15 +137,25 @@ def pack_main(argv: Sequence[str] | None = None) -> int:
             )
         from .pack import pack_model
 
-        with _terminate_as_interrupt():  # `kill` cleans up the temporary pack like Ctrl-C
-            m = pack_model(
-                args.src,
-                args.output,
-                order=args.order_profile,
-                force=args.force,
-                progress=not args.no_progress,
-                requantize=args.requantize,
-            )
+        before = _identity(args.output)
+        try:
+            with _terminate_as_interrupt():  # `kill` cleans up the temporary pack like Ctrl-C
+                m = pack_model(
+                    args.src,
+                    args.output,
+                    order=args.order_profile,
+                    force=args.force,
+                    progress=not args.no_progress,
+                    requantize=args.requantize,
+                )
+        except KeyboardInterrupt:
+            placed = _identity(args.output)
+            if placed is None or placed == before:
+                raise
+            # The signal came after the finished pack was renamed into place (while its
+            # manifest was read back): it is written, so say so rather than "nothing was".
+            print(f"packed {args.src} -> {os.path.abspath(args.output)} (then interrupted)")
+            return 0
         print(
             f"packed {args.src} -> {m.root} ({len(m.layers)} MoE layers, "
             f"{m.experts_bytes / 2**20:,.1f} MiB of experts)"
