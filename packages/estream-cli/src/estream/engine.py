@@ -670,7 +670,7 @@ class Engine:
         out = ops.output(head, hn)
         hidden = (hn if rows is None else ops.rms_norm(x, head.norm)) if return_hidden else None
         out, hidden = ops.result(out), ops.result(hidden)
-        metrics, extra = rec.finish(self._describe(int(ids.size)))
+        metrics, extra = rec.finish(lambda: self._describe(int(ids.size)))  # after the clock
         return out, hidden, metrics, extra  # type: ignore[return-value]
 
     def _begin_pass(self, layout: SeqLayout) -> tuple[Ops, PassRecorder]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import estream_htp as htp
@@ -82,9 +83,12 @@ class PassRecorder:
         self._collect(-1)
         self._t0 = time.perf_counter()
 
-    def finish(self, describe: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The pass ended: its metrics (with ``describe``, the engine's description of the
-        run) and the extras of a result (trace events, group records, reads)."""
+    def finish(
+        self, describe: Callable[[], dict[str, Any]]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The pass ended: its metrics (with ``describe()``, the engine's description of the
+        run, called once the pass's clock has stopped) and the extras of a result (trace
+        events, group records, reads)."""
         t_end = time.perf_counter()
         self.spans.append(("output", -1, self._t0, t_end))
         self._collect(-1)
@@ -99,7 +103,7 @@ class PassRecorder:
             bytes_read=self.experts.bytes_read,
             mem_before=self.mem_before,
         )
-        metrics.update(describe)
+        metrics.update(describe())
         t_ne = [0.0] * self.n_layers  # non-expert time of every layer (dense layers included)
         for name, layer, s0, s1 in self.spans:
             if name == "non-expert":
