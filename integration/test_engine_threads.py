@@ -134,9 +134,10 @@ def test_keyboard_interrupt_mid_prefill_leaves_the_engine_working(packed, backen
             want = eng.prefill(toks).logits
             interrupted = 0
             for delay in np.linspace(0.0005, 0.04, 24):
-                signal.setitimer(signal.ITIMER_REAL, float(delay))
-                try:
+                try:  # armed and disarmed inside the try: a late alarm is still caught here
+                    signal.setitimer(signal.ITIMER_REAL, float(delay))
                     eng.prefill(toks)
+                    signal.setitimer(signal.ITIMER_REAL, 0)
                 except KeyboardInterrupt:
                     interrupted += 1
                 finally:
