@@ -550,7 +550,11 @@ _ENGINE_MODEL = re.compile(r"(gpt-oss|[^-]+)-(.+)-s\d+(?:-[a-z0-9_]+)?")
 _PRESET_EXPERTS = {"gpt-oss": "mxfp4 experts"}
 
 
-def engine_variant(f: Figures) -> str:
+def _lengths_label(lengths: list[int]) -> str:
+    return ", ".join(f"{T // 1024}K" if T % 1024 == 0 else str(T) for T in lengths)
+
+
+def engine_model(f: Figures) -> str:
     """bench_engine's model (the preset of the cached file's name) and quantization."""
     stem = Path(str(f.get("model") or "")).name.removesuffix(".estream")
     quant = str(f.get("quant") or "q4_0")
@@ -560,6 +564,17 @@ def engine_variant(f: Figures) -> str:
     if quant == "q4_0":
         quant = _PRESET_EXPERTS.get(m.group(1), quant)
     return f"{m.group(2)}, {quant}"
+
+
+def engine_variant(f: Figures) -> str:
+    """bench_engine's model and quantization (`engine_model`) and its prompt lengths, free and
+    memory-capped: a run of other lengths does not replace a model's result (a 4K run leaves
+    the 256/1K and cgroup figures of the same model on the page)."""
+    free, capped = _engine_lengths(f, False), _engine_lengths(f, True)
+    lengths = _lengths_label(free) if free else "no free run"
+    return f"{engine_model(f)}; {lengths}" + (
+        f"; capped {_lengths_label(capped)}" if capped else ""
+    )
 
 
 #: How each benchmark is shown (same names as `record.BENCHES`, in page order).
@@ -817,7 +832,7 @@ def headline(results: dict[str, list[tuple[Path, dict[str, Any]]]]) -> str:
     headline_runs = [
         e
         for e in results.get("bench_engine", [])
-        if engine_variant(e[1]["figures"]) == "olmoe-1b-7b, q4_0"
+        if engine_model(e[1]["figures"]) == "olmoe-1b-7b, q4_0"
     ]
     newest_first = sorted(headline_runs, key=lambda e: (e[1]["date"] or "", e[0].name))[::-1]
     usable = [(d, _headline_table(d["figures"])) for _, d in newest_first]

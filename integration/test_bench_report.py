@@ -224,10 +224,10 @@ def test_each_engine_model_and_quantization_keeps_its_own_section(tmp_path: Path
     results = report.load_results(tmp_path / "results")
     page = report.render_page(results)
     assert (
-        "## bench_engine: End-to-end prefill: stream vs resident vs llama.cpp (olmoe-1b-7b, q4_0)"
-        in page
+        "## bench_engine: End-to-end prefill: stream vs resident vs llama.cpp "
+        "(olmoe-1b-7b, q4_0; 1K, 4K)" in page
     )
-    assert "(olmoe-1b-7b, q4_k_m)" in page
+    assert "(olmoe-1b-7b, q4_k_m; 1K, 4K)" in page
     assert "| 1K | 3 s |" in page and "| 1K | 5 s |" in page
     assert "| 1K tokens | 3 s |" in report.headline(results)
 
@@ -561,7 +561,25 @@ def test_engine_results_are_told_apart_by_model(model: str, quant: str, variant:
     cached model's name whatever dashes its family or preset holds, and says when the preset's
     own experts are not Q4_0: a SmallThinker run is not taken for an OLMoE one."""
     figures = {"model": f"/cache/models/{model}", "quant": quant}
-    assert report.engine_variant(figures) == variant
+    assert report.engine_model(figures) == variant
+
+
+def test_engine_results_of_other_lengths_are_kept_apart() -> None:
+    """A model's bench_engine runs of other prompt lengths, or with memory-capped runs, are
+    other variants (a 4K run does not push the same model's 256/1K and cgroup figures off the
+    page); runs of the same lengths are one variant (the newer replaces the older)."""
+
+    def figures(free: list[int], capped: list[int]) -> dict[str, object]:
+        runs = [{"system": "stream", "length": T} for T in free]
+        runs += [{"system": "stream", "length": T, "cgroup": True} for T in capped]
+        return {"model": "/m/gpt-oss-gpt-oss-20b-s0.estream", "quant": "q4_0", "runs": runs}
+
+    a = report.engine_variant(figures([256, 1024], [1024]))
+    b = report.engine_variant(figures([4096], []))
+    c = report.engine_variant(figures([1024, 256], [1024]))
+    assert a == "gpt-oss-20b, mxfp4 experts; 256, 1K; capped 1K"
+    assert b == "gpt-oss-20b, mxfp4 experts; 4K"
+    assert a == c and a != b
 
 
 def test_the_ray_note_names_the_blocks_given_or_the_commands_default() -> None:
