@@ -43,6 +43,21 @@ def test_save_and_load(tmp_path: Path) -> None:
     assert set(doc["candidates"]) == {"1", "2", "4", "8", "16"}
 
 
+def test_measured_with_round_trips_and_is_optional(doc: dict[str, Any]) -> None:
+    """``measured_with`` comes back as written (strings, integers, lists of strings); a
+    document without it (profiles written before it existed) reads as an empty mapping and
+    writes no such key."""
+    assert "measured_with" not in doc
+    assert Profile.from_dict(doc).measured_with == {}
+    d = copy.deepcopy(doc)
+    ident = {"cpu": "AMD EPYC", "threads": 2, "expert_formats": ["q4_k-t32r4", "q6_k-t32r4"]}
+    d["measured_with"] = ident
+    p = Profile.from_dict(json.loads(json.dumps(d)))
+    assert p.measured_with == ident
+    assert p.to_dict()["measured_with"] == ident
+    assert p != Profile.from_dict(doc)  # part of the value
+
+
 def test_not_json(tmp_path: Path) -> None:
     path = tmp_path / "bad.json"
     path.write_text("{not json")
@@ -130,6 +145,17 @@ BAD: list[tuple[Callable[[dict[str, Any]], None], str]] = [
     (_set(["candidates", "4", 0, "layer"], 3), "candidates.4[0].layer: must be in 0..2"),
     (_set(["candidates", "128"], []), "candidates.128: group size must be in 1..n_experts=64"),
     (_set(["meta"], []), "meta: expected an object, got list"),
+    (_set(["measured_with"], "avx2"), "measured_with: expected an object, got str"),
+    (
+        _set(["measured_with"], {"threads": True}),
+        "measured_with.threads: expected a string, an integer or a list of strings, got True (bool)",
+    ),
+    (
+        _set(["measured_with"], {"formats": ["q4_0-t32r4", 3]}),
+        "measured_with.formats: expected a string, an integer or a list of strings, "
+        "got ['q4_0-t32r4', 3] (list)",
+    ),
+    (_set(["measured_with"], {"": "x"}), "measured_with: keys must be non-empty strings, got ''"),
 ]
 
 

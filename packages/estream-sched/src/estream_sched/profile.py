@@ -113,6 +113,11 @@ class Profile:
     )
     version: int = SCHEMA_VERSION
     meta: Mapping[str, Any] = attrs.field(factory=dict)
+    #: what the profile was measured with (CPU, kernel build, threads, ...), as the measuring
+    #: program names it: string keys, each a string, an integer or a list of strings. Empty for
+    #: a profile that does not record it. Compared by the program that uses the profile: a
+    #: profile measured with other kernels or on another CPU predicts other times.
+    measured_with: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
     # Derived arrays (budget independent) cached per profile; not part of the value.
     _cache: dict[Any, Any] = attrs.field(factory=dict, init=False, repr=False, eq=False)
 
@@ -148,6 +153,7 @@ class Profile:
                 str(g): [lp.to_dict() for lp in layers] for g, layers in self.candidates.items()
             },
             "meta": dict(self.meta),
+            **({"measured_with": dict(self.measured_with)} if self.measured_with else {}),
         }
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -305,6 +311,7 @@ def _parse(d: Any) -> Profile:
             )
         candidates[g] = out
     meta = d.get("meta", {})
+    measured_with = _obj(d.get("measured_with", {}), "measured_with")
     return Profile(
         version=version,
         model=_str(_get(d, "model", ""), "model"),
@@ -317,6 +324,7 @@ def _parse(d: Any) -> Profile:
         bandwidth=bandwidth,
         candidates=candidates,
         meta=dict(_obj(meta, "meta")),
+        measured_with=dict(measured_with),
     )
 
 
@@ -327,6 +335,7 @@ def _validate(p: Profile) -> None:
     # long: the profile validator, one check per field
     if p.version != SCHEMA_VERSION:
         raise ProfileError("version", f"unsupported profile version {p.version}")
+    _validate_measured_with(p.measured_with)
     for name in ("n_experts", "n_layers", "expert_bytes", "q_measured"):
         v = getattr(p, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -415,3 +424,19 @@ def _validate(p: Profile) -> None:
                     f"expected {int(expect[k])} ({n} experts x expert_bytes {p.expert_bytes}), "
                     f"got {int(lp.group_bytes[k])}",
                 )
+
+
+def _validate_measured_with(m: Mapping[str, Any]) -> None:
+    """``measured_with``: non-empty string keys, each value a string, an integer (not a bool)
+    or a list of strings."""
+    for k, v in m.items():
+        if not isinstance(k, str) or not k:
+            raise ProfileError("measured_with", f"keys must be non-empty strings, got {k!r}")
+        path = _p("measured_with", k)
+        if isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)):
+            continue
+        if isinstance(v, list) and all(isinstance(x, str) for x in v):
+            continue
+        raise ProfileError(
+            path, f"expected a string, an integer or a list of strings, got {v!r} ({_tname(v)})"
+        )
