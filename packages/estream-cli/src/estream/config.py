@@ -4,27 +4,57 @@
 the profile that `estream profile` stored in the manifest) or the manifest's stored configuration
 into a `StreamConfig`. Measuring the profile is `profiling`'s job; this module only reads and
 writes what is stored, so that the engine can use it without depending on the profiler.
+
+A profile's times hold only for what it was measured with: the CPU, the SIMD kernel set the
+kernels picked, the estream-htp build, the thread count, the activation format, the backend and
+the pack's expert formats (`running_identity`; stored in the profile's ``measured_with``). When
+the running identity differs, or the profile does not record one (profiled before it was
+recorded), the profile is *stale* (`profile_mismatch`): a budget's or the stored configuration is
+then not derived from it; the run takes the default configuration, shrunk to fit the budget,
+and says so (`StaleProfileWarning`).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+import estream_htp as htp
 import estream_sched as es
 
-from .errors import BadRequestError, BudgetTooSmallError, PackError
+from .errors import BadRequestError, BudgetTooSmallError, PackError, StaleProfileError
 from .packed import PackedModel, update_config
 
 __all__ = [
+    "IDENTITY_KEYS",
+    "StaleProfileWarning",
     "StreamConfig",
     "configure_for_budget",
+    "cpu_name",
+    "kernel_build",
+    "profile_mismatch",
+    "require_fresh_profile",
     "resolve_config",
+    "running_identity",
     "store_config",
     "store_profile",
     "stored_profile",
+    "warn_stale",
 ]
+
+#: What a profile records it was measured with, and what a run compares (`running_identity`).
+IDENTITY_KEYS = ("cpu", "simd", "kernels", "threads", "act", "backend", "expert_formats")
+
+
+class StaleProfileWarning(UserWarning):
+    """A run with a budget or a stored configuration found the pack's profile stale and took
+    the default configuration instead (the message says what differs and what to run)."""
 
 
 @attrs.frozen
@@ -35,6 +65,8 @@ class StreamConfig:
     source: str  # where it came from: explicit | manifest | budget | mode | default
     #: the configurator's predicted memory of the run, for a budget's choice (else None)
     memory_bytes: int | None = None
+    #: why the profile's choice was not taken (a stale profile), else None
+    warning: str | None = None
 
     def arena_bytes(self, model: PackedModel) -> int:
         return self.B * self.G * sum(size for _, size in model.plane_extents)
@@ -49,11 +81,20 @@ def resolve_config(
     B: int | None,
     tokens: int | None = None,
     schedule: str = "early",
+    *,
+    n_threads: int | None = None,
+    act: str = "q8",
+    backend: str = "host",
 ) -> StreamConfig | None:
     """`(G, Q, B)` for a stream-kind mode; None for ``resident`` (no arena). ``tokens``: the
     prompt length a budget's configuration is chosen for (default: the calibration length);
-    ``schedule``: the streamed source's, as the configurator models it (`configure_for_budget`)."""
+    ``schedule``: the streamed source's, as the configurator models it (`configure_for_budget`);
+    ``n_threads`` (default: the engine's), ``act``, ``backend``: what the run computes with
+    (`running_identity`). A budget or a stored configuration with a stale profile (module
+    docstring) gives the default configuration, shrunk to fit the budget
+    (`StreamConfig.warning` says why; the engine warns with it)."""
     hp = model.hparams
+    run = {"n_threads": n_threads, "act": act, "backend": backend}
     if mode == "resident":
         return None
     if mode == "naive":
@@ -70,17 +111,188 @@ def resolve_config(
         b = B or max(q, 2)
         cfg = StreamConfig(G or min(4, hp.n_experts), q, b, "explicit")
     elif budget is not None:
-        choice = configure_for_budget(model, budget, tokens, schedule)
-        cfg = StreamConfig(
-            int(choice.G), int(choice.Q), int(choice.B), "budget", int(choice.memory_bytes)
-        )
+        if stale := _stale_reason(model, **run):
+            cfg = _stale_fallback(
+                model,
+                int(budget),
+                f"no configuration for --budget {_fmt_bytes(budget)} from it",
+                stale,
+            )
+        else:
+            choice = configure_for_budget(model, budget, tokens, schedule)
+            cfg = StreamConfig(
+                int(choice.G), int(choice.Q), int(choice.B), "budget", int(choice.memory_bytes)
+            )
     elif stored := model.manifest.get("config"):
-        cfg = StreamConfig(int(stored["G"]), int(stored["Q"]), int(stored["B"]), "manifest")
+        if model.manifest.get("profile") and (stale := _stale_reason(model, **run)):
+            # the stored configuration was chosen from this profile: as stale as it is
+            b = stored.get("budget_bytes")
+            b = int(b) if isinstance(b, int) and not isinstance(b, bool) and b > 0 else None
+            cfg = _stale_fallback(
+                model, b, "the stored configuration chosen from it is not used", stale
+            )
+        else:
+            cfg = StreamConfig(int(stored["G"]), int(stored["Q"]), int(stored["B"]), "manifest")
     else:
         cfg = StreamConfig(min(4, hp.n_experts), 2, 4, "default")
     if cfg.G < 1 or cfg.Q < 1 or cfg.B < 1:
         raise BadRequestError(f"G, Q and B must be ≥ 1 (got G={cfg.G}, Q={cfg.Q}, B={cfg.B})")
     return cfg
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the machine type."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_build() -> str:
+    """The estream-htp build the kernels come from: its version and the first 16 hex digits of
+    the SHA-256 of its compiled library (any rebuild with other kernels changes it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import estream_htp._ffi as ffi_mod
+
+    try:
+        ver = version("estream-htp")
+    except PackageNotFoundError:
+        ver = "unknown"
+    path = getattr(ffi_mod, "__file__", None)
+    if not path:
+        return f"estream-htp {ver}"
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return f"estream-htp {ver} {digest.hexdigest()[:16]}"
+
+
+def running_identity(
+    model: PackedModel, *, n_threads: int, act: str = "q8", backend: str = "host"
+) -> dict[str, Any]:
+    """What a run of ``model`` computes with (`IDENTITY_KEYS`): the CPU, the SIMD kernel set the
+    kernels picked, the estream-htp build, ``n_threads``, ``act``, ``backend`` and the pack's
+    expert tile formats (sorted). A profile stores it as ``measured_with``."""
+    formats = sorted({f for lay in model.layers.values() for f in lay.formats})
+    return {
+        "cpu": cpu_name(),
+        "simd": htp.simd_level(),
+        "kernels": kernel_build(),
+        "threads": int(n_threads),
+        "act": str(act),
+        "backend": str(backend),
+        "expert_formats": formats,
+    }
+
+
+def profile_mismatch(recorded: Mapping[str, Any], running: Mapping[str, Any]) -> list[str]:
+    """What makes a profile measured with ``recorded`` stale for a run with ``running``: one
+    phrase per differing key (``simd avx2 (profiled) != avx512vnni (now)``), or one saying that
+    the profile records nothing; [] when it is fresh."""
+    if not recorded:
+        return ["it does not record what it was measured with (profiled by an older estream)"]
+    out = []
+    for key in IDENTITY_KEYS:
+        if key not in running:
+            continue
+        was, now = recorded.get(key), running[key]
+        if was != now:
+            out.append(f"{key} {_show(was)} (profiled) != {_show(now)} (now)")
+    return out
+
+
+def _show(v: Any) -> str:
+    if v is None:
+        return "unrecorded"
+    return ",".join(map(str, v)) if isinstance(v, list) else str(v)
+
+
+def _fmt_bytes(n: int) -> str:
+    return es.format_bytes(int(n))
+
+
+def _stale_reason(
+    model: PackedModel, n_threads: int | None = None, act: str = "q8", backend: str = "host"
+) -> str | None:
+    """Why the stored profile is stale for a run with these options ('; '-joined), None if it
+    is fresh or there is none (then the budget's configurator says that there is none)."""
+    doc = model.manifest.get("profile")
+    if not doc:
+        return None
+    recorded = doc.get("measured_with") if isinstance(doc, Mapping) else None
+    if n_threads is None:
+        from .engine import DEFAULT_THREADS  # the engine imports this module
+
+        n_threads = DEFAULT_THREADS
+    running = running_identity(model, n_threads=n_threads, act=act, backend=backend)
+    return "; ".join(profile_mismatch(recorded or {}, running)) or None
+
+
+def require_fresh_profile(
+    model: PackedModel, n_threads: int | None = None, act: str = "q8", backend: str = "host"
+) -> es.Profile:
+    """The stored profile, if it is fresh for a run with these options (default: the engine's
+    threads, ``q8``, ``host``); `StaleProfileError` naming what differs otherwise
+    (`PackError` if there is none)."""
+    profile = stored_profile(model)
+    if stale := _stale_reason(model, n_threads, act, backend):
+        raise StaleProfileError(
+            f"{model.path}: the stored profile is stale: {stale}; re-profile with "
+            f"`estream profile --if-stale {model.path}`"
+        )
+    return profile
+
+
+def _stale_fallback(model: PackedModel, budget: int | None, what: str, stale: str) -> StreamConfig:
+    """The default configuration in place of a stale profile's choice (``what``: which one,
+    for the message): ``G = min(4, N_e)``, ``Q = 2``, ``B = 4``, or the first of ``(G, 2, 2)``,
+    ``(1, 2, 2)``, ``(1, 1, 1)`` whose memory (the profile's largest non-arena memory plus the
+    arena) fits ``budget``; `BudgetTooSmallError` when none does. Memory does not depend on the
+    kernels' speed, so the profile's memory side still sizes it."""
+    n_e = model.hparams.n_experts
+    g0 = min(4, n_e)
+    cands = [(g0, 2, 4), (g0, 2, 2), (1, 2, 2), (1, 1, 1)]
+    mem: dict[tuple[int, int, int], int | None] = {c: None for c in cands}
+    if budget is not None:
+        doc = model.manifest.get("profile") or {}
+        m_other = doc.get("m_other") if isinstance(doc, Mapping) else None
+        other = (
+            max(int(v) for v in m_other.values())
+            if isinstance(m_other, Mapping) and m_other
+            else int(model.dense_bytes)
+        )
+        rec = sum(size for _, size in model.plane_extents)
+        mem = {c: other + c[2] * c[0] * rec for c in cands}
+        fits = [c for c in cands if mem[c] <= budget]  # type: ignore[operator]
+        if not fits:
+            minimum = int(mem[cands[-1]])  # type: ignore[arg-type]
+            raise BudgetTooSmallError(
+                f"budget {_fmt_bytes(budget)} ({budget} B) is below the minimum "
+                f"{_fmt_bytes(minimum)} ({minimum} B) of the default configuration taken "
+                f"in place of the stale profile ({stale}); raise the budget or re-profile "
+                f"with `estream profile --if-stale {model.path}`",
+                minimum,
+            )
+        cands = fits
+    G, Q, B = cands[0]
+    note = (
+        f"{model.path}: the stored profile is stale ({stale}); {what}: running the default "
+        f"G={G} Q={Q} B={B} instead; re-profile with `estream profile --if-stale {model.path}`"
+    )
+    return StreamConfig(G, Q, B, "stale-profile", mem[(G, Q, B)], note)
+
+
+def warn_stale(cfg: StreamConfig | None) -> None:
+    """Issue `StaleProfileWarning` for a configuration taken in place of a stale profile's."""
+    if cfg is not None and cfg.warning:
+        warnings.warn(cfg.warning, StaleProfileWarning, stacklevel=3)
 
 
 def stored_profile(model: PackedModel) -> es.Profile:

@@ -28,7 +28,7 @@ import estream_sched as es
 from estream_layout import ModelSpec
 
 from . import memory
-from .config import StreamConfig, resolve_config
+from .config import StreamConfig, resolve_config, warn_stale
 from .errors import BadRequestError, EngineClosedError, NonFiniteError
 from .experts import (
     SCHEDULES,
@@ -277,8 +277,19 @@ class Engine:
         self.model = PackedModel(path)
         self.hp = hp = self.model.hparams
         self.config = resolve_config(
-            self.model, o.mode, o.budget, o.G, o.Q, o.B, o.budget_tokens, o.schedule
+            self.model,
+            o.mode,
+            o.budget,
+            o.G,
+            o.Q,
+            o.B,
+            o.budget_tokens,
+            o.schedule,
+            n_threads=int(o.n_threads or DEFAULT_THREADS),
+            act=o.act,
+            backend=o.backend,
         )
+        warn_stale(self.config)  # a stale profile's choice not taken: say so
         self.arch = architecture(hp)
         htp.set_num_threads(int(o.n_threads or DEFAULT_THREADS))
         self._capacity = 4096

@@ -10,6 +10,7 @@ __all__ = [
     "InsufficientMemoryError",
     "NonFiniteError",
     "PackError",
+    "StaleProfileError",
     "UnsupportedModelError",
     "json_kind",
 ]
@@ -23,6 +24,11 @@ class EStreamError(Exception):
 
 class PackError(EStreamError):
     """The packed model is missing, incomplete or corrupt."""
+
+
+class StaleProfileError(PackError):
+    """The pack's stored profile was measured with other kernels, CPU, threads or expert
+    formats than the ones this run has (or does not say what it was measured with)."""
 
 
 class EngineClosedError(EStreamError, RuntimeError):

@@ -24,7 +24,8 @@ import estream_arena as ea
 import estream_sched as es
 from estream_layout import ModelSpec
 
-from .engine import Engine, PrefillResult
+from .config import cpu_name, running_identity
+from .engine import DEFAULT_THREADS, Engine, PrefillResult
 from .errors import BadRequestError
 from .experts import READ_MERGE_BYTES
 from .memory import drop_file_cache
@@ -122,9 +123,11 @@ def profile_model(
     log: Callable[[str], None] | None = None,
 ) -> es.Profile:
     """Calibrate: one request per candidate g, plus BW(g, q) (median of ``bw_rounds``
-    interleaved rounds). Returns an `estream_sched.Profile`. ``candidates``: group sizes, each
-    at most the model's experts per layer (default: those of `DEFAULT_CANDIDATES` that fit);
-    ``n_tokens``: at most the model context."""
+    interleaved rounds). Returns an `estream_sched.Profile` whose ``measured_with`` is what the
+    calibration ran with (`estream.config.running_identity`: CPU, SIMD kernel set, estream-htp
+    build, threads, ``q8``, ``host``, the pack's expert formats). ``candidates``: group sizes,
+    each at most the model's experts per layer (default: those of `DEFAULT_CANDIDATES` that
+    fit); ``n_tokens``: at most the model context."""
     say = log or (lambda s: None)
     model = PackedModel(path)
     hp = model.hparams
@@ -135,10 +138,11 @@ def profile_model(
     W_e = model.record_bytes
     cand: dict[int, list[es.LayerProfile]] = {}
     m_other: dict[int, int] = {}
+    threads = int(n_threads or DEFAULT_THREADS)
     for g in gs:
         t0 = time.perf_counter()
         B = -(-hp.n_experts // g)
-        with Engine(path, G=g, Q=1, B=B, n_threads=n_threads) as eng:
+        with Engine(path, G=g, Q=1, B=B, n_threads=threads) as eng:
             eng.prefill(tokens[: min(T, 8)])  # warm-up: dense weights paged in, pool started
             res = eng.prefill(tokens)
             arena_bytes = eng.experts.memory_bytes
@@ -163,7 +167,7 @@ def profile_model(
     say(f"  bandwidth measured in {time.perf_counter() - t0:.1f} s")
     return es.Profile(
         model=str(model.manifest.get("source", {}).get("file", model.path.name)),
-        device=_device_name(),
+        device=cpu_name(),
         n_experts=hp.n_experts,
         n_layers=len(model.layers),
         expert_bytes=W_e,
@@ -179,6 +183,7 @@ def profile_model(
                 str(g): {str(q): v for q, v in by_q.items()} for g, by_q in samples.items()
             },
         },
+        measured_with=running_identity(model, n_threads=threads, act="q8", backend="host"),
     )
 
 
@@ -275,17 +280,6 @@ def _layer_profiles(res: PrefillResult, model: PackedModel, g: int) -> list[es.L
             )
         )
     return out
-
-
-def _device_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return os.uname().machine
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -147,11 +147,42 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     return 0
 
 
+PROFILE_DESCRIPTION = """\
+Calibrate the pack: one request per candidate group size and the grouped-read bandwidth
+BW(g, q); the profile is stored in the pack's manifest, and `estream config` and
+`--budget` choose (G, Q, B) from it.
+
+A profile records what it was measured with: the CPU, the SIMD kernel set the kernels
+picked, the estream-htp build (version and a hash of its compiled library), the thread
+count, the activation format, the backend and the pack's expert formats. A profile whose
+record differs from the running ones, or that records none (made by an older estream), is
+stale: its times belong to other kernels or another machine.
+  * `estream prefill --budget` and a stored configuration do not use a stale profile:
+    the run takes the default G=min(4, experts) Q=2 B=4 (smaller if the budget needs it)
+    and prints one warning line saying what differs.
+  * `estream config` refuses a stale profile (exit 1).
+  * `estream profile --if-stale` re-profiles only when the profile is missing or stale.
+"""
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
-    from estream.config import store_profile
+    from estream.config import profile_mismatch, running_identity, store_profile
+    from estream.engine import DEFAULT_THREADS
     from estream.packed import PackedModel
     from estream.profiling import profile_model
 
+    if args.if_stale:
+        model = PackedModel(args.model)
+        doc = model.manifest.get("profile")
+        if doc:
+            running = running_identity(model, n_threads=DEFAULT_THREADS)
+            diffs = profile_mismatch(doc.get("measured_with") or {}, running)
+            if not diffs:
+                _log(f"{args.model}: the stored profile is current; nothing to do")
+                return 0
+            _log(f"{args.model}: the stored profile is stale: {'; '.join(diffs)}")
+        else:
+            _log(f"{args.model}: no profile stored")
     cands = args.candidates
     if cands is None:  # the default set, the sizes of it that fit the model's experts
         from estream.profiling import DEFAULT_CANDIDATES
@@ -178,7 +209,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from estream.config import configure_for_budget, store_config
+    from estream.config import configure_for_budget, require_fresh_profile, store_config
     from estream.packed import PackedModel
 
     check_output(args.plot, "--plot")
@@ -191,6 +222,7 @@ def cmd_config(args: argparse.Namespace) -> int:
             f"--tokens {args.tokens} is longer than the model context "
             f"({model.hparams.n_ctx} tokens)"
         )
+    require_fresh_profile(model)  # a stale profile's times would choose for other kernels
     t0 = time.perf_counter()
     choice = configure_for_budget(model, budget, args.tokens)
     dt = time.perf_counter() - t0
@@ -342,8 +374,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="estream-pack's arguments")
     p.set_defaults(func=cmd_pack)
 
-    p = sub.add_parser("profile", help="calibrate: one request per candidate group size")
+    p = sub.add_parser(
+        "profile",
+        help="calibrate: one request per candidate group size",
+        description=PROFILE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("model", help=MODEL_HELP)
+    p.add_argument(
+        "--if-stale",
+        action="store_true",
+        help="profile only if the stored profile is missing or stale (measured with another "
+        "CPU, SIMD kernel set, estream-htp build, thread count or expert formats, or not "
+        "saying what with); otherwise say it is current and change nothing",
+    )
     p.add_argument(
         "--candidates",
         type=int_list,

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
+import warnings
 from typing import Any
 
+from estream.config import StaleProfileWarning
 from estream.engine import ACTS, ATTENTION, DENSE_OPS, MODES, Engine, load
 from estream.experts import SCHEDULES
 
@@ -241,6 +244,18 @@ def engine_from_args(
     the prompt length a ``--budget`` configuration is chosen for (one request's length);
     ``op_stats``: each pass's metrics get the per-op table (`estream.opstats`)."""
     check_engine_opts(args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", StaleProfileWarning)
+        engine = _load(args, progress, tokens, op_stats)
+    for w in caught:  # a stale profile: one warning line, as the command's other messages
+        if issubclass(w.category, StaleProfileWarning):
+            print(f"estream: warning: {w.message}", file=sys.stderr, flush=True)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return engine
+
+
+def _load(args: argparse.Namespace, progress: bool, tokens: int | None, op_stats: bool) -> Engine:
     return load(
         args.model,
         mode=args.mode,
