@@ -160,3 +160,36 @@ def test_bench_engine_trace_tables_read_rates_against_the_peaks(capsys) -> None:
     assert "op_table" not in rows[1]
     out = capsys.readouterr().out
     assert "stream T=64" in out and "of peak" in out and "50.0%" in out
+
+
+def test_bench_engine_ensure_profile_reprofiles_a_stale_profile(tmp_path: Path, capsys) -> None:
+    """bench_engine's `ensure_profile` profiles a pack without a profile at the runs' threads,
+    reuses a current one (manifest untouched), and re-profiles a stale one (made at other
+    threads, or recording nothing) so that it matches this machine and the runs' threads."""
+    from estream.config import running_identity, store_profile
+    from estream.packed import PackedModel, update_config
+    from estream.profiling import profile_model
+    from estream_layout import pack_model
+
+    be = _bench_engine()
+    synth_model("olmoe", "tiny", tmp_path / "m.gguf", seed=6)
+    dst = tmp_path / "m.estream"
+    pack_model(tmp_path / "m.gguf", dst, progress=False)
+    small = {"candidates": (1, 2), "queue_depths": (1, 2), "n_tokens": 8, "bw_rounds": 1}
+    store_profile(PackedModel(dst), profile_model(dst, n_threads=2, **small))
+    before = (dst / "manifest.json").read_bytes()
+    be.ensure_profile(dst, threads=2)  # current: reused
+    assert (dst / "manifest.json").read_bytes() == before
+    assert "profiling" not in capsys.readouterr().out
+    be.ensure_profile(dst, threads=1)  # measured at 2 threads, the runs use 1
+    out = capsys.readouterr().out
+    assert "stored profile is stale: threads 2 (profiled) != 1 (now)" in out
+    model = PackedModel(dst)
+    assert model.manifest["profile"]["measured_with"] == running_identity(model, n_threads=1)
+    doc = dict(model.manifest["profile"])
+    doc.pop("measured_with")  # a profile from before the record existed
+    update_config(dst, "profile", doc)
+    be.ensure_profile(dst, threads=1)
+    assert "does not record what it was measured with" in capsys.readouterr().out
+    model = PackedModel(dst)
+    assert model.manifest["profile"]["measured_with"] == running_identity(model, n_threads=1)

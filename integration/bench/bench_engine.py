@@ -262,19 +262,29 @@ def model_paths(arch: str, preset: str, seed: int = 0, quant: str = "q4_0") -> t
     return CACHE / f"{stem}.gguf", CACHE / f"{stem}.estream"
 
 
-def ensure_profile(dst: Path) -> None:
-    """Profile the packed model once (stored in its manifest, reused by later runs)."""
-    from estream.config import store_profile
+def ensure_profile(dst: Path, threads: int | None = None) -> None:
+    """Profile the packed model at ``threads`` (default: the engine's) when it has no profile
+    or a stale one (measured with other kernels, CPU, threads or expert formats, or not saying
+    what with: `estream.config.profile_mismatch`); a current profile is reused."""
+    from estream.config import profile_mismatch, running_identity, store_profile
+    from estream.engine import DEFAULT_THREADS
     from estream.packed import PackedModel
     from estream.profiling import profile_model
 
     model = PackedModel(dst)
-    if not model.manifest.get("profile"):
-        print("profiling (one calibration request per g) …", flush=True)
-        t0 = time.perf_counter()
-        prof = profile_model(dst, log=print)
-        store_profile(model, prof)
-        print(f"  profiled in {time.perf_counter() - t0:.0f} s", flush=True)
+    n_threads = int(threads or DEFAULT_THREADS)
+    doc = model.manifest.get("profile")
+    if doc:
+        running = running_identity(model, n_threads=n_threads)
+        stale = profile_mismatch(doc.get("measured_with") or {}, running)
+        if not stale:
+            return
+        print(f"stored profile is stale: {'; '.join(stale)}", flush=True)
+    print("profiling (one calibration request per g) …", flush=True)
+    t0 = time.perf_counter()
+    prof = profile_model(dst, n_threads=n_threads, log=print)
+    store_profile(model, prof)
+    print(f"  profiled in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def configure_and_store(dst: Path, budget: int) -> Any:
@@ -294,7 +304,12 @@ def configure_and_store(dst: Path, budget: int) -> Any:
 
 
 def prepare(
-    preset: str, budget: int, seed: int = 0, arch: str = "olmoe", quant: str = "q4_0"
+    preset: str,
+    budget: int,
+    seed: int = 0,
+    arch: str = "olmoe",
+    quant: str = "q4_0",
+    threads: int | None = None,
 ) -> tuple[Path, Path]:
     from estream_layout import LayoutError, Manifest, pack_model, synth_model
 
@@ -313,7 +328,7 @@ def prepare(
     if fresh:
         print(f"packing {dst} …", flush=True)
         pack_model(src, dst, force=True, progress=True)
-    ensure_profile(dst)
+    ensure_profile(dst, threads)  # the runs' threads: a profile at others is stale for them
     configure_and_store(dst, budget)
     return src, dst
 
@@ -418,7 +433,7 @@ def main() -> int:
     from estream_layout import PRESET_ARCH
 
     arch = args.arch or PRESET_ARCH.get(args.preset, "olmoe")
-    src, dst = prepare(args.preset, budget, arch=arch, quant=args.quant)
+    src, dst = prepare(args.preset, budget, arch=arch, quant=args.quant, threads=args.threads)
     from estream.packed import PackedModel
 
     hp = PackedModel(dst).hparams
