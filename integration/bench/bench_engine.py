@@ -265,20 +265,18 @@ def model_paths(arch: str, preset: str, seed: int = 0, quant: str = "q4_0") -> t
 def ensure_profile(dst: Path, threads: int | None = None) -> None:
     """Profile the packed model at ``threads`` (default: the engine's) when it has no profile
     or a stale one (measured with other kernels, CPU, threads or expert formats, or not saying
-    what with: `estream.config.profile_mismatch`); a current profile is reused."""
-    from estream.config import profile_mismatch, running_identity, store_profile
+    what with: `estream.config.profile_staleness`); a current profile is reused."""
+    from estream.config import profile_staleness, store_profile
     from estream.engine import DEFAULT_THREADS
     from estream.packed import PackedModel
     from estream.profiling import profile_model
 
     model = PackedModel(dst)
     n_threads = int(threads or DEFAULT_THREADS)
-    doc = model.manifest.get("profile")
-    if doc:
-        running = running_identity(model, n_threads=n_threads)
-        stale = profile_mismatch(doc.get("measured_with") or {}, running)
-        if not stale:
-            return
+    stale = profile_staleness(model, n_threads)
+    if stale == []:
+        return
+    if stale:
         print(f"stored profile is stale: {'; '.join(stale)}", flush=True)
     print("profiling (one calibration request per g) …", flush=True)
     t0 = time.perf_counter()

@@ -169,13 +169,10 @@ def sweep_regret(sweep: list[dict[str, Any]]) -> dict[str, Any]:
 
 def profile_is_stale(model: Any) -> bool:
     """Whether the pack's stored profile was measured with something else than this machine,
-    these kernels and the engine's default threads (`estream.config.profile_mismatch`)."""
-    from estream.config import profile_mismatch, running_identity
-    from estream.engine import DEFAULT_THREADS
+    these kernels and the engine's default threads (`estream.config.profile_staleness`)."""
+    from estream.config import profile_staleness
 
-    doc = model.manifest.get("profile") or {}
-    running = running_identity(model, n_threads=DEFAULT_THREADS)
-    return bool(profile_mismatch(doc.get("measured_with") or {}, running))
+    return bool(profile_staleness(model))
 
 
 def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -205,6 +205,26 @@ def test_explicit_groups_ignore_the_profile(pack: Path) -> None:
     )
 
 
+def test_an_invalid_record_is_one_error_line(
+    pack: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``measured_with`` that is not what estream-sched accepts (a thread count given as
+    true) stops `prefill --budget` with one error line naming the pack and the field."""
+    doc = copy.deepcopy(PackedModel(pack).manifest["profile"])
+    doc["measured_with"]["threads"] = True
+    update_config(pack, "profile", doc)
+    rc, _, err = run(capsys, "prefill", str(pack), "--tokens", "1,2", "--budget", "4GiB")
+    assert rc == 1 and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("estream: error:")
+    assert "stored profile is invalid" in lines[0] and "measured_with.threads" in lines[0]
+    # --if-stale takes an invalid profile for a stale one and measures it again
+    args = ["--candidates", "1,2", "--queue-depths", "1,2", "--tokens", "8", "--bw-rounds", "1"]
+    rc, _, err = run(capsys, "profile", str(pack), "--if-stale", *args)
+    assert rc == 0 and "stored profile is invalid" in err and "profile stored in" in err
+    assert config.profile_staleness(PackedModel(pack)) == []
+
+
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     rc = main(list(argv))
     out, err = capsys.readouterr()
@@ -250,5 +270,8 @@ def test_cli_profile_if_stale(pack: Path, capsys: pytest.CaptureFixture[str]) ->
     model = PackedModel(pack)
     running = running_identity(model, n_threads=DEFAULT_THREADS)
     assert model.manifest["profile"]["measured_with"] == running
+    assert config.profile_staleness(model) == [] and config.profile_staleness(
+        model, DEFAULT_THREADS + 1
+    ) == [f"threads {DEFAULT_THREADS} (profiled) != {DEFAULT_THREADS + 1} (now)"]
     rc, _, err = run(capsys, "config", str(pack), "--budget", "4GiB")
     assert rc == 0, err

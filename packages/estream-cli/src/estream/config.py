@@ -39,6 +39,7 @@ __all__ = [
     "cpu_name",
     "kernel_build",
     "profile_mismatch",
+    "profile_staleness",
     "require_fresh_profile",
     "resolve_config",
     "running_identity",
@@ -218,21 +219,40 @@ def _fmt_bytes(n: int) -> str:
     return es.format_bytes(int(n))
 
 
-def _stale_reason(
+def profile_staleness(
     model: PackedModel, n_threads: int | None = None, act: str = "q8", backend: str = "host"
-) -> str | None:
-    """Why the stored profile is stale for a run with these options ('; '-joined), None if it
-    is fresh or there is none (then the budget's configurator says that there is none)."""
-    doc = model.manifest.get("profile")
-    if not doc:
+) -> list[str] | None:
+    """Why the stored profile would be stale for a run with these options (`profile_mismatch`;
+    one phrase for a profile estream-sched refuses), [] when it is current, None when there is
+    none. ``n_threads`` defaults to the engine's."""
+    if not model.manifest.get("profile"):
         return None
-    recorded = doc.get("measured_with") if isinstance(doc, Mapping) else None
+    try:
+        recorded = stored_profile(model).measured_with
+    except PackError as exc:
+        return [str(exc)]
     if n_threads is None:
         from .engine import DEFAULT_THREADS  # the engine imports this module
 
         n_threads = DEFAULT_THREADS
     running = running_identity(model, n_threads=n_threads, act=act, backend=backend)
-    return "; ".join(profile_mismatch(recorded or {}, running)) or None
+    return profile_mismatch(recorded, running)
+
+
+def _stale_reason(
+    model: PackedModel, n_threads: int | None = None, act: str = "q8", backend: str = "host"
+) -> str | None:
+    """Why the stored profile is stale for a run with these options ('; '-joined), None if it
+    is fresh or there is none (then the budget's configurator says that there is none)."""
+    if not model.manifest.get("profile"):
+        return None
+    recorded = stored_profile(model).measured_with  # validated by its owner, estream-sched
+    if n_threads is None:
+        from .engine import DEFAULT_THREADS  # the engine imports this module
+
+        n_threads = DEFAULT_THREADS
+    running = running_identity(model, n_threads=n_threads, act=act, backend=backend)
+    return "; ".join(profile_mismatch(recorded, running)) or None
 
 
 def require_fresh_profile(
@@ -301,7 +321,13 @@ def stored_profile(model: PackedModel) -> es.Profile:
         raise PackError(
             f"{model.path}: no profile stored — run `estream profile {model.path}` first"
         )
-    return es.Profile.from_dict(prof)
+    try:
+        return es.Profile.from_dict(prof)
+    except es.ProfileError as exc:
+        raise PackError(
+            f"{model.path}: the stored profile is invalid ({exc}); re-profile with "
+            f"`estream profile {model.path}`"
+        ) from None
 
 
 def configure_for_budget(

@@ -166,23 +166,19 @@ stale: its times belong to other kernels or another machine.
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from estream.config import profile_mismatch, running_identity, store_profile
-    from estream.engine import DEFAULT_THREADS
+    from estream.config import profile_staleness, store_profile
     from estream.packed import PackedModel
     from estream.profiling import profile_model
 
     if args.if_stale:
-        model = PackedModel(args.model)
-        doc = model.manifest.get("profile")
-        if doc:
-            running = running_identity(model, n_threads=DEFAULT_THREADS)
-            diffs = profile_mismatch(doc.get("measured_with") or {}, running)
-            if not diffs:
-                _log(f"{args.model}: the stored profile is current; nothing to do")
-                return 0
-            _log(f"{args.model}: the stored profile is stale: {'; '.join(diffs)}")
-        else:
+        diffs = profile_staleness(PackedModel(args.model))
+        if diffs == []:
+            _log(f"{args.model}: the stored profile is current; nothing to do")
+            return 0
+        if diffs is None:
             _log(f"{args.model}: no profile stored")
+        else:
+            _log(f"{args.model}: the stored profile is stale: {'; '.join(diffs)}")
     cands = args.candidates
     if cands is None:  # the default set, the sizes of it that fit the model's experts
         from estream.profiling import DEFAULT_CANDIDATES
