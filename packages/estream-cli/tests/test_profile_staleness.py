@@ -89,6 +89,32 @@ def test_the_profile_records_what_it_ran_with_and_reads_it_back(profiled: Path) 
         "estream-htp "
     )
     assert es.Profile.from_dict(model.manifest["profile"]).measured_with == stored
+    # how busy the machine was: the 1-min load before and after, and the CPU count
+    meta = model.manifest["profile"]["meta"]
+    assert len(meta["load_average"]) == 2 and all(x >= 0 for x in meta["load_average"])
+    assert meta["cpus"] >= 1
+
+
+def test_a_busy_machine_is_said_and_recorded(pack: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Profiling while the machine is busy (a 1-min load above half its CPUs) says that the
+    times are inflated, and the profile records the load it was measured under."""
+    import os
+
+    from estream import profiling
+
+    monkeypatch.setattr(profiling.os, "getloadavg", lambda: (64.0, 0.0, 0.0))
+    lines: list[str] = []
+    prof = profile_model(
+        pack, candidates=(1,), queue_depths=(1,), n_tokens=4, bw_rounds=1, log=lines.append
+    )
+    assert any("the machine is busy (1-min load 64.0" in ln for ln in lines)
+    assert prof.meta["load_average"] == [64.0, 64.0] and prof.meta["cpus"] == os.cpu_count()
+    monkeypatch.setattr(profiling.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    lines.clear()
+    profile_model(
+        pack, candidates=(1,), queue_depths=(1,), n_tokens=4, bw_rounds=1, log=lines.append
+    )
+    assert not any("busy" in ln for ln in lines)
 
 
 def test_a_fresh_profile_configures_the_budget(profiled: Path) -> None:

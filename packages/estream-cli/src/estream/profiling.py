@@ -136,6 +136,12 @@ def profile_model(
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, hp.n_vocab, size=T)
     W_e = model.record_bytes
+    load0 = _load_average()  # other work on the machine inflates every time measured below
+    if load0 is not None and load0 > max(1.0, (os.cpu_count() or 1) / 2):
+        say(
+            f"  the machine is busy (1-min load {load0:.1f} on {os.cpu_count()} CPUs): the "
+            "times measured now are inflated; profile again on a quiet machine"
+        )
     cand: dict[int, list[es.LayerProfile]] = {}
     m_other: dict[int, int] = {}
     threads = int(n_threads or DEFAULT_THREADS)
@@ -179,12 +185,22 @@ def profile_model(
         meta={
             "tokens": T,
             "bandwidth_rounds": bw_rounds,
+            # 1-min load average before and after calibrating (None where unknown)
+            "load_average": [load0, _load_average()],
+            "cpus": os.cpu_count(),
             "bandwidth_samples": {
                 str(g): {str(q): v for q, v in by_q.items()} for g, by_q in samples.items()
             },
         },
         measured_with=running_identity(model, n_threads=threads, act="q8", backend="host"),
     )
+
+
+def _load_average() -> float | None:
+    try:
+        return float(os.getloadavg()[0])
+    except OSError:
+        return None
 
 
 def _calibration(
