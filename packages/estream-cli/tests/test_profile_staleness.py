@@ -299,5 +299,14 @@ def test_cli_profile_if_stale(pack: Path, capsys: pytest.CaptureFixture[str]) ->
     assert config.profile_staleness(model) == [] and config.profile_staleness(
         model, DEFAULT_THREADS + 1
     ) == [f"threads {DEFAULT_THREADS} (profiled) != {DEFAULT_THREADS + 1} (now)"]
-    rc, _, err = run(capsys, "config", str(pack), "--budget", "4GiB")
+    # --threads: calibrated for runs at that count, and --if-stale compares with it
+    other = DEFAULT_THREADS + 1
+    rc, _, err = run(capsys, "profile", str(pack), "--if-stale", "--threads", str(other), *args)
+    assert rc == 0 and f"threads {DEFAULT_THREADS} (profiled) != {other} (now)" in err
+    assert PackedModel(pack).manifest["profile"]["measured_with"]["threads"] == other
+    rc, _, err = run(capsys, "profile", str(pack), "--if-stale", "--threads", str(other), *args)
+    assert rc == 0 and "current; nothing to do" in err
+    rc, _, err = run(capsys, "config", str(pack), "--budget", "4GiB")  # the default threads
+    assert rc == 1 and f"threads {other} (profiled) != {DEFAULT_THREADS} (now)" in err
+    rc, _, err = run(capsys, "config", str(pack), "--budget", "4GiB", "--threads", str(other))
     assert rc == 0, err

@@ -171,7 +171,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from estream.profiling import profile_model
 
     if args.if_stale:
-        diffs = profile_staleness(PackedModel(args.model))
+        diffs = profile_staleness(PackedModel(args.model), args.threads)
         if diffs == []:
             _log(f"{args.model}: the stored profile is current; nothing to do")
             return 0
@@ -197,6 +197,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         queue_depths=qs,
         n_tokens=args.tokens,
         bw_rounds=args.bw_rounds,
+        n_threads=args.threads,
         log=_log,
     )
     store_profile(PackedModel(args.model), prof)
@@ -218,7 +219,7 @@ def cmd_config(args: argparse.Namespace) -> int:
             f"--tokens {args.tokens} is longer than the model context "
             f"({model.hparams.n_ctx} tokens)"
         )
-    require_fresh_profile(model)  # a stale profile's times would choose for other kernels
+    require_fresh_profile(model, args.threads)  # stale times would choose for other kernels
     t0 = time.perf_counter()
     choice = configure_for_budget(model, budget, args.tokens)
     dt = time.perf_counter() - t0
@@ -385,6 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
         "saying what with); otherwise say it is current and change nothing",
     )
     p.add_argument(
+        "--threads",
+        type=bounded_int(MAX_THREADS, "threads"),
+        help="compute threads to calibrate with: those of the runs the profile is for (default: "
+        "all cores, ≤ 8, as the runs'); a run at another count finds the profile stale",
+    )
+    p.add_argument(
         "--candidates",
         type=int_list,
         default=None,
@@ -429,6 +436,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="machine-readable output (the choice and its table)"
     )
     p.add_argument("--plot", metavar="PNG", help="plot the latency–memory frontier")
+    p.add_argument(
+        "--threads",
+        type=bounded_int(MAX_THREADS, "threads"),
+        help="compute threads of the runs to configure for (default: all cores, ≤ 8); a "
+        "profile measured at another count is stale and refused",
+    )
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("prefill", help="one forward pass; print next-token top-k and metrics")
