@@ -129,6 +129,11 @@ def synthetic_specs(
 
 @st.composite
 def profiles(draw: st.DrawFn, **kwargs: int) -> Profile:
-    """Valid synthetic profiles (see :func:`synthetic_specs`)."""
+    """Valid synthetic profiles (see :func:`synthetic_specs`), some with a ``measured_with``."""
     spec = draw(synthetic_specs(**kwargs))
-    return synthetic_profile(spec, seed=draw(st.integers(0, 2**16)))
+    p = synthetic_profile(spec, seed=draw(st.integers(0, 2**16)))
+    value = st.one_of(
+        st.text(max_size=8), st.integers(-(2**40), 2**40), st.lists(st.text(max_size=4), max_size=3)
+    )
+    measured_with = draw(st.dictionaries(st.text(min_size=1, max_size=8), value, max_size=4))
+    return attrs.evolve(p, measured_with=measured_with) if measured_with else p
