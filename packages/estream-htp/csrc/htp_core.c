@@ -51,6 +51,13 @@ void htp_f32_strip_portable(const float *panel, uint32_t k, const float *x, uint
 void htp_quantize_q8_portable(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s) {
     htp_quantize_row_q8_body(x, k, q, d, s);
 }
+void htp_q8_q6k_seeds(const int8_t *q, uint32_t kb, int32_t *z) {
+    for (uint32_t j = 0; j < kb; j++) {
+        int32_t lo = 0, hi = 0;
+        for (int i = 0; i < 16; i++) lo += q[32 * j + i], hi += q[32 * j + 16 + i];
+        z[2 * j] = -32 * lo, z[2 * j + 1] = -32 * hi;
+    }
+}
 
 const htp_isa htp_isa_portable = {
     .level = HTP_SIMD_PORTABLE,
@@ -223,7 +230,8 @@ void htp_gemm_tiles(const htp_isa *isa, const uint8_t *w, uint32_t fmt, uint32_t
         if (q8) {
             for (uint32_t t0 = 0; t0 < t; t0 += ntmax) {
                 const uint32_t nt = HTP_MIN(ntmax, t - t0);
-                const htp_act_q8 a = {q8->q + (size_t)t0 * k, q8->d + (size_t)t0 * kb, q8->s + (size_t)t0 * kb};
+                const htp_act_q8 a = {q8->q + (size_t)t0 * k, q8->d + (size_t)t0 * kb, q8->s + (size_t)t0 * kb,
+                                      q8->z ? q8->z + (size_t)t0 * kb * 2 : NULL};
                 if (strip_fn)
                     strip_fn(strip, kb, &a, nt, o + (size_t)t0 * ldo, ldo, rows);
                 else /* Q4_1 / Q5_0 / Q5_1: one kernel for the three, told the format */
@@ -252,6 +260,7 @@ typedef struct gemm_ctx {
     int8_t *q;
     float *qd;
     int32_t *qs;
+    int32_t *qz; /* the Q6_K start values of the rows quantized here (NULL: none) */
     int use_q8;
     int quantize; /* q8: quantize x first (0: the caller's Q8 rows) */
     uint32_t next; /* the next (token chunk, tile block) item (htp_next) */
@@ -273,9 +282,11 @@ static void gemm_task(void *arg, uint32_t ith, uint32_t nth) {
     if (c->quantize) {
         uint32_t b, e;
         htp_split(c->t, ith, nth, &b, &e);
-        for (uint32_t i = b; i < e; i++)
+        for (uint32_t i = b; i < e; i++) {
             c->isa->quantize_row_q8(c->x + (size_t)i * c->ldx, c->k, c->q + (size_t)i * c->k,
                                     c->qd + (size_t)i * kb, c->qs + (size_t)i * kb);
+            if (c->qz) htp_q8_q6k_seeds(c->q + (size_t)i * c->k, kb, c->qz + (size_t)i * kb * 2);
+        }
         htp_barrier(c->pool);
     }
     float *panel = c->use_q8 ? NULL : (float *)htp_scratch(c->pool, ith, 0, 0);
@@ -292,7 +303,9 @@ static void gemm_task(void *arg, uint32_t ith, uint32_t nth) {
         const uint32_t tb = item % n_blk * HTP_GEMM_BLOCK_TILES;
         const uint32_t te = HTP_MIN(c->tiles, tb + HTP_GEMM_BLOCK_TILES);
         htp_act_q8 a = {NULL, NULL, NULL};
-        if (c->use_q8) a = (htp_act_q8){c->q + (size_t)t0 * c->k, c->qd + (size_t)t0 * kb, c->qs + (size_t)t0 * kb};
+        if (c->use_q8)
+            a = (htp_act_q8){c->q + (size_t)t0 * c->k, c->qd + (size_t)t0 * kb, c->qs + (size_t)t0 * kb,
+                             c->qz ? c->qz + (size_t)t0 * kb * 2 : NULL};
         uint32_t base = 0; /* first tile of matrix i in the joint range */
         for (uint32_t i = 0; i < c->n_mats && base < te; i++) {
             const htp_gemm_mat *m = &c->m[i];
@@ -315,7 +328,7 @@ htp_status htp_exec_gemm(htp_exec *e, const htp_gemm_mat *mats, uint32_t n_mats,
      * refuses int8 rows given for them) */
     const int use_q8 = act == HTP_ACT_Q8 && !HTP_IS_FLOAT_TILE(fmt);
     if (xq && !use_q8) return HTP_E_INVALID;
-    gemm_ctx c = {e->isa, e->pool, mats, n_mats, fmt, k, t, ldx, 0, x, NULL, NULL, NULL, use_q8, 0, 0};
+    gemm_ctx c = {e->isa, e->pool, mats, n_mats, fmt, k, t, ldx, 0, x, NULL, NULL, NULL, NULL, use_q8, 0, 0};
     for (uint32_t i = 0; i < n_mats; i++) c.tiles += (mats[i].n + 31) / 32;
     void *buf = NULL;
     if (c.use_q8 && xq) { /* quantized by the caller, once for every op on this input */
@@ -324,11 +337,13 @@ htp_status htp_exec_gemm(htp_exec *e, const htp_gemm_mat *mats, uint32_t n_mats,
         c.quantize = 1;
         /* the backend's shared per-op buffer (kept between calls: no page faults per GEMM) */
         const size_t kb = k / 32;
-        buf = htp_scratch(e->pool, 0, 3, (size_t)t * k + (size_t)t * kb * 8 + 64);
+        const int q6k = fmt == HTP_FMT_Q6_K_T32R4; /* its kernels' start values too */
+        buf = htp_scratch(e->pool, 0, 3, (size_t)t * k + (size_t)t * kb * (q6k ? 16 : 8) + 64);
         if (!buf) return HTP_E_NOMEM;
         c.qd = (float *)buf;
         c.qs = (int32_t *)(c.qd + (size_t)t * kb);
         c.q = (int8_t *)(c.qs + (size_t)t * kb);
+        if (q6k) c.qz = (int32_t *)(c.q + (size_t)t * k);
     } else {
         for (uint32_t i = 0; i < htp_pool_nth(e->pool); i++)
             if (!htp_scratch(e->pool, i, 0, (size_t)k * 32 * sizeof(float))) return HTP_E_NOMEM;

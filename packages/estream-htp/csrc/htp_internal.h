@@ -130,6 +130,10 @@ typedef struct htp_act_q8 {
     const int8_t *q;  /* [t][k] */
     const float *d;   /* [t][k/32] */
     const int32_t *s; /* [t][k/32] (sums of the int8 values of each block) */
+    /* optional (NULL: a kernel computes them): [t][k/32][2], -32 x the sum of each block's
+     * values 0..15 and -32 x the sum of its values 16..31, the integer start of the Q6_K
+     * kernels' two half sums (htp_q8_q6k_seeds); filled by the ops that quantize the rows */
+    const int32_t *z;
 } htp_act_q8;
 
 /* ---- attention ---- */
@@ -320,6 +324,8 @@ int htp_is_dense_format(uint32_t fmt); /* a weight format, or an F16 / BF16 tile
 void htp_f32_strip_portable(const float *panel, uint32_t k, const float *x, uint32_t ldx,
                             uint32_t nt, float *out, uint32_t ldo, uint32_t rows);
 void htp_quantize_q8_portable(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s);
+/* the Q6_K start values (htp_act_q8.z) of kb blocks of quantized values q into z[kb][2] */
+void htp_q8_q6k_seeds(const int8_t *q, uint32_t kb, int32_t *z);
 void htp_attn_task_portable(const htp_attn_ctx *c, uint32_t task, float *scratch);
 void htp_swiglu_portable(const float *g, const float *u, uint64_t n, float *out);
 /* the vector SwiGLU (htp_vswiglu.h), in the attention task's translation units */

@@ -289,10 +289,11 @@ Q4K_KERNEL(bw, HTP_T_AVX512, DOT_BW)
 
 /* ---- Q6_K x Q8 tile kernel, AVX-512: the int8 values (-32..31) are made unsigned by +32 for
  * the u8 x s8 dot product, so each half's sum carries 32 x (its activations' sum): the integer
- * sums start at -32 x that sum (as the Q4_0 kernel's start at -8 x the block's), the half sums
- * taken with one vpsadbw per token and block; then the int32 sc0*dot0 + sc1*dot1 (the scale
- * pairs at byte 64 + 2r sign-extended from 16-bit lanes) times d·da. Groups 0..3 are columns
- * 0..15, groups 4..7 columns 16..31. */
+ * sums start at -32 x that sum (as the Q4_0 kernel's start at -8 x the block's), read from the
+ * rows' start values (htp_act_q8.z) where the op that quantized the rows made them, else the
+ * half sums taken with one vpsadbw per token and block (in every strip: ~13 % of the kernel's
+ * time); then the int32 sc0*dot0 + sc1*dot1 (the scale pairs at byte 64 + 2r sign-extended from
+ * 16-bit lanes) times d·da. Groups 0..3 are columns 0..15, groups 4..7 columns 16..31. */
 HTP_T_AVX512 static inline __attribute__((always_inline)) int32_t q6k_sum16(const int8_t *a) {
     /* sum of 16 int8: vpsadbw on the values + 128, less 16 x 128 */
     const __m128i v = _mm_xor_si128(_mm_loadu_si128((const __m128i *)a), _mm_set1_epi8((char)0x80));
@@ -302,7 +303,7 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) int32_t q6k_sum16(cons
 #define Q6K_KERNEL(SUFFIX, TARGET, DOT)                                                          \
     TARGET static inline __attribute__((always_inline)) void q6kq8_block_##SUFFIX(               \
         const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s,    \
-        uint32_t k, float *out, uint32_t ldo, uint32_t rows, const int NT) {                     \
+        const int32_t *z, uint32_t k, float *out, uint32_t ldo, uint32_t rows, const int NT) {   \
         const __m512i off = _mm512_set1_epi8(32);                                                \
         __m512 acc[4][2];                                                                        \
         for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();                \
@@ -310,9 +311,14 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) int32_t q6k_sum16(cons
             const uint8_t *tile = strip + (size_t)j * HTP_Q6K_TILE_BYTES;                       \
             __m512i lo[4][2], hi[4][2];                                                          \
             for (int u = 0; u < NT; u++) {                                                       \
-                const int32_t slo = q6k_sum16(q + (size_t)u * k + 32 * j);                       \
-                lo[u][0] = lo[u][1] = _mm512_set1_epi32(-32 * slo);                              \
-                hi[u][0] = hi[u][1] = _mm512_set1_epi32(-32 * (s[(size_t)u * kb + j] - slo));    \
+                if (z) { /* made with the rows: two broadcasts from memory */                    \
+                    lo[u][0] = lo[u][1] = _mm512_set1_epi32(z[2 * ((size_t)u * kb + j)]);        \
+                    hi[u][0] = hi[u][1] = _mm512_set1_epi32(z[2 * ((size_t)u * kb + j) + 1]);    \
+                } else {                                                                         \
+                    const int32_t slo = q6k_sum16(q + (size_t)u * k + 32 * j);                   \
+                    lo[u][0] = lo[u][1] = _mm512_set1_epi32(-32 * slo);                          \
+                    hi[u][0] = hi[u][1] = _mm512_set1_epi32(-32 * (s[(size_t)u * kb + j] - slo)); \
+                }                                                                                \
             }                                                                                    \
             for (int g = 0; g < 4; g++) {                                                        \
                 const uint8_t *gl = tile + 128 + 128 * g, *gh = gl + 512;                        \
@@ -358,23 +364,32 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) int32_t q6k_sum16(cons
             _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);                    \
         }                                                                                        \
     }                                                                                            \
-    TARGET static void q6kq8_strip_fast_##SUFFIX(const uint8_t *strip, uint32_t kb,              \
-                                                 const htp_act_q8 *a, uint32_t nt, float *out,   \
-                                                 uint32_t ldo, uint32_t rows) {                  \
+    TARGET static inline __attribute__((always_inline)) void q6kq8_strip_z_##SUFFIX(             \
+        const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out,         \
+        uint32_t ldo, uint32_t rows, const int Z) {                                              \
         const uint32_t k = kb * 32;                                                              \
         for (uint32_t t0 = 0; t0 < nt; t0 += 4) {                                                \
             const uint32_t n = nt - t0 < 4 ? nt - t0 : 4;                                        \
             const int8_t *q = a->q + (size_t)t0 * k;                                             \
             const float *d = a->d + (size_t)t0 * kb;                                             \
             const int32_t *s = a->s + (size_t)t0 * kb;                                           \
+            const int32_t *z = Z ? a->z + (size_t)t0 * kb * 2 : NULL;                            \
             float *o = out + (size_t)t0 * ldo;                                                   \
             switch (n) {                                                                         \
-            case 4: q6kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 4); break;         \
-            case 3: q6kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 3); break;         \
-            case 2: q6kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 2); break;         \
-            default: q6kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 1); break;        \
+            case 4: q6kq8_block_##SUFFIX(strip, kb, q, d, s, z, k, o, ldo, rows, 4); break;      \
+            case 3: q6kq8_block_##SUFFIX(strip, kb, q, d, s, z, k, o, ldo, rows, 3); break;      \
+            case 2: q6kq8_block_##SUFFIX(strip, kb, q, d, s, z, k, o, ldo, rows, 2); break;      \
+            default: q6kq8_block_##SUFFIX(strip, kb, q, d, s, z, k, o, ldo, rows, 1); break;     \
             }                                                                                    \
         }                                                                                        \
+    }                                                                                            \
+    TARGET static void q6kq8_strip_fast_##SUFFIX(const uint8_t *strip, uint32_t kb,              \
+                                                 const htp_act_q8 *a, uint32_t nt, float *out,   \
+                                                 uint32_t ldo, uint32_t rows) {                  \
+        if (a->z)                                                                                \
+            q6kq8_strip_z_##SUFFIX(strip, kb, a, nt, out, ldo, rows, 1);                         \
+        else                                                                                     \
+            q6kq8_strip_z_##SUFFIX(strip, kb, a, nt, out, ldo, rows, 0);                         \
     }
 
 Q6K_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)

@@ -132,7 +132,9 @@ def test_gemm_kquant_tables_give_portable_bits(
     """Q4_K, Q5_K and Q6_K tiles x int8 activations: every kernel table this CPU runs gives the
     portable table's results bit for bit (exact integer block sums and one shared fp32
     epilogue), at token counts off the kernels' 4 / 6 / 64 token steps, row counts off 16 / 32,
-    1..3 super-blocks, and scales that stress the rounding (_kq_stress_case)."""
+    1..3 super-blocks, and scales that stress the rounding (_kq_stress_case); from rows the
+    GEMM quantizes itself and from rows quantized beforehand (quantize_q8), which carry no
+    Q6_K start values (the kernel takes its half sums itself)."""
     _, buf, x = kquant_stress_case(t, n, sb, seed, fmt)
     with mode(simd="portable", act="q8", threads=1):
         base = htp.gemm(x, buf, n, fmt)
@@ -141,7 +143,9 @@ def test_gemm_kquant_tables_give_portable_bits(
         for th in (1, 2):
             with mode(simd=simd, act="q8", threads=th):
                 y = htp.gemm(x, buf, n, fmt)
+                y_rows = htp.gemm(htp.quantize_q8(x), buf, n, fmt)
             assert np.array_equal(y.view(np.uint32), base.view(np.uint32)), (simd, th)
+            assert np.array_equal(y_rows.view(np.uint32), base.view(np.uint32)), (simd, th)
 
 
 @pytest.mark.parametrize("fmt", KQ_FORMATS)
