@@ -190,3 +190,26 @@ def test_an_interrupted_synth_leaves_no_partial_file(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
     assert out.stat().st_mode & 0o777 == 0o640
     assert ModelSpec.from_gguf(out).n_layers > 0
+
+
+@pytest.mark.parametrize(
+    "qtype", ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q4_1", "Q5_0", "Q5_1"]
+)
+def test_random_weights_of_every_type_centre_on_zero(tmp_path: Path, qtype: str) -> None:
+    """Synthesized expert and dense matrices of each type have values centred on zero and rows
+    pointing in unrelated directions (mean |cosine| between rows within twice that of independent
+    random vectors, sqrt(2 / (pi K))), at the usual scale: a shared offset (a K-quant min drawn at random puts every element's mean at ~0.7 of
+    its RMS) would align every token's hidden state and send every token to the same experts."""
+    dims = {"n_embd": 256, "n_ff_exp": 256, "n_head": 4, "head_dim": 64, "n_ff": 256}
+    src = synth_model("qwen3moe", "tiny", tmp_path / "m.gguf", expert_type=qtype,
+                      dense_type=qtype, dims=dims, vocab="-")  # fmt: skip
+    spec = ModelSpec.from_gguf(src)
+    for name in ("blk.0.ffn_up_exps.weight", "blk.1.attn_q.weight"):
+        w = dequantize_tensor(spec, name).astype(np.float64)
+        w = w.reshape(-1, w.shape[-1])[:64]
+        assert abs(w.mean()) < 0.1 * w.std(), (name, w.mean(), w.std())
+        u = w / np.linalg.norm(w, axis=1, keepdims=True)
+        cos = u @ u.T
+        off = np.abs(cos[~np.eye(len(u), dtype=bool)]).mean()
+        assert off < 2 * np.sqrt(2 / (np.pi * w.shape[1])), (name, off)
+        assert 0.3 < w.std() * np.sqrt(w.shape[1]) < 3.0, (name, w.std())

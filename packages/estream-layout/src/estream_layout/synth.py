@@ -371,32 +371,41 @@ def _router(t: _T, rng: np.random.Generator, hot: np.ndarray | None, u: np.ndarr
     return w.astype(np.float32)
 
 
-def _random_q4_k(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
-    """Random Q4_K super-blocks (256 elements, 144 B: fp16 d, fp16 dmin, 12 B of 6-bit scales
-    and mins, 128 B of nibbles) with d/dmin chosen for an element RMS of ~gain/sqrt(K)."""
+def _random_k_quant(
+    rng: np.random.Generator, t: _T, rows: int, nbytes: int, q_max: int
+) -> np.ndarray:
+    """Random Q4_K / Q5_K super-blocks (``nbytes`` bytes: fp16 d, fp16 dmin, 12 B of 6-bit
+    scales and mins, then the codes) whose values centre on 0: each sub-block's min equals its
+    scale (``m_j = sc_j``) and ``dmin = d * q_max / 2``, so value = d·sc·(q − q_max/2), as a
+    quantizer's block minimum sits about half a block's range below zero. (A random min puts
+    every element's mean at ~0.7 of its RMS: the rows of every matrix then share one direction,
+    all tokens' hidden states align with it and the router sends every token to the same
+    experts.) d gives an element RMS of ~gain/sqrt(K): sc uniform in 0..63 has RMS 36.5."""
     k = t.shape[-1]
     nb = rows * (k // 256)
-    raw = rng.integers(0, 256, size=(nb, 144), dtype=np.uint8)
-    # value = d * scale * q - dmin * min, scale/min in 0..63, q in 0..15: RMS ~ 300 d
-    d = (t.gain / (300.0 * np.sqrt(k)) * rng.uniform(0.75, 1.25, size=nb)).astype(np.float16)
-    dmin = (d.astype(np.float32) * 0.5).astype(np.float16)
+    raw = rng.integers(0, 256, size=(nb, nbytes), dtype=np.uint8)
+    # the 12 scale bytes at 4..15: bytes 8..11 hold m_0..3 (low 6 bits) and m_4..7's top 2
+    # bits as bytes 4..7 do for sc; bytes 12..15 hold sc_4..7's low 4 bits in the low nibble
+    # and m_4..7's in the high one
+    raw[:, 12:16] = (raw[:, 12:16] & 0x0F) | ((raw[:, 12:16] & 0x0F) << 4)
+    raw[:, 8:12] = raw[:, 4:8]
+    q_rms = np.sqrt(((q_max + 1) ** 2 - 1) / 12.0)
+    d = (t.gain / (36.5 * q_rms * np.sqrt(k)) * rng.uniform(0.75, 1.25, size=nb)).astype(np.float16)
+    dmin = (d.astype(np.float32) * (q_max / 2.0)).astype(np.float16)
     raw[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
     raw[:, 2:4] = dmin.view(np.uint8).reshape(nb, 2)
     return raw.reshape(rows, -1)
+
+
+def _random_q4_k(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
+    """Random Q4_K super-blocks (144 B; q = 0..15), zero-centred (`_random_k_quant`)."""
+    return _random_k_quant(rng, t, rows, 144, 15)
 
 
 def _random_q5_k(rng: np.random.Generator, t: _T, rows: int) -> np.ndarray:
-    """Random Q5_K super-blocks (256 elements, 176 B: Q4_K's d, dmin and scales, 32 B of fifth
-    bits, 128 B of nibbles) with d/dmin chosen for an element RMS of ~gain/sqrt(K)."""
-    k = t.shape[-1]
-    nb = rows * (k // 256)
-    raw = rng.integers(0, 256, size=(nb, 176), dtype=np.uint8)
-    # value = d * scale * q - dmin * min, scale/min in 0..63, q in 0..31: RMS ~ 650 d
-    d = (t.gain / (650.0 * np.sqrt(k)) * rng.uniform(0.75, 1.25, size=nb)).astype(np.float16)
-    dmin = (d.astype(np.float32) * 0.5).astype(np.float16)
-    raw[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
-    raw[:, 2:4] = dmin.view(np.uint8).reshape(nb, 2)
-    return raw.reshape(rows, -1)
+    """Random Q5_K super-blocks (176 B: Q4_K's fields, 32 B of fifth bits, 128 B of nibbles;
+    q = 0..31), zero-centred (`_random_k_quant`)."""
+    return _random_k_quant(rng, t, rows, 176, 31)
 
 
 def _random_superblocks(
