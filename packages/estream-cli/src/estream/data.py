@@ -44,6 +44,7 @@ from .errors import (
 )
 
 __all__ = [
+    "ACTOR_ENV",
     "TASKS",
     "TaskRunner",
     "apply",
@@ -470,6 +471,19 @@ def verify_once(pack: str | os.PathLike[str], stop: Callable[[], bool] | None = 
         raise PackError(f"{pack}: {report.problems[0]}{more}")
 
 
+#: The environment Ray starts each actor's process with (``runtime_env`` env_vars, merged with
+#: the job's). ``MALLOC_ARENA_MAX=1``: every thread allocates from glibc's main heap. An actor's
+#: passes run on a thread Ray starts, not on its process's main thread, and glibc gives such a
+#: thread an arena of its own, made of 64 MiB heaps that are unmapped whole as soon as they are
+#: empty whatever `estream.memory.keep_freed_heap` set: a pass's ``[T, d]`` activations were
+#: fresh mappings, faulted in again at every op (a 3166-token OLMoE-shaped pass on one thread:
+#: ~40k page faults against ~7k in the command without ``--ray``, qk_norm 3.5 s of CPU against
+#: 0.25 s, ~5 s more CPU in all). glibc reads it when the process starts, hence the
+#: environment and not ``mallopt`` in the actor (which a thread that already has an arena
+#: ignores).
+ACTOR_ENV: dict[str, str] = {"MALLOC_ARENA_MAX": "1"}
+
+
 def apply(
     ds: Any,
     task: str,
@@ -494,7 +508,8 @@ def apply(
     phases in a ``_timings`` column (see `TaskRunner`). ``runner``: `TaskRunner` or a subclass.
 
     Ray Data's actor pool restarts an actor that died and runs its block again (its defaults,
-    ``max_restarts=-1`` and ``max_task_retries=-1``, which this leaves in place)."""
+    ``max_restarts=-1`` and ``max_task_retries=-1``, which this leaves in place). Each actor's
+    process starts with `ACTOR_ENV` in its environment."""
     ray = need_ray()
     if task not in TASKS:
         raise BadRequestError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
@@ -521,6 +536,7 @@ def apply(
         # behind it on the first actor to start would leave another actor idle.
         compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1),
         num_cpus=threads,
+        runtime_env={"env_vars": dict(ACTOR_ENV)},
     )
 
 
