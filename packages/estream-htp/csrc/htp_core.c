@@ -58,6 +58,9 @@ void htp_q8_q6k_seeds(const int8_t *q, uint32_t kb, int32_t *z) {
         z[2 * j] = -32 * lo, z[2 * j + 1] = -32 * hi;
     }
 }
+void htp_q8_q45k_sada(const float *d, const int32_t *s, uint32_t kb, float *sd) {
+    for (uint32_t j = 0; j < kb; j++) sd[j] = (float)s[j] * d[j];
+}
 
 const htp_isa htp_isa_portable = {
     .level = HTP_SIMD_PORTABLE,
@@ -231,7 +234,8 @@ void htp_gemm_tiles(const htp_isa *isa, const uint8_t *w, uint32_t fmt, uint32_t
             for (uint32_t t0 = 0; t0 < t; t0 += ntmax) {
                 const uint32_t nt = HTP_MIN(ntmax, t - t0);
                 const htp_act_q8 a = {q8->q + (size_t)t0 * k, q8->d + (size_t)t0 * kb, q8->s + (size_t)t0 * kb,
-                                      q8->z ? q8->z + (size_t)t0 * kb * 2 : NULL};
+                                      q8->z ? q8->z + (size_t)t0 * kb * 2 : NULL,
+                                      q8->sd ? q8->sd + (size_t)t0 * kb : NULL};
                 if (strip_fn)
                     strip_fn(strip, kb, &a, nt, o + (size_t)t0 * ldo, ldo, rows);
                 else /* Q4_1 / Q5_0 / Q5_1: one kernel for the three, told the format */
@@ -261,6 +265,7 @@ typedef struct gemm_ctx {
     float *qd;
     int32_t *qs;
     int32_t *qz; /* the Q6_K start values of the rows quantized here (NULL: none) */
+    float *qsd;  /* the Q4_K / Q5_K sa·da of the rows quantized here (NULL: none) */
     int use_q8;
     int quantize; /* q8: quantize x first (0: the caller's Q8 rows) */
     uint32_t next; /* the next (token chunk, tile block) item (htp_next) */
@@ -286,6 +291,9 @@ static void gemm_task(void *arg, uint32_t ith, uint32_t nth) {
             c->isa->quantize_row_q8(c->x + (size_t)i * c->ldx, c->k, c->q + (size_t)i * c->k,
                                     c->qd + (size_t)i * kb, c->qs + (size_t)i * kb);
             if (c->qz) htp_q8_q6k_seeds(c->q + (size_t)i * c->k, kb, c->qz + (size_t)i * kb * 2);
+            if (c->qsd)
+                htp_q8_q45k_sada(c->qd + (size_t)i * kb, c->qs + (size_t)i * kb, kb,
+                                 c->qsd + (size_t)i * kb);
         }
         htp_barrier(c->pool);
     }
@@ -305,7 +313,8 @@ static void gemm_task(void *arg, uint32_t ith, uint32_t nth) {
         htp_act_q8 a = {NULL, NULL, NULL};
         if (c->use_q8)
             a = (htp_act_q8){c->q + (size_t)t0 * c->k, c->qd + (size_t)t0 * kb, c->qs + (size_t)t0 * kb,
-                             c->qz ? c->qz + (size_t)t0 * kb * 2 : NULL};
+                             c->qz ? c->qz + (size_t)t0 * kb * 2 : NULL,
+                             c->qsd ? c->qsd + (size_t)t0 * kb : NULL};
         uint32_t base = 0; /* first tile of matrix i in the joint range */
         for (uint32_t i = 0; i < c->n_mats && base < te; i++) {
             const htp_gemm_mat *m = &c->m[i];
@@ -328,7 +337,7 @@ htp_status htp_exec_gemm(htp_exec *e, const htp_gemm_mat *mats, uint32_t n_mats,
      * refuses int8 rows given for them) */
     const int use_q8 = act == HTP_ACT_Q8 && !HTP_IS_FLOAT_TILE(fmt);
     if (xq && !use_q8) return HTP_E_INVALID;
-    gemm_ctx c = {e->isa, e->pool, mats, n_mats, fmt, k, t, ldx, 0, x, NULL, NULL, NULL, NULL, use_q8, 0, 0};
+    gemm_ctx c = {e->isa, e->pool, mats, n_mats, fmt, k, t, ldx, 0, x, NULL, NULL, NULL, NULL, NULL, use_q8, 0, 0};
     for (uint32_t i = 0; i < n_mats; i++) c.tiles += (mats[i].n + 31) / 32;
     void *buf = NULL;
     if (c.use_q8 && xq) { /* quantized by the caller, once for every op on this input */
@@ -337,13 +346,17 @@ htp_status htp_exec_gemm(htp_exec *e, const htp_gemm_mat *mats, uint32_t n_mats,
         c.quantize = 1;
         /* the backend's shared per-op buffer (kept between calls: no page faults per GEMM) */
         const size_t kb = k / 32;
-        const int q6k = fmt == HTP_FMT_Q6_K_T32R4; /* its kernels' start values too */
-        buf = htp_scratch(e->pool, 0, 3, (size_t)t * k + (size_t)t * kb * (q6k ? 16 : 8) + 64);
+        /* and the K-quant kernels' values made with the rows: Q6_K start values, Q4_K sa·da */
+        const int q6k = fmt == HTP_FMT_Q6_K_T32R4;
+        const int q45k = fmt == HTP_FMT_Q4_K_T32R4 || fmt == HTP_FMT_Q5_K_T32R4;
+        const size_t extra = (size_t)t * kb * (q6k ? 8 : q45k ? 4 : 0);
+        buf = htp_scratch(e->pool, 0, 3, (size_t)t * k + (size_t)t * kb * 8 + extra + 64);
         if (!buf) return HTP_E_NOMEM;
         c.qd = (float *)buf;
         c.qs = (int32_t *)(c.qd + (size_t)t * kb);
         c.q = (int8_t *)(c.qs + (size_t)t * kb);
         if (q6k) c.qz = (int32_t *)(c.q + (size_t)t * k);
+        if (q45k) c.qsd = (float *)(c.q + (size_t)t * k);
     } else {
         for (uint32_t i = 0; i < htp_pool_nth(e->pool); i++)
             if (!htp_scratch(e->pool, i, 0, (size_t)k * 32 * sizeof(float))) return HTP_E_NOMEM;

@@ -37,6 +37,7 @@ struct htp_expert_ws {
     float *xd, *hd;
     int32_t *xs, *hs;
     int32_t *xz, *hz; /* q8 mode: [C][d/32][2] / [C][ff/32][2], Q6_K start values (htp_act_q8.z) */
+    float *xsd, *hsd; /* q8 mode: [C][d/32] / [C][ff/32], Q4_K / Q5_K sa·da (htp_act_q8.sd) */
     size_t tok_cap;  /* q8 mode: rows the per-token quantized input below holds */
     int8_t *tq;      /* [T][d]: each routed token's row quantized once per op, gathered per route */
     float *td;
@@ -108,6 +109,8 @@ static void ws_release(struct htp_expert_ws *g) {
     free(g->hs);
     free(g->xz);
     free(g->hz);
+    free(g->xsd);
+    free(g->hsd);
     free(g->tq);
     free(g->td);
     free(g->ts);
@@ -129,9 +132,10 @@ void htp_expert_ws_free(struct htp_expert_ws *g) {
 
 /* Route arrays for C routes; activation buffers for the format in use on first need:
  * q8 needs C*(d+ff)*(1+8/32) bytes (and C*(d+ff)*8/32 more, the Q6_K start values, once a
- * matrix is Q6_K), f32 C*(d+ff)*4. */
+ * matrix is Q6_K; C*(d+ff)*4/32, the Q4_K / Q5_K sa·da, once one is Q4_K or Q5_K), f32
+ * C*(d+ff)*4. */
 static htp_status ws_reserve(struct htp_expert_ws *g, size_t c, size_t d, size_t ff, int q8,
-                             int q6k) {
+                             int q6k, int q45k) {
     if (c > g->cap || d > g->d || ff > g->ff) {
         ws_release(g);
         g->cap = c, g->d = d, g->ff = ff;
@@ -174,6 +178,15 @@ static htp_status ws_reserve(struct htp_expert_ws *g, size_t c, size_t d, size_t
             return HTP_E_NOMEM;
         }
     }
+    if (q8 && q45k && !g->xsd) {
+        g->xsd = malloc(c * d / 32 * 4);
+        g->hsd = malloc(c * ff / 32 * 4);
+        if (!g->xsd || !g->hsd) {
+            free(g->xsd), free(g->hsd);
+            g->xsd = g->hsd = NULL;
+            return HTP_E_NOMEM;
+        }
+    }
     if (!q8 && !g->xg) {
         g->xg = malloc(c * d * 4);
         g->h = malloc(c * ff * 4);
@@ -193,9 +206,14 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
     const uint32_t d = c->d, ff = c->ff, db = d / 32, fb = ff / 32;
     uint32_t b, e;
 
-    /* the Q6_K kernels' start values of the rows they multiply, made with the rows */
+    /* the K-quant kernels' values of the rows they multiply, made with the rows: Q6_K start
+     * values, Q4_K / Q5_K sa·da */
     const int xz = c->q8 && (c->fmt[0] == HTP_FMT_Q6_K_T32R4 || c->fmt[1] == HTP_FMT_Q6_K_T32R4);
     const int hz = c->q8 && c->fmt[2] == HTP_FMT_Q6_K_T32R4;
+#define HTP_Q45K(f) ((f) == HTP_FMT_Q4_K_T32R4 || (f) == HTP_FMT_Q5_K_T32R4)
+    const int xsd = c->q8 && (HTP_Q45K(c->fmt[0]) || HTP_Q45K(c->fmt[1]));
+    const int hsd = c->q8 && HTP_Q45K(c->fmt[2]);
+#undef HTP_Q45K
 
     /* (a) gather */
     htp_split(c->nr, ith, nth, &b, &e);
@@ -206,6 +224,9 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
             memcpy(g->xd + (size_t)i * db, c->rows->d + tok * db, (size_t)db * 4);
             memcpy(g->xs + (size_t)i * db, c->rows->s + tok * db, (size_t)db * 4);
             if (xz) htp_q8_q6k_seeds(g->xq + (size_t)i * d, db, g->xz + (size_t)i * db * 2);
+            if (xsd)
+                htp_q8_q45k_sada(g->xd + (size_t)i * db, g->xs + (size_t)i * db, db,
+                                 g->xsd + (size_t)i * db);
         } else {
             memcpy(g->xg + (size_t)i * d, c->x + tok * d, (size_t)d * 4);
         }
@@ -231,7 +252,8 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
         float *tg = tmp, *tu = tmp + (size_t)SUB * ncol;
         if (c->q8) {
             htp_act_q8 a = {g->xq + (size_t)rec * d, g->xd + (size_t)rec * db, g->xs + (size_t)rec * db,
-                            xz ? g->xz + (size_t)rec * db * 2 : NULL};
+                            xz ? g->xz + (size_t)rec * db * 2 : NULL,
+                            xsd ? g->xsd + (size_t)rec * db : NULL};
             htp_gemm_tiles(isa, wg, c->fmt[0], ff, d, b, e, &a, NULL, 0, n, tg, ncol, NULL);
             htp_gemm_tiles(isa, wu, c->fmt[1], ff, d, b, e, &a, NULL, 0, n, tu, ncol, NULL);
         } else {
@@ -256,6 +278,7 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
                 const size_t o = (size_t)(rec + i) * fb + b;
                 isa->quantize_row_q8(gi, ncol, g->hq + o * 32, g->hd + o, g->hs + o);
                 if (hz) htp_q8_q6k_seeds(g->hq + o * 32, ncol / 32, g->hz + o * 2);
+                if (hsd) htp_q8_q45k_sada(g->hd + o, g->hs + o, ncol / 32, g->hsd + o);
             } else {
                 memcpy(g->h + (size_t)(rec + i) * ff + (size_t)b * 32, gi, (size_t)ncol * 4);
             }
@@ -277,7 +300,8 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
                 const uint32_t n = HTP_MIN(SUB, (uint32_t)g->seg_len[s] - r0);
                 if (c->q8) {
                     htp_act_q8 a = {g->hq + (size_t)rec * ff, g->hd + (size_t)rec * fb, g->hs + (size_t)rec * fb,
-                                    hz ? g->hz + (size_t)rec * fb * 2 : NULL};
+                                    hz ? g->hz + (size_t)rec * fb * 2 : NULL,
+                                    hsd ? g->hsd + (size_t)rec * fb : NULL};
                     htp_gemm_tiles(isa, wd, c->fmt[2], d, ff, b, e, &a, NULL, 0, n, tmp, dcol, NULL);
                 } else {
                     htp_gemm_tiles(isa, wd, c->fmt[2], d, ff, b, e, NULL, g->h + (size_t)rec * ff, ff,
@@ -400,9 +424,12 @@ htp_status htp_exec_expert(htp_exec *ex, const htp_expert_params *p, uint32_t ac
     const int q8 = act == HTP_ACT_Q8;
     uint32_t fmt[3] = {0, 0, 0};
     htp_expert_formats(p, fmt);
-    const int q6k = fmt[0] == HTP_FMT_Q6_K_T32R4 || fmt[1] == HTP_FMT_Q6_K_T32R4 ||
-                    fmt[2] == HTP_FMT_Q6_K_T32R4;
-    if (ws_reserve(g, C, d, ff, q8, q6k) != HTP_OK) return HTP_E_NOMEM;
+    int q6k = 0, q45k = 0;
+    for (int j = 0; j < 3; j++) {
+        q6k |= fmt[j] == HTP_FMT_Q6_K_T32R4;
+        q45k |= fmt[j] == HTP_FMT_Q4_K_T32R4 || fmt[j] == HTP_FMT_Q5_K_T32R4;
+    }
+    if (ws_reserve(g, C, d, ff, q8, q6k, q45k) != HTP_OK) return HTP_E_NOMEM;
     htp_act_q8 rows = {NULL, NULL, NULL}; /* q8 mode: every routed token's quantized row */
     if (q8 && xq) {
         rows = *xq; /* quantized by the caller, once for every op on this input */

@@ -134,6 +134,9 @@ typedef struct htp_act_q8 {
      * values 0..15 and -32 x the sum of its values 16..31, the integer start of the Q6_K
      * kernels' two half sums (htp_q8_q6k_seeds); filled by the ops that quantize the rows */
     const int32_t *z;
+    /* optional (NULL: a kernel computes them): [t][k/32], (float)s x d of each block, the
+     * Q4_K / Q5_K epilogue's sa·da (htp_q8_q45k_sada); filled as z */
+    const float *sd;
 } htp_act_q8;
 
 /* ---- attention ---- */
@@ -326,6 +329,8 @@ void htp_f32_strip_portable(const float *panel, uint32_t k, const float *x, uint
 void htp_quantize_q8_portable(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s);
 /* the Q6_K start values (htp_act_q8.z) of kb blocks of quantized values q into z[kb][2] */
 void htp_q8_q6k_seeds(const int8_t *q, uint32_t kb, int32_t *z);
+/* the Q4_K / Q5_K products sa·da (htp_act_q8.sd) of kb blocks' scales d and sums s into sd */
+void htp_q8_q45k_sada(const float *d, const int32_t *s, uint32_t kb, float *sd);
 void htp_attn_task_portable(const htp_attn_ctx *c, uint32_t task, float *scratch);
 void htp_swiglu_portable(const float *g, const float *u, uint64_t n, float *out);
 /* the vector SwiGLU (htp_vswiglu.h), in the attention task's translation units */

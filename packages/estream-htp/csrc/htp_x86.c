@@ -163,8 +163,9 @@ Q4_KERNEL(bw, HTP_T_AVX512, DOT_BW)
  * d·sc and dmin·m are exact in fp32 (an fp16 significand of 11 bits times a 6-bit integer), so
  * per token and block the epilogue is the shared htp_q45k_epilogue lane-wise,
  * acc = fma(dot, (d·sc)·da, acc), acc = fma(−dmin·m, sa·da, acc): two fused multiply-adds and
- * no integer multiply, the same bits as every other table. The same kernel runs q5_k tiles
- * (Q5 = 1: the fifth bits added to the nibbles before the dot products, q5k_fifth). */
+ * no integer multiply, the same bits as every other table; sa·da is read from the rows'
+ * products (htp_act_q8.sd) where the op that quantized the rows made them. The same kernel runs
+ * q5_k tiles (Q5 = 1: the fifth bits added to the nibbles before the dot products, q5k_fifth). */
 /* 16 fp16 / 16 uint8 values of a tile as fp32 lanes (the K-quant scale vectors). */
 HTP_T_AVX512 static inline __attribute__((always_inline)) __m512 q4k_f16x16(const uint8_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
@@ -194,7 +195,8 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) __m512i q5k_fifth(__m5
 #define Q4K_KERNEL(SUFFIX, TARGET, DOT)                                                          \
     TARGET static inline __attribute__((always_inline)) void q4kq8_block_##SUFFIX(               \
         const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s,    \
-        uint32_t k, float *out, uint32_t ldo, uint32_t rows, const int NT, const int Q5) {       \
+        const float *sd, uint32_t k, float *out, uint32_t ldo, uint32_t rows, const int NT,      \
+        const int Q5) {                                                                          \
         const __m512i m4 = _mm512_set1_epi8(0x0f);                                               \
         __m512 acc[6][2];                                                                        \
         for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();                \
@@ -235,7 +237,8 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) __m512i q5k_fifth(__m5
             for (int u = 0; u < NT; u++) {                                                       \
                 const float dau = d[(size_t)u * kb + j];                                         \
                 const __m512 da = _mm512_set1_ps(dau);                                           \
-                const __m512 sada = _mm512_set1_ps((float)s[(size_t)u * kb + j] * dau);          \
+                const __m512 sada = _mm512_set1_ps(sd ? sd[(size_t)u * kb + j]                   \
+                                                      : (float)s[(size_t)u * kb + j] * dau);     \
                 acc[u][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[u][0]), _mm512_mul_ps(ds0, da), \
                                             acc[u][0]);                                          \
                 acc[u][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[u][1]), _mm512_mul_ps(ds1, da), \
@@ -255,33 +258,40 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) __m512i q5k_fifth(__m5
     }                                                                                            \
     TARGET static inline __attribute__((always_inline)) void k45q8_strip_##SUFFIX(               \
         const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out,         \
-        uint32_t ldo, uint32_t rows, const int Q5) {                                             \
+        uint32_t ldo, uint32_t rows, const int Q5, const int SD) {                               \
         const uint32_t k = kb * 32;                                                              \
         for (uint32_t t0 = 0; t0 < nt; t0 += 6) {                                                \
             const uint32_t n = nt - t0 < 6 ? nt - t0 : 6;                                        \
             const int8_t *q = a->q + (size_t)t0 * k;                                             \
             const float *d = a->d + (size_t)t0 * kb;                                             \
             const int32_t *s = a->s + (size_t)t0 * kb;                                           \
+            const float *sd = SD ? a->sd + (size_t)t0 * kb : NULL;                               \
             float *o = out + (size_t)t0 * ldo;                                                   \
             switch (n) {                                                                         \
-            case 6: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 6, Q5); break;     \
-            case 5: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 5, Q5); break;     \
-            case 4: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 4, Q5); break;     \
-            case 3: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 3, Q5); break;     \
-            case 2: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 2, Q5); break;     \
-            default: q4kq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 1, Q5); break;    \
+            case 6: q4kq8_block_##SUFFIX(strip, kb, q, d, s, sd, k, o, ldo, rows, 6, Q5); break; \
+            case 5: q4kq8_block_##SUFFIX(strip, kb, q, d, s, sd, k, o, ldo, rows, 5, Q5); break; \
+            case 4: q4kq8_block_##SUFFIX(strip, kb, q, d, s, sd, k, o, ldo, rows, 4, Q5); break; \
+            case 3: q4kq8_block_##SUFFIX(strip, kb, q, d, s, sd, k, o, ldo, rows, 3, Q5); break; \
+            case 2: q4kq8_block_##SUFFIX(strip, kb, q, d, s, sd, k, o, ldo, rows, 2, Q5); break; \
+            default: q4kq8_block_##SUFFIX(strip, kb, q, d, s, sd, k, o, ldo, rows, 1, Q5); break;\
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \
     TARGET static void q4kq8_strip_fast_##SUFFIX(const uint8_t *strip, uint32_t kb,              \
                                                  const htp_act_q8 *a, uint32_t nt, float *out,   \
                                                  uint32_t ldo, uint32_t rows) {                  \
-        k45q8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, 0);                               \
+        if (a->sd)                                                                               \
+            k45q8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, 0, 1);                        \
+        else                                                                                     \
+            k45q8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, 0, 0);                        \
     }                                                                                            \
     TARGET static void q5kq8_strip_fast_##SUFFIX(const uint8_t *strip, uint32_t kb,              \
                                                  const htp_act_q8 *a, uint32_t nt, float *out,   \
                                                  uint32_t ldo, uint32_t rows) {                  \
-        k45q8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, 1);                               \
+        if (a->sd)                                                                               \
+            k45q8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, 1, 1);                        \
+        else                                                                                     \
+            k45q8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, 1, 0);                        \
     }
 
 Q4K_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)

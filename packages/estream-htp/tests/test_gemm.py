@@ -133,8 +133,8 @@ def test_gemm_kquant_tables_give_portable_bits(
     portable table's results bit for bit (exact integer block sums and one shared fp32
     epilogue), at token counts off the kernels' 4 / 6 / 64 token steps, row counts off 16 / 32,
     1..3 super-blocks, and scales that stress the rounding (_kq_stress_case); from rows the
-    GEMM quantizes itself and from rows quantized beforehand (quantize_q8), which carry no
-    Q6_K start values (the kernel takes its half sums itself)."""
+    GEMM quantizes itself (with the Q6_K start values and Q4_K / Q5_K sa·da the kernels read)
+    and from rows quantized beforehand (quantize_q8: the kernels compute those themselves)."""
     _, buf, x = kquant_stress_case(t, n, sb, seed, fmt)
     with mode(simd="portable", act="q8", threads=1):
         base = htp.gemm(x, buf, n, fmt)
