@@ -11,6 +11,16 @@
 
 #include "htp_attn_body.h"
 
+/* The sum of 16 lanes in one fixed tree (upper half + lower, twice, then the two pairs), written
+ * out rather than left to the compiler's _mm512_reduce_add_ps: the portable bf16 body
+ * (htp_radd16) adds its row sums in the same order. */
+HTP_T_AVX512 static inline float radd_ps16(__m512 x) {
+    const __m256 t3 = _mm256_add_ps(_mm512_extractf32x8_ps(x, 1), _mm512_castps512_ps256(x));
+    const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    const __m128 t8 = _mm_add_ps(t6, _mm_movehl_ps(t6, t6)); /* t6[0] + t6[2], t6[1] + t6[3] */
+    return _mm_cvtss_f32(_mm_add_ss(t8, _mm_shuffle_ps(t8, t8, 1)));
+}
+
 /* The AVX-512 vector vocabulary of htp_attn_task.h; the fp32 register block is 4 query rows
  * x 64 columns. */
 #define VF __m512
@@ -25,7 +35,7 @@
 #define V_ADD(a, b) _mm512_add_ps((a), (b))
 #define V_EXPNEG(x) htp_vexp_neg(x)
 #define V_RMAX(x) _mm512_reduce_max_ps(x)
-#define V_RADD(x) _mm512_reduce_add_ps(x)
+#define V_RADD(x) radd_ps16(x)
 #define V_FIRST(n) ((n) >= 16 ? (__mmask16)0xffff : (n) <= 0 ? (__mmask16)0 : (__mmask16)((1u << (n)) - 1u))
 #define V_MASK_ANDNOT(a, b) ((__mmask16)((b) & ~(a)))
 #define V_MAXM(a, m, x) _mm512_mask_max_ps((a), (m), (a), (x))

@@ -18,7 +18,10 @@
  * Everything else — the block loop, the key limits of causal, context and sliding-window
  * attention, the sinks, the running max and sum, the rescaling of O, the final normalisation
  * and the fp32 register block for both products — is shared. Each output element sums its products in one fixed order
- * (over d for S, over keys for O), whatever the block shape. */
+ * (over d for S, over keys for O, fused multiply-adds), whatever the block shape, and a row's
+ * softmax weights are summed in 16 lanes (key j in lane j % 16; two 8-lane vectors on AVX2)
+ * reduced in one tree: the portable body (htp_attn_body.h) follows the same operations, so
+ * every table gives the same bits. */
 
 /* C[MR][MC·VW] (+)= A[MR][kd] · B[kd][MC·VW]: A rows broadcast lane by lane, B rows loaded as
  * vectors (row stride ldb); nr rows and nc vectors are live. acc != 0 adds to C. */
@@ -120,6 +123,9 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
             const float mx = V_RMAX(vmx);
             const VF vm = V_SET1(mx);
             VF vsum = V_ZERO();
+#if VW == 8
+            VF vsum_hi = V_ZERO(); /* 8-lane vectors keep the row sum in 16 lanes too */
+#endif
             for (uint32_t cc = 0; cc < BK; cc += VW) {
                 const VF pv = V_ANDM(ATTN_VIS(cc), V_EXPNEG(V_SUB(V_LOAD(sr + cc), vm)));
 #if ATTN_BF16
@@ -128,11 +134,21 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
                 vsum = V_ADD(vsum, f32_of(pb)); /* the weights actually applied */
 #else
                 V_STORE(sr + cc, pv);
+#if VW == 8
+                if (cc & 8)
+                    vsum_hi = V_ADD(vsum_hi, pv);
+                else
+                    vsum = V_ADD(vsum, pv);
+#else
                 vsum = V_ADD(vsum, pv);
 #endif
+#endif
             }
+#if VW == 8
+            vsum = V_ADD(vsum_hi, vsum); /* then the 16-lane tree's first step */
+#endif
             const float corr = m[i] == -INFINITY ? 0.0f : htp_exp_neg(m[i] - mx);
-            l[i] = l[i] * corr + V_RADD(vsum);
+            l[i] = HTP_FMAF(l[i], corr, V_RADD(vsum)); /* fused: no contraction can change it */
             m[i] = mx;
             if (corr != 1.0f) {
                 const VF vc = V_SET1(corr);

@@ -548,6 +548,54 @@ def test_glue_ops_bit_exact(host: htp.Backend, hexagon: htp.Backend) -> None:
     assert T.rel_l2(outs[1][4], ref_att) < 1e-5 and T.rel_l2(outs[1][5], ref_att) < 1e-2
 
 
+@pytest.mark.parametrize("dims", [(64, 64), (20, 24)])
+def test_attention_and_swiglu_bit_exact_with_the_hosts_simd_tables(
+    hexagon: htp.Backend, dims: tuple[int, int]
+) -> None:
+    """Attention (fp32 and bf16 products; two query blocks, a context, a sliding window, sinks)
+    and SiLU/SwiGLU in the DSP process give the bits of the host's every kernel table — its
+    best SIMD level with two threads (AVX-512's register-blocked and AVX512_BF16 kernels where
+    the CPU has them) as well as portable and AVX2: one sequence of fp32 operations (fused
+    multiply-adds, exp, the 16-lane row sums) on every table."""
+    dk, dv = dims
+    rng = np.random.default_rng(23)
+    q = rng.standard_normal((70, 4, dk)).astype(np.float32)
+    kv = rng.standard_normal((70 + 9, 2, dk + dv)).astype(np.float32)
+    k, v = np.ascontiguousarray(kv[..., :dk]), np.ascontiguousarray(kv[..., dk:])
+    sinks = (2 * rng.standard_normal(4)).astype(np.float32)
+    g = (5 * rng.standard_normal((7, 75))).astype(np.float32)
+    u = rng.standard_normal((7, 75)).astype(np.float32)
+    cases = [
+        ({"products": products, **extra}, ctx)
+        for products in ("f32", "bf16")
+        for extra, ctx in (({}, 0), ({"window": 40, "sinks": sinks}, 9))
+    ]
+
+    def run(be: htp.Backend) -> list[np.ndarray]:
+        sh = (lambda a: be.share(a)) if be.kind != "host" else (lambda a: a)
+        r = []
+        for kw, ctx in cases:
+            kk, vv = sh(k[9 - ctx :]), sh(v[9 - ctx :])
+            kw = {**kw, "sinks": sh(kw["sinks"])} if "sinks" in kw else kw
+            r.append(
+                np.array(htp.attention(sh(q), kk, vv, 0.125, True, context=ctx, backend=be, **kw))
+            )
+        r.append(np.array(htp.silu(sh(g), backend=be)))
+        r.append(np.array(htp.swiglu(sh(g), sh(u), backend=be)))
+        return r
+
+    got = run(hexagon)
+    levels = [None, "portable"] + (["avx2"] if htp.simd_supported("avx2") else [])
+    for level in levels:
+        kw = {"n_threads": 2} if level is None else {"n_threads": 1, "simd": level}
+        with htp.Backend("host", **kw) as be:  # type: ignore[arg-type]
+            want = run(be)
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert _same(a, b), (level, i)
+    ref = T.ref_attention(q, k[9:], v[9:], 0.125, True)
+    assert T.rel_l2(got[0], ref) < 1e-5 and T.rel_l2(got[2], ref) < 1e-2
+
+
 @pytest.mark.parametrize("mode", ["normal", "neox"])
 @pytest.mark.parametrize("yarn", [False, True])
 def test_rope_within_1e6_of_host(

@@ -12,6 +12,10 @@ from estream_htp import testing as T
 TOL = 1e-5  # fp32 ops vs float64 references
 
 
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
 @given(
     t=st.integers(1, 9),
     h=st.integers(1, 4),
@@ -122,15 +126,19 @@ def test_rope_yarn_ramp_is_applied() -> None:
 def _check_attention(
     simd: str, t: int, hkv: int, rep: int, dk: int, dv: int, causal: bool, seed: int
 ) -> None:
-    """fp32 attention at one level against float64, into a NaN-poisoned output."""
+    """fp32 attention at one level against float64, into a NaN-poisoned output, and bit for bit
+    the portable body's (every table follows one sequence of fp32 operations)."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((t, hkv * rep, dk)).astype(np.float32)
     k = rng.standard_normal((t, hkv, dk)).astype(np.float32)
     v = rng.standard_normal((t, hkv, dv)).astype(np.float32)
-    out = np.full((t, hkv * rep, dv), np.nan, np.float32)
-    with mode(simd=simd):
-        y = htp.attention(q, k, v, 1.0 / np.sqrt(dk), causal, out=out)
-    assert T.rel_l2(y, T.ref_attention(q, k, v, 1.0 / np.sqrt(dk), causal)) <= TOL
+    outs = {}
+    for level in (simd, "portable"):
+        out = np.full((t, hkv * rep, dv), np.nan, np.float32)
+        with mode(simd=level):
+            outs[level] = htp.attention(q, k, v, 1.0 / np.sqrt(dk), causal, out=out)
+    assert T.rel_l2(outs[simd], T.ref_attention(q, k, v, 1.0 / np.sqrt(dk), causal)) <= TOL
+    assert _same_bits(outs[simd], outs["portable"])
 
 
 @pytest.mark.parametrize("simd", SIMD_PARAMS)
@@ -171,7 +179,6 @@ def test_attention_register_blocks(
 
 
 TOL_BF16 = 1e-2  # bf16 products (rounded q*scale, k, v, softmax weights) vs float64: ~3e-3
-TOL_BF16_EMU = 1e-4  # native bf16 kernels vs the portable emulation of the same rounding
 
 
 @pytest.mark.parametrize("simd", SIMD_PARAMS)
@@ -188,8 +195,8 @@ def test_attention_bf16(
     simd: str, t: int, hkv: int, rep: int, dk: int, dv: int, causal: bool, seed: int
 ) -> None:
     """bf16 products at every level (native vdpbf16ps kernels where the CPU has AVX512_BF16
-    and head dims are multiples of 16, else the emulation) against float64, and against the
-    portable emulation of the same rounding; they must really differ from fp32 products."""
+    and head dims are multiples of 16, else the emulation) against float64, and bit for bit
+    the portable emulation of the native kernel; they must really differ from fp32 products."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((t, hkv * rep, dk)).astype(np.float32)
     k = rng.standard_normal((t, hkv, dk)).astype(np.float32)
@@ -202,7 +209,7 @@ def test_attention_bf16(
             outs[level] = htp.attention(q, k, v, scale, causal, out=out, products="bf16")
     ref = T.ref_attention(q, k, v, scale, causal)
     assert T.rel_l2(outs[simd], ref) <= TOL_BF16
-    assert T.rel_l2(outs[simd], outs["portable"]) <= TOL_BF16_EMU
+    assert _same_bits(outs[simd], outs["portable"])
     f32 = htp.attention(q, k, v, scale, causal)
     if t > 1:  # (one key: the weight is exactly 1 and only v's rounding shows)
         assert not np.array_equal(outs[simd], f32)
@@ -234,7 +241,8 @@ def test_attention_window_and_sinks(
     """Causal attention with a sliding window (query at position p sees keys p - W < j <= p)
     and per-head sinks (a logit joining the denominator only), over GQA and MLA's 192/128 head
     split, partial query and key blocks and a context, fp32 and bf16 products, against float64
-    into NaN-poisoned outputs; bf16 also against the portable emulation of its rounding."""
+    into NaN-poisoned outputs; both bit for bit the portable body's (bf16: its emulation of the
+    native kernel)."""
     dk, dv = dims
     rng = np.random.default_rng(seed)
     hq = hkv * rep
@@ -245,7 +253,12 @@ def test_attention_window_and_sinks(
     scale = 1.0 / np.sqrt(dk)
     ref = T.ref_attention(q, k, v, scale, True, context=ctx, window=window, sinks=sinks)
     outs = {}
-    for products, level in (("f32", simd), ("bf16", simd), ("bf16", "portable")):
+    for products, level in (
+        ("f32", simd),
+        ("bf16", simd),
+        ("f32", "portable"),
+        ("bf16", "portable"),
+    ):
         out = np.full((t, hq, dv), np.nan, np.float32)
         with mode(simd=level):
             outs[products, level] = htp.attention(
@@ -254,7 +267,8 @@ def test_attention_window_and_sinks(
             )  # fmt: skip
     assert T.rel_l2(outs["f32", simd], ref) <= TOL
     assert T.rel_l2(outs["bf16", simd], ref) <= TOL_BF16
-    assert T.rel_l2(outs["bf16", simd], outs["bf16", "portable"]) <= TOL_BF16_EMU
+    assert _same_bits(outs["f32", simd], outs["f32", "portable"])
+    assert _same_bits(outs["bf16", simd], outs["bf16", "portable"])
 
 
 def test_round_bf16() -> None:
@@ -305,7 +319,8 @@ def test_attention_long_sequence_threads_agree() -> None:
 def test_silu_swiglu(simd: str, n: int, seed: int) -> None:
     """Every level against float64, on lengths that leave vector tails, with gates far out in
     both tails of the sigmoid; each element gets the same bits wherever it sits in the row
-    (the vector bodies run a short tail through the same code)."""
+    (the vector bodies run a short tail through the same code) and at every level (the scalar
+    body's exp is the vector one's, fused multiply-adds and all)."""
     rng = np.random.default_rng(seed)
     g = (rng.standard_normal(n) * 5).astype(np.float32)
     g[rng.random(n) < 0.05] = rng.choice([-200.0, -90.0, -20.0, 0.0, 20.0, 90.0, 200.0])
@@ -316,6 +331,10 @@ def test_silu_swiglu(simd: str, n: int, seed: int) -> None:
         a = htp.silu(g, out=np.full_like(g, np.nan))
         b = htp.swiglu(g, u, out=np.full_like(g, np.nan))
         b1 = htp.swiglu(g[1:].copy(), u[1:].copy())
+    with mode(simd="portable"):
+        pa = htp.silu(g)
+        pb = htp.swiglu(g, u)
+    assert _same_bits(a, pa) and _same_bits(b, pb)
     m = np.abs(g) <= 30  # relative error where silu is representable; absolute everywhere
     assert T.rel_l2(a[m], s[m]) <= TOL
     assert T.rel_l2(b[m], (s * u64)[m]) <= TOL
