@@ -544,7 +544,9 @@ HTP_INLINE void htp_quantize_row_q8_body(const float *x, uint32_t k, int8_t *q, 
     }
 }
 
-/* Reference-order Q8-activation strip kernel (any table can use it), any nt. */
+/* Reference-order Q8-activation strip kernel (any table can use it), any nt. Per row and block:
+ * acc = fma((float)dot, d*da, acc), the fused multiply-add of the SIMD kernels (no compiler
+ * contraction decides it), so every table gives the same bits. */
 HTP_INLINE void htp_q8_strip_body(const uint8_t *strip, uint32_t fmt, uint32_t kb,
                                   const htp_act_q8 *a, uint32_t nt, float *out, uint32_t ldo,
                                   uint32_t rows) {
@@ -583,7 +585,7 @@ HTP_INLINE void htp_q8_strip_body(const uint8_t *strip, uint32_t fmt, uint32_t k
                 uint16_t h;
                 memcpy(&h, tile + 2 * r, 2);
                 const float sc = htp_f16_to_f32(h) * da;
-                acc[r] += (float)dot[r] * sc;
+                acc[r] = HTP_FMAF((float)dot[r], sc, acc[r]); /* the SIMD kernels' fused step */
             }
         }
         for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = acc[r];

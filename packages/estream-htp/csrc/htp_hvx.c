@@ -100,7 +100,7 @@ __attribute__((noinline)) void htp_hvx_q4q8_strip(const uint8_t *strip, uint32_t
             *(hvx_vec *)dot = hvx_q4_dot(lo, hi, w, a->s[(size_t)u * kb + j]);
             const float da = a->d[(size_t)u * kb + j]; /* HTP_HVX_FLOAT: scalar */
             float *ac = acc[u];
-            for (int r = 0; r < 32; r++) ac[r] += (float)dot[r] * (dr[r] * da);
+            for (int r = 0; r < 32; r++) ac[r] = HTP_FMAF((float)dot[r], dr[r] * da, ac[r]);
         }
     }
     for (uint32_t u = 0; u < nt; u++)
@@ -135,7 +135,7 @@ __attribute__((noinline)) void htp_hvx_q8q8_strip(const uint8_t *strip, uint32_t
             *(hvx_vec *)dot = Q6_Vw_vsub_VwVw(d, Q6_V_vsplat_R(128 * a->s[(size_t)u * kb + j]));
             const float da = a->d[(size_t)u * kb + j]; /* HTP_HVX_FLOAT: scalar */
             float *ac = acc[u];
-            for (int r = 0; r < 32; r++) ac[r] += (float)dot[r] * (dr[r] * da);
+            for (int r = 0; r < 32; r++) ac[r] = HTP_FMAF((float)dot[r], dr[r] * da, ac[r]);
         }
     }
     for (uint32_t u = 0; u < nt; u++)

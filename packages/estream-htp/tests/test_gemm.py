@@ -446,20 +446,25 @@ def test_amx_q4_bits_equal_vnni(t: int, n: int, kb: int, threads: int) -> None:
     assert T.rel_l2_floored(ys["amx"], ref, mag, x.shape[1]) <= Q8_EXACT_TOL
 
 
-def test_gemm_q8_0_simd_tables_same_bits() -> None:
-    """Q8_0 tiles with int8 activations: every SIMD table this CPU runs gives the same bits
-    (exact integer block sums, then the same fused multiply-add per block in block order), so
-    the hand-written kernels reproduce the compiled reference body's results."""
-    levels = [lv for lv in LEVELS if lv not in ("portable", "neon")]
+@pytest.mark.parametrize("fmt", ["q8_0-t32r4", "q4_0-t32r4"])
+def test_gemm_q8_0_simd_tables_same_bits(fmt: str) -> None:
+    """Q8_0 and Q4_0 tiles with int8 activations: every table this CPU runs, the portable
+    reference body included, gives the same bits (exact integer block sums, then the same
+    fused multiply-add per block in block order, written out in the reference body rather than
+    left to the compiler's contraction), so the hand-written kernels reproduce it."""
+    levels = [lv for lv in LEVELS if lv != "neon"]
     if len(levels) < 2:
-        pytest.skip(f"needs two SIMD tables, this CPU runs {LEVELS}")
+        pytest.skip(f"needs two tables, this CPU runs {LEVELS}")
     rng = np.random.default_rng(31)
     n, k, t = 77, 512, 19
-    buf = T.pack_q8_0_t32r4(T.random_q8_0_blocks(rng, n, k))
+    if fmt == "q8_0-t32r4":
+        buf = T.pack_q8_0_t32r4(T.random_q8_0_blocks(rng, n, k))
+    else:
+        buf = htp.pack_q4_0_t32r4(rng.standard_normal((n, k)).astype(np.float32))
     x = rng.standard_normal((t, k)).astype(np.float32)
     outs = []
     for simd in levels:
         with mode(simd=simd, act="q8"):
-            outs.append(htp.gemm(x, buf, n, "q8_0-t32r4"))
+            outs.append(htp.gemm(x, buf, n, fmt))
     for simd, y in zip(levels, outs):
-        assert np.array_equal(y, outs[0]), simd
+        assert np.array_equal(y.view(np.uint32), outs[0].view(np.uint32)), simd

@@ -548,6 +548,24 @@ def test_glue_ops_bit_exact(host: htp.Backend, hexagon: htp.Backend) -> None:
     assert T.rel_l2(outs[1][4], ref_att) < 1e-5 and T.rel_l2(outs[1][5], ref_att) < 1e-2
 
 
+@pytest.mark.parametrize("fmt", ["q4_0-t32r4", "q8_0-t32r4"])
+def test_q4_0_q8_0_gemm_bit_exact_with_the_hosts_simd_tables(
+    hexagon: htp.Backend, fmt: str
+) -> None:
+    """Q4_0 / Q8_0 tiles under int8 activations: the DSP process's GEMM (HVX's vrmpy kernels or
+    the portable body) gives the bits of the host's best SIMD table (its hand-written fused
+    multiply-add epilogue) as well as of the portable body."""
+    rng = np.random.default_rng(29)
+    n, k, t = 45, 256, 7
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    buf = htp.pack_q4_0_t32r4(w) if fmt == "q4_0-t32r4" else htp.pack_q8_0_t32r4(w)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    got = htp.gemm(hexagon.share(x), hexagon.share(buf), n, fmt, act="q8", backend=hexagon)
+    for kw in ({"n_threads": 2}, {"n_threads": 1, "simd": "portable"}):
+        with htp.Backend("host", **kw) as be:  # type: ignore[arg-type]
+            assert _same(np.array(got), htp.gemm(x, buf, n, fmt, act="q8", backend=be)), kw
+
+
 @pytest.mark.parametrize("dims", [(64, 64), (20, 24)])
 def test_attention_and_swiglu_bit_exact_with_the_hosts_simd_tables(
     hexagon: htp.Backend, dims: tuple[int, int]
