@@ -8,7 +8,7 @@ in-process host backend. Run with `nox -s bench_kernels`. `-- --attention` runs 
 attention rows, at T = 1K, 4K and 16K on OLMoE's, DeepSeek-V2-Lite's MLA (192/128) and a
 GQA sliding-window-with-sinks head shape (`--attention-lengths=64,200` to change the lengths,
 `--out=PATH` for the JSON); `-- --source-types` runs only the GEMM on each block type files store
-(Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4) and the expert op on Q4_K_M's, Q8_0's and Q4_0's experts. The BLAS baseline must get this machine's best kernel, so the
+(Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS, Q4_1, Q5_0, Q5_1) and the expert op on Q4_K_M's, Q8_0's and Q4_0's experts. The BLAS baseline must get this machine's best kernel, so the
 script re-executes itself with OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE removed from its own
 environment (nothing else is touched). Both sides use 2 threads. Writes
 bench-results/bench_kernels.json.
@@ -191,7 +191,8 @@ def _random_tiles(rng: np.random.Generator, fmt: str, n: int, k: int) -> np.ndar
 
 #: The block types files store that the source-type rows run, Q4_0 first: the K-quant and
 #: MXFP4 rows read against it in the same run.
-SOURCE_TYPES = ("q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "mxfp4")
+SOURCE_TYPES = ("q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "mxfp4", "iq4_nl", "iq4_xs", "q4_1",
+                "q5_0", "q5_1")  # fmt: skip
 
 
 def bench_gemm_source_types(rng: np.random.Generator, row, n: int, k: int, t: int) -> None:
