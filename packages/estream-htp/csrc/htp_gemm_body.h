@@ -271,48 +271,58 @@ HTP_INLINE void htp_mxfp4_strip_body(const uint8_t *strip, uint32_t kb, const ht
     }
 }
 
-/* The exact int32 dots of a tile's 32 rows of IQ4_NL codes (Q4_0's nibble order, from `codes`)
- * with one 32-value block of int8 activations `qb`: sum kv[code] * a per row (IQ4_NL and
- * IQ4_XS tiles differ only in what precedes their codes). */
-HTP_INLINE void htp_iq4_codes_dot(const uint8_t *codes, const int8_t *qb, int32_t dot[32]) {
-    for (int r = 0; r < 32; r++) {
-        int32_t sacc = 0;
+/* A tile's 32 x 32 IQ4_NL codes (Q4_0's nibble order, from `codes`) as their int8 values kv[code],
+ * column-major (w[c][r]: the 32 rows of a column side by side, so that the dots below run across
+ * rows): decoded once per tile and used for every token (the dots are exact, so the order of
+ * tokens and tiles leaves every bit as the per-token reference gives it). */
+HTP_INLINE void htp_iq4_codes_decode(const uint8_t *codes, int8_t w[32][32]) {
+    for (int r = 0; r < 32; r++)
         for (int gi = 0; gi < 4; gi++)
             for (int b = 0; b < 4; b++) {
                 const uint8_t v = codes[gi * 128 + r * 4 + b];
-                sacc += (int32_t)htp_iq4nl_kvalues[v & 15] * qb[4 * gi + b] +
-                        (int32_t)htp_iq4nl_kvalues[v >> 4] * qb[16 + 4 * gi + b];
+                w[4 * gi + b][r] = htp_iq4nl_kvalues[v & 15];
+                w[16 + 4 * gi + b][r] = htp_iq4nl_kvalues[v >> 4];
             }
-        dot[r] = sacc;
+}
+/* The exact int32 dots of a decoded tile's 32 rows (column-major w) with a 32-value block of
+ * int8 activations; a loop over rows per column, which compilers vectorize. */
+HTP_INLINE void htp_i8_dots32(const int8_t w[32][32], const int8_t *qb, int32_t dot[32]) {
+    for (int r = 0; r < 32; r++) dot[r] = 0;
+    for (int c = 0; c < 32; c++) {
+        const int32_t q = qb[c];
+        for (int r = 0; r < 32; r++) dot[r] += (int32_t)w[c][r] * q;
     }
 }
 
-/* IQ4_NL tiles x Q8 activations, reference order, any nt. iq4_nl-t32r4 (576 B) is laid as
- * q4_0-t32r4 (fp16 d per row, then the codes in Q4_0's nibble order at 64); per row and 32-block
- * the exact int32 dot = sum kv[code] * a (kv: llama.cpp's kvalues_iq4nl, -127..113), then
- * acc += (float)dot * (d * da), product then sum: llama.cpp's vec_dot_iq4_nl_q8_0. */
 HTP_INLINE void htp_iq4nl_strip_body(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
                                      uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
     const uint32_t k = kb * 32;
-    for (uint32_t tt = 0; tt < nt; tt++) {
-        float acc[32];
-        for (int r = 0; r < 32; r++) acc[r] = 0.0f;
-        const int8_t *qa = a->q + (size_t)tt * k;
-        for (uint32_t j = 0; j < kb; j++) {
-            const uint8_t *tile = strip + (size_t)j * HTP_Q4_TILE_BYTES;
-            const int8_t *qb = qa + 32 * j;
+    /* the output is the accumulator: 0, then one term per tile in tile order, as the reference's
+     * per-token accumulator; each tile is decoded once for all tokens */
+    for (uint32_t tt = 0; tt < nt; tt++)
+        for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = 0.0f;
+    for (uint32_t j = 0; j < kb; j++) {
+        const uint8_t *tile = strip + (size_t)j * HTP_Q4_TILE_BYTES;
+        int8_t w[32][32];
+        float d[32];
+        htp_iq4_codes_decode(tile + 64, w);
+        for (uint32_t r = 0; r < rows; r++) {
+            uint16_t h;
+            memcpy(&h, tile + 2 * r, 2);
+            d[r] = htp_f16_to_f32(h);
+        }
+        for (uint32_t tt = 0; tt < nt; tt++) {
+            const int8_t *qb = a->q + (size_t)tt * k + 32 * j;
             const float da = a->d[(size_t)tt * kb + j];
+            float *o = out + (size_t)tt * ldo;
             int32_t dot[32];
-            htp_iq4_codes_dot(tile + 64, qb, dot);
-            for (int r = 0; r < 32; r++) {
-                uint16_t h;
-                memcpy(&h, tile + 2 * r, 2);
-                const float sc = htp_f16_to_f32(h) * da;
+            htp_i8_dots32((const int8_t(*)[32])w, qb, dot);
+            for (uint32_t r = 0; r < rows; r++) {
+                const float sc = d[r] * da;
                 const float v = (float)dot[r] * sc;
-                acc[r] += v;
+                o[r] += v;
             }
         }
-        for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = acc[r];
     }
 }
 
@@ -365,32 +375,36 @@ HTP_INLINE void htp_aff_strip_body(const uint8_t *strip, uint32_t fmt, uint32_t 
                                    uint32_t rows) {
     const htp_aff_layout L = htp_aff_layout_of(fmt);
     const uint32_t k = kb * 32;
-    for (uint32_t tt = 0; tt < nt; tt++) {
-        float acc[32];
-        for (int r = 0; r < 32; r++) acc[r] = 0.0f;
-        const int8_t *qa = a->q + (size_t)tt * k;
-        for (uint32_t j = 0; j < kb; j++) {
-            const uint8_t *tile = strip + (size_t)j * L.bytes;
-            const int8_t *qb = qa + 32 * j;
+    /* the output is the accumulator (as in htp_iq4nl_strip_body); q (0..31) decoded once a tile */
+    for (uint32_t tt = 0; tt < nt; tt++)
+        for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = 0.0f;
+    for (uint32_t j = 0; j < kb; j++) {
+        const uint8_t *tile = strip + (size_t)j * L.bytes;
+        int8_t w[32][32];
+        float d[32], m[32];
+        for (int r = 0; r < 32; r++) /* all 32 rows: the dots run across them */
+            for (int c = 0; c < 32; c++) w[c][r] = (int8_t)htp_aff_q(tile, L, r, c);
+        for (uint32_t r = 0; r < rows; r++) htp_aff_dm(tile, L, (int)r, &d[r], &m[r]);
+        for (uint32_t tt = 0; tt < nt; tt++) {
+            const int8_t *qb = a->q + (size_t)tt * k + 32 * j;
             const float da = a->d[(size_t)tt * kb + j];
             const int32_t sa = a->s[(size_t)tt * kb + j];
-            for (int r = 0; r < 32; r++) {
-                int32_t dot = 0;
-                for (int c = 0; c < 32; c++) dot += htp_aff_q(tile, L, r, c) * qb[c];
-                float d, m;
-                htp_aff_dm(tile, L, r, &d, &m);
+            float *o = out + (size_t)tt * ldo;
+            int32_t dots[32];
+            htp_i8_dots32((const int8_t(*)[32])w, qb, dots);
+            for (uint32_t r = 0; r < rows; r++) {
+                const int32_t dot = dots[r];
                 if (L.m) {
-                    const float p1 = (float)dot * (d * da);
-                    const float p2 = (float)sa * (m * da);
+                    const float p1 = (float)dot * (d[r] * da);
+                    const float p2 = (float)sa * (m[r] * da);
                     const float v = p1 + p2;
-                    acc[r] += v;
+                    o[r] += v;
                 } else {
-                    const float v = (float)(dot - 16 * sa) * (d * da);
-                    acc[r] += v;
+                    const float v = (float)(dot - 16 * sa) * (d[r] * da);
+                    o[r] += v;
                 }
             }
         }
-        for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = acc[r];
     }
 }
 
@@ -403,26 +417,32 @@ HTP_INLINE void htp_aff_strip_body(const uint8_t *strip, uint32_t fmt, uint32_t 
 HTP_INLINE void htp_iq4xs_strip_body(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
                                      uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
     const uint32_t k = kb * 32;
-    for (uint32_t tt = 0; tt < nt; tt++) {
-        float acc[32];
-        for (int r = 0; r < 32; r++) acc[r] = 0.0f;
-        const int8_t *qa = a->q + (size_t)tt * k;
-        for (uint32_t j = 0; j < kb; j++) {
-            const uint8_t *tile = strip + (size_t)j * HTP_IQ4XS_TILE_BYTES;
-            const int8_t *qb = qa + 32 * j;
+    /* the output is the accumulator (as in htp_iq4nl_strip_body); codes decoded once a tile */
+    for (uint32_t tt = 0; tt < nt; tt++)
+        for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = 0.0f;
+    for (uint32_t j = 0; j < kb; j++) {
+        const uint8_t *tile = strip + (size_t)j * HTP_IQ4XS_TILE_BYTES;
+        int8_t w[32][32];
+        float d[32];
+        htp_iq4_codes_decode(tile + 96, w);
+        for (uint32_t r = 0; r < rows; r++) {
+            uint16_t h;
+            memcpy(&h, tile + 2 * r, 2);
+            d[r] = htp_f16_to_f32(h);
+        }
+        for (uint32_t tt = 0; tt < nt; tt++) {
+            const int8_t *qb = a->q + (size_t)tt * k + 32 * j;
             const float da = a->d[(size_t)tt * kb + j];
+            float *o = out + (size_t)tt * ldo;
             int32_t dot[32];
-            htp_iq4_codes_dot(tile + 96, qb, dot);
-            for (int r = 0; r < 32; r++) {
-                uint16_t h;
-                memcpy(&h, tile + 2 * r, 2);
+            htp_i8_dots32((const int8_t(*)[32])w, qb, dot);
+            for (uint32_t r = 0; r < rows; r++) {
                 const int32_t isc = (int32_t)(int8_t)tile[64 + r] * dot[r];
-                const float sc = htp_f16_to_f32(h) * da;
+                const float sc = d[r] * da;
                 const float v = (float)isc * sc;
-                acc[r] += v;
+                o[r] += v;
             }
         }
-        for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = acc[r];
     }
 }
 
