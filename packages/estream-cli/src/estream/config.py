@@ -31,6 +31,10 @@ import estream_sched as es
 from .errors import BadRequestError, BudgetTooSmallError, PackError, StaleProfileError
 from .packed import PackedModel, update_config
 
+#: Compute threads when a run does not say (the engine's default; kept here, with the
+#: configuration it feeds, so that the engine imports this module and not the other way).
+DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
+
 __all__ = [
     "IDENTITY_KEYS",
     "StaleProfileWarning",
@@ -232,8 +236,6 @@ def profile_staleness(
     except PackError as exc:
         return [str(exc)]
     if n_threads is None:
-        from .engine import DEFAULT_THREADS  # the engine imports this module
-
         n_threads = DEFAULT_THREADS
     running = running_identity(model, n_threads=n_threads, act=act, backend=backend)
     return profile_mismatch(recorded, running)
@@ -248,8 +250,6 @@ def _stale_reason(
         return None
     recorded = stored_profile(model).measured_with  # validated by its owner, estream-sched
     if n_threads is None:
-        from .engine import DEFAULT_THREADS  # the engine imports this module
-
         n_threads = DEFAULT_THREADS
     running = running_identity(model, n_threads=n_threads, act=act, backend=backend)
     return "; ".join(profile_mismatch(recorded, running)) or None

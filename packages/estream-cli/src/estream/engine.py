@@ -28,7 +28,7 @@ import estream_sched as es
 from estream_layout import ModelSpec
 
 from . import memory
-from .config import StreamConfig, resolve_config, warn_stale
+from .config import DEFAULT_THREADS, StreamConfig, resolve_config, warn_stale
 from .errors import BadRequestError, EngineClosedError, NonFiniteError
 from .experts import (
     SCHEDULES,
@@ -70,7 +70,6 @@ ATTENTION = ("f32", "bf16")
 # Where the dense kernel ops (GEMMs, norms, RoPE, attention, ...) run: this process's default
 # backend, or the expert backend (its executor process: the DSP for `hexagon`).
 DENSE_OPS = ("host", "backend")
-DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
 #: Activation memory a pass of `Engine.prefill_many` may use when no budget says otherwise.
 DEFAULT_ACTIVATION_BYTES = 256 << 20
 MIN_BATCH_TOKENS, MAX_BATCH_TOKENS = 64, 8192
