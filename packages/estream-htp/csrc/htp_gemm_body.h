@@ -294,22 +294,28 @@ HTP_INLINE void htp_i8_dots32(const int8_t w[32][32], const int8_t *qb, int32_t 
     }
 }
 
-HTP_INLINE void htp_iq4nl_strip_body(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
-                                     uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+/* IQ4_NL / IQ4_XS tiles x Q8 activations (the one driver of both): per row and 32-block
+ * acc += (float)(sc * dot) * (d * da) with sc the IQ4_XS row's int8 sub-block scale at
+ * `scales_at` (IQ4_NL: none, sc = 1, so (float)dot exactly), d the row's fp16 at 2r and the codes
+ * at `codes_at`. The output is the accumulator: 0, then one term per tile in tile order, as a
+ * per-token accumulator would add them; each tile is decoded once for all tokens. */
+HTP_INLINE void htp_iq4_strip_body(const uint8_t *strip, uint32_t tile_bytes, uint32_t codes_at,
+                                   uint32_t scales_at, uint32_t kb, const htp_act_q8 *a,
+                                   uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
     const uint32_t k = kb * 32;
-    /* the output is the accumulator: 0, then one term per tile in tile order, as the reference's
-     * per-token accumulator; each tile is decoded once for all tokens */
     for (uint32_t tt = 0; tt < nt; tt++)
         for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = 0.0f;
     for (uint32_t j = 0; j < kb; j++) {
-        const uint8_t *tile = strip + (size_t)j * HTP_Q4_TILE_BYTES;
+        const uint8_t *tile = strip + (size_t)j * tile_bytes;
         int8_t w[32][32];
         float d[32];
-        htp_iq4_codes_decode(tile + 64, w);
+        int32_t sc[32];
+        htp_iq4_codes_decode(tile + codes_at, w);
         for (uint32_t r = 0; r < rows; r++) {
             uint16_t h;
             memcpy(&h, tile + 2 * r, 2);
             d[r] = htp_f16_to_f32(h);
+            sc[r] = scales_at ? (int32_t)(int8_t)tile[scales_at + r] : 1;
         }
         for (uint32_t tt = 0; tt < nt; tt++) {
             const int8_t *qb = a->q + (size_t)tt * k + 32 * j;
@@ -318,12 +324,20 @@ HTP_INLINE void htp_iq4nl_strip_body(const uint8_t *strip, uint32_t kb, const ht
             int32_t dot[32];
             htp_i8_dots32((const int8_t(*)[32])w, qb, dot);
             for (uint32_t r = 0; r < rows; r++) {
-                const float sc = d[r] * da;
-                const float v = (float)dot[r] * sc;
+                const float dd = d[r] * da;
+                const float v = (float)(sc[r] * dot[r]) * dd;
                 o[r] += v;
             }
         }
     }
+}
+
+/* IQ4_NL tiles: iq4_nl-t32r4 (576 B) is laid as q4_0-t32r4 (fp16 d per row, then the codes in
+ * Q4_0's nibble order at 64); dot = sum kv[code] * a (kv: llama.cpp's kvalues_iq4nl,
+ * -127..113), acc += (float)dot * (d * da): llama.cpp's vec_dot_iq4_nl_q8_0. */
+HTP_INLINE void htp_iq4nl_strip_body(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                     uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    htp_iq4_strip_body(strip, HTP_Q4_TILE_BYTES, 64, 0, kb, a, nt, out, ldo, rows);
 }
 
 /* Q4_1 / Q5_0 / Q5_1 tiles (docs/format.md): q4_1-t32r4 (640 B) = the rows' (d, m) fp16 pairs
@@ -416,34 +430,7 @@ HTP_INLINE void htp_aff_strip_body(const uint8_t *strip, uint32_t fmt, uint32_t 
  * (|sc * dot| <= 32 * 127 * 127 * 32 < 2^24: the conversion is exact). */
 HTP_INLINE void htp_iq4xs_strip_body(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
                                      uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
-    const uint32_t k = kb * 32;
-    /* the output is the accumulator (as in htp_iq4nl_strip_body); codes decoded once a tile */
-    for (uint32_t tt = 0; tt < nt; tt++)
-        for (uint32_t r = 0; r < rows; r++) out[(size_t)tt * ldo + r] = 0.0f;
-    for (uint32_t j = 0; j < kb; j++) {
-        const uint8_t *tile = strip + (size_t)j * HTP_IQ4XS_TILE_BYTES;
-        int8_t w[32][32];
-        float d[32];
-        htp_iq4_codes_decode(tile + 96, w);
-        for (uint32_t r = 0; r < rows; r++) {
-            uint16_t h;
-            memcpy(&h, tile + 2 * r, 2);
-            d[r] = htp_f16_to_f32(h);
-        }
-        for (uint32_t tt = 0; tt < nt; tt++) {
-            const int8_t *qb = a->q + (size_t)tt * k + 32 * j;
-            const float da = a->d[(size_t)tt * kb + j];
-            float *o = out + (size_t)tt * ldo;
-            int32_t dot[32];
-            htp_i8_dots32((const int8_t(*)[32])w, qb, dot);
-            for (uint32_t r = 0; r < rows; r++) {
-                const int32_t isc = (int32_t)(int8_t)tile[64 + r] * dot[r];
-                const float sc = d[r] * da;
-                const float v = (float)isc * sc;
-                o[r] += v;
-            }
-        }
-    }
+    htp_iq4_strip_body(strip, HTP_IQ4XS_TILE_BYTES, 96, 64, kb, a, nt, out, ldo, rows);
 }
 
 /* Row r, column c of an f16-t32r4 / bf16-t32r4 tile as fp32 (exact): the 16-bit value at
