@@ -104,8 +104,10 @@ _PRESETS: Final[Mapping[str, Mapping[str, Any]]] = {
         expert_gating="sigmoid",
     ),
     # PowerInfer/SmallThinker-21BA3B (the model card's table): 52 layers, hidden 2560, 28 q /
-    # 4 kv heads (of 128, as the 4B), 64 experts top-6 of 768, ReGLU, vocab 151936, 16K
-    # context; router, RoPE base and window as the 4B.
+    # 4 kv heads, 64 experts top-6 of 768, ReGLU, vocab 151936, 16K context; router, RoPE
+    # base and window as the 4B. Heads of 128: the card gives no head size, 2560 / 28 is not
+    # whole (so the checkpoint's config must set head_dim), and SmallThinkerConfig's default
+    # head_dim is 128 (the 4B's 12 x 128 = 1536 is its hidden size).
     "smallthinker-21b-a3b": dict(
         n_layers=52,
         n_embd=2560,
