@@ -455,7 +455,10 @@ def bench_tokenizer(session: nox.Session) -> None:
 
 @nox.session
 def bench_engine(session: nox.Session) -> None:
-    """End-to-end prefill: stream vs resident (vs llama.cpp when available)."""
+    """End-to-end prefill: stream vs resident (vs llama.cpp when available). Opt-in baseline:
+    `-- --arch qwen3moe --ik-llama-bench PATH` (or $ESTREAM_IK_LLAMA_BENCH) adds an ik_llama.cpp
+    llama-bench you built, run on the same GGUF with its fused-MoE/MLA CPU flags, and EStream's
+    tokens/s over ik's (see the script's docstring)."""
     _bench(session, ROOT / "integration" / "bench" / "bench_engine.py", all_pkgs=True)
 
 

@@ -147,6 +147,8 @@ def render_engine(f: Figures) -> Table:
     )
     if f.get("cgroup_note"):
         t.notes.append(f"Memory-capped runs: {f['cgroup_note']}.")
+    if any(r["system"] == IK for r in f["runs"]):
+        t.more.append(_ik_table(f))
     for r in f["runs"]:
         if r.get("op_table"):
             cap = f" in a {budget} cgroup" if r.get("cgroup") else ""
@@ -162,6 +164,38 @@ def render_engine(f: Figures) -> Table:
             "time the routed-expert phase waited for reads, `untimed` what no op accounts for."
         )
     return t
+
+
+#: bench_engine's ik_llama.cpp baseline (`--ik-llama-bench`): its runs' system name.
+IK = "ik_llama.cpp"
+
+
+def _tokens_per_s(run: dict[str, Any] | None, length: int) -> str:
+    if not run:
+        return "–"
+    return num(length / run["ttft_s"]) if run.get("ttft_s") else str(run.get("error", "–"))
+
+
+def _ik_table(f: Figures) -> tuple[str, Table]:
+    """bench_engine's free runs in tokens/s beside ik_llama.cpp's llama-bench on the same GGUF,
+    and EStream's tokens/s over ik's."""
+    t = Table(["prompt", "ik_llama.cpp", "resident", "stream", "resident ÷ ik", "stream ÷ ik",
+               "peak: ik_llama.cpp"], [])  # fmt: skip
+    for T in _engine_lengths(f, False):
+        ik, r, s = (_engine_run(f, x, T, False) for x in (IK, "resident", "stream"))
+        t.rows.append(
+            [prompt(T), _tokens_per_s(ik, T), _tokens_per_s(r, T), _tokens_per_s(s, T),
+             ratio(ik, r), ratio(ik, s), size((ik or {}).get("peak_memory_bytes"))]
+        )  # fmt: skip
+    info = f.get("ik_llama") or {}
+    flags = " ".join(info.get("args") or []) or "its defaults"
+    build = info.get("build_commit") or "not recorded"
+    caption = (
+        f"**ik_llama.cpp on the same GGUF**, prompt tokens/s (`llama-bench -p T -n 0 -r 1 "
+        f"-t {f.get('threads', '–')} {flags}`, ik build {build}; the engine's rows from the table above; ÷: EStream's "
+        "tokens/s over ik's)"
+    )
+    return caption, t
 
 
 def _op_table(table: dict[str, Any]) -> Table:
@@ -548,6 +582,15 @@ _ENGINE_MODEL = re.compile(r"(gpt-oss|[^-]+)-(.+)-s\d+(?:-[a-z0-9_]+)?")
 #: Families whose preset's own expert type (what `--quant q4_0`, "the preset's types", gives)
 #: is not Q4_0.
 _PRESET_EXPERTS = {"gpt-oss": "mxfp4 experts"}
+#: The family each published-model preset imitates by default (estream-synth's PRESET_ARCH):
+#: a file of such a preset in another family's layout is named so (OLMoE's shapes as
+#: ``qwen3moe``, for runtimes without an ``olmoe`` architecture).
+_PRESET_FAMILY = {
+    "olmoe-1b-7b": "olmoe", "qwen3-30b-a3b": "qwen3moe", "mixtral-8x7b": "mixtral",
+    "deepseek-v2-lite": "deepseek2", "lfm2-8b-a1b": "lfm2moe",
+    "smallthinker-4b-a0.6b": "smallthinker", "smallthinker-21b-a3b": "smallthinker",
+    "gpt-oss-20b": "gpt-oss",
+}  # fmt: skip
 
 
 def _lengths_label(lengths: list[int]) -> str:
@@ -563,7 +606,8 @@ def engine_model(f: Figures) -> str:
         return f"olmoe-1b-7b, {quant}"
     if quant == "q4_0":
         quant = _PRESET_EXPERTS.get(m.group(1), quant)
-    return f"{m.group(2)}, {quant}"
+    layout = m.group(1) != _PRESET_FAMILY.get(m.group(2), m.group(1))
+    return f"{m.group(2)}" + (f" as {m.group(1)}" if layout else "") + f", {quant}"
 
 
 def engine_variant(f: Figures) -> str:

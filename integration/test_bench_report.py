@@ -198,6 +198,34 @@ def test_engine_runs_with_a_per_op_table_render_it(tmp_path: Path) -> None:
     assert "Per-op table" not in report.render_page(report.load_results(plain / "results"))
 
 
+def test_engine_runs_with_ik_llama_cpp_show_tokens_per_s_and_ratios(tmp_path: Path) -> None:
+    """A bench_engine result with ik_llama.cpp runs (``--ik-llama-bench``) shows, under the
+    engine table, each prompt's tokens/s of ik, resident and stream, EStream's tokens/s over
+    ik's, ik's peak memory and the flags and build it ran with; a length where ik failed shows
+    its error; the model, here OLMoE's shapes in qwen3moe's layout, is named with its layout;
+    a result without ik runs adds no such table."""
+    figures = engine_figures(stream=2.0, resident=1.0)  # 1K: 512 and 1024 tokens/s
+    figures["model"] = "/c/qwen3moe-olmoe-1b-7b-s0.estream"
+    figures["runs"].append({"system": "ik_llama.cpp", "length": 1024, "cgroup": False,
+                            "ttft_s": 2.5, "tokens_per_s": 409.6,
+                            "peak_memory_bytes": 3 * 2**30})  # fmt: skip
+    figures["runs"].append({"system": "ik_llama.cpp", "length": 4096, "cgroup": False,
+                            "error": "exit 1"})  # fmt: skip
+    figures["ik_llama"] = {"llama_bench": "/x/llama-bench", "args": ["-fa", "1", "-fmoe", "1"],
+                           "build_commit": "8337e4c", "build_number": 1}  # fmt: skip
+    recorded(tmp_path, "bench_engine", figures, (0.1, 0.1))
+    page = report.render_page(report.load_results(tmp_path / "results"))
+    assert "(olmoe-1b-7b as qwen3moe, q4_0; 1K, 4K)" in page
+    assert "**ik_llama.cpp on the same GGUF**" in page
+    assert "`llama-bench -p T -n 0 -r 1 -t 2 -fa 1 -fmoe 1`, ik build 8337e4c" in page
+    assert "| 1K | 410 | 1024 | 512 | 2.500 | 1.250 | 3 GiB |" in page
+    assert "| 4K | exit 1 | 1024 | 512 | – | – | – |" in page
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    recorded(plain, "bench_engine", engine_figures(), (0.1, 0.1))
+    assert "ik_llama.cpp" not in report.render_page(report.load_results(plain / "results"))
+
+
 def test_the_headline_skips_a_newer_loaded_run(tmp_path: Path) -> None:
     """The README headline shows the newest bench_engine run not taken on a loaded machine; a
     newer loaded run appears on the page (marked) but does not replace the headline."""

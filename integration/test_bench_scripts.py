@@ -4,9 +4,12 @@ against a stand-in."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from estream_layout import synth_model
 
@@ -193,3 +196,91 @@ def test_bench_engine_ensure_profile_reprofiles_a_stale_profile(tmp_path: Path, 
     assert "does not record what it was measured with" in capsys.readouterr().out
     model = PackedModel(dst)
     assert model.manifest["profile"]["measured_with"] == running_identity(model, n_threads=1)
+
+
+# an ik_llama.cpp llama-bench stand-in: logs on stderr, then llama-bench's JSON for -p N at
+# 200 tokens/s with the flags it was given; exits 3 when asked to (-p 13)
+FAKE_IK_BENCH = r"""#!/usr/bin/env python3
+import json, sys
+a = sys.argv
+n = int(a[a.index("-p") + 1])
+assert a[a.index("-n") + 1] == "0" and a[a.index("-r") + 1] == "1", a
+assert a[a.index("-o") + 1] == "json" and a[a.index("-t") + 1] == "2", a
+print("llama_model_loader: loaded", file=sys.stderr)
+if n == 13:
+    print("error: failed to load model", file=sys.stderr)
+    sys.exit(3)
+print(json.dumps([{"build_commit": "abc1234", "build_number": 7, "n_prompt": n, "n_gen": 0,
+                   "fused_moe": a[a.index("-fmoe") + 1] == "1",
+                   "avg_ns": int(n / 200 * 1e9), "avg_ts": 200.0}], indent=2))
+"""
+
+
+def test_bench_engine_ik_flags_follow_the_architecture() -> None:
+    """ik_llama.cpp runs with flash attention, fused MoE and run-time repacking on every
+    family, and with its MLA mode 3 only on deepseek2."""
+    be = _bench_engine()
+    assert be.ik_default_args("qwen3moe") == ["-fa", "1", "-fmoe", "1", "-rtr", "1"]
+    assert be.ik_default_args("deepseek2") == ["-fa", "1", "-fmoe", "1", "-rtr", "1",
+                                               "-mla", "3"]  # fmt: skip
+
+
+def test_bench_engine_parses_llama_bench_json() -> None:
+    """The pp result for the asked prompt length is taken from llama-bench's JSON after its log
+    lines: time in seconds, tokens/s and the build; no JSON, or no single pp result for that
+    length, is a ValueError saying so."""
+    be = _bench_engine()
+    rows = [{"n_prompt": 64, "n_gen": 0, "avg_ns": 5e8, "avg_ts": 128.0, "build_commit": "c0"},
+            {"n_prompt": 0, "n_gen": 16, "avg_ns": 1e9, "avg_ts": 16.0}]  # fmt: skip
+    got = be.parse_llama_bench("main: log line\n" + json.dumps(rows), 64)
+    assert got == {"ttft_s": 0.5, "tokens_per_s": 128.0, "build_commit": "c0",
+                   "build_number": None}  # fmt: skip
+    with pytest.raises(ValueError, match="no JSON"):
+        be.parse_llama_bench("error: failed to load model\n", 64)
+    with pytest.raises(ValueError, match="0 results for pp32"):
+        be.parse_llama_bench(json.dumps(rows), 32)
+
+
+def test_bench_engine_runs_ik_llama_bench_as_a_baseline(tmp_path: Path) -> None:
+    """An ik_llama.cpp run is a child like the others: llama-bench's time and tokens/s, its
+    own peak RSS, the flags it ran with and its build; a llama-bench that fails is the run's
+    error with the tail of its stderr, not a dead benchmark."""
+    be = _bench_engine()
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_IK_BENCH)
+    fake.chmod(0o755)
+    args = be.ik_default_args("qwen3moe")
+    m = be._run(be.ik_cmd(str(fake), tmp_path / "m.gguf", 40, 2, args))
+    assert m["ttft_s"] == 0.2 and m["tokens_per_s"] == 200.0
+    assert m["ik_args"] == args and m["build_commit"] == "abc1234" and m["build_number"] == 7
+    assert m["peak_rss_bytes"] > 0 and m["peak_memory_bytes"] >= m["peak_rss_bytes"]
+    bad = be._run(be.ik_cmd(str(fake), tmp_path / "m.gguf", 13, 2, args))
+    assert bad["error"] == "exit 3" and "failed to load model" in bad["stderr"]
+    assert "ttft_s" not in bad
+
+
+def test_bench_engine_refuses_ik_on_an_olmoe_file_or_a_missing_executable(
+    tmp_path: Path,
+) -> None:
+    """--ik-llama-bench is refused, in one line and before anything is synthesized, for an
+    `olmoe` model (ik_llama.cpp has no such architecture; the message names the qwen3moe way)
+    and for a path that is not an executable; --ik-llama-args alone is refused too."""
+    script = str(ROOT / "integration" / "bench" / "bench_engine.py")
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_IK_BENCH)
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "ESTREAM_IK_LLAMA_BENCH"}
+    cases = [
+        (["--ik-llama-bench", str(fake)], "--arch qwen3moe --preset olmoe-1b-7b"),
+        (["--arch", "qwen3moe", "--ik-llama-bench", str(tmp_path / "none")],
+         "is not an executable file"),
+        (["--arch", "qwen3moe", "--ik-llama-args", "-fa 1"], "needs --ik-llama-bench"),
+    ]  # fmt: skip
+    for extra, msg in cases:
+        done = subprocess.run(
+            [sys.executable, script, "--preset", "tiny-never-made", *extra],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 2 and msg in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+    assert not list((ROOT / ".cache" / "models").glob("*tiny-never-made*"))

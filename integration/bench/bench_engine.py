@@ -28,6 +28,22 @@ product, fp32 FMA, bf16 dot product), measured before and after the runs by benc
 own `measure_peaks` (in a child process on the runs' threads; the better of the two is used).
 The tables are printed and stored with the runs (``op_table``) and the peaks as ``peaks_gops``.
 A quick look on a tiny model: ``--preset tiny --lengths 64 --no-llama --no-cgroup --trace``.
+
+``--ik-llama-bench PATH`` (or ``$ESTREAM_IK_LLAMA_BENCH``) adds ik_llama.cpp, a llama.cpp fork
+with fused MoE and MLA CPU paths, as one more baseline of the free runs: for each prompt length,
+after the same cold-cache drop, ``PATH -m <the GGUF> -p T -n 0 -t THREADS -r 1 -o json`` and
+ik's fast CPU flags, ``-fa 1 -fmoe 1 -rtr 1`` (flash attention, fused MoE, weights repacked to
+row-interleaved layouts at load), plus ``-mla 3`` for ``deepseek2``; ``--ik-llama-args`` replaces
+those flags (llama-bench runs one test per value of a repeated flag, so they are not appended).
+llama-bench times its pass after loading the model and a one-token warm-up, so its figure is
+compute with the weights in memory (``-rtr 1`` reads them all at load), as `resident` is. The
+runs are stored as the system ``ik_llama.cpp`` with tokens/s, the flags and ik's build, and the
+summary gains ``resident_over_ik_tokens_per_s`` and ``stream_over_ik_tokens_per_s`` (EStream's
+tokens/s ÷ ik's). Nothing of ik_llama.cpp ships here: build its ``llama-bench`` yourself
+(``cmake -B build -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release && cmake --build build --target
+llama-bench``). ik_llama.cpp has no ``olmoe`` architecture, so for OLMoE's shapes run
+``--arch qwen3moe`` (the default ``olmoe-1b-7b`` preset in Qwen3-MoE's layout, one GGUF all
+sides run); ``--ik-llama-bench`` with an ``olmoe`` file is refused.
 """
 
 from __future__ import annotations
@@ -37,6 +53,7 @@ import contextlib
 import json
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -243,6 +260,82 @@ def llama_cmd(gguf: Path, tokens: np.ndarray, threads: int) -> list[str]:
     return [sys.executable, "-c", _LLAMA_CHILD, json.dumps(spec)]
 
 
+#: ik_llama.cpp's fast CPU flags for prefill: flash attention, fused MoE (up/gate/down of the
+#: routed experts in one op), weights repacked at load into its row-interleaved layouts.
+IK_ARGS = ("-fa", "1", "-fmoe", "1", "-rtr", "1")
+#: ... plus, for MLA models, its MLA mode 3 (attention on the compressed KV cache, prompt
+#: processing through the decompressed K and V).
+IK_MLA_ARGS = ("-mla", "3")
+
+
+def ik_default_args(arch: str) -> list[str]:
+    """The flags ik_llama.cpp's llama-bench runs with for a model of the family `arch`."""
+    return [*IK_ARGS, *(IK_MLA_ARGS if arch == "deepseek2" else ())]
+
+
+def parse_llama_bench(stdout: str, tokens: int) -> dict[str, Any]:
+    """The prompt-processing result of `llama-bench -o json` for ``tokens`` prompt tokens (its
+    JSON list follows any log lines): time, tokens/s and the build that measured them. Raises
+    ValueError saying what is missing."""
+    start = stdout.find("[")
+    if start < 0:
+        raise ValueError("llama-bench printed no JSON")
+    rows = [
+        r for r in json.loads(stdout[start:])
+        if int(r.get("n_prompt", -1)) == tokens and int(r.get("n_gen", 0)) == 0
+    ]  # fmt: skip
+    if len(rows) != 1:
+        raise ValueError(f"llama-bench printed {len(rows)} results for pp{tokens}, not one")
+    r = rows[0]
+    return {
+        "ttft_s": float(r["avg_ns"]) / 1e9,
+        "tokens_per_s": float(r["avg_ts"]),
+        "build_commit": r.get("build_commit"),
+        "build_number": r.get("build_number"),
+    }
+
+
+# Runs llama-bench as its own child: its peak RSS (wait4), the MemAvailable drop over it and its
+# parsed result, in the shape of the other children's output.
+_IK_CHILD = (
+    r"""
+import json, os, subprocess, sys, tempfile
+spec = json.loads(sys.argv[1])
+sys.path.insert(0, spec["here"])
+"""
+    + CHILD_MEMORY
+    + r"""
+a0 = avail()
+with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    proc = subprocess.Popen(spec["cmd"], stdout=out, stderr=err, text=True)
+    _, status, usage = os.wait4(proc.pid, 0)
+    drop = max(0, a0 - avail())
+    out.seek(0), err.seek(0)
+    stdout, stderr = out.read(), err.read()
+code = os.waitstatus_to_exitcode(status)
+if code != 0:
+    sys.stderr.write(stderr[-4000:])
+    sys.exit(code if code > 0 else 128 - code)
+from bench_engine import parse_llama_bench
+try:
+    m = parse_llama_bench(stdout, spec["tokens"])
+except ValueError as exc:
+    sys.exit(f"{exc}: {stdout[-400:]}")
+m.update({"peak_rss_bytes": usage.ru_maxrss * 1024, "mem_available_drop_bytes": drop,
+          "major_faults": usage.ru_majflt, "ik_args": spec["args"]})
+print(json.dumps(m))
+"""
+)
+
+
+def ik_cmd(exe: str, gguf: Path, tokens: int, threads: int, args: list[str]) -> list[str]:
+    """A child that runs ik_llama.cpp's llama-bench once on ``tokens`` prompt tokens."""
+    cmd = [exe, "-m", str(gguf), "-p", str(tokens), "-n", "0", "-t", str(threads), "-r", "1",
+           "-o", "json", *args]  # fmt: skip
+    spec = {"cmd": cmd, "tokens": tokens, "args": args, "here": str(HERE)}
+    return [sys.executable, "-c", _IK_CHILD, json.dumps(spec)]
+
+
 #: ``--quant``: the GGML types of a synthesized file, as llama.cpp's presets of those names mix
 #: them (Q4_K_M: Q4_K matrices, Q6_K expert down projections and output).
 QUANTS: dict[str, dict[str, str]] = {
@@ -344,13 +437,17 @@ def run_system(
     engine_args: tuple[str, ...] = (),
     label: str = "",
     data_limit: int | None = None,
+    ik: tuple[str, list[str]] | None = None,
 ) -> dict[str, Any]:
     """One cold-cache prefill of `T` random tokens in a fresh process: `stream`/`resident`
-    engine or `llama.cpp`; prints one line and returns the metrics (or the error: OOM kill,
-    time limit)."""
+    engine, `llama.cpp`, or `ik_llama.cpp` (``ik``: its llama-bench and flags; T tokens of its
+    own); prints one line and returns the metrics (or the error: OOM kill, time limit)."""
     tokens = np.random.default_rng(T).integers(0, n_vocab, size=T)
     how = drop_page_cache([src, dst / "experts.bin", dst / "dense.bin"])
-    if system == "llama.cpp":
+    if system == "ik_llama.cpp":
+        assert ik is not None
+        cmd = ik_cmd(ik[0], src, T, threads, ik[1])
+    elif system == "llama.cpp":
         cmd = llama_cmd(src, tokens, threads)
     else:
         cmd = [*engine_cmd(dst, tokens, system, threads), *engine_args]
@@ -369,7 +466,7 @@ def run_system(
     if "steal_s" in m:
         extra += f"  steal {m['steal_s']:.2f} s"
     print(
-        f"T={T:<5d} {system + label:<10s} TTFT {ttft}  peak {peak:>11s} (RSS {rss:>11s}){cap}"
+        f"T={T:<5d} {system + label:<12s} TTFT {ttft}  peak {peak:>11s} (RSS {rss:>11s}){cap}"
         f"{extra}",
         flush=True,
     )
@@ -425,12 +522,42 @@ def main() -> int:
         action="store_true",
         help="per-op table of every engine run (time, share, GOP/s, share of the measured peak)",
     )
+    ap.add_argument(
+        "--ik-llama-bench",
+        default=os.environ.get("ESTREAM_IK_LLAMA_BENCH") or None,
+        metavar="PATH",
+        help="ik_llama.cpp's llama-bench executable (or $ESTREAM_IK_LLAMA_BENCH): one more "
+        "baseline of the free runs, tokens/s and EStream's tokens/s over it",
+    )
+    ap.add_argument(
+        "--ik-llama-args",
+        help="llama-bench flags instead of ik's fast CPU ones ('-fa 1 -fmoe 1 -rtr 1', "
+        "plus '-mla 3' for deepseek2)",
+    )
     args = ap.parse_args()
     budget = parse_bytes(args.budget)
     lengths = [int(x) for x in args.lengths.split(",")]
     from estream_layout import PRESET_ARCH
 
     arch = args.arch or PRESET_ARCH.get(args.preset, "olmoe")
+    ik: tuple[str, list[str]] | None = None
+    if args.ik_llama_bench:
+        exe = Path(args.ik_llama_bench)
+        if not (exe.is_file() and os.access(exe, os.X_OK)):
+            ap.error(f"--ik-llama-bench: {exe} is not an executable file")
+        if arch == "olmoe":
+            ap.error(
+                "--ik-llama-bench: ik_llama.cpp has no olmoe architecture; run OLMoE's shapes "
+                "in Qwen3-MoE's layout: --arch qwen3moe --preset olmoe-1b-7b"
+            )
+        ik_args = (
+            shlex.split(args.ik_llama_args)
+            if args.ik_llama_args is not None
+            else ik_default_args(arch)
+        )
+        ik = (str(exe.resolve()), ik_args)
+    elif args.ik_llama_args is not None:
+        ap.error("--ik-llama-args needs --ik-llama-bench")
     src, dst = prepare(args.preset, budget, arch=arch, quant=args.quant, threads=args.threads)
     from estream.packed import PackedModel
 
@@ -446,17 +573,18 @@ def main() -> int:
             print(f"llama.cpp unavailable: {exc}", flush=True)
     rows: list[dict[str, Any]] = []
     systems = ["stream", "resident"] + (["llama.cpp"] if llama_ok else [])
+    systems += ["ik_llama.cpp"] if ik else []
     peaks_start = measure_peaks(args.threads) if args.trace else None
 
     def one(system: str, T: int, cg: Cgroup | None) -> dict[str, Any]:
         timeout = args.cgroup_timeout if cg else 3600.0
         # stream: the budget's configuration for this prompt length, chosen by `prefill` itself
         extra: tuple[str, ...] = ("--budget", str(budget)) if system == "stream" else ()
-        if args.trace and system != "llama.cpp":
+        if args.trace and system in ("stream", "resident"):
             extra += ("--op-stats",)
         m = run_system(
             system, T, src=src, dst=dst, n_vocab=hp.n_vocab, threads=args.threads,
-            timeout=timeout, cgroup=cg, engine_args=extra,
+            timeout=timeout, cgroup=cg, engine_args=extra, ik=ik,
         )  # fmt: skip
         if system == "stream" and "G" in m:  # what the run used (its own metrics)
             print(f"  (stream at T={T} ran with G={m['G']} Q={m['Q']} B={m['B']})", flush=True)
@@ -506,6 +634,13 @@ def main() -> int:
         if s and lc:
             row["stream_over_llama_ttft"] = s / lc
             row["stream_over_llama_peak"] = sm / lm if sm and lm else None
+        ik_t = get("ik_llama.cpp", T, False, "ttft_s")
+        if ik_t:  # tokens/s over ik's tokens/s: ik's time over EStream's, same T
+            row["ik_tokens_per_s"] = T / ik_t
+            if r:
+                row["resident_over_ik_tokens_per_s"] = ik_t / r
+            if s:
+                row["stream_over_ik_tokens_per_s"] = ik_t / s
         summary.append(row)
         print(
             "  "
@@ -525,6 +660,12 @@ def main() -> int:
     }
     if peaks is not None:
         doc["peaks_gops"] = peaks
+    if ik is not None:
+        built = next((r for r in rows if r["system"] == "ik_llama.cpp" and "ttft_s" in r), {})
+        doc["ik_llama"] = {
+            "llama_bench": ik[0], "args": ik[1], "gguf": str(src),
+            "build_commit": built.get("build_commit"), "build_number": built.get("build_number"),
+        }  # fmt: skip
     (RESULTS / args.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {RESULTS / args.out}")
     return 0
