@@ -55,23 +55,6 @@ HTP_INSTANTIATE(avx512, HTP_T_AVX512)
                                             uint32_t ldo, uint32_t rows) {                       \
         htp_q5k_strip_body(strip, kb, a, nt, out, ldo, rows);                                    \
     }                                                                                            \
-    TARGET HTP_NO_CONTRACT static void nlq8_strip_##SUFFIX(const uint8_t *strip, uint32_t kb,    \
-                                                           const htp_act_q8 *a, uint32_t nt,     \
-                                                           float *out, uint32_t ldo,             \
-                                                           uint32_t rows) {                      \
-        htp_iq4nl_strip_body(strip, kb, a, nt, out, ldo, rows);                                  \
-    }                                                                                            \
-    TARGET HTP_NO_CONTRACT static void xsq8_strip_##SUFFIX(const uint8_t *strip, uint32_t kb,    \
-                                                           const htp_act_q8 *a, uint32_t nt,     \
-                                                           float *out, uint32_t ldo,             \
-                                                           uint32_t rows) {                      \
-        htp_iq4xs_strip_body(strip, kb, a, nt, out, ldo, rows);                                  \
-    }                                                                                            \
-    TARGET HTP_NO_CONTRACT static void affq8_strip_##SUFFIX(                                     \
-        const uint8_t *strip, uint32_t fmt, uint32_t kb, const htp_act_q8 *a, uint32_t nt,       \
-        float *out, uint32_t ldo, uint32_t rows) {                                               \
-        htp_aff_strip_body(strip, fmt, kb, a, nt, out, ldo, rows);                               \
-    }                                                                                            \
     TARGET static void dequant_kq_##SUFFIX(const uint8_t *p, uint32_t fmt, float *panel) {       \
         htp_dequant_kq_tile_body(p, fmt, panel);                                                 \
     }
@@ -498,6 +481,188 @@ MXFP4_HALF512(HTP_T_AVX512)
 
 MXFP4_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)
 MXFP4_KERNEL(bw, HTP_T_AVX512, DOT_BW)
+
+/* ---- IQ4_NL, IQ4_XS, Q4_1, Q5_0, Q5_1 x Q8 tile kernel, AVX-512: the Q4_0 kernel's nibble
+ * scheme (the codes of all five are Q4_0-ordered nibbles; LQ_* says which tile, a compile-time
+ * constant). Q4_1: the nibbles (0..15) as they are; Q5_0 / Q5_1: plus 16 x the fifth bit
+ * (q5k_fifth: the fifth-bit words have the Q5_K layout, at 64 + 4r / 128 + 4r), 0..31; IQ4_NL /
+ * IQ4_XS: one vpshufb gives |kv[code]| (0..127) and the codes below 8 (kv < 0) negate the
+ * activations of their lanes, so a vpmaddubsw pair stays within 2 x 127 x 127 and the same
+ * weights serve vpdpbusd. The integer sums are the portable body's exact int32 dots (Q5_0's
+ * start at -16 x the block's activation sum: its dot - 16 sa), and the fp32 epilogue is the
+ * portable body's, operation for operation, no fused multiply-add (HTP_NO_CONTRACT):
+ *   IQ4_NL / IQ4_XS: acc += (float)(sc x dot) x (d x da)          (IQ4_NL: sc = 1)
+ *   Q5_0:            acc += (float)(dot - 16 sa) x (d x da)
+ *   Q4_1 / Q5_1:     acc += (float)dot x (d x da) + (float)sa x (m x da). */
+#define LQ_IQ4NL 0
+#define LQ_IQ4XS 1
+#define LQ_Q41 2
+#define LQ_Q50 3
+#define LQ_Q51 4
+#define LQ_BYTES(K)                                                                              \
+    ((K) == LQ_IQ4NL   ? HTP_Q4_TILE_BYTES                                                       \
+     : (K) == LQ_IQ4XS ? HTP_IQ4XS_TILE_BYTES                                                    \
+     : (K) == LQ_Q41   ? HTP_Q41_TILE_BYTES                                                      \
+     : (K) == LQ_Q50   ? HTP_Q50_TILE_BYTES                                                      \
+                       : HTP_Q51_TILE_BYTES)
+#define LQ_NIB(K) ((K) == LQ_IQ4NL ? 64 : (K) == LQ_IQ4XS ? 96 : (K) == LQ_Q41 ? 128 : (K) == LQ_Q50 ? 192 : 256)
+#define LQ_QH(K) ((K) == LQ_Q50 ? 64 : 128) /* the fifth-bit words (Q5_0, Q5_1) */
+#define LQ_IQ4(K) ((K) == LQ_IQ4NL || (K) == LQ_IQ4XS)
+#define LQ_HASM(K) ((K) == LQ_Q41 || (K) == LQ_Q51)
+#define LQ_Q5(K) ((K) == LQ_Q50 || (K) == LQ_Q51)
+
+/* the d (and m) of 16 rows: fp16 at 2r, or (d, m) pairs at 4r (the 64 bytes at p) */
+HTP_T_AVX512 static inline __attribute__((always_inline)) void lq_dm512(const uint8_t *p, int hasm,
+                                                                       __m512 *dv, __m512 *mv) {
+    if (!hasm) {
+        *dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        return;
+    }
+    const __m512i w = _mm512_loadu_si512((const void *)p);
+    *dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
+    *mv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
+}
+
+#define LQ_KERNEL(SUFFIX, TARGET, DOT)                                                           \
+    TARGET HTP_NO_CONTRACT static inline __attribute__((always_inline)) void lqq8_block_##SUFFIX( \
+        const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s,    \
+        uint32_t k, float *out, uint32_t ldo, uint32_t rows, const int NT, const int K) {        \
+        const __m512i m4 = _mm512_set1_epi8(0x0f);                                               \
+        const __m512i eight = _mm512_set1_epi8(8);                                               \
+        const __m512i lut = _mm512_broadcast_i32x4(                                              \
+            _mm_setr_epi8(127, 104, 83, 65, 49, 35, 22, 10, 1, 13, 25, 38, 53, 69, 89, 113));    \
+        __m512 acc[6][2];                                                                        \
+        for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();                \
+        for (uint32_t j = 0; j < kb; j++) {                                                      \
+            const uint8_t *tile = strip + (size_t)j * LQ_BYTES(K);                               \
+            __m512i ia[6][2];                                                                    \
+            for (int u = 0; u < NT; u++)                                                         \
+                ia[u][0] = ia[u][1] =                                                            \
+                    _mm512_set1_epi32(K == LQ_Q50 ? -16 * s[(size_t)u * kb + j] : 0);            \
+            for (int g = 0; g < 4; g++) {                                                        \
+                const __m512i v0 = _mm512_loadu_si512((const void *)(tile + LQ_NIB(K) + 128 * g)); \
+                const __m512i v1 =                                                               \
+                    _mm512_loadu_si512((const void *)(tile + LQ_NIB(K) + 64 + 128 * g));         \
+                __m512i l0 = _mm512_and_si512(v0, m4);                                           \
+                __m512i l1 = _mm512_and_si512(v1, m4);                                           \
+                __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);                     \
+                __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);                     \
+                __mmask64 nl0 = 0, nl1 = 0, nh0 = 0, nh1 = 0;                                    \
+                if (LQ_IQ4(K)) {                                                                 \
+                    nl0 = _mm512_cmplt_epu8_mask(l0, eight);                                     \
+                    nl1 = _mm512_cmplt_epu8_mask(l1, eight);                                     \
+                    nh0 = _mm512_cmplt_epu8_mask(h0, eight);                                     \
+                    nh1 = _mm512_cmplt_epu8_mask(h1, eight);                                     \
+                    l0 = _mm512_shuffle_epi8(lut, l0);                                           \
+                    l1 = _mm512_shuffle_epi8(lut, l1);                                           \
+                    h0 = _mm512_shuffle_epi8(lut, h0);                                           \
+                    h1 = _mm512_shuffle_epi8(lut, h1);                                           \
+                }                                                                                \
+                if (LQ_Q5(K)) {                                                                  \
+                    l0 = q5k_fifth(l0, tile + LQ_QH(K), g / 2, g % 2);                           \
+                    l1 = q5k_fifth(l1, tile + LQ_QH(K) + 64, g / 2, g % 2);                      \
+                    h0 = q5k_fifth(h0, tile + LQ_QH(K), 2 + g / 2, g % 2);                       \
+                    h1 = q5k_fifth(h1, tile + LQ_QH(K) + 64, 2 + g / 2, g % 2);                  \
+                }                                                                                \
+                for (int u = 0; u < NT; u++) {                                                   \
+                    const int8_t *qa = q + (size_t)u * k + 32 * j + 4 * g;                       \
+                    int32_t alo, ahi;                                                            \
+                    memcpy(&alo, qa, 4);                                                         \
+                    memcpy(&ahi, qa + 16, 4);                                                    \
+                    const __m512i bl = _mm512_set1_epi32(alo), bh = _mm512_set1_epi32(ahi);      \
+                    if (LQ_IQ4(K)) {                                                             \
+                        const __m512i z = _mm512_setzero_si512();                                \
+                        ia[u][0] = DOT(ia[u][0], l0, _mm512_mask_sub_epi8(bl, nl0, z, bl));      \
+                        ia[u][0] = DOT(ia[u][0], h0, _mm512_mask_sub_epi8(bh, nh0, z, bh));      \
+                        ia[u][1] = DOT(ia[u][1], l1, _mm512_mask_sub_epi8(bl, nl1, z, bl));      \
+                        ia[u][1] = DOT(ia[u][1], h1, _mm512_mask_sub_epi8(bh, nh1, z, bh));      \
+                    } else {                                                                     \
+                        ia[u][0] = DOT(ia[u][0], l0, bl);                                        \
+                        ia[u][0] = DOT(ia[u][0], h0, bh);                                        \
+                        ia[u][1] = DOT(ia[u][1], l1, bl);                                        \
+                        ia[u][1] = DOT(ia[u][1], h1, bh);                                        \
+                    }                                                                            \
+                }                                                                                \
+            }                                                                                    \
+            __m512 dw0, dw1, mw0 = _mm512_setzero_ps(), mw1 = _mm512_setzero_ps();               \
+            lq_dm512(tile, LQ_HASM(K), &dw0, &mw0);                                              \
+            lq_dm512(tile + (LQ_HASM(K) ? 64 : 32), LQ_HASM(K), &dw1, &mw1);                     \
+            __m512i sc0 = _mm512_setzero_si512(), sc1 = _mm512_setzero_si512();                  \
+            if (K == LQ_IQ4XS) {                                                                 \
+                sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tile + 64)));       \
+                sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tile + 80)));       \
+            }                                                                                    \
+            for (int u = 0; u < NT; u++) {                                                       \
+                const float dau = d[(size_t)u * kb + j];                                         \
+                const __m512 da = _mm512_set1_ps(dau);                                           \
+                __m512i i0 = ia[u][0], i1 = ia[u][1];                                            \
+                if (K == LQ_IQ4XS) {                                                             \
+                    i0 = _mm512_mullo_epi32(sc0, i0);                                            \
+                    i1 = _mm512_mullo_epi32(sc1, i1);                                            \
+                }                                                                                \
+                __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(dw0, da));       \
+                __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(dw1, da));       \
+                if (LQ_HASM(K)) {                                                                \
+                    const __m512 sa = _mm512_set1_ps((float)s[(size_t)u * kb + j]);              \
+                    v0 = _mm512_add_ps(v0, _mm512_mul_ps(sa, _mm512_mul_ps(mw0, da)));           \
+                    v1 = _mm512_add_ps(v1, _mm512_mul_ps(sa, _mm512_mul_ps(mw1, da)));           \
+                }                                                                                \
+                acc[u][0] = _mm512_add_ps(acc[u][0], v0);                                        \
+                acc[u][1] = _mm512_add_ps(acc[u][1], v1);                                        \
+            }                                                                                    \
+        }                                                                                        \
+        const __mmask16 k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);    \
+        const __mmask16 k1 = rows >= 32 ? (__mmask16)0xffff                                      \
+                             : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1u)                \
+                                         : (__mmask16)0;                                        \
+        for (int u = 0; u < NT; u++) {                                                           \
+            _mm512_mask_storeu_ps(out + (size_t)u * ldo, k0, acc[u][0]);                         \
+            _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);                    \
+        }                                                                                        \
+    }                                                                                            \
+    TARGET HTP_NO_CONTRACT static inline __attribute__((always_inline)) void lqq8_strip_##SUFFIX( \
+        const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out,         \
+        uint32_t ldo, uint32_t rows, const int K) {                                              \
+        const uint32_t k = kb * 32;                                                              \
+        for (uint32_t t0 = 0; t0 < nt; t0 += 6) {                                                \
+            const uint32_t n = nt - t0 < 6 ? nt - t0 : 6;                                        \
+            const int8_t *q = a->q + (size_t)t0 * k;                                             \
+            const float *d = a->d + (size_t)t0 * kb;                                             \
+            const int32_t *s = a->s + (size_t)t0 * kb;                                           \
+            float *o = out + (size_t)t0 * ldo;                                                   \
+            switch (n) {                                                                         \
+            case 6: lqq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 6, K); break;       \
+            case 5: lqq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 5, K); break;       \
+            case 4: lqq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 4, K); break;       \
+            case 3: lqq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 3, K); break;       \
+            case 2: lqq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 2, K); break;       \
+            default: lqq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 1, K); break;      \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    TARGET HTP_NO_CONTRACT static void nlq8_strip_fast_##SUFFIX(                                 \
+        const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out,         \
+        uint32_t ldo, uint32_t rows) {                                                           \
+        lqq8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, LQ_IQ4NL);                         \
+    }                                                                                            \
+    TARGET HTP_NO_CONTRACT static void xsq8_strip_fast_##SUFFIX(                                 \
+        const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out,         \
+        uint32_t ldo, uint32_t rows) {                                                           \
+        lqq8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, LQ_IQ4XS);                         \
+    }                                                                                            \
+    TARGET HTP_NO_CONTRACT static void affq8_strip_fast_##SUFFIX(                                \
+        const uint8_t *strip, uint32_t fmt, uint32_t kb, const htp_act_q8 *a, uint32_t nt,       \
+        float *out, uint32_t ldo, uint32_t rows) {                                               \
+        if (fmt == HTP_FMT_Q4_1_T32R4)                                                           \
+            lqq8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, LQ_Q41);                       \
+        else if (fmt == HTP_FMT_Q5_0_T32R4)                                                      \
+            lqq8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, LQ_Q50);                       \
+        else                                                                                     \
+            lqq8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, LQ_Q51);                       \
+    }
+
+LQ_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)
+LQ_KERNEL(bw, HTP_T_AVX512, DOT_BW)
 
 /* ---- Q8_0 x Q8 tile kernel, AVX-512 VNNI: the int8 weights flipped to u8 (v ^ 0x80 = v + 128)
  * for vpdpbusd, the integer sums starting at -128 x sum(activation block) (exact: vpdpbusd
@@ -1003,6 +1168,173 @@ HTP_T_AVX2 HTP_NO_CONTRACT static void mxq8_strip_fast_avx2(const uint8_t *strip
     }
 }
 
+/* ---- IQ4_NL, IQ4_XS, Q4_1, Q5_0, Q5_1 x Q8 tile kernel, AVX2: the AVX-512 kernel's values
+ * (LQ_KERNEL) with the Q4_0 AVX2 scheme's 16 rows a pass and 4 tokens. vpmaddubsw sums adjacent
+ * pairs into 16 bits: Q4_1 / Q5_0 / Q5_1 add a group's low and high pairs (4 products,
+ * <= 4 x 31 x 127 = 15748) before one vpmaddwd widens them; the IQ4 pairs (up to 2 x 127 x 127)
+ * are widened one by one. The integer sums are exact, and the fp32 epilogue is LQ_KERNEL's
+ * (the portable body's, no fused multiply-add). */
+/* the d (and m) of 8 rows: fp16 at 2r, or (d, m) pairs at 4r (the 32 bytes at p) */
+HTP_T_AVX2 static inline __attribute__((always_inline)) void lq_dm256(const uint8_t *p, int hasm,
+                                                                     __m256 *dv, __m256 *mv) {
+    if (!hasm) {
+        *dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        return;
+    }
+    const __m256i w = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i dm = _mm256_shuffle_epi8( /* per 128-bit half: the 4 d, then the 4 m */
+        w, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9,
+                            12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const __m256i o = _mm256_permute4x64_epi64(dm, 0xd8); /* 8 d, then 8 m */
+    *dv = _mm256_cvtph_ps(_mm256_castsi256_si128(o));
+    *mv = _mm256_cvtph_ps(_mm256_extracti128_si256(o, 1));
+}
+
+HTP_T_AVX2 HTP_NO_CONTRACT static inline __attribute__((always_inline)) void lqq8_rows16_avx2(
+    const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s, uint32_t k,
+    float *out, uint32_t ldo, uint32_t rows, uint32_t pass, const int NT, const int K) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i lut_abs = _mm256_setr_epi8(127, 104, 83, 65, 49, 35, 22, 10, 1, 13, 25, 38, 53,
+                                             69, 89, 113, 127, 104, 83, 65, 49, 35, 22, 10, 1, 13,
+                                             25, 38, 53, 69, 89, 113);
+    const __m256i lut_sgn = _mm256_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                             -1, -1, -1, -1, -1, -1, -1, -1, 1, 1, 1, 1, 1, 1, 1, 1);
+    float acc[4][16]; /* fp32 sums in L1: the registers hold the integer block sums */
+    for (int u = 0; u < NT; u++)
+        for (int r = 0; r < 16; r++) acc[u][r] = 0.0f;
+    for (uint32_t j = 0; j < kb; j++) {
+        const uint8_t *tile = strip + (size_t)j * LQ_BYTES(K);
+        __m256i p32[4][2];
+        for (int u = 0; u < NT; u++)
+            p32[u][0] = p32[u][1] = _mm256_set1_epi32(K == LQ_Q50 ? -16 * s[(size_t)u * kb + j] : 0);
+        for (int g = 0; g < 4; g++) {
+            const uint8_t *gp = tile + LQ_NIB(K) + 128 * g + 64 * pass;
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)gp);
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(gp + 32));
+            __m256i l0 = _mm256_and_si256(v0, m4), l1 = _mm256_and_si256(v1, m4);
+            __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+            __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+            if (LQ_IQ4(K)) {
+                const __m256i sl0 = _mm256_shuffle_epi8(lut_sgn, l0);
+                const __m256i sl1 = _mm256_shuffle_epi8(lut_sgn, l1);
+                const __m256i sh0 = _mm256_shuffle_epi8(lut_sgn, h0);
+                const __m256i sh1 = _mm256_shuffle_epi8(lut_sgn, h1);
+                l0 = _mm256_shuffle_epi8(lut_abs, l0), l1 = _mm256_shuffle_epi8(lut_abs, l1);
+                h0 = _mm256_shuffle_epi8(lut_abs, h0), h1 = _mm256_shuffle_epi8(lut_abs, h1);
+                for (int u = 0; u < NT; u++) {
+                    const int8_t *qa = q + (size_t)u * k + 32 * j + 4 * g;
+                    int32_t alo, ahi;
+                    memcpy(&alo, qa, 4);
+                    memcpy(&ahi, qa + 16, 4);
+                    const __m256i bl = _mm256_set1_epi32(alo), bh = _mm256_set1_epi32(ahi);
+                    const __m256i x0 = _mm256_maddubs_epi16(l0, _mm256_sign_epi8(bl, sl0));
+                    const __m256i x1 = _mm256_maddubs_epi16(l1, _mm256_sign_epi8(bl, sl1));
+                    const __m256i y0 = _mm256_maddubs_epi16(h0, _mm256_sign_epi8(bh, sh0));
+                    const __m256i y1 = _mm256_maddubs_epi16(h1, _mm256_sign_epi8(bh, sh1));
+                    p32[u][0] = _mm256_add_epi32(p32[u][0], _mm256_madd_epi16(x0, ones));
+                    p32[u][1] = _mm256_add_epi32(p32[u][1], _mm256_madd_epi16(x1, ones));
+                    p32[u][0] = _mm256_add_epi32(p32[u][0], _mm256_madd_epi16(y0, ones));
+                    p32[u][1] = _mm256_add_epi32(p32[u][1], _mm256_madd_epi16(y1, ones));
+                }
+                continue;
+            }
+            if (LQ_Q5(K)) {
+                const uint8_t *hb = tile + LQ_QH(K) + 64 * pass;
+                l0 = q5k_fifth_avx2(l0, hb, g / 2, g % 2);
+                l1 = q5k_fifth_avx2(l1, hb + 32, g / 2, g % 2);
+                h0 = q5k_fifth_avx2(h0, hb, 2 + g / 2, g % 2);
+                h1 = q5k_fifth_avx2(h1, hb + 32, 2 + g / 2, g % 2);
+            }
+            for (int u = 0; u < NT; u++) {
+                const int8_t *qa = q + (size_t)u * k + 32 * j + 4 * g;
+                int32_t alo, ahi;
+                memcpy(&alo, qa, 4);
+                memcpy(&ahi, qa + 16, 4);
+                const __m256i bl = _mm256_set1_epi32(alo), bh = _mm256_set1_epi32(ahi);
+                const __m256i x0 =
+                    _mm256_add_epi16(_mm256_maddubs_epi16(l0, bl), _mm256_maddubs_epi16(h0, bh));
+                const __m256i x1 =
+                    _mm256_add_epi16(_mm256_maddubs_epi16(l1, bl), _mm256_maddubs_epi16(h1, bh));
+                p32[u][0] = _mm256_add_epi32(p32[u][0], _mm256_madd_epi16(x0, ones));
+                p32[u][1] = _mm256_add_epi32(p32[u][1], _mm256_madd_epi16(x1, ones));
+            }
+        }
+        __m256 dw0, dw1, mw0 = _mm256_setzero_ps(), mw1 = _mm256_setzero_ps();
+        const uint8_t *dp = tile + (LQ_HASM(K) ? 64 : 32) * pass;
+        lq_dm256(dp, LQ_HASM(K), &dw0, &mw0);
+        lq_dm256(dp + (LQ_HASM(K) ? 32 : 16), LQ_HASM(K), &dw1, &mw1);
+        __m256i sc0 = _mm256_setzero_si256(), sc1 = _mm256_setzero_si256();
+        if (K == LQ_IQ4XS) {
+            sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 64 + 16 * pass)));
+            sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 72 + 16 * pass)));
+        }
+        for (int u = 0; u < NT; u++) {
+            const float dau = d[(size_t)u * kb + j];
+            const __m256 da = _mm256_set1_ps(dau);
+            __m256i i0 = p32[u][0], i1 = p32[u][1];
+            if (K == LQ_IQ4XS) {
+                i0 = _mm256_mullo_epi32(sc0, i0);
+                i1 = _mm256_mullo_epi32(sc1, i1);
+            }
+            __m256 v0 = _mm256_mul_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(dw0, da));
+            __m256 v1 = _mm256_mul_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(dw1, da));
+            if (LQ_HASM(K)) {
+                const __m256 sa = _mm256_set1_ps((float)s[(size_t)u * kb + j]);
+                v0 = _mm256_add_ps(v0, _mm256_mul_ps(sa, _mm256_mul_ps(mw0, da)));
+                v1 = _mm256_add_ps(v1, _mm256_mul_ps(sa, _mm256_mul_ps(mw1, da)));
+            }
+            _mm256_storeu_ps(acc[u], _mm256_add_ps(_mm256_loadu_ps(acc[u]), v0));
+            _mm256_storeu_ps(acc[u] + 8, _mm256_add_ps(_mm256_loadu_ps(acc[u] + 8), v1));
+        }
+    }
+    const uint32_t r0 = 16u * pass, live = rows - r0 < 16 ? rows - r0 : 16;
+    for (int u = 0; u < NT; u++)
+        for (uint32_t r = 0; r < live; r++) out[(size_t)u * ldo + r0 + r] = acc[u][r];
+}
+
+HTP_T_AVX2 HTP_NO_CONTRACT static inline __attribute__((always_inline)) void lqq8_strip_avx2(
+    const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out, uint32_t ldo,
+    uint32_t rows, const int K) {
+    const uint32_t k = kb * 32;
+    for (uint32_t t0 = 0; t0 < nt; t0 += 4) {
+        const uint32_t n = nt - t0 < 4 ? nt - t0 : 4;
+        const int8_t *q = a->q + (size_t)t0 * k;
+        const float *d = a->d + (size_t)t0 * kb;
+        const int32_t *s = a->s + (size_t)t0 * kb;
+        float *o = out + (size_t)t0 * ldo;
+        for (uint32_t pass = 0; 16 * pass < rows; pass++) {
+            switch (n) {
+            case 4: lqq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 4, K); break;
+            case 3: lqq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 3, K); break;
+            case 2: lqq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 2, K); break;
+            default: lqq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 1, K); break;
+            }
+        }
+    }
+}
+HTP_T_AVX2 HTP_NO_CONTRACT static void nlq8_strip_fast_avx2(const uint8_t *strip, uint32_t kb,
+                                                            const htp_act_q8 *a, uint32_t nt,
+                                                            float *out, uint32_t ldo, uint32_t rows) {
+    lqq8_strip_avx2(strip, kb, a, nt, out, ldo, rows, LQ_IQ4NL);
+}
+HTP_T_AVX2 HTP_NO_CONTRACT static void xsq8_strip_fast_avx2(const uint8_t *strip, uint32_t kb,
+                                                            const htp_act_q8 *a, uint32_t nt,
+                                                            float *out, uint32_t ldo, uint32_t rows) {
+    lqq8_strip_avx2(strip, kb, a, nt, out, ldo, rows, LQ_IQ4XS);
+}
+HTP_T_AVX2 HTP_NO_CONTRACT static void affq8_strip_fast_avx2(const uint8_t *strip, uint32_t fmt,
+                                                             uint32_t kb, const htp_act_q8 *a,
+                                                             uint32_t nt, float *out, uint32_t ldo,
+                                                             uint32_t rows) {
+    if (fmt == HTP_FMT_Q4_1_T32R4)
+        lqq8_strip_avx2(strip, kb, a, nt, out, ldo, rows, LQ_Q41);
+    else if (fmt == HTP_FMT_Q5_0_T32R4)
+        lqq8_strip_avx2(strip, kb, a, nt, out, ldo, rows, LQ_Q50);
+    else
+        lqq8_strip_avx2(strip, kb, a, nt, out, ldo, rows, LQ_Q51);
+}
+
 /* ---- fp32-activation GEMM, AVX-512: the strip is dequantized once into a [k][32] panel,
  * then 8 tokens x 32 rows of accumulators (16 zmm) take 2 panel loads + 8 broadcasts per column. */
 HTP_T_AVX512 static inline __attribute__((always_inline)) void f32_block_avx512(
@@ -1119,9 +1451,9 @@ const htp_isa htp_isa_avx2 = {
     .q6kq8_strip = q6kq8_strip_fast_avx2,
     .kq8_nt = 64,
     .q5kq8_strip = q5kq8_strip_fast_avx2,
-    .nlq8_strip = nlq8_strip_avx2,
-    .xsq8_strip = xsq8_strip_avx2,
-    .affq8_strip = affq8_strip_avx2,
+    .nlq8_strip = nlq8_strip_fast_avx2,
+    .xsq8_strip = xsq8_strip_fast_avx2,
+    .affq8_strip = affq8_strip_fast_avx2,
     .mxq8_strip = mxq8_strip_fast_avx2,
     .mxq8_nt = 64,
     .dequant_tile = dequant_avx2,
@@ -1161,9 +1493,9 @@ const htp_isa htp_isa_avx512 = {
     .q6kq8_strip = q6kq8_strip_fast_bw,
     .kq8_nt = 64,
     .q5kq8_strip = q5kq8_strip_fast_bw,
-    .nlq8_strip = nlq8_strip_avx512,
-    .xsq8_strip = xsq8_strip_avx512,
-    .affq8_strip = affq8_strip_avx512,
+    .nlq8_strip = nlq8_strip_fast_bw,
+    .xsq8_strip = xsq8_strip_fast_bw,
+    .affq8_strip = affq8_strip_fast_bw,
     .mxq8_strip = mxq8_strip_fast_bw,
     .mxq8_nt = 64,
     .dequant_kq_tile = dequant_kq_avx512,
@@ -1182,9 +1514,9 @@ const htp_isa htp_isa_avx512vnni = {
     .q6kq8_strip = q6kq8_strip_fast_vnni,
     .kq8_nt = 64,
     .q5kq8_strip = q5kq8_strip_fast_vnni,
-    .nlq8_strip = nlq8_strip_vnni,
-    .xsq8_strip = xsq8_strip_vnni,
-    .affq8_strip = affq8_strip_vnni,
+    .nlq8_strip = nlq8_strip_fast_vnni,
+    .xsq8_strip = xsq8_strip_fast_vnni,
+    .affq8_strip = affq8_strip_fast_vnni,
     .mxq8_strip = mxq8_strip_fast_vnni,
     .mxq8_nt = 64,
     .dequant_kq_tile = dequant_kq_vnni,
@@ -1205,9 +1537,9 @@ const htp_isa htp_isa_amx = {
     .q6kq8_strip = q6kq8_strip_fast_vnni,
     .kq8_nt = 64,
     .q5kq8_strip = q5kq8_strip_fast_vnni,
-    .nlq8_strip = nlq8_strip_vnni,
-    .xsq8_strip = xsq8_strip_vnni,
-    .affq8_strip = affq8_strip_vnni,
+    .nlq8_strip = nlq8_strip_fast_vnni,
+    .xsq8_strip = xsq8_strip_fast_vnni,
+    .affq8_strip = affq8_strip_fast_vnni,
     .mxq8_strip = mxq8_strip_fast_vnni,
     .mxq8_nt = 64,
     .dequant_kq_tile = dequant_kq_vnni,

@@ -258,6 +258,74 @@ def test_gemm_iq4_nl_tables_give_portable_bits(fmt: str) -> None:
         assert np.array_equal(y.view(np.uint32), base.view(np.uint32)), simd
 
 
+def _lq_stress_case(t: int, n: int, nb: int, seed: int, fmt: str):
+    """IQ4_NL / IQ4_XS / Q4_1 / Q5_0 / Q5_1 tiles for W[n][k] (k = 32 x nb; IQ4_XS 256 x nb)
+    and activations[t][k], to stress the integer sums and the fp32 epilogue: fp16 d (and m)
+    with full significands over six decades and both signs, row 0 all-zero codes (IQ4: -127,
+    IQ4_XS scale -32; Q5: fifth bits 0) and row 1 all-ones (IQ4: 113, scale 31; Q5: q = 31),
+    and activation blocks of +-127 (every other value at the block's maximum) in tokens 0..2."""
+    rng = np.random.default_rng(seed)
+    k = (256 if fmt == XS else 32) * nb
+    if fmt == XS:
+        b = T.random_iq4_xs_blocks(rng, n, k)
+    elif fmt == NL:
+        b = T.random_iq4_nl_blocks(rng, n, k)
+    else:
+        b = T.random_q4_1_q5_blocks(rng, n, k, fmt)
+    head = 4 if fmt in ("q4_1-t32r4", "q5_1-t32r4") else 2  # the fp16 scale(s) of a block
+    b[0, :, head:] = 0
+    b[1 % n, :, head:] = 0xFF
+    for off in range(0, head, 2):
+        shape = b.shape[:2]
+        v = rng.uniform(0.5, 1.0, shape) * np.exp2(rng.integers(-20, 0, shape))
+        v *= rng.choice([-1.0, 1.0], shape)
+        b[..., off : off + 2] = v.astype(np.float16)[..., None].view(np.uint8)
+    if fmt == XS:
+        buf = T.pack_iq4_xs_t32r4(b)
+    elif fmt == NL:
+        buf = T.pack_iq4_nl_t32r4(b)
+    else:
+        buf = T.pack_q4_1_q5_t32r4(b, fmt)
+    x = (rng.standard_normal((t, k)) * 10.0 ** rng.uniform(-3, 3, (t, 1))).astype(np.float32)
+    x[:3, ::2] = 50.0
+    x[1 % t] *= -1
+    return x, buf
+
+
+@pytest.mark.parametrize("fmt", [NL, XS, *AFF])
+@pytest.mark.parametrize(
+    ("t", "n", "nb", "seed"),
+    [(1, 1, 1, 1), (5, 17, 3, 2), (7, 31, 1, 3), (13, 33, 5, 4), (67, 70, 3, 5)],
+)
+def test_gemm_lq_tables_give_portable_bits_on_awkward_shapes(
+    fmt: str, t: int, n: int, nb: int, seed: int
+) -> None:
+    """IQ4_NL, IQ4_XS, Q4_1, Q5_0 and Q5_1 tiles x int8 activations: every kernel table this CPU
+    runs writes the portable table's results bit for bit into a NaN-poisoned output, at token
+    counts off the kernels' 4 / 6 / 64 token steps (67 crosses a 64-token strip), row counts
+    below and off 16 / 32, odd block counts, and the stress inputs of _lq_stress_case; from rows
+    the GEMM quantizes itself and from rows quantized beforehand; and the portable result is the
+    float64 product of the dequantized tiles with the same int8-rounded activations, to fp32
+    rounding."""
+    x, buf = _lq_stress_case(t, n, nb, seed, fmt)
+    with mode(simd="portable", act="q8", threads=1):
+        base = htp.gemm(x, buf, n, fmt)
+    assert np.isfinite(base).all() and np.abs(base).max() > 0
+    xq = T.ref_q8_activations(x)
+    mag = T.ref_gemm_magnitude(xq, buf, n, fmt)
+    ref = T.ref_gemm(xq, buf, n, fmt)
+    assert T.rel_l2_floored(base, ref, mag, x.shape[1]) <= Q8_EXACT_TOL
+    for simd in LEVELS:
+        for th in (1, 2):
+            with mode(simd=simd, act="q8", threads=th):
+                y = htp.gemm(x, buf, n, fmt, out=np.full((t, n), np.nan, np.float32))
+                y_rows = htp.gemm(
+                    htp.quantize_q8(x), buf, n, fmt, out=np.full((t, n), np.nan, np.float32)
+                )
+            assert np.array_equal(y.view(np.uint32), base.view(np.uint32)), (simd, th)
+            assert np.array_equal(y_rows.view(np.uint32), base.view(np.uint32)), (simd, th)
+
+
 def test_gemm_mxfp4_tables_give_portable_bits() -> None:
     """Every kernel table this CPU runs gives the portable table's MXFP4 x Q8 results bit for
     bit: the integer block sums are exact and every kernel keeps the portable epilogue (the
