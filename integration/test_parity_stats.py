@@ -1,5 +1,6 @@
-"""The parity benchmark's figures over several prompts (integration/bench/parity.py):
-geometric-mean errors and the engine-minus-llama.cpp bootstrap interval over prompts."""
+"""The parity benchmark (integration/bench/parity.py): its figures over several prompts
+(geometric-mean errors, the engine-minus-llama.cpp bootstrap interval over prompts) and its
+work directory, removed when a run ends however it ends."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
 
+import parity
 from parity import aggregate, compare, paired
 
 
@@ -77,3 +80,35 @@ def test_paired_difference_and_interval_over_prompts() -> None:
     assert np.isclose(mixed["top1_diff"], np.mean(diffs))
     lo, hi = mixed["top1_diff_ci95"]
     assert min(diffs) <= lo < mixed["top1_diff"] < hi <= max(diffs)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_work_directory_is_removed_unless_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: bool, keep: bool
+) -> None:
+    """The run's GGUFs, packs and references (GBs on the large presets) live in a temporary
+    directory that is gone after the run, also when the run raises; --keep-work keeps it."""
+    import tempfile
+
+    seen: list[Path] = []
+
+    def fake_run(args, version, archs, variants, work: Path) -> int:
+        (work / "model.gguf").write_bytes(b"x" * 64)
+        seen.append(work)
+        if fails:
+            raise KeyboardInterrupt
+        return 0
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(parity, "ensure_llama_cpp", lambda: None)
+    monkeypatch.setattr(parity, "llama_cpp_version", lambda: "test")
+    monkeypatch.setattr(parity, "_run", fake_run)
+    argv = ["--archs", "olmoe", "--out", str(tmp_path / "out.json")] + (["--keep-work"] * keep)
+    if fails:
+        with pytest.raises(KeyboardInterrupt):
+            parity.main(argv)
+    else:
+        assert parity.main(argv) == 0
+    assert len(seen) == 1 and seen[0].parent == tmp_path
+    assert seen[0].exists() == keep

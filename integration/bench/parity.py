@@ -57,6 +57,7 @@ import argparse
 import datetime as dt
 import json
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -410,16 +411,34 @@ def main(argv: list[str] | None = None) -> int:
         "--engine-acts", default="q8,f32", help="engine activation formats to run (act=...)"
     )
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "parity.json"))
+    ap.add_argument(
+        "--keep-work",
+        action="store_true",
+        help="keep the work directory (GGUFs, packs, references); removed by default",
+    )
     args = ap.parse_args(argv)
-
-    from estream_layout import synth_model
 
     ensure_llama_cpp()
     version = llama_cpp_version()
     archs = [a.strip() for a in args.archs.split(",") if a.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    rows: list[dict[str, Any]] = []
     work = Path(tempfile.mkdtemp(prefix="parity-"))
+    try:
+        return _run(args, version, archs, variants, work)
+    finally:
+        if args.keep_work:
+            print(f"work dir kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(
+    args: argparse.Namespace, version: str, archs: list[str], variants: list[str], work: Path
+) -> int:
+    """Every (architecture, variant) row of the table, its files made in `work`."""
+    from estream_layout import synth_model
+
+    rows: list[dict[str, Any]] = []
     print(f"llama-cpp-python {version}; preset {args.preset}; T={args.tokens}; work dir {work}")
 
     sources: dict[str, str] = {}  # arch -> how its F32 source was made
