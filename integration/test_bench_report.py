@@ -202,8 +202,11 @@ def test_engine_runs_with_ik_llama_cpp_show_tokens_per_s_and_ratios(tmp_path: Pa
     """A bench_engine result with ik_llama.cpp runs (``--ik-llama-bench``) shows, under the
     engine table, each prompt's tokens/s of ik, resident and stream, EStream's tokens/s over
     ik's, ik's peak memory and the flags and build it ran with; a length where ik failed shows
-    its error; the model, here OLMoE's shapes in qwen3moe's layout, is named with its layout;
-    a result without ik runs adds no such table."""
+    its error; the model, here OLMoE's shapes in qwen3moe's layout, is named with its layout
+    and keeps its own section, the README headline staying on the olmoe file; a result
+    without ik runs adds no such table."""
+    recorded(tmp_path, "bench_engine", engine_figures(stream=3.0), (0.1, 0.1))
+    time.sleep(1.1)  # result files are named by the second
     figures = engine_figures(stream=2.0, resident=1.0)  # 1K: 512 and 1024 tokens/s
     figures["model"] = "/c/qwen3moe-olmoe-1b-7b-s0.estream"
     figures["runs"].append({"system": "ik_llama.cpp", "length": 1024, "cgroup": False,
@@ -214,8 +217,11 @@ def test_engine_runs_with_ik_llama_cpp_show_tokens_per_s_and_ratios(tmp_path: Pa
     figures["ik_llama"] = {"llama_bench": "/x/llama-bench", "args": ["-fa", "1", "-fmoe", "1"],
                            "build_commit": "8337e4c", "build_number": 1}  # fmt: skip
     recorded(tmp_path, "bench_engine", figures, (0.1, 0.1))
-    page = report.render_page(report.load_results(tmp_path / "results"))
+    results = report.load_results(tmp_path / "results")
+    page = report.render_page(results)
     assert "(olmoe-1b-7b as qwen3moe, q4_0; 1K, 4K)" in page
+    assert "(olmoe-1b-7b, q4_0; 1K, 4K)" in page and page.count("**ik_llama.cpp") == 1
+    assert "| 1K tokens | 3 s |" in report.headline(results)
     assert "**ik_llama.cpp on the same GGUF**" in page
     assert "`llama-bench -p T -n 0 -r 1 -t 2 -fa 1 -fmoe 1`, ik build 8337e4c" in page
     assert "| 1K | 410 | 1024 | 512 | 2.500 | 1.250 | 3 GiB |" in page

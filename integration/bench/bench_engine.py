@@ -43,7 +43,10 @@ tokens/s ÷ ik's). Nothing of ik_llama.cpp ships here: build its ``llama-bench``
 (``cmake -B build -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release && cmake --build build --target
 llama-bench``). ik_llama.cpp has no ``olmoe`` architecture, so for OLMoE's shapes run
 ``--arch qwen3moe`` (the default ``olmoe-1b-7b`` preset in Qwen3-MoE's layout, one GGUF all
-sides run); ``--ik-llama-bench`` with an ``olmoe`` file is refused.
+sides run; its vocabulary is Qwen's); ``--ik-llama-bench`` with an ``olmoe`` file is refused.
+``deepseek-v2-lite`` loads as it is: ik converts llama.cpp's MLA tensor layout at load, and
+tells V2-Lite (no query LoRA) by its 26 or 27 layers, so a file with fewer layers
+(``--dim n_layers=...``) fails there for want of ``attention.q_lora_rank``.
 """
 
 from __future__ import annotations
