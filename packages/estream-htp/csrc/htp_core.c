@@ -28,19 +28,22 @@ void htp_q5kq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q
                               float *out, uint32_t ldo, uint32_t rows) {
     htp_q5k_strip_body(strip, kb, a, nt, out, ldo, rows);
 }
-void htp_affq8_strip_portable(const uint8_t *strip, uint32_t fmt, uint32_t kb, const htp_act_q8 *a,
+/* The epilogues of these four are products, then sums (no fused multiply-add): without
+ * HTP_NO_CONTRACT GCC fuses them where FMA is baseline (arm64), and the portable table would give
+ * other bits there than on x86-64, in the hexagon executor and in the SIMD tables. */
+HTP_NO_CONTRACT void htp_affq8_strip_portable(const uint8_t *strip, uint32_t fmt, uint32_t kb, const htp_act_q8 *a,
                               uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
     htp_aff_strip_body(strip, fmt, kb, a, nt, out, ldo, rows);
 }
-void htp_nlq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+HTP_NO_CONTRACT void htp_nlq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                              float *out, uint32_t ldo, uint32_t rows) {
     htp_iq4nl_strip_body(strip, kb, a, nt, out, ldo, rows);
 }
-void htp_xsq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+HTP_NO_CONTRACT void htp_xsq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                              float *out, uint32_t ldo, uint32_t rows) {
     htp_iq4xs_strip_body(strip, kb, a, nt, out, ldo, rows);
 }
-void htp_mxq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
+HTP_NO_CONTRACT void htp_mxq8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
                              float *out, uint32_t ldo, uint32_t rows) {
     htp_mxfp4_strip_body(strip, kb, a, nt, out, ldo, rows);
 }

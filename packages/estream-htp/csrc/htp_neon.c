@@ -1,5 +1,6 @@
 /* arm64 inner-loop table: the portable kernels (which the compiler vectorises with baseline NEON)
- * plus a Q4_0 x Q8 tile kernel on the dot-product extension (SDOT, armv8.2-a+dotprod).
+ * plus Q4_0 and IQ4_NL / IQ4_XS / Q4_1 / Q5_0 / Q5_1 x Q8 tile kernels on the dot-product
+ * extension (SDOT, armv8.2-a+dotprod).
  *
  * A 128-byte group of a tile is eight 16-byte registers, each holding 4 rows x 4 bytes; one
  * `vdotq_laneq_s32` multiplies 4 rows by a broadcast 4-byte lane of the activation block.
@@ -8,6 +9,7 @@
 
 #if defined(__aarch64__) && !defined(HTP_NO_SIMD)
 #include <arm_neon.h>
+#include "htp_matmul_body.h" /* HTP_NO_CONTRACT */
 #include <sys/auxv.h>
 
 #ifndef HWCAP_ASIMDDP
@@ -83,6 +85,160 @@ HTP_T_DOTPROD static void q4q8_strip_neon(const uint8_t *strip, uint32_t kb, con
     }
 }
 
+/* IQ4_NL, IQ4_XS, Q4_1, Q5_0, Q5_1 x Q8 tile kernel (K: the LQ_* kind, a compile-time
+ * constant), the Q4_0 kernel's scheme: the nibbles of a 16-byte register (4 rows x 4 bytes) as
+ * int8 for SDOT, IQ4 codes through one vqtbl1q_s8 of kvalues_iq4nl, Q5 values plus 16 x the
+ * fifth bit (the row's word at 64 + 4r / 128 + 4r, bit c = column c: vqtbl1q_u8 copies the
+ * byte of the lane's four columns to its 4 bytes, vtstq_u8 picks bit b for byte b). The integer
+ * sums are the portable body's exact dots (Q5_0's start at -16 x the block's activation sum),
+ * and the fp32 epilogue is the portable body's, operation for operation, no fused multiply-add
+ * (HTP_NO_CONTRACT; htp_x86.c's LQ_KERNEL states it). */
+#define LQ_IQ4NL 0
+#define LQ_IQ4XS 1
+#define LQ_Q41 2
+#define LQ_Q50 3
+#define LQ_Q51 4
+#define LQ_BYTES(K)                                                                              \
+    ((K) == LQ_IQ4NL   ? HTP_Q4_TILE_BYTES                                                       \
+     : (K) == LQ_IQ4XS ? HTP_IQ4XS_TILE_BYTES                                                    \
+     : (K) == LQ_Q41   ? HTP_Q41_TILE_BYTES                                                      \
+     : (K) == LQ_Q50   ? HTP_Q50_TILE_BYTES                                                      \
+                       : HTP_Q51_TILE_BYTES)
+#define LQ_NIB(K) ((K) == LQ_IQ4NL ? 64 : (K) == LQ_IQ4XS ? 96 : (K) == LQ_Q41 ? 128 : (K) == LQ_Q50 ? 192 : 256)
+#define LQ_QH(K) ((K) == LQ_Q50 ? 64 : 128)
+#define LQ_IQ4(K) ((K) == LQ_IQ4NL || (K) == LQ_IQ4XS)
+#define LQ_HASM(K) ((K) == LQ_Q41 || (K) == LQ_Q51)
+#define LQ_Q5(K) ((K) == LQ_Q50 || (K) == LQ_Q51)
+
+/* 16 + the nibbles whose fifth bit is set: `words` the 4 rows' fifth-bit words, `byte` the byte
+ * holding the lane's columns, from bit 4 x `odd` */
+HTP_T_DOTPROD static inline __attribute__((always_inline)) int8x16_t lq_fifth_neon(
+    uint8x16_t nib, uint8x16_t words, int byte, int odd) {
+    const uint8_t idx[16] = {0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12};
+    const uint8x16_t sel = vqtbl1q_u8(words, vaddq_u8(vld1q_u8(idx), vdupq_n_u8((uint8_t)byte)));
+    const uint8x16_t bit = vreinterpretq_u8_u32(vdupq_n_u32(odd ? 0x80402010u : 0x08040201u));
+    return vreinterpretq_s8_u8(vaddq_u8(nib, vandq_u8(vtstq_u8(sel, bit), vdupq_n_u8(16))));
+}
+
+HTP_T_DOTPROD HTP_NO_CONTRACT static inline __attribute__((always_inline)) void lq_half_neon(
+    const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s, uint32_t k,
+    float *out, uint32_t ldo, uint32_t rows, int half, const int NT, const int K) {
+    const uint8x16_t m4 = vdupq_n_u8(0x0f);
+    const int8x16_t kv = vld1q_s8(htp_iq4nl_kvalues);
+    float32x4_t acc[2][4];
+    for (int u = 0; u < NT; u++)
+        for (int i = 0; i < 4; i++) acc[u][i] = vdupq_n_f32(0.0f);
+    for (uint32_t j = 0; j < kb; j++) {
+        const uint8_t *tile = strip + (size_t)j * LQ_BYTES(K);
+        int32x4_t ia[2][4];
+        int8x16_t a0[2], a1[2];
+        for (int u = 0; u < NT; u++) {
+            const int32_t start = K == LQ_Q50 ? -16 * s[(size_t)u * kb + j] : 0;
+            for (int i = 0; i < 4; i++) ia[u][i] = vdupq_n_s32(start);
+            a0[u] = vld1q_s8(q + (size_t)u * k + 32 * j);
+            a1[u] = vld1q_s8(q + (size_t)u * k + 32 * j + 16);
+        }
+#define LQ_NEON_GROUP(G)                                                                          \
+    do {                                                                                          \
+        const uint8_t *gp = tile + LQ_NIB(K) + 128 * (G) + 64 * half;                             \
+        for (int i = 0; i < 4; i++) {                                                             \
+            const uint8x16_t v = vld1q_u8(gp + 16 * i);                                           \
+            const uint8x16_t nl = vandq_u8(v, m4), nh = vshrq_n_u8(v, 4);                         \
+            int8x16_t lo, hi;                                                                     \
+            if (LQ_IQ4(K)) {                                                                      \
+                lo = vqtbl1q_s8(kv, nl), hi = vqtbl1q_s8(kv, nh);                                 \
+            } else if (LQ_Q5(K)) {                                                                \
+                const uint8x16_t w = vld1q_u8(tile + LQ_QH(K) + 64 * half + 16 * i);              \
+                lo = lq_fifth_neon(nl, w, (G) / 2, (G) % 2);                                      \
+                hi = lq_fifth_neon(nh, w, 2 + (G) / 2, (G) % 2);                                  \
+            } else {                                                                              \
+                lo = vreinterpretq_s8_u8(nl), hi = vreinterpretq_s8_u8(nh);                       \
+            }                                                                                     \
+            for (int u = 0; u < NT; u++) {                                                        \
+                ia[u][i] = vdotq_laneq_s32(ia[u][i], lo, a0[u], (G));                             \
+                ia[u][i] = vdotq_laneq_s32(ia[u][i], hi, a1[u], (G));                             \
+            }                                                                                     \
+        }                                                                                         \
+    } while (0)
+        LQ_NEON_GROUP(0);
+        LQ_NEON_GROUP(1);
+        LQ_NEON_GROUP(2);
+        LQ_NEON_GROUP(3);
+#undef LQ_NEON_GROUP
+        float32x4_t dw[4], mw[4];
+        int32x4_t sc[4];
+        for (int i = 0; i < 4; i++) {
+            if (LQ_HASM(K)) { /* (d, m) pairs at 4r */
+                const uint16x4x2_t dm = vld2_u16((const uint16_t *)(tile + 64 * half + 16 * i));
+                dw[i] = vcvt_f32_f16(vreinterpret_f16_u16(dm.val[0]));
+                mw[i] = vcvt_f32_f16(vreinterpret_f16_u16(dm.val[1]));
+            } else {
+                dw[i] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)(tile + 32 * half + 8 * i))));
+            }
+            if (K == LQ_IQ4XS) {
+                int8_t b8[8] = {0};
+                memcpy(b8, tile + 64 + 16 * half + 4 * i, 4);
+                sc[i] = vmovl_s16(vget_low_s16(vmovl_s8(vld1_s8(b8))));
+            }
+        }
+        for (int u = 0; u < NT; u++) {
+            const float da = d[(size_t)u * kb + j];
+            const float sa = (float)s[(size_t)u * kb + j];
+            for (int i = 0; i < 4; i++) {
+                const int32x4_t dot = K == LQ_IQ4XS ? vmulq_s32(sc[i], ia[u][i]) : ia[u][i];
+                float32x4_t v = vmulq_f32(vcvtq_f32_s32(dot), vmulq_n_f32(dw[i], da));
+                if (LQ_HASM(K)) v = vaddq_f32(v, vmulq_f32(vdupq_n_f32(sa), vmulq_n_f32(mw[i], da)));
+                acc[u][i] = vaddq_f32(acc[u][i], v);
+            }
+        }
+    }
+    for (int u = 0; u < NT; u++) {
+        float tmp[16];
+        for (int i = 0; i < 4; i++) vst1q_f32(tmp + 4 * i, acc[u][i]);
+        const uint32_t r0 = 16u * (uint32_t)half;
+        for (uint32_t r = 0; r < 16 && r0 + r < rows; r++) out[(size_t)u * ldo + r0 + r] = tmp[r];
+    }
+}
+
+HTP_T_DOTPROD HTP_NO_CONTRACT static inline __attribute__((always_inline)) void lq_strip_neon(
+    const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out, uint32_t ldo,
+    uint32_t rows, const int K) {
+    const uint32_t k = kb * 32;
+    for (uint32_t t0 = 0; t0 < nt; t0 += 2) {
+        const int8_t *q = a->q + (size_t)t0 * k;
+        const float *d = a->d + (size_t)t0 * kb;
+        const int32_t *s = a->s + (size_t)t0 * kb;
+        float *o = out + (size_t)t0 * ldo;
+        for (int half = 0; half < (rows > 16 ? 2 : 1); half++) {
+            if (nt - t0 >= 2)
+                lq_half_neon(strip, kb, q, d, s, k, o, ldo, rows, half, 2, K);
+            else
+                lq_half_neon(strip, kb, q, d, s, k, o, ldo, rows, half, 1, K);
+        }
+    }
+}
+HTP_T_DOTPROD HTP_NO_CONTRACT static void nlq8_strip_neon(const uint8_t *strip, uint32_t kb,
+                                                          const htp_act_q8 *a, uint32_t nt,
+                                                          float *out, uint32_t ldo, uint32_t rows) {
+    lq_strip_neon(strip, kb, a, nt, out, ldo, rows, LQ_IQ4NL);
+}
+HTP_T_DOTPROD HTP_NO_CONTRACT static void xsq8_strip_neon(const uint8_t *strip, uint32_t kb,
+                                                          const htp_act_q8 *a, uint32_t nt,
+                                                          float *out, uint32_t ldo, uint32_t rows) {
+    lq_strip_neon(strip, kb, a, nt, out, ldo, rows, LQ_IQ4XS);
+}
+HTP_T_DOTPROD HTP_NO_CONTRACT static void affq8_strip_neon(const uint8_t *strip, uint32_t fmt,
+                                                           uint32_t kb, const htp_act_q8 *a,
+                                                           uint32_t nt, float *out, uint32_t ldo,
+                                                           uint32_t rows) {
+    if (fmt == HTP_FMT_Q4_1_T32R4)
+        lq_strip_neon(strip, kb, a, nt, out, ldo, rows, LQ_Q41);
+    else if (fmt == HTP_FMT_Q5_0_T32R4)
+        lq_strip_neon(strip, kb, a, nt, out, ldo, rows, LQ_Q50);
+    else
+        lq_strip_neon(strip, kb, a, nt, out, ldo, rows, LQ_Q51);
+}
+
 /* The portable table with the dot-product Q4 x Q8 strip kernel. */
 const htp_isa htp_isa_neon = {
     .level = HTP_SIMD_NEON,
@@ -90,6 +246,11 @@ const htp_isa htp_isa_neon = {
     .q4q8_nt = 2,
     .q8q8_strip = htp_q8q8_strip_portable,
     .q8q8_nt = 64,
+    .kq8_nt = 64, /* the K-quant kernels are the portable ones; IQ4_XS's is below */
+    .nlq8_strip = nlq8_strip_neon,
+    .xsq8_strip = xsq8_strip_neon,
+    .affq8_strip = affq8_strip_neon,
+    .mxq8_nt = 64, /* the IQ4_NL and Q4_1 / Q5_0 / Q5_1 strips' tokens per call */
     .dequant_tile = htp_dequant_portable,
     .f32_strip = htp_f32_strip_portable,
     .f32_nt = 4,

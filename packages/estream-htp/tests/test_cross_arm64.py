@@ -58,7 +58,8 @@ def selftest(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     """On a CPU with the dot-product extension every check of the self-test passes (GEMM of
     every tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0, Q5_1, IQ4_XS) and
-    activation format within the fp32 rounding bound of float64; F16 / BF16 dense tiles in fp32
+    activation format within the fp32 rounding bound of float64; IQ4_NL, Q4_1, Q5_0, Q5_1 and IQ4_XS
+    int8 GEMMs giving the portable table's bits on 5 awkward shapes each; F16 / BF16 dense tiles in fp32
     under either act, NEON giving the portable bits, the values read exactly; exact-integer GEMMs
     bit-identical to the int64 dot product and to the portable table, GEMM from Q8 rows and
     with a shared input, the expert op (SwiGLU, ReGLU and SwiGLU-OAI, with and without
@@ -86,6 +87,9 @@ def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
             assert any(s.startswith(f"expert {fmt} act={act} neon ") for s in lines)
         assert any(s.startswith(f"gemm {fmt} exact integer sums") for s in lines)
         assert any(s.startswith(f"gemm {fmt} from Q8 rows and shared input") for s in lines)
+    for fmt in ("iq4_nl", "q4_1", "q5_0", "q5_1", "iq4_xs"):  # the NEON kernel lq_half_neon
+        ok = [s for s in lines if re.match(rf"gemm {fmt} neon = portable bits .*: ok$", s)]
+        assert len(ok) == 5, fmt
     for fmt in ("f16", "bf16"):  # dense tiles: every shape, fp32 under either act, exact values
         assert sum(bool(re.match(rf"gemm {fmt} n=\d+ k=\d+ t=\d+: ok$", s)) for s in lines) == 8
     assert any(s.startswith("quantize") for s in lines)

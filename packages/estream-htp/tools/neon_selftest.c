@@ -412,6 +412,33 @@ static int check_gemm(uint32_t fmt, uint32_t act, uint32_t n, uint32_t k, uint32
     return bad;
 }
 
+/* The NEON table's int8 GEMM gives the portable table's bits (IQ4_NL, IQ4_XS, Q4_1, Q5_0,
+ * Q5_1: exact integer dots, one fp32 epilogue): random codes and awkward scales (zero,
+ * subnormal, the largest half), activation blocks of +-127, token counts off the kernel's
+ * 2-token step, rows off its 16-row halves, odd block counts; the output's margins stay
+ * poisoned. */
+static int check_gemm_bits(uint32_t fmt, uint32_t n, uint32_t k, uint32_t t) {
+    const uint32_t ldy = n + 3;
+    uint8_t *w = make_weights(fmt, n, k, 0);
+    float *x = malloc(sizeof(float) * t * k);
+    float *y0 = malloc(sizeof(float) * t * ldy), *y1 = malloc(sizeof(float) * t * ldy);
+    for (size_t i = 0; i < (size_t)t * k; i++) x[i] = frand() * (float)(1 + rnd() % 1000);
+    for (size_t i = 0; i < (size_t)t * k && i < 2 * (size_t)k; i += 2) x[i] = 5000.0f; /* +-127 */
+    char what[128];
+    snprintf(what, sizeof what, "gemm %s neon = portable bits n=%u k=%u t=%u", fmt_name(fmt), n, k, t);
+    int bad = gemm(HTP_SIMD_PORTABLE, 1, fmt, HTP_ACT_Q8, w, n, k, t, x, k, y0, ldy);
+    bad = bad || gemm(HTP_SIMD_NEON, 1, fmt, HTP_ACT_Q8, w, n, k, t, x, k, y1, ldy);
+    bad = bad || check_written(what, y1, t, n, ldy);
+    for (size_t i = 0; i < (size_t)t * ldy && !bad; i++)
+        if (memcmp(&y0[i], &y1[i], 4)) {
+            printf("%s: y[%zu][%zu] neon %.9g portable %.9g\n", what, i / ldy, i % ldy, y1[i], y0[i]);
+            bad = 1;
+        }
+    if (!bad) printf("%s: ok\n", what);
+    free(w), free(x), free(y0), free(y1);
+    return bad;
+}
+
 /* Unit fp16 scales, small integer scales and integer activations in [-127, 127] with 127 in
  * every 32-block: the activation scale is exactly 1, every product and sum is an integer below
  * 2^24, so every output must equal the int64 dot product exactly, whatever the order of the
@@ -943,6 +970,11 @@ int main(int argc, char **argv) {
         for (int i = 0; i < 6; i++) { /* drawn shapes (fixed seed, so every run checks the same) */
             const uint32_t n = 1 + rnd() % 130, k = 32 * (1 + rnd() % 12), t = 1 + rnd() % 20;
             for (uint32_t act = 0; act < 2; act++) CHECK(check_gemm(fmts[f], act, n, k, t));
+        }
+        if (f >= 6) { /* the formats of the NEON kernel lq_half_neon */
+            const uint32_t bs[][3] = {{1, 32, 1}, {17, 96, 5}, {31, 32, 3}, {70, 160, 7}, {33, 256, 4}};
+            for (size_t i = 0; i < sizeof bs / sizeof bs[0]; i++)
+                CHECK(check_gemm_bits(fmts[f], bs[i][0], bs[i][1], bs[i][2]));
         }
         CHECK(check_gemm_exact(fmts[f], 49, 512, 5));
         CHECK(check_gemm_exact(fmts[f], 100, 1024, 3));
