@@ -259,12 +259,28 @@ def test_bench_engine_runs_ik_llama_bench_as_a_baseline(tmp_path: Path) -> None:
     assert "ttft_s" not in bad
 
 
+def test_bench_engine_records_the_ik_build_or_the_given_commit() -> None:
+    """The ik build recorded is the one its first successful run reports; a commit given on
+    the command line stands in, marked as given, only where llama-bench reports none."""
+    be = _bench_engine()
+    failed = {"system": "ik_llama.cpp", "error": "exit 1"}
+    ok = {"system": "ik_llama.cpp", "ttft_s": 1.0, "build_commit": "unknown", "build_number": 0}
+    engine = {"system": "resident", "ttft_s": 0.5}
+    assert be.ik_build([engine, failed, ok], "8337e4c") == {
+        "build_commit": "8337e4c (given)", "build_number": 0}  # fmt: skip
+    assert be.ik_build([ok], None) == {"build_commit": "unknown", "build_number": 0}
+    real = {**ok, "build_commit": "abc1234", "build_number": 7}
+    assert be.ik_build([real], "8337e4c") == {"build_commit": "abc1234", "build_number": 7}
+    assert be.ik_build([failed], None) == {"build_commit": None, "build_number": None}
+
+
 def test_bench_engine_refuses_ik_on_an_olmoe_file_or_a_missing_executable(
     tmp_path: Path,
 ) -> None:
     """--ik-llama-bench is refused, in one line and before anything is synthesized, for an
     `olmoe` model (ik_llama.cpp has no such architecture; the message names the qwen3moe way)
-    and for a path that is not an executable; --ik-llama-args alone is refused too."""
+    and for a path that is not an executable; --ik-llama-args or --ik-llama-commit alone is
+    refused too."""
     script = str(ROOT / "integration" / "bench" / "bench_engine.py")
     fake = tmp_path / "llama-bench"
     fake.write_text(FAKE_IK_BENCH)
@@ -274,7 +290,8 @@ def test_bench_engine_refuses_ik_on_an_olmoe_file_or_a_missing_executable(
         (["--ik-llama-bench", str(fake)], "--arch qwen3moe --preset olmoe-1b-7b"),
         (["--arch", "qwen3moe", "--ik-llama-bench", str(tmp_path / "none")],
          "is not an executable file"),
-        (["--arch", "qwen3moe", "--ik-llama-args", "-fa 1"], "needs --ik-llama-bench"),
+        (["--arch", "qwen3moe", "--ik-llama-args", "-fa 1"], "need --ik-llama-bench"),
+        (["--arch", "qwen3moe", "--ik-llama-commit", "8337e4c"], "need --ik-llama-bench"),
     ]  # fmt: skip
     for extra, msg in cases:
         done = subprocess.run(

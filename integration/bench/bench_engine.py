@@ -41,12 +41,13 @@ runs are stored as the system ``ik_llama.cpp`` with tokens/s, the flags and ik's
 summary gains ``resident_over_ik_tokens_per_s`` and ``stream_over_ik_tokens_per_s`` (EStream's
 tokens/s ÷ ik's). Nothing of ik_llama.cpp ships here: build its ``llama-bench`` yourself
 (``cmake -B build -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release && cmake --build build --target
-llama-bench``). ik_llama.cpp has no ``olmoe`` architecture, so for OLMoE's shapes run
+llama-bench``; built outside a git checkout it reports no commit: give it with
+``--ik-llama-commit``). ik_llama.cpp has no ``olmoe`` architecture, so for OLMoE's shapes run
 ``--arch qwen3moe`` (the default ``olmoe-1b-7b`` preset in Qwen3-MoE's layout, one GGUF all
 sides run; its vocabulary is Qwen's); ``--ik-llama-bench`` with an ``olmoe`` file is refused.
 ``deepseek-v2-lite`` loads as it is: ik converts llama.cpp's MLA tensor layout at load, and
 tells V2-Lite (no query LoRA) by its 26 or 27 layers, so a file with fewer layers
-(``--dim n_layers=...``) fails there for want of ``attention.q_lora_rank``.
+(``estream synth --dim n_layers=...``) fails there for want of ``attention.q_lora_rank``.
 """
 
 from __future__ import annotations
@@ -331,6 +332,16 @@ print(json.dumps(m))
 )
 
 
+def ik_build(rows: list[dict[str, Any]], given: str | None) -> dict[str, Any]:
+    """The ik_llama.cpp build the runs report (their first successful one), the commit
+    ``given`` standing in, marked as given, where llama-bench reports none or "unknown"."""
+    built = next((r for r in rows if r["system"] == "ik_llama.cpp" and "ttft_s" in r), {})
+    commit = built.get("build_commit")
+    if commit in (None, "unknown") and given:
+        commit = f"{given} (given)"
+    return {"build_commit": commit, "build_number": built.get("build_number")}
+
+
 def ik_cmd(exe: str, gguf: Path, tokens: int, threads: int, args: list[str]) -> list[str]:
     """A child that runs ik_llama.cpp's llama-bench once on ``tokens`` prompt tokens."""
     cmd = [exe, "-m", str(gguf), "-p", str(tokens), "-n", "0", "-t", str(threads), "-r", "1",
@@ -537,6 +548,11 @@ def main() -> int:
         help="llama-bench flags instead of ik's fast CPU ones ('-fa 1 -fmoe 1 -rtr 1', "
         "plus '-mla 3' for deepseek2)",
     )
+    ap.add_argument(
+        "--ik-llama-commit",
+        help="the ik_llama.cpp commit llama-bench was built from, recorded when llama-bench "
+        "reports none (a build outside a git checkout says 'unknown')",
+    )
     args = ap.parse_args()
     budget = parse_bytes(args.budget)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -559,8 +575,8 @@ def main() -> int:
             else ik_default_args(arch)
         )
         ik = (str(exe.resolve()), ik_args)
-    elif args.ik_llama_args is not None:
-        ap.error("--ik-llama-args needs --ik-llama-bench")
+    elif args.ik_llama_args is not None or args.ik_llama_commit is not None:
+        ap.error("--ik-llama-args and --ik-llama-commit need --ik-llama-bench")
     src, dst = prepare(args.preset, budget, arch=arch, quant=args.quant, threads=args.threads)
     from estream.packed import PackedModel
 
@@ -664,10 +680,9 @@ def main() -> int:
     if peaks is not None:
         doc["peaks_gops"] = peaks
     if ik is not None:
-        built = next((r for r in rows if r["system"] == "ik_llama.cpp" and "ttft_s" in r), {})
         doc["ik_llama"] = {
             "llama_bench": ik[0], "args": ik[1], "gguf": str(src),
-            "build_commit": built.get("build_commit"), "build_number": built.get("build_number"),
+            **ik_build(rows, args.ik_llama_commit),
         }  # fmt: skip
     (RESULTS / args.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {RESULTS / args.out}")
