@@ -341,6 +341,48 @@ def test_expert_op_q8_0_and_kquant_weights_match_float64(simd: str, act: str, fo
         assert T.rel_l2_floored(y - y0, emu, mag, ff) <= Q8_EMU_TOL
 
 
+LQ_MIXES = [(NL, NL, NL), (XS, XS, XS), (Q41, Q41, Q41), (Q50, Q50, Q51), (Q51, Q41, Q50)]
+
+
+@pytest.mark.parametrize("formats", LQ_MIXES)
+def test_expert_op_lq_tables_give_portable_bits(formats) -> None:
+    """IQ4_NL, IQ4_XS, Q4_1, Q5_0 and Q5_1 experts under int8 activations: every kernel table
+    this CPU runs gives the portable table's bits (their int8 kernels keep the portable
+    epilogue, SwiGLU and the re-quantization of h are the same on every table), at d_model and
+    d_ff off the 32-row strips' 16 / 32 (3 and 5 tiles; IQ4_XS 1 and 2 super-blocks), 43 tokens
+    (off the 4 / 6 / 64 token steps), slots of 1..40 routes, into an output holding values
+    before the op, on 1 and 2 threads."""
+    rng = np.random.default_rng(33)
+    d, ff, n_exp, t = (256, 512, 4, 43) if XS in formats else (96, 160, 4, 43)
+    gate, up, down = T.random_experts(rng, n_exp, d, ff, formats)
+    experts = np.concatenate([np.full(40, 2), [0], rng.integers(0, n_exp, 50)]).astype(np.int32)
+    tokens = rng.integers(0, t, experts.size).astype(np.int32)
+    weights = rng.uniform(-1, 1, experts.size).astype(np.float32)
+    slots = np.array([3, 0, 5, 1], np.int32)
+    planes = []
+    for p in (gate, up, down):
+        plane = np.full((6, -(-p.shape[1] // 4096) * 4096), 0xFF, np.uint8)  # NaN if read
+        for e in range(n_exp):
+            plane[slots[e], : p.shape[1]] = p[e]
+        planes.append(plane)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    y0 = rng.standard_normal((t, d)).astype(np.float32)
+    outs = {}
+    for simd in LEVELS:
+        for th in (1, 2):
+            y = y0.copy()
+            with (
+                mode(simd=simd, act="q8", threads=th),
+                htp.ExpertGraph(d, ff, 37, t, formats=formats) as g,
+            ):
+                _run(g, x, tokens, experts, weights, slots, planes, y)
+            outs[simd, th] = y
+    base = outs["portable", 1]
+    assert np.isfinite(base).all() and not np.array_equal(base, y0)
+    for key, y in outs.items():
+        assert np.array_equal(y.view(np.uint32), base.view(np.uint32)), key
+
+
 def test_expert_op_formats_per_call() -> None:
     """One graph serves layers of different types: a call's `formats` gives the bits of a graph
     made for those formats (a Q4_K_M mix on a graph made for Q4_0), and a bad one is refused."""
