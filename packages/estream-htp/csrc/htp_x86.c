@@ -175,32 +175,93 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) __m512i q5k_fifth(__m5
     return _mm512_mask_add_epi8(nib, set, nib, _mm512_set1_epi8(16));
 }
 
+/* A q4_k / q5_k tile's dot-product operands: for each group g, the 16-row halves of its low
+ * nibbles (columns 4g..4g+3) and high nibbles (16+4g..16+4g+3), plus 16 x the fifth bit for
+ * q5_k: w[4g + 0..3] = low rows 0..15, low rows 16..31, high rows 0..15, high rows 16..31. */
+HTP_T_AVX512 static inline __attribute__((always_inline)) void k45_operands(const uint8_t *tile,
+                                                                            const int Q5,
+                                                                            __m512i w[16]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int g = 0; g < 4; g++) {
+        const __m512i v0 = _mm512_loadu_si512((const void *)(tile + 192 + 128 * g));
+        const __m512i v1 = _mm512_loadu_si512((const void *)(tile + 256 + 128 * g));
+        __m512i l0 = _mm512_and_si512(v0, m4);
+        __m512i l1 = _mm512_and_si512(v1, m4);
+        __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);
+        __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);
+        if (Q5) {
+            l0 = q5k_fifth(l0, tile + 704, g / 2, g % 2);
+            l1 = q5k_fifth(l1, tile + 768, g / 2, g % 2);
+            h0 = q5k_fifth(h0, tile + 704, 2 + g / 2, g % 2);
+            h1 = q5k_fifth(h1, tile + 768, 2 + g / 2, g % 2);
+        }
+        w[4 * g] = l0, w[4 * g + 1] = l1, w[4 * g + 2] = h0, w[4 * g + 3] = h1;
+    }
+}
+/* A q4_k / q5_k tile's ds = d·sc and dm = dmin·m as fp32 lanes (exact): sv[0..3] = ds rows
+ * 0..15, ds rows 16..31, dm rows 0..15, dm rows 16..31. */
+HTP_T_AVX512 static inline __attribute__((always_inline)) void k45_scales(const uint8_t *tile,
+                                                                          __m512 sv[4]) {
+    sv[0] = _mm512_mul_ps(q4k_f16x16(tile), q4k_u8x16(tile + 128));
+    sv[1] = _mm512_mul_ps(q4k_f16x16(tile + 32), q4k_u8x16(tile + 144));
+    sv[2] = _mm512_mul_ps(q4k_f16x16(tile + 64), q4k_u8x16(tile + 160));
+    sv[3] = _mm512_mul_ps(q4k_f16x16(tile + 96), q4k_u8x16(tile + 176));
+}
+
+/* Tiles per chunk of a q5_k strip whose operands (nibbles + 16 x fifth bit) and scales the strip
+ * kernel prepares once for all its token blocks (1280 B of stack a tile, 40 KiB), instead of
+ * per 6-token block (the fifth bits cost ~20 instructions a tile). Q4_K's strips make theirs per
+ * block: its masks and shifts are cheap, and prepared scales or operands measured no faster in
+ * the GEMM and slower in the expert op (the buffer's share of L1). */
+#define HTP_K45_CHUNK 32
+
+/* One block of NT tokens over tiles j0..j1-1 of a strip: the accumulators start at 0 (j0 = 0)
+ * or at the block's outputs, where the previous chunk left them (a float store and load, so
+ * the fp32 sequence per row and token is the one of a single pass). The tiles' operands and
+ * scales come prepared (PREP: pw, sv, chunk-relative) or are made here. */
+#define K45_BLOCK(SUFFIX, NT, PREP)                                                              \
+    q4kq8_block_##SUFFIX(strip, j0, j1, kb, q, d, s, sd, pwb, svb, k, o, ldo, rows, NT, Q5, PREP)
+#define K45_BLOCKS(SUFFIX, PREP)                                                                 \
+    switch (n) {                                                                                 \
+    case 6: K45_BLOCK(SUFFIX, 6, PREP); break;                                                   \
+    case 5: K45_BLOCK(SUFFIX, 5, PREP); break;                                                   \
+    case 4: K45_BLOCK(SUFFIX, 4, PREP); break;                                                   \
+    case 3: K45_BLOCK(SUFFIX, 3, PREP); break;                                                   \
+    case 2: K45_BLOCK(SUFFIX, 2, PREP); break;                                                   \
+    default: K45_BLOCK(SUFFIX, 1, PREP); break;                                                  \
+    }
 #define Q4K_KERNEL(SUFFIX, TARGET, DOT)                                                          \
     TARGET static inline __attribute__((always_inline)) void q4kq8_block_##SUFFIX(               \
-        const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s,    \
-        const float *sd, uint32_t k, float *out, uint32_t ldo, uint32_t rows, const int NT,      \
-        const int Q5) {                                                                          \
-        const __m512i m4 = _mm512_set1_epi8(0x0f);                                               \
+        const uint8_t *strip, uint32_t j0, uint32_t j1, uint32_t kb, const int8_t *q,            \
+        const float *d, const int32_t *s, const float *sd, const __m512i *pw, const __m512 *sv,  \
+        uint32_t k, float *out, uint32_t ldo, uint32_t rows, const int NT, const int Q5,         \
+        const int PREP) {                                                                        \
+        const __mmask16 k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);    \
+        const __mmask16 k1 = rows >= 32 ? (__mmask16)0xffff                                      \
+                             : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1u)                \
+                                         : (__mmask16)0;                                        \
         __m512 acc[6][2];                                                                        \
-        for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();                \
-        for (uint32_t j = 0; j < kb; j++) {                                                      \
+        for (int u = 0; u < NT; u++) {                                                           \
+            if (j0 == 0) {                                                                       \
+                acc[u][0] = acc[u][1] = _mm512_setzero_ps();                                     \
+            } else {                                                                             \
+                acc[u][0] = _mm512_maskz_loadu_ps(k0, out + (size_t)u * ldo);                    \
+                acc[u][1] = _mm512_maskz_loadu_ps(k1, out + (size_t)u * ldo + 16);               \
+            }                                                                                    \
+        }                                                                                        \
+        for (uint32_t j = j0; j < j1; j++) {                                                     \
             const uint8_t *tile =                                                                \
                 strip + (size_t)j * (Q5 ? HTP_Q5K_TILE_BYTES : HTP_Q4K_TILE_BYTES);              \
+            __m512i w[16];                                                                       \
+            if (PREP && Q5)                                                                      \
+                for (int i = 0; i < 16; i++) w[i] = pw[16 * (size_t)(j - j0) + i];               \
+            else                                                                                 \
+                k45_operands(tile, Q5, w);                                                       \
             __m512i ia[6][2];                                                                    \
             for (int u = 0; u < NT; u++) ia[u][0] = ia[u][1] = _mm512_setzero_si512();           \
             for (int g = 0; g < 4; g++) {                                                        \
-                const __m512i v0 = _mm512_loadu_si512((const void *)(tile + 192 + 128 * g));    \
-                const __m512i v1 = _mm512_loadu_si512((const void *)(tile + 256 + 128 * g));    \
-                __m512i l0 = _mm512_and_si512(v0, m4);                                           \
-                __m512i l1 = _mm512_and_si512(v1, m4);                                           \
-                __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);                     \
-                __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);                     \
-                if (Q5) {                                                                        \
-                    l0 = q5k_fifth(l0, tile + 704, g / 2, g % 2);                                \
-                    l1 = q5k_fifth(l1, tile + 768, g / 2, g % 2);                                \
-                    h0 = q5k_fifth(h0, tile + 704, 2 + g / 2, g % 2);                            \
-                    h1 = q5k_fifth(h1, tile + 768, 2 + g / 2, g % 2);                            \
-                }                                                                                \
+                const __m512i l0 = w[4 * g], l1 = w[4 * g + 1];                                  \
+                const __m512i h0 = w[4 * g + 2], h1 = w[4 * g + 3];                              \
                 for (int u = 0; u < NT; u++) {                                                   \
                     const int8_t *qa = q + (size_t)u * k + 32 * j + 4 * g;                       \
                     int32_t alo, ahi;                                                            \
@@ -213,10 +274,12 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) __m512i q5k_fifth(__m5
                     ia[u][1] = DOT(ia[u][1], h1, bh);                                            \
                 }                                                                                \
             }                                                                                    \
-            const __m512 ds0 = _mm512_mul_ps(q4k_f16x16(tile), q4k_u8x16(tile + 128));           \
-            const __m512 ds1 = _mm512_mul_ps(q4k_f16x16(tile + 32), q4k_u8x16(tile + 144));      \
-            const __m512 dm0 = _mm512_mul_ps(q4k_f16x16(tile + 64), q4k_u8x16(tile + 160));      \
-            const __m512 dm1 = _mm512_mul_ps(q4k_f16x16(tile + 96), q4k_u8x16(tile + 176));      \
+            __m512 sc[4];                                                                        \
+            if (PREP)                                                                            \
+                for (int i = 0; i < 4; i++) sc[i] = sv[4 * (size_t)(j - j0) + i];                \
+            else                                                                                 \
+                k45_scales(tile, sc);                                                            \
+            const __m512 ds0 = sc[0], ds1 = sc[1], dm0 = sc[2], dm1 = sc[3];                     \
             for (int u = 0; u < NT; u++) {                                                       \
                 const float dau = d[(size_t)u * kb + j];                                         \
                 const __m512 da = _mm512_set1_ps(dau);                                           \
@@ -230,33 +293,41 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) __m512i q5k_fifth(__m5
                 acc[u][1] = _mm512_fnmadd_ps(dm1, sada, acc[u][1]);                              \
             }                                                                                    \
         }                                                                                        \
-        const __mmask16 k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);    \
-        const __mmask16 k1 = rows >= 32 ? (__mmask16)0xffff                                      \
-                             : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1u)                \
-                                         : (__mmask16)0;                                        \
         for (int u = 0; u < NT; u++) {                                                           \
             _mm512_mask_storeu_ps(out + (size_t)u * ldo, k0, acc[u][0]);                         \
             _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);                    \
         }                                                                                        \
     }                                                                                            \
+    /* Q5_K with more than one token block: the strip in chunks of HTP_K45_CHUNK tiles, each    \
+     * chunk's operands and scales prepared once for all the blocks; otherwise one pass. */      \
     TARGET static inline __attribute__((always_inline)) void k45q8_strip_##SUFFIX(               \
         const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out,         \
         uint32_t ldo, uint32_t rows, const int Q5, const int SD) {                               \
         const uint32_t k = kb * 32;                                                              \
-        for (uint32_t t0 = 0; t0 < nt; t0 += 6) {                                                \
-            const uint32_t n = nt - t0 < 6 ? nt - t0 : 6;                                        \
-            const int8_t *q = a->q + (size_t)t0 * k;                                             \
-            const float *d = a->d + (size_t)t0 * kb;                                             \
-            const int32_t *s = a->s + (size_t)t0 * kb;                                           \
-            const float *sd = SD ? a->sd + (size_t)t0 * kb : NULL;                               \
-            float *o = out + (size_t)t0 * ldo;                                                   \
-            switch (n) {                                                                         \
-            case 6: q4kq8_block_##SUFFIX(strip, kb, q, d, s, sd, k, o, ldo, rows, 6, Q5); break; \
-            case 5: q4kq8_block_##SUFFIX(strip, kb, q, d, s, sd, k, o, ldo, rows, 5, Q5); break; \
-            case 4: q4kq8_block_##SUFFIX(strip, kb, q, d, s, sd, k, o, ldo, rows, 4, Q5); break; \
-            case 3: q4kq8_block_##SUFFIX(strip, kb, q, d, s, sd, k, o, ldo, rows, 3, Q5); break; \
-            case 2: q4kq8_block_##SUFFIX(strip, kb, q, d, s, sd, k, o, ldo, rows, 2, Q5); break; \
-            default: q4kq8_block_##SUFFIX(strip, kb, q, d, s, sd, k, o, ldo, rows, 1, Q5); break;\
+        __m512i pwb[Q5 ? HTP_K45_CHUNK * 16 : 1];                                                \
+        __m512 svb[Q5 ? HTP_K45_CHUNK * 4 : 1];                                                  \
+        const int prep = Q5 && nt > 6;                                                           \
+        for (uint32_t j0 = 0; j0 < kb; j0 += prep ? HTP_K45_CHUNK : kb) {                        \
+            const uint32_t j1 = prep && kb - j0 > HTP_K45_CHUNK ? j0 + HTP_K45_CHUNK : kb;       \
+            if (prep)                                                                            \
+                for (uint32_t j = j0; j < j1; j++) {                                             \
+                    const uint8_t *tile =                                                        \
+                        strip + (size_t)j * (Q5 ? HTP_Q5K_TILE_BYTES : HTP_Q4K_TILE_BYTES);      \
+                    k45_operands(tile, Q5, pwb + 16 * (size_t)(j - j0));                         \
+                    k45_scales(tile, svb + 4 * (size_t)(j - j0));                                \
+                }                                                                                \
+            for (uint32_t t0 = 0; t0 < nt; t0 += 6) {                                            \
+                const uint32_t n = nt - t0 < 6 ? nt - t0 : 6;                                    \
+                const int8_t *q = a->q + (size_t)t0 * k;                                         \
+                const float *d = a->d + (size_t)t0 * kb;                                         \
+                const int32_t *s = a->s + (size_t)t0 * kb;                                       \
+                const float *sd = SD ? a->sd + (size_t)t0 * kb : NULL;                           \
+                float *o = out + (size_t)t0 * ldo;                                               \
+                if (prep) {                                                                      \
+                    K45_BLOCKS(SUFFIX, 1);                                                       \
+                } else {                                                                         \
+                    K45_BLOCKS(SUFFIX, 0);                                                       \
+                }                                                                                \
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \

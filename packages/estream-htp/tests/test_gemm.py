@@ -148,6 +148,30 @@ def test_gemm_kquant_tables_give_portable_bits(
             assert np.array_equal(y_rows.view(np.uint32), base.view(np.uint32)), (simd, th)
 
 
+@pytest.mark.parametrize("fmt", ["q4_k-t32r4", "q5_k-t32r4"])
+@pytest.mark.parametrize(
+    ("t", "n", "sb", "seed"), [(7, 33, 9, 5), (13, 5, 17, 6), (64, 32, 4, 7), (20, 50, 18, 8)]
+)
+def test_gemm_k45_chunked_strips_give_portable_bits(
+    fmt: str, t: int, n: int, sb: int, seed: int
+) -> None:
+    """Q5_K with more than one token block a strip call (the AVX-512 kernels then prepare the
+    tiles' operands and scales once a chunk of 32 tiles, carrying the accumulators across chunks
+    through the output), and Q4_K on the same shapes: the portable table's bits on every table,
+    at 32, 72, 136 and 144 tiles a strip (one whole chunk, chunk boundaries, a short last
+    chunk), token counts off the 6-token block, rows < 32, into an output filled with NaN."""
+    _, buf, x = kquant_stress_case(t, n, sb, seed, fmt)
+    with mode(simd="portable", act="q8", threads=1):
+        base = htp.gemm(x, buf, n, fmt)
+    assert np.isfinite(base).all() and np.abs(base).max() > 0
+    for simd in LEVELS:
+        with mode(simd=simd, act="q8", threads=2):
+            for rows in (x, htp.quantize_q8(x)):
+                out = np.full((t, n), np.nan, np.float32)
+                htp.gemm(rows, buf, n, fmt, out=out)
+                assert np.array_equal(out.view(np.uint32), base.view(np.uint32)), simd
+
+
 @pytest.mark.parametrize("fmt", KQ_FORMATS)
 def test_gemm_kquant_stress_matches_float64(fmt: str) -> None:
     """The stress inputs of the bit test (scales over four decades, near-cancelling mins,
