@@ -557,9 +557,12 @@ MXFP4_KERNEL(bw, HTP_T_AVX512, DOT_BW)
  * scheme (the codes of all five are Q4_0-ordered nibbles; LQ_* says which tile, a compile-time
  * constant). Q4_1: the nibbles (0..15) as they are; Q5_0 / Q5_1: plus 16 x the fifth bit
  * (q5k_fifth: the fifth-bit words have the Q5_K layout, at 64 + 4r / 128 + 4r), 0..31; IQ4_NL /
- * IQ4_XS: one vpshufb gives |kv[code]| (0..127) and the codes below 8 (kv < 0) negate the
- * activations of their lanes, so a vpmaddubsw pair stays within 2 x 127 x 127 and the same
- * weights serve vpdpbusd. The integer sums are the portable body's exact int32 dots (Q5_0's
+ * IQ4_XS, AVX-512BW (OFFS 0): one vpshufb gives |kv[code]| (0..127) and the codes below 8
+ * (kv < 0) negate the activations of their lanes, so a vpmaddubsw pair stays within
+ * 2 x 127 x 127; VNNI (OFFS 1): one vpshufb gives kv[code] + 128 (1..241) as vpdpbusd's
+ * unsigned operand against the signed activations, the sums starting at -128 x the block's
+ * activation sum (exact: |sum| <= 32 x 241 x 128 + 128 x 32 x 128, and vpdpbusd does not
+ * saturate). The integer sums are the portable body's exact int32 dots (Q5_0's
  * start at -16 x the block's activation sum: its dot - 16 sa), and the fp32 epilogue is the
  * portable body's, operation for operation, no fused multiply-add (HTP_NO_CONTRACT):
  *   IQ4_NL / IQ4_XS: acc += (float)(sc x dot) x (d x da)          (IQ4_NL: sc = 1)
@@ -594,14 +597,18 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) void lq_dm512(const ui
     *mv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
 }
 
-#define LQ_KERNEL(SUFFIX, TARGET, DOT)                                                           \
+#define LQ_KERNEL(SUFFIX, TARGET, DOT, OFFS)                                                     \
     TARGET HTP_NO_CONTRACT static inline __attribute__((always_inline)) void lqq8_block_##SUFFIX( \
         const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s,    \
         uint32_t k, float *out, uint32_t ldo, uint32_t rows, const int NT, const int K) {        \
         const __m512i m4 = _mm512_set1_epi8(0x0f);                                               \
         const __m512i eight = _mm512_set1_epi8(8);                                               \
         const __m512i lut = _mm512_broadcast_i32x4(                                              \
-            _mm_setr_epi8(127, 104, 83, 65, 49, 35, 22, 10, 1, 13, 25, 38, 53, 69, 89, 113));    \
+            OFFS ? _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141,          \
+                                 (char)153, (char)166, (char)181, (char)197, (char)217,          \
+                                 (char)241)                                                      \
+                 : _mm_setr_epi8(127, 104, 83, 65, 49, 35, 22, 10, 1, 13, 25, 38, 53, 69, 89,    \
+                                 113));                                                          \
         __m512 acc[6][2];                                                                        \
         for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();                \
         for (uint32_t j = 0; j < kb; j++) {                                                      \
@@ -609,7 +616,9 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) void lq_dm512(const ui
             __m512i ia[6][2];                                                                    \
             for (int u = 0; u < NT; u++)                                                         \
                 ia[u][0] = ia[u][1] =                                                            \
-                    _mm512_set1_epi32(K == LQ_Q50 ? -16 * s[(size_t)u * kb + j] : 0);            \
+                    _mm512_set1_epi32(K == LQ_Q50             ? -16 * s[(size_t)u * kb + j]      \
+                                      : OFFS && LQ_IQ4(K) ? -128 * s[(size_t)u * kb + j]         \
+                                                          : 0);                                  \
             for (int g = 0; g < 4; g++) {                                                        \
                 const __m512i v0 = _mm512_loadu_si512((const void *)(tile + LQ_NIB(K) + 128 * g)); \
                 const __m512i v1 =                                                               \
@@ -619,11 +628,13 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) void lq_dm512(const ui
                 __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);                     \
                 __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);                     \
                 __mmask64 nl0 = 0, nl1 = 0, nh0 = 0, nh1 = 0;                                    \
-                if (LQ_IQ4(K)) {                                                                 \
+                if (LQ_IQ4(K) && !OFFS) {                                                        \
                     nl0 = _mm512_cmplt_epu8_mask(l0, eight);                                     \
                     nl1 = _mm512_cmplt_epu8_mask(l1, eight);                                     \
                     nh0 = _mm512_cmplt_epu8_mask(h0, eight);                                     \
                     nh1 = _mm512_cmplt_epu8_mask(h1, eight);                                     \
+                }                                                                                \
+                if (LQ_IQ4(K)) {                                                                 \
                     l0 = _mm512_shuffle_epi8(lut, l0);                                           \
                     l1 = _mm512_shuffle_epi8(lut, l1);                                           \
                     h0 = _mm512_shuffle_epi8(lut, h0);                                           \
@@ -641,7 +652,7 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) void lq_dm512(const ui
                     memcpy(&alo, qa, 4);                                                         \
                     memcpy(&ahi, qa + 16, 4);                                                    \
                     const __m512i bl = _mm512_set1_epi32(alo), bh = _mm512_set1_epi32(ahi);      \
-                    if (LQ_IQ4(K)) {                                                             \
+                    if (LQ_IQ4(K) && !OFFS) {                                                    \
                         const __m512i z = _mm512_setzero_si512();                                \
                         ia[u][0] = DOT(ia[u][0], l0, _mm512_mask_sub_epi8(bl, nl0, z, bl));      \
                         ia[u][0] = DOT(ia[u][0], h0, _mm512_mask_sub_epi8(bh, nh0, z, bh));      \
@@ -732,8 +743,8 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) void lq_dm512(const ui
             lqq8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, LQ_Q51);                       \
     }
 
-LQ_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)
-LQ_KERNEL(bw, HTP_T_AVX512, DOT_BW)
+LQ_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI, 1)
+LQ_KERNEL(bw, HTP_T_AVX512, DOT_BW, 0)
 
 /* ---- Q8_0 x Q8 tile kernel, AVX-512 VNNI: the int8 weights flipped to u8 (v ^ 0x80 = v + 128)
  * for vpdpbusd, the integer sums starting at -128 x sum(activation block) (exact: vpdpbusd
