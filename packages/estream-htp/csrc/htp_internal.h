@@ -139,6 +139,49 @@ typedef struct htp_act_q8 {
     const float *sd;
 } htp_act_q8;
 
+/* The IQ4_NL, IQ4_XS, Q4_1, Q5_0, Q5_1 int8 kernels (htp_x86.c's LQ_KERNEL / lqq8_rows16_avx2,
+ * htp_neon.c's lq_half_neon): which tile (K, a compile-time constant in each instantiation), its
+ * bytes, where its Q4_0-ordered nibbles start, where its fifth-bit words start (Q5_0, Q5_1). */
+#define LQ_IQ4NL 0
+#define LQ_IQ4XS 1
+#define LQ_Q41 2
+#define LQ_Q50 3
+#define LQ_Q51 4
+#define LQ_BYTES(K)                                                                              \
+    ((K) == LQ_IQ4NL   ? HTP_Q4_TILE_BYTES                                                       \
+     : (K) == LQ_IQ4XS ? HTP_IQ4XS_TILE_BYTES                                                    \
+     : (K) == LQ_Q41   ? HTP_Q41_TILE_BYTES                                                      \
+     : (K) == LQ_Q50   ? HTP_Q50_TILE_BYTES                                                      \
+                       : HTP_Q51_TILE_BYTES)
+#define LQ_NIB(K) ((K) == LQ_IQ4NL ? 64 : (K) == LQ_IQ4XS ? 96 : (K) == LQ_Q41 ? 128 : (K) == LQ_Q50 ? 192 : 256)
+#define LQ_QH(K) ((K) == LQ_Q50 ? 64 : 128) /* the fifth-bit words (Q5_0, Q5_1) */
+#define LQ_IQ4(K) ((K) == LQ_IQ4NL || (K) == LQ_IQ4XS)
+#define LQ_HASM(K) ((K) == LQ_Q41 || (K) == LQ_Q51)
+#define LQ_Q5(K) ((K) == LQ_Q50 || (K) == LQ_Q51)
+
+/* One table's three entries to those kernels, nlq8_strip_NAME (IQ4_NL), xsq8_strip_NAME
+ * (IQ4_XS) and affq8_strip_NAME (Q4_1 / Q5_0 / Q5_1 by fmt), each calling
+ * STRIP(strip, kb, a, nt, out, ldo, rows, K) with its constant K; ATTR: the table's attributes. */
+#define LQ_ENTRIES(NAME, ATTR, STRIP)                                                            \
+    ATTR static void nlq8_strip_##NAME(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,   \
+                                       uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {   \
+        STRIP(strip, kb, a, nt, out, ldo, rows, LQ_IQ4NL);                                       \
+    }                                                                                            \
+    ATTR static void xsq8_strip_##NAME(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,   \
+                                       uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {   \
+        STRIP(strip, kb, a, nt, out, ldo, rows, LQ_IQ4XS);                                       \
+    }                                                                                            \
+    ATTR static void affq8_strip_##NAME(const uint8_t *strip, uint32_t fmt, uint32_t kb,         \
+                                        const htp_act_q8 *a, uint32_t nt, float *out,            \
+                                        uint32_t ldo, uint32_t rows) {                           \
+        if (fmt == HTP_FMT_Q4_1_T32R4)                                                           \
+            STRIP(strip, kb, a, nt, out, ldo, rows, LQ_Q41);                                     \
+        else if (fmt == HTP_FMT_Q5_0_T32R4)                                                      \
+            STRIP(strip, kb, a, nt, out, ldo, rows, LQ_Q50);                                     \
+        else                                                                                     \
+            STRIP(strip, kb, a, nt, out, ldo, rows, LQ_Q51);                                     \
+    }
+
 /* ---- attention ---- */
 #define HTP_ATTN_BQ 64
 #define HTP_ATTN_BK 64

@@ -93,22 +93,7 @@ HTP_T_DOTPROD static void q4q8_strip_neon(const uint8_t *strip, uint32_t kb, con
  * sums are the portable body's exact dots (Q5_0's start at -16 x the block's activation sum),
  * and the fp32 epilogue is the portable body's, operation for operation, no fused multiply-add
  * (HTP_NO_CONTRACT; htp_x86.c's LQ_KERNEL states it). */
-#define LQ_IQ4NL 0
-#define LQ_IQ4XS 1
-#define LQ_Q41 2
-#define LQ_Q50 3
-#define LQ_Q51 4
-#define LQ_BYTES(K)                                                                              \
-    ((K) == LQ_IQ4NL   ? HTP_Q4_TILE_BYTES                                                       \
-     : (K) == LQ_IQ4XS ? HTP_IQ4XS_TILE_BYTES                                                    \
-     : (K) == LQ_Q41   ? HTP_Q41_TILE_BYTES                                                      \
-     : (K) == LQ_Q50   ? HTP_Q50_TILE_BYTES                                                      \
-                       : HTP_Q51_TILE_BYTES)
-#define LQ_NIB(K) ((K) == LQ_IQ4NL ? 64 : (K) == LQ_IQ4XS ? 96 : (K) == LQ_Q41 ? 128 : (K) == LQ_Q50 ? 192 : 256)
-#define LQ_QH(K) ((K) == LQ_Q50 ? 64 : 128)
-#define LQ_IQ4(K) ((K) == LQ_IQ4NL || (K) == LQ_IQ4XS)
-#define LQ_HASM(K) ((K) == LQ_Q41 || (K) == LQ_Q51)
-#define LQ_Q5(K) ((K) == LQ_Q50 || (K) == LQ_Q51)
+/* the tile kinds LQ_* and their layout: htp_internal.h */
 
 /* 16 + the nibbles whose fifth bit is set: `words` the 4 rows' fifth-bit words, `byte` the byte
  * holding the lane's columns, from bit 4 x `odd` */
@@ -217,27 +202,7 @@ HTP_T_DOTPROD HTP_NO_CONTRACT static inline __attribute__((always_inline)) void 
         }
     }
 }
-HTP_T_DOTPROD HTP_NO_CONTRACT static void nlq8_strip_neon(const uint8_t *strip, uint32_t kb,
-                                                          const htp_act_q8 *a, uint32_t nt,
-                                                          float *out, uint32_t ldo, uint32_t rows) {
-    lq_strip_neon(strip, kb, a, nt, out, ldo, rows, LQ_IQ4NL);
-}
-HTP_T_DOTPROD HTP_NO_CONTRACT static void xsq8_strip_neon(const uint8_t *strip, uint32_t kb,
-                                                          const htp_act_q8 *a, uint32_t nt,
-                                                          float *out, uint32_t ldo, uint32_t rows) {
-    lq_strip_neon(strip, kb, a, nt, out, ldo, rows, LQ_IQ4XS);
-}
-HTP_T_DOTPROD HTP_NO_CONTRACT static void affq8_strip_neon(const uint8_t *strip, uint32_t fmt,
-                                                           uint32_t kb, const htp_act_q8 *a,
-                                                           uint32_t nt, float *out, uint32_t ldo,
-                                                           uint32_t rows) {
-    if (fmt == HTP_FMT_Q4_1_T32R4)
-        lq_strip_neon(strip, kb, a, nt, out, ldo, rows, LQ_Q41);
-    else if (fmt == HTP_FMT_Q5_0_T32R4)
-        lq_strip_neon(strip, kb, a, nt, out, ldo, rows, LQ_Q50);
-    else
-        lq_strip_neon(strip, kb, a, nt, out, ldo, rows, LQ_Q51);
-}
+LQ_ENTRIES(neon, HTP_T_DOTPROD HTP_NO_CONTRACT, lq_strip_neon)
 
 /* The portable table with the dot-product Q4 x Q8 strip kernel. */
 const htp_isa htp_isa_neon = {

@@ -554,8 +554,8 @@ MXFP4_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)
 MXFP4_KERNEL(bw, HTP_T_AVX512, DOT_BW)
 
 /* ---- IQ4_NL, IQ4_XS, Q4_1, Q5_0, Q5_1 x Q8 tile kernel, AVX-512: the Q4_0 kernel's nibble
- * scheme (the codes of all five are Q4_0-ordered nibbles; LQ_* says which tile, a compile-time
- * constant). Q4_1: the nibbles (0..15) as they are; Q5_0 / Q5_1: plus 16 x the fifth bit
+ * scheme (the codes of all five are Q4_0-ordered nibbles; LQ_* (htp_internal.h) says which tile,
+ * a compile-time constant). Q4_1: the nibbles (0..15) as they are; Q5_0 / Q5_1: plus 16 x the fifth bit
  * (q5k_fifth: the fifth-bit words have the Q5_K layout, at 64 + 4r / 128 + 4r), 0..31; IQ4_NL /
  * IQ4_XS, AVX-512BW (OFFS 0): one vpshufb gives |kv[code]| (0..127) and the codes below 8
  * (kv < 0) negate the activations of their lanes, so a vpmaddubsw pair stays within
@@ -568,22 +568,6 @@ MXFP4_KERNEL(bw, HTP_T_AVX512, DOT_BW)
  *   IQ4_NL / IQ4_XS: acc += (float)(sc x dot) x (d x da)          (IQ4_NL: sc = 1)
  *   Q5_0:            acc += (float)(dot - 16 sa) x (d x da)
  *   Q4_1 / Q5_1:     acc += (float)dot x (d x da) + (float)sa x (m x da). */
-#define LQ_IQ4NL 0
-#define LQ_IQ4XS 1
-#define LQ_Q41 2
-#define LQ_Q50 3
-#define LQ_Q51 4
-#define LQ_BYTES(K)                                                                              \
-    ((K) == LQ_IQ4NL   ? HTP_Q4_TILE_BYTES                                                       \
-     : (K) == LQ_IQ4XS ? HTP_IQ4XS_TILE_BYTES                                                    \
-     : (K) == LQ_Q41   ? HTP_Q41_TILE_BYTES                                                      \
-     : (K) == LQ_Q50   ? HTP_Q50_TILE_BYTES                                                      \
-                       : HTP_Q51_TILE_BYTES)
-#define LQ_NIB(K) ((K) == LQ_IQ4NL ? 64 : (K) == LQ_IQ4XS ? 96 : (K) == LQ_Q41 ? 128 : (K) == LQ_Q50 ? 192 : 256)
-#define LQ_QH(K) ((K) == LQ_Q50 ? 64 : 128) /* the fifth-bit words (Q5_0, Q5_1) */
-#define LQ_IQ4(K) ((K) == LQ_IQ4NL || (K) == LQ_IQ4XS)
-#define LQ_HASM(K) ((K) == LQ_Q41 || (K) == LQ_Q51)
-#define LQ_Q5(K) ((K) == LQ_Q50 || (K) == LQ_Q51)
 
 /* the d (and m) of 16 rows: fp16 at 2r, or (d, m) pairs at 4r (the 64 bytes at p) */
 HTP_T_AVX512 static inline __attribute__((always_inline)) void lq_dm512(const uint8_t *p, int hasm,
@@ -722,26 +706,7 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) void lq_dm512(const ui
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \
-    TARGET HTP_NO_CONTRACT static void nlq8_strip_fast_##SUFFIX(                                 \
-        const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out,         \
-        uint32_t ldo, uint32_t rows) {                                                           \
-        lqq8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, LQ_IQ4NL);                         \
-    }                                                                                            \
-    TARGET HTP_NO_CONTRACT static void xsq8_strip_fast_##SUFFIX(                                 \
-        const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out,         \
-        uint32_t ldo, uint32_t rows) {                                                           \
-        lqq8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, LQ_IQ4XS);                         \
-    }                                                                                            \
-    TARGET HTP_NO_CONTRACT static void affq8_strip_fast_##SUFFIX(                                \
-        const uint8_t *strip, uint32_t fmt, uint32_t kb, const htp_act_q8 *a, uint32_t nt,       \
-        float *out, uint32_t ldo, uint32_t rows) {                                               \
-        if (fmt == HTP_FMT_Q4_1_T32R4)                                                           \
-            lqq8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, LQ_Q41);                       \
-        else if (fmt == HTP_FMT_Q5_0_T32R4)                                                      \
-            lqq8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, LQ_Q50);                       \
-        else                                                                                     \
-            lqq8_strip_##SUFFIX(strip, kb, a, nt, out, ldo, rows, LQ_Q51);                       \
-    }
+    LQ_ENTRIES(fast_##SUFFIX, TARGET HTP_NO_CONTRACT, lqq8_strip_##SUFFIX)
 
 LQ_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI, 1)
 LQ_KERNEL(bw, HTP_T_AVX512, DOT_BW, 0)
@@ -992,25 +957,36 @@ HTP_T_AVX2 static inline __attribute__((always_inline)) void q4kq8_rows16_avx2(
         for (uint32_t r = 0; r < live; r++) out[(size_t)u * ldo + r0 + r] = acc[u][r];
 }
 
+/* The AVX2 strip drivers' loop: blocks of up to 4 tokens of the activations a (nt tokens,
+ * kb blocks, k = 32 kb values a token), each over 16-row passes; ROWS16(NT) is the kernel call
+ * for one pass of NT tokens (NT a constant 1..4), given q, d, s, o of the block and pass. */
+#define AVX2_STRIP4(ROWS16)                                                                      \
+    do {                                                                                         \
+        const uint32_t k = kb * 32;                                                              \
+        for (uint32_t t0 = 0; t0 < nt; t0 += 4) {                                                \
+            const uint32_t n = nt - t0 < 4 ? nt - t0 : 4;                                        \
+            const int8_t *q = a->q + (size_t)t0 * k;                                             \
+            const float *d = a->d + (size_t)t0 * kb;                                             \
+            const int32_t *s = a->s + (size_t)t0 * kb;                                           \
+            float *o = out + (size_t)t0 * ldo;                                                   \
+            (void)s;                                                                             \
+            for (uint32_t pass = 0; 16 * pass < rows; pass++) {                                  \
+                switch (n) {                                                                     \
+                case 4: ROWS16(4); break;                                                        \
+                case 3: ROWS16(3); break;                                                        \
+                case 2: ROWS16(2); break;                                                        \
+                default: ROWS16(1); break;                                                       \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+    } while (0)
+
 HTP_T_AVX2 static inline __attribute__((always_inline)) void k45q8_strip_avx2(
     const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out, uint32_t ldo,
     uint32_t rows, const int Q5) {
-    const uint32_t k = kb * 32;
-    for (uint32_t t0 = 0; t0 < nt; t0 += 4) {
-        const uint32_t n = nt - t0 < 4 ? nt - t0 : 4;
-        const int8_t *q = a->q + (size_t)t0 * k;
-        const float *d = a->d + (size_t)t0 * kb;
-        const int32_t *s = a->s + (size_t)t0 * kb;
-        float *o = out + (size_t)t0 * ldo;
-        for (uint32_t pass = 0; 16 * pass < rows; pass++) {
-            switch (n) {
-            case 4: q4kq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 4, Q5); break;
-            case 3: q4kq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 3, Q5); break;
-            case 2: q4kq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 2, Q5); break;
-            default: q4kq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 1, Q5); break;
-            }
-        }
-    }
+#define K45_ROWS16(NT) q4kq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, NT, Q5)
+    AVX2_STRIP4(K45_ROWS16);
+#undef K45_ROWS16
 }
 
 HTP_T_AVX2 static void q4kq8_strip_fast_avx2(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
@@ -1068,21 +1044,9 @@ HTP_T_AVX2 static inline __attribute__((always_inline)) void q8q8_rows16_avx2(
 
 HTP_T_AVX2 static void q8q8_strip_fast_avx2(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
                                             uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
-    const uint32_t k = kb * 32;
-    for (uint32_t t0 = 0; t0 < nt; t0 += 4) {
-        const uint32_t n = nt - t0 < 4 ? nt - t0 : 4;
-        const int8_t *q = a->q + (size_t)t0 * k;
-        const float *d = a->d + (size_t)t0 * kb;
-        float *o = out + (size_t)t0 * ldo;
-        for (uint32_t pass = 0; 16 * pass < rows; pass++) {
-            switch (n) {
-            case 4: q8q8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 4); break;
-            case 3: q8q8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 3); break;
-            case 2: q8q8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 2); break;
-            default: q8q8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 1); break;
-            }
-        }
-    }
+#define Q8Q8_ROWS16(NT) q8q8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, NT)
+    AVX2_STRIP4(Q8Q8_ROWS16);
+#undef Q8Q8_ROWS16
 }
 
 /* ---- Q6_K x Q8 tile kernel, AVX2: the Q8_0 AVX2 scheme (|w| x sign-carried activations) on
@@ -1144,21 +1108,9 @@ HTP_T_AVX2 static inline __attribute__((always_inline)) void q6kq8_rows16_avx2(
 
 HTP_T_AVX2 static void q6kq8_strip_fast_avx2(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
                                              uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
-    const uint32_t k = kb * 32;
-    for (uint32_t t0 = 0; t0 < nt; t0 += 4) {
-        const uint32_t n = nt - t0 < 4 ? nt - t0 : 4;
-        const int8_t *q = a->q + (size_t)t0 * k;
-        const float *d = a->d + (size_t)t0 * kb;
-        float *o = out + (size_t)t0 * ldo;
-        for (uint32_t pass = 0; 16 * pass < rows; pass++) {
-            switch (n) {
-            case 4: q6kq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 4); break;
-            case 3: q6kq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 3); break;
-            case 2: q6kq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 2); break;
-            default: q6kq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 1); break;
-            }
-        }
-    }
+#define Q6KQ8_ROWS16(NT) q6kq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, NT)
+    AVX2_STRIP4(Q6KQ8_ROWS16);
+#undef Q6KQ8_ROWS16
 }
 
 /* ---- MXFP4 x Q8 tile kernel, AVX2: the Q8_0 AVX2 scheme on mxfp4 tiles (16 rows a pass). Each
@@ -1233,21 +1185,9 @@ HTP_T_AVX2 HTP_NO_CONTRACT static inline __attribute__((always_inline)) void mxq
 
 HTP_T_AVX2 HTP_NO_CONTRACT static void mxq8_strip_fast_avx2(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
                                             uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
-    const uint32_t k = kb * 32;
-    for (uint32_t t0 = 0; t0 < nt; t0 += 4) {
-        const uint32_t n = nt - t0 < 4 ? nt - t0 : 4;
-        const int8_t *q = a->q + (size_t)t0 * k;
-        const float *d = a->d + (size_t)t0 * kb;
-        float *o = out + (size_t)t0 * ldo;
-        for (uint32_t pass = 0; 16 * pass < rows; pass++) {
-            switch (n) {
-            case 4: mxq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 4); break;
-            case 3: mxq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 3); break;
-            case 2: mxq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 2); break;
-            default: mxq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, 1); break;
-            }
-        }
-    }
+#define MXQ8_ROWS16(NT) mxq8_rows16_avx2(strip, kb, q, d, k, o, ldo, rows, pass, NT)
+    AVX2_STRIP4(MXQ8_ROWS16);
+#undef MXQ8_ROWS16
 }
 
 /* ---- IQ4_NL, IQ4_XS, Q4_1, Q5_0, Q5_1 x Q8 tile kernel, AVX2: the AVX-512 kernel's values
@@ -1378,44 +1318,11 @@ HTP_T_AVX2 HTP_NO_CONTRACT static inline __attribute__((always_inline)) void lqq
 HTP_T_AVX2 HTP_NO_CONTRACT static inline __attribute__((always_inline)) void lqq8_strip_avx2(
     const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out, uint32_t ldo,
     uint32_t rows, const int K) {
-    const uint32_t k = kb * 32;
-    for (uint32_t t0 = 0; t0 < nt; t0 += 4) {
-        const uint32_t n = nt - t0 < 4 ? nt - t0 : 4;
-        const int8_t *q = a->q + (size_t)t0 * k;
-        const float *d = a->d + (size_t)t0 * kb;
-        const int32_t *s = a->s + (size_t)t0 * kb;
-        float *o = out + (size_t)t0 * ldo;
-        for (uint32_t pass = 0; 16 * pass < rows; pass++) {
-            switch (n) {
-            case 4: lqq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 4, K); break;
-            case 3: lqq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 3, K); break;
-            case 2: lqq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 2, K); break;
-            default: lqq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, 1, K); break;
-            }
-        }
-    }
+#define LQ_ROWS16(NT) lqq8_rows16_avx2(strip, kb, q, d, s, k, o, ldo, rows, pass, NT, K)
+    AVX2_STRIP4(LQ_ROWS16);
+#undef LQ_ROWS16
 }
-HTP_T_AVX2 HTP_NO_CONTRACT static void nlq8_strip_fast_avx2(const uint8_t *strip, uint32_t kb,
-                                                            const htp_act_q8 *a, uint32_t nt,
-                                                            float *out, uint32_t ldo, uint32_t rows) {
-    lqq8_strip_avx2(strip, kb, a, nt, out, ldo, rows, LQ_IQ4NL);
-}
-HTP_T_AVX2 HTP_NO_CONTRACT static void xsq8_strip_fast_avx2(const uint8_t *strip, uint32_t kb,
-                                                            const htp_act_q8 *a, uint32_t nt,
-                                                            float *out, uint32_t ldo, uint32_t rows) {
-    lqq8_strip_avx2(strip, kb, a, nt, out, ldo, rows, LQ_IQ4XS);
-}
-HTP_T_AVX2 HTP_NO_CONTRACT static void affq8_strip_fast_avx2(const uint8_t *strip, uint32_t fmt,
-                                                             uint32_t kb, const htp_act_q8 *a,
-                                                             uint32_t nt, float *out, uint32_t ldo,
-                                                             uint32_t rows) {
-    if (fmt == HTP_FMT_Q4_1_T32R4)
-        lqq8_strip_avx2(strip, kb, a, nt, out, ldo, rows, LQ_Q41);
-    else if (fmt == HTP_FMT_Q5_0_T32R4)
-        lqq8_strip_avx2(strip, kb, a, nt, out, ldo, rows, LQ_Q50);
-    else
-        lqq8_strip_avx2(strip, kb, a, nt, out, ldo, rows, LQ_Q51);
-}
+LQ_ENTRIES(fast_avx2, HTP_T_AVX2 HTP_NO_CONTRACT, lqq8_strip_avx2)
 
 /* ---- fp32-activation GEMM, AVX-512: the strip is dequantized once into a [k][32] panel,
  * then 8 tokens x 32 rows of accumulators (16 zmm) take 2 panel loads + 8 broadcasts per column. */
