@@ -149,6 +149,8 @@ def render_engine(f: Figures) -> Table:
         t.notes.append(f"Memory-capped runs: {f['cgroup_note']}.")
     if any(r["system"] == IK for r in f["runs"]):
         t.more.append(_ik_table(f))
+    if any(r["system"] == IO_TAX for r in f["runs"]):
+        t.more.append(_io_tax_table(f))
     for r in f["runs"]:
         if r.get("op_table"):
             cap = f" in a {budget} cgroup" if r.get("cgroup") else ""
@@ -194,6 +196,30 @@ def _ik_table(f: Figures) -> tuple[str, Table]:
         f"**ik_llama.cpp on the same GGUF**, prompt tokens/s (`llama-bench -p T -n 0 -r 1 "
         f"-t {f.get('threads', '–')} {flags}`, ik build {build}; the engine's rows from the table above; ÷: EStream's "
         "tokens/s over ik's)"
+    )
+    return caption, t
+
+
+#: bench_engine's `resident` runs beside a paced reader (`--io-tax`): their system name.
+IO_TAX = "resident+reads"
+
+
+def _io_tax_table(f: Figures) -> tuple[str, Table]:
+    """bench_engine's `--io-tax` runs: `resident` alone, beside reads at the stream run's rate,
+    and `stream` against both."""
+    t = Table(["prompt", "read rate", "resident", "resident + reads", "(resident + reads) ÷ "
+               "resident", "stream", "stream ÷ (resident + reads)"], [])  # fmt: skip
+    for T in _engine_lengths(f, False):
+        rr, r, s = (_engine_run(f, x, T, False) for x in (IO_TAX, "resident", "stream"))
+        rate = (rr or {}).get("background_read_bytes_per_s")
+        t.rows.append(
+            [prompt(T), f"{size(rate)}/s" if rate else "–", ttft(r), ttft(rr), ratio(rr, r),
+             ttft(s), ratio(s, rr)]
+        )  # fmt: skip
+    caption = (
+        "**What the reads alone cost compute** (`-- --io-tax`): `resident` once more while "
+        "another process reads the pack's experts file (4 MiB `O_DIRECT` requests) at the "
+        "stream run's average read rate (read rate: what it achieved)"
     )
     return caption, t
 

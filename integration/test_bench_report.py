@@ -232,6 +232,32 @@ def test_engine_runs_with_ik_llama_cpp_show_tokens_per_s_and_ratios(tmp_path: Pa
     assert "ik_llama.cpp" not in report.render_page(report.load_results(plain / "results"))
 
 
+def test_engine_io_tax_runs_show_what_the_reads_cost_and_what_streaming_adds(
+    tmp_path: Path,
+) -> None:
+    """A bench_engine result with `--io-tax` runs (`resident+reads`) shows, under the engine
+    table, each prompt's achieved read rate, resident alone and beside the reads, their ratio
+    (the reads' cost to compute) and stream over resident-beside-reads; a length where that run
+    failed shows its error; a result without such runs adds no such table."""
+    figures = engine_figures(stream=2.4, resident=2.0)
+    figures["runs"].append({"system": "resident+reads", "length": 1024, "cgroup": False,
+                            "ttft_s": 2.2, "background_read_bytes_per_s": 800 * 2**20,
+                            "peak_memory_bytes": 3 * 2**30})  # fmt: skip
+    figures["runs"].append({"system": "resident+reads", "length": 4096, "cgroup": False,
+                            "error": "no stream run with reads to take the rate from"})  # fmt: skip
+    recorded(tmp_path, "bench_engine", figures, (0.1, 0.1))
+    page = report.render_page(report.load_results(tmp_path / "results"))
+    assert "**What the reads alone cost compute**" in page
+    assert "| 1K | 800 MiB/s | 2 s | 2.2 s | 1.100 | 2.4 s | 1.091 |" in page
+    assert (
+        "| 4K | – | 8 s | no stream run with reads to take the rate from | – | 9.6 s | – |" in page
+    )
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    recorded(plain, "bench_engine", engine_figures(), (0.1, 0.1))
+    assert "What the reads alone" not in report.render_page(report.load_results(plain / "results"))
+
+
 def test_the_headline_skips_a_newer_loaded_run(tmp_path: Path) -> None:
     """The README headline shows the newest bench_engine run not taken on a loaded machine; a
     newer loaded run appears on the page (marked) but does not replace the headline."""

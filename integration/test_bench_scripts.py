@@ -301,3 +301,25 @@ def test_bench_engine_refuses_ik_on_an_olmoe_file_or_a_missing_executable(
         assert done.returncode == 2 and msg in done.stderr, done.stderr
         assert "Traceback" not in done.stderr
     assert not list((ROOT / ".cache" / "models").glob("*tiny-never-made*"))
+
+
+def test_bench_engine_paced_reader_keeps_to_its_rate_and_stops_on_request(tmp_path: Path) -> None:
+    """`--io-tax`'s background reader reads the file round and round, never ahead of its rate
+    (at most one 4 MiB request beyond rate x time), and on stop reports what it read; a read
+    rate far above the file's size wraps around the file rather than ending."""
+    import time
+
+    be = _bench_engine()
+    f = tmp_path / "experts.bin"
+    f.write_bytes(os.urandom(3 << 20))  # smaller than one request: every read wraps
+    rate = 32 * 2**20
+    proc = be.start_reader(f, rate)
+    time.sleep(0.6)
+    done, secs = be.stop_reader(proc)
+    assert proc.returncode is not None
+    assert 0 < done <= rate * secs + (4 << 20)
+    assert done % (3 << 20) == 0  # whole passes over the 3 MiB file
+    fast = be.start_reader(f, 1e12)
+    time.sleep(0.3)
+    done, _ = be.stop_reader(fast)
+    assert done > 3 << 20

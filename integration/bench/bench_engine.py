@@ -29,6 +29,14 @@ own `measure_peaks` (in a child process on the runs' threads; the better of the 
 The tables are printed and stored with the runs (``op_table``) and the peaks as ``peaks_gops``.
 A quick look on a tiny model: ``--preset tiny --lengths 64 --no-llama --no-cgroup --trace``.
 
+``--io-tax`` measures what the reads alone cost compute on this machine: after each length's
+runs, `resident` once more (system ``resident+reads``) while another process reads the pack's
+experts file in 4 MiB ``O_DIRECT`` requests at the `stream` run's average read rate (its bytes
+read over its time to first token). ``resident+reads`` over ``resident`` is that cost;
+`stream` over ``resident+reads`` is what streaming adds beyond it (reads not hidden, the
+schedule's own work). On storage whose reads take no CPU or memory bandwidth from the cores
+the first ratio is 1.
+
 ``--ik-llama-bench PATH`` (or ``$ESTREAM_IK_LLAMA_BENCH``) adds ik_llama.cpp, a llama.cpp fork
 with fused MoE and MLA CPU paths, as one more baseline of the free runs: for each prompt length,
 after the same cold-cache drop, ``PATH -m <the GGUF> -p T -n 0 -t THREADS -r 1 -o json`` and
@@ -264,6 +272,51 @@ def llama_cmd(gguf: Path, tokens: np.ndarray, threads: int) -> list[str]:
     return [sys.executable, "-c", _LLAMA_CHILD, json.dumps(spec)]
 
 
+#: ``--io-tax``: a paced reader in its own process. It reads ``path`` round and round in 4 MiB
+#: requests (``O_DIRECT`` where the filesystem allows it) at ``rate`` bytes/s until SIGTERM, then
+#: prints the bytes it read and the seconds it ran.
+_READER = r"""
+import mmap, os, signal, sys, time
+path, rate = sys.argv[1], float(sys.argv[2])
+stop = []
+signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+try:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+except OSError:
+    fd = os.open(path, os.O_RDONLY)
+size, step = os.fstat(fd).st_size, 4 << 20
+buf = mmap.mmap(-1, step)
+off = done = 0
+t0 = time.perf_counter()
+while not stop:
+    if off + step > size:
+        off = 0
+    n = os.preadv(fd, [buf], off)
+    if n <= 0:
+        break
+    done, off = done + n, off + step
+    ahead = done / rate - (time.perf_counter() - t0)
+    while ahead > 0 and not stop:  # short sleeps: a SIGTERM is answered within 50 ms
+        time.sleep(min(ahead, 0.05))
+        ahead = done / rate - (time.perf_counter() - t0)
+print(done, time.perf_counter() - t0, flush=True)
+"""
+
+
+def start_reader(path: Path, rate: float) -> subprocess.Popen[str]:
+    """The paced reader of ``path`` at ``rate`` bytes/s (`_READER`), started now."""
+    cmd = [sys.executable, "-c", _READER, str(path), repr(float(rate))]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+
+
+def stop_reader(proc: subprocess.Popen[str]) -> tuple[int, float]:
+    """Stop a `start_reader` process: the bytes it read and the seconds it ran."""
+    proc.terminate()
+    out, _ = proc.communicate(timeout=60)
+    done, secs = out.split()
+    return int(done), float(secs)
+
+
 #: ik_llama.cpp's fast CPU flags for prefill: flash attention, fused MoE (up/gate/down of the
 #: routed experts in one op), weights repacked at load into its row-interleaved layouts.
 IK_ARGS = ("-fa", "1", "-fmoe", "1", "-rtr", "1")
@@ -438,6 +491,10 @@ def prepare(
     return src, dst
 
 
+#: ``--io-tax``: the system name of `resident` runs beside the paced reader.
+IO_TAX = "resident+reads"
+
+
 def run_system(
     system: str,
     T: int,
@@ -452,10 +509,12 @@ def run_system(
     label: str = "",
     data_limit: int | None = None,
     ik: tuple[str, list[str]] | None = None,
+    background: tuple[Path, float] | None = None,
 ) -> dict[str, Any]:
     """One cold-cache prefill of `T` random tokens in a fresh process: `stream`/`resident`
     engine, `llama.cpp`, or `ik_llama.cpp` (``ik``: its llama-bench and flags; T tokens of its
-    own); prints one line and returns the metrics (or the error: OOM kill, time limit)."""
+    own); prints one line and returns the metrics (or the error: OOM kill, time limit).
+    ``background`` (a file and bytes/s): a paced reader of that file runs beside the child."""
     tokens = np.random.default_rng(T).integers(0, n_vocab, size=T)
     how = drop_page_cache([src, dst / "experts.bin", dst / "dense.bin"])
     if system == "ik_llama.cpp":
@@ -465,10 +524,16 @@ def run_system(
         cmd = llama_cmd(src, tokens, threads)
     else:
         cmd = [*engine_cmd(dst, tokens, system, threads), *engine_args]
+    reader = start_reader(*background) if background is not None else None
     try:
         m = _run(cmd, cgroup=cgroup, timeout=timeout, data_limit=data_limit)
     except subprocess.TimeoutExpired:
         m = {"error": f"did not finish in {timeout:.0f} s", "timeout_s": timeout}
+    finally:
+        read = stop_reader(reader) if reader is not None else None
+    if background is not None and read is not None:
+        m["background_read_target_bytes_per_s"] = background[1]
+        m["background_read_bytes_per_s"] = read[0] / read[1] if read[1] > 0 else 0.0
     m.update({"system": system, "length": T, "cache": how, "cgroup": bool(cgroup)})
     ttft = f"{m['ttft_s']:8.2f} s" if "ttft_s" in m else f"{m.get('error', '?'):>10s}"
     peak = format_bytes(m["peak_memory_bytes"]) if "peak_memory_bytes" in m else "-"
@@ -535,6 +600,12 @@ def main() -> int:
         "--trace",
         action="store_true",
         help="per-op table of every engine run (time, share, GOP/s, share of the measured peak)",
+    )
+    ap.add_argument(
+        "--io-tax",
+        action="store_true",
+        help="after each length's runs, `resident` once more while another process reads the "
+        "pack's experts file at the stream run's read rate: what the reads alone cost compute",
     )
     ap.add_argument(
         "--ik-llama-bench",
@@ -609,10 +680,29 @@ def main() -> int:
             print(f"  (stream at T={T} ran with G={m['G']} Q={m['Q']} B={m['B']})", flush=True)
         return m
 
+    def under_reads(T: int) -> dict[str, Any]:
+        """`resident` at T while a paced reader reads the experts file at the rate of this
+        length's `stream` run (its bytes read over its time to first token)."""
+        s = next((r for r in rows if r["system"] == "stream" and r["length"] == T), {})
+        if not (s.get("bytes_read") and s.get("ttft_s")):
+            return {"system": IO_TAX, "length": T, "cgroup": False,
+                    "error": "no stream run with reads to take the rate from"}  # fmt: skip
+        rate = s["bytes_read"] / s["ttft_s"]
+        extra: tuple[str, ...] = ("--op-stats",) if args.trace else ()
+        m = run_system(
+            "resident", T, src=src, dst=dst, n_vocab=hp.n_vocab, threads=args.threads,
+            timeout=3600.0, engine_args=extra, label=" + reads",
+            background=(dst / "experts.bin", rate),
+        )  # fmt: skip
+        m["system"] = IO_TAX
+        return m
+
     if not args.skip_free:
         for T in lengths:
             for system in systems:
                 rows.append(one(system, T, None))
+            if args.io_tax:
+                rows.append(under_reads(T))
     cg_lengths = [int(x) for x in (args.cgroup_lengths or args.lengths).split(",")]
     cg_note = None
     if not args.no_cgroup:
@@ -653,6 +743,11 @@ def main() -> int:
         if s and lc:
             row["stream_over_llama_ttft"] = s / lc
             row["stream_over_llama_peak"] = sm / lm if sm and lm else None
+        rr = get(IO_TAX, T, False, "ttft_s")
+        if rr and r:
+            row["resident_reads_over_resident_ttft"] = rr / r
+        if rr and s:
+            row["stream_over_resident_reads_ttft"] = s / rr
         ik_t = get("ik_llama.cpp", T, False, "ttft_s")
         if ik_t:  # tokens/s over ik's tokens/s: ik's time over EStream's, same T
             row["ik_tokens_per_s"] = T / ik_t
