@@ -10,6 +10,26 @@
 
 #include <immintrin.h>
 
+/* ---- AVX-512 kernels' row masks and stores: a strip's 32 rows as two 16-lane halves, of which
+ * the first `rows` (<= 32) exist. */
+HTP_T_AVX512 static inline __attribute__((always_inline)) void rows32_masks(uint32_t rows,
+                                                                           __mmask16 *k0,
+                                                                           __mmask16 *k1) {
+    *k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);
+    *k1 = rows >= 32 ? (__mmask16)0xffff : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1u) : (__mmask16)0;
+}
+/* Store nt tokens' row sums (acc[u][0]: rows 0..15, acc[u][1]: rows 16..31) at out + u * ldo. */
+HTP_T_AVX512 static inline __attribute__((always_inline)) void store_rows32(float *out, uint32_t ldo,
+                                                                           __m512 (*acc)[2], int nt,
+                                                                           uint32_t rows) {
+    __mmask16 k0, k1;
+    rows32_masks(rows, &k0, &k1);
+    for (int u = 0; u < nt; u++) {
+        _mm512_mask_storeu_ps(out + (size_t)u * ldo, k0, acc[u][0]);
+        _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);
+    }
+}
+
 /* ---- generic bodies, vectorised by the compiler under each target ---- */
 #define HTP_INSTANTIATE(SUFFIX, TARGET)                                                          \
     TARGET static void f32_strip_##SUFFIX(const float *panel, uint32_t k, const float *x,        \
@@ -110,14 +130,7 @@ HTP_INSTANTIATE_KQ(vnni, HTP_T_VNNI)
                 acc[u][1] = _mm512_fmadd_ps(f1, _mm512_mul_ps(dw1, da), acc[u][1]);              \
             }                                                                                    \
         }                                                                                        \
-        const __mmask16 k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);    \
-        const __mmask16 k1 = rows >= 32 ? (__mmask16)0xffff                                      \
-                             : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1u)                \
-                                         : (__mmask16)0;                                        \
-        for (int u = 0; u < NT; u++) {                                                           \
-            _mm512_mask_storeu_ps(out + (size_t)u * ldo, k0, acc[u][0]);                         \
-            _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);                    \
-        }                                                                                        \
+        store_rows32(out, ldo, acc, NT, rows);                                                   \
     }                                                                                            \
     TARGET static void q4q8_strip_##SUFFIX(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, \
                                            uint32_t nt, float *out, uint32_t ldo, uint32_t rows) { \
@@ -236,10 +249,8 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) void k45_scales(const 
         const float *d, const int32_t *s, const float *sd, const __m512i *pw, const __m512 *sv,  \
         uint32_t k, float *out, uint32_t ldo, uint32_t rows, const int NT, const int Q5,         \
         const int PREP) {                                                                        \
-        const __mmask16 k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);    \
-        const __mmask16 k1 = rows >= 32 ? (__mmask16)0xffff                                      \
-                             : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1u)                \
-                                         : (__mmask16)0;                                        \
+        __mmask16 k0, k1;                                                                        \
+        rows32_masks(rows, &k0, &k1);                                                            \
         __m512 acc[6][2];                                                                        \
         for (int u = 0; u < NT; u++) {                                                           \
             if (j0 == 0) {                                                                       \
@@ -419,14 +430,7 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) int32_t q6k_sum16(cons
                 acc[u][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(dw1, da), acc[u][1]); \
             }                                                                                    \
         }                                                                                        \
-        const __mmask16 k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);    \
-        const __mmask16 k1 = rows >= 32 ? (__mmask16)0xffff                                      \
-                             : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1u)                \
-                                         : (__mmask16)0;                                        \
-        for (int u = 0; u < NT; u++) {                                                           \
-            _mm512_mask_storeu_ps(out + (size_t)u * ldo, k0, acc[u][0]);                         \
-            _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);                    \
-        }                                                                                        \
+        store_rows32(out, ldo, acc, NT, rows);                                                   \
     }                                                                                            \
     TARGET static inline __attribute__((always_inline)) void q6kq8_strip_z_##SUFFIX(             \
         const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out,         \
@@ -520,14 +524,7 @@ MXFP4_HALF512(HTP_T_AVX512)
                 acc[u][1] = _mm512_add_ps(acc[u][1], _mm512_mul_ps(p1, _mm512_mul_ps(e1, da)));  \
             }                                                                                    \
         }                                                                                        \
-        const __mmask16 k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);    \
-        const __mmask16 k1 = rows >= 32 ? (__mmask16)0xffff                                      \
-                             : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1u)                \
-                                         : (__mmask16)0;                                        \
-        for (int u = 0; u < NT; u++) {                                                           \
-            _mm512_mask_storeu_ps(out + (size_t)u * ldo, k0, acc[u][0]);                         \
-            _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);                    \
-        }                                                                                        \
+        store_rows32(out, ldo, acc, NT, rows);                                                   \
     }                                                                                            \
     TARGET HTP_NO_CONTRACT static void mxq8_strip_fast_##SUFFIX(const uint8_t *strip, uint32_t kb,               \
                                                 const htp_act_q8 *a, uint32_t nt, float *out,    \
@@ -677,14 +674,7 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) void lq_dm512(const ui
                 acc[u][1] = _mm512_add_ps(acc[u][1], v1);                                        \
             }                                                                                    \
         }                                                                                        \
-        const __mmask16 k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);    \
-        const __mmask16 k1 = rows >= 32 ? (__mmask16)0xffff                                      \
-                             : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1u)                \
-                                         : (__mmask16)0;                                        \
-        for (int u = 0; u < NT; u++) {                                                           \
-            _mm512_mask_storeu_ps(out + (size_t)u * ldo, k0, acc[u][0]);                         \
-            _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);                    \
-        }                                                                                        \
+        store_rows32(out, ldo, acc, NT, rows);                                                   \
     }                                                                                            \
     TARGET HTP_NO_CONTRACT static inline __attribute__((always_inline)) void lqq8_strip_##SUFFIX( \
         const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out,         \
@@ -745,14 +735,7 @@ HTP_T_VNNI static inline __attribute__((always_inline)) void q8q8_block_vnni(
             acc[u][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[u][1]), _mm512_mul_ps(dw1, da), acc[u][1]);
         }
     }
-    const __mmask16 k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);
-    const __mmask16 k1 = rows >= 32 ? (__mmask16)0xffff
-                         : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1u)
-                                     : (__mmask16)0;
-    for (int u = 0; u < NT; u++) {
-        _mm512_mask_storeu_ps(out + (size_t)u * ldo, k0, acc[u][0]);
-        _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);
-    }
+    store_rows32(out, ldo, acc, NT, rows);
 }
 
 HTP_T_VNNI static void q8q8_strip_fast_vnni(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
@@ -1340,12 +1323,7 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) void f32_block_avx512(
             acc[u][1] = _mm512_fmadd_ps(b, p1, acc[u][1]);
         }
     }
-    const __mmask16 k0 = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);
-    const __mmask16 k1 = rows >= 32 ? (__mmask16)0xffff : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1u) : (__mmask16)0;
-    for (int u = 0; u < NT; u++) {
-        _mm512_mask_storeu_ps(out + (size_t)u * ldo, k0, acc[u][0]);
-        _mm512_mask_storeu_ps(out + (size_t)u * ldo + 16, k1, acc[u][1]);
-    }
+    store_rows32(out, ldo, acc, NT, rows);
 }
 
 HTP_T_AVX512 static void f32_strip_fast_avx512(const float *panel, uint32_t k, const float *x,
