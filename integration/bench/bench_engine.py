@@ -395,10 +395,18 @@ def ik_build(rows: list[dict[str, Any]], given: str | None) -> dict[str, Any]:
     return {"build_commit": commit, "build_number": built.get("build_number")}
 
 
+def llama_bench_argv(
+    exe: str, gguf: Path, tokens: int, threads: int, args: list[str] | tuple[str, ...] = ()
+) -> list[str]:
+    """A llama-bench (llama.cpp's or ik_llama.cpp's) command line: one prompt-processing test
+    of ``tokens`` tokens, no generation, one repetition, JSON out, then ``args``."""
+    return [exe, "-m", str(gguf), "-p", str(tokens), "-n", "0", "-t", str(threads), "-r", "1",
+            "-o", "json", *args]  # fmt: skip
+
+
 def ik_cmd(exe: str, gguf: Path, tokens: int, threads: int, args: list[str]) -> list[str]:
     """A child that runs ik_llama.cpp's llama-bench once on ``tokens`` prompt tokens."""
-    cmd = [exe, "-m", str(gguf), "-p", str(tokens), "-n", "0", "-t", str(threads), "-r", "1",
-           "-o", "json", *args]  # fmt: skip
+    cmd = llama_bench_argv(exe, gguf, tokens, threads, args)
     spec = {"cmd": cmd, "tokens": tokens, "args": args, "here": str(HERE)}
     return [sys.executable, "-c", _IK_CHILD, json.dumps(spec)]
 

@@ -76,8 +76,9 @@ def run_estream(pack: Path, mode: str, tokens: int, threads: int, budget: int | 
 
 
 def run_llama_bench(exe: str, gguf: Path, tokens: int, threads: int, extra: list[str]) -> dict:
-    cmd = [exe, "-m", str(gguf), "-p", str(tokens), "-n", "0", "-t", str(threads), "-r", "1"]
-    cmd += ["-o", "json", *extra]
+    from bench_engine import llama_bench_argv, parse_llama_bench
+
+    cmd = llama_bench_argv(exe, gguf, tokens, threads, extra)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
         _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS
@@ -86,13 +87,11 @@ def run_llama_bench(exe: str, gguf: Path, tokens: int, threads: int, extra: list
         stdout, stderr = out.read(), err.read()
     if proc.returncode != 0:
         raise SystemExit(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{stderr[-4000:]}")
-    start = stdout.find("[")
-    if start < 0:
-        raise SystemExit(f"{shlex.join(cmd)} printed no JSON:\n{stdout[-2000:]}")
-    rows = [r for r in json.loads(stdout[start:]) if int(r.get("n_prompt", 0)) == tokens]
-    if not rows:
-        raise SystemExit(f"{shlex.join(cmd)}: no pp{tokens} result in its output")
-    return {"tokens_per_s": float(rows[0]["avg_ts"]), "ttft_s": float(rows[0]["avg_ns"]) / 1e9,
+    try:
+        r = parse_llama_bench(stdout, tokens)
+    except ValueError as exc:
+        raise SystemExit(f"{shlex.join(cmd)}: {exc}:\n{stdout[-2000:]}") from None
+    return {"tokens_per_s": r["tokens_per_s"], "ttft_s": r["ttft_s"],
             "peak_rss_mib": usage.ru_maxrss / 1024}  # fmt: skip
 
 
