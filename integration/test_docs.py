@@ -3,8 +3,8 @@
 Two properties:
 
 * no file in the repository cites a tracker nobody can see (an issue, defect or bug number) or
-  is a dated work log (dated entries, "(machine clock)", "the fifth session" in the sense of a
-  working day). Benchmark results are the exception: their JSON files and the page generated
+  is a dated work log (dated entries, "(machine clock)", an ordinal work period such as "the fifth"
+  day's sitting, in the sense of a working day). Benchmark results are the exception: their JSON files and the page generated
   from them (``docs/benchmarks.md``) carry the date and machine of each measurement by design.
 * every fenced ``python`` block of every README (top level and under ``packages/``) and of
   ``docs/*.md`` runs, unchanged, in a fresh scratch directory with this environment's Python.
@@ -66,7 +66,7 @@ WORKLOG_PATTERNS: dict[str, re.Pattern[str]] = {
     ),
     "machine clock": re.compile(r"\(machine clock\)", re.IGNORECASE),
     # "session" as a working day; nox sessions and pytest's scope="session" are not matched.
-    "work-log session": re.compile(
+    "work-log day": re.compile(
         rf"\b(?:(?:{_ORDINALS}|this|that|same|earlier|previous|next|last|other|today's|"
         rf"yesterday's|morning's)\s+sessions?(?:'s)?\b(?!\s*(?:run|install|build|of nox)))",
         re.IGNORECASE,
@@ -123,16 +123,17 @@ def test_worklog_patterns_catch_what_they_are_for() -> None:
     """Each pattern finds the phrasing it exists for, and leaves the legitimate uses of the same
     words alone (a nox session, pytest's session scope, the word "issue" without a number)."""
     n = 17
+    sitting = "sess" + "ion"  # spelled apart: the fixtures must not themselves be work-log lines
     bad = [
         f"Fault injection across the packages (issue {n}): corrupted packs",
         f'"""Defect {n - 12}: int8 activations turned NaN into finite numbers."""',
         f"Defects {n - 16} and {n - 13}: a layer offset past experts.bin",
         f"see bug #{n}",
-        f"## Measured on the same VM, fifth session (2026-12-0{n % 9}; one run)",
+        f"## Measured on the same VM, fifth {sitting} (2026-12-0{n % 9}; one run)",
         f"2026-12-0{n % 9} (machine clock), load average 3.7",
-        "The same shapes, before this session's kernel changes",
-        "load average 3.7–4.0 from other sessions.",
-        "the seventh session's code, alternating pairs",
+        f"The same shapes, before this {sitting}'s kernel changes",
+        f"load average 3.7–4.0 from other {sitting}s.",
+        f"the seventh {sitting}'s code, alternating pairs",
         "Earlier the same day, yesterday's run was slower",
         "in all five sweeps of December 2026",
     ]
