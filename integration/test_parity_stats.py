@@ -112,3 +112,19 @@ def test_the_work_directory_is_removed_unless_kept(
         assert parity.main(argv) == 0
     assert len(seen) == 1 and seen[0].parent == tmp_path
     assert seen[0].exists() == keep
+
+
+def test_engine_runs_pair_q8_with_each_attention_and_f32_with_f32_attention() -> None:
+    """--engine-attention f32,bf16: q8 runs once per precision, f32 activations only with
+    fp32 attention (that path is held to the float64 reference); a bad precision is an error."""
+    both = [("q8", "f32"), ("q8", "bf16"), ("f32", "f32")]
+    assert parity.engine_runs("q8,f32", "f32,bf16") == both
+    assert parity.engine_runs("q8,f32", "f32") == [("q8", "f32"), ("f32", "f32")]
+    assert parity.engine_runs("f32", "bf16") == [("f32", "f32")]
+    assert parity.engine_runs("q8", "bf16") == [("q8", "bf16")]
+    with pytest.raises(ValueError, match="choose from f32, bf16"):
+        parity.engine_runs("q8", "f32,fp16")
+    with pytest.raises(ValueError, match="empty"):
+        parity.engine_runs("q8", " , ")
+    assert parity.run_label("q8", "bf16") == "q8+bf16a"
+    assert parity.run_label("q8", "f32") == "q8"

@@ -43,6 +43,13 @@ re-quantized, and ``engine_vs_packed_ref`` compares the engine with the referenc
 the packer stores it (``packed_copy``), which separates the engine's own error from the
 re-quantization's.
 
+The engine's q8 rows run once per ``--engine-attention`` precision (``f32,bf16`` by default:
+attention products in float32, and q·scale, K, V and the softmax weights rounded to bfloat16
+with float32 sums); each such row carries ``engine_attention`` and, for bf16, ``engine_vs_ref``
+beside the fp32-attention row's, which is how the report shows bf16 attention's cost in
+accuracy. The f32-activation rows always run fp32 attention (that path keeps to the float64
+reference to ~1e-5).
+
 Usage: ``nox -s parity [-- --archs olmoe,qwen3moe,mixtral --preset small --tokens 256
 --variants q4_0,f32,lf32,lq4_0,lq4_k_m,lq5_k_m,lq6_k,lq8_0]``; gpt-oss and smallthinker are not
 in the default ``--archs`` (``--archs gpt-oss,smallthinker --variants
@@ -346,9 +353,15 @@ def requantized(packed: Path) -> list[str]:
 
 
 def engine_logits(
-    gguf: Path, work: Path, tokens: list[int], mode: str = "stream", act: str = ""
+    gguf: Path,
+    work: Path,
+    tokens: list[int],
+    mode: str = "stream",
+    act: str = "",
+    attention: str = "f32",
 ) -> tuple[np.ndarray | None, str]:
-    """The engine's all-position logits, or ``(None, reason)`` when it is not available."""
+    """The engine's all-position logits, or ``(None, reason)`` when it is not available;
+    `attention` is passed to ``estream.load`` as it is (the run says which precision it ran)."""
     try:
         import estream
     except ImportError as exc:
@@ -364,7 +377,8 @@ def engine_logits(
     except Exception as exc:
         return None, f"packing failed: {type(exc).__name__}: {exc}"
     try:
-        engine = estream.load(packed, mode=mode, **({"act": act} if act else {}))
+        kw = {"act": act} if act else {}
+        engine = estream.load(packed, mode=mode, attention=attention, **kw)
         try:
             result = engine.prefill(tokens, all_logits=True)
         finally:
@@ -372,6 +386,31 @@ def engine_logits(
     except Exception as exc:
         return None, f"engine failed: {type(exc).__name__}: {exc}"
     return np.asarray(result.logits, dtype=np.float64), ""
+
+
+ATTENTIONS = ("f32", "bf16")
+
+
+def engine_runs(acts: str, attentions: str) -> list[tuple[str, str]]:
+    """The engine runs of a row, (activation format, attention precision) pairs: every q8 act
+    once per attention precision, every other act (f32) with f32 attention."""
+    att = [a.strip() for a in attentions.split(",") if a.strip()]
+    bad = [a for a in att if a not in ATTENTIONS]
+    if bad or not att:
+        raise ValueError(
+            f"--engine-attention: {','.join(bad) or 'empty'} (choose from {', '.join(ATTENTIONS)})"
+        )
+    runs: list[tuple[str, str]] = []
+    for act in [a.strip() for a in acts.split(",") if a.strip()] or [""]:
+        for a in att if act in ("q8", "") else ["f32"]:
+            if (act, a) not in runs:
+                runs.append((act, a))
+    return runs
+
+
+def run_label(act: str, attention: str) -> str:
+    """A run's label in the printed table: q8, q8+bf16a, f32."""
+    return act + ("+bf16a" if attention == "bf16" else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -410,6 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--engine-acts", default="q8,f32", help="engine activation formats to run (act=...)"
     )
+    ap.add_argument(
+        "--engine-attention",
+        default="f32,bf16",
+        help="attention precisions the q8 rows run (attention=...; f32 activations always run "
+        "f32 attention)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "parity.json"))
     ap.add_argument(
         "--keep-work",
@@ -417,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
         help="keep the work directory (GGUFs, packs, references); removed by default",
     )
     args = ap.parse_args(argv)
+    try:
+        engine_runs(args.engine_acts, args.engine_attention)
+    except ValueError as exc:
+        ap.error(str(exc))
 
     ensure_llama_cpp()
     version = llama_cpp_version()
@@ -487,12 +536,14 @@ def _run(
                 print(f"{arch}/{variant}: {row['error']}")
                 continue
             t_ref = t_lcpp = 0.0
-            t_eng: dict[str, float] = {}
+            t_eng: dict[tuple[str, str], float] = {}
             per: dict[str, list[dict[str, float]]] = {}  # comparison key -> one per prompt
-            acts = [a.strip() for a in args.engine_acts.split(",") if a.strip()] or [""]
+            acts = engine_runs(args.engine_acts, args.engine_attention)  # (act, attention)
             run_engine = (variant == "q4_0" or variant in QUANTIZED) and not args.no_engine
-            eng_per: dict[str, dict[str, list[dict[str, float]]]] = {a: {} for a in acts}
-            eng_note: dict[str, str] = {}
+            eng_per: dict[tuple[str, str], dict[str, list[dict[str, float]]]] = {
+                a: {} for a in acts
+            }
+            eng_note: dict[tuple[str, str], str] = {}
             lcpp_error = ""
             try:
                 model = ReferenceModel(gguf)
@@ -554,10 +605,13 @@ def _run(
                     if act in eng_note:
                         continue
                     t0 = time.perf_counter()
-                    eng, why = engine_logits(gguf, work, tokens, args.engine_mode, act)
+                    eng, why = engine_logits(gguf, work, tokens, args.engine_mode, *act)
                     if eng is None:
                         eng_note[act] = why
-                        print(f"{arch}/{variant}: engine ({act}) skipped: {why}", flush=True)
+                        print(
+                            f"{arch}/{variant}: engine ({run_label(*act)}) skipped: {why}",
+                            flush=True,
+                        )
                         continue
                     t_eng[act] = t_eng.get(act, 0.0) + time.perf_counter() - t0
                     e = eng_per[act]
@@ -585,10 +639,10 @@ def _run(
                     flush=True,
                 )
             for n, act in enumerate(acts if run_engine else []):
-                if n:  # one row per engine activation format
+                if n:  # one row per engine run (activation format, attention precision)
                     row = {k: v for k, v in row.items() if not k.startswith("engine")}
                     rows.append(row)
-                row["engine_act"] = act
+                row["engine_act"], row["engine_attention"] = act
                 if act in eng_note:
                     row["engine_note"] = eng_note[act]
                     continue
@@ -602,7 +656,7 @@ def _run(
                     )
                 c = row["engine_vs_ref"]
                 print(
-                    f"{arch}/{variant}: engine ({act}) vs reference rel L2 "
+                    f"{arch}/{variant}: engine ({run_label(*act)}) vs reference rel L2 "
                     f"{c['rel_l2']:.2e}, top-1 {c['top1']:.3f}",
                     flush=True,
                 )
@@ -641,6 +695,10 @@ def _fmt(cmp: dict[str, float] | None) -> str:
     return f"{cmp['rel_l2']:9.2e} {cmp['top1']:7.3f}"
 
 
+def _label(r: dict[str, Any]) -> str:
+    return run_label(str(r.get("engine_act", "")), str(r.get("engine_attention", "f32")))
+
+
 def _print_table(rows: list[dict[str, Any]]) -> None:
     print()
     head = (
@@ -656,7 +714,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         if "error" in r:
             print(f"{r['arch']:<9} {r['variant']:<10} | {r['error']}")
             continue
-        label = r["variant"] + (f"/{r['engine_act']}" if r.get("engine_act") else "")
+        label = r["variant"] + (f"/{_label(r)}" if r.get("engine_act") else "")
         print(
             f"{r['arch']:<9} {label:<10} | {_fmt(r.get('llamacpp_vs_ref'))} | "
             f"{_fmt(r.get('engine_vs_ref'))} | {_fmt(r.get('engine_vs_llamacpp'))} | "
@@ -677,7 +735,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             f"{'engine':^17} | {'engine vs packed':^17} | engine re-quantized"
         )
         for r in src_rows:
-            label = r["variant"] + (f"/{r['engine_act']}" if r.get("engine_act") else "")
+            label = r["variant"] + (f"/{_label(r)}" if r.get("engine_act") else "")
             req = r.get("engine_requantized")
             print(
                 f"{r['arch']:<9} {label:<14} | {_fmt(r.get('ref_vs_src'))} | "
@@ -686,7 +744,10 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
                 f"{'-' if req is None else len(req)} tensors"
             )
     print(f"targets (engine vs reference): rel L2 <= {TARGET_REL_L2:g}, top-1 >= {TARGET_TOP1:.0%}")
-    print("weights/act: the engine's activation format (q8: int8 blocks, f32: float)")
+    print(
+        "weights/act: the engine's activation format (q8: int8 blocks, f32: float); +bf16a: "
+        "bf16 attention products"
+    )
     print("top-1 on decisive positions (reference margin > 4x the RMS logit error):")
     seen: set[tuple[str, str]] = set()
     for r in rows:
@@ -697,7 +758,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
                     continue
                 seen.add((r["arch"], r["variant"]))
             if c:
-                label = r["variant"] + (f"/{r['engine_act']}" if "engine" in key else "")
+                label = r["variant"] + (f"/{_label(r)}" if "engine" in key else "")
                 print(
                     f"  {r['arch']:<9} {label:<10} {key:<16} {c['top1_decisive']:.3f} "
                     f"of {c['n_decisive']} positions"
