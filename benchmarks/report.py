@@ -560,7 +560,31 @@ def render_neon_mix(f: Figures) -> Table:
         "arm64 instructions executed per 32×32 tile (QEMU's execution log, qemu-aarch64 -cpu max), "
         "one 32-row strip, Q8 activations; a tile and token is 1024 MACs, 64 SDOT."
     )
+    att = Table(["attention task", "table, products", "diagonal block", "per key block",
+                 "BF16 / load / store / fp / convert / other vector / scalar, per key block"],
+                [])  # fmt: skip
+    for c in f.values():
+        if not isinstance(c, dict) or "per_key_block" not in c:
+            continue
+        b = c["per_key_block"]
+        mix = [f"{b.get(k, 0):.0f}" for k in ATTN_KINDS] + [f"{b['scalar'] + b['branch']:.0f}"]
+        att.rows.append([
+            f"`{c['function']}`", f"{c['table']}, {c['products']}",
+            f"{c['measured']['nkb=1']['total']:.0f}", f"{b['total']:.0f}", " / ".join(mix),
+        ])  # fmt: skip
+    if att.rows:
+        dk = next(c["dk"] for c in f.values() if isinstance(c, dict) and "per_key_block" in c)
+        t.more.append((
+            f"arm64 instructions executed by one (head, query block) attention task, 64 causal "
+            f"queries, dk = dv = {dk}, one thread: its diagonal key block alone, and one more "
+            f"fully visible block of 64 keys (64 × 64 × {2 * dk} MACs); BF16 counts "
+            "BFMLALB / BFMLALT (4 MACs each, as a 4-lane FMLA).",
+            att,
+        ))  # fmt: skip
     return t
+
+
+ATTN_KINDS = ("bf16", "load", "store", "fp", "convert", "int_vector")
 
 
 @dataclass(frozen=True)

@@ -590,6 +590,29 @@ FIGURES: dict[str, tuple[dict[str, Any], str]] = {
 }  # fmt: skip
 
 
+def test_neon_mix_shows_the_attention_tasks_beside_the_strip_kernels() -> None:
+    """neon_instr_mix's attention entries (per_key_block, no per_tile) become a second table
+    under the strip kernels', one row per task, and do not disturb the strip table."""
+    strip, row = FIGURES["neon_instr_mix"]
+    block = {"sdot": 0, "mmla": 0, "bf16": 131072, "load": 60000, "store": 34000, "fp": 280000,
+             "convert": 1088, "int_vector": 377000, "branch": 7000, "scalar": 30000}  # fmt: skip
+    att = {"function": "htp_attn_bf16_task_neon", "products": "bf16", "table": "neon", "dk": 64,
+           "dv": 64, "queries": 64, "measured": {"nkb=1": {"total": 968283}, "nkb=2": {}},
+           "per_key_block": {**block, "total": 920160}}  # fmt: skip
+    table = report.BENCHES["neon_instr_mix"].render({**strip, "attention_neon_bf16": att})
+    assert any(line.startswith(row) for line in table.markdown())
+    assert len(table.rows) == 1 and len(table.more) == 1
+    caption, sub = table.more[0]
+    assert "dk = dv = 64" in caption
+    assert all(len(r) == len(sub.headers) for r in sub.rows)
+    assert sub.markdown()[2] == (
+        "| `htp_attn_bf16_task_neon` | neon, bf16 | 968283 | 920160 | "
+        "131072 / 60000 / 34000 / 280000 / 1088 / 377000 / 37000 |"
+    )
+    # a result file from before the attention entries renders no second table
+    assert not report.BENCHES["neon_instr_mix"].render(strip).more
+
+
 def test_a_cell_with_a_bar_or_line_break_stays_one_cell() -> None:
     """An error message holding '|' or a line break does not split or end its table row."""
     t = report.Table(["a", "b"], [["exit 1: x | y\nz", "ok"]])

@@ -53,6 +53,7 @@ SOURCES = [
     "htp_attn_avx2.c",
     "htp_amx.c",
     "htp_neon.c",
+    "htp_attn_neon.c",
     "htp_backend.c",
     "htp_remote.c",
     "htp_protocol.c",

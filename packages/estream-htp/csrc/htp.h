@@ -94,8 +94,9 @@ typedef enum htp_rope_mode {
 /* How the attention op multiplies (htp_attention_params.products).
  * F32: fp32 products and sums (matches a float64 reference to ~1e-6).
  * BF16: q*scale, k, v and the softmax weights are rounded to bfloat16 (nearest even, subnormals
- *       to zero), products accumulate in fp32 (vdpbf16ps where the CPU has AVX512_BF16; the
- *       same rounding emulated elsewhere); rel. L2 error ~3e-3. */
+ *       to zero), products accumulate in fp32 (vdpbf16ps where the CPU has AVX512_BF16,
+ *       BFMLALT / BFMLALB on arm64 with FEAT_BF16, the same bits; the same rounding emulated
+ *       elsewhere); rel. L2 error ~3e-3. */
 typedef enum htp_products {
     HTP_PRODUCTS_F32 = 0,
     HTP_PRODUCTS_BF16 = 1

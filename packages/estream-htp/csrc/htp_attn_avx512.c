@@ -163,6 +163,14 @@ HTP_T_BF16 static inline void pv_bf16_4x64(const uint32_t *pw, uint32_t njp, con
 #define ATTN_BF16 0
 #include "htp_attn_task.h"
 
+/* the template's V_BF16_STORE: 16 lanes stored as bf16, returned as the floats they round to */
+HTP_T_BF16 static inline __m512 bf16_store(uint16_t *p, __m512 x) {
+    const __m256i h = bf16_of(x);
+    _mm256_storeu_si256((__m256i *)p, h);
+    return f32_of(h);
+}
+#define V_BF16_STORE(p, x) bf16_store((p), (x))
+
 #define ATTN_NAME htp_attn_bf16_task_avx512
 #define ATTN_TARGET HTP_T_BF16
 #define ATTN_BF16 1

@@ -1,13 +1,14 @@
 /* The SIMD attention task, written once for every vector width: one (head, query block) with an
  * online softmax over key blocks of HTP_ATTN_BK. Included once per (instruction set, product
- * kind) by htp_attn_avx512.c and htp_attn_avx2.c, with
+ * kind) by htp_attn_avx512.c, htp_attn_avx2.c and htp_attn_neon.c, with
  *   ATTN_NAME    the function's name,
  *   ATTN_TARGET  its target attribute,
  *   ATTN_BF16    0: fp32 products (q·scale and K pre-transposed as floats, P·V in fp32);
- *                1: bf16 products (AVX-512 BF16 only: q·scale, K, V and the softmax weights
- *                   rounded to bfloat16, vdpbf16ps with fp32 sums; the row sums add the weights
- *                   actually applied; the includer supplies qk_bf16_4x64, pv_bf16_4x64,
- *                   bf16_of and f32_of),
+ *                1: bf16 products (AVX512_BF16's vdpbf16ps, NEON's BFMLALT / BFMLALB: q·scale,
+ *                   K, V and the softmax weights rounded to bfloat16, fp32 sums; the row sums
+ *                   add the weights actually applied; the includer supplies qk_bf16_4x64,
+ *                   pv_bf16_4x64 and V_BF16_STORE(p, x), which stores the VW lanes of x rounded
+ *                   to bfloat16 at the uint16_t pointer p and returns them as floats),
  *   ATTN_MR, ATTN_MC  the fp32 register block: MR query rows x MC vectors of columns,
  * and the vector vocabulary of its instruction set:
  *   VF (the float vector type), VW (its lanes), V_LOAD, V_STORE, V_SET1,
@@ -19,9 +20,10 @@
  * attention, the sinks, the running max and sum, the rescaling of O, the final normalisation
  * and the fp32 register block for both products — is shared. Each output element sums its products in one fixed order
  * (over d for S, over keys for O, fused multiply-adds), whatever the block shape, and a row's
- * softmax weights are summed in 16 lanes (key j in lane j % 16; two 8-lane vectors on AVX2)
- * reduced in one tree: the portable body (htp_attn_body.h) follows the same operations, so
- * every table gives the same bits. */
+ * softmax weights are summed in 16 lanes (key j in lane j % 16: 16 / VW vectors, halved
+ * pairwise down to one, then V_RADD's tree over its VW lanes) reduced in one tree: the
+ * portable body (htp_attn_body.h) follows the same operations, so every table gives the same
+ * bits. */
 
 /* C[MR][MC·VW] (+)= A[MR][kd] · B[kd][MC·VW]: A rows broadcast lane by lane, B rows loaded as
  * vectors (row stride ldb); nr rows and nc vectors are live. acc != 0 adds to C. */
@@ -46,8 +48,11 @@ ATTN_TARGET static inline __attribute__((always_inline)) void ATTN_MK(
             for (int q = 0; q < ATTN_MC; q++) acc[r][q] = V_FMA(x, bv[q], acc[r][q]);
         }
     }
-    for (int r = 0; r < nr; r++)
-        for (int q = 0; q < nc; q++) V_STORE(cm + (size_t)r * ldc + VW * q, acc[r][q]);
+    /* constant bounds: fully unrolled, the accumulators stay in registers (GCC keeps a copy
+     * of them on the stack, stored every step, when the loops run to nr and nc) */
+    for (int r = 0; r < ATTN_MR; r++)
+        for (int q = 0; q < ATTN_MC; q++)
+            if (r < nr && q < nc) V_STORE(cm + (size_t)r * ldc + VW * q, acc[r][q]);
 }
 #endif
 
@@ -87,7 +92,7 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
         for (uint32_t d = 0; d < dk; d += VW) {
             const VF x = V_MUL(V_LOAD(qi + d), vscale);
 #if ATTN_BF16
-            _mm256_storeu_si256((__m256i *)((uint16_t *)(qw + (size_t)i * dp) + d), bf16_of(x));
+            (void)V_BF16_STORE((uint16_t *)(qw + (size_t)i * dp) + d, x);
 #else
             V_STORE(qs + (size_t)i * dk + d, x);
 #endif
@@ -122,33 +127,26 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
             for (uint32_t cc = 0; cc < BK; cc += VW) vmx = V_MAXM(vmx, ATTN_VIS(cc), V_LOAD(sr + cc));
             const float mx = V_RMAX(vmx);
             const VF vm = V_SET1(mx);
-            VF vsum = V_ZERO();
-#if VW == 8
-            VF vsum_hi = V_ZERO(); /* 8-lane vectors keep the row sum in 16 lanes too */
-#endif
-            for (uint32_t cc = 0; cc < BK; cc += VW) {
-                const VF pv = V_ANDM(ATTN_VIS(cc), V_EXPNEG(V_SUB(V_LOAD(sr + cc), vm)));
-#if ATTN_BF16
-                const __m256i pb = bf16_of(pv);
-                _mm256_storeu_si256((__m256i *)((uint16_t *)(pw + (size_t)i * (BK / 2)) + cc), pb);
-                vsum = V_ADD(vsum, f32_of(pb)); /* the weights actually applied */
+            /* the row sum in 16 lanes, key j in lane j % 16: vector u of vsum holds lanes
+             * u·VW .. u·VW + VW - 1 */
+            VF vsum[16 / VW];
+            for (int u = 0; u < 16 / VW; u++) vsum[u] = V_ZERO();
+            for (uint32_t c16 = 0; c16 < BK; c16 += 16)
+                for (int u = 0; u < 16 / VW; u++) {
+                    const uint32_t cc = c16 + (uint32_t)u * VW;
+                    const VF pv = V_ANDM(ATTN_VIS(cc), V_EXPNEG(V_SUB(V_LOAD(sr + cc), vm)));
+#if ATTN_BF16 /* the weights actually applied */
+                    vsum[u] = V_ADD(vsum[u], V_BF16_STORE((uint16_t *)(pw + (size_t)i * (BK / 2)) + cc, pv));
 #else
-                V_STORE(sr + cc, pv);
-#if VW == 8
-                if (cc & 8)
-                    vsum_hi = V_ADD(vsum_hi, pv);
-                else
-                    vsum = V_ADD(vsum, pv);
-#else
-                vsum = V_ADD(vsum, pv);
+                    V_STORE(sr + cc, pv);
+                    vsum[u] = V_ADD(vsum[u], pv);
 #endif
-#endif
-            }
-#if VW == 8
-            vsum = V_ADD(vsum_hi, vsum); /* then the 16-lane tree's first step */
-#endif
+                }
+            /* the 16-lane tree's first steps: upper half + lower half while wider than VW */
+            for (int n = 16 / VW / 2; n >= 1; n /= 2)
+                for (int u = 0; u < n; u++) vsum[u] = V_ADD(vsum[u + n], vsum[u]);
             const float corr = m[i] == -INFINITY ? 0.0f : htp_exp_neg(m[i] - mx);
-            l[i] = HTP_FMAF(l[i], corr, V_RADD(vsum)); /* fused: no contraction can change it */
+            l[i] = HTP_FMAF(l[i], corr, V_RADD(vsum[0])); /* fused: no contraction can change it */
             m[i] = mx;
             if (corr != 1.0f) {
                 const VF vc = V_SET1(corr);

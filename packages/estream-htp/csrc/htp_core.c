@@ -148,6 +148,8 @@ int htp_cpu_bf16(void) {
 #ifdef HTP_X86
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") && cpu_supports(HTP_SIMD_AVX512);
+#elif defined(HTP_ARM64)
+    return htp_neon_bf16_supported();
 #else
     return 0;
 #endif

@@ -242,7 +242,8 @@ static inline float htp_bf16_round(float f) {
     memcpy(&r, &u, 4);
     return r;
 }
-/* Whether this CPU has AVX512_BF16 (the native bf16 attention kernels need it). */
+/* Whether this CPU has AVX512_BF16 (x86) or FEAT_BF16 (arm64): the native bf16 attention
+ * kernels need it. */
 int htp_cpu_bf16(void);
 
 /* ---- the inner-loop table of one instruction set ----
@@ -294,8 +295,9 @@ typedef struct htp_isa {
     /* > 0: the driver re-lays K into panels of this many key columns per (key block, head dim)
      * and V into [head][key][dv] (needs dk, dv % 16 == 0); 0: the task reads K and V as given */
     uint32_t attention_kt_cols;
-    /* bf16 products, used when the CPU has AVX512_BF16 and dk, dv % 16 == 0 (else the generic
-     * body emulates the same rounding): pack c->kw/c->vw (thread ith of nth), then tasks */
+    /* bf16 products, used when htp_cpu_bf16() (AVX512_BF16 / FEAT_BF16) and dk, dv % 16 == 0
+     * (else the generic body emulates the same rounding): pack c->kw/c->vw (thread ith of
+     * nth), then tasks */
     void (*attention_bf16_pack)(const htp_attn_ctx *c, uint32_t ith, uint32_t nth);
     void (*attention_bf16_task)(const htp_attn_ctx *c, uint32_t task, float *scratch);
     void (*swiglu)(const float *g, const float *u, uint64_t n, float *out); /* u may be NULL */
@@ -337,6 +339,13 @@ void htp_q4q8_strip_vnni(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
 #endif
 #ifdef HTP_ARM64
 int htp_neon_dotprod_supported(void);
+/* whether this CPU has FEAT_BF16 (BFMLALB / BFMLALT: the NEON bf16 attention task) */
+int htp_neon_bf16_supported(void);
+/* key columns per register block of the NEON fp32 attention task (htp_attn_neon.c) */
+#define HTP_ATTN_COLS_NEON 16
+void htp_attn_task_neon(const htp_attn_ctx *c, uint32_t task, float *scratch);
+void htp_attn_bf16_pack_neon(const htp_attn_ctx *c, uint32_t ith, uint32_t nth);
+void htp_attn_bf16_task_neon(const htp_attn_ctx *c, uint32_t task, float *scratch);
 extern const htp_isa htp_isa_neon;
 #endif
 #ifdef HTP_HVX

@@ -1,6 +1,7 @@
 /* arm64 inner-loop table: the portable kernels (which the compiler vectorises with baseline NEON)
  * plus Q4_0 and IQ4_NL / IQ4_XS / Q4_1 / Q5_0 / Q5_1 x Q8 tile kernels on the dot-product
- * extension (SDOT, armv8.2-a+dotprod).
+ * extension (SDOT, armv8.2-a+dotprod) and the NEON attention tasks of htp_attn_neon.c (fp32
+ * products, and bf16 products on FEAT_BF16 CPUs).
  *
  * A 128-byte group of a tile is eight 16-byte registers, each holding 4 rows x 4 bytes; one
  * `vdotq_laneq_s32` multiplies 4 rows by a broadcast 4-byte lane of the activation block.
@@ -204,7 +205,7 @@ HTP_T_DOTPROD HTP_NO_CONTRACT static inline __attribute__((always_inline)) void 
 }
 LQ_ENTRIES(neon, HTP_T_DOTPROD HTP_NO_CONTRACT, lq_strip_neon)
 
-/* The portable table with the dot-product Q4 x Q8 strip kernel. */
+/* The portable table with the dot-product strip kernels and the NEON attention tasks. */
 const htp_isa htp_isa_neon = {
     .level = HTP_SIMD_NEON,
     .q4q8_strip = q4q8_strip_neon,
@@ -220,8 +221,10 @@ const htp_isa htp_isa_neon = {
     .f32_strip = htp_f32_strip_portable,
     .f32_nt = 4,
     .quantize_row_q8 = htp_quantize_q8_portable,
-    .attention_task = htp_attn_task_portable,
-    .attention_kt_cols = 0,
+    .attention_task = htp_attn_task_neon,
+    .attention_kt_cols = HTP_ATTN_COLS_NEON,
+    .attention_bf16_pack = htp_attn_bf16_pack_neon, /* on FEAT_BF16 CPUs (htp_cpu_bf16) */
+    .attention_bf16_task = htp_attn_bf16_task_neon,
     .swiglu = htp_swiglu_portable,
     .matmul_f32 = htp_matmul_f32_portable,
     .dot_peak = NULL,

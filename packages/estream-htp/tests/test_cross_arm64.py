@@ -63,12 +63,16 @@ def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     under either act, NEON giving the portable bits, the values read exactly; exact-integer GEMMs
     bit-identical to the int64 dot product and to the portable table, GEMM from Q8 rows and
     with a shared input, the expert op (SwiGLU, ReGLU and SwiGLU-OAI, with and without
-    biases), quantization, attention (MLA's head dims with a sliding window and sinks among
-    them), SwiGLU, fp32 matmul), and each kind of check ran."""
+    biases), quantization, attention with fp32 and bf16 products (MLA's head dims with a sliding
+    window and sinks among them) bit-identical to the portable table, SwiGLU, fp32 matmul), and
+    each kind of check ran. QEMU's `max` CPU has FEAT_BF16, so the bf16 attention ran the native
+    BFMLALT / BFMLALB task."""
     r = _qemu(selftest, "max")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr
     lines = r.stdout.splitlines()
     assert lines[-1] == "OK"
+    assert lines[0] == "bf16 attention products: native (FEAT_BF16: BFMLALT / BFMLALB)"
+    _assert_attention_bits(lines)
     for fmt in (
         "q4_0",
         "q8_0",
@@ -93,15 +97,77 @@ def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     for fmt in ("f16", "bf16"):  # dense tiles: every shape, fp32 under either act, exact values
         assert sum(bool(re.match(rf"gemm {fmt} n=\d+ k=\d+ t=\d+: ok$", s)) for s in lines) == 8
     assert any(s.startswith("quantize") for s in lines)
-    for op in ("attention", "swiglu", "matmul_f32"):
+    for op in ("swiglu", "matmul_f32"):
         assert any(s.startswith(op) and "vs float64" in s for s in lines), op
-    assert any("dk=192 dv=128" in s and "window=29 sinks=1" in s for s in lines)
     for glu in (0, 1, 2):  # SwiGLU, ReGLU, SwiGLU-OAI with biases on the NEON table
         for act in ("f32", "q8"):
             assert any(
                 s.startswith(f"expert q4_0 act={act} neon ") and f"glu={glu} bias=1" in s
                 for s in lines
             ), (glu, act)
+
+
+ATTENTION_SHAPES = 8  # tools/neon_selftest.c check_attention (7 drawn, 1 built)
+
+
+def _assert_attention_bits(lines: list[str]) -> None:
+    """Every attention shape ran with both products and gave the portable table's bits."""
+    for products in ("f32", "bf16"):
+        got = [s for s in lines if s.startswith(f"attention products={products} ")]
+        assert len(got) == ATTENTION_SHAPES, (products, got)
+        assert all(": bit-identical to portable; vs float64" in s for s in got), got
+        assert any("dk=192 dv=128" in s and "window=29 sinks=1" in s for s in got)
+        assert any("dk=40 dv=24" in s for s in got)  # not multiples of 16: the generic body
+        assert any("v~2^-125" in s for s in got)  # sums below FLT_MIN (bf16: flushed)
+        assert any("a sum rounding up to FLT_MIN" in s for s in got)
+
+
+def test_without_bf16_attention_falls_back_to_the_emulation(selftest: Path) -> None:
+    """On a core with the dot-product extension but without FEAT_BF16 (Cortex-A76) the library
+    says so and bf16 attention takes the portable emulation: still the portable bits on every
+    shape (as are the fp32 products of the NEON task)."""
+    r = _qemu(selftest, "cortex-a76", "attention")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "bf16 attention products: emulated (no FEAT_BF16)"
+    assert lines[-1] == "OK"
+    _assert_attention_bits(lines)
+
+
+@pytest.mark.parametrize(
+    ("what", "old", "new", "products"),
+    [
+        # the even pair element's product first instead of the odd one's (vdpbf16ps's order)
+        ("order", "vbfmlaltq_f32", "vbfmlalbq_f32", "bf16"),
+        # no flush of the BFMLAL results below FLT_MIN
+        ("flush", "return ftz_f4(vbfmlalbq_f32(acc, a, b));", "return vbfmlalbq_f32(acc, a, b);",
+         "bf16"),
+        # the row sum's last two steps pairwise in lane order instead of the 16-lane tree's
+        ("tree", "return vget_lane_f32(t, 0) + vget_lane_f32(t, 1);", "return vaddvq_f32(x);",
+         "f32"),
+    ],
+)  # fmt: skip
+def test_attention_bit_checks_fail_on_a_changed_kernel(
+    selftest: Path, tmp_path: Path, what: str, old: str, new: str, products: str
+) -> None:
+    """The attention checks are able to fail: each change to htp_attn_neon.c below stays within
+    the float64 tolerance but not the portable table's bits, and the self-test reports it (the
+    bf16 ones only because QEMU's `max` CPU runs the native task)."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(PKG / "csrc", csrc)
+    src = (csrc / "htp_attn_neon.c").read_text()
+    if what == "order":  # swap the two instructions
+        broken = src.replace(old, "@@").replace(new, old).replace("@@", new)
+    else:
+        broken = src.replace(old, new)
+    assert broken != src, f"htp_attn_neon.c has no {old!r}"
+    (csrc / "htp_attn_neon.c").write_text(broken)
+    r = _qemu(mix.build_selftest(tmp_path / "broken", csrc, reuse=selftest), "max", "attention")
+    assert r.returncode == 1, r.stdout[-4000:] + r.stderr
+    assert r.stdout.splitlines()[-1] == "FAILED"
+    assert re.search(
+        rf"^attention products={products} .*: NOT the bits of portable; vs float64", r.stdout, re.M
+    ), r.stdout
 
 
 def test_without_dotprod_the_library_reports_portable(selftest: Path) -> None:
@@ -136,7 +202,11 @@ def test_instruction_mix_per_tile(selftest: Path, tmp_path: Path) -> None:
     exactly 1024 / 16 = 64 SDOT per 32x32 tile and token (one SDOT is 16 int8 MACs) and none in
     its per-tile setup, the portable kernels none at all, and fewer instructions per tile-token
     than the portable kernel; every tile format's kernel is counted, and every count is
-    non-negative where measured directly."""
+    non-negative where measured directly. The attention tasks are counted per fully visible
+    key block of 64 queries x 64 keys (dk = dv = 64): the bf16 task issues exactly
+    64 * 64 * (dk + dv) / 4 BFMLALB / BFMLALT (4 MACs each), the fp32 task at least as many
+    float instructions (its FMLA) and no bf16 ones, the portable task none, and each NEON task
+    fewer instructions than the portable task with the same products."""
     out = tmp_path / "mix.json"
     r = subprocess.run(
         [sys.executable, str(PKG / "tools" / "neon_instr_mix.py"), "--exe", str(selftest),
@@ -145,7 +215,7 @@ def test_instruction_mix_per_tile(selftest: Path, tmp_path: Path) -> None:
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
-    labels = [label for label in res if label != "executable"]
+    labels = [label for label in res if label != "executable" and "per_tile" in res[label]]
     assert {"neon_q4_0", "neon_q8_0", "neon_q4_k", "neon_q6_k", "portable_q4_0"} <= set(labels)
     neon, port = res["neon_q4_0"], res["portable_q4_0"]
     assert neon["per_tile_per_token"]["sdot"] == 1024 // 16
@@ -161,3 +231,22 @@ def test_instruction_mix_per_tile(selftest: Path, tmp_path: Path) -> None:
             assert counts["total"] == sum(v for k, v in counts.items() if k != "total")
         m = res[label]["measured"]
         assert m["kb=2,nt=1"]["total"] > m["kb=1,nt=1"]["total"] > 0, label
+    att = {label: res[label] for label in res if label.startswith("attention_")}
+    assert set(att) == {f"attention_{t}_{p}" for t in ("neon", "portable") for p in ("f32", "bf16")}
+    assert att["attention_neon_f32"]["function"] == "htp_attn_task_neon"
+    assert att["attention_neon_bf16"]["function"] == "htp_attn_bf16_task_neon"
+    dk = att["attention_neon_bf16"]["dk"]
+    macs_per_4 = 64 * 64 * (dk + att["attention_neon_bf16"]["dv"]) // 4
+    assert att["attention_neon_bf16"]["per_key_block"]["bf16"] == macs_per_4
+    assert att["attention_neon_f32"]["per_key_block"]["bf16"] == 0
+    assert att["attention_neon_f32"]["per_key_block"]["fp"] >= macs_per_4
+    for p in ("f32", "bf16"):
+        neon_t, port_t = att[f"attention_neon_{p}"], att[f"attention_portable_{p}"]
+        assert all(v["bf16"] == 0 for v in port_t["measured"].values()), p
+        assert neon_t["per_key_block"]["total"] < port_t["per_key_block"]["total"], p
+    for label, a in att.items():
+        for counts in a["measured"].values():
+            assert all(v >= 0 for v in counts.values()), label
+            assert counts["total"] == sum(v for k, v in counts.items() if k != "total")
+        m = a["measured"]
+        assert m["nkb=2"]["total"] > m["nkb=1"]["total"] > 0, label

@@ -1,4 +1,5 @@
-"""Instructions per 32x32 tile of the arm64 strip kernels, by kind, counted on the compiled code.
+"""Instructions per 32x32 tile of the arm64 strip kernels and per key block of the attention
+tasks, by kind, counted on the compiled code.
 
     python tools/neon_instr_mix.py [--exe NEON_SELFTEST] [--json OUT]
 
@@ -9,10 +10,12 @@ QEMU's execution log (``-d in_asm,exec,nochain``) restricted to one kernel: ever
 block is listed once with its instructions, every execution of a block is logged, so the
 instructions the kernel executed are counted exactly for that run. Each instruction is
 classified by its disassembly (aarch64-linux-gnu-objdump): ``sdot`` (the int8 dot products,
-``udot``/``usdot``/``sudot`` included), ``mmla`` (the i8mm matrix products), ``load``,
-``store``, ``fp`` (vector and scalar float arithmetic), ``convert`` (int <-> float, half <->
-single), ``int_vector`` (the other vector integer work: nibble masks and shifts, the
-``8·sum`` correction), ``branch`` and ``scalar`` (address and loop arithmetic).
+``udot``/``usdot``/``sudot`` included), ``mmla`` (the i8mm matrix products), ``bf16`` (the
+BFloat16 multiply-adds ``bfmlalb``/``bfmlalt``, ``bfdot``, ``bfmmla``, and ``bfcvt*``),
+``load``, ``store``, ``fp`` (vector and scalar float arithmetic), ``convert`` (int <-> float,
+half <-> single), ``int_vector`` (the other vector integer work: nibble masks and shifts, the
+``8·sum`` correction, bit selects and masks), ``branch`` and ``scalar`` (address and loop
+arithmetic).
 
 Two strip lengths (kb = 1, 2 tiles) and two token counts (nt = 1, 2: the NEON kernel's token
 block) separate the per-tile setup (weight loads, nibble split, row scales) from the per-token
@@ -21,7 +24,15 @@ compiled once per token count (1 and 2), so that split is a fit across two insta
 kind can come out negative in the setup (registers the 2-token body spills and the 1-token body
 keeps); the per-tile counts at 1 and 2 tokens are measured directly. A 32x32 tile and one
 token is 1024 multiply-accumulates: 64 ``sdot`` (16 each). The counts are executed
-instructions, not cycles: they say what the kernel asks of a core, not how fast one runs it."""
+instructions, not cycles: they say what the kernel asks of a core, not how fast one runs it.
+
+The attention tasks (the table's ``attention_task`` and ``attention_bf16_task``, and the
+portable task for comparison) are traced the same way on the self-test's ``attention-task``
+mode: one head, one query block of 64 causal queries after NKB - 1 blocks of 64 context keys,
+dk = dv = 64, one thread; the task and the local functions it calls are counted (not the
+driver's once-per-call re-lay or bf16 packing of K and V). NKB = 1 and 2 give the task with its
+causal diagonal block alone and the cost of one more, fully visible, key block: 64 x 64 x
+(dk + dv) = 524288 multiply-accumulates, 131072 4-lane FMLA or BFMLALB / BFMLALT at least."""
 
 from __future__ import annotations
 
@@ -41,7 +52,8 @@ CC = "aarch64-linux-gnu-gcc"
 OBJDUMP = "aarch64-linux-gnu-objdump"
 NM = "aarch64-linux-gnu-nm"
 QEMU_NAMES = ("qemu-aarch64", "qemu-aarch64-static")
-KINDS = ("sdot", "mmla", "load", "store", "fp", "convert", "int_vector", "branch", "scalar")
+KINDS = ("sdot", "mmla", "bf16", "load", "store", "fp", "convert", "int_vector", "branch", "scalar")
+ATTN_DK = 64  # the attention workload's head dims (dk = dv)
 
 # the strip entries of an htp_isa table and the tile format each multiplies
 STRIP_FORMATS = {
@@ -75,6 +87,29 @@ def kernels(csrc: Path | None = None) -> list[tuple[str, str, str, str]]:
     out = [(f"neon_{STRIP_FORMATS[e]}", neon.get(e, f), STRIP_FORMATS[e], "neon")
            for e, f in portable.items()]  # fmt: skip
     return [*out, ("portable_q4_0", portable["q4q8_strip"], "q4_0", "portable")]
+
+
+def attention_tasks(csrc: Path | None = None) -> list[tuple[str, str, str, str]]:
+    """(label, task symbol, products, table) of the attention tasks the neon table runs, fp32
+    and (FEAT_BF16) bf16 products, then the portable task with either; read from the tables'
+    initializers (htp_neon.c, htp_core.c)."""
+    csrc = csrc or PKG / "csrc"
+
+    def entries(table: str, source: str) -> dict[str, str]:
+        text = (csrc / source).read_text()
+        body = re.search(rf"const htp_isa htp_isa_{table} = \{{(.*?)\}};", text, re.S)
+        if body is None:
+            raise SystemExit(f"no htp_isa_{table} table in {csrc / source}")
+        return dict(re.findall(r"\.(attention_\w*task)\s*=\s*(\w+)", body.group(1)))
+
+    neon, portable = entries("neon", "htp_neon.c"), entries("portable", "htp_core.c")
+    ptask = portable["attention_task"]
+    return [
+        ("attention_neon_f32", neon.get("attention_task", ptask), "f32", "neon"),
+        ("attention_neon_bf16", neon.get("attention_bf16_task") or ptask, "bf16", "neon"),
+        ("attention_portable_f32", ptask, "f32", "portable"),
+        ("attention_portable_bf16", ptask, "bf16", "portable"),
+    ]
 
 
 def qemu() -> str | None:
@@ -140,13 +175,44 @@ def build_selftest(exe: Path, csrc: Path | None = None, reuse: Path | None = Non
     return exe
 
 
-def _symbol_range(exe: Path, func: str) -> tuple[int, int]:
+def _symbols(exe: Path) -> dict[str, tuple[int, int, str]]:
+    """name -> (address, size, nm type) of every sized symbol."""
     out = subprocess.run([NM, "-S", str(exe)], check=True, capture_output=True, text=True).stdout
+    syms: dict[str, tuple[int, int, str]] = {}
     for line in out.splitlines():
         parts = line.split()
-        if len(parts) == 4 and parts[3] == func:
-            return int(parts[0], 16), int(parts[1], 16)
-    raise SystemExit(f"{func} not found in {exe}")
+        if len(parts) == 4:
+            syms.setdefault(parts[3], (int(parts[0], 16), int(parts[1], 16), parts[2]))
+    return syms
+
+
+def _symbol_range(exe: Path, func: str) -> tuple[int, int]:
+    syms = _symbols(exe)
+    if func not in syms:
+        raise SystemExit(f"{func} not found in {exe}")
+    return syms[func][:2]
+
+
+def call_tree(exe: Path, func: str) -> list[tuple[int, int]]:
+    """(address, size) of func and of every local function (nm type t: a static function of
+    the sources the compiler did not inline) it calls, directly or not; C library calls are not
+    followed."""
+    syms = _symbols(exe)
+    if func not in syms:
+        raise SystemExit(f"{func} not found in {exe}")
+    todo, seen = [func], {func}
+    while todo:
+        lo, size, _ = syms[todo.pop()]
+        out = subprocess.run(
+            [OBJDUMP, "-d", "--no-show-raw-insn", f"--start-address={lo:#x}",
+             f"--stop-address={lo + size:#x}", str(exe)],
+            check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+        for callee in re.findall(r"\sbl\s+[0-9a-f]+ <([\w.]+)>", out):
+            if callee not in seen and callee in syms and syms[callee][2] == "t":
+                seen.add(callee)
+                todo.append(callee)
+    return sorted(syms[f][:2] for f in seen)
 
 
 def kind_of(mnemonic: str, operands: str) -> str:
@@ -157,6 +223,8 @@ def kind_of(mnemonic: str, operands: str) -> str:
         return "sdot"
     if m in ("smmla", "ummla", "usmmla"):
         return "mmla"
+    if m in ("bfmlalb", "bfmlalt", "bfdot", "bfmmla") or m.startswith("bfcvt"):
+        return "bf16"
     if m.startswith("ld"):
         return "load"
     if m.startswith("st"):
@@ -212,15 +280,21 @@ def count_kinds(log: str, kinds: dict[int, str]) -> Counter[str]:
     return total
 
 
-def measure(exe: Path, lo: int, size: int, kinds: dict[int, str], fmt: str, kb: int, nt: int,
-            simd: str) -> Counter[str]:  # fmt: skip
+def _traced(exe: Path, ranges: list[tuple[int, int]], kinds: dict[int, str],
+            args: list[str]) -> Counter[str]:  # fmt: skip
+    """Instructions executed in the address ranges by the self-test run with args."""
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "qemu.log"
         cmd = [qemu() or QEMU_NAMES[0], "-cpu", "max", "-d", "in_asm,exec,nochain", "-D",
-               str(log), "-dfilter", f"{lo:#x}+{size:#x}", str(exe), "strip", fmt, str(kb),
-               str(nt), simd]  # fmt: skip
+               str(log), "-dfilter", ",".join(f"{lo:#x}+{size:#x}" for lo, size in ranges),
+               str(exe), *args]  # fmt: skip
         subprocess.run(cmd, check=True, capture_output=True, timeout=300)
         return count_kinds(log.read_text(), kinds)
+
+
+def measure(exe: Path, lo: int, size: int, kinds: dict[int, str], fmt: str, kb: int, nt: int,
+            simd: str) -> Counter[str]:  # fmt: skip
+    return _traced(exe, [(lo, size)], kinds, ["strip", fmt, str(kb), str(nt), simd])
 
 
 def _with_total(c: dict[str, float]) -> dict[str, float]:
@@ -256,6 +330,38 @@ def tile_mix(exe: Path, func: str, fmt: str, simd: str) -> dict[str, object]:
     return res
 
 
+def attention_mix(
+    exe: Path, func: str, products: str, simd: str, dk: int = ATTN_DK
+) -> dict[str, object]:
+    """One attention task's instructions by kind: with its causal diagonal key block alone
+    (NKB = 1), with one context block before it (NKB = 2), and their difference, one fully
+    visible key block of 64 queries x 64 keys."""
+    ranges = call_tree(exe, func)
+    kinds: dict[int, str] = {}
+    for lo, size in ranges:
+        kinds.update(disassemble(exe, lo, size))
+    m = {nkb: _traced(exe, ranges, kinds, ["attention-task", products, str(dk), str(nkb), simd])
+         for nkb in (1, 2)}  # fmt: skip
+    block = {k: m[2][k] - m[1][k] for k in KINDS}
+    res = {
+        "function": func,
+        "products": products,
+        "table": simd,
+        "dk": dk,
+        "dv": dk,
+        "queries": 64,
+        "measured": {f"nkb={n}": _with_total(v) for n, v in m.items()},
+        "per_key_block": _with_total(block),
+    }
+    d1, pb = res["measured"]["nkb=1"], res["per_key_block"]
+    print(f"{func} ({simd} table, {products} products, dk = dv = {dk}): instructions executed "
+          "(QEMU exec log), one (head, query block) task of 64 queries")  # fmt: skip
+    print(f"  {'kind':<11} {'diagonal block':>14} {'+1 key block':>13}")
+    for k in (*KINDS, "total"):
+        print(f"  {k:<11} {d1[k]:>14.0f} {pb[k]:>13.0f}")
+    return res
+
+
 def main(argv: list[str]) -> int:
     args = argv[1:]
     opts = dict(zip(args[::2], args[1::2], strict=False))
@@ -277,6 +383,8 @@ def main(argv: list[str]) -> int:
         res: dict[str, object] = {"executable": str(exe) if "--exe" in opts else "built"}
         for label, func, fmt, simd in kernels():
             res[label] = tile_mix(exe, func, fmt, simd)
+        for label, func, products, simd in attention_tasks():
+            res[label] = attention_mix(exe, func, products, simd)
     if "--json" in opts:
         out = Path(opts["--json"])
         tmp_out = out.with_name(out.name + f".tmp{os.getpid()}")

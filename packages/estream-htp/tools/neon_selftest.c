@@ -9,6 +9,11 @@
  *                                        mxfp4 | iq4_nl | q4_1 | q5_0 | q5_1 | iq4_xs, SIMD neon |
  *                                        portable, one thread): the workload that
  *                                        tools/neon_instr_mix.py traces
+ *   neon_selftest attention              the attention checks alone
+ *   neon_selftest attention-task f32|bf16 DK NKB SIMD
+ *                                        one (head, query block) attention task (64 causal
+ *                                        queries after NKB - 1 context key blocks, dk = dv =
+ *                                        DK, one thread): the instruction mix's other workload
  *
  * Checks, each on awkward shapes (fixed ones and ones drawn with a fixed seed: rows not a
  * multiple of 32 or of 16, token counts across the kernels' token blocks, strided inputs and
@@ -26,14 +31,26 @@
  * - The expert op (every tile format, both activation formats): fp32 products within 1e-5 of
  *   a float64 reference, Q8 products within 1e-6 of the portable table; rows of unrouted tokens
  *   untouched.
- * - Q8 quantization (bit-identical to the portable table), attention, SwiGLU and the fp32 matmul
- *   (within 1e-6 of the portable table, both within 1e-5 of float64): the remaining entries. */
+ * - Attention with fp32 and with bf16 products (check_attention): the portable table's bits on
+ *   every shape, both within the products' tolerance of float64; bf16 runs the native
+ *   BFMLALT / BFMLALB task where the CPU has FEAT_BF16 (the first line says which, and that
+ *   the library agrees with HWCAP2_BF16).
+ * - Q8 quantization (bit-identical to the portable table), SwiGLU and the fp32 matmul (within
+ *   1e-6 of the portable table, both within 1e-5 of float64): the remaining entries. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <sys/auxv.h>
+
 #include "htp.h"
+
+#ifndef HWCAP2_BF16
+#define HWCAP2_BF16 (1 << 14)
+#endif
+/* the library's own test for the native bf16 attention kernels (htp_internal.h) */
+int htp_cpu_bf16(void);
 
 static uint32_t rng_state = 12345u;
 static uint32_t rnd(void) {
@@ -681,10 +698,10 @@ static double rel_f(const float *a, const float *b, size_t n) {
 
 /* Run op on both tables (out = the last buffer, poisoned first): written part finite, margin
  * (columns n..ld of each of rows rows) still poisoned, NEON within tol of portable (relative L2
- * per row), and both within 1e-5 (relative L2, the package's fp32 op tolerance) of the float64
- * reference ref[rows][n]. */
-static int both(const char *what, htp_op_desc *op, buf *b, uint32_t nb, size_t rows, size_t n,
-                size_t ld, double tol, const double *ref) {
+ * per row; tol 0: the same bits, every element), and both within reftol (relative L2; 1e-5 is
+ * the package's fp32 op tolerance) of the float64 reference ref[rows][n]. */
+static int both_tol(const char *what, htp_op_desc *op, buf *b, uint32_t nb, size_t rows, size_t n,
+                    size_t ld, double tol, double reftol, const double *ref) {
     float *out = b[nb - 1].p;
     const size_t cnt = rows * ld;
     float *o[2] = {malloc(4 * cnt), malloc(4 * cnt)};
@@ -708,48 +725,69 @@ static int both(const char *what, htp_op_desc *op, buf *b, uint32_t nb, size_t r
                 }
             er[l] = sqrt(num / (den > 0 ? den : 1));
         }
-        printf("%s: rel %.3g vs portable; vs float64: neon %.3g, portable %.3g\n", what, e,
-               er[1], er[0]);
-        bad = !(e <= tol) || !(er[0] <= 1e-5) || !(er[1] <= 1e-5);
+        if (tol == 0) {
+            size_t diff = 0, first = 0;
+            for (size_t i = cnt; i-- > 0;)
+                if (memcmp(o[1] + i, o[0] + i, 4)) diff++, first = i;
+            if (diff) {
+                uint32_t a, p;
+                memcpy(&a, o[1] + first, 4), memcpy(&p, o[0] + first, 4);
+                printf("%s: differs from portable in %zu elements (first [%zu][%zu]: neon %08x, "
+                       "portable %08x)\n", what, diff, first / ld, first % ld, a, p);
+            }
+            printf("%s: %s portable; vs float64: neon %.3g, portable %.3g\n", what,
+                   diff ? "NOT the bits of" : "bit-identical to", er[1], er[0]);
+            bad = diff != 0;
+        } else {
+            printf("%s: rel %.3g vs portable; vs float64: neon %.3g, portable %.3g\n", what, e,
+                   er[1], er[0]);
+            bad = !(e <= tol);
+        }
+        bad = bad || !(er[0] <= reftol) || !(er[1] <= reftol);
     }
     free(o[0]), free(o[1]);
     return bad;
 }
+static int both(const char *what, htp_op_desc *op, buf *b, uint32_t nb, size_t rows, size_t n,
+                size_t ld, double tol, const double *ref) {
+    return both_tol(what, op, b, nb, rows, n, ld, tol, 1e-5, ref);
+}
 
-static int check_others(void) {
+/* Attention on the NEON table against the portable table, bit for bit, with fp32 and with
+ * bf16 products (bf16: the native BFMLALT / BFMLALB task where the CPU has FEAT_BF16, else the
+ * portable emulation it must reproduce), and both within the products' tolerance of a float64
+ * reference (fp32 1e-5; bf16 1e-2, its roundings of q·scale, K, V and the weights are ~3e-3):
+ * causal GQA with awkward lengths, not causal, MLA's 192/128 head dims with a sliding window
+ * and sinks, head dims that are not multiples of 16 (the generic body), dk = dv = 128 with
+ * several key blocks, values of magnitude ~2^-125 whose products and sums fall below FLT_MIN
+ * (bf16 flushes them to zero, as vdpbf16ps: checked against the portable bits only), and one
+ * sum just under FLT_MIN that rounds up to it (kept). */
+static int check_attention(void) {
     int bad = 0;
-    { /* Q8 quantization: integer rows, bit-identical */
-        const uint32_t t = 5, k = 160;
-        float *x = malloc(sizeof(float) * t * k);
-        for (size_t i = 0; i < (size_t)t * k; i++) x[i] = frand() * (float)(1 + i % 7);
-        for (uint32_t i = 0; i < k; i++) x[2 * k + i] = 0.0f; /* an all-zero row */
-        q8rows a = {0}, b = {0};
-        bad |= quantize(HTP_SIMD_PORTABLE, x, t, k, &a) || quantize(HTP_SIMD_NEON, x, t, k, &b);
-        if (!bad && memcmp(a.raw, b.raw, (size_t)t * (k + k / 4))) bad = 1;
-        printf("quantize t=%u d=%u: %s\n", t, k, bad ? "differs from portable" : "bit-identical");
-        free(x), free(a.raw), free(b.raw);
-    }
-    { /* attention: causal GQA with awkward lengths, not causal, MLA's 192/128 head dims with a
-       * sliding window and sinks */
-        const uint32_t shapes[][8] = {{67, 4, 2, 64, 64, 1, 0, 0},
-                                      {33, 2, 1, 48, 32, 0, 0, 0},
-                                      {130, 2, 2, 32, 32, 1, 0, 0},
-                                      {150, 4, 2, 192, 128, 1, 29, 1}};
-        for (size_t i = 0; i < 4; i++) {
+    const uint32_t shapes[][9] = {{67, 4, 2, 64, 64, 1, 0, 0, 0},
+                                  {33, 2, 1, 48, 32, 0, 0, 0, 0},
+                                  {130, 2, 2, 32, 32, 1, 0, 0, 0},
+                                  {150, 4, 2, 192, 128, 1, 29, 1, 0},
+                                  {45, 3, 1, 40, 24, 1, 0, 1, 0},
+                                  {200, 2, 1, 128, 128, 1, 0, 0, 0},
+                                  {90, 2, 1, 64, 64, 1, 0, 0, 1}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
+        for (uint32_t products = HTP_PRODUCTS_F32; products <= HTP_PRODUCTS_BF16; products++) {
             const uint32_t t = shapes[i][0], hq = shapes[i][1], hkv = shapes[i][2];
             const uint32_t dk = shapes[i][3], dv = shapes[i][4], window = shapes[i][6];
-            const uint32_t has_sinks = shapes[i][7];
+            const uint32_t has_sinks = shapes[i][7], tiny = shapes[i][8];
+            const float vs = tiny ? ldexpf(1.0f, -125) : 1.0f;
             float *q = malloc(4 * t * hq * dk), *k = malloc(4 * t * hkv * dk),
                   *v = malloc(4 * t * hkv * dv), *o = malloc(4 * t * hq * dv), *sk = malloc(4 * hq);
             for (uint32_t h = 0; h < hq; h++) sk[h] = 4 * frand();
             for (size_t j = 0; j < (size_t)t * hq * dk; j++) q[j] = frand();
             for (size_t j = 0; j < (size_t)t * hkv * dk; j++) k[j] = frand();
-            for (size_t j = 0; j < (size_t)t * hkv * dv; j++) v[j] = frand();
+            for (size_t j = 0; j < (size_t)t * hkv * dv; j++) v[j] = vs * frand();
             htp_op_desc op;
             memset(&op, 0, sizeof op);
             op.opcode = HTP_OP_ATTENTION;
             op.p.attention = (htp_attention_params){t, hq, hkv, dk, dv, shapes[i][5],
-                                                    1.0f / sqrtf((float)dk), 0, 0, window, has_sinks};
+                                                    1.0f / sqrtf((float)dk), products, 0, window, has_sinks};
             buf b[5] = {{q, 4 * t * hq * dk, RD}, {k, 4 * t * hkv * dk, RD}, {v, 4 * t * hkv * dv, RD},
                         {sk, 4 * hq, RD}, {o, 4 * t * hq * dv, RW}};
             if (!has_sinks) b[3] = b[4];
@@ -776,13 +814,62 @@ static int check_others(void) {
                         ref[((size_t)qi * hq + h) * dv + c] = acc / sum;
                     }
                 }
-            char what[128];
-            snprintf(what, sizeof what, "attention t=%u hq=%u hkv=%u dk=%u dv=%u causal=%u window=%u sinks=%u",
-                     t, hq, hkv, dk, dv, shapes[i][5], window, has_sinks);
-            bad |= both(what, &op, b, has_sinks ? 5 : 4, t, hq * dv, hq * dv, 1e-6, ref);
+            char what[160];
+            snprintf(what, sizeof what,
+                     "attention products=%s t=%u hq=%u hkv=%u dk=%u dv=%u causal=%u window=%u sinks=%u%s",
+                     products ? "bf16" : "f32", t, hq, hkv, dk, dv, shapes[i][5], window, has_sinks,
+                     tiny ? " v~2^-125" : "");
+            /* values near FLT_MIN: the bf16 flushes make the float64 reference meaningless */
+            const double reftol = tiny && products ? INFINITY : products ? 1e-2 : 1e-5;
+            bad |= both_tol(what, &op, b, has_sinks ? 5 : 4, t, hq * dv, hq * dv, 0, reftol, ref);
             free(q), free(k), free(v), free(o), free(sk), free(ref), free(p);
         }
+    /* A sum whose exact value lies just under FLT_MIN and rounds up to it: query 1 sees key 1
+     * (score 0, weight 1, value 2^-126) and key 0 (score -69.5, weight ~2^-100.25, value
+     * -2^-51), so with bf16 products o = fma(1, 2^-126, 0) (the odd key first) then
+     * fma(~2^-100.25, -2^-51, 2^-126) = 2^-126 - ~2^-151.25 exactly, which rounds to 2^-126:
+     * kept by the portable flush (vdpbf16ps's "results below FLT_MIN"), but zero under Arm's
+     * FPCR.FZ, which flushes on the value before rounding. */
+    for (uint32_t products = HTP_PRODUCTS_F32; products <= HTP_PRODUCTS_BF16; products++) {
+        const uint32_t t = 2, d = 16;
+        float q[2 * 16] = {0}, k[2 * 16] = {0}, v[2 * 16], o[2 * 16];
+        q[d] = 1.0f, k[0] = -69.5f;
+        for (uint32_t c = 0; c < d; c++) v[c] = -ldexpf(1.0f, -51), v[d + c] = ldexpf(1.0f, -126);
+        htp_op_desc op;
+        memset(&op, 0, sizeof op);
+        op.opcode = HTP_OP_ATTENTION;
+        op.p.attention = (htp_attention_params){t, 1, 1, d, d, 1, 1.0f, products, 0, 0, 0};
+        buf b[4] = {{q, sizeof q, RD}, {k, sizeof k, RD}, {v, sizeof v, RD}, {o, sizeof o, RW}};
+        double ref[2 * 16];
+        const double p0 = exp(-69.5);
+        for (uint32_t c = 0; c < d; c++)
+            ref[c] = v[c], ref[d + c] = (p0 * v[c] + v[d + c]) / (1.0 + p0);
+        char what[96];
+        snprintf(what, sizeof what, "attention products=%s t=2 dk=dv=16 a sum rounding up to FLT_MIN",
+                 products ? "bf16" : "f32");
+        bad |= both_tol(what, &op, b, 4, t, d, d, 0, products ? 1e-2 : 1e-5, ref);
+        if (o[d] != ldexpf(1.0f, -126)) { /* the NEON table's, the last run */
+            printf("%s: o[1][0] = %a, not 0x1p-126\n", what, o[d]);
+            bad = 1;
+        }
     }
+    return bad;
+}
+
+static int check_others(void) {
+    int bad = 0;
+    { /* Q8 quantization: integer rows, bit-identical */
+        const uint32_t t = 5, k = 160;
+        float *x = malloc(sizeof(float) * t * k);
+        for (size_t i = 0; i < (size_t)t * k; i++) x[i] = frand() * (float)(1 + i % 7);
+        for (uint32_t i = 0; i < k; i++) x[2 * k + i] = 0.0f; /* an all-zero row */
+        q8rows a = {0}, b = {0};
+        bad |= quantize(HTP_SIMD_PORTABLE, x, t, k, &a) || quantize(HTP_SIMD_NEON, x, t, k, &b);
+        if (!bad && memcmp(a.raw, b.raw, (size_t)t * (k + k / 4))) bad = 1;
+        printf("quantize t=%u d=%u: %s\n", t, k, bad ? "differs from portable" : "bit-identical");
+        free(x), free(a.raw), free(b.raw);
+    }
+    bad |= check_attention();
     { /* SwiGLU over an odd length */
         const uint64_t n = 1001;
         float *g = malloc(4 * n), *u = malloc(4 * n), *o = malloc(4 * n);
@@ -847,6 +934,36 @@ static int strip(int argc, char **argv) {
     for (size_t i = 0; i < (size_t)nt * 32 * kb; i++) x[i] = frand();
     const int bad = gemm(simd, 1, fmt, HTP_ACT_Q8, w, 32, 32 * kb, nt, x, 32 * kb, y, 32);
     free(w), free(x), free(y);
+    return bad;
+}
+
+/* One (head, query block) attention task: one head, 64 queries (one query block) attending
+ * causally after NKB - 1 blocks of 64 context keys (NKB key blocks), dk = dv = DK, fp32 or bf16
+ * products, one thread: the traced workload of tools/neon_instr_mix.py. */
+static int attention_task(int argc, char **argv) {
+    const uint32_t dk = argc == 6 ? (uint32_t)atoi(argv[3]) : 0, nkb = argc == 6 ? (uint32_t)atoi(argv[4]) : 0;
+    if (argc != 6 || (strcmp(argv[2], "f32") && strcmp(argv[2], "bf16")) || dk < 16 || dk % 16 ||
+        nkb < 1) {
+        fprintf(stderr, "usage: %s attention-task f32|bf16 DK NKB neon|portable (DK a multiple of "
+                        "16, NKB >= 1)\n", argv[0]);
+        return 64;
+    }
+    const uint32_t t = 64, ctx = 64 * (nkb - 1), rows = ctx + t;
+    const uint32_t simd = !strcmp(argv[5], "portable") ? HTP_SIMD_PORTABLE : HTP_SIMD_NEON;
+    float *q = malloc(4 * (size_t)t * dk), *k = malloc(4 * (size_t)rows * dk),
+          *v = malloc(4 * (size_t)rows * dk), *o = malloc(4 * (size_t)t * dk);
+    for (size_t j = 0; j < (size_t)t * dk; j++) q[j] = frand();
+    for (size_t j = 0; j < (size_t)rows * dk; j++) k[j] = frand(), v[j] = frand();
+    htp_op_desc op;
+    memset(&op, 0, sizeof op);
+    op.opcode = HTP_OP_ATTENTION;
+    op.p.attention = (htp_attention_params){t, 1, 1, dk, dk, 1, 1.0f / sqrtf((float)dk),
+                                            strcmp(argv[2], "bf16") ? HTP_PRODUCTS_F32 : HTP_PRODUCTS_BF16,
+                                            ctx, 0, 0};
+    buf b[4] = {{q, 4 * (size_t)t * dk, RD}, {k, 4 * (size_t)rows * dk, RD},
+                {v, 4 * (size_t)rows * dk, RD}, {o, 4 * (size_t)t * dk, RW}};
+    const int bad = run(simd, 1, &op, b, 4);
+    free(q), free(k), free(v), free(o);
     return bad;
 }
 
@@ -940,9 +1057,12 @@ static int check_float_tiles(uint32_t fmt, uint32_t n, uint32_t k, uint32_t t) {
 
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "strip")) return strip(argc, argv);
+    if (argc > 1 && !strcmp(argv[1], "attention-task")) return attention_task(argc, argv);
     const int first = argc > 1 && !strcmp(argv[1], "--first-failure");
-    if (argc > 1 && !first) {
-        fprintf(stderr, "usage: %s [--first-failure] | strip FMT KB NT SIMD\n", argv[0]);
+    const int att_only = argc > 1 && !strcmp(argv[1], "attention");
+    if (argc > 2 || (argc > 1 && !first && !att_only)) {
+        fprintf(stderr, "usage: %s [--first-failure | attention] | strip FMT KB NT SIMD | "
+                        "attention-task f32|bf16 DK NKB SIMD\n", argv[0]);
         return 64;
     }
     if (htp_simd_best() != HTP_SIMD_NEON) {
@@ -950,6 +1070,20 @@ int main(int argc, char **argv) {
         return 2;
     }
     int bad = 0;
+    { /* bf16 attention products: native where the CPU has FEAT_BF16, as the library decides */
+        const int hw = (getauxval(AT_HWCAP2) & HWCAP2_BF16) != 0;
+        printf("bf16 attention products: %s\n",
+               hw ? "native (FEAT_BF16: BFMLALT / BFMLALB)" : "emulated (no FEAT_BF16)");
+        if (htp_cpu_bf16() != hw) {
+            printf("the library's FEAT_BF16 test says %d, HWCAP2_BF16 %d\n", htp_cpu_bf16(), hw);
+            bad = 1;
+        }
+    }
+    if (att_only) {
+        bad |= check_attention();
+        printf(bad ? "FAILED\n" : "OK\n");
+        return bad ? 1 : 0;
+    }
 #define CHECK(x)                                                                                  \
     do {                                                                                          \
         bad |= (x);                                                                               \
