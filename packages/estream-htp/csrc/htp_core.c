@@ -155,6 +155,11 @@ int htp_cpu_bf16(void) {
 #endif
 }
 
+int htp_simd_native_bf16_attention(uint32_t level) {
+    const htp_isa *isa = htp_isa_for(level);
+    return isa && isa->attention_bf16_task && htp_cpu_bf16();
+}
+
 uint32_t htp_simd_best(void) {
     for (uint32_t l = HTP_SIMD_AMX + 1; l-- > 0;)
         if (cpu_supports(l)) return l;

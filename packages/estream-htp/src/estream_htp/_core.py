@@ -62,6 +62,7 @@ __all__ = [
     "matmul_f32",
     "moe_ffn",
     "mul",
+    "native_bf16_attention",
     "open_backend",
     "q8_rows_nbytes",
     "quantize_q8",
@@ -226,6 +227,15 @@ def simd_supported(name: str) -> bool:
     if st == lib.HTP_OK:
         lib.htp_backend_free(pp[0])
     return st == lib.HTP_OK
+
+
+def native_bf16_attention(backend: Backend | None = None) -> bool:
+    """Whether ``backend``'s kernel set (default: the default backend's) runs bf16 attention
+    products (``attention(..., products="bf16")``) natively on this CPU: an AVX-512 level or
+    AMX on a CPU with AVX512_BF16 (vdpbf16ps), NEON with FEAT_BF16 (BFMLALB/T). False where they are emulated bit for bit
+    (slower than fp32 products): other levels, other CPUs, the hexagon executor's HVX. Heads
+    whose dk or dv is not a multiple of 16 take the emulation on any level."""
+    return bool(lib.htp_simd_native_bf16_attention(SIMD_LEVELS[_be(backend).simd]))
 
 
 def set_activation_format(fmt: Literal["q8", "f32"]) -> None:
