@@ -295,9 +295,12 @@ def test_synth_refuses_a_preset_of_another_architecture(tmp_path, capsys):
     assert "use --arch mixtral" in capsys.readouterr().err
 
 
-def test_attention_products_are_fp32_unless_bf16_is_asked_for(model, capsys, tmp_path):
-    """`--attention` chooses the attention kernel's products: the default is fp32 (the accuracy
-    every figure and tolerance describes); bf16 changes the logits a little, not a lot."""
+def test_attention_products_under_f32_activations_are_fp32_unless_bf16_is_asked_for(
+    model, capsys, tmp_path
+):
+    """`--attention` chooses the attention kernel's products: with --act f32 the default (auto)
+    is fp32 (the float64-reference accuracy that path is held to); bf16 changes the logits a
+    little, not a lot."""
 
     def logits(*extra: str) -> tuple[np.ndarray, dict]:
         npy = tmp_path / "l.npy"
@@ -320,5 +323,5 @@ def test_attention_products_are_fp32_unless_bf16_is_asked_for(model, capsys, tmp
     assert exit_.value.code == 2 and "--attention" in capsys.readouterr().err
     import estream
 
-    with pytest.raises(estream.BadRequestError, match="attention must be one of f32, bf16"):
+    with pytest.raises(estream.BadRequestError, match="attention must be one of auto, f32, bf16"):
         estream.load(model, attention="fp8")

@@ -75,7 +75,7 @@ def test_work_counts_are_the_hand_computed_ones(tiny_models) -> None:
         "experts": L * T * k * 3 * d * f,
         "output_head": 1 * V * d,  # the last position's logits only
     }
-    with load(tiny_models["olmoe"], mode="resident", op_stats=True) as eng:
+    with load(tiny_models["olmoe"], mode="resident", op_stats=True, attention="f32") as eng:
         res = eng.prefill(np.arange(T) % eng.hp.n_vocab)
     rows = {r["op"]: r for r in res.metrics["op_table"]["rows"]}
     for op, macs in want.items():

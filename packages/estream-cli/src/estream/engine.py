@@ -58,15 +58,21 @@ __all__ = [
     "StreamConfig",
     "load",
     "pass_bytes_per_token",
+    "resolve_attention",
 ]
 
 MODES = ("stream", "resident", "naive", "layer")
 # How activations meet the Q4_0/Q8_0 weights: "q8" (int8 per 32-block, like GGML's Q8_0: fast)
 # or "f32" (dequantized weights, fp32 products: matches a float64 reference to ~1e-6).
 ACTS = ("q8", "f32")
-# How the attention kernel multiplies: "f32" (exact products) or "bf16" (q, k, v and the softmax
-# weights rounded to bfloat16, fp32 sums: faster at long prompts, a few 1e-3 off; opt-in).
-ATTENTION = ("f32", "bf16")
+# How the attention kernel multiplies: "f32" (exact products; the default), "bf16" (q·scale, k,
+# v and the softmax weights rounded to bfloat16, fp32 sums: about twice the fp32 rate where the
+# CPU multiplies bf16 natively, a few 1e-3 off per op) or "auto": resolved at load by
+# `resolve_attention`, bf16 under act "q8" where the dense ops' kernel set runs bf16 attention
+# natively (`estream_htp.native_bf16_attention`), else f32 (always f32 under act "f32", which
+# keeps to a float64 reference to ~1e-5). "auto" is not the default: on the parity table
+# (docs/benchmarks.md) bf16 attention's q8 error is not within 5 % of fp32's on every row.
+ATTENTION = ("auto", "f32", "bf16")
 # Where the dense kernel ops (GEMMs, norms, RoPE, attention, ...) run: this process's default
 # backend, or the expert backend (its executor process: the DSP for `hexagon`).
 DENSE_OPS = ("host", "backend")
@@ -212,7 +218,8 @@ class EngineOptions:
     it, for prompts of ``budget_tokens``); ``G, Q, B``: group size, read queue depth, banks
     (explicit); ``n_threads``: the kernels' pool; ``verify``: check every checksum as it is
     read; ``direct``: O_DIRECT reads (None: where supported); ``progress``: a layer counter on
-    a terminal; ``act``, ``attention``: how the kernels multiply (`ACTS`, `ATTENTION`);
+    a terminal; ``act``, ``attention``: how the kernels multiply (`ACTS`, `ATTENTION`; the
+    engine's ``attention`` is the precision "auto" resolved to, `resolve_attention`);
     ``backend``: where the expert ops run (`estream_htp.BACKENDS`); ``dense_ops``: where the
     other ops run (`DENSE_OPS`; None: on the backend if it is an accelerator, else here);
     ``op_stats``: count every op's work and add the per-op table (`estream.opstats`) to each
@@ -271,7 +278,7 @@ class Engine:
         self._mem0 = memory.mem_available()
         memory.keep_freed_heap()  # per-op arrays reuse heap pages (see memory.keep_freed_heap)
         self.mode, self.schedule, self.progress = o.mode, o.schedule, o.progress
-        self.act, self.attention = o.act, o.attention
+        self.act = o.act
         self.budget, self.budget_tokens = o.budget, o.budget_tokens
         self.model = PackedModel(path)
         self.hp = hp = self.model.hparams
@@ -296,6 +303,12 @@ class Engine:
         self._restarts = 0  # executors started in a row after one died (MAX_EXECUTOR_RESTARTS)
         self._open_backend()
         self.dense_ops = o.dense_ops or ("backend" if self.backend.accelerator else "host")
+        # what every pass runs and every result reports ("auto" resolved once, here)
+        self.attention = resolve_attention(
+            o.attention,
+            o.act,
+            self.backend if self.dense_ops == "backend" else htp.default_backend(),
+        )
         # every op of a pass on the expert backend (dense_ops="backend"): activations in its
         # arena (memory registered with its executor; private memory on the host)
         self._pool = self.backend.activations() if self.dense_ops == "backend" else None
@@ -805,6 +818,22 @@ def _check_finite(x: np.ndarray) -> None:
             "the forward pass produced NaN or infinite activations; the model's weights are "
             "corrupt or overflow in this model (try `estream-pack --verify`)"
         )
+
+
+def resolve_attention(attention: str, act: str, dense: htp.Backend | None = None) -> str:
+    """The attention precision an engine runs for option ``attention`` (`ATTENTION`): "f32" and
+    "bf16" as they are; "auto" is "bf16" when ``act`` is "q8" and ``dense``, the backend running
+    the dense ops (default: this process's), multiplies bf16 attention natively
+    (`estream_htp.native_bf16_attention`: an AVX-512 or AMX kernel set on a CPU with
+    AVX512_BF16, NEON with FEAT_BF16), else "f32" (emulated bf16 is slower than fp32 products; act "f32" keeps fp32
+    attention so that it stays within ~1e-5 of a float64 reference)."""
+    if attention not in ATTENTION:
+        raise BadRequestError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+    if attention != "auto":
+        return attention
+    if act != "q8":
+        return "f32"
+    return "bf16" if htp.native_bf16_attention(dense) else "f32"
 
 
 def load(path: str | Path, **kwargs: Any) -> Engine:

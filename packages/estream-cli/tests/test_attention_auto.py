@@ -1,0 +1,181 @@
+"""``attention="auto"``: bf16 attention products under act q8 where the kernel set running the
+dense ops multiplies bf16 natively (`estream_htp.native_bf16_attention`), fp32 otherwise and
+always under act f32; the engine, its results and ``--json`` report the precision that ran.
+The default stays "f32" (the parity table has q8 rows whose error grows by more than 5 % with
+bf16 attention)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import estream
+import estream_htp as htp
+from estream import BadRequestError, EngineOptions
+from estream.engine import ATTENTION, resolve_attention
+from estream_cli.main import main
+from estream_htp import _core
+from estream_layout import pack_model, synth_model
+
+TOKENS = list(range(3, 70))
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    """From the kernel's view of the CPU, independently of estream_htp's own detection."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = re.search(r"^flags\s*:(.*)$", text, re.M)
+    return bool(flags) and {"avx512f", "avx512_bf16"} <= set(flags.group(1).split())
+
+
+NATIVE = htp.native_bf16_attention()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("attn_auto")
+    synth_model("olmoe", "tiny", d / "m.gguf", seed=11)
+    pack_model(d / "m.gguf", d / "m.estream", progress=False)
+    return d / "m.estream"
+
+
+@pytest.fixture
+def simd_avx2() -> Iterator[None]:
+    """The default backend on the AVX2 kernel set (no native bf16 attention) for one test."""
+    if not htp.simd_supported("avx2"):
+        pytest.skip("this CPU lacks AVX2 (hardware)")
+    old = htp.simd_level()
+    _core._set_simd_level("avx2")
+    try:
+        yield
+    finally:
+        _core._set_simd_level(old)
+
+
+def _logits(model: Path, **kw: object) -> tuple[np.ndarray, str, str]:
+    with estream.load(model, **kw) as eng:
+        r = eng.prefill(TOKENS, all_logits=True)
+        return np.asarray(r.logits), eng.attention, r.metrics["attention"]
+
+
+def test_native_bf16_attention_follows_the_kernel_set_and_the_cpu() -> None:
+    """AVX-512 and AMX kernel sets are native exactly when the CPU has AVX512_BF16
+    (/proc/cpuinfo); portable, AVX2 and hexagon's HVX (a backend whose level is hvx) never, nor
+    a level this CPU cannot run."""
+
+    def native(level: str) -> bool:
+        return htp.native_bf16_attention(SimpleNamespace(simd=level))  # type: ignore[arg-type]
+
+    for level in ("portable", "avx2", "hvx"):
+        assert native(level) is False, level
+    for level in ("neon", "avx512", "avx512vnni", "amx"):
+        if not htp.simd_supported(level):
+            assert native(level) is False, level
+    for level in ("avx512", "avx512vnni", "amx"):
+        assert native(level) is (htp.simd_supported(level) and _cpu_has_avx512_bf16()), level
+    assert NATIVE is htp.native_bf16_attention(htp.default_backend())
+
+
+def test_f32_is_the_default_and_a_bad_value_lists_the_choices(tmp_path: Path) -> None:
+    assert EngineOptions().attention == "f32" and ATTENTION == ("auto", "f32", "bf16")
+    msg = "attention must be one of auto, f32, bf16, got 'fp16'"
+    with pytest.raises(BadRequestError, match=msg):
+        EngineOptions(attention="fp16")
+    with pytest.raises(BadRequestError, match=msg):
+        estream.load(tmp_path / "absent.estream", attention="fp16")
+    with pytest.raises(BadRequestError, match=msg):
+        resolve_attention("fp16", "q8")
+
+
+def test_resolve_attention_by_activation_format_and_backend() -> None:
+    """Explicit values as they are; auto: bf16 only for q8 on a native kernel set."""
+    native, emulated = SimpleNamespace(simd="avx512"), SimpleNamespace(simd="avx2")
+    for dense in (native, emulated, None):
+        assert resolve_attention("f32", "q8", dense) == "f32"  # type: ignore[arg-type]
+        assert resolve_attention("bf16", "f32", dense) == "bf16"  # type: ignore[arg-type]
+        assert resolve_attention("auto", "f32", dense) == "f32"  # type: ignore[arg-type]
+    assert resolve_attention("auto", "q8", emulated) == "f32"  # type: ignore[arg-type]
+    hvx = SimpleNamespace(simd="hvx")  # the hexagon executor's kernel set
+    assert resolve_attention("auto", "q8", hvx) == "f32"  # type: ignore[arg-type]
+    want = "bf16" if htp.native_bf16_attention(native) else "f32"  # type: ignore[arg-type]
+    assert resolve_attention("auto", "q8", native) == want  # type: ignore[arg-type]
+
+
+def test_auto_under_f32_activations_runs_fp32_attention(model: Path) -> None:
+    """act f32 keeps fp32 attention (its float64-reference accuracy) whatever the CPU: the
+    default's logits are the explicit f32 run's bits and differ from bf16's."""
+    auto, eng_att, res_att = _logits(model, act="f32", attention="auto")
+    f32, _, _ = _logits(model, act="f32", attention="f32")
+    bf16, _, _ = _logits(model, act="f32", attention="bf16")
+    assert (eng_att, res_att) == ("f32", "f32")
+    assert np.array_equal(auto, f32) and not np.array_equal(auto, bf16)
+
+
+@pytest.mark.skipif(not NATIVE, reason="this CPU/kernel set multiplies bf16 attention emulated")
+def test_auto_under_q8_runs_bf16_attention_where_native(model: Path) -> None:
+    """On a native kernel set the q8 default is bf16 attention: reported so, and the explicit
+    bf16 run's bits (not fp32's)."""
+    auto, eng_att, res_att = _logits(model, attention="auto")
+    bf16, _, _ = _logits(model, attention="bf16")
+    f32, _, _ = _logits(model, attention="f32")
+    assert (eng_att, res_att) == ("bf16", "bf16")
+    assert np.array_equal(auto, bf16) and not np.array_equal(auto, f32)
+
+
+def test_auto_under_q8_runs_fp32_attention_on_a_kernel_set_without_native_bf16(
+    model: Path, simd_avx2: None
+) -> None:
+    """On AVX2 (bf16 emulated there, slower than fp32) the q8 default is fp32 attention."""
+    assert not htp.native_bf16_attention()
+    auto, eng_att, res_att = _logits(model, attention="auto")
+    f32, _, _ = _logits(model, attention="f32")
+    assert (eng_att, res_att) == ("f32", "f32")
+    assert np.array_equal(auto, f32)
+
+
+def test_auto_follows_the_capability_check(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine asks `native_bf16_attention` about the backend running its dense ops (this
+    process's default backend for the host), whatever this CPU is."""
+    asked: list[object] = []
+    for native in (True, False):
+
+        def check(backend: object = None, answer: bool = native) -> bool:
+            asked.append(backend)
+            return answer
+
+        monkeypatch.setattr(htp, "native_bf16_attention", check)
+        with estream.load(model, attention="auto") as eng:
+            assert eng.attention == ("bf16" if native else "f32")
+        with estream.load(model, act="f32", attention="auto") as eng:
+            assert eng.attention == "f32"
+        with estream.load(model) as eng:  # the default: f32, nothing asked
+            assert eng.attention == "f32"
+    assert asked == [htp.default_backend()] * 2
+
+
+def test_cli_json_reports_the_resolved_attention(
+    model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`estream prefill --json` says which precision ran: auto's resolution, never "auto";
+    without --attention, f32."""
+    ids = ",".join(map(str, TOKENS))
+    want = {("q8", "auto"): "bf16" if NATIVE else "f32", ("f32", "auto"): "f32", ("q8",): "f32"}
+    for (act, *att), ran in want.items():
+        extra = ["--attention", *att] if att else []
+        assert main(["prefill", str(model), "--tokens", ids, "--json", "--act", act, *extra]) == 0
+        assert json.loads(capsys.readouterr().out)["metrics"]["attention"] == ran
+    argv = ["prefill", str(model), "--tokens", "1", "--json", "--attention", "bf16", "--act", "f32"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["metrics"]["attention"] == "bf16"
+    with pytest.raises(SystemExit) as exit_:
+        main(["prefill", str(model), "--tokens", "1", "--attention", "fp16"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "'auto', 'f32', 'bf16'" in err
