@@ -448,22 +448,44 @@ def _vs_llama(c: dict[str, Any] | None, d: dict[str, Any] | None) -> str:
     )
 
 
+#: bf16 attention is the q8 default where its error stays within this factor of fp32's
+BF16_ATTENTION_LIMIT = 1.05
+
+
+def _bf16_ratio(q8: dict[str, Any], bf16: dict[str, Any]) -> float | None:
+    """The engine q8 row's error with bf16 attention over its error with fp32 attention."""
+    a, b = q8.get("engine_vs_ref"), bf16.get("engine_vs_ref")
+    return b["rel_l2"] / a["rel_l2"] if a and b and a["rel_l2"] > 0 else None
+
+
 def render_parity(f: Figures) -> Table:
-    t = Table(["arch", "weights", "llama.cpp vs ref", "engine q8 vs ref", "engine f32 vs ref",
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in f["rows"]:  # one row per engine run (activation format, attention precision)
+        groups.setdefault((r["arch"], r["variant"]), []).append(r)
+    # runs before --engine-attention have no bf16 rows (and no engine_attention: fp32)
+    has_bf16 = any(r.get("engine_attention") == "bf16" for r in f["rows"])
+    t = Table(["arch", "weights", "llama.cpp vs ref", "engine q8 vs ref",
+               *(["engine q8, bf16 attention vs ref"] if has_bf16 else []), "engine f32 vs ref",
                "engine f32 vs packed ref",
                "vs the F32 original: ref / engine q8 / llama.cpp", "note"], [])  # fmt: skip
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in f["rows"]:  # one row per engine activation format
-        groups.setdefault((r["arch"], r["variant"]), []).append(r)
+    ratios: list[tuple[str, float | None]] = []
     for (arch, variant), rows in groups.items():
-        act = {r.get("engine_act"): r for r in rows}
-        q8, f32, first = act.get("q8", {}), act.get("f32", {}), rows[0]
+        act = {(r.get("engine_act"), r.get("engine_attention", "f32")): r for r in rows}
+        q8, f32, first = act.get(("q8", "f32"), {}), act.get(("f32", "f32"), {}), rows[0]
+        bf16 = act.get(("q8", "bf16"), {})
         src = [first.get("ref_vs_src"), q8.get("engine_vs_src"), first.get("llamacpp_vs_src")]
         note = next((r[k] for r in rows for k in ("error", "llamacpp_error", "engine_note")
                      if r.get(k)), "")  # fmt: skip
+        bf16_cell: list[str] = []
+        if has_bf16:
+            ratio = _bf16_ratio(q8, bf16)
+            if q8.get("engine_vs_ref") or bf16.get("engine_vs_ref"):
+                ratios.append((f"{arch} `{variant}`", ratio))
+            of_f32 = f"; ×{ratio:.3f} of fp32 attention's" if ratio is not None else ""
+            bf16_cell = [_vs(bf16.get("engine_vs_ref")) + of_f32]
         t.rows.append([
             arch, f"`{variant}`", _vs(first.get("llamacpp_vs_ref")),
-            _vs_llama(q8.get("engine_vs_ref"), q8.get("engine_minus_llamacpp")),
+            _vs_llama(q8.get("engine_vs_ref"), q8.get("engine_minus_llamacpp")), *bf16_cell,
             _vs(f32.get("engine_vs_ref")), _vs(f32.get("engine_vs_packed_ref")),
             " / ".join(f"{c['rel_l2']:.1e}" if c else "–" for c in src) if any(src) else "–",
             note.splitlines()[0] if note else "",
@@ -484,7 +506,31 @@ def render_parity(f: Figures) -> Table:
         )
         + (f" llama-cpp-python {f['llama_cpp_python']}." if f.get("llama_cpp_python") else "")
     )
+    if has_bf16:
+        t.notes.append(_bf16_verdict(ratios))
     return t
+
+
+def _bf16_verdict(ratios: list[tuple[str, float | None]]) -> str:
+    """One line: whether every row's engine q8 error with bf16 attention is within
+    `BF16_ATTENTION_LIMIT` of its error with fp32 attention, else the rows over it."""
+    lim = f"{round((BF16_ATTENTION_LIMIT - 1) * 100)} %"
+    head = "bf16 attention (engine q8; `engine q8 vs ref` is with fp32 attention): "
+    missing = [name for name, r in ratios if r is None]
+    over = [f"{name} ×{r:.3f}" for name, r in ratios if r is not None and r > BF16_ATTENTION_LIMIT]
+    known = [r for _, r in ratios if r is not None]
+    if not known:
+        return head + "no row ran both."
+    if over:
+        verdict = f"rows over {lim}: " + ", ".join(over) + "."
+    else:
+        verdict = (
+            f"every row within {lim} of the fp32-attention error "
+            f"(ratios {min(known):.3f}–{max(known):.3f})."
+        )
+    if missing:
+        verdict += " Without both runs: " + ", ".join(missing) + "."
+    return head + verdict
 
 
 def render_eval_parity(f: Figures) -> Table:

@@ -674,3 +674,48 @@ def test_the_ray_note_names_the_blocks_given_or_the_commands_default() -> None:
     default = " ".join(report.render_ray(figures).notes)
     assert "blocks of 32 rows" in given and "shared evenly" not in given
     assert "the rows shared evenly between the actors" in default and "blocks of" not in default
+
+
+def test_parity_with_bf16_attention_shows_its_error_its_ratio_and_a_verdict() -> None:
+    """A run with `--engine-attention f32,bf16` gets a column of the engine q8 error with bf16
+    attention and its ratio to the fp32-attention error, and a one-line verdict: every row
+    within 5 %, or the rows over it by name; a run without bf16 rows keeps the old columns."""
+
+    def run(*bf16_over_f32: float) -> dict[str, Any]:
+        rows = []
+        for i, ratio in enumerate(bf16_over_f32):
+            base = {"arch": "olmoe", "variant": f"v{i}", "llamacpp_vs_ref": {"rel_l2": 0.02}}
+            rows += [
+                {**base, "engine_act": "q8", "engine_attention": "f32",
+                 "engine_vs_ref": {"rel_l2": 0.0100, "top1": 0.98}},
+                {**base, "engine_act": "q8", "engine_attention": "bf16",
+                 "engine_vs_ref": {"rel_l2": 0.0100 * ratio, "top1": 0.97}},
+                {**base, "engine_act": "f32", "engine_attention": "f32",
+                 "engine_vs_ref": {"rel_l2": 5e-7, "top1": 1.0}},
+            ]  # fmt: skip
+        return {"tokens": 256, "prompts": 1, "rows": rows}
+
+    t = report.render_parity(run(1.02, 0.9))
+    col = t.headers.index("engine q8, bf16 attention vs ref")
+    assert t.headers[col - 1] == "engine q8 vs ref" and len(t.rows) == 2
+    assert [r[col] for r in t.rows] == [
+        "1.0e-02 (0.970); ×1.020 of fp32 attention's",
+        "9.0e-03 (0.970); ×0.900 of fp32 attention's",
+    ]
+    assert [r[col - 1] for r in t.rows] == ["1.0e-02 (0.980)"] * 2
+    assert [r[col + 1] for r in t.rows] == ["5.0e-07 (1.000)"] * 2
+    assert "every row within 5 % of the fp32-attention error (ratios 0.900–1.020)" in t.notes[-1]
+
+    t = report.render_parity(run(1.02, 1.08, 1.2))
+    assert "rows over 5 %: olmoe `v1` ×1.080, olmoe `v2` ×1.200." in t.notes[-1]
+    assert "every row within" not in " ".join(t.notes)
+
+    old = run(1.0)  # before --engine-attention: no bf16 rows, no engine_attention field
+    old["rows"] = [
+        {k: v for k, v in r.items() if k != "engine_attention"}
+        for r in old["rows"] if r.get("engine_attention") != "bf16"
+    ]  # fmt: skip
+    t = report.render_parity(old)
+    assert "engine q8, bf16 attention vs ref" not in t.headers
+    assert t.rows[0][3:5] == ["1.0e-02 (0.980)", "5.0e-07 (1.000)"]
+    assert not any("bf16" in n for n in t.notes)
