@@ -37,6 +37,7 @@ def _cpu_has_avx512_bf16() -> bool:
 
 
 NATIVE = htp.native_bf16_attention()
+NATIVE_CPU = _cpu_has_avx512_bf16()
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +180,25 @@ def test_cli_json_reports_the_resolved_attention(
         main(["prefill", str(model), "--tokens", "1", "--attention", "fp16"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "'auto', 'f32', 'bf16'" in err
+
+
+def test_auto_asks_the_executor_when_it_runs_the_dense_ops(model: Path, simd_avx2: None) -> None:
+    """With ``dense_ops="backend"`` the executor's kernel set decides (it runs its best level),
+    not the host's default backend (AVX2 here, never native): bf16 where the executor's level
+    is native."""
+    with estream.load(
+        model, backend="host-process", dense_ops="backend", attention="auto", n_threads=1
+    ) as eng:
+        there = htp.native_bf16_attention(eng.backend)
+        assert eng.dense_ops == "backend" and not htp.native_bf16_attention()
+        assert eng.attention == ("bf16" if there else "f32")
+        assert eng.prefill(TOKENS[:9]).metrics["attention"] == eng.attention
+    if htp.best_simd_level() in ("avx512", "avx512vnni", "amx"):
+        assert there is NATIVE_CPU
+
+
+def test_auto_with_host_dense_ops_ignores_the_executor(model: Path, simd_avx2: None) -> None:
+    """Expert ops in an executor (its best level), dense ops on the host's AVX2 default
+    backend: the host decides, f32."""
+    with estream.load(model, backend="host-process", dense_ops="host", attention="auto") as eng:
+        assert eng.dense_ops == "host" and eng.attention == "f32"
