@@ -117,6 +117,7 @@ void htp_backend_free(htp_backend *b) {
     }
     htp_pool_free(b->ex.pool);
     htp_expert_ws_free(b->ex.ws);
+    htp_rope_table_free(b->ex.rope);
     pthread_mutex_destroy(&b->lock);
     free(b);
 }

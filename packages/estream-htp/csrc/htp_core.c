@@ -481,25 +481,46 @@ void htp_exec_rms_norm(htp_exec *e, const htp_rms_norm_params *p, const float *x
         htp_parallel(e->pool, rms_task, &c);
 }
 
-/* ---- RoPE (validated by the caller): tokens split across the pool's threads; the per-pair
- * frequencies are computed once per call ---- */
+/* ---- RoPE (validated by the caller): tokens split across the pool's threads. Each token's
+ * cos/sin pairs (double, times the YaRN magnitude scale) depend only on its position and the
+ * rotation parameters, not on the rows rotated, so they are computed once into a table the
+ * exec keeps (struct htp_rope_table): the q and k of a layer and every later layer of a pass
+ * at the same positions reuse it instead of calling cos/sin again; the values are the same
+ * doubles, so the results are the same bits. ---- */
+struct htp_rope_table {
+    htp_rope_params key; /* t and the rotation parameters the table is for (rows fields 0) */
+    int32_t *pos;        /* [t] the positions */
+    double *cs;          /* [t][half][2] cos·mscale, sin·mscale */
+    size_t cap_t, cap_pairs; /* tokens pos, cos/sin pairs cs were allocated for */
+};
+/* Above this many cos/sin pairs (16 MiB of doubles) a table is not kept: they are computed per
+ * call into a buffer freed on return. */
+#define HTP_ROPE_TABLE_MAX_PAIRS ((size_t)1 << 20)
+
+void htp_rope_table_free(struct htp_rope_table *rt) {
+    if (!rt) return;
+    free(rt->pos);
+    free(rt->cs);
+    free(rt);
+}
+
 typedef struct rope_ctx {
     const htp_rope_params *p;
     float *x;
     const int32_t *pos;
     const double *inv_freq; /* [half] freq_base^(-2j/n_rot) */
-    double *cs;             /* [nth][2 * half] */
+    double *cs;             /* [t][half][2] */
     double mscale, ext, span;
 } rope_ctx;
 
-static void rope_task(void *arg, uint32_t ith, uint32_t nth) {
+static void rope_table_task(void *arg, uint32_t ith, uint32_t nth) {
     const rope_ctx *c = (const rope_ctx *)arg;
     const htp_rope_params *p = c->p;
-    const uint32_t n_rot = p->n_rot, half = n_rot / 2, mode = p->mode;
-    double *cs = c->cs + (size_t)ith * 2 * half;
+    const uint32_t half = p->n_rot / 2;
     uint32_t b, e;
     htp_split(p->t, ith, nth, &b, &e);
     for (uint32_t i = b; i < e; i++) {
+        double *cs = c->cs + (size_t)i * 2 * half;
         for (uint32_t j = 0; j < half; j++) {
             const double extrap = (double)c->pos[i] * c->inv_freq[j];
             double theta = (double)p->freq_scale * extrap;
@@ -511,6 +532,17 @@ static void rope_task(void *arg, uint32_t ith, uint32_t nth) {
             cs[2 * j] = cos(theta) * c->mscale;
             cs[2 * j + 1] = sin(theta) * c->mscale;
         }
+    }
+}
+
+static void rope_task(void *arg, uint32_t ith, uint32_t nth) {
+    const rope_ctx *c = (const rope_ctx *)arg;
+    const htp_rope_params *p = c->p;
+    const uint32_t n_rot = p->n_rot, half = n_rot / 2, mode = p->mode;
+    uint32_t b, e;
+    htp_split(p->t, ith, nth, &b, &e);
+    for (uint32_t i = b; i < e; i++) {
+        const double *cs = c->cs + (size_t)i * 2 * half;
         for (uint32_t h = 0; h < p->n_heads; h++) {
             float *v = c->x + ((size_t)i * p->n_heads + h) * p->head_dim;
             for (uint32_t j = 0; j < half; j++) {
@@ -524,23 +556,83 @@ static void rope_task(void *arg, uint32_t ith, uint32_t nth) {
     }
 }
 
+/* the parameters a cos/sin table depends on: t and the rotation's, the rows' fields zeroed */
+static htp_rope_params rope_key(const htp_rope_params *p) {
+    htp_rope_params k;
+    memset(&k, 0, sizeof k);
+    k.t = p->t;
+    k.n_rot = p->n_rot;
+    k.freq_base = p->freq_base;
+    k.freq_scale = p->freq_scale;
+    k.yarn = p->yarn != 0;
+    if (k.yarn) {
+        k.ext_factor = p->ext_factor;
+        k.attn_factor = p->attn_factor;
+        k.corr_low = p->corr_low;
+        k.corr_high = p->corr_high;
+    }
+    return k;
+}
+
 htp_status htp_exec_rope(htp_exec *e, const htp_rope_params *p, float *x, const int32_t *pos) {
     const uint32_t half = p->n_rot / 2;
+    if (half == 0 || p->t == 0) return HTP_OK; /* nothing rotates */
     const uint32_t nth = (uint64_t)p->t * p->n_heads * p->n_rot < 16384 ? 1 : htp_pool_nth(e->pool);
-    double *buf = (double *)malloc(sizeof(double) * (half ? half : 1) * (1 + 2 * (size_t)nth));
-    if (!buf) return HTP_E_NOMEM;
-    for (uint32_t j = 0; j < half; j++) buf[j] = pow((double)p->freq_base, -2.0 * (double)j / (double)p->n_rot);
-    const int yarn = p->yarn != 0;
-    const double ext = yarn ? (double)p->ext_factor : 0.0;
-    double mscale = yarn ? (double)p->attn_factor : 1.0;
-    if (ext != 0.0) mscale *= 1.0 + 0.1 * log(1.0 / (double)p->freq_scale);
-    rope_ctx c = {p, x, pos, buf, buf + (half ? half : 1), mscale, ext,
-                  fmax(0.001, (double)p->corr_high - (double)p->corr_low)};
+    const size_t pairs = (size_t)p->t * half;
+    const htp_rope_params key = rope_key(p);
+    struct htp_rope_table *rt = e->rope;
+    double *cs = NULL, *own = NULL;
+    if (rt && memcmp(&rt->key, &key, sizeof key) == 0 &&
+        memcmp(rt->pos, pos, sizeof(int32_t) * p->t) == 0) {
+        cs = rt->cs; /* the same positions and rotation: the table is current */
+    } else {
+        double *inv = (double *)malloc(sizeof(double) * half);
+        if (!inv) return HTP_E_NOMEM;
+        for (uint32_t j = 0; j < half; j++) inv[j] = pow((double)p->freq_base, -2.0 * (double)j / (double)p->n_rot);
+        if (pairs <= HTP_ROPE_TABLE_MAX_PAIRS) {
+            if (!rt) rt = e->rope = (struct htp_rope_table *)calloc(1, sizeof *rt);
+            if (rt && (rt->cap_t < p->t || rt->cap_pairs < pairs)) {
+                free(rt->pos);
+                free(rt->cs);
+                rt->pos = (int32_t *)malloc(sizeof(int32_t) * p->t);
+                rt->cs = (double *)malloc(sizeof(double) * 2 * pairs);
+                const int ok = rt->pos && rt->cs;
+                rt->cap_t = ok ? p->t : 0;
+                rt->cap_pairs = ok ? pairs : 0;
+                memset(&rt->key, 0xff, sizeof rt->key);
+            }
+            if (rt && rt->cap_t >= p->t && rt->cap_pairs >= pairs) {
+                memset(&rt->key, 0xff, sizeof rt->key); /* invalid until filled */
+                cs = rt->cs;
+            }
+        }
+        if (!cs) cs = own = (double *)malloc(sizeof(double) * 2 * pairs);
+        if (!cs) {
+            free(inv);
+            return HTP_E_NOMEM;
+        }
+        const int yarn = p->yarn != 0;
+        const double ext = yarn ? (double)p->ext_factor : 0.0;
+        double mscale = yarn ? (double)p->attn_factor : 1.0;
+        if (ext != 0.0) mscale *= 1.0 + 0.1 * log(1.0 / (double)p->freq_scale);
+        rope_ctx tc = {p, x, pos, inv, cs, mscale, ext,
+                       fmax(0.001, (double)p->corr_high - (double)p->corr_low)};
+        if ((uint64_t)p->t * half < 4096)
+            rope_table_task(&tc, 0, 1);
+        else
+            htp_parallel(e->pool, rope_table_task, &tc);
+        free(inv);
+        if (!own) {
+            memcpy(rt->pos, pos, sizeof(int32_t) * p->t);
+            rt->key = key;
+        }
+    }
+    rope_ctx c = {p, x, pos, NULL, cs, 0.0, 0.0, 0.0};
     if (nth == 1)
         rope_task(&c, 0, 1);
     else
         htp_parallel(e->pool, rope_task, &c);
-    free(buf);
+    free(own);
     return HTP_OK;
 }
 

@@ -406,6 +406,7 @@ typedef struct htp_exec {
     const htp_isa *isa;
     htp_pool *pool;
     struct htp_expert_ws *ws; /* expert op working set, grown on demand */
+    struct htp_rope_table *rope; /* the last RoPE cos/sin table (htp_core.c), or NULL */
 } htp_exec;
 
 /* One matrix of a GEMM op: W [n][k] (tiles) -> y [t][ldy] (first n columns). */
@@ -433,6 +434,7 @@ htp_status htp_exec_expert(htp_exec *e, const htp_expert_params *p, uint32_t act
 htp_act_q8 htp_q8_rows(const uint8_t *rows, uint32_t t, uint32_t d);
 void htp_exec_quantize(htp_exec *e, const htp_quantize_params *p, const float *x, uint8_t *out);
 void htp_expert_ws_free(struct htp_expert_ws *ws);
+void htp_rope_table_free(struct htp_rope_table *rt);
 htp_status htp_exec_attention(htp_exec *e, const htp_attention_params *p, const float *q,
                               const float *k, const float *v, const float *sinks, float *out);
 void htp_exec_get_rows(const htp_get_rows_params *p, const uint8_t *table, const int32_t *ids,

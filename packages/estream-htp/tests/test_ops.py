@@ -587,3 +587,70 @@ def test_matmul_f32_bad_input() -> None:
         htp.matmul_f32(x, np.ones((4, 2), np.float64))
     with pytest.raises(htp.HTPInputError, match="shape"):
         htp.matmul_f32(x, np.ones((4, 2), np.float32), out=np.empty((3, 3), np.float32))
+
+
+def _rope_fresh(x: np.ndarray, pos: np.ndarray, *args: object, **kw: object) -> np.ndarray:
+    """`rope` on a copy of ``x`` by a new backend (no cos/sin table kept from earlier calls)."""
+    y = x.copy()
+    with htp.Backend("host", n_threads=2) as be:
+        htp.rope(y, pos, *args, backend=be, **kw)  # type: ignore[arg-type]
+    return y
+
+
+def test_rope_table_reused_only_for_the_same_positions_and_rotation() -> None:
+    """A backend keeps the last call's cos/sin table: calls at the same positions and rotation
+    (q then k, layer after layer) reuse it, and any change of the positions' values (in the same
+    array), their count or a rotation parameter makes a new one. Every call gives the bits a
+    fresh backend gives, and those are within TOL of the float64 reference."""
+    rng = np.random.default_rng(3)
+    t, n_rot = 300, 64  # 300 x 32 pairs: the table is built by the pool's threads
+    pos = rng.integers(0, 6000, t).astype(np.int32)
+    yarn = dict(ext_factor=1.0, attn_factor=0.9, corr_dims=(3.0, 21.0))
+    calls: list[tuple[np.ndarray, tuple, dict]] = [
+        (pos, (n_rot, 10000.0, 1.0, "neox"), {}),
+        (pos, (n_rot, 10000.0, 1.0, "neox"), {}),  # reused
+        (pos, (n_rot, 10000.0, 1.0, "normal"), {}),  # reused: the table does not depend on mode
+        (pos, (n_rot, 500000.0, 1.0, "neox"), {}),  # another base
+        (pos, (n_rot, 500000.0, 0.25, "neox"), {}),  # another scale
+        (pos, (n_rot, 500000.0, 0.25, "neox"), yarn),  # YaRN
+        (pos, (n_rot, 500000.0, 0.25, "neox"), dict(yarn, attn_factor=1.1)),
+        (pos, (n_rot - 8, 500000.0, 0.25, "neox"), dict(yarn, attn_factor=1.1)),  # fewer dims
+        (pos[:-1], (n_rot - 8, 500000.0, 0.25, "neox"), dict(yarn, attn_factor=1.1)),  # fewer rows
+    ]
+    with htp.Backend("host", n_threads=2) as be:
+        for i, (p_, args, kw) in enumerate(calls):
+            x = rng.standard_normal((p_.shape[0], 3, n_rot + 4)).astype(np.float32)
+            want = _rope_fresh(x, p_, *args, **kw)
+            ref = T.ref_rope(x, p_, *args, **kw)  # type: ignore[arg-type]
+            htp.rope(x, p_, *args, backend=be, **kw)  # type: ignore[arg-type]
+            assert x.tobytes() == want.tobytes(), f"call {i}: not the bits of a fresh backend"
+            assert T.rel_l2(x, ref) <= TOL, f"call {i}"
+        # the same array, other values: the table must follow the values, not the address
+        live = pos.copy()
+        for step in range(3):
+            live[step * 7 % t] += 1 + step
+            x = rng.standard_normal((t, 2, n_rot)).astype(np.float32)
+            want = _rope_fresh(x, live, n_rot, 10000.0, 1.0, "neox")
+            htp.rope(x, live, n_rot, 10000.0, 1.0, "neox", backend=be)
+            assert x.tobytes() == want.tobytes(), f"positions changed in place, step {step}"
+
+
+def test_rope_above_the_table_limit_matches_the_reference() -> None:
+    """Rows x pairs above the kept table's limit (2^20 pairs) are rotated from a per-call table,
+    with the same bits as calls that keep one."""
+    rng = np.random.default_rng(5)
+    t, n_rot = 16500, 128  # 16500 x 64 pairs > 2^20
+    pos = np.arange(t, dtype=np.int32)
+    x = rng.standard_normal((t, 1, n_rot)).astype(np.float32)
+    ref = T.ref_rope(x, pos, n_rot, 10000.0, 1.0, "neox")
+    y = x.copy()
+    with htp.Backend("host", n_threads=2) as be:
+        htp.rope(y, pos, n_rot, 10000.0, 1.0, "neox", backend=be)
+        z = x.copy()
+        htp.rope(z, pos, n_rot, 10000.0, 1.0, "neox", backend=be)
+    assert y.tobytes() == z.tobytes()
+    assert T.rel_l2(y, ref) <= TOL
+    small = x[:1000].copy()  # the first 1000 rows through a kept table: the same bits
+    with htp.Backend("host", n_threads=2) as be:
+        htp.rope(small, pos[:1000], n_rot, 10000.0, 1.0, "neox", backend=be)
+    assert small.tobytes() == y[:1000].tobytes()
