@@ -372,10 +372,12 @@ extern "C" {
 uint32_t htp_abi_version(void);
 uint32_t htp_simd_best(void); /* best level this CPU and build support */
 /* 1 if kernel table `level` runs bf16 attention products (HTP_PRODUCTS_BF16) natively on this
- * CPU (the table has a native bf16 attention kernel and the CPU its instructions: vdpbf16ps,
- * AVX512_BF16, for the AVX-512 levels and AMX; BFMLALB / BFMLALT, FEAT_BF16, for NEON), 0 if they are emulated bit for bit (slower
- * than fp32 products) or the level is not available. Heads with dk or dv not a multiple of 16
- * take the emulation at any level. */
+ * CPU at about twice the rate of fp32 products: the AVX-512 levels and AMX on a CPU with
+ * AVX512_BF16 (vdpbf16ps, two products a lane). 0 where they are emulated bit for bit (slower
+ * than fp32 products), where the level is not available, and on NEON: its native FEAT_BF16
+ * task (BFMLALB / BFMLALT, one product a lane, plus vdpbf16ps's flush done explicitly) gives
+ * the same bits but issues ~2.9x the fp32 task's instructions. Heads with dk or dv not a
+ * multiple of 16 take the emulation at any level. */
 int htp_simd_native_bf16_attention(uint32_t level);
 
 /* ---- backends ---- */

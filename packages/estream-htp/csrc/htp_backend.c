@@ -589,7 +589,7 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
         if (p->has_bias) GET(1, nbytes(p->n_experts, 4), RD, 4, bias);
         GET(1 + o, nbytes3(p->t, p->k, 4), WR, 4, ids);
         GET(2 + o, nbytes3(p->t, p->k, 4), WR, 4, wts);
-        return htp_exec_router(p, logits, bias, ids, wts);
+        return htp_exec_router(&b->ex, p, logits, bias, ids, wts);
     }
     case HTP_OP_CONV1D: {
         const htp_conv1d_params *p = &op->p.conv1d;
@@ -622,7 +622,7 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
         GET(0, span_bytes(p->rows, p->cols, p->lda), RD, 4, x);
         GET(1, span_bytes(p->rows, p->cols, p->ldb), RD, 4, y);
         GET(2, span_bytes(p->rows, p->cols, p->ldo), WR, 4, out);
-        htp_exec_binary(op->opcode, p, x, y, out);
+        htp_exec_binary(&b->ex, op->opcode, p, x, y, out);
         return HTP_OK;
     }
     case HTP_OP_COPY_ROWS: {
@@ -636,7 +636,7 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
         GET(0, ns, RD, 4, src);
         GET(1, nd, WR, 4, dst);
         if (overlaps(src, ns, dst, nd)) return HTP_E_INVALID;
-        htp_exec_copy_rows(p, src, dst);
+        htp_exec_copy_rows(&b->ex, p, src, dst);
         return HTP_OK;
     }
     case HTP_OP_FILL: {

@@ -156,8 +156,15 @@ int htp_cpu_bf16(void) {
 }
 
 int htp_simd_native_bf16_attention(uint32_t level) {
+#ifdef HTP_X86
     const htp_isa *isa = htp_isa_for(level);
     return isa && isa->attention_bf16_task && htp_cpu_bf16();
+#else
+    /* NEON's bf16 task (BFMLALT / BFMLALB, one product per lane and an explicit flush) gives
+     * the bits natively but issues ~2.9x the fp32 task's instructions: not the faster choice */
+    (void)level;
+    return 0;
+#endif
 }
 
 uint32_t htp_simd_best(void) {
@@ -539,12 +546,13 @@ static void rope_task(void *arg, uint32_t ith, uint32_t nth) {
     const rope_ctx *c = (const rope_ctx *)arg;
     const htp_rope_params *p = c->p;
     const uint32_t n_rot = p->n_rot, half = n_rot / 2, mode = p->mode;
+    const uint32_t n_heads = p->n_heads, head_dim = p->head_dim; /* locals: see binary_rows */
     uint32_t b, e;
     htp_split(p->t, ith, nth, &b, &e);
     for (uint32_t i = b; i < e; i++) {
         const double *cs = c->cs + (size_t)i * 2 * half;
-        for (uint32_t h = 0; h < p->n_heads; h++) {
-            float *v = c->x + ((size_t)i * p->n_heads + h) * p->head_dim;
+        for (uint32_t h = 0; h < n_heads; h++) {
+            float *v = c->x + ((size_t)i * n_heads + h) * head_dim;
             for (uint32_t j = 0; j < half; j++) {
                 const uint32_t a = mode == HTP_ROPE_NORMAL ? 2 * j : j;
                 const uint32_t bb = mode == HTP_ROPE_NORMAL ? 2 * j + 1 : j + half;
@@ -671,25 +679,90 @@ htp_status htp_exec_conv1d(const htp_conv1d_params *p, const float *x, const flo
  * One portable body each for every ISA and backend: contiguous inner loops the compiler
  * vectorises; one rounding per element, so every backend gives the same bits (and numpy's
  * float32 a + b / a * b the same too). */
-void htp_exec_binary(uint32_t opcode, const htp_binary_params *p, const float *a, const float *b,
-                     float *out) {
-    for (size_t r = 0; r < p->rows; r++) {
-        const float *ar = a + r * p->lda, *br = b + r * p->ldb;
-        float *o = out + r * p->ldo;
+typedef struct rows_ctx {
+    uint32_t opcode;
+    const htp_binary_params *bp;
+    const htp_copy_params *cp;
+    const void *a, *b;
+    void *out;
+} rows_ctx;
+
+static void binary_rows(uint32_t opcode, const htp_binary_params *p, const float *a,
+                        const float *b, float *out, size_t r0, size_t r1) {
+    /* the sizes in locals: read through p inside the loop, they would be reloaded after every
+     * store to o (which may alias *p as far as the compiler knows), keeping the loop scalar */
+    const size_t cols = p->cols, lda = p->lda, ldb = p->ldb, ldo = p->ldo;
+    for (size_t r = r0; r < r1; r++) {
+        const float *ar = a + r * lda, *br = b + r * ldb;
+        float *o = out + r * ldo;
         if (opcode == HTP_OP_ADD)
-            for (size_t c = 0; c < p->cols; c++) o[c] = ar[c] + br[c];
+            for (size_t c = 0; c < cols; c++) o[c] = ar[c] + br[c];
         else
-            for (size_t c = 0; c < p->cols; c++) o[c] = ar[c] * br[c];
+            for (size_t c = 0; c < cols; c++) o[c] = ar[c] * br[c];
     }
 }
 
-void htp_exec_copy_rows(const htp_copy_params *p, const uint32_t *src, uint32_t *dst) {
-    for (size_t r = 0; r < p->rows; r++)
-        memcpy(dst + r * p->ld_dst, src + (r / p->rep) * p->ld_src, (size_t)p->cols * 4);
+static void copy_rows(const htp_copy_params *p, const uint32_t *src, uint32_t *dst, size_t r0,
+                      size_t r1) {
+    const size_t cols = p->cols, ld_src = p->ld_src, ld_dst = p->ld_dst, rep = p->rep;
+    for (size_t r = r0; r < r1; r++) memcpy(dst + r * ld_dst, src + (r / rep) * ld_src, cols * 4);
+}
+
+static void rows_task(void *arg, uint32_t ith, uint32_t nth) {
+    const rows_ctx *c = (const rows_ctx *)arg;
+    uint32_t b, e;
+    if (c->bp) {
+        htp_split(c->bp->rows, ith, nth, &b, &e);
+        binary_rows(c->opcode, c->bp, (const float *)c->a, (const float *)c->b, (float *)c->out, b, e);
+    } else {
+        htp_split(c->cp->rows, ith, nth, &b, &e);
+        copy_rows(c->cp, (const uint32_t *)c->a, (uint32_t *)c->out, b, e);
+    }
+}
+
+/* whether rows may go to different threads: out overlaps neither input, or is one of them
+ * element for element (same address and row stride: each element is read before it is
+ * written, by the same thread) */
+static int binary_rows_independent(const htp_binary_params *p, const float *a, const float *b,
+                                   const float *out) {
+    if (!p->rows || !p->cols) return 1;
+    const char *o0 = (const char *)out, *o1 = (const char *)(out + ((size_t)p->rows - 1) * p->ldo + p->cols);
+    const float *in[2] = {a, b};
+    const uint32_t ld[2] = {p->lda, p->ldb};
+    for (int i = 0; i < 2; i++) {
+        const char *i0 = (const char *)in[i];
+        const char *i1 = (const char *)(in[i] + ((size_t)p->rows - 1) * ld[i] + p->cols);
+        if (i0 < o1 && o0 < i1 && !(in[i] == out && ld[i] == p->ldo)) return 0;
+    }
+    return 1;
+}
+
+/* below ~64K elements a wake-up costs more than it saves */
+#define HTP_ROWS_PARALLEL_MIN 65536u
+
+void htp_exec_binary(htp_exec *e, uint32_t opcode, const htp_binary_params *p, const float *a,
+                     const float *b, float *out) {
+    if ((uint64_t)p->rows * p->cols < HTP_ROWS_PARALLEL_MIN || !binary_rows_independent(p, a, b, out)) {
+        binary_rows(opcode, p, a, b, out, 0, p->rows);
+        return;
+    }
+    rows_ctx c = {opcode, p, NULL, a, b, out};
+    htp_parallel(e->pool, rows_task, &c);
+}
+
+void htp_exec_copy_rows(htp_exec *e, const htp_copy_params *p, const uint32_t *src, uint32_t *dst) {
+    if ((uint64_t)p->rows * p->cols < HTP_ROWS_PARALLEL_MIN) { /* src and dst never overlap */
+        copy_rows(p, src, dst, 0, p->rows);
+        return;
+    }
+    rows_ctx c = {0, NULL, p, src, NULL, dst};
+    htp_parallel(e->pool, rows_task, &c);
 }
 
 void htp_exec_fill(const htp_fill_params *p, uint32_t *out) {
-    for (uint64_t i = 0; i < p->n; i++) out[i] = p->value;
+    const uint64_t n = p->n;
+    const uint32_t value = p->value; /* in locals: see binary_rows */
+    for (uint64_t i = 0; i < n; i++) out[i] = value;
 }
 
 /* ---- fp32 matmul (validated by the caller): token rows split across the pool; each output
@@ -721,15 +794,28 @@ htp_status htp_exec_matmul_f32(htp_exec *e, const htp_matmul_params *p, const fl
     return HTP_OK;
 }
 
-/* ---- router (validated by the caller) ---- */
-htp_status htp_exec_router(const htp_router_params *pr, const float *logits, const float *bias,
-                           int32_t *ids, float *weights) {
+/* ---- router (validated by the caller): tokens split across the pool's threads, each row
+ * computed the same way whatever the split ---- */
+typedef struct router_ctx {
+    const htp_router_params *pr;
+    const float *logits, *bias;
+    int32_t *ids;
+    float *weights;
+    double *scratch; /* [nth][per] */
+    size_t per;      /* doubles of one thread's scratch: p, key, then the taken flags */
+} router_ctx;
+
+static void router_task(void *arg, uint32_t ith, uint32_t nth) {
+    const router_ctx *c = (const router_ctx *)arg;
+    const htp_router_params *pr = c->pr;
     const uint32_t n_experts = pr->n_experts, k = pr->k;
-    double *p = (double *)malloc(sizeof(double) * n_experts * 2);
-    if (!p) return HTP_E_NOMEM;
+    double *p = c->scratch + (size_t)ith * c->per;
     double *key = p + n_experts;
-    for (uint32_t i = 0; i < pr->t; i++) {
-        const float *l = logits + (size_t)i * n_experts;
+    uint8_t *taken = (uint8_t *)(key + n_experts); /* [n_experts] after the two double rows */
+    uint32_t b, e_;
+    htp_split(pr->t, ith, nth, &b, &e_);
+    for (uint32_t i = b; i < e_; i++) {
+        const float *l = c->logits + (size_t)i * n_experts;
         if (pr->gating == HTP_GATING_SOFTMAX) {
             double mx = -INFINITY, sum = 0.0;
             for (uint32_t e = 0; e < n_experts; e++) mx = l[e] > mx ? l[e] : mx;
@@ -738,22 +824,23 @@ htp_status htp_exec_router(const htp_router_params *pr, const float *logits, con
         } else {
             for (uint32_t e = 0; e < n_experts; e++) {
                 p[e] = 1.0 / (1.0 + exp(-(double)l[e]));
-                key[e] = p[e] + (bias ? (double)bias[e] : 0.0);
+                key[e] = p[e] + (c->bias ? (double)c->bias[e] : 0.0);
             }
         }
-        int32_t *id = ids + (size_t)i * k;
-        float *wt = weights + (size_t)i * k;
-        /* selection: k passes, each picks the largest remaining key (ties -> lower id) */
+        int32_t *id = c->ids + (size_t)i * k;
+        float *wt = c->weights + (size_t)i * k;
+        /* selection: k passes, each picks the largest key not yet taken (ties -> lower id; a
+         * NaN key is never larger, so it is picked only when nothing before it is) */
+        memset(taken, 0, n_experts);
         double wsum = 0.0;
         for (uint32_t j = 0; j < k; j++) {
             int32_t best = -1;
             for (uint32_t e = 0; e < n_experts; e++) {
-                int taken = 0;
-                for (uint32_t q = 0; q < j; q++) taken |= id[q] == (int32_t)e;
-                if (taken) continue;
+                if (taken[e]) continue;
                 if (best < 0 || key[e] > key[best]) best = (int32_t)e;
             }
             id[j] = best;
+            taken[best] = 1;
             wsum += p[best];
         }
         for (uint32_t j = 0; j < k; j++) {
@@ -762,6 +849,23 @@ htp_status htp_exec_router(const htp_router_params *pr, const float *logits, con
             wt[j] = (float)(v * pr->scale);
         }
     }
-    free(p);
+}
+
+htp_status htp_exec_router(htp_exec *ex, const htp_router_params *pr, const float *logits,
+                           const float *bias, int32_t *ids, float *weights) {
+    const uint32_t n_experts = pr->n_experts;
+    /* below ~16K logits a wake-up costs more than it saves */
+    const uint32_t nth = (uint64_t)pr->t * n_experts < 16384 ? 1 : htp_pool_nth(ex->pool);
+    /* per thread: p and key (doubles), then the taken flags (bytes, rounded up to doubles) */
+    const size_t per = 2 * (size_t)n_experts + ((size_t)n_experts + 7) / 8;
+    double *scratch = (double *)malloc(sizeof(double) * per * nth);
+    if (!scratch) return HTP_E_NOMEM;
+    router_ctx c = {pr, logits, bias, ids, weights, scratch, per};
+    if (nth == 1) {
+        router_task(&c, 0, 1);
+    } else {
+        htp_parallel(ex->pool, router_task, &c);
+    }
+    free(scratch);
     return HTP_OK;
 }

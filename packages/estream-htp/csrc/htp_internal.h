@@ -444,14 +444,14 @@ void htp_exec_rms_norm(htp_exec *e, const htp_rms_norm_params *p, const float *x
 htp_status htp_exec_rope(htp_exec *e, const htp_rope_params *p, float *x, const int32_t *pos);
 htp_status htp_exec_conv1d(const htp_conv1d_params *p, const float *x, const float *w,
                             const float *state, float *out);
-void htp_exec_binary(uint32_t opcode, const htp_binary_params *p, const float *a, const float *b,
-                     float *out);
-void htp_exec_copy_rows(const htp_copy_params *p, const uint32_t *src, uint32_t *dst);
+void htp_exec_binary(htp_exec *e, uint32_t opcode, const htp_binary_params *p, const float *a,
+                     const float *b, float *out);
+void htp_exec_copy_rows(htp_exec *e, const htp_copy_params *p, const uint32_t *src, uint32_t *dst);
 void htp_exec_fill(const htp_fill_params *p, uint32_t *out);
 htp_status htp_exec_matmul_f32(htp_exec *e, const htp_matmul_params *p, const float *x,
                                const float *w, float *y);
-htp_status htp_exec_router(const htp_router_params *p, const float *logits, const float *bias,
-                           int32_t *ids, float *weights);
+htp_status htp_exec_router(htp_exec *e, const htp_router_params *p, const float *logits,
+                           const float *bias, int32_t *ids, float *weights);
 
 /* ---- REMOTE backends (htp_remote.c) ---- */
 typedef struct htp_remote htp_remote;

@@ -80,6 +80,56 @@ def test_add_mul_contiguous_and_in_place(be, shape) -> None:  # type: ignore[no-
     assert np.array_equal(a, (a0.astype(np.float64) + b).astype(np.float32))
 
 
+@pytest.mark.parametrize("op", ["add", "mul"])
+def test_add_mul_large_rows_exact_in_place_and_overlapping(be, op) -> None:  # type: ignore[no-untyped-def]
+    """Enough elements for the rows to be split across the backend's threads (>= 64K): column
+    windows of wider rows equal the float64 result rounded once; in place (out is a) the same;
+    an out that overlaps an input one row off gives what one pass over the rows in order
+    gives (such calls stay on one thread)."""
+    rng = np.random.default_rng(21)
+    rows, cols = 517, 301  # 155,617 elements
+    fn = htp.add if op == "add" else htp.mul
+    f64 = (lambda x, y: x + y) if op == "add" else (lambda x, y: x * y)
+    bases = [_arr(be, (rows, cols + 5)) for _ in range(3)]
+    for base in bases[:2]:
+        base[...] = rng.standard_normal(base.shape).astype(np.float32) * 10
+    a, b, o = (base[:, 2 : 2 + cols] for base in bases)
+    want = f64(a.astype(np.float64), b.astype(np.float64)).astype(np.float32)
+    assert fn(a, b, o, backend=be) is o and np.array_equal(o, want)
+    assert np.isnan(bases[2][:, :2]).all() and np.isnan(bases[2][:, 2 + cols :]).all()
+    a0 = np.array(a)
+    fn(a, b, a, backend=be)  # in place
+    assert np.array_equal(a, want) and not np.array_equal(a, a0)
+    for shift in (1, -1):  # out one row before / after a, in the same buffer
+        buf = _arr(be, (rows + 1, cols))
+        buf[...] = rng.standard_normal(buf.shape).astype(np.float32)
+        bb = np.ascontiguousarray(rng.standard_normal((rows, cols)).astype(np.float32))
+        if be.kind != "host":
+            bb_shared = _arr(be, (rows, cols))
+            bb_shared[...] = bb
+            bb = bb_shared
+        src, dst = (buf[1:], buf[:-1]) if shift == 1 else (buf[:-1], buf[1:])
+        seq = np.array(buf, np.float64)
+        s_src, s_dst = (seq[1:], seq[:-1]) if shift == 1 else (seq[:-1], seq[1:])
+        for r in range(rows):  # one pass in row order, rounding each row to float32
+            s_dst[r] = f64(s_src[r], bb[r].astype(np.float64)).astype(np.float32)
+        fn(src, bb, dst, backend=be)
+        assert np.array_equal(buf, seq.astype(np.float32)), f"shift {shift}"
+
+
+def test_copy_rows_large_broadcast_exact(be) -> None:  # type: ignore[no-untyped-def]
+    """A copy big enough for the backend's threads: every row of dst is its source row."""
+    rng = np.random.default_rng(22)
+    rows, cols, rep = 301, 219, 3  # 197,757 destination elements
+    src_base = _arr(be, (rows, cols + 4))
+    src_base[...] = rng.standard_normal(src_base.shape)
+    dst_base = _arr(be, (rows * rep, cols + 2))
+    src, dst = src_base[:, 3 : 3 + cols], dst_base[:, 1 : 1 + cols]
+    assert htp.copy_rows(src, dst, rep, backend=be) is dst
+    assert np.array_equal(dst, np.repeat(np.asarray(src, np.float64), rep, axis=0))
+    assert np.isnan(dst_base[:, 0]).all() and np.isnan(dst_base[:, 1 + cols :]).all()
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     rows=st.integers(1, 13),

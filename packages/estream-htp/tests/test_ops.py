@@ -366,6 +366,29 @@ def test_router_topk(t, e, data, gating, norm, seed, ties, use_bias) -> None:
     assert T.rel_l2(w, rw) <= TOL
 
 
+@pytest.mark.parametrize("gating", ["softmax", "sigmoid"])
+def test_router_topk_rows_split_across_threads(gating: str) -> None:
+    """Enough rows for the pool's threads (t x experts >= 16K): the ids of the float64
+    reference (ties -> lower id, rounded logits make many), weights within TOL, and the same
+    bits from one thread and from two."""
+    rng = np.random.default_rng(9)
+    t, e, k = 611, 64, 8
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    logits[::3] = np.round(logits[::3])  # every third row full of ties
+    bias = rng.standard_normal(e).astype(np.float32) if gating == "sigmoid" else None
+    rids, rw = T.ref_router_topk(logits, k, gating, True, 2.5, bias)
+    out = []
+    for n in (1, 2):
+        with htp.Backend("host", n_threads=n) as be:
+            ids = np.full((t, k), -7, np.int32)
+            w = np.full((t, k), np.nan, np.float32)
+            htp.router_topk(logits, k, gating, True, 2.5, bias, out=(ids, w), backend=be)  # type: ignore[arg-type]
+        assert np.array_equal(ids, rids), f"{n} thread(s)"
+        assert T.rel_l2(w, rw) <= TOL
+        out.append((ids.tobytes(), w.tobytes()))
+    assert out[0] == out[1]
+
+
 def test_router_mixtral_equivalence() -> None:
     # softmax + norm over top-k equals softmax over the top-k logits
     rng = np.random.default_rng(1)

@@ -231,10 +231,12 @@ def simd_supported(name: str) -> bool:
 
 def native_bf16_attention(backend: Backend | None = None) -> bool:
     """Whether ``backend``'s kernel set (default: the default backend's) runs bf16 attention
-    products (``attention(..., products="bf16")``) natively on this CPU: an AVX-512 level or
-    AMX on a CPU with AVX512_BF16 (vdpbf16ps), NEON with FEAT_BF16 (BFMLALB/T). False where they are emulated bit for bit
-    (slower than fp32 products): other levels, other CPUs, the hexagon executor's HVX. Heads
-    whose dk or dv is not a multiple of 16 take the emulation on any level."""
+    products (``attention(..., products="bf16")``) natively on this CPU at about twice the fp32
+    products' rate: an AVX-512 level or AMX on a CPU with AVX512_BF16 (vdpbf16ps). False where
+    they are emulated bit for bit (slower than fp32 products: other levels, other CPUs, the
+    hexagon executor's HVX) and on NEON, whose native FEAT_BF16 kernel (BFMLALB/T, one product
+    a lane) gives the same bits at below the fp32 kernel's rate. Heads whose dk or dv is not a
+    multiple of 16 take the emulation on any level."""
     return bool(lib.htp_simd_native_bf16_attention(SIMD_LEVELS[_be(backend).simd]))
 
 
