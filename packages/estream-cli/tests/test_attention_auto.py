@@ -67,24 +67,6 @@ def _logits(model: Path, **kw: object) -> tuple[np.ndarray, str, str]:
         return np.asarray(r.logits), eng.attention, r.metrics["attention"]
 
 
-def test_native_bf16_attention_follows_the_kernel_set_and_the_cpu() -> None:
-    """AVX-512 and AMX kernel sets are native exactly when the CPU has AVX512_BF16
-    (/proc/cpuinfo); portable, AVX2 and hexagon's HVX (a backend whose level is hvx) never, nor
-    a level this CPU cannot run."""
-
-    def native(level: str) -> bool:
-        return htp.native_bf16_attention(SimpleNamespace(simd=level))  # type: ignore[arg-type]
-
-    for level in ("portable", "avx2", "hvx"):
-        assert native(level) is False, level
-    for level in ("neon", "avx512", "avx512vnni", "amx"):
-        if not htp.simd_supported(level):
-            assert native(level) is False, level
-    for level in ("avx512", "avx512vnni", "amx"):
-        assert native(level) is (htp.simd_supported(level) and _cpu_has_avx512_bf16()), level
-    assert NATIVE is htp.native_bf16_attention(htp.default_backend())
-
-
 def test_f32_is_the_default_and_a_bad_value_lists_the_choices(tmp_path: Path) -> None:
     assert EngineOptions().attention == "f32" and ATTENTION == ("auto", "f32", "bf16")
     msg = "attention must be one of auto, f32, bf16, got 'fp16'"

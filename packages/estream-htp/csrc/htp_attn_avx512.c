@@ -69,6 +69,10 @@ HTP_T_BF16 void htp_attn_bf16_pack_avx512(const htp_attn_ctx *c, uint32_t ith, u
     const uint32_t dp = dk / 2;
     const size_t ks = (size_t)c->hkv * dk, vs = (size_t)c->hkv * dv;
     const uint32_t nblk = (uint32_t)c->kt_ld;
+    if (dk > 512) { /* wider than the row buffer below */
+        htp_attn_bf16_pack_scalar(c, ith, nth);
+        return;
+    }
     uint32_t b, e;
     /* K: one (head, key block) per step; each key row becomes dp words, stored transposed */
     htp_split(c->hkv * nblk, ith, nth, &b, &e);
@@ -78,16 +82,11 @@ HTP_T_BF16 void htp_attn_bf16_pack_avx512(const htp_attn_ctx *c, uint32_t ith, u
         for (uint32_t jj = 0; jj < BK; jj++) {
             const uint32_t j = kb * BK + jj;
             uint32_t row[HTP_ATTN_BK * 4]; /* up to dk = 512 */
-            if (j < t && dk <= 512) {
+            if (j < t) {
                 const float *src = c->k + (size_t)j * ks + (size_t)hk * dk;
                 for (uint32_t d = 0; d < dk; d += 16)
                     _mm256_storeu_si256((__m256i *)((uint16_t *)row + d), bf16_of(_mm512_loadu_ps(src + d)));
                 for (uint32_t p = 0; p < dp; p++) dst[(size_t)p * BK + jj] = row[p];
-            } else if (j < t) {
-                const float *src = c->k + (size_t)j * ks + (size_t)hk * dk;
-                for (uint32_t p = 0; p < dp; p++)
-                    dst[(size_t)p * BK + jj] = (uint32_t)htp_bf16_bits(src[2 * p]) |
-                                               (uint32_t)htp_bf16_bits(src[2 * p + 1]) << 16;
             } else {
                 for (uint32_t p = 0; p < dp; p++) dst[(size_t)p * BK + jj] = 0;
             }

@@ -118,40 +118,6 @@ HTP_T_NEON_BF16 static inline __attribute__((always_inline)) float32x4_t dpbf16_
 }
 HTP_T_NEON_BF16 static inline bfloat16x8_t bf16_pair_bcast(uint32_t w) { return vreinterpretq_bf16_u32(vdupq_n_u32(w)); }
 
-/* K and V of every KV head into bf16 pairs (see htp_attn_ctx), rows split across threads: the
- * AVX-512 packer's layout and bits (htp_bf16_bits). */
-void htp_attn_bf16_pack_neon(const htp_attn_ctx *c, uint32_t ith, uint32_t nth) {
-    const uint32_t BK = HTP_ATTN_BK, dk = c->dk, dv = c->dv, t = c->tk; /* key rows */
-    const uint32_t dp = dk / 2, nblk = (uint32_t)c->kt_ld;
-    const size_t ks = (size_t)c->hkv * dk, vs = (size_t)c->hkv * dv;
-    uint32_t b, e;
-    htp_split(c->hkv * nblk, ith, nth, &b, &e);
-    for (uint32_t rr = b; rr < e; rr++) {
-        const uint32_t hk = rr / nblk, kb = rr % nblk;
-        uint32_t *dst = c->kw + ((size_t)hk * nblk + kb) * dp * BK;
-        for (uint32_t jj = 0; jj < BK; jj++) {
-            const uint32_t j = kb * BK + jj;
-            const float *src = c->k + (size_t)j * ks + (size_t)hk * dk;
-            for (uint32_t p = 0; p < dp; p++)
-                dst[(size_t)p * BK + jj] = j < t ? (uint32_t)htp_bf16_bits(src[2 * p]) |
-                                                       (uint32_t)htp_bf16_bits(src[2 * p + 1]) << 16
-                                                 : 0u;
-        }
-    }
-    const uint32_t npair = nblk * (BK / 2);
-    htp_split(c->hkv * npair, ith, nth, &b, &e);
-    for (uint32_t rr = b; rr < e; rr++) {
-        const uint32_t hk = rr / npair, jp = rr % npair, j = 2 * jp;
-        uint32_t *dst = c->vw + ((size_t)hk * npair + jp) * dv;
-        const float *v0 = c->v + (size_t)j * vs + (size_t)hk * dv;
-        for (uint32_t d = 0; d < dv; d++) {
-            const uint32_t lo = j < t ? htp_bf16_bits(v0[d]) : 0u;
-            const uint32_t hi = j + 1 < t ? htp_bf16_bits(v0[vs + d]) : 0u;
-            dst[d] = lo | hi << 16;
-        }
-    }
-}
-
 /* S[4][64] = Qw[4][dp] · Kw[dp][64] (bf16 pairs, fp32 sums), 16 columns at a time */
 HTP_T_NEON_BF16 static inline void qk_bf16_4x64(const uint32_t *qw, uint32_t dp, const uint32_t *kw,
                                                 float *s, int nr) {

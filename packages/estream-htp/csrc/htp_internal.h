@@ -344,7 +344,7 @@ int htp_neon_bf16_supported(void);
 /* key columns per register block of the NEON fp32 attention task (htp_attn_neon.c) */
 #define HTP_ATTN_COLS_NEON 16
 void htp_attn_task_neon(const htp_attn_ctx *c, uint32_t task, float *scratch);
-void htp_attn_bf16_pack_neon(const htp_attn_ctx *c, uint32_t ith, uint32_t nth);
+void htp_attn_bf16_pack_scalar(const htp_attn_ctx *c, uint32_t ith, uint32_t nth);
 void htp_attn_bf16_task_neon(const htp_attn_ctx *c, uint32_t task, float *scratch);
 extern const htp_isa htp_isa_neon;
 #endif

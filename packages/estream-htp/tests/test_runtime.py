@@ -187,3 +187,21 @@ def test_simd_detection_agrees_with_cpuinfo(level: str) -> None:
     assert htp.simd_supported(level) == (_X86_NEEDS[level] <= cpu_flags()), sorted(
         _X86_NEEDS[level] - cpu_flags()
     )
+
+
+def test_native_bf16_attention_follows_the_kernel_set_and_the_cpu() -> None:
+    """`native_bf16_attention`: AVX-512 and AMX kernel sets count exactly when the CPU has
+    AVX512_BF16 (/proc/cpuinfo, independently of the library's detection) and the set runs here;
+    portable, AVX2, NEON (its FEAT_BF16 task is slower than its fp32 one) and hexagon's HVX never.
+    """
+    from types import SimpleNamespace
+
+    def native(level: str) -> bool:
+        return htp.native_bf16_attention(SimpleNamespace(simd=level))  # type: ignore[arg-type]
+
+    bf16_cpu = {"avx512f", "avx512_bf16"} <= cpu_flags()
+    for level in ("portable", "avx2", "hvx", "neon"):
+        assert native(level) is False, level
+    for level in ("avx512", "avx512vnni", "amx"):
+        assert native(level) is (htp.simd_supported(level) and bf16_cpu), level
+    assert htp.native_bf16_attention() is native(htp.simd_level())
