@@ -146,6 +146,30 @@ HTP_INSTANTIATE_KQ(vnni, HTP_T_VNNI)
         }                                                                                        \
     }
 
+/* The AVX-512 strip drivers' loop: blocks of up to 6 tokens of the activations a (nt tokens, kb
+ * blocks, k = 32 kb values a token), each one call FN(strip, kb, q, d, s, k, o, ldo, rows, NT
+ * [, extra]) with NT a constant 1..6 and q, d, s, o the block's; the arguments after FN (an
+ * empty one, then any extra) end the call. */
+#define AVX512_STRIP6(FN, ...)                                                                  \
+    do {                                                                                        \
+        const uint32_t k = kb * 32;                                                             \
+        for (uint32_t t0 = 0; t0 < nt; t0 += 6) {                                               \
+            const uint32_t n = nt - t0 < 6 ? nt - t0 : 6;                                       \
+            const int8_t *q = a->q + (size_t)t0 * k;                                            \
+            const float *d = a->d + (size_t)t0 * kb;                                            \
+            const int32_t *s = a->s + (size_t)t0 * kb;                                          \
+            float *o = out + (size_t)t0 * ldo;                                                  \
+            switch (n) {                                                                        \
+            case 6: FN(strip, kb, q, d, s, k, o, ldo, rows, 6 __VA_ARGS__); break;              \
+            case 5: FN(strip, kb, q, d, s, k, o, ldo, rows, 5 __VA_ARGS__); break;              \
+            case 4: FN(strip, kb, q, d, s, k, o, ldo, rows, 4 __VA_ARGS__); break;              \
+            case 3: FN(strip, kb, q, d, s, k, o, ldo, rows, 3 __VA_ARGS__); break;              \
+            case 2: FN(strip, kb, q, d, s, k, o, ldo, rows, 2 __VA_ARGS__); break;              \
+            default: FN(strip, kb, q, d, s, k, o, ldo, rows, 1 __VA_ARGS__); break;             \
+            }                                                                                   \
+        }                                                                                       \
+    } while (0)
+
 #define DOT_VNNI(acc, w, a) _mm512_dpbusd_epi32((acc), (w), (a))
 #define DOT_BW(acc, w, a) \
     _mm512_add_epi32((acc), _mm512_madd_epi16(_mm512_maddubs_epi16((w), (a)), _mm512_set1_epi16(1)))
@@ -529,22 +553,7 @@ MXFP4_HALF512(HTP_T_AVX512)
     TARGET HTP_NO_CONTRACT static void mxq8_strip_fast_##SUFFIX(const uint8_t *strip, uint32_t kb,               \
                                                 const htp_act_q8 *a, uint32_t nt, float *out,    \
                                                 uint32_t ldo, uint32_t rows) {                   \
-        const uint32_t k = kb * 32;                                                              \
-        for (uint32_t t0 = 0; t0 < nt; t0 += 6) {                                                \
-            const uint32_t n = nt - t0 < 6 ? nt - t0 : 6;                                        \
-            const int8_t *q = a->q + (size_t)t0 * k;                                             \
-            const float *d = a->d + (size_t)t0 * kb;                                             \
-            const int32_t *s = a->s + (size_t)t0 * kb;                                           \
-            float *o = out + (size_t)t0 * ldo;                                                   \
-            switch (n) {                                                                         \
-            case 6: mxq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 6); break;          \
-            case 5: mxq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 5); break;          \
-            case 4: mxq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 4); break;          \
-            case 3: mxq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 3); break;          \
-            case 2: mxq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 2); break;          \
-            default: mxq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 1); break;         \
-            }                                                                                    \
-        }                                                                                        \
+        AVX512_STRIP6(mxq8_block_##SUFFIX, );                                                    \
     }
 
 MXFP4_KERNEL(vnni, HTP_T_VNNI, DOT_VNNI)
@@ -679,22 +688,7 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) void lq_dm512(const ui
     TARGET HTP_NO_CONTRACT static inline __attribute__((always_inline)) void lqq8_strip_##SUFFIX( \
         const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out,         \
         uint32_t ldo, uint32_t rows, const int K) {                                              \
-        const uint32_t k = kb * 32;                                                              \
-        for (uint32_t t0 = 0; t0 < nt; t0 += 6) {                                                \
-            const uint32_t n = nt - t0 < 6 ? nt - t0 : 6;                                        \
-            const int8_t *q = a->q + (size_t)t0 * k;                                             \
-            const float *d = a->d + (size_t)t0 * kb;                                             \
-            const int32_t *s = a->s + (size_t)t0 * kb;                                           \
-            float *o = out + (size_t)t0 * ldo;                                                   \
-            switch (n) {                                                                         \
-            case 6: lqq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 6, K); break;       \
-            case 5: lqq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 5, K); break;       \
-            case 4: lqq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 4, K); break;       \
-            case 3: lqq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 3, K); break;       \
-            case 2: lqq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 2, K); break;       \
-            default: lqq8_block_##SUFFIX(strip, kb, q, d, s, k, o, ldo, rows, 1, K); break;      \
-            }                                                                                    \
-        }                                                                                        \
+        AVX512_STRIP6(lqq8_block_##SUFFIX, , K);                                                 \
     }                                                                                            \
     LQ_ENTRIES(fast_##SUFFIX, TARGET HTP_NO_CONTRACT, lqq8_strip_##SUFFIX)
 
@@ -740,22 +734,7 @@ HTP_T_VNNI static inline __attribute__((always_inline)) void q8q8_block_vnni(
 
 HTP_T_VNNI static void q8q8_strip_fast_vnni(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
                                             uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
-    const uint32_t k = kb * 32;
-    for (uint32_t t0 = 0; t0 < nt; t0 += 6) {
-        const uint32_t n = nt - t0 < 6 ? nt - t0 : 6;
-        const int8_t *q = a->q + (size_t)t0 * k;
-        const float *d = a->d + (size_t)t0 * kb;
-        const int32_t *s = a->s + (size_t)t0 * kb;
-        float *o = out + (size_t)t0 * ldo;
-        switch (n) {
-        case 6: q8q8_block_vnni(strip, kb, q, d, s, k, o, ldo, rows, 6); break;
-        case 5: q8q8_block_vnni(strip, kb, q, d, s, k, o, ldo, rows, 5); break;
-        case 4: q8q8_block_vnni(strip, kb, q, d, s, k, o, ldo, rows, 4); break;
-        case 3: q8q8_block_vnni(strip, kb, q, d, s, k, o, ldo, rows, 3); break;
-        case 2: q8q8_block_vnni(strip, kb, q, d, s, k, o, ldo, rows, 2); break;
-        default: q8q8_block_vnni(strip, kb, q, d, s, k, o, ldo, rows, 1); break;
-        }
-    }
+    AVX512_STRIP6(q8q8_block_vnni, );
 }
 
 /* The VNNI strip for the AMX kernel's short token tails (nt <= HTP_Q4_VNNI_NT). */
