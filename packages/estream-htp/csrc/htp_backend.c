@@ -619,9 +619,17 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
         if (p->lda < p->cols || p->ldb < p->cols || p->ldo < p->cols) return HTP_E_INVALID;
         const float *x, *y;
         float *out;
-        GET(0, span_bytes(p->rows, p->cols, p->lda), RD, 4, x);
-        GET(1, span_bytes(p->rows, p->cols, p->ldb), RD, 4, y);
-        GET(2, span_bytes(p->rows, p->cols, p->ldo), WR, 4, out);
+        const uint64_t na = span_bytes(p->rows, p->cols, p->lda);
+        const uint64_t nb = span_bytes(p->rows, p->cols, p->ldb);
+        const uint64_t no = span_bytes(p->rows, p->cols, p->ldo);
+        GET(0, na, RD, 4, x);
+        GET(1, nb, RD, 4, y);
+        GET(2, no, WR, 4, out);
+        /* out is an input element for element (in place) or apart from it: any other overlap
+         * would make the result depend on the order rows are done in */
+        if ((overlaps(x, na, out, no) && !(x == out && p->lda == p->ldo)) ||
+            (overlaps(y, nb, out, no) && !(y == out && p->ldb == p->ldo)))
+            return HTP_E_INVALID;
         htp_exec_binary(&b->ex, op->opcode, p, x, y, out);
         return HTP_OK;
     }

@@ -720,29 +720,13 @@ static void rows_task(void *arg, uint32_t ith, uint32_t nth) {
     }
 }
 
-/* whether rows may go to different threads: out overlaps neither input, or is one of them
- * element for element (same address and row stride: each element is read before it is
- * written, by the same thread) */
-static int binary_rows_independent(const htp_binary_params *p, const float *a, const float *b,
-                                   const float *out) {
-    if (!p->rows || !p->cols) return 1;
-    const char *o0 = (const char *)out, *o1 = (const char *)(out + ((size_t)p->rows - 1) * p->ldo + p->cols);
-    const float *in[2] = {a, b};
-    const uint32_t ld[2] = {p->lda, p->ldb};
-    for (int i = 0; i < 2; i++) {
-        const char *i0 = (const char *)in[i];
-        const char *i1 = (const char *)(in[i] + ((size_t)p->rows - 1) * ld[i] + p->cols);
-        if (i0 < o1 && o0 < i1 && !(in[i] == out && ld[i] == p->ldo)) return 0;
-    }
-    return 1;
-}
-
 /* below ~64K elements a wake-up costs more than it saves */
 #define HTP_ROWS_PARALLEL_MIN 65536u
 
 void htp_exec_binary(htp_exec *e, uint32_t opcode, const htp_binary_params *p, const float *a,
                      const float *b, float *out) {
-    if ((uint64_t)p->rows * p->cols < HTP_ROWS_PARALLEL_MIN || !binary_rows_independent(p, a, b, out)) {
+    /* out is an input element for element or apart from both (htp_backend.c checks) */
+    if ((uint64_t)p->rows * p->cols < HTP_ROWS_PARALLEL_MIN) {
         binary_rows(opcode, p, a, b, out, 0, p->rows);
         return;
     }

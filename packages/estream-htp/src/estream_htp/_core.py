@@ -1285,7 +1285,8 @@ def _binary(opcode: int, what: str, a: Any, b: Any, out: Any, backend: Backend |
 
 def add(a: F32, b: F32, out: F32 | None = None, *, backend: Backend | None = None) -> F32:
     """``a + b`` element-wise in fp32 (residual adds). Operands: C-contiguous, or 2-D views
-    with contiguous rows; ``out`` may be ``a`` or ``b`` (in place)."""
+    with contiguous rows; ``out`` may be ``a`` or ``b`` (in place: the same array and row
+    stride), and must not overlap them otherwise (refused)."""
     return _binary(lib.HTP_OP_ADD, "add", a, b, out, backend)
 
 
