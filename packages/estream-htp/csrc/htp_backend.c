@@ -574,7 +574,11 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
         GET(0, bytes, RD, 4, g);
         if (op->opcode == HTP_OP_SWIGLU) GET(1, bytes, RD, 4, u);
         GET(op->opcode == HTP_OP_SWIGLU ? 2 : 1, bytes, WR, 4, out);
-        b->ex.isa->swiglu(g, u, op->p.eltwise.n, out);
+        /* out is an input element for element (in place) or apart from it: any other overlap
+         * would make the result depend on the order the pool's threads run in */
+        if ((overlaps(g, bytes, out, bytes) && g != out) || (u && overlaps(u, bytes, out, bytes) && u != out))
+            return HTP_E_INVALID;
+        htp_exec_swiglu(&b->ex, g, u, op->p.eltwise.n, out);
         return HTP_OK;
     }
     case HTP_OP_ROUTER_TOPK: {

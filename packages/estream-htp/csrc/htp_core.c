@@ -734,6 +734,33 @@ void htp_exec_binary(htp_exec *e, uint32_t opcode, const htp_binary_params *p, c
     htp_parallel(e->pool, rows_task, &c);
 }
 
+/* silu(g)·u (u NULL: silu alone) over n values: split across the pool in pieces of whole
+ * 64-value blocks (the table's vector body gives every element the same bits wherever it sits,
+ * a padded tail included, so the split changes nothing). out is g or u element for element, or
+ * apart from both (htp_backend.c checks). */
+typedef struct glu_ctx {
+    const htp_isa *isa;
+    const float *g, *u;
+    float *out;
+    uint64_t n;
+} glu_ctx;
+
+static void glu_task(void *arg, uint32_t ith, uint32_t nth) {
+    const glu_ctx *c = (const glu_ctx *)arg;
+    const uint64_t blocks = (c->n + 63) / 64;
+    const uint64_t b = blocks * ith / nth * 64, e = HTP_MIN(c->n, blocks * (ith + 1) / nth * 64);
+    if (b < e) c->isa->swiglu(c->g + b, c->u ? c->u + b : NULL, e - b, c->out + b);
+}
+
+void htp_exec_swiglu(htp_exec *e, const float *g, const float *u, uint64_t n, float *out) {
+    if (n < HTP_ROWS_PARALLEL_MIN || htp_pool_nth(e->pool) == 1) {
+        e->isa->swiglu(g, u, n, out);
+        return;
+    }
+    glu_ctx c = {e->isa, g, u, out, n};
+    htp_parallel(e->pool, glu_task, &c);
+}
+
 void htp_exec_copy_rows(htp_exec *e, const htp_copy_params *p, const uint32_t *src, uint32_t *dst) {
     if ((uint64_t)p->rows * p->cols < HTP_ROWS_PARALLEL_MIN) { /* src and dst never overlap */
         copy_rows(p, src, dst, 0, p->rows);

@@ -225,6 +225,9 @@ static inline uint32_t htp_attn_key_lo(const htp_attn_ctx *c, uint32_t i, uint32
     return begin > j0 ? begin - j0 : 0;
 }
 size_t htp_attn_scratch_floats(const htp_attn_ctx *c);
+/* K and V as bf16 (the bf16 tasks' operands), the scalar packer every table can use
+ * (htp_attention.c): NEON's, and AVX-512's for heads over 512 wide. */
+void htp_attn_bf16_pack_scalar(const htp_attn_ctx *c, uint32_t ith, uint32_t nth);
 
 /* fp32 -> bfloat16 bits, round to nearest even, subnormals to signed zero, NaN kept quiet (the
  * rounding of AVX512_BF16's vcvtneps2bf16). */
@@ -344,7 +347,6 @@ int htp_neon_bf16_supported(void);
 /* key columns per register block of the NEON fp32 attention task (htp_attn_neon.c) */
 #define HTP_ATTN_COLS_NEON 16
 void htp_attn_task_neon(const htp_attn_ctx *c, uint32_t task, float *scratch);
-void htp_attn_bf16_pack_scalar(const htp_attn_ctx *c, uint32_t ith, uint32_t nth);
 void htp_attn_bf16_task_neon(const htp_attn_ctx *c, uint32_t task, float *scratch);
 extern const htp_isa htp_isa_neon;
 #endif
@@ -447,6 +449,7 @@ htp_status htp_exec_conv1d(const htp_conv1d_params *p, const float *x, const flo
 void htp_exec_binary(htp_exec *e, uint32_t opcode, const htp_binary_params *p, const float *a,
                      const float *b, float *out);
 void htp_exec_copy_rows(htp_exec *e, const htp_copy_params *p, const uint32_t *src, uint32_t *dst);
+void htp_exec_swiglu(htp_exec *e, const float *g, const float *u, uint64_t n, float *out);
 void htp_exec_fill(const htp_fill_params *p, uint32_t *out);
 htp_status htp_exec_matmul_f32(htp_exec *e, const htp_matmul_params *p, const float *x,
                                const float *w, float *y);

@@ -2,7 +2,11 @@
  * rounded to fp32 before it is added (no fused multiply-add), so every instruction set and
  * backend gives the bits of a sequential fp32 loop. Instantiated per SIMD level: the column
  * block of HTP_MM_NC accumulators per row (4 rows at a time) is vectorised by the compiler
- * and stays in registers over the whole k loop. */
+ * and stays in registers over a chunk of HTP_MM_KC values of k; between chunks the partial
+ * sums wait in y (a float stored and loaded back is the same float, so the order of the sum
+ * is unchanged). Column block outermost, then the k chunk, then the rows: the chunk of w
+ * (HTP_MM_KC x 64 floats, 16 KiB) stays in L1 while every row of the range passes over it,
+ * where rows outermost streamed the whole of w from the last-level cache for every 4 rows. */
 #ifndef ESTREAM_HTP_MATMUL_BODY_H
 #define ESTREAM_HTP_MATMUL_BODY_H
 
@@ -17,7 +21,8 @@
 #define HTP_NO_CONTRACT /* clang contracts only within one expression (-ffp-contract=on) */
 #endif
 
-#define HTP_MM_NT 4 /* rows per register block */
+#define HTP_MM_NT 4  /* rows per register block */
+#define HTP_MM_KC 128 /* values of k per chunk */
 
 #define HTP_MM_INLINE static inline __attribute__((always_inline))
 
@@ -26,11 +31,12 @@
  * the whole k loop. */
 #define HTP_MM_BLOCK(NC)                                                                         \
     HTP_MM_INLINE void htp_mm_block_##NC(const float *x, const float *w, uint32_t k, uint32_t n, \
-                                         uint32_t j0, float *y, const int NT) {                  \
+                                         uint32_t j0, uint32_t k0, uint32_t k1, float *y,        \
+                                         const int NT) {                                         \
         float acc[HTP_MM_NT][NC];                                                                \
         for (int u = 0; u < NT; u++)                                                             \
-            for (int c = 0; c < NC; c++) acc[u][c] = 0.0f;                                       \
-        for (uint32_t kk = 0; kk < k; kk++) {                                                    \
+            for (int c = 0; c < NC; c++) acc[u][c] = k0 ? y[(size_t)u * n + j0 + c] : 0.0f;      \
+        for (uint32_t kk = k0; kk < k1; kk++) {                                                  \
             const float *wr = w + (size_t)kk * n + j0;                                           \
             for (int u = 0; u < NT; u++) {                                                       \
                 const float xv = x[(size_t)u * k + kk];                                          \
@@ -54,12 +60,14 @@ HTP_MM_BLOCK(1)
 typedef float htp_mm_v8 __attribute__((vector_size(32), aligned(4)));
 #define HTP_MM_VBLOCK(NC)                                                                        \
     HTP_MM_INLINE void htp_mm_block_##NC(const float *x, const float *w, uint32_t k, uint32_t n, \
-                                         uint32_t j0, float *y, const int NT) {                  \
+                                         uint32_t j0, uint32_t k0, uint32_t k1, float *y,        \
+                                         const int NT) {                                         \
         enum { NV = NC / 8 };                                                                    \
         htp_mm_v8 acc[HTP_MM_NT][NV];                                                            \
         for (int u = 0; u < NT; u++)                                                             \
-            for (int v = 0; v < NV; v++) acc[u][v] = (htp_mm_v8){0};                             \
-        for (uint32_t kk = 0; kk < k; kk++) {                                                    \
+            for (int v = 0; v < NV; v++)                                                         \
+                acc[u][v] = k0 ? ((const htp_mm_v8 *)(y + (size_t)u * n + j0))[v] : (htp_mm_v8){0}; \
+        for (uint32_t kk = k0; kk < k1; kk++) {                                                  \
             const htp_mm_v8 *wr = (const htp_mm_v8 *)(w + (size_t)kk * n + j0);                  \
             htp_mm_v8 wv[NV];                                                                    \
             for (int v = 0; v < NV; v++) wv[v] = wr[v];                                          \
@@ -80,28 +88,35 @@ HTP_MM_VBLOCK(8)
 
 #define HTP_MM_ROWS(NC)                                                                          \
     switch (nt) {                                                                                \
-    case 4: htp_mm_block_##NC(xi, w, k, n, j0, yi, 4); break;                                    \
-    case 3: htp_mm_block_##NC(xi, w, k, n, j0, yi, 3); break;                                    \
-    case 2: htp_mm_block_##NC(xi, w, k, n, j0, yi, 2); break;                                    \
-    default: htp_mm_block_##NC(xi, w, k, n, j0, yi, 1); break;                                   \
+    case 4: htp_mm_block_##NC(xi, w, k, n, j0, k0, k1, yi, 4); break;                            \
+    case 3: htp_mm_block_##NC(xi, w, k, n, j0, k0, k1, yi, 3); break;                            \
+    case 2: htp_mm_block_##NC(xi, w, k, n, j0, k0, k1, yi, 2); break;                            \
+    default: htp_mm_block_##NC(xi, w, k, n, j0, k0, k1, yi, 1); break;                           \
     }
 
 /* Rows [i0, i1) of y = x @ w (x [t][k], w [k][n], y [t][n]): column blocks of 64, then 16,
- * then 8 (small routers: 8 or 32 experts), then single columns. */
+ * then 8 (small routers: 8 or 32 experts), then single columns; in each, chunks of k, and in
+ * each chunk every row of the range. */
+#define HTP_MM_COLS(NC)                                                                          \
+    for (uint32_t k0 = 0; k0 < k; k0 += HTP_MM_KC) {                                             \
+        const uint32_t k1 = HTP_MIN(k, k0 + HTP_MM_KC);                                          \
+        for (uint32_t i = i0; i < i1; i += HTP_MM_NT) {                                          \
+            const uint32_t nt = HTP_MIN((uint32_t)HTP_MM_NT, i1 - i);                            \
+            const float *xi = x + (size_t)i * k;                                                 \
+            float *yi = y + (size_t)i * n;                                                       \
+            HTP_MM_ROWS(NC)                                                                      \
+        }                                                                                        \
+    }
 HTP_MM_INLINE void htp_matmul_f32_body(const float *x, const float *w, uint32_t k, uint32_t n,
                                        uint32_t i0, uint32_t i1, float *y) {
-    for (uint32_t i = i0; i < i1; i += HTP_MM_NT) {
-        const uint32_t nt = HTP_MIN((uint32_t)HTP_MM_NT, i1 - i);
-        const float *xi = x + (size_t)i * k;
-        float *yi = y + (size_t)i * n;
-        uint32_t j0 = 0;
-        for (; j0 + 64 <= n; j0 += 64) HTP_MM_ROWS(64)
-        for (; j0 + 16 <= n; j0 += 16) HTP_MM_ROWS(16)
-        for (; j0 + 8 <= n; j0 += 8) HTP_MM_ROWS(8)
-        for (; j0 < n; j0++) HTP_MM_ROWS(1)
-    }
+    uint32_t j0 = 0;
+    for (; j0 + 64 <= n; j0 += 64) HTP_MM_COLS(64)
+    for (; j0 + 16 <= n; j0 += 16) HTP_MM_COLS(16)
+    for (; j0 + 8 <= n; j0 += 8) HTP_MM_COLS(8)
+    for (; j0 < n; j0++) HTP_MM_COLS(1)
 }
 
+#undef HTP_MM_COLS
 #undef HTP_MM_ROWS
 
 #if defined(__GNUC__) && !defined(__clang__)

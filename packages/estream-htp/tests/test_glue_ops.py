@@ -112,6 +112,47 @@ def test_add_mul_large_rows_exact_in_place_and_overlapping(be, op) -> None:  # t
     assert np.array_equal(buf, before)
 
 
+@pytest.mark.parametrize("op", ["silu", "swiglu"])
+def test_silu_swiglu_large_split_in_place_and_overlapping(be, op) -> None:  # type: ignore[no-untyped-def]
+    """Enough values for the backend's threads to split them (>= 64K, not a multiple of the
+    vector width): every element has the bits of the same op on a short piece (one thread),
+    and is float64's silu(g)·u within rounding; in place (out is g) the same; an out that
+    overlaps an input otherwise (one element off) is refused, nothing written."""
+    rng = np.random.default_rng(23)
+    n = 200_003
+    g = _arr(be, (n,))
+    u = _arr(be, (n,))
+    g[...] = (rng.standard_normal(n) * 4).astype(np.float32)
+    u[...] = rng.standard_normal(n).astype(np.float32)
+    fn = (lambda a, out: htp.silu(a, out, backend=be)) if op == "silu" else (
+        lambda a, out: htp.swiglu(a, u[: a.size], out, backend=be)
+    )
+    o = _arr(be, (n,))
+    assert fn(g, o) is o
+    g64 = g.astype(np.float64)
+    ref = g64 / (1 + np.exp(-g64)) * (1.0 if op == "silu" else u.astype(np.float64))
+    assert np.abs(o - ref).max() <= 1e-5 * np.abs(ref).max()
+    for lo, hi in ((0, 1000), (99_971, 100_500), (n - 777, n)):  # short pieces: one thread
+        if op == "silu":
+            piece = htp.silu(np.array(g[lo:hi]), backend=be)
+        else:
+            piece = htp.swiglu(np.array(g[lo:hi]), np.array(u[lo:hi]), backend=be)
+        assert piece.tobytes() == o[lo:hi].tobytes()
+    want = np.array(o)
+    fn(g, g)  # in place
+    assert g.tobytes() == want.tobytes()
+    buf = _arr(be, (n + 1,))
+    buf[...] = rng.standard_normal(n + 1).astype(np.float32)
+    before = np.array(buf)
+    for src, dst in ((buf[1:], buf[:-1]), (buf[:-1], buf[1:])):
+        with pytest.raises(htp.HTPInputError, match="rejected an argument"):
+            fn(src, dst)
+    if op == "swiglu":  # the up operand overlapping out is refused the same way
+        with pytest.raises(htp.HTPInputError, match="rejected an argument"):
+            htp.swiglu(np.array(g[:n]), buf[1:], buf[:-1], backend=be)
+    assert np.array_equal(buf, before)
+
+
 def test_copy_rows_large_broadcast_exact(be) -> None:  # type: ignore[no-untyped-def]
     """A copy big enough for the backend's threads: every row of dst is its source row."""
     rng = np.random.default_rng(22)

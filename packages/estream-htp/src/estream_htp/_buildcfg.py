@@ -21,6 +21,7 @@ BASE_CFLAGS = [
     "-fno-strict-aliasing",
     "-Wall",
     "-Wno-unused-function",
+    "-Werror=implicit-function-declaration",  # a missing prototype is a wrong call, not a warning
 ]
 
 
