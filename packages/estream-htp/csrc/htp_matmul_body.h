@@ -5,7 +5,7 @@
  * and stays in registers over a chunk of HTP_MM_KC values of k; between chunks the partial
  * sums wait in y (a float stored and loaded back is the same float, so the order of the sum
  * is unchanged). Column block outermost, then the k chunk, then the rows: the chunk of w
- * (HTP_MM_KC x 64 floats, 16 KiB) stays in L1 while every row of the range passes over it,
+ * (HTP_MM_KC x 64 floats, 32 KiB) stays in L1 while every row of the range passes over it,
  * where rows outermost streamed the whole of w from the last-level cache for every 4 rows. */
 #ifndef ESTREAM_HTP_MATMUL_BODY_H
 #define ESTREAM_HTP_MATMUL_BODY_H
