@@ -534,8 +534,8 @@ class Ops:
         GEMMs are timed as ``op`` ("ffn": a dense layer's; "shared_ffn": shared experts), the
         SwiGLU between them as "glu"."""
         g, u = self.matmuls(h, (w.gate, w.up), op, rows)
-        with self.timed("glu"):
-            a = htp.swiglu(g, u, self._out(g.shape), backend=self.backend)
+        with self.timed("glu"):  # in place: g is this op's own; no fresh [T, d_ff] to fault in
+            a = htp.swiglu(g, u, g, backend=self.backend)
         return self.matmul(a, w.down, op)
 
     def quantize_input(self, h: np.ndarray) -> htp.Q8Rows | None:
