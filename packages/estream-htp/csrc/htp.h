@@ -125,8 +125,8 @@ typedef enum htp_opcode {
     HTP_OP_RMS_NORM = 4,   /* ref: x, w (if has_weight), out */
     HTP_OP_ROPE = 5,       /* ref: x (in place), positions */
     HTP_OP_ATTENTION = 6,  /* ref: q, k, v, sinks (if has_sinks), out */
-    HTP_OP_SILU = 7,       /* ref: x, out */
-    HTP_OP_SWIGLU = 8,     /* ref: g, u, out */
+    HTP_OP_SILU = 7,       /* ref: x, out (out is x, or apart from it) */
+    HTP_OP_SWIGLU = 8,     /* ref: g, u, out (out is g or u, or apart from both) */
     HTP_OP_ROUTER_TOPK = 9, /* ref: logits, bias (if has_bias), ids, weights */
     HTP_OP_CONV1D = 10,     /* ref: x, w, state (if has_state), out */
     HTP_OP_MATMUL_F32 = 11, /* ref: x, w, y */
