@@ -124,8 +124,10 @@ def test_silu_swiglu_large_split_in_place_and_overlapping(be, op) -> None:  # ty
     u = _arr(be, (n,))
     g[...] = (rng.standard_normal(n) * 4).astype(np.float32)
     u[...] = rng.standard_normal(n).astype(np.float32)
-    fn = (lambda a, out: htp.silu(a, out, backend=be)) if op == "silu" else (
-        lambda a, out: htp.swiglu(a, u[: a.size], out, backend=be)
+    fn = (
+        (lambda a, out: htp.silu(a, out, backend=be))
+        if op == "silu"
+        else (lambda a, out: htp.swiglu(a, u[: a.size], out, backend=be))
     )
     o = _arr(be, (n,))
     assert fn(g, o) is o
