@@ -96,10 +96,11 @@ def test_vs_llama_bench_refuses_a_missing_executable(tmp_path: Path) -> None:
     assert done.returncode == 2 and "--llama-bench" in done.stderr
 
 
-def test_attention_precision_reports_both_products_per_activation_format(tmp_path: Path) -> None:
+def test_attention_precision_reports_each_mode_per_activation_format(tmp_path: Path) -> None:
     """attention_precision.py: per activation format, the engine's logit error against the
-    float64 reference with fp32 and bf16 attention; with f32 activations the fp32 path matches
-    the reference and bf16 products are measurably off it; the verdict follows the q8 ratios."""
+    float64 reference with fp32 attention and each bf16 mode; with f32 activations the fp32
+    path matches the reference and both bf16 modes are measurably off it; each mode's verdict
+    follows its q8 ratio; a mode that is not one is refused before anything runs."""
     out = tmp_path / "p.json"
     script = ROOT / "integration" / "bench" / "attention_precision.py"
     done = subprocess.run(
@@ -109,18 +110,28 @@ def test_attention_precision_reports_both_products_per_activation_format(tmp_pat
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
+    assert doc["products"] == ["bf16", "bf16-pv"]
     rows = {r["act"]: r for r in doc["rows"]}
     assert set(rows) == {"q8", "f32"} and all(r["arch"] == "olmoe" for r in doc["rows"])
-    assert rows["f32"]["err_f32_attention"] < 1e-5 < rows["f32"]["err_bf16_attention"]
+    f32 = rows["f32"]["err"]
+    assert f32["f32"] < 1e-5 < min(f32["bf16"], f32["bf16-pv"])
+    assert f32["bf16-pv"] != f32["bf16"]
     for r in doc["rows"]:
-        assert r["ratio"] == r["err_bf16_attention"] / r["err_f32_attention"]
-    assert doc["bf16_default_ok"] == (rows["q8"]["ratio"] <= doc["limit"])
-    bad = subprocess.run(
-        [sys.executable, str(script), "--tokens", "0", "--out", str(tmp_path / "x.json")],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert bad.returncode == 2 and "--tokens and --prompts must be >= 1" in bad.stderr
-    assert not (tmp_path / "x.json").exists()
+        for p in ("bf16", "bf16-pv"):
+            assert r["ratio"][p] == r["err"][p] / r["err"]["f32"]
+    for p in ("bf16", "bf16-pv"):
+        assert doc["default_ok"][p] == (rows["q8"]["ratio"][p] <= doc["limit"])
+    for argv, msg in (
+        (["--tokens", "0"], "--tokens and --prompts must be >= 1"),
+        (["--products", "bf16,fp8"], "--products: fp8"),
+        (["--products", "f32"], "--products: f32"),
+    ):
+        bad = subprocess.run(
+            [sys.executable, str(script), *argv, "--out", str(tmp_path / "x.json")],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert bad.returncode == 2 and msg in bad.stderr, (argv, bad.stderr)
+        assert not (tmp_path / "x.json").exists()
 
 
 def _bench_engine():

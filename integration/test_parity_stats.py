@@ -122,9 +122,15 @@ def test_engine_runs_pair_q8_with_each_attention_and_f32_with_f32_attention() ->
     assert parity.engine_runs("q8,f32", "f32") == [("q8", "f32"), ("f32", "f32")]
     assert parity.engine_runs("f32", "bf16") == [("f32", "f32")]
     assert parity.engine_runs("q8", "bf16") == [("q8", "bf16")]
-    with pytest.raises(ValueError, match="choose from f32, bf16"):
+    assert parity.engine_runs("q8,f32", "bf16-pv,f32") == [
+        ("q8", "bf16-pv"),
+        ("q8", "f32"),
+        ("f32", "f32"),
+    ]
+    with pytest.raises(ValueError, match="choose from f32, bf16, bf16-pv"):
         parity.engine_runs("q8", "f32,fp16")
     with pytest.raises(ValueError, match="empty"):
         parity.engine_runs("q8", " , ")
     assert parity.run_label("q8", "bf16") == "q8+bf16a"
+    assert parity.run_label("q8", "bf16-pv") == "q8+bf16pva"
     assert parity.run_label("q8", "f32") == "q8"

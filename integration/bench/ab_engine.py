@@ -83,7 +83,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--act", default="q8", choices=["q8", "f32"])
-    ap.add_argument("--attention", default="f32", choices=["f32", "bf16"], help="the new build's")
+    ap.add_argument(
+        "--attention", default="f32", choices=["f32", "bf16", "bf16-pv"], help="the new build's"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mode", default="resident")
     args = ap.parse_args()

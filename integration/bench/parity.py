@@ -43,11 +43,11 @@ re-quantized, and ``engine_vs_packed_ref`` compares the engine with the referenc
 the packer stores it (``packed_copy``), which separates the engine's own error from the
 re-quantization's.
 
-The engine's q8 rows run once per ``--engine-attention`` precision (``f32,bf16`` by default:
-attention products in float32, and q·scale, K, V and the softmax weights rounded to bfloat16
-with float32 sums); each such row carries ``engine_attention`` and, for bf16, ``engine_vs_ref``
-beside the fp32-attention row's, which is how the report shows bf16 attention's cost in
-accuracy. The f32-activation rows always run fp32 attention (that path keeps to the float64
+The engine's q8 rows run once per ``--engine-attention`` precision (``f32,bf16,bf16-pv`` by
+default: attention products in float32; q·scale, K, V and the softmax weights rounded to
+bfloat16 with float32 sums; and fp32 scores with only V and the softmax weights rounded); each
+such row carries ``engine_attention`` and, for the bf16 modes, ``engine_vs_ref`` beside the
+fp32-attention row's, which is how the report shows their cost in accuracy. The f32-activation rows always run fp32 attention (that path keeps to the float64
 reference to ~1e-5).
 
 Usage: ``nox -s parity [-- --archs olmoe,qwen3moe,mixtral --preset small --tokens 256
@@ -388,7 +388,7 @@ def engine_logits(
     return np.asarray(result.logits, dtype=np.float64), ""
 
 
-ATTENTIONS = ("f32", "bf16")
+ATTENTIONS = ("f32", "bf16", "bf16-pv")
 
 
 def engine_runs(acts: str, attentions: str) -> list[tuple[str, str]]:
@@ -409,8 +409,8 @@ def engine_runs(acts: str, attentions: str) -> list[tuple[str, str]]:
 
 
 def run_label(act: str, attention: str) -> str:
-    """A run's label in the printed table: q8, q8+bf16a, f32."""
-    return act + ("+bf16a" if attention == "bf16" else "")
+    """A run's label in the printed table: q8, q8+bf16a, q8+bf16pva, f32."""
+    return act + {"bf16": "+bf16a", "bf16-pv": "+bf16pva"}.get(attention, "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--engine-attention",
-        default="f32,bf16",
+        default="f32,bf16,bf16-pv",
         help="attention precisions the q8 rows run (attention=...; f32 activations always run "
         "f32 attention)",
     )
@@ -746,7 +746,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     print(f"targets (engine vs reference): rel L2 <= {TARGET_REL_L2:g}, top-1 >= {TARGET_TOP1:.0%}")
     print(
         "weights/act: the engine's activation format (q8: int8 blocks, f32: float); +bf16a: "
-        "bf16 attention products"
+        "bf16 attention products; +bf16pva: bf16 P·V only"
     )
     print("top-1 on decisive positions (reference margin > 4x the RMS logit error):")
     seen: set[tuple[str, str]] = set()

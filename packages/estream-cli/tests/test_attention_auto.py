@@ -1,8 +1,7 @@
-"""``attention="auto"``: bf16 attention products under act q8 where the kernel set running the
-dense ops multiplies bf16 natively (`estream_htp.native_bf16_attention`), fp32 otherwise and
-always under act f32; the engine, its results and ``--json`` report the precision that ran.
-The default stays "f32" (the parity table has q8 rows whose error grows by more than 5 % with
-bf16 attention)."""
+"""``attention="auto"``: bf16 P·V products ("bf16-pv") under act q8 where the kernel set
+running the dense ops multiplies bf16 natively (`estream_htp.native_bf16_attention`), fp32
+otherwise and always under act f32; the engine, its results and ``--json`` report the precision
+that ran. The default stays "f32" (see docs/benchmarks.md's parity table)."""
 
 from __future__ import annotations
 
@@ -68,8 +67,8 @@ def _logits(model: Path, **kw: object) -> tuple[np.ndarray, str, str]:
 
 
 def test_f32_is_the_default_and_a_bad_value_lists_the_choices(tmp_path: Path) -> None:
-    assert EngineOptions().attention == "f32" and ATTENTION == ("auto", "f32", "bf16")
-    msg = "attention must be one of auto, f32, bf16, got 'fp16'"
+    assert EngineOptions().attention == "f32" and ATTENTION == ("auto", "f32", "bf16", "bf16-pv")
+    msg = "attention must be one of auto, f32, bf16, bf16-pv, got 'fp16'"
     with pytest.raises(BadRequestError, match=msg):
         EngineOptions(attention="fp16")
     with pytest.raises(BadRequestError, match=msg):
@@ -79,38 +78,43 @@ def test_f32_is_the_default_and_a_bad_value_lists_the_choices(tmp_path: Path) ->
 
 
 def test_resolve_attention_by_activation_format_and_backend() -> None:
-    """Explicit values as they are; auto: bf16 only for q8 on a native kernel set."""
+    """Explicit values as they are; auto: bf16-pv only for q8 on a native kernel set."""
     native, emulated = SimpleNamespace(simd="avx512"), SimpleNamespace(simd="avx2")
     for dense in (native, emulated, None):
         assert resolve_attention("f32", "q8", dense) == "f32"  # type: ignore[arg-type]
         assert resolve_attention("bf16", "f32", dense) == "bf16"  # type: ignore[arg-type]
+        assert resolve_attention("bf16-pv", "q8", dense) == "bf16-pv"  # type: ignore[arg-type]
         assert resolve_attention("auto", "f32", dense) == "f32"  # type: ignore[arg-type]
     assert resolve_attention("auto", "q8", emulated) == "f32"  # type: ignore[arg-type]
     hvx = SimpleNamespace(simd="hvx")  # the hexagon executor's kernel set
     assert resolve_attention("auto", "q8", hvx) == "f32"  # type: ignore[arg-type]
-    want = "bf16" if htp.native_bf16_attention(native) else "f32"  # type: ignore[arg-type]
+    want = "bf16-pv" if htp.native_bf16_attention(native) else "f32"  # type: ignore[arg-type]
     assert resolve_attention("auto", "q8", native) == want  # type: ignore[arg-type]
 
 
 def test_auto_under_f32_activations_runs_fp32_attention(model: Path) -> None:
     """act f32 keeps fp32 attention (its float64-reference accuracy) whatever the CPU: the
-    default's logits are the explicit f32 run's bits and differ from bf16's."""
+    default's logits are the explicit f32 run's bits and differ from both bf16 modes'."""
     auto, eng_att, res_att = _logits(model, act="f32", attention="auto")
     f32, _, _ = _logits(model, act="f32", attention="f32")
     bf16, _, _ = _logits(model, act="f32", attention="bf16")
+    pv, _, _ = _logits(model, act="f32", attention="bf16-pv")
     assert (eng_att, res_att) == ("f32", "f32")
     assert np.array_equal(auto, f32) and not np.array_equal(auto, bf16)
+    assert not np.array_equal(auto, pv) and not np.array_equal(pv, bf16)
 
 
 @pytest.mark.skipif(not NATIVE, reason="this CPU/kernel set multiplies bf16 attention emulated")
 def test_auto_under_q8_runs_bf16_attention_where_native(model: Path) -> None:
-    """On a native kernel set the q8 default is bf16 attention: reported so, and the explicit
-    bf16 run's bits (not fp32's)."""
+    """On a native kernel set the q8 auto is bf16 P·V attention: reported so, and the explicit
+    bf16-pv run's bits (not fp32's, nor full bf16's)."""
     auto, eng_att, res_att = _logits(model, attention="auto")
+    pv, _, _ = _logits(model, attention="bf16-pv")
     bf16, _, _ = _logits(model, attention="bf16")
     f32, _, _ = _logits(model, attention="f32")
-    assert (eng_att, res_att) == ("bf16", "bf16")
-    assert np.array_equal(auto, bf16) and not np.array_equal(auto, f32)
+    assert (eng_att, res_att) == ("bf16-pv", "bf16-pv")
+    assert np.array_equal(auto, pv) and not np.array_equal(auto, f32)
+    assert not np.array_equal(auto, bf16)
 
 
 def test_auto_under_q8_runs_fp32_attention_on_a_kernel_set_without_native_bf16(
@@ -136,7 +140,7 @@ def test_auto_follows_the_capability_check(model: Path, monkeypatch: pytest.Monk
 
         monkeypatch.setattr(htp, "native_bf16_attention", check)
         with estream.load(model, attention="auto") as eng:
-            assert eng.attention == ("bf16" if native else "f32")
+            assert eng.attention == ("bf16-pv" if native else "f32")
         with estream.load(model, act="f32", attention="auto") as eng:
             assert eng.attention == "f32"
         with estream.load(model) as eng:  # the default: f32, nothing asked
@@ -150,7 +154,12 @@ def test_cli_json_reports_the_resolved_attention(
     """`estream prefill --json` says which precision ran: auto's resolution, never "auto";
     without --attention, f32."""
     ids = ",".join(map(str, TOKENS))
-    want = {("q8", "auto"): "bf16" if NATIVE else "f32", ("f32", "auto"): "f32", ("q8",): "f32"}
+    want = {
+        ("q8", "auto"): "bf16-pv" if NATIVE else "f32",
+        ("q8", "bf16-pv"): "bf16-pv",
+        ("f32", "auto"): "f32",
+        ("q8",): "f32",
+    }
     for (act, *att), ran in want.items():
         extra = ["--attention", *att] if att else []
         assert main(["prefill", str(model), "--tokens", ids, "--json", "--act", act, *extra]) == 0
@@ -161,7 +170,7 @@ def test_cli_json_reports_the_resolved_attention(
     with pytest.raises(SystemExit) as exit_:
         main(["prefill", str(model), "--tokens", "1", "--attention", "fp16"])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "'auto', 'f32', 'bf16'" in err
+    assert exit_.value.code == 2 and "'auto', 'f32', 'bf16', 'bf16-pv'" in err
 
 
 def test_auto_asks_the_executor_when_it_runs_the_dense_ops(model: Path, simd_avx2: None) -> None:
@@ -173,7 +182,7 @@ def test_auto_asks_the_executor_when_it_runs_the_dense_ops(model: Path, simd_avx
     ) as eng:
         there = htp.native_bf16_attention(eng.backend)
         assert eng.dense_ops == "backend" and not htp.native_bf16_attention()
-        assert eng.attention == ("bf16" if there else "f32")
+        assert eng.attention == ("bf16-pv" if there else "f32")
         assert eng.prefill(TOKENS[:9]).metrics["attention"] == eng.attention
     if htp.best_simd_level() in ("avx512", "avx512vnni", "amx"):
         assert there is NATIVE_CPU

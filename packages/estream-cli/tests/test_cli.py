@@ -323,5 +323,7 @@ def test_attention_products_under_f32_activations_are_fp32_unless_bf16_is_asked_
     assert exit_.value.code == 2 and "--attention" in capsys.readouterr().err
     import estream
 
-    with pytest.raises(estream.BadRequestError, match="attention must be one of auto, f32, bf16"):
+    with pytest.raises(
+        estream.BadRequestError, match="attention must be one of auto, f32, bf16, bf16-pv"
+    ):
         estream.load(model, attention="fp8")

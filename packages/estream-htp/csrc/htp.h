@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define HTP_ABI_VERSION 3
+#define HTP_ABI_VERSION 4
 #define HTP_MAX_REFS 10
 #define HTP_QUEUE_DEPTH 64
 #define HTP_TMP_BUFFER 2147483648
@@ -96,10 +96,16 @@ typedef enum htp_rope_mode {
  * BF16: q*scale, k, v and the softmax weights are rounded to bfloat16 (nearest even, subnormals
  *       to zero), products accumulate in fp32 (vdpbf16ps where the CPU has AVX512_BF16,
  *       BFMLALT / BFMLALB on arm64 with FEAT_BF16, the same bits; the same rounding emulated
- *       elsewhere); rel. L2 error ~3e-3. */
+ *       elsewhere); rel. L2 error ~3e-3.
+ * BF16_PV: the scores q*scale . k in fp32, as F32; the softmax weights and v rounded to
+ *       bfloat16 for P.V (vdpbf16ps where the CPU has AVX512_BF16, the same rounding emulated
+ *       elsewhere). Rounding q and k is what moves a score, and a score error scales its
+ *       weight; rounding P and v averages out over the keys: rel. L2 error ~2e-3, half the
+ *       products at the bf16 rate. */
 typedef enum htp_products {
     HTP_PRODUCTS_F32 = 0,
-    HTP_PRODUCTS_BF16 = 1
+    HTP_PRODUCTS_BF16 = 1,
+    HTP_PRODUCTS_BF16_PV = 2
 } htp_products;
 
 typedef enum htp_gating {
@@ -371,8 +377,8 @@ extern "C" {
 
 uint32_t htp_abi_version(void);
 uint32_t htp_simd_best(void); /* best level this CPU and build support */
-/* 1 if kernel table `level` runs bf16 attention products (HTP_PRODUCTS_BF16) natively on this
- * CPU at about twice the rate of fp32 products: the AVX-512 levels and AMX on a CPU with
+/* 1 if kernel table `level` runs bf16 attention products (HTP_PRODUCTS_BF16, _BF16_PV) natively
+ * on this CPU at about twice the rate of fp32 products: the AVX-512 levels and AMX on a CPU with
  * AVX512_BF16 (vdpbf16ps, two products a lane). 0 where they are emulated bit for bit (slower
  * than fp32 products), where the level is not available, and on NEON: its native FEAT_BF16
  * task (BFMLALB / BFMLALT, one product a lane, plus vdpbf16ps's flush done explicitly) gives

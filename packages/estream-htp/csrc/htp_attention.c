@@ -2,12 +2,15 @@
  * (head, query block) tasks dealt round-robin to the pool threads, so causal blocks of
  * different cost interleave; each output row is written by exactly one task. With bf16
  * products the table's bf16 kernels run when the CPU has AVX512_BF16 (K and V packed once per
- * call into bf16 pairs); otherwise the generic body emulates their rounding. */
+ * call into bf16 pairs; under BF16_PV only V, K re-laid in fp32 panels as for fp32 products);
+ * otherwise the generic body emulates their rounding. */
 #include "htp_attn_body.h"
 
 size_t htp_attn_scratch_floats(const htp_attn_ctx *c) {
+    /* the generic body: kt, s, o, qs; the SIMD tasks: s, o, qs or qw, and pw ([BQ][BK / 2]) */
     return (size_t)c->dk * HTP_ATTN_BK + (size_t)HTP_ATTN_BQ * HTP_ATTN_BK +
-           (size_t)HTP_ATTN_BQ * c->dv + (size_t)HTP_ATTN_BQ * c->dk + 64;
+           (size_t)HTP_ATTN_BQ * c->dv + (size_t)HTP_ATTN_BQ * c->dk +
+           (size_t)HTP_ATTN_BQ * HTP_ATTN_BK / 2 + 64;
 }
 
 void htp_attn_task_portable(const htp_attn_ctx *c, uint32_t task, float *scratch) {
@@ -32,14 +35,6 @@ static void attn_worker(void *arg, uint32_t ith, uint32_t nth) {
     uint32_t *next = &((htp_attn_ctx *)arg)->next; /* the one field the threads update */
     float *scratch = (float *)htp_scratch(c->pool, ith, 1, 0);
     const uint32_t n_tasks = c->hq * c->n_qblk;
-    if (c->kw) {
-        c->isa->attention_bf16_pack(c, ith, nth);
-        htp_barrier(c->pool);
-        for (uint32_t i; (i = htp_next(next)) < n_tasks;) {
-            c->isa->attention_bf16_task(c, attn_task_of(c, i), scratch);
-        }
-        return;
-    }
     if (c->kt) {
         /* Re-lay K and V once per call so that the blocks a task streams are contiguous (the
          * natural [t][h][d] strides put every row of a block in the same L1 set). */
@@ -65,14 +60,19 @@ static void attn_worker(void *arg, uint32_t ith, uint32_t nth) {
                     for (uint32_t d = 0; d < c->dk; d++) col[(size_t)d * cols] = 0.0f;
             }
         }
-        htp_split(c->hkv * c->tk, ith, nth, &b, &e);
-        for (uint32_t rr = b; rr < e; rr++) {
-            const uint32_t hk = rr / c->tk, j = rr % c->tk;
-            memcpy(c->vp + (size_t)rr * c->dv, c->v + (size_t)j * vs + (size_t)hk * c->dv, sizeof(float) * c->dv);
+        if (c->vp) {
+            htp_split(c->hkv * c->tk, ith, nth, &b, &e);
+            for (uint32_t rr = b; rr < e; rr++) {
+                const uint32_t hk = rr / c->tk, j = rr % c->tk;
+                memcpy(c->vp + (size_t)rr * c->dv, c->v + (size_t)j * vs + (size_t)hk * c->dv, sizeof(float) * c->dv);
+            }
         }
-        htp_barrier(c->pool);
     }
-    for (uint32_t i; (i = htp_next(next)) < n_tasks;) c->isa->attention_task(c, attn_task_of(c, i), scratch);
+    if (c->vw) c->isa->attention_bf16_pack(c, ith, nth); /* V, and K when c->kw */
+    if (c->kt || c->vw) htp_barrier(c->pool);
+    void (*task)(const htp_attn_ctx *, uint32_t, float *) =
+        !c->vw ? c->isa->attention_task : c->kw ? c->isa->attention_bf16_task : c->isa->attention_bf16_pv_task;
+    for (uint32_t i; (i = htp_next(next)) < n_tasks;) task(c, attn_task_of(c, i), scratch);
 }
 
 htp_status htp_exec_attention(htp_exec *e, const htp_attention_params *p, const float *q,
@@ -81,13 +81,25 @@ htp_status htp_exec_attention(htp_exec *e, const htp_attention_params *p, const 
     if (t == 0) return HTP_OK;
     htp_attn_ctx c = {q, k, v, out, t, p->n_q_heads, p->n_kv_heads, p->dk, p->dv,
                       p->causal ? 1u : 0u, (t + HTP_ATTN_BQ - 1) / HTP_ATTN_BQ, p->scale,
-                      NULL, NULL, 0, p->products == HTP_PRODUCTS_BF16, NULL, NULL, e->pool, e->isa,
+                      NULL, NULL, 0, p->products, NULL, NULL, e->pool, e->isa,
                       t + p->n_ctx, p->n_ctx, 0, p->causal ? p->window : 0, sinks};
     const size_t need = htp_attn_scratch_floats(&c) * sizeof(float);
     for (uint32_t i = 0; i < htp_pool_nth(e->pool); i++)
         if (!htp_scratch(e->pool, i, 1, need)) return HTP_E_NOMEM;
     const int aligned = c.dk % 16 == 0 && c.dv % 16 == 0;
-    if (c.bf16 && aligned && e->isa->attention_bf16_task && htp_cpu_bf16()) {
+    if (c.bf16 == HTP_PRODUCTS_BF16_PV && aligned && e->isa->attention_bf16_pv_task && e->isa->attention_kt_cols &&
+        htp_cpu_bf16()) {
+        /* K re-laid in fp32 panels (as for fp32 products), V packed into bf16 key pairs */
+        c.kt_ld = ((size_t)c.tk + HTP_ATTN_BK - 1) / HTP_ATTN_BK;
+        const size_t nk = c.kt_ld * HTP_ATTN_BK * c.hkv * c.dk;
+        const size_t nv = c.kt_ld * HTP_ATTN_BK * c.hkv / 2 * c.dv;
+        c.kt = (float *)htp_scratch(e->pool, 0, 3, sizeof(float) * nk + sizeof(uint32_t) * nv);
+        if (!c.kt) return HTP_E_NOMEM;
+        c.vw = (uint32_t *)(c.kt + nk);
+        htp_parallel(e->pool, attn_worker, &c);
+        return HTP_OK;
+    }
+    if (c.bf16 == HTP_PRODUCTS_BF16 && aligned && e->isa->attention_bf16_task && htp_cpu_bf16()) {
         c.kt_ld = ((size_t)c.tk + HTP_ATTN_BK - 1) / HTP_ATTN_BK;
         /* re-laid K and V live in the backend's shared per-op buffer (kept between calls) */
         const size_t words = c.kt_ld * HTP_ATTN_BK * c.hkv / 2; /* per head dim pair / dim */
@@ -116,7 +128,7 @@ void htp_attn_bf16_pack_scalar(const htp_attn_ctx *c, uint32_t ith, uint32_t nth
     const uint32_t dp = dk / 2, nblk = (uint32_t)c->kt_ld;
     const size_t ks = (size_t)c->hkv * dk, vs = (size_t)c->hkv * dv;
     uint32_t b, e;
-    htp_split(c->hkv * nblk, ith, nth, &b, &e);
+    htp_split(c->kw ? c->hkv * nblk : 0, ith, nth, &b, &e); /* K: not under BF16_PV */
     for (uint32_t rr = b; rr < e; rr++) {
         const uint32_t hk = rr / nblk, kb = rr % nblk;
         uint32_t *dst = c->kw + ((size_t)hk * nblk + kb) * dp * BK;

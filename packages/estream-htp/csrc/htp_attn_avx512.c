@@ -74,8 +74,9 @@ HTP_T_BF16 void htp_attn_bf16_pack_avx512(const htp_attn_ctx *c, uint32_t ith, u
         return;
     }
     uint32_t b, e;
-    /* K: one (head, key block) per step; each key row becomes dp words, stored transposed */
-    htp_split(c->hkv * nblk, ith, nth, &b, &e);
+    /* K: one (head, key block) per step; each key row becomes dp words, stored transposed
+     * (not under BF16_PV, whose K is fp32) */
+    htp_split(c->kw ? c->hkv * nblk : 0, ith, nth, &b, &e);
     for (uint32_t rr = b; rr < e; rr++) {
         const uint32_t hk = rr / nblk, kb = rr % nblk;
         uint32_t *dst = c->kw + ((size_t)hk * nblk + kb) * dp * BK;
@@ -173,5 +174,10 @@ HTP_T_BF16 static inline __m512 bf16_store(uint16_t *p, __m512 x) {
 #define ATTN_NAME htp_attn_bf16_task_avx512
 #define ATTN_TARGET HTP_T_BF16
 #define ATTN_BF16 1
+#include "htp_attn_task.h"
+
+#define ATTN_NAME htp_attn_bf16_pv_task_avx512
+#define ATTN_TARGET HTP_T_BF16
+#define ATTN_BF16 2
 #include "htp_attn_task.h"
 #endif

@@ -4,8 +4,9 @@
  * tasks of htp_attn_task.h operation for operation, so every table (portable, AVX2, AVX-512,
  * NEON, HVX) gives the same bits: each score and output element sums its products in order
  * with fused multiply-adds, the exp is the vector one's, a row's softmax weights are summed in
- * 16 lanes (key j in lane j % 16) reduced in one tree (htp_radd16). With c->bf16 it is
- * htp_attn_task_bf16_body: the native AVX512_BF16 kernel's operations, emulated bit for bit. */
+ * 16 lanes (key j in lane j % 16) reduced in one tree (htp_radd16). With HTP_PRODUCTS_BF16 it
+ * is htp_attn_task_bf16_body: the native AVX512_BF16 kernel's operations, emulated bit for bit;
+ * with HTP_PRODUCTS_BF16_PV the fp32 scores of the fp32 body and that kernel's P·V. */
 #ifndef ESTREAM_HTP_ATTN_BODY_H
 #define ESTREAM_HTP_ATTN_BODY_H
 
@@ -159,10 +160,11 @@ HTP_INLINE void htp_attn_task_bf16_body(const htp_attn_ctx *c, uint32_t task, fl
 }
 
 HTP_INLINE void htp_attn_task_body(const htp_attn_ctx *c, uint32_t task, float *scratch) {
-    if (c->bf16) {
+    if (c->bf16 == HTP_PRODUCTS_BF16) {
         htp_attn_task_bf16_body(c, task, scratch);
         return;
     }
+    const int pv16 = c->bf16 == HTP_PRODUCTS_BF16_PV; /* P and V rounded to bfloat16 */
     const uint32_t BQ = HTP_ATTN_BQ, BK = HTP_ATTN_BK;
     const uint32_t h = task / c->n_qblk, qb = task % c->n_qblk;
     const uint32_t hk = h / (c->hq / c->hkv);
@@ -209,7 +211,8 @@ HTP_INLINE void htp_attn_task_body(const htp_attn_ctx *c, uint32_t task, float *
             float lane[16];
             for (uint32_t u = 0; u < 16; u++) lane[u] = 0.0f;
             for (uint32_t j = 0; j < BK; j++) {
-                const float p = j >= lo && j < lim ? htp_exp_neg(sr[j] - mx) : 0.0f;
+                float p = j >= lo && j < lim ? htp_exp_neg(sr[j] - mx) : 0.0f;
+                if (pv16) p = htp_bf16_round(p);
                 srow[j] = p;
                 lane[j % 16] += p;
             }
@@ -222,6 +225,18 @@ HTP_INLINE void htp_attn_task_body(const htp_attn_ctx *c, uint32_t task, float *
         for (uint32_t i = 0; i < ni; i++) {
             float *oi = o + (size_t)i * dv;
             const float *srow = s + (size_t)i * BK;
+            if (pv16) { /* key pairs, odd first, as vdpbf16ps (see the bf16 body) */
+                for (uint32_t j = 0; j < nj; j += 2) {
+                    const float *v0 = c->v + (size_t)(j0 + j) * vstride + (size_t)hk * dv;
+                    const int has1 = j0 + j + 1 < c->tk;
+                    const float *v1 = has1 ? v0 + vstride : v0;
+                    const float p0 = srow[j], p1 = srow[j + 1];
+                    for (uint32_t d = 0; d < dv; d++)
+                        oi[d] = htp_dpbf16(oi[d], p0, htp_bf16_round(v0[d]), p1,
+                                           has1 ? htp_bf16_round(v1[d]) : 0.0f);
+                }
+                continue;
+            }
             for (uint32_t j = 0; j < nj; j++) {
                 const float p = srow[j];
                 const float *vj = c->v + (size_t)(j0 + j) * vstride + (size_t)hk * dv;

@@ -8,7 +8,9 @@
  *                   K, V and the softmax weights rounded to bfloat16, fp32 sums; the row sums
  *                   add the weights actually applied; the includer supplies qk_bf16_4x64,
  *                   pv_bf16_4x64 and V_BF16_STORE(p, x), which stores the VW lanes of x rounded
- *                   to bfloat16 at the uint16_t pointer p and returns them as floats),
+ *                   to bfloat16 at the uint16_t pointer p and returns them as floats);
+ *                2: bf16 P·V only (HTP_PRODUCTS_BF16_PV): S as with 0, P and V as with 1
+ *                   (pv_bf16_4x64 and V_BF16_STORE),
  *   ATTN_MR, ATTN_MC  the fp32 register block: MR query rows x MC vectors of columns,
  * and the vector vocabulary of its instruction set:
  *   VF (the float vector type), VW (its lanes), V_LOAD, V_STORE, V_SET1,
@@ -31,7 +33,7 @@
 #define ATTN_CAT(a, b) ATTN_CAT2(a, b)
 #define ATTN_MK ATTN_CAT(ATTN_NAME, _mk)
 
-#if !ATTN_BF16
+#if ATTN_BF16 != 1
 ATTN_TARGET static inline __attribute__((always_inline)) void ATTN_MK(
     const float *a, size_t lda, uint32_t kd, const float *b, size_t ldb, float *cm, size_t ldc,
     int nr, int nc, int acc_in) {
@@ -71,12 +73,18 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
     const size_t qstride = (size_t)c->hq * dk, ostride = (size_t)c->hq * dv;
     float *s = scratch;             /* [BQ][BK] scores */
     float *o = s + (size_t)BQ * BK; /* [BQ][dv] unnormalised output rows */
-#if ATTN_BF16
+#if ATTN_BF16 == 1
     const uint32_t dp = dk / 2, nblk = (uint32_t)c->kt_ld;
     const uint32_t *k_head = c->kw + (size_t)hk * nblk * dp * BK;       /* [kblk][dp][BK] pairs */
     const uint32_t *v_head = c->vw + (size_t)hk * nblk * (BK / 2) * dv; /* [kblk][BK/2][dv] pairs */
     uint32_t *qw = (uint32_t *)(o + (size_t)BQ * dv);                    /* [BQ][dp] q·scale pairs */
     uint32_t *pw = qw + (size_t)BQ * dp;                                 /* [BQ][BK/2] P pairs */
+#elif ATTN_BF16 == 2
+    const float *k_head = c->kt + (size_t)hk * c->kt_ld * dk * BK;                 /* as below */
+    const uint32_t *v_head = c->vw + (size_t)hk * c->kt_ld * (BK / 2) * dv; /* [kblk][BK/2][dv] pairs */
+    float *qs = o + (size_t)BQ * dv;                                        /* [BQ][dk] q·scale */
+    uint32_t *pw = (uint32_t *)(qs + (size_t)BQ * dk);                      /* [BQ][BK/2] P pairs */
+    const uint32_t CB = ATTN_MC * VW;
 #else
     /* [kblk][BK / CB panels][dk][CB]: the driver lays K in panels of the table's
      * attention_kt_cols, which is this register block's CB */
@@ -91,7 +99,7 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
         const float *qi = c->q + (size_t)(i0 + i) * qstride + (size_t)h * dk;
         for (uint32_t d = 0; d < dk; d += VW) {
             const VF x = V_MUL(V_LOAD(qi + d), vscale);
-#if ATTN_BF16
+#if ATTN_BF16 == 1
             (void)V_BF16_STORE((uint16_t *)(qw + (size_t)i * dp) + d, x);
 #else
             V_STORE(qs + (size_t)i * dk + d, x);
@@ -106,7 +114,7 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
     for (uint32_t j0 = htp_attn_key_begin(c, i0) / BK * BK; j0 < kend; j0 += BK) {
         const uint32_t nj = HTP_MIN(BK, kend - j0), kb = j0 / BK;
         /* S = (q·scale) Kᵀ for the block */
-#if ATTN_BF16
+#if ATTN_BF16 == 1
         for (uint32_t i = 0; i < ni; i += 4)
             qk_bf16_4x64(qw + (size_t)i * dp, dp, k_head + (size_t)kb * dp * BK, s + (size_t)i * BK,
                          (int)HTP_MIN(4u, ni - i));
@@ -135,7 +143,7 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
                 for (int u = 0; u < 16 / VW; u++) {
                     const uint32_t cc = c16 + (uint32_t)u * VW;
                     const VF pv = V_ANDM(ATTN_VIS(cc), V_EXPNEG(V_SUB(V_LOAD(sr + cc), vm)));
-#if ATTN_BF16 /* the weights actually applied */
+#if ATTN_BF16 /* the weights actually applied, as bf16 */
                     vsum[u] = V_ADD(vsum[u], V_BF16_STORE((uint16_t *)(pw + (size_t)i * (BK / 2)) + cc, pv));
 #else
                     V_STORE(sr + cc, pv);

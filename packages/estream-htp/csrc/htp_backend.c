@@ -553,7 +553,7 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
     case HTP_OP_ATTENTION: {
         const htp_attention_params *p = &op->p.attention;
         if (!p->n_q_heads || !p->n_kv_heads || !p->dk || !p->dv || p->n_q_heads % p->n_kv_heads ||
-            p->products > HTP_PRODUCTS_BF16 || p->has_sinks > 1 || (p->window && !p->causal))
+            p->products > HTP_PRODUCTS_BF16_PV || p->has_sinks > 1 || (p->window && !p->causal))
             return HTP_E_INVALID;
         const float *q, *k, *v, *sinks = NULL;
         float *out;

@@ -193,9 +193,12 @@ typedef struct htp_attn_ctx {
     float *kt;    /* optional: K per KV head in transposed key blocks [hkv][kblk][dk][BK] */
     float *vp;    /* optional: V per KV head, contiguous rows [hkv][t][dv] */
     size_t kt_ld; /* number of key blocks (ceil(t / BK)) */
-    uint32_t bf16; /* HTP_PRODUCTS_BF16: round q*scale, k, v, p to bfloat16 */
+    /* the products (htp_products): HTP_PRODUCTS_BF16 rounds q*scale, k, v, p to bfloat16,
+     * HTP_PRODUCTS_BF16_PV only v and p */
+    uint32_t bf16;
     /* native bf16 path: bf16 pairs as 32-bit words, K [hkv][kblk][dk/2][BK] (dims 2i, 2i+1 of
-     * one key), V [hkv][kblk][BK/2][dv] (keys 2i, 2i+1 of one value dim); zero past t */
+     * one key; NULL under BF16_PV, whose K is kt), V [hkv][kblk][BK/2][dv] (keys 2i, 2i+1 of
+     * one value dim); zero past t */
     uint32_t *kw, *vw;
     htp_pool *pool;
     const struct htp_isa *isa;
@@ -299,10 +302,12 @@ typedef struct htp_isa {
      * and V into [head][key][dv] (needs dk, dv % 16 == 0); 0: the task reads K and V as given */
     uint32_t attention_kt_cols;
     /* bf16 products, used when htp_cpu_bf16() (AVX512_BF16 / FEAT_BF16) and dk, dv % 16 == 0
-     * (else the generic body emulates the same rounding): pack c->kw/c->vw (thread ith of
-     * nth), then tasks */
+     * (else the generic body emulates the same rounding): pack c->kw (when not NULL) and c->vw
+     * (thread ith of nth), then tasks; the BF16_PV task reads K from kt (attention_kt_cols
+     * panels) and may be NULL (then the generic body emulates it) */
     void (*attention_bf16_pack)(const htp_attn_ctx *c, uint32_t ith, uint32_t nth);
     void (*attention_bf16_task)(const htp_attn_ctx *c, uint32_t task, float *scratch);
+    void (*attention_bf16_pv_task)(const htp_attn_ctx *c, uint32_t task, float *scratch);
     void (*swiglu)(const float *g, const float *u, uint64_t n, float *out); /* u may be NULL */
     /* rows [i0, i1) of y[t][n] = x[t][k] @ w[k][n], each output summed over k in order */
     void (*matmul_f32)(const float *x, const float *w, uint32_t k, uint32_t n, uint32_t i0,
@@ -327,6 +332,7 @@ void htp_attn_task_avx512(const htp_attn_ctx *c, uint32_t task, float *scratch);
 void htp_attn_task_avx2(const htp_attn_ctx *c, uint32_t task, float *scratch);
 void htp_attn_bf16_pack_avx512(const htp_attn_ctx *c, uint32_t ith, uint32_t nth);
 void htp_attn_bf16_task_avx512(const htp_attn_ctx *c, uint32_t task, float *scratch);
+void htp_attn_bf16_pv_task_avx512(const htp_attn_ctx *c, uint32_t task, float *scratch);
 extern const htp_isa htp_isa_avx2;
 extern const htp_isa htp_isa_avx512;
 extern const htp_isa htp_isa_avx512vnni;

@@ -1431,7 +1431,8 @@ const htp_isa htp_isa_avx2 = {
     .f32_strip = f32_strip_fast_avx512, .f32_nt = 8, .quantize_row_q8 = quantize_q8_fast_avx512, \
     .attention_task = htp_attn_task_avx512, .attention_kt_cols = HTP_ATTN_COLS_AVX512,          \
     .attention_bf16_pack = htp_attn_bf16_pack_avx512,                                          \
-    .attention_bf16_task = htp_attn_bf16_task_avx512, .swiglu = htp_swiglu_avx512,                 \
+    .attention_bf16_task = htp_attn_bf16_task_avx512,                                          \
+    .attention_bf16_pv_task = htp_attn_bf16_pv_task_avx512, .swiglu = htp_swiglu_avx512,         \
     .matmul_f32 = matmul_f32_avx512, .fma_peak = peak_fma, .fma_macs_per_iter = 12 * 16,        \
     .bf16_peak = peak_bf16, .bf16_macs_per_iter = 12 * 32
 

@@ -247,7 +247,7 @@ def test_attention_with_context(
 
 
 @pytest.mark.parametrize("level", SIMD_PARAMS)
-@pytest.mark.parametrize("products", ["f32", "bf16"])
+@pytest.mark.parametrize("products", ["f32", "bf16", "bf16-pv"])
 def test_attention_with_context_is_the_full_prefill_rows(level, products) -> None:
     """A continuing segment with its context gives, bit for bit, the rows the causal kernel
     computes for the same queries inside the whole sequence (every host kernel set)."""
@@ -266,7 +266,7 @@ def test_attention_with_context_is_the_full_prefill_rows(level, products) -> Non
 
 
 @pytest.mark.parametrize("level", SIMD_PARAMS)
-@pytest.mark.parametrize("products", ["f32", "bf16"])
+@pytest.mark.parametrize("products", ["f32", "bf16", "bf16-pv"])
 def test_windowed_segment_is_the_full_prefill_rows(level, products) -> None:
     """With a sliding window and sinks too, a continuing segment gives bit for bit the rows
     of the whole sequence, and a window covering every key changes nothing."""

@@ -179,8 +179,10 @@ def test_attention_register_blocks(
 
 
 TOL_BF16 = 1e-2  # bf16 products (rounded q*scale, k, v, softmax weights) vs float64: ~3e-3
+TOL_BF16_PV = 5e-3  # bf16 P·V only (rounded v and softmax weights; fp32 scores): ~2e-3
 
 
+@pytest.mark.parametrize("products", ["bf16", "bf16-pv"])
 @pytest.mark.parametrize("simd", SIMD_PARAMS)
 @given(
     t=st.integers(1, 150),
@@ -192,11 +194,12 @@ TOL_BF16 = 1e-2  # bf16 products (rounded q*scale, k, v, softmax weights) vs flo
     seed=st.integers(0, 2**32 - 1),
 )
 def test_attention_bf16(
-    simd: str, t: int, hkv: int, rep: int, dk: int, dv: int, causal: bool, seed: int
+    products: str, simd: str, t: int, hkv: int, rep: int, dk: int, dv: int, causal: bool, seed: int
 ) -> None:
-    """bf16 products at every level (native vdpbf16ps kernels where the CPU has AVX512_BF16
+    """Both bf16 modes at every level (native vdpbf16ps kernels where the CPU has AVX512_BF16
     and head dims are multiples of 16, else the emulation) against float64, and bit for bit
-    the portable emulation of the native kernel; they must really differ from fp32 products."""
+    the portable emulation of the native kernel; they must really differ from fp32 products
+    and from each other."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((t, hkv * rep, dk)).astype(np.float32)
     k = rng.standard_normal((t, hkv, dk)).astype(np.float32)
@@ -206,13 +209,18 @@ def test_attention_bf16(
     for level in (simd, "portable"):
         out = np.full((t, hkv * rep, dv), np.nan, np.float32)
         with mode(simd=level):
-            outs[level] = htp.attention(q, k, v, scale, causal, out=out, products="bf16")
+            outs[level] = htp.attention(q, k, v, scale, causal, out=out, products=products)
     ref = T.ref_attention(q, k, v, scale, causal)
-    assert T.rel_l2(outs[simd], ref) <= TOL_BF16
+    assert T.rel_l2(outs[simd], ref) <= (TOL_BF16 if products == "bf16" else TOL_BF16_PV)
     assert _same_bits(outs[simd], outs["portable"])
     f32 = htp.attention(q, k, v, scale, causal)
+    other = htp.attention(
+        q, k, v, scale, causal, products="bf16-pv" if products == "bf16" else "bf16"
+    )
     if t > 1:  # (one key: the weight is exactly 1 and only v's rounding shows)
         assert not np.array_equal(outs[simd], f32)
+    if t > 16:  # (a few keys: rounding q and k may move no weight's bfloat16)
+        assert not np.array_equal(outs[simd], other)
 
 
 @pytest.mark.parametrize("simd", SIMD_PARAMS)
@@ -256,8 +264,10 @@ def test_attention_window_and_sinks(
     for products, level in (
         ("f32", simd),
         ("bf16", simd),
+        ("bf16-pv", simd),
         ("f32", "portable"),
         ("bf16", "portable"),
+        ("bf16-pv", "portable"),
     ):
         out = np.full((t, hq, dv), np.nan, np.float32)
         with mode(simd=level):
@@ -267,8 +277,10 @@ def test_attention_window_and_sinks(
             )  # fmt: skip
     assert T.rel_l2(outs["f32", simd], ref) <= TOL
     assert T.rel_l2(outs["bf16", simd], ref) <= TOL_BF16
+    assert T.rel_l2(outs["bf16-pv", simd], ref) <= TOL_BF16_PV
     assert _same_bits(outs["f32", simd], outs["f32", "portable"])
     assert _same_bits(outs["bf16", simd], outs["bf16", "portable"])
+    assert _same_bits(outs["bf16-pv", simd], outs["bf16-pv", "portable"])
 
 
 def test_round_bf16() -> None:
@@ -305,7 +317,7 @@ def test_attention_long_sequence_threads_agree() -> None:
         b = htp.attention(q, k, v, 0.125)
     assert np.array_equal(a, b)
     assert T.rel_l2(a, T.ref_attention(q, k, v, 0.125)) <= TOL
-    for products in ("bf16",):
+    for products in ("bf16", "bf16-pv"):
         with mode(threads=1):
             a = htp.attention(q, k, v, 0.125, products=products)
         with mode(threads=2):

@@ -66,7 +66,7 @@ def test_build_switches() -> None:
 
 
 def test_abi_version() -> None:
-    assert _core.lib.htp_abi_version() == _core.lib.HTP_ABI_VERSION == 3
+    assert _core.lib.htp_abi_version() == _core.lib.HTP_ABI_VERSION == 4
 
 
 def test_forked_child_runs_single_threaded() -> None:

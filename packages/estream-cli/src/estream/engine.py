@@ -67,12 +67,14 @@ MODES = ("stream", "resident", "naive", "layer")
 ACTS = ("q8", "f32")
 # How the attention kernel multiplies: "f32" (exact products; the default), "bf16" (q·scale, k,
 # v and the softmax weights rounded to bfloat16, fp32 sums: about twice the fp32 rate where the
-# CPU multiplies bf16 natively, a few 1e-3 off per op) or "auto": resolved at load by
-# `resolve_attention`, bf16 under act "q8" where the dense ops' kernel set runs bf16 attention
-# natively (`estream_htp.native_bf16_attention`), else f32 (always f32 under act "f32", which
-# keeps to a float64 reference to ~1e-5). "auto" is not the default: on the parity table
-# (docs/benchmarks.md) bf16 attention's q8 error is not within 5 % of fp32's on every row.
-ATTENTION = ("auto", "f32", "bf16")
+# CPU multiplies bf16 natively, a few 1e-3 off per op), "bf16-pv" (fp32 scores; only the
+# softmax weights and v rounded to bfloat16, so half the products at the bf16 rate and about
+# half bf16's error) or "auto": resolved at load by `resolve_attention`, bf16-pv under act "q8"
+# where the dense ops' kernel set runs bf16 attention natively
+# (`estream_htp.native_bf16_attention`), else f32 (always f32 under act "f32", which keeps to a
+# float64 reference to ~1e-5). "auto" is not the default: see docs/benchmarks.md's parity table
+# for each bf16 mode's q8 error against fp32 attention's.
+ATTENTION = ("auto", "f32", "bf16", "bf16-pv")
 # Where the dense kernel ops (GEMMs, norms, RoPE, attention, ...) run: this process's default
 # backend, or the expert backend (its executor process: the DSP for `hexagon`).
 DENSE_OPS = ("host", "backend")
@@ -821,8 +823,8 @@ def _check_finite(x: np.ndarray) -> None:
 
 
 def resolve_attention(attention: str, act: str, dense: htp.Backend | None = None) -> str:
-    """The attention precision an engine runs for option ``attention`` (`ATTENTION`): "f32" and
-    "bf16" as they are; "auto" is "bf16" when ``act`` is "q8" and ``dense``, the backend running
+    """The attention precision an engine runs for option ``attention`` (`ATTENTION`): "f32",
+    "bf16" and "bf16-pv" as they are; "auto" is "bf16-pv" when ``act`` is "q8" and ``dense``, the backend running
     the dense ops (default: this process's), multiplies bf16 attention natively
     at about twice the fp32 rate (`estream_htp.native_bf16_attention`: an AVX-512 or AMX kernel
     set on a CPU with AVX512_BF16), else "f32" (emulated bf16, and NEON's native FEAT_BF16
@@ -834,7 +836,7 @@ def resolve_attention(attention: str, act: str, dense: htp.Backend | None = None
         return attention
     if act != "q8":
         return "f32"
-    return "bf16" if htp.native_bf16_attention(dense) else "f32"
+    return "bf16-pv" if htp.native_bf16_attention(dense) else "f32"
 
 
 def load(path: str | Path, **kwargs: Any) -> Engine:

@@ -175,9 +175,10 @@ def add_engine_opts(p: argparse.ArgumentParser) -> None:
         help="attention products: f32 (default), bf16 (q, k, v and the softmax weights rounded "
         "to bfloat16, fp32 sums, ~3e-3 relative per op: about twice fp32's rate where the CPU "
         "has AVX512_BF16 with an AVX-512 or AMX kernel set; slower than f32 elsewhere, emulated "
-        "or, on NEON with FEAT_BF16, native at one product a lane) or auto (bf16 with --act q8 "
-        "where it runs at twice fp32's rate, else f32; always f32 with --act f32). Results "
-        "report the precision that ran",
+        "or, on NEON with FEAT_BF16, native at one product a lane), bf16-pv (fp32 scores, only "
+        "v and the softmax weights rounded: ~2e-3, the weighted sum at bf16's rate) or auto "
+        "(bf16-pv with --act q8 where bf16 runs at twice fp32's rate, else f32; always f32 with "
+        "--act f32). Results report the precision that ran",
     )
     p.add_argument(
         "--backend",

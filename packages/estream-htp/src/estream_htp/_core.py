@@ -940,7 +940,11 @@ def rope_yarn_corr_dims(
     return max(0.0, math.floor(dim(beta_fast))), min(n_rot - 1.0, math.ceil(dim(beta_slow)))
 
 
-_PRODUCTS = {"f32": lib.HTP_PRODUCTS_F32, "bf16": lib.HTP_PRODUCTS_BF16}
+_PRODUCTS = {
+    "f32": lib.HTP_PRODUCTS_F32,
+    "bf16": lib.HTP_PRODUCTS_BF16,
+    "bf16-pv": lib.HTP_PRODUCTS_BF16_PV,
+}
 
 
 def round_bf16(x: npt.ArrayLike) -> npt.NDArray[np.float32]:
@@ -979,9 +983,12 @@ def attention(
     ``sinks``: ``None`` or ``[Hq]`` float32 logits, one per query head, that join every row's
     softmax denominator as an extra key whose value is zero (attention sinks).
 
-    ``products``: "f32" (fp32 products, matches float64 to ~1e-6) or "bf16" (``q·scale``,
+    ``products``: "f32" (fp32 products, matches float64 to ~1e-6), "bf16" (``q·scale``,
     ``k``, ``v`` and the softmax weights rounded to bfloat16, fp32 sums: twice the
-    multiply rate on CPUs with AVX512_BF16, emulated elsewhere; rel. L2 error ~3e-3)."""
+    multiply rate on CPUs with AVX512_BF16, emulated elsewhere; rel. L2 error ~3e-3) or
+    "bf16-pv" (the scores ``q·scale·k`` in fp32; the softmax weights and ``v`` rounded to
+    bfloat16 for their product, at the bf16 rate where "bf16" has it; rel. L2 error ~2e-3,
+    most of it from ``v``'s rounding, which averages out over the keys)."""
     if products not in _PRODUCTS:
         raise HTPInputError(f"products must be one of {sorted(_PRODUCTS)}, got {products!r}")
     q = _arr(q, "q", np.float32, 3)

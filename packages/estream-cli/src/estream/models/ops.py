@@ -52,9 +52,10 @@ class Ops:
     every kernel call (`timed`; leaf calls only: spans never nest, so their durations add up),
     the routed-expert phases among them as "experts".
 
-    ``attn_products`` is how the attention kernel multiplies: "f32" (exact) or "bf16" (q, k, v
-    and the softmax weights rounded to bfloat16, fp32 sums; the engine uses it with q8
-    activations).
+    ``attn_products`` is how the attention kernel multiplies: "f32" (exact), "bf16" (q, k, v
+    and the softmax weights rounded to bfloat16, fp32 sums) or "bf16-pv" (fp32 scores, v and
+    the softmax weights rounded to bfloat16); the engine uses the bf16 modes with q8
+    activations.
 
     ``op_work``: a list to count each call's work into (`count`; None: nothing is counted,
     the default), for the per-op table of `estream.opstats`.
@@ -419,8 +420,13 @@ class Ops:
                 (sum(c.length for c in lay.context(i)) if s.parent >= 0 else 0, s.length)
                 for i, s in enumerate(lay.segments)
             ]
-        macs = attention_macs(segs, q.shape[1], q.shape[2], v.shape[2], window)
-        self.count("attention", "bf16" if self.attn_products == "bf16" else "fp32", macs)
+        n_head, d_k, d_v = q.shape[1], q.shape[2], v.shape[2]
+        if self.attn_products == "bf16-pv":  # the scores in fp32, the weighted sum in bf16
+            self.count("attention", "fp32", attention_macs(segs, n_head, d_k, 0, window))
+            self.count("attention", "bf16", attention_macs(segs, n_head, 0, d_v, window))
+        else:
+            macs = attention_macs(segs, n_head, d_k, d_v, window)
+            self.count("attention", "bf16" if self.attn_products == "bf16" else "fp32", macs)
 
     def _attend(
         self,
@@ -627,17 +633,20 @@ def _continued_attention(
     """A continuing segment's attention: ``q [n, H, D]`` against ``k, v [C + n, Hkv, ·]``
     (``C`` context rows, all visible, then the segment's own rows, causal), with BLAS
     (float32): segments are short. With ``products`` "bf16", the kernel's rounding of
-    ``q·scale``, ``k``, ``v`` and the softmax weights, so that a branch sees what a separate
-    prefill of ``prefix + branch`` would. ``window`` and ``sinks`` as `htp.attention`'s."""
+    ``q·scale``, ``k``, ``v`` and the softmax weights ("bf16-pv": of ``v`` and the weights), so
+    that a branch sees what a separate prefill of ``prefix + branch`` would. ``window`` and
+    ``sinks`` as `htp.attention`'s."""
     n, n_head = q.shape[0], q.shape[1]
     n_ctx = k.shape[0] - n
     rep = n_head // k.shape[1]
-    bf16 = products == "bf16"
+    bf16, pv16 = products == "bf16", products in ("bf16", "bf16-pv")
     kk = np.repeat(k, rep, axis=1).transpose(1, 2, 0)  # [H, D, C+n]
     vv = np.repeat(v, rep, axis=1).transpose(1, 0, 2)  # [H, C+n, Dv]
     qq = q.transpose(1, 0, 2)  # [H, n, D]
+    if pv16:
+        vv = htp.round_bf16(vv)
     if bf16:
-        kk, vv = htp.round_bf16(kk), htp.round_bf16(vv)
+        kk = htp.round_bf16(kk)
         sc = np.matmul(htp.round_bf16(qq * np.float32(scale)), kk)  # [H, n, C+n]
     else:
         sc = np.matmul(qq, kk) * np.float32(scale)  # [H, n, C+n]
@@ -652,7 +661,7 @@ def _continued_attention(
         m = np.maximum(m, sink)
     sc -= m
     np.exp(sc, out=sc)
-    if bf16:
+    if pv16:
         sc = htp.round_bf16(sc)
     den = sc.sum(axis=-1, keepdims=True)
     if sink is not None:
