@@ -448,12 +448,15 @@ def _vs_llama(c: dict[str, Any] | None, d: dict[str, Any] | None) -> str:
     )
 
 
-#: bf16 attention is the q8 default where its error stays within this factor of fp32's
+#: a bf16 attention mode may be the q8 default where its error stays within this factor of fp32's
 BF16_ATTENTION_LIMIT = 1.05
+#: the bf16 attention modes a parity run may hold, and how their column and verdict name them
+BF16_MODES = {"bf16": "bf16 attention", "bf16-pv": "bf16 P·V attention"}
 
 
 def _bf16_ratio(q8: dict[str, Any], bf16: dict[str, Any]) -> float | None:
-    """The engine q8 row's error with bf16 attention over its error with fp32 attention."""
+    """The engine q8 row's error with a bf16 attention mode over its error with fp32
+    attention."""
     a, b = q8.get("engine_vs_ref"), bf16.get("engine_vs_ref")
     return b["rel_l2"] / a["rel_l2"] if a and b and a["rel_l2"] > 0 else None
 
@@ -462,30 +465,31 @@ def render_parity(f: Figures) -> Table:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in f["rows"]:  # one row per engine run (activation format, attention precision)
         groups.setdefault((r["arch"], r["variant"]), []).append(r)
-    # runs before --engine-attention have no bf16 rows (and no engine_attention: fp32)
-    has_bf16 = any(r.get("engine_attention") == "bf16" for r in f["rows"])
+    # runs before --engine-attention have no bf16 rows (and no engine_attention: fp32); a
+    # column and a verdict per bf16 mode the run holds
+    modes = [m for m in BF16_MODES if any(r.get("engine_attention") == m for r in f["rows"])]
     t = Table(["arch", "weights", "llama.cpp vs ref", "engine q8 vs ref",
-               *(["engine q8, bf16 attention vs ref"] if has_bf16 else []), "engine f32 vs ref",
+               *[f"engine q8, {BF16_MODES[m]} vs ref" for m in modes], "engine f32 vs ref",
                "engine f32 vs packed ref",
                "vs the F32 original: ref / engine q8 / llama.cpp", "note"], [])  # fmt: skip
-    ratios: list[tuple[str, float | None]] = []
+    ratios: dict[str, list[tuple[str, float | None]]] = {m: [] for m in modes}
     for (arch, variant), rows in groups.items():
         act = {(r.get("engine_act"), r.get("engine_attention", "f32")): r for r in rows}
         q8, f32, first = act.get(("q8", "f32"), {}), act.get(("f32", "f32"), {}), rows[0]
-        bf16 = act.get(("q8", "bf16"), {})
         src = [first.get("ref_vs_src"), q8.get("engine_vs_src"), first.get("llamacpp_vs_src")]
         note = next((r[k] for r in rows for k in ("error", "llamacpp_error", "engine_note")
                      if r.get(k)), "")  # fmt: skip
-        bf16_cell: list[str] = []
-        if has_bf16:
+        bf16_cells: list[str] = []
+        for m in modes:
+            bf16 = act.get(("q8", m), {})
             ratio = _bf16_ratio(q8, bf16)
             if q8.get("engine_vs_ref") or bf16.get("engine_vs_ref"):
-                ratios.append((f"{arch} `{variant}`", ratio))
+                ratios[m].append((f"{arch} `{variant}`", ratio))
             of_f32 = f"; ×{ratio:.3f} of fp32 attention's" if ratio is not None else ""
-            bf16_cell = [_vs(bf16.get("engine_vs_ref")) + of_f32]
+            bf16_cells.append(_vs(bf16.get("engine_vs_ref")) + of_f32)
         t.rows.append([
             arch, f"`{variant}`", _vs(first.get("llamacpp_vs_ref")),
-            _vs_llama(q8.get("engine_vs_ref"), q8.get("engine_minus_llamacpp")), *bf16_cell,
+            _vs_llama(q8.get("engine_vs_ref"), q8.get("engine_minus_llamacpp")), *bf16_cells,
             _vs(f32.get("engine_vs_ref")), _vs(f32.get("engine_vs_packed_ref")),
             " / ".join(f"{c['rel_l2']:.1e}" if c else "–" for c in src) if any(src) else "–",
             note.splitlines()[0] if note else "",
@@ -506,16 +510,16 @@ def render_parity(f: Figures) -> Table:
         )
         + (f" llama-cpp-python {f['llama_cpp_python']}." if f.get("llama_cpp_python") else "")
     )
-    if has_bf16:
-        t.notes.append(_bf16_verdict(ratios))
+    for m in modes:
+        t.notes.append(_bf16_verdict(ratios[m], BF16_MODES[m]))
     return t
 
 
-def _bf16_verdict(ratios: list[tuple[str, float | None]]) -> str:
-    """One line: whether every row's engine q8 error with bf16 attention is within
+def _bf16_verdict(ratios: list[tuple[str, float | None]], name: str = "bf16 attention") -> str:
+    """One line: whether every row's engine q8 error with bf16 attention mode ``name`` is within
     `BF16_ATTENTION_LIMIT` of its error with fp32 attention, else the rows over it."""
     lim = f"{round((BF16_ATTENTION_LIMIT - 1) * 100)} %"
-    head = "bf16 attention (engine q8; `engine q8 vs ref` is with fp32 attention): "
+    head = f"{name} (engine q8; `engine q8 vs ref` is with fp32 attention): "
     missing = [name for name, r in ratios if r is None]
     over = [f"{name} ×{r:.3f}" for name, r in ratios if r is not None and r > BF16_ATTENTION_LIMIT]
     known = [r for _, r in ratios if r is not None]

@@ -719,3 +719,28 @@ def test_parity_with_bf16_attention_shows_its_error_its_ratio_and_a_verdict() ->
     assert "engine q8, bf16 attention vs ref" not in t.headers
     assert t.rows[0][3:5] == ["1.0e-02 (0.980)", "5.0e-07 (1.000)"]
     assert not any("bf16" in n for n in t.notes)
+
+
+def test_parity_with_both_bf16_modes_has_a_column_and_a_verdict_for_each() -> None:
+    """A run with `--engine-attention f32,bf16,bf16-pv`: one column per bf16 mode, each with
+    its own ratio to the fp32-attention error, and one verdict line per mode."""
+    base = {"arch": "qwen3moe", "variant": "q4_0", "llamacpp_vs_ref": {"rel_l2": 0.02}}
+    rows = [
+        {**base, "engine_act": "q8", "engine_attention": "f32",
+         "engine_vs_ref": {"rel_l2": 0.0100, "top1": 0.98}},
+        {**base, "engine_act": "q8", "engine_attention": "bf16",
+         "engine_vs_ref": {"rel_l2": 0.0110, "top1": 0.97}},
+        {**base, "engine_act": "q8", "engine_attention": "bf16-pv",
+         "engine_vs_ref": {"rel_l2": 0.0102, "top1": 0.975}},
+        {**base, "engine_act": "f32", "engine_attention": "f32",
+         "engine_vs_ref": {"rel_l2": 5e-7, "top1": 1.0}},
+    ]  # fmt: skip
+    t = report.render_parity({"tokens": 256, "prompts": 1, "rows": rows})
+    c1 = t.headers.index("engine q8, bf16 attention vs ref")
+    c2 = t.headers.index("engine q8, bf16 P·V attention vs ref")
+    assert c2 == c1 + 1 and t.headers[c2 + 1] == "engine f32 vs ref"
+    assert t.rows[0][c1] == "1.1e-02 (0.970); ×1.100 of fp32 attention's"
+    assert t.rows[0][c2] == "1.0e-02 (0.975); ×1.020 of fp32 attention's"
+    assert "bf16 attention (engine q8" in t.notes[-2] and "rows over 5 %: qwen3moe" in t.notes[-2]
+    assert t.notes[-1].startswith("bf16 P·V attention (engine q8")
+    assert "every row within 5 % of the fp32-attention error (ratios 1.020–1.020)" in t.notes[-1]

@@ -192,6 +192,23 @@ def test_table_splits_expert_waits_and_shares_peaks() -> None:
     assert "of peak" in text and "44.4%" in text and "25.0%" in text
 
 
+def test_an_op_of_two_precisions_reads_each_against_its_peak() -> None:
+    """bf16-pv attention counts its scores in fp32 and its weighted sum in bf16: the row is
+    "bf16+fp32" with its work per precision, and its share of peak is the time that work
+    takes at each peak over the time it took; without one of the peaks there is no share."""
+    spans = [("attention", 0, 0.0, 0.5), ("attention", 1, 0.5, 1.0)]
+    work = [("attention", 0, "fp32", 2 * 10**9), ("attention", 0, "bf16", 3 * 10**9),
+            ("attention", 1, "fp32", 2 * 10**9), ("attention", 1, "bf16", 3 * 10**9)]  # fmt: skip
+    table = op_table(total_s=1.0, n_layers=2, op_spans=spans, op_work=work)
+    row = add_peaks(table, {"fp32": 8.0, "bf16": 20.0, "int8": 40.0})["rows"][0]
+    assert row["precision"] == "bf16+fp32" and row["gop"] == pytest.approx(10.0)
+    assert row["gop_by_precision"] == {"bf16": pytest.approx(6.0), "fp32": pytest.approx(4.0)}
+    assert row["pct_of_peak"] == pytest.approx(100 * (4 / 8 + 6 / 20) / 1.0)
+    assert add_peaks(table, {"fp32": 8.0, "bf16": None})["rows"][0]["pct_of_peak"] is None
+    one = op_table(total_s=1.0, n_layers=1, op_spans=spans[:1], op_work=work[:1])
+    assert "gop_by_precision" not in one["rows"][0]
+
+
 def test_prefill_op_stats_prints_the_table(tiny_models, capsys, tmp_path) -> None:
     """``estream prefill --op-stats`` prints a row per op kind and each rate's share of the
     CPU's measured peak for its precision; with ``--json`` the table is ``metrics.op_table``

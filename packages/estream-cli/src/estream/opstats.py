@@ -13,6 +13,11 @@ multiplies in — ``int8`` (a quantized GEMM or the routed experts under int8 ac
 * ``pct_of_peak``: that rate as a share of the machine's measured peak of its precision, when
   peaks are given (`add_peaks`; the benchmarks measure them the way bench_kernels does).
 
+An op whose calls multiply in more than one precision (attention with ``bf16-pv`` products:
+the scores in fp32, the weighted sum in bf16) has ``precision`` "bf16+fp32", its work per
+precision in ``gop_by_precision``, and ``pct_of_peak`` the time its work would take at each
+precision's peak over the time it took.
+
 The routed-expert phase is split in two: ``expert_wait``, the time the engine waited for a
 group's read (a streamed bank not loaded yet), and ``experts``, the rest of the phase (the
 expert FFN compute, with its work ``routes · 3 · d · n_ff_exp`` multiply-adds). ``untimed`` is
@@ -85,26 +90,29 @@ def op_table(
             add("experts", layer, (t1 - t0) - w)
         else:
             add(op, layer, t1 - t0)
-    work: dict[str, tuple[str, int]] = {}
+    work: dict[str, dict[str, int]] = {}
     for op, _, prec, n in op_work:
-        p, have = work.get(op, (prec, 0))
-        work[op] = (p if p == prec else "mixed", have + int(n))
+        by = work.setdefault(op, {})
+        by[prec] = by.get(prec, 0) + int(n)
     timed = sum(sum(v) for v in per_layer.values())
     untimed = max(0.0, total_s - timed)
     rows = []
     for op, times in per_layer.items():
         t = sum(times)
-        prec, n = work.get(op, (None, 0))
-        rows.append(
-            {
-                "op": op,
-                "time_s": t,
-                "share": t / total_s if total_s > 0 else 0.0,
-                "precision": prec,
-                "gop": n / 1e9 if prec else None,
-                "gops": n / 1e9 / t if prec and t > 0 else None,
-            }
-        )
+        by = work.get(op, {})
+        prec = "+".join(sorted(by)) or None
+        n = sum(by.values())
+        row = {
+            "op": op,
+            "time_s": t,
+            "share": t / total_s if total_s > 0 else 0.0,
+            "precision": prec,
+            "gop": n / 1e9 if prec else None,
+            "gops": n / 1e9 / t if prec and t > 0 else None,
+        }
+        if len(by) > 1:
+            row["gop_by_precision"] = {p: v / 1e9 for p, v in sorted(by.items())}
+        rows.append(row)
     rows.sort(key=lambda r: -r["time_s"])
     rows.append(
         {
@@ -125,12 +133,16 @@ def op_table(
 
 def add_peaks(table: dict[str, Any], peaks: dict[str, float | None]) -> dict[str, Any]:
     """``table`` with each row's ``pct_of_peak``: its achieved rate as a percentage of
-    ``peaks[precision]`` (GOP/s, 2 per multiply-add; None where there is no such peak), and
-    the peaks themselves under ``peaks_gops``."""
+    ``peaks[precision]`` (GOP/s, 2 per multiply-add; None where there is no such peak; a row of
+    several precisions: the time its work takes at their peaks over its time), and the peaks
+    themselves under ``peaks_gops``."""
     rows = []
     for r in table["rows"]:
-        pk = peaks.get(r["precision"]) if r["precision"] else None
-        pct = 100.0 * r["gops"] / pk if pk and r["gops"] is not None else None
+        by = r.get("gop_by_precision") or ({r["precision"]: r["gop"]} if r["precision"] else {})
+        pct = None
+        if by and r["gop"] is not None and r["time_s"] > 0 and all(peaks.get(p) for p in by):
+            floor_s = sum(g / peaks[p] for p, g in by.items())  # type: ignore[operator]
+            pct = 100.0 * floor_s / r["time_s"]
         rows.append({**r, "pct_of_peak": pct})
     return {**table, "rows": rows, "peaks_gops": dict(peaks)}
 
