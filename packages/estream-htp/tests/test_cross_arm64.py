@@ -63,7 +63,7 @@ def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     under either act, NEON giving the portable bits, the values read exactly; exact-integer GEMMs
     bit-identical to the int64 dot product and to the portable table, GEMM from Q8 rows and
     with a shared input, the expert op (SwiGLU, ReGLU and SwiGLU-OAI, with and without
-    biases), quantization, attention with fp32 and bf16 products (MLA's head dims with a sliding
+    biases), quantization, attention with fp32, bf16 and bf16-pv products (MLA's head dims with a sliding
     window and sinks among them) bit-identical to the portable table, SwiGLU, fp32 matmul), and
     each kind of check ran. QEMU's `max` CPU has FEAT_BF16, so the bf16 attention ran the native
     BFMLALT / BFMLALB task."""
@@ -111,8 +111,9 @@ ATTENTION_SHAPES = 8  # tools/neon_selftest.c check_attention (7 drawn, 1 built)
 
 
 def _assert_attention_bits(lines: list[str]) -> None:
-    """Every attention shape ran with both products and gave the portable table's bits."""
-    for products in ("f32", "bf16"):
+    """Every attention shape ran with each of the three products and gave the portable table's
+    bits."""
+    for products in ("f32", "bf16", "bf16-pv"):
         got = [s for s in lines if s.startswith(f"attention products={products} ")]
         assert len(got) == ATTENTION_SHAPES, (products, got)
         assert all(": bit-identical to portable; vs float64" in s for s in got), got

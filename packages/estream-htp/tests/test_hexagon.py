@@ -508,7 +508,8 @@ def _rel_max(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_glue_ops_bit_exact(host: htp.Backend, hexagon: htp.Backend) -> None:
     """The ops of the full-accelerator pass: add/mul on row-strided views, copy_rows with a
-    broadcast, fill, attention of a segment continuing a context (f32 and bf16 products)."""
+    broadcast, fill, attention of a segment continuing a context (f32, bf16 and bf16-pv
+    products)."""
     rng = np.random.default_rng(17)
     base = rng.standard_normal((11, 77)).astype(np.float32)
     q = rng.standard_normal((13, 4, 24)).astype(np.float32)
@@ -531,7 +532,7 @@ def test_glue_ops_bit_exact(host: htp.Backend, hexagon: htp.Backend) -> None:
         htp.fill(f[1:-1], 3.25, backend=be)
         r.append(np.array(f))
         qq, kk = (be.share(a) for a in (q, kv)) if be.kind != "host" else (q, kv)
-        for products in ("f32", "bf16"):
+        for products in ("f32", "bf16", "bf16-pv"):
             o = be.empty((13, 4, 24), np.float32) if be.kind != "host" else _nan((13, 4, 24))
             o[...] = np.nan
             htp.attention(qq, kk, kk, 0.3, True, o, products=products, context=37, backend=be)
@@ -546,6 +547,7 @@ def test_glue_ops_bit_exact(host: htp.Backend, hexagon: htp.Backend) -> None:
     assert (outs[1][3][1:-1] == 3.25).all() and np.isnan(outs[1][3][[0, -1]]).all()
     ref_att = T.ref_attention(q, kv, kv, 0.3, True, context=37)
     assert T.rel_l2(outs[1][4], ref_att) < 1e-5 and T.rel_l2(outs[1][5], ref_att) < 1e-2
+    assert T.rel_l2(outs[1][6], ref_att) < 5e-3
 
 
 @pytest.mark.parametrize("fmt", ["q4_0-t32r4", "q8_0-t32r4"])
@@ -570,7 +572,8 @@ def test_q4_0_q8_0_gemm_bit_exact_with_the_hosts_simd_tables(
 def test_attention_and_swiglu_bit_exact_with_the_hosts_simd_tables(
     hexagon: htp.Backend, dims: tuple[int, int]
 ) -> None:
-    """Attention (fp32 and bf16 products; two query blocks, a context, a sliding window, sinks)
+    """Attention (fp32, bf16 and bf16-pv products; two query blocks, a context, a sliding
+    window, sinks)
     and SiLU/SwiGLU in the DSP process give the bits of the host's every kernel table — its
     best SIMD level with two threads (AVX-512's register-blocked and AVX512_BF16 kernels where
     the CPU has them) as well as portable and AVX2: one sequence of fp32 operations (fused
@@ -585,7 +588,7 @@ def test_attention_and_swiglu_bit_exact_with_the_hosts_simd_tables(
     u = rng.standard_normal((7, 75)).astype(np.float32)
     cases = [
         ({"products": products, **extra}, ctx)
-        for products in ("f32", "bf16")
+        for products in ("f32", "bf16", "bf16-pv")
         for extra, ctx in (({}, 0), ({"window": 40, "sinks": sinks}, 9))
     ]
 
@@ -612,6 +615,7 @@ def test_attention_and_swiglu_bit_exact_with_the_hosts_simd_tables(
             assert _same(a, b), (level, i)
     ref = T.ref_attention(q, k[9:], v[9:], 0.125, True)
     assert T.rel_l2(got[0], ref) < 1e-5 and T.rel_l2(got[2], ref) < 1e-2
+    assert T.rel_l2(got[4], ref) < 5e-3
 
 
 @pytest.mark.parametrize("mode", ["normal", "neox"])
