@@ -63,8 +63,8 @@ def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     under either act, NEON giving the portable bits, the values read exactly; exact-integer GEMMs
     bit-identical to the int64 dot product and to the portable table, GEMM from Q8 rows and
     with a shared input, the expert op (SwiGLU, ReGLU and SwiGLU-OAI, with and without
-    biases), quantization, attention with fp32, bf16 and bf16-pv products (MLA's head dims with a sliding
-    window and sinks among them) bit-identical to the portable table, SwiGLU, fp32 matmul), and
+    biases), quantization, attention with fp32, bf16 and bf16-pv products (MLA's head dims with
+    a sliding window and sinks among them) bit-identical to the portable table, SwiGLU, fp32 matmul), and
     each kind of check ran. QEMU's `max` CPU has FEAT_BF16, so the bf16 attention ran the native
     BFMLALT / BFMLALB task."""
     r = _qemu(selftest, "max")
