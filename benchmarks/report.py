@@ -716,8 +716,12 @@ def engine_variant(f: Figures) -> str:
     the 256/1K and cgroup figures of the same model on the page)."""
     free, capped = _engine_lengths(f, False), _engine_lengths(f, True)
     lengths = _lengths_label(free) if free else "no free run"
-    return f"{engine_model(f)}; {lengths}" + (
-        f"; capped {_lengths_label(capped)}" if capped else ""
+    # a run with other attention products (bench_engine --attention) sits beside the fp32 one
+    att = sorted({str(r["attention"]) for r in f["runs"] if r.get("attention", "f32") != "f32"})
+    return (
+        f"{engine_model(f)}; {lengths}"
+        + (f"; capped {_lengths_label(capped)}" if capped else "")
+        + (f"; attention {', '.join(att)}" if att else "")
     )
 
 

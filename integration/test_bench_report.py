@@ -665,6 +665,23 @@ def test_engine_results_of_other_lengths_are_kept_apart() -> None:
     assert a == c and a != b
 
 
+def test_engine_results_with_other_attention_products_are_kept_apart() -> None:
+    """A bench_engine run with `--attention bf16-pv` is its own variant: it sits beside the
+    same model's and lengths' fp32-attention run instead of replacing it (runs from before the
+    engine reported its attention count as fp32)."""
+
+    def figures(attention: str | None) -> dict[str, object]:
+        runs = [{"system": s, "length": 1024} for s in ("stream", "resident", "llama.cpp")]
+        for r in runs[:2]:
+            if attention:
+                r["attention"] = attention
+        return {"model": "/m/olmoe-olmoe-1b-7b-s0.estream", "quant": "q4_0", "runs": runs}
+
+    assert report.engine_variant(figures(None)) == report.engine_variant(figures("f32"))
+    assert report.engine_variant(figures("f32")) == "olmoe-1b-7b, q4_0; 1K"
+    assert report.engine_variant(figures("bf16-pv")) == "olmoe-1b-7b, q4_0; 1K; attention bf16-pv"
+
+
 def test_the_ray_note_names_the_blocks_given_or_the_commands_default() -> None:
     """bench_ray's note gives the rows of a block when the run set ``--block-rows`` and says
     the rows were shared between the actors when it used the command's default (no count)."""

@@ -596,6 +596,11 @@ def main() -> int:
         choices=sorted(QUANTS),
         help="GGML types of the synthesized file (q4_k_m: llama.cpp's Q4_K_M mix); default q4_0",
     )
+    ap.add_argument(
+        "--attention",
+        choices=("auto", "f32", "bf16", "bf16-pv"),
+        help="the engine runs' --attention (default: the engine's); each run records what ran",
+    )
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--no-cgroup", action="store_true")
     ap.add_argument("--skip-free", action="store_true", help="only the memory-capped runs")
@@ -680,6 +685,8 @@ def main() -> int:
         extra: tuple[str, ...] = ("--budget", str(budget)) if system == "stream" else ()
         if args.trace and system in ("stream", "resident"):
             extra += ("--op-stats",)
+        if args.attention and system in ("stream", "resident"):
+            extra += ("--attention", args.attention)
         m = run_system(
             system, T, src=src, dst=dst, n_vocab=hp.n_vocab, threads=args.threads,
             timeout=timeout, cgroup=cg, engine_args=extra, ik=ik,
@@ -697,6 +704,7 @@ def main() -> int:
                     "error": "no stream run with reads to take the rate from"}  # fmt: skip
         rate = s["bytes_read"] / s["ttft_s"]
         extra: tuple[str, ...] = ("--op-stats",) if args.trace else ()
+        extra += ("--attention", args.attention) if args.attention else ()
         m = run_system(
             "resident", T, src=src, dst=dst, n_vocab=hp.n_vocab, threads=args.threads,
             timeout=3600.0, engine_args=extra, label=" + reads",
