@@ -30,7 +30,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     [
         ({"dense_ops": "dsp"}, "dense_ops must be one of host, backend, got 'dsp'"),
         ({"act": "q4"}, "act must be one of q8, f32, got 'q4'"),
-        ({"attention": "f16"}, "attention must be one of auto, f32, bf16, got 'f16'"),
+        ({"attention": "f16"}, "attention must be one of auto, f32, bf16, bf16-pv, got 'f16'"),
         ({"backend": "gpu"}, "backend must be one of host, host-process, hexagon, got 'gpu'"),
         ({"mode": "fast"}, "mode must be one of stream, resident, naive, layer, got 'fast'"),
         ({"schedule": "late"}, "schedule must be one of early, after-routing, ondemand"),
