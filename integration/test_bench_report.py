@@ -272,6 +272,23 @@ def test_the_headline_skips_a_newer_loaded_run(tmp_path: Path) -> None:
     assert "| 1K tokens | 2.5 s |" in report.headline(report.load_results(tmp_path / "results"))
 
 
+def test_the_headline_keeps_to_the_default_attention(tmp_path: Path) -> None:
+    """A newer bench_engine run with other attention products (`--attention bf16-pv`) has its
+    own section on the page; the README headline stays on the default (fp32) attention run."""
+    recorded(tmp_path, "bench_engine", engine_figures(stream=3.0), (0.1, 0.1))
+    time.sleep(1.1)  # result files are named by the second
+    pv = engine_figures(stream=2.5)
+    for r in pv["runs"]:
+        if r["system"] in ("stream", "resident"):
+            r["attention"] = "bf16-pv"
+    recorded(tmp_path, "bench_engine", pv, (0.1, 0.1))
+    results = report.load_results(tmp_path / "results")
+    assert "| 1K tokens | 3 s |" in report.headline(results)
+    page = report.render_page(results)
+    assert "(olmoe-1b-7b, q4_0; 1K, 4K; attention bf16-pv)" in page
+    assert "| 1K | 3 s |" in page and "| 1K | 2.5 s |" in page
+
+
 def test_each_engine_model_and_quantization_keeps_its_own_section(tmp_path: Path) -> None:
     """bench_engine runs of another quantization (or model) do not replace each other on the
     page: the newest of each is shown under its own label, and the README headline stays on
