@@ -77,6 +77,24 @@ HTP_INLINE float htp_radd16(const float *v) {
     return (t6[0] + t6[2]) + (t6[1] + t6[3]);
 }
 
+/* O[dv] += P·V for one query row over a block's first nj keys from key j0 (KV head hk) with
+ * bf16 products: key pairs (2jp, 2jp + 1), each a vdpbf16ps lane (the odd key first) on the
+ * row's weights p (already bfloat16 values, BK of them, zero past the visible keys) and V
+ * rounded to bfloat16; keys past the end of V are zero rows. */
+HTP_INLINE void htp_attn_pv_bf16_row(const htp_attn_ctx *c, uint32_t hk, uint32_t j0, uint32_t nj,
+                                     const float *p, float *oi) {
+    const uint32_t dv = c->dv;
+    const size_t vstride = (size_t)c->hkv * dv;
+    for (uint32_t j = 0; j < nj; j += 2) {
+        const float *v0 = c->v + (size_t)(j0 + j) * vstride + (size_t)hk * dv;
+        const int has1 = j0 + j + 1 < c->tk;
+        const float *v1 = has1 ? v0 + vstride : v0;
+        for (uint32_t d = 0; d < dv; d++)
+            oi[d] = htp_dpbf16(oi[d], p[j], htp_bf16_round(v0[d]), p[j + 1],
+                               has1 ? htp_bf16_round(v1[d]) : 0.0f);
+    }
+}
+
 /* One (head, query block) task with bf16 products, the AVX512_BF16 task of htp_attn_task.h and
  * htp_attn_avx512.c (vdpbf16ps, 16 lanes, HTP_ATTN_BK keys per block) operation for operation,
  * so every table gives its bits: q·scale, K, V and the softmax weights rounded to bfloat16;
@@ -90,7 +108,7 @@ HTP_INLINE void htp_attn_task_bf16_body(const htp_attn_ctx *c, uint32_t task, fl
     const uint32_t dk = c->dk, dv = c->dv;
     const uint32_t i0 = qb * BQ, ni = HTP_MIN(BQ, c->t - i0);
     const size_t qstride = (size_t)c->hq * dk, kstride = (size_t)c->hkv * dk;
-    const size_t vstride = (size_t)c->hkv * dv, ostride = (size_t)c->hq * dv;
+    const size_t ostride = (size_t)c->hq * dv;
     float *kt = scratch;              /* [dk][BK] bf16-rounded keys */
     float *s = kt + (size_t)dk * BK;  /* [BQ][BK] */
     float *o = s + (size_t)BQ * BK;   /* [BQ][dv] */
@@ -137,20 +155,9 @@ HTP_INLINE void htp_attn_task_bf16_body(const htp_attn_ctx *c, uint32_t task, fl
             if (corr != 1.0f)
                 for (uint32_t d = 0; d < dv; d++) oi[d] *= corr;
         }
-        /* key pairs (2jp, 2jp + 1) up to the block's last visible key; keys past the end of K
-         * are zero rows */
-        for (uint32_t i = 0; i < ni; i++) {
-            float *oi = o + (size_t)i * dv;
-            const float *srow = s + (size_t)i * BK;
-            for (uint32_t j = 0; j < nj; j += 2) {
-                const float *v0 = c->v + (size_t)(j0 + j) * vstride + (size_t)hk * dv;
-                const int has1 = j0 + j + 1 < c->tk;
-                const float *v1 = has1 ? v0 + vstride : v0;
-                const float p0 = srow[j], p1 = srow[j + 1];
-                for (uint32_t d = 0; d < dv; d++)
-                    oi[d] = htp_dpbf16(oi[d], p0, htp_bf16_round(v0[d]), p1, has1 ? htp_bf16_round(v1[d]) : 0.0f);
-            }
-        }
+        /* key pairs up to the block's last visible key */
+        for (uint32_t i = 0; i < ni; i++)
+            htp_attn_pv_bf16_row(c, hk, j0, nj, s + (size_t)i * BK, o + (size_t)i * dv);
     }
     for (uint32_t i = 0; i < ni; i++) {
         float *dst = c->out + (size_t)(i0 + i) * ostride + (size_t)h * dv;
@@ -225,16 +232,8 @@ HTP_INLINE void htp_attn_task_body(const htp_attn_ctx *c, uint32_t task, float *
         for (uint32_t i = 0; i < ni; i++) {
             float *oi = o + (size_t)i * dv;
             const float *srow = s + (size_t)i * BK;
-            if (pv16) { /* key pairs, odd first, as vdpbf16ps (see the bf16 body) */
-                for (uint32_t j = 0; j < nj; j += 2) {
-                    const float *v0 = c->v + (size_t)(j0 + j) * vstride + (size_t)hk * dv;
-                    const int has1 = j0 + j + 1 < c->tk;
-                    const float *v1 = has1 ? v0 + vstride : v0;
-                    const float p0 = srow[j], p1 = srow[j + 1];
-                    for (uint32_t d = 0; d < dv; d++)
-                        oi[d] = htp_dpbf16(oi[d], p0, htp_bf16_round(v0[d]), p1,
-                                           has1 ? htp_bf16_round(v1[d]) : 0.0f);
-                }
+            if (pv16) { /* key pairs, as the bf16 body */
+                htp_attn_pv_bf16_row(c, hk, j0, nj, srow, oi);
                 continue;
             }
             for (uint32_t j = 0; j < nj; j++) {
