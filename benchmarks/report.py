@@ -165,6 +165,15 @@ def render_engine(f: Figures) -> Table:
             f"the machine's measured peak for its precision (GOP/s: {shown}); `expert_wait` is "
             "time the routed-expert phase waited for reads, `untimed` what no op accounts for."
         )
+        over = sorted({o["op"] for r in f["runs"] if r.get("op_table")
+                       for o in r["op_table"]["rows"] if (o.get("pct_of_peak") or 0) > 100})  # fmt: skip
+        if over:
+            t.notes.append(
+                "**This result's shares of peak are not results:** "
+                + ", ".join(f"`{o}`" for o in over)
+                + " ran above 100 % of the peaks measured in the run, so those measurements were "
+                "low (the machine was busy, or its time was stolen, while they ran)."
+            )
     return t
 
 

@@ -192,6 +192,13 @@ def test_engine_runs_with_a_per_op_table_render_it(tmp_path: Path) -> None:
     assert "| `experts` | 2000 ms | 66.7 % | 50 | 25 | int8 | 12.5 % |" in page
     assert "| `expert_wait` | 500 ms | 16.7 % | – | – | – | – |" in page
     assert "int8 200, fp32 80)" in page
+    assert "shares of peak are not results" not in page
+    stream_1k["op_table"]["rows"][0]["pct_of_peak"] = 135.0  # a peak measured low
+    low = tmp_path / "low"
+    low.mkdir()
+    recorded(low, "bench_engine", figures, (0.1, 0.1))
+    page = report.render_page(report.load_results(low / "results"))
+    assert "**This result's shares of peak are not results:** `experts` ran above 100 %" in page
     plain = tmp_path / "plain"
     plain.mkdir()
     recorded(plain, "bench_engine", engine_figures(stream=3.0), (0.1, 0.1))
