@@ -85,7 +85,9 @@ int htp_executor_serve(int sock) {
                 slot->status = (int32_t)htp_op_run(b, &op);
                 slot->started_ns = t0;
                 slot->completed_ns = now_ns();
-                atomic_store_explicit(&q->completed, ++done, memory_order_release);
+                /* an exchange, a full barrier here too (see the sleep below): a completion the
+                 * host is waiting on always rings its doorbell */
+                atomic_exchange_explicit(&q->completed, ++done, memory_order_seq_cst);
                 atomic_thread_fence(memory_order_seq_cst);
                 if (atomic_load_explicit(&q->host_waiting, memory_order_relaxed)) {
                     const uint64_t one = 1;
@@ -112,11 +114,16 @@ int htp_executor_serve(int sock) {
                 }
             }
             if (woke) continue;
-            atomic_store_explicit(&q->exec_sleeping, 1, memory_order_relaxed);
+            /* Dekker with htp_remote_submit: announce the sleep, then look at the ring once more.
+             * The announcement is an atomic exchange, a full barrier wherever this runs: under
+             * qemu-user a guest's fence need not become a host one, and a store still in the
+             * host's store buffer when the ring is read loses the host's doorbell. The sleep is
+             * bounded too, so that no lost doorbell can stall the ring for longer than that. */
+            atomic_exchange_explicit(&q->exec_sleeping, 1, memory_order_seq_cst);
             atomic_thread_fence(memory_order_seq_cst);
             if (atomic_load_explicit(&q->submitted, memory_order_acquire) == done) {
                 struct pollfd p[2] = {{efd_submit, POLLIN, 0}, {sock, POLLIN, 0}};
-                const int n = poll(p, 2, -1);
+                const int n = poll(p, 2, EXEC_SLEEP_MS);
                 if (n > 0 && (p[0].revents & POLLIN)) {
                     uint64_t v;
                     ssize_t k = read(efd_submit, &v, sizeof v);

@@ -13,6 +13,7 @@
 #define SPIN_NS 50000           /* host: poll the ring this long before sleeping on a doorbell */
 #define EXEC_SPIN_NS 200000     /* executor: the same, longer, to bridge the host's work between ops */
 #define PAUSE_NS 2000           /* of which the first part spins; the rest yields the CPU */
+#define EXEC_SLEEP_MS 100       /* executor: longest sleep before it looks at the ring again */
 
 enum { CTL_HELLO = 1, CTL_REGISTER, CTL_UNREGISTER, CTL_CONFIGURE, CTL_SHUTDOWN, CTL_REPLY };
 

@@ -6,13 +6,15 @@ next submit, and a registered mapping whose finalizer is interrupted is still un
 from __future__ import annotations
 
 import gc
+import os
 import signal
+import time
 import weakref
 from typing import Any
 
 import numpy as np
 import pytest
-from helpers import KINDS
+from helpers import KINDS, REMOTE_KINDS
 
 import estream_htp as htp
 from estream_htp import _backend
@@ -122,3 +124,34 @@ def _interrupted_finalizer(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
         assert all(b != bid for _, _, b in be._regions)
         assert lib.htp_buffer_unregister(be._b, bid) != lib.HTP_OK  # no longer registered
         del a
+
+
+def _eventfds() -> set[int]:
+    """This process's open eventfds."""
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[eventfd]":
+                out.add(int(name))
+        except OSError:
+            pass  # the listing's own descriptor, closed since
+    return out
+
+
+@pytest.mark.parametrize("kind", REMOTE_KINDS)
+def test_an_executor_whose_doorbell_is_lost_still_serves_the_ring(kind: str) -> None:
+    """The executor sleeps on a doorbell (an eventfd) when its ring is idle. A doorbell lost
+    to memory ordering (under qemu-user a guest fence need not be a host one) must not stall
+    the ring for good: the host's doorbell is pointed at an eventfd nobody watches, and every
+    op submitted after the executor has gone to sleep still completes, within its bounded
+    sleep (`EXEC_SLEEP_MS`), not never."""
+    before = _eventfds()
+    with htp.Backend(kind, n_threads=1) as be:  # type: ignore[arg-type]
+        be.submit(_nop(be)).wait(timeout=60)  # started, hello done
+        submit_fd = min(_eventfds() - before)  # the host's doorbell: made first
+        nobody = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        os.dup2(nobody, submit_fd)  # from now on every doorbell rings nobody
+        os.close(nobody)
+        for _ in range(3):
+            time.sleep(0.25)  # past the executor's spin: it sleeps
+            be.submit(_nop(be)).wait(timeout=10)  # TimeoutError if it slept for good
