@@ -86,35 +86,28 @@ htp_status htp_exec_attention(htp_exec *e, const htp_attention_params *p, const 
     const size_t need = htp_attn_scratch_floats(&c) * sizeof(float);
     for (uint32_t i = 0; i < htp_pool_nth(e->pool); i++)
         if (!htp_scratch(e->pool, i, 1, need)) return HTP_E_NOMEM;
-    const int aligned = c.dk % 16 == 0 && c.dv % 16 == 0;
-    if (c.bf16 == HTP_PRODUCTS_BF16_PV && aligned && e->isa->attention_bf16_pv_task && e->isa->attention_kt_cols &&
-        htp_cpu_bf16()) {
-        /* K re-laid in fp32 panels (as for fp32 products), V packed into bf16 key pairs */
+    /* Which re-laid copies the tasks read (in the backend's shared per-op buffer, kept between
+     * calls): K in fp32 panels of the table's register block (fp32 products, and the scores of
+     * BF16_PV) or in bf16 pairs (BF16); V as contiguous rows (fp32) or in bf16 key pairs (both
+     * bf16 modes). The native bf16 tasks need AVX512_BF16 / FEAT_BF16; elsewhere, and for head
+     * dims not a multiple of 16, the generic body reads K and V as given. */
+    const htp_isa *isa = e->isa;
+    const int aligned = c.dk % 16 == 0 && c.dv % 16 == 0, native16 = aligned && htp_cpu_bf16();
+    const int pv_native = c.bf16 == HTP_PRODUCTS_BF16_PV && native16 && isa->attention_bf16_pv_task;
+    const int kt = isa->attention_kt_cols && aligned && (c.bf16 == HTP_PRODUCTS_F32 || pv_native);
+    const int kw = c.bf16 == HTP_PRODUCTS_BF16 && native16 && isa->attention_bf16_task;
+    const int vw = kw || (kt && c.bf16 == HTP_PRODUCTS_BF16_PV);
+    if (kt || kw) {
         c.kt_ld = ((size_t)c.tk + HTP_ATTN_BK - 1) / HTP_ATTN_BK;
-        const size_t nk = c.kt_ld * HTP_ATTN_BK * c.hkv * c.dk;
-        const size_t nv = c.kt_ld * HTP_ATTN_BK * c.hkv / 2 * c.dv;
-        c.kt = (float *)htp_scratch(e->pool, 0, 3, sizeof(float) * nk + sizeof(uint32_t) * nv);
-        if (!c.kt) return HTP_E_NOMEM;
-        c.vw = (uint32_t *)(c.kt + nk);
-        htp_parallel(e->pool, attn_worker, &c);
-        return HTP_OK;
-    }
-    if (c.bf16 == HTP_PRODUCTS_BF16 && aligned && e->isa->attention_bf16_task && htp_cpu_bf16()) {
-        c.kt_ld = ((size_t)c.tk + HTP_ATTN_BK - 1) / HTP_ATTN_BK;
-        /* re-laid K and V live in the backend's shared per-op buffer (kept between calls) */
-        const size_t words = c.kt_ld * HTP_ATTN_BK * c.hkv / 2; /* per head dim pair / dim */
-        c.kw = (uint32_t *)htp_scratch(e->pool, 0, 3, sizeof(uint32_t) * words * (c.dk + c.dv));
-        if (!c.kw) return HTP_E_NOMEM;
-        c.vw = c.kw + words * c.dk;
-        htp_parallel(e->pool, attn_worker, &c);
-        return HTP_OK;
-    }
-    if (e->isa->attention_kt_cols && aligned && !c.bf16) {
-        c.kt_ld = ((size_t)c.tk + HTP_ATTN_BK - 1) / HTP_ATTN_BK;
-        const size_t nk = c.kt_ld * HTP_ATTN_BK * c.hkv * c.dk;
-        c.kt = (float *)htp_scratch(e->pool, 0, 3, sizeof(float) * (nk + (size_t)c.tk * c.hkv * c.dv));
-        if (!c.kt) return HTP_E_NOMEM;
-        c.vp = c.kt + nk;
+        const size_t keys = c.kt_ld * HTP_ATTN_BK * c.hkv;         /* padded key rows, all heads */
+        const size_t k4 = kt ? keys * c.dk : keys / 2 * c.dk;      /* fp32 values or bf16 pairs */
+        const size_t v4 = vw ? keys / 2 * c.dv : (size_t)c.tk * c.hkv * c.dv;
+        char *buf = (char *)htp_scratch(e->pool, 0, 3, 4 * (k4 + v4)); /* 4-byte elements */
+        if (!buf) return HTP_E_NOMEM;
+        if (kt) c.kt = (float *)buf;
+        else c.kw = (uint32_t *)buf;
+        if (vw) c.vw = (uint32_t *)(buf + 4 * k4);
+        else c.vp = (float *)(buf + 4 * k4);
     }
     htp_parallel(e->pool, attn_worker, &c);
     return HTP_OK;
