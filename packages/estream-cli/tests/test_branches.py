@@ -59,3 +59,26 @@ def test_branches_reject_bad_input(model):
         eng.prefill_branches([1, 2], [])
     with estream.load(model, G=2, Q=2, B=2) as eng, pytest.raises(estream.BadRequestError):
         eng.prefill_branches([1, 2], [[eng.hp.n_vocab]])
+
+
+@pytest.mark.parametrize("attention", ["bf16", "bf16-pv"])
+def test_branches_round_attention_as_the_kernel_does(model, attention):
+    """A branch's attention over the prefix (BLAS, outside the tiled kernel) applies the
+    kernel's bf16 roundings of the mode (bf16: q·scale, k, v and the weights; bf16-pv: v and
+    the weights only): the branch logits sit far closer to a separate prefill with the same
+    attention than that prefill sits to fp32 attention's. fp32 activations, so attention is the
+    only rounding in play."""
+    rng = np.random.default_rng(1)
+    with estream.load(model, G=2, Q=2, B=2, act="f32", attention=attention) as eng:
+        V = eng.hp.n_vocab
+        prefix, branches = rng.integers(0, V, 11), [rng.integers(0, V, n) for n in (5, 9)]
+        res = eng.prefill_branches(prefix, branches)
+        fulls = [eng.prefill(np.concatenate([prefix, b]), all_logits=True).logits for b in branches]
+    with estream.load(model, G=2, Q=2, B=2, act="f32", attention="f32") as eng:
+        f32 = [eng.prefill(np.concatenate([prefix, b]), all_logits=True).logits for b in branches]
+    for i, full in enumerate(fulls):
+        want = full[len(prefix) :]
+        off_mode = np.linalg.norm(res.branch_logits[i] - want) / np.linalg.norm(want)
+        mode_vs_f32 = np.linalg.norm(want - f32[i][len(prefix) :]) / np.linalg.norm(want)
+        assert mode_vs_f32 > 1e-5  # the mode really rounds
+        assert off_mode < mode_vs_f32 / 10, (off_mode, mode_vs_f32)
