@@ -826,10 +826,10 @@ def resolve_attention(attention: str, act: str, dense: htp.Backend | None = None
     """The attention precision an engine runs for option ``attention`` (`ATTENTION`): "f32",
     "bf16" and "bf16-pv" as they are; "auto" is "bf16-pv" when ``act`` is "q8" and ``dense``,
     the backend running the dense ops (default: this process's), multiplies bf16 attention
-    natively at about twice the fp32 rate (`estream_htp.native_bf16_attention`: an AVX-512 or AMX kernel
-    set on a CPU with AVX512_BF16), else "f32" (emulated bf16, and NEON's native FEAT_BF16
-    kernel, are slower than fp32 products; act "f32" keeps fp32 attention so that it stays
-    within ~1e-5 of a float64 reference)."""
+    natively at about twice the fp32 rate (`estream_htp.native_bf16_attention`: an AVX-512 or
+    AMX kernel set on a CPU with AVX512_BF16), else "f32" (emulated bf16, and NEON's native
+    FEAT_BF16 kernel, are slower than fp32 products; act "f32" keeps fp32 attention so that it
+    stays within ~1e-5 of a float64 reference)."""
     if attention not in ATTENTION:
         raise BadRequestError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
     if attention != "auto":
