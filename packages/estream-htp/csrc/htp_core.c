@@ -753,7 +753,7 @@ static void glu_task(void *arg, uint32_t ith, uint32_t nth) {
 }
 
 void htp_exec_swiglu(htp_exec *e, const float *g, const float *u, uint64_t n, float *out) {
-    if (n < HTP_ROWS_PARALLEL_MIN || htp_pool_nth(e->pool) == 1) {
+    if (n < HTP_ROWS_PARALLEL_MIN) {
         e->isa->swiglu(g, u, n, out);
         return;
     }

@@ -218,7 +218,11 @@ float nearbyintf(float x) { /* round half to even (the default rounding mode) */
     const float two23 = 8388608.0f;
     const float ax = __builtin_fabsf(x);
     if (!(ax < two23)) return x; /* integral already, inf or nan */
-    volatile float t = ax + two23;
+    /* the sum rounds to an integer; the empty asm keeps the compiler from folding it away
+     * while t stays in a register (a volatile stack slot made a store and its reload of one
+     * address in one packet, which qemu-hexagon 7.2 can answer with the slot's old bytes) */
+    float t = ax + two23;
+    __asm__("" : "+r"(t));
     float r = t - two23;
     return __builtin_copysignf(r, x);
 }
