@@ -69,6 +69,56 @@ def test_abi_version() -> None:
     assert _core.lib.htp_abi_version() == _core.lib.HTP_ABI_VERSION == 4
 
 
+_POOL_AFFINITY = r"""
+import glob, json, os, sys
+if len(sys.argv) > 1:
+    os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(",")})
+import numpy as np
+import estream_htp as htp
+htp.set_num_threads(3)  # more workers than a restricted set has CPUs: they wrap around
+x = np.ones((512, 2048), np.float32)
+htp.add(x, x, np.empty_like(x))  # the workers have run
+tasks = {}
+for st in glob.glob(f"/proc/{os.getpid()}/task/*/status"):
+    for line in open(st):
+        if line.startswith("Cpus_allowed_list:"):
+            tasks[st.split("/")[4]] = line.split()[1]
+print(json.dumps({"allowed": sorted(os.sched_getaffinity(0)), "tasks": tasks}))
+"""
+
+
+def _cpu_list(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="CPU affinity is Linux's (sched_setaffinity)")
+def test_pool_workers_are_left_unpinned() -> None:
+    """Workers are started each on another of the creator's CPUs (htp_pool.c: so that a fresh
+    process's first ops do not share one CPU) and must widen back to all of them once running:
+    every thread of the process, workers included, may run on every CPU the process may, also
+    under a restricted set (one CPU, or two with more workers than CPUs)."""
+    import json
+
+    cpus = sorted(os.sched_getaffinity(0))
+    sets = [None, [cpus[0]]] + ([cpus[:2]] if len(cpus) >= 2 else [])
+    for want in sets:
+        args = [",".join(map(str, want))] if want else []
+        r = subprocess.run(
+            [sys.executable, "-c", _POOL_AFFINITY, *args],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        assert got["allowed"] == (want or cpus)
+        assert len(got["tasks"]) >= 3  # the main thread and two workers at least
+        for tid, listed in got["tasks"].items():
+            assert _cpu_list(listed) == got["allowed"], (want, tid, listed)
+
+
 def test_forked_child_runs_single_threaded() -> None:
     # a child forked while the pool has workers must not wait for threads it does not have
     import multiprocessing as mp
