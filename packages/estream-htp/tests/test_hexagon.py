@@ -807,9 +807,7 @@ def test_store_then_load_packets_are_found() -> None:
    30000: { \tmemd(r30+#-0x10) = r17:16
    30004:   \tr2 = memw(r30+#-0x8) }
 """
-    assert store_then_load_packets(listing) == [
-        "memw(r29+#0x4) = r1 44e9c: r1 = memw(r29+#0x4)"
-    ]
+    assert store_then_load_packets(listing) == ["memw(r29+#0x4) = r1 44e9c: r1 = memw(r29+#0x4)"]
 
 
 def test_no_packet_of_the_executor_reloads_what_it_stores() -> None:
