@@ -200,8 +200,12 @@ htp_status htp_pool_resize(htp_pool *p, uint32_t n) {
                 pthread_attr_destroy(&attr);
             }
         }
-        const int rc = pthread_create(&w->th, ap, worker_main, w);
+        int rc = pthread_create(&w->th, ap, worker_main, w);
         if (ap) pthread_attr_destroy(ap);
+        if (rc != 0 && ap) { /* the start CPU refused (gone offline since): start anywhere */
+            w->restore = 0;
+            rc = pthread_create(&w->th, NULL, worker_main, w);
+        }
 #else
         const int rc = pthread_create(&w->th, NULL, worker_main, w);
 #endif
