@@ -33,6 +33,11 @@ def olmoe_f32(tmp_path_factory):
     return _pack(tmp_path_factory, "olmoe", "F32")
 
 
+@pytest.fixture(scope="module")
+def deepseek2(tmp_path_factory):
+    return _pack(tmp_path_factory, "deepseek2", "Q4_0")
+
+
 def _f32_bytes(shape) -> int:
     return 4 * int(np.prod(shape))
 
@@ -96,6 +101,39 @@ def test_f32_dense_transposes_counted(olmoe_f32) -> None:
         first = eng.prefill(TOKENS).metrics["weight_copy_bytes"]
         second = eng.prefill(TOKENS[:3]).metrics["weight_copy_bytes"]
     assert first == second == want
+
+
+def _mla_decompression_bytes(path) -> int:
+    """DeepSeek-V2's f32 matrices made at bind from the split ``attn_k_b`` (``[H*nope, rank]``
+    every layer) and, where a head's rows are not whole tiles (tiny shapes), ``attn_v_b``
+    (``[H*d_v, rank]``)."""
+    model = PackedModel(path)
+    hp = model.hparams
+    n = 0
+    for i in range(hp.n_layers):
+        if not model.has(f"blk.{i}.attn_k_b.weight"):
+            continue
+        nope = hp.head_dim_k_mla - hp.rope_dims
+        n += _f32_bytes((hp.n_head * nope, hp.kv_lora_rank))
+        if hp.head_dim_v_mla % 32:
+            n += _f32_bytes((hp.n_head * hp.head_dim_v_mla, hp.kv_lora_rank))
+    return n
+
+
+def test_mla_decompression_matrices_are_one_copy(deepseek2) -> None:
+    """DeepSeek-V2's decompression matrices, made in f32 at bind, are stored as the f32 matmul
+    reads them ([in, out]): the accounted copies are those matrices once, the same at load
+    and after each pass (a [out, in] matrix plus the transposed copy a first pass made
+    counted them twice), and the pass is the same as before (logits equal across passes)."""
+    extra = _mla_decompression_bytes(deepseek2)
+    assert extra > 0
+    want = _bind_copies(deepseek2) + extra + _f32_matrix_bytes(deepseek2)
+    with estream.load(deepseek2, mode="resident") as eng:
+        assert eng.weight_copy_bytes == want
+        a = eng.prefill(TOKENS)
+        b = eng.prefill(TOKENS)
+    assert a.metrics["weight_copy_bytes"] == b.metrics["weight_copy_bytes"] == want
+    assert np.array_equal(a.logits, b.logits)
 
 
 def test_profile_budget_counts_copies(gpt_oss, monkeypatch) -> None:

@@ -102,11 +102,16 @@ class DenseTensor:
     fmt: str  # a dense format of the manifest: q4_0-t32r4, ..., f16-t32r4, bf16-t32r4, f32
     shape: tuple[int, ...]
     data: np.ndarray = attrs.field(eq=False, repr=False)
+    #: f32 matrices only: ``data`` holds the matrix transposed, ``[in, out]``, the layout the
+    #: f32 matmul kernel reads (a matrix derived at bind is made so, and needs no transposed
+    #: copy); `f32` still gives the ``shape`` ``[out, in]`` matrix, as a transposed view
+    in_out: bool = False
 
     def f32(self) -> np.ndarray:
         if self.fmt != "f32":
             raise PackError(f"{self.name}: expected f32, found {self.fmt}")
-        return self.data.view(np.float32).reshape(self.shape)
+        a = self.data.view(np.float32)
+        return a.reshape(self.shape[::-1]).T if self.in_out else a.reshape(self.shape)
 
 
 @attrs.frozen

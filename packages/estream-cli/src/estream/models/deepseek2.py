@@ -106,15 +106,22 @@ def kq_scale(hp: ModelSpec) -> float:
     return mscale * mscale / math.sqrt(hp.head_dim_k_mla)
 
 
+def _in_out(name: str, w_in_out: np.ndarray) -> DenseTensor:
+    """An f32 matrix derived at bind, given as ``[in, out]``: stored so (`DenseTensor.in_out`),
+    the layout the f32 matmul reads, so that no transposed copy of it is made."""
+    a = np.ascontiguousarray(w_in_out, dtype=np.float32)
+    return DenseTensor(name, "f32", a.shape[::-1], a.view(np.uint8).reshape(-1), in_out=True)
+
+
 def _k_b_decompression(t: DenseTensor) -> DenseTensor:
     """``attn_k_b`` ``[H, rank, nope]`` (what absorption multiplies) -> ``[H*nope, rank]``.
 
     Kept in f32, exactly the packed values: re-quantizing the transpose would add a rounding
-    step the reference does not have (V2-Lite: 4 MiB a layer)."""
+    step the reference does not have (V2-Lite: 4 MiB a layer). Stored ``[rank, H*nope]``
+    (`_in_out`): one copy, where a ``[H*nope, rank]`` one needed a transposed second."""
     w = dequantize(t)
     h, rank, nope = w.shape
-    wt = np.ascontiguousarray(w.transpose(0, 2, 1).reshape(h * nope, rank), dtype=np.float32)
-    return DenseTensor(t.name + "^T", "f32", wt.shape, wt.view(np.uint8).reshape(-1))
+    return _in_out(t.name + "^T", w.transpose(1, 0, 2).reshape(rank, h * nope))
 
 
 def _heads_as_rows(t: DenseTensor) -> DenseTensor:
@@ -124,8 +131,7 @@ def _heads_as_rows(t: DenseTensor) -> DenseTensor:
     h, n, k = t.shape
     if t.fmt == "f32" or n % 32 == 0:
         return DenseTensor(t.name, t.fmt, (h * n, k), t.data)
-    w = np.ascontiguousarray(dequantize(t).reshape(h * n, k), dtype=np.float32)
-    return DenseTensor(t.name, "f32", w.shape, w.view(np.uint8).reshape(-1))
+    return _in_out(t.name, dequantize(t).reshape(h * n, k).T)
 
 
 def _bind_mla(model: PackedModel, i: int) -> MLA:

@@ -38,7 +38,8 @@ def copy_bytes(shared: dict[int, tuple[object, np.ndarray]]) -> int:
     not a copy."""
     n = 0
     for key, arr in shared.values():
-        if not isinstance(key, np.ndarray) or not np.may_share_memory(key, arr):
+        src = key.data if isinstance(key, DenseTensor) else key
+        if not isinstance(src, np.ndarray) or not np.may_share_memory(src, arr):
             n += int(arr.nbytes)
     return n
 
