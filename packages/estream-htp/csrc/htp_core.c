@@ -207,7 +207,8 @@ uint64_t htp_matrix_bytes(uint32_t fmt, uint32_t n, uint32_t k) {
 /* ---- the generic GEMM driver: row-tile strips x token blocks, inner loops from the table ---- */
 void htp_gemm_tiles(const htp_isa *isa, const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,
                     uint32_t tile_b, uint32_t tile_e, const htp_act_q8 *q8, const float *x,
-                    uint32_t ldx, uint32_t t, float *out, uint32_t ldo, float *panel) {
+                    uint32_t ldx, uint32_t t, float *out, uint32_t ldo, float *panel,
+                    const uint8_t *after) {
     const uint32_t kb = k / 32;
     const size_t tbytes = htp_tile_bytes(fmt);
     /* the strip kernel and its tokens per call for this format (K-quant and MXFP4 kernels a
@@ -248,7 +249,21 @@ void htp_gemm_tiles(const htp_isa *isa, const uint8_t *w, uint32_t fmt, uint32_t
         const uint32_t rows = HTP_MIN(32u, n - it * 32);
         float *o = out + (size_t)(it - tile_b) * 32;
         if (q8) {
+            /* The strip multiplied next (`after` past the range) is fetched into the cache a
+             * slice after each token block, so that its first token block does not wait on
+             * memory: that block reads it from DRAM (expert weights serve few tokens), and the
+             * hardware prefetcher starts too late for it. */
+            const uint8_t *next = it + 1 < tile_e ? strip + (size_t)kb * tbytes
+                                  : after                ? after
+                                  : it + 1 < (n + 31) / 32 ? strip + (size_t)kb * tbytes
+                                                           : NULL;
+            const size_t lines = (size_t)kb * tbytes / 64, blocks = (t + ntmax - 1) / ntmax;
+            const size_t per = (lines + blocks - 1) / blocks;
+            size_t line = 0;
             for (uint32_t t0 = 0; t0 < t; t0 += ntmax) {
+                if (next)
+                    for (const size_t end = HTP_MIN(lines, line + per); line < end; line++)
+                        __builtin_prefetch(next + line * 64, 0, 3);
                 const uint32_t nt = HTP_MIN(ntmax, t - t0);
                 const htp_act_q8 a = {q8->q + (size_t)t0 * k, q8->d + (size_t)t0 * kb, q8->s + (size_t)t0 * kb,
                                       q8->z ? q8->z + (size_t)t0 * kb * 2 : NULL,
@@ -340,7 +355,8 @@ static void gemm_task(void *arg, uint32_t ith, uint32_t nth) {
             if (b < e)
                 htp_gemm_tiles(c->isa, m->w, c->fmt, m->n, c->k, b - base, e - base, c->use_q8 ? &a : NULL,
                                c->use_q8 ? NULL : c->x + (size_t)t0 * c->ldx, c->ldx, n_tok,
-                               m->y + (size_t)t0 * m->ldy + (size_t)(b - base) * 32, m->ldy, panel);
+                               m->y + (size_t)t0 * m->ldy + (size_t)(b - base) * 32, m->ldy, panel,
+                               NULL);
             base += nt;
         }
     }

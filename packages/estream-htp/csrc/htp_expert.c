@@ -254,12 +254,14 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
             htp_act_q8 a = {g->xq + (size_t)rec * d, g->xd + (size_t)rec * db, g->xs + (size_t)rec * db,
                             xz ? g->xz + (size_t)rec * db * 2 : NULL,
                             xsd ? g->xsd + (size_t)rec * db : NULL};
-            htp_gemm_tiles(isa, wg, c->fmt[0], ff, d, b, e, &a, NULL, 0, n, tg, ncol, NULL);
-            htp_gemm_tiles(isa, wu, c->fmt[1], ff, d, b, e, &a, NULL, 0, n, tu, ncol, NULL);
+            /* gate's last strip fetches up's first */
+            const uint8_t *up_first = wu + (size_t)b * db * htp_tile_bytes(c->fmt[1]);
+            htp_gemm_tiles(isa, wg, c->fmt[0], ff, d, b, e, &a, NULL, 0, n, tg, ncol, NULL, up_first);
+            htp_gemm_tiles(isa, wu, c->fmt[1], ff, d, b, e, &a, NULL, 0, n, tu, ncol, NULL, NULL);
         } else {
             const float *xa = g->xg + (size_t)rec * d;
-            htp_gemm_tiles(isa, wg, c->fmt[0], ff, d, b, e, NULL, xa, d, n, tg, ncol, panel);
-            htp_gemm_tiles(isa, wu, c->fmt[1], ff, d, b, e, NULL, xa, d, n, tu, ncol, panel);
+            htp_gemm_tiles(isa, wg, c->fmt[0], ff, d, b, e, NULL, xa, d, n, tg, ncol, panel, NULL);
+            htp_gemm_tiles(isa, wu, c->fmt[1], ff, d, b, e, NULL, xa, d, n, tu, ncol, panel, NULL);
         }
         for (uint32_t i = 0; i < n; i++) {
             float *gi = tg + (size_t)i * ncol;
@@ -302,10 +304,16 @@ static void run_task(void *arg, uint32_t ith, uint32_t nth) {
                     htp_act_q8 a = {g->hq + (size_t)rec * ff, g->hd + (size_t)rec * fb, g->hs + (size_t)rec * fb,
                                     hz ? g->hz + (size_t)rec * fb * 2 : NULL,
                                     hsd ? g->hsd + (size_t)rec * fb : NULL};
-                    htp_gemm_tiles(isa, wd, c->fmt[2], d, ff, b, e, &a, NULL, 0, n, tmp, dcol, NULL);
+                    /* next: this slot's strip b again (its next piece), else the next slot's */
+                    const size_t first = (size_t)b * fb * htp_tile_bytes(c->fmt[2]);
+                    const uint8_t *after = r0 + SUB < (uint32_t)g->seg_len[s] ? wd + first
+                                           : s + 1 < c->nseg
+                                               ? c->planes[2] + (uint64_t)g->seg_slot[s + 1] * c->stride[2] + first
+                                               : NULL;
+                    htp_gemm_tiles(isa, wd, c->fmt[2], d, ff, b, e, &a, NULL, 0, n, tmp, dcol, NULL, after);
                 } else {
                     htp_gemm_tiles(isa, wd, c->fmt[2], d, ff, b, e, NULL, g->h + (size_t)rec * ff, ff,
-                                   n, tmp, dcol, panel);
+                                   n, tmp, dcol, panel, NULL);
                 }
                 for (uint32_t i = 0; i < n; i++) {
                     const uint32_t route = c->r0 + (uint32_t)g->rec_route[rec + i];

@@ -401,10 +401,13 @@ void htp_matmul_f32_portable(const float *x, const float *w, uint32_t k, uint32_
 
 /* ---- generic drivers (written once for every instruction set) ---- */
 /* GEMM over row tiles [tile_b, tile_e) of W for t tokens: out[tt*ldo + (it-tile_b)*32 + r].
- * q8 != NULL: quantized activations; else fp32 x[t][ldx] with `panel` (k*32 floats). */
+ * q8 != NULL: quantized activations; else fp32 x[t][ldx] with `panel` (k*32 floats).
+ * `after`: the strip (k/32 tiles of this format) the caller multiplies next, fetched into the
+ * cache while the range's last strip runs (NULL: W's strip tile_e, if any). */
 void htp_gemm_tiles(const htp_isa *isa, const uint8_t *w, uint32_t fmt, uint32_t n, uint32_t k,
                     uint32_t tile_b, uint32_t tile_e, const htp_act_q8 *q8, const float *x,
-                    uint32_t ldx, uint32_t t, float *out, uint32_t ldo, float *panel);
+                    uint32_t ldx, uint32_t t, float *out, uint32_t ldo, float *panel,
+                    const uint8_t *after);
 
 size_t htp_tile_bytes(uint32_t fmt);
 uint64_t htp_matrix_bytes(uint32_t fmt, uint32_t n, uint32_t k);
