@@ -153,6 +153,47 @@ def test_early_schedule_drops_unrouted_groups_it_has_not_read(packed):
     assert len(extra) <= n_layers
 
 
+@pytest.mark.parametrize("schedule", ["early", "after-routing", "ondemand"])
+def test_pinned_groups_give_the_same_bits_and_are_never_read_again(packed, schedule):
+    """``pin``: three and a half banks' worth pins three groups (`pinned_groups`: group 0 of
+    every MoE layer, then group 1), read once at load. Every pass gives the bits of the source that pins nothing, and its reads
+    are the routed groups' less the pinned ones, counted from the routes (routing-aware
+    schedules; ``early`` reads at least those and never a pinned group)."""
+    from estream.experts import pinned_groups
+
+    _, _, dst = packed
+    G = 2
+    with estream.load(dst, G=G, Q=2, B=3, schedule=schedule) as eng:
+        toks = _tokens(eng.hp.n_vocab, 31, seed=6)
+        ref = eng.prefill(toks, all_logits=True).logits
+        bank = G * sum(size for _, size in eng.model.plane_extents)
+    with estream.load(dst, G=G, Q=2, B=3, schedule=schedule, pin=3 * bank + bank // 2) as eng:
+        rounds = [(li, k) for k in range(2) for li in sorted(eng.model.layers)]
+        pins = set(pinned_groups(eng.model, G, eng.pin_bytes))
+        assert pins == set(rounds[:3])  # group 0 of each layer, then group 1
+        assert eng.experts.pinned_bytes == 3 * bank
+        assert eng.experts.pin_bytes_read == sum(
+            min(G, eng.model.layers[li].n_experts) * eng.model.layers[li].record_bytes
+            for li, _ in pins
+        )
+        for _ in range(2):
+            res = eng.prefill(toks, all_logits=True)
+            np.testing.assert_array_equal(res.logits, ref)
+            ran = {(r.layer, r.group) for r in res.records}
+            read = {(r.layer, r.group) for r in res.reads}
+            assert not read & pins
+            assert ran & pins  # 31 tokens route to some pinned group
+            unpinned = 0
+            for li, k in ran - pins:
+                lay = eng.model.layers[li]
+                unpinned += min(G, lay.n_experts - k * G) * lay.record_bytes
+            if schedule == "early":
+                assert read >= ran - pins
+            else:
+                assert read == ran - pins and res.metrics["bytes_read"] == unpinned
+            assert res.metrics["pinned_bytes"] == 3 * bank
+
+
 def test_stress_many_layers_tiny_groups(tmp_path):
     """B = Q, G = 1 on a deeper model: the pipeline keeps every bank busy and stays exact."""
     src = tmp_path / "deep.gguf"

@@ -15,7 +15,7 @@ OOM-killed. Prints a table and writes bench-results/bench_engine.json.
 
     nox -s bench_engine -- [--preset olmoe-1b-7b|deepseek-v2-lite|lfm2-8b-a1b]
                            [--quant q4_0|q4_k_m|q6_k|q8_0] [--lengths 256,1024,4096]
-                           [--budget 1.5GiB] [--no-llama] [--no-cgroup]
+                           [--budget 1.5GiB] [--pin SIZE|auto] [--no-llama] [--no-cgroup]
 
 ``--quant`` synthesizes the file with those GGML types (``q4_k_m``: Q4_K matrices with Q6_K
 expert down projections and output, llama.cpp's Q4_K_M mix); the engine computes them as
@@ -36,6 +36,10 @@ read over its time to first token). ``resident+reads`` over ``resident`` is that
 `stream` over ``resident+reads`` is what streaming adds beyond it (reads not hidden, the
 schedule's own work). On storage whose reads take no CPU or memory bandwidth from the cores
 the first ratio is 1.
+
+``--pin SIZE|auto`` gives the `stream` runs ``--pin``: experts read once at load and kept (auto:
+what the budget leaves over the configuration's predicted memory), so each pass reads that much
+less; each run records ``pinned_bytes``, and its peak memory includes them.
 
 ``--ik-llama-bench PATH`` (or ``$ESTREAM_IK_LLAMA_BENCH``) adds ik_llama.cpp, a llama.cpp fork
 with fused MoE and MLA CPU paths, as one more baseline of the free runs: for each prompt length,
@@ -601,6 +605,11 @@ def main() -> int:
         choices=("auto", "f32", "bf16", "bf16-pv"),
         help="the engine runs' --attention (default: the engine's); each run records what ran",
     )
+    ap.add_argument(
+        "--pin",
+        help="the stream runs' --pin (a size, or auto: what the budget leaves over the "
+        "configuration's predicted memory); each run records the bytes it pinned",
+    )
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--no-cgroup", action="store_true")
     ap.add_argument("--skip-free", action="store_true", help="only the memory-capped runs")
@@ -685,6 +694,8 @@ def main() -> int:
         extra: tuple[str, ...] = ("--budget", str(budget)) if system == "stream" else ()
         if args.trace and system in ("stream", "resident"):
             extra += ("--op-stats",)
+        if args.pin and system == "stream":
+            extra += ("--pin", args.pin)
         if args.attention and system in ("stream", "resident"):
             extra += ("--attention", args.attention)
         m = run_system(
@@ -692,7 +703,10 @@ def main() -> int:
             timeout=timeout, cgroup=cg, engine_args=extra, ik=ik,
         )  # fmt: skip
         if system == "stream" and "G" in m:  # what the run used (its own metrics)
-            print(f"  (stream at T={T} ran with G={m['G']} Q={m['Q']} B={m['B']})", flush=True)
+            pins = f", {format_bytes(m['pinned_bytes'])} pinned" if m.get("pinned_bytes") else ""
+            print(
+                f"  (stream at T={T} ran with G={m['G']} Q={m['Q']} B={m['B']}{pins})", flush=True
+            )
         return m
 
     def under_reads(T: int) -> dict[str, Any]:

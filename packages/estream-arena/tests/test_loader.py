@@ -12,6 +12,7 @@ from estream_arena import (
     ALIGN,
     Arena,
     ArenaError,
+    ChecksumError,
     GroupLoader,
     GroupRequest,
     LoaderClosedError,
@@ -515,4 +516,47 @@ def test_a_freed_bank_wakes_one_idle_reader_not_all(rfile) -> None:
         ld.release(ld.acquire(1, timeout=10))
         after = _settled(readers)  # the reader of group 1 idle again
         assert sum(a != b for a, b in zip(after, before, strict=True)) == 1, (before, after)
+        ld.end_layer()
+
+
+@pytest.mark.parametrize("direct", [None, False])
+def test_read_into_fills_the_banks_it_is_given_and_checks_them(rfile, direct) -> None:
+    """`read_into`: groups read now into the banks named, in any order (records land in the
+    bank's slots; padding is not kept), counted in the stats as layer -1; a corrupt record's
+    checksum raises `ChecksumError` and ends the call there; refused while a layer is open,
+    for a bank out of range or given twice, and for requests and banks of different lengths."""
+    G = 4
+    reqs = groups_of(rfile, G)
+    banks = list(reversed(range(len(reqs))))  # group k into bank n-1-k
+    with (
+        Arena(rfile.layout, len(reqs), G) as arena,
+        GroupLoader(arena, rfile.path, 1, direct=direct, verify=True) as ld,
+    ):
+        for j in range(3):
+            arena.plane_view(j)[:] = 0xA5  # poisoned: every byte checked below was written
+        ld.read_into(reqs, banks)
+        for r, b in zip(reqs, banks, strict=True):
+            for i in range(r.n_records):
+                for j in range(3):
+                    got = bytes(arena.slot_view(j, b * G + i))
+                    assert got == rfile.projection(r.group * G + i, j), (r.group, i, j)
+        st = ld.stats
+        assert st.n_reads == len(reqs) and st.n_failed == 0
+        assert st.bytes_read == rfile.n_records * rfile.layout.record_bytes
+        assert [(e.layer, e.group, e.bank) for e in st.events] == [
+            (-1, r.group, b) for r, b in zip(reqs, banks, strict=True)
+        ]
+        bad = GroupRequest(1, reqs[1].offset, reqs[1].n_records, (0,) * reqs[1].n_records)
+        with pytest.raises(ChecksumError, match=r"record 0 .* has crc32"):
+            ld.read_into([reqs[0], bad, reqs[2]], [0, 1, 2])
+        assert ld.stats.n_failed == 1 and ld.stats.n_reads == len(reqs) + 1  # reqs[2]: not read
+        with pytest.raises(ValueError, match="2 requests for 1 banks"):
+            ld.read_into(reqs[:2], [0])
+        with pytest.raises(IndexError, match=f"bank {len(reqs)} out of range"):
+            ld.read_into(reqs[:1], [len(reqs)])
+        with pytest.raises(ProtocolError, match="a bank appears twice"):
+            ld.read_into(reqs[:2], [1, 1])
+        ld.begin_layer(0)
+        with pytest.raises(ProtocolError, match="no layer open and no read queued"):
+            ld.read_into(reqs[:1], [0])
         ld.end_layer()

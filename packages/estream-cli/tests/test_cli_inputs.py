@@ -365,6 +365,9 @@ def test_docs_file_nan_id(model, capsys, tmp_path):
         (["--mode", "resident", "--schedule", "ondemand"], "--schedule does nothing"),
         (["--mode", "naive", "-G", "2"], "-G does nothing with --mode naive"),
         (["--mode", "layer", "--budget", "1GiB"], "--budget does nothing with --mode layer"),
+        (["--mode", "resident", "--pin", "1MiB"], "--pin does nothing with --mode resident"),
+        (["--pin", "auto"], "--pin auto pins what --budget leaves"),
+        (["--pin", "lots"], "cannot read memory size 'lots'"),
         (["--budget", "1GiB", "-G", "2"], "give either --budget or -G 2"),
         (["--dense-ops", "backend"], "--dense-ops backend does nothing with --backend host"),
         (["--backend", "hexagon", "--threads", "2"], "--threads does nothing with --backend"),
@@ -394,6 +397,7 @@ def test_options_that_would_do_nothing_are_refused(model, capsys, extra, needle)
         ["--mode", "naive", "--schedule", "ondemand"],
         ["--budget", "1GiB", "--schedule", "after-routing"],
         ["-G", "8", "-Q", "2", "-B", "3"],
+        ["--pin", "64MiB", "-G", "2"],
     ],
 )
 def test_options_that_take_effect_are_accepted(model, extra):

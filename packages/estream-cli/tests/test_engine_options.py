@@ -4,6 +4,7 @@ computed once per engine (the configurator's memory figure travels in `StreamCon
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,8 +13,8 @@ import pytest
 
 import estream
 import estream.config as config
-from estream import BadRequestError, EngineOptions
-from estream.engine import PROFILE_TOKENS, pass_bytes_per_token
+from estream import BadRequestError, EngineOptions, memory
+from estream.engine import PIN_AUTO_MARGIN, PROFILE_TOKENS, pass_bytes_per_token
 from estream_layout import pack_model, synth_model
 
 
@@ -122,3 +123,43 @@ def test_after_routing_is_configured_with_reads_from_layer_start_for_a_pre_atten
     assert predicted(st, "early") == early == predicted(olmoe, "ondemand")
     assert predicted(st, "after-routing") == early
     assert predicted(olmoe, "after-routing") > early
+
+
+def test_pin_is_checked_against_the_mode_and_the_budget(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pin``: a size or "auto"; refused where nothing streams, "auto" without a budget's
+    prediction, and a size over what the budget leaves beyond the predicted memory (the
+    message gives the figures). "auto" pins that room less `PIN_AUTO_MARGIN` of the budget,
+    and the engine's memory and the batch allowance count the pins."""
+    with pytest.raises(BadRequestError, match="cannot read memory size 'some'"):
+        EngineOptions(pin="some")
+    with pytest.raises(BadRequestError, match="pin keeps streamed experts; mode 'resident'"):
+        estream.load(model, mode="resident", pin="1MiB")
+    with pytest.raises(BadRequestError, match='pin="auto" pins what the memory budget leaves'):
+        estream.load(model, pin="auto")
+    margin = int(PIN_AUTO_MARGIN * (1 << 30))
+    predicted = (1 << 30) - margin - (3 << 20)  # the budget leaves 3 MiB over the margin
+
+    def configure(
+        m: object, budget: int, tokens: int | None = None, schedule: str = "early"
+    ) -> SimpleNamespace:
+        return SimpleNamespace(G=2, Q=2, B=3, memory_bytes=predicted)
+
+    monkeypatch.setattr(config, "configure_for_budget", configure)
+    room = memory.format_bytes(margin + (3 << 20))
+    msg = f"pin 200.00 MiB does not fit the budget: 1.00 GiB leaves {room} over the run's"
+    with pytest.raises(BadRequestError, match=re.escape(msg)):
+        estream.load(model, budget="1GiB", pin="200MiB")
+    with estream.load(model, budget="1GiB", pin="auto") as eng:
+        assert eng.pin_bytes == 3 << 20
+        pinned = eng.experts.pinned_bytes
+        assert pinned > 0  # the tiny model's experts fit: every group is pinned
+        layers = eng.model.layers.values()
+        assert pinned == sum(-(-lay.n_experts // 2) for lay in layers) * 2 * sum(
+            size for _, size in eng.model.plane_extents
+        )
+        assert eng.experts.memory_bytes == eng.experts.arena.total_bytes + pinned
+        per = pass_bytes_per_token(eng.hp)
+        want = ((1 << 30) - predicted - pinned + PROFILE_TOKENS * per) // per
+        assert eng.default_batch_tokens() == max(64, min(8192, want))

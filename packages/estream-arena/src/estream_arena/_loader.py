@@ -481,6 +481,80 @@ class GroupLoader:
         """Queue group reads, read in this order, each into the next Available bank."""
         requests = list(requests)
         now = time.perf_counter()
+        self._check_requests(requests)
+        with self._cond:
+            self._check_open()
+            if self._res.layer is None:
+                raise ProtocolError("no layer is open: call begin_layer first")
+            for r in requests:
+                if self._res.has_group(r.group):
+                    raise ProtocolError(
+                        f"group {r.group} already submitted in layer {self._res.layer}"
+                    )
+            for r in requests:
+                self._res.submit(r.group, r.n_records)
+                self._queue.append((r, now))
+            self._work.notify(len(requests))
+
+    def read_into(self, requests: Sequence[GroupRequest], banks: Sequence[int]) -> None:
+        """Read group ``requests[i]`` into bank ``banks[i]`` now, on the calling thread, outside
+        the layer protocol: for banks a caller keeps for its whole run (experts pinned in
+        memory). Only on a loader with no layer open and nothing queued; a layer opened later
+        may take these banks for its reads, so give such a loader an arena of its own. Checks
+        the checksums under ``verify``; raises the first failed group's `ReadError` or
+        `ChecksumError` (groups before it are in their banks, the rest are not read). The
+        reads count in :attr:`stats` like a layer's."""
+        requests, banks = list(requests), [int(b) for b in banks]
+        if len(requests) != len(banks):
+            raise ValueError(f"{len(requests)} requests for {len(banks)} banks")
+        self._check_requests(requests)
+        for b in banks:
+            if not 0 <= b < self._arena.n_banks:
+                raise IndexError(f"bank {b} out of range 0..{self._arena.n_banks - 1}")
+        if len(set(banks)) != len(banks):
+            raise ProtocolError("a bank appears twice in one read_into")
+        with self._cond:
+            self._check_open()
+            if self._res.layer is not None or self._queue or self._inflight:
+                raise ProtocolError(
+                    "read_into needs a loader with no layer open and no read queued"
+                )
+        scratch = None
+        if self._pad_per_record:
+            scratch = mmap.mmap(-1, self._pad_per_record * self._max_records)
+        rb = self._layout.record_bytes
+        try:
+            for req, bank in zip(requests, banks, strict=True):
+                t0 = time.perf_counter()
+                errs, n_sys = self._read_jobs([(req, bank, t0)], -1, scratch)
+                t1 = time.perf_counter()
+                with self._cond:
+                    st = self._stats
+                    st.n_syscalls += n_sys
+                    ok = errs[0] is None
+                    st.bytes_read += req.n_records * rb if ok else 0
+                    st.n_reads += ok
+                    st.n_failed += not ok
+                    st.events.append(
+                        ReadEvent(
+                            -1,
+                            req.group,
+                            bank,
+                            t0,
+                            t0,
+                            t1,
+                            req.n_records * rb,
+                            "published" if ok else "failed",
+                        )
+                    )
+                if errs[0] is not None:
+                    raise errs[0]
+        finally:
+            if scratch is not None:
+                with contextlib.suppress(BufferError):
+                    scratch.close()
+
+    def _check_requests(self, requests: list[GroupRequest]) -> None:
         seen: set[int] = set()
         for r in requests:
             if r.offset < 0 or r.offset % ALIGN:
@@ -499,19 +573,6 @@ class GroupLoader:
             if r.group in seen:
                 raise ProtocolError(f"group {r.group} appears twice in one submit")
             seen.add(r.group)
-        with self._cond:
-            self._check_open()
-            if self._res.layer is None:
-                raise ProtocolError("no layer is open: call begin_layer first")
-            for r in requests:
-                if self._res.has_group(r.group):
-                    raise ProtocolError(
-                        f"group {r.group} already submitted in layer {self._res.layer}"
-                    )
-            for r in requests:
-                self._res.submit(r.group, r.n_records)
-                self._queue.append((r, now))
-            self._work.notify(len(requests))
 
     def drop(self, groups: Iterable[int]) -> None:
         """Groups with no routes: never read if queued; Ready banks freed at once; banks being

@@ -14,6 +14,12 @@ backend they are memfds the executor maps itself. Each routed group's expert op 
 and its bank stays InUse until the op's completion fence, while the loader fills other banks (at
 most B-1 banks wait on fences, so the loader always has one to fill); a backend that runs ops in
 this process completes the fence as the op is submitted.
+
+Pinned experts (``pin_bytes``): whole groups read once when the source opens, into an arena of
+their own, and kept there for every pass (`pinned_groups` says which: the first groups of every
+layer, a round over the layers at a time). Their layers never read them again, and their ops
+start at once, while the loader reads the layer's other groups; the results are bit for bit
+those of a source that pins nothing (groups still run in group order).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ __all__ = [
     "ResidentExperts",
     "StreamedExperts",
     "flatten_routes",
+    "pinned_groups",
 ]
 
 SCHEDULES = ("early", "after-routing", "ondemand")
@@ -51,6 +58,24 @@ ACQUIRE_TIMEOUT_S = float(os.environ.get("ESTREAM_ACQUIRE_TIMEOUT", "300"))
 #: experts.bin with one preadv while it stays within this many bytes (0: one read per group).
 #: Small groups (G·record below it) then reach the disk's large-block O_DIRECT bandwidth.
 READ_MERGE_BYTES = int(os.environ.get("ESTREAM_READ_MERGE_BYTES", str(16 << 20)))
+
+
+def pinned_groups(model: PackedModel, group_size: int, pin_bytes: int) -> list[tuple[int, int]]:
+    """The ``(layer index, group)`` pairs that ``pin_bytes`` pins: a bank of ``group_size`` slots
+    each, group 0 of every MoE layer first, then group 1 of every layer, and so on, while a
+    whole bank fits. Pinning the first groups spreads the pins over all layers and lets each
+    layer's first ops start before its first read has landed."""
+    bank = int(group_size) * sum(size for _, size in model.plane_extents)
+    n = max(0, int(pin_bytes)) // bank if bank else 0
+    layers = [model.layers[i] for i in sorted(model.layers)]
+    out: list[tuple[int, int]] = []
+    k = 0
+    while len(out) < n and any(k * group_size < lay.n_experts for lay in layers):
+        for lay in layers:
+            if len(out) < n and k * group_size < lay.n_experts:
+                out.append((lay.index, k))
+        k += 1
+    return out
 
 
 @attrs.define
@@ -297,6 +322,7 @@ class StreamedExperts:
         direct: bool | None = None,
         on_group: Callable[[GroupRecord], None] | None = None,
         coalesce: bool = True,
+        pin_bytes: int = 0,
     ) -> None:
         self.model = model
         self.graph = expert_op(graph, model)
@@ -311,6 +337,8 @@ class StreamedExperts:
         self.schedule = schedule
         self.on_group = on_group
         self._direct, self._verify = direct, verify
+        #: (layer index, group) -> its bank in `pin_arena` (`pinned_groups`)
+        self._pins = {g: b for b, g in enumerate(pinned_groups(model, self.G, pin_bytes))}
         self._strides = tuple(size for _, size in model.plane_extents)
         # the first MoE layer: its reads start when the loader opens (schedule "early")
         self._first = model.layers[min(model.layers)] if model.layers else None
@@ -336,6 +364,10 @@ class StreamedExperts:
             self.arena.close()
             raise
         self._planes = tuple(self.arena.plane_address(j) for j in range(3))
+        self.pin_arena: ea.Arena | None = None
+        self._pin_planes: tuple[int, ...] = ()
+        #: bytes the pinned groups took to read when the source opened
+        self.pin_bytes_read = 0
         self._layer: ExpertLayer | None = None
         self._started: ExpertLayer | None = None  # begun and submitted ahead of the pass
         # (layer index, its routed groups) when its routes came before its experts (a
@@ -345,21 +377,48 @@ class StreamedExperts:
         self._buffers: list[int] = []
         self._routes = be.route_buffers()
         try:
-            for j in range(3):  # the planes become buffers of the backend, read in place
-                self._buffers.append(
-                    be.expose(
-                        self._planes[j],
-                        self.arena.n_slots * self.arena.slot_bytes[j],
-                        fd=self.arena.fd(j) if self.arena.shared else None,
-                        writable=False,
+            if self._pins:
+                self._read_pins(layout, be.shared_memory)
+            arenas = [self.arena] + ([self.pin_arena] if self.pin_arena is not None else [])
+            for arena in arenas:
+                for j in range(3):  # the planes become buffers of the backend, read in place
+                    self._buffers.append(
+                        be.expose(
+                            arena.plane_address(j),
+                            arena.n_slots * arena.slot_bytes[j],
+                            fd=arena.fd(j) if arena.shared else None,
+                            writable=False,
+                        )
                     )
-                )
             if self.schedule == "early" and self._first is not None:
                 self._start_layer(self._first)
                 self._started = self._first
         except BaseException:
             self.close()
             raise
+
+    def _read_pins(self, layout: ea.RecordLayout, shared: bool) -> None:
+        """Read the pinned groups into an arena of their own, one bank each (checked like any
+        read: checksums under ``verify``, the file unchanged)."""
+        self.pin_arena = ea.Arena(layout, n_banks=len(self._pins), group_size=self.G, shared=shared)
+        loader = ea.GroupLoader(
+            self.pin_arena, self.model.experts_path, 1, direct=self._direct, verify=self._verify
+        )
+        try:
+            by_layer: dict[int, list[tuple[int, int]]] = {}
+            for (li, k), bank in self._pins.items():
+                by_layer.setdefault(li, []).append((k, bank))
+            for li, groups in by_layer.items():  # a group number is unique within a layer
+                lay = self.model.layers[li]
+                loader.read_into([self._request(lay, k) for k, _ in groups], [b for _, b in groups])
+            self.pin_bytes_read = int(loader.stats.bytes_read)
+        finally:
+            loader.close()
+        self._pin_planes = tuple(self.pin_arena.plane_address(j) for j in range(3))
+
+    def _unpinned(self, layer: ExpertLayer, groups: Any) -> list[int]:
+        """``groups`` of ``layer`` that are not pinned (the ones its loader reads)."""
+        return [int(k) for k in groups if (layer.index, int(k)) not in self._pins]
 
     def recover(self) -> None:
         """After a request failed half-way (a read or checksum error, Ctrl-C): stop its reads,
@@ -372,10 +431,16 @@ class StreamedExperts:
 
     @property
     def memory_bytes(self) -> int:
-        return int(self.arena.total_bytes)
+        return int(self.arena.total_bytes) + self.pinned_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Memory of the pinned groups (their arena: a bank of G slots each)."""
+        return int(self.pin_arena.total_bytes) if self.pin_arena is not None else 0
 
     @property
     def bytes_read(self) -> int:
+        """Bytes the layers read (not the pinned groups' reads when the source opened)."""
         return int(self.loader.stats.bytes_read)
 
     def reads(self) -> list[ea.ReadEvent]:
@@ -403,14 +468,16 @@ class StreamedExperts:
     def _start_layer(self, layer: ExpertLayer) -> None:
         self.loader.begin_layer(layer.index)
         if self.schedule == "early":
-            self.loader.submit([self._request(layer, k) for k in range(self._n_groups(layer))])
+            groups = self._unpinned(layer, range(self._n_groups(layer)))
+            self.loader.submit([self._request(layer, k) for k in groups])
 
     def begin_layer(self, layer: ExpertLayer) -> None:
         """The layer starts: with the ``early`` schedule, reads begin before routing is known
         (for the first MoE layer they began when the loader opened: the pass takes them over)."""
         started, self._started = self._started, None
         if started is not None and started.index != layer.index:  # not the first layer: the
-            self.loader.drop(range(self._n_groups(started)))  # reads started ahead are dropped
+            # the reads started ahead are dropped
+            self.loader.drop(self._unpinned(started, range(self._n_groups(started))))
             self.loader.end_layer()
             started = None
         self._layer = layer
@@ -427,9 +494,13 @@ class StreamedExperts:
             return
         routed = frozenset(int(k) for k in np.unique(layer.position[np.ravel(ids)] // self.G))
         if self.schedule == "after-routing":
-            self.loader.submit([self._request(layer, k) for k in sorted(routed)])
+            self.loader.submit(
+                [self._request(layer, k) for k in self._unpinned(layer, sorted(routed))]
+            )
         else:
-            unrouted = [k for k in range(self._n_groups(layer)) if k not in routed]
+            unrouted = [
+                k for k in self._unpinned(layer, range(self._n_groups(layer))) if k not in routed
+            ]
             if unrouted:
                 self.loader.drop(unrouted)
         self._known = (layer.index, routed)
@@ -457,10 +528,10 @@ class StreamedExperts:
             if known[1] != frozenset(int(k) for k in routed):
                 raise RuntimeError(f"layer {layer.index}: the routes changed after routes_known")
         elif self.schedule == "early":
-            if unrouted.size:
-                self.loader.drop(int(k) for k in unrouted)
+            if self._unpinned(layer, unrouted):
+                self.loader.drop(self._unpinned(layer, unrouted))
         elif self.schedule == "after-routing":
-            self.loader.submit([self._request(layer, int(k)) for k in routed])
+            self.loader.submit([self._request(layer, k) for k in self._unpinned(layer, routed)])
         # x: with int8 products, the layer input quantized once for every group (Ops.moe);
         # fp32 rows otherwise (or from another caller: then each group's op quantizes them)
         self._run_groups(layer, x, y, tokens, experts, w, counts, starts, routed)
@@ -491,7 +562,9 @@ class StreamedExperts:
         order: the contributions reach ``y`` in the order separate ops would add them (slot
         ascending, then route order), and the result is bit for bit the same, while the op's
         fixed costs (its dispatch, its threads' start and barriers) are paid once. One bank is
-        always left to the loader."""
+        always left to the loader. A run of pinned groups is one op on the pinned arena (their
+        banks, one per group, follow each other in group order within a layer); it holds no
+        bank of the loader."""
         rb = self._routes
         xs = x if isinstance(x, htp.Q8Rows) else rb.activation("x", x)
         ts, es, ws = rb.put("t", tokens), rb.put("e", experts), rb.put("w", w)
@@ -500,7 +573,8 @@ class StreamedExperts:
         ys = y if direct else rb.put("y", np.zeros_like(y))
         n_e = self._slot_of_expert.size
         table = rb.put("slots", np.full((max(len(routed), 1), n_e), -1, np.int32))
-        # per op: its fence, (bank, group, t_wait) of each group it runs, its start
+        # per op: its fence, (bank, group, t_wait) of each group it runs (bank None: pinned),
+        # its start
         inflight: deque[tuple[Any, list[tuple[Any, int, float]], float]] = deque()
         held = 0  # banks held by the ops in flight
         error: BaseException | None = None
@@ -515,8 +589,9 @@ class StreamedExperts:
                 error = error or e
             finally:
                 for bank, _, _ in members:
-                    self.loader.release(bank)
-                held -= len(members)
+                    if bank is not None:
+                        self.loader.release(bank)
+                        held -= 1
             t1 = time.perf_counter()
             for _, k, t_wait in members:
                 self._record(GroupRecord(layer.index, k, int(counts[k]), t_wait, t0, t1))
@@ -536,6 +611,11 @@ class StreamedExperts:
                     retire()
                 if error is not None:
                     break
+                if (layer.index, k) in self._pins:
+                    i += self._run_pinned(
+                        layer, order, i, table[i], xs, ts, es, ws, ys, starts, inflight
+                    )
+                    continue
                 if self.schedule == "ondemand":
                     self.loader.submit([self._request(layer, k)])
                 t_wait = time.perf_counter()
@@ -566,7 +646,7 @@ class StreamedExperts:
                     for bank, _, _ in members:
                         self.loader.release(bank)
                     raise
-                inflight.append((fence, members, t0))
+                inflight.append((fence, members, t0))  # type: ignore[arg-type]
                 held += len(members)
                 i += len(members)
         finally:
@@ -576,6 +656,41 @@ class StreamedExperts:
             raise error
         if not direct:
             y += ys
+
+    def _run_pinned(
+        self,
+        layer: ExpertLayer,
+        order: list[int],
+        i: int,
+        row: np.ndarray,
+        xs: Any,
+        ts: Any,
+        es: Any,
+        ws: Any,
+        ys: Any,
+        starts: np.ndarray,
+        inflight: deque[tuple[Any, list[tuple[Any, int, float]], float]],
+    ) -> int:
+        """Submit one op for the pinned groups ``order[i], order[i+1], ...`` (as many as follow
+        each other in ``order``, or one without ``coalesce``); returns how many it runs."""
+        n = 1
+        while self.coalesce and i + n < len(order) and (layer.index, order[i + n]) in self._pins:
+            n += 1
+        t0 = time.perf_counter()
+        for k in order[i : i + n]:
+            first = k * self.G
+            count = min(self.G, layer.n_experts - first)
+            bank = self._pins[(layer.index, k)]
+            row[layer.order[first : first + count]] = np.arange(
+                bank * self.G, bank * self.G + count, dtype=np.int32
+            )
+        sl = slice(int(starts[order[i]]), int(starts[order[i + n - 1] + 1]))
+        fence = self.graph.submit(
+            xs, ts[sl], es[sl], ws[sl], row, self._pin_planes, self._strides, ys,
+            **_formats(self.graph, layer),
+        )  # fmt: skip
+        inflight.append((fence, [(None, k, t0) for k in order[i : i + n]], t0))
+        return n
 
     def end_layer(self) -> None:
         self.loader.end_layer()
@@ -592,3 +707,5 @@ class StreamedExperts:
                     self.graph.backend.unregister(bid)
             self._buffers.clear()
             self.arena.close()
+            if getattr(self, "pin_arena", None) is not None:
+                self.pin_arena.close()

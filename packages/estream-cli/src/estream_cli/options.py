@@ -11,6 +11,7 @@ from typing import Any
 from estream.config import StaleProfileWarning
 from estream.engine import ACTS, ATTENTION, DENSE_OPS, MODES, Engine, load
 from estream.experts import SCHEDULES
+from estream.memory import parse_bytes
 
 __all__ = [
     "MAX_BANKS",
@@ -140,6 +141,12 @@ def add_engine_opts(p: argparse.ArgumentParser) -> None:
         "(mode stream; not with -G/-Q/-B)",
     )
     p.add_argument(
+        "--pin",
+        help="memory for experts read once at load and kept for every pass, e.g. 800MiB (whole "
+        "groups: group 0 of every layer, then group 1, ...), or auto: what --budget leaves "
+        "over the run's predicted memory (mode stream)",
+    )
+    p.add_argument(
         "-G",
         type=bounded_int(MAX_COUNT, "experts"),
         help="experts per group (mode stream; ≤ the model's expert count; overrides the "
@@ -213,7 +220,10 @@ def check_engine_opts(args: argparse.Namespace) -> None:
             "naive": "fixes G=1 Q=1 B=3",
             "layer": "reads a whole layer a group (G = the expert count, Q=2 B=2)",
         }[mode]
-        for given in ([f"--budget {budget}"] if budget is not None else []) + explicit:
+        pin = getattr(args, "pin", None)
+        given_opts = [f"--budget {budget}"] if budget is not None else []
+        given_opts += [f"--pin {pin}"] if pin is not None else []
+        for given in given_opts + explicit:
             raise BadRequestError(
                 f"{given.split()[0]} does nothing with --mode {mode}, which {fixed}; "
                 "drop it or use --mode stream"
@@ -223,6 +233,13 @@ def check_engine_opts(args: argparse.Namespace) -> None:
             "--schedule does nothing with --mode resident (no expert is read during a pass); "
             "drop it or use --mode stream"
         )
+    pin = getattr(args, "pin", None)
+    if pin == "auto" and budget is None:
+        raise BadRequestError(
+            "--pin auto pins what --budget leaves over the run's predicted memory: give --budget"
+        )
+    if pin is not None and pin != "auto":
+        parse_bytes(pin)  # a size that cannot be read: refused before any input is read
     if budget is not None and explicit:
         raise BadRequestError(
             f"--budget chooses G, Q and B itself; give either --budget or {' '.join(explicit)}"
@@ -277,4 +294,5 @@ def _load(args: argparse.Namespace, progress: bool, tokens: int | None, op_stats
         dense_ops=args.dense_ops,
         progress=progress,
         op_stats=op_stats,
+        pin=getattr(args, "pin", None),
     )
