@@ -38,6 +38,7 @@ def packed(request, tmp_path_factory):
         {"mode": "stream", "G": 3, "Q": 2, "B": 3, "act": "f32"},
         {"mode": "stream", "G": 2, "Q": 2, "B": 2, "schedule": "after-routing"},
         {"mode": "stream", "G": 2, "Q": 1, "B": 3, "schedule": "ondemand"},
+        {"mode": "stream", "G": 2, "Q": 2, "B": 3, "pin": 80 << 10},  # the executor maps the pins
     ],
     ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()),
 )
@@ -49,6 +50,8 @@ def test_modes_bit_identical_under_both_backends(packed, kw):
             res = eng.prefill(toks, all_logits=True)
             assert res.metrics["backend"] == backend
             out[backend] = res.logits
+            if "pin" in kw:
+                assert eng.experts.pinned_bytes > 0
             if eng.config is not None:
                 eng.experts.loader.check_valid()
                 # every bank is back to Available: none leaked by the fence protocol

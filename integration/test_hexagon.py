@@ -40,10 +40,11 @@ MODES = (
     [
         {"mode": "resident"},
         {"mode": "stream", "G": 2, "Q": 2, "B": 4},
+        {"mode": "stream", "G": 2, "Q": 2, "B": 3, "pin": 48 << 10},
         {"mode": "stream", "G": 1, "Q": 1, "B": 2, "dense_ops": "host"},
     ]
     if FULL
-    else [{"mode": "stream", "G": 2, "Q": 2, "B": 3}]
+    else [{"mode": "stream", "G": 2, "Q": 2, "B": 3, "pin": 48 << 10}]  # streamed and pinned
 )
 
 
