@@ -129,6 +129,8 @@ def render_engine(f: Figures) -> Table:
         peaks = " / ".join(size((x or {}).get("peak_memory_bytes")) for x in (s, r, ll))
         steal = seconds((x or {}).get("steal_s") for x in (s, r))
         cfg = ", ".join(str(s[k]) for k in "GQB") if s and all(k in s for k in "GQB") else "–"
+        if s and s.get("pinned_bytes"):
+            cfg += f"; {size(s['pinned_bytes'])} pinned"
         t.rows.append(
             [prompt(T), ttft(s), ttft(r), ttft(ll), ratio(s, r), ratio(s, ll), peaks, steal, cfg]
         )
@@ -145,6 +147,11 @@ def render_engine(f: Figures) -> Table:
         f"Time to first token, cold page cache, one fresh process per run; `stream` under the "
         f"configurator's choice for a {budget} budget, {f.get('threads', '–')} threads."
     )
+    if any(r.get("pinned_bytes") for r in f["runs"]):
+        t.notes.append(
+            "`stream` with `--pin`: the experts pinned were read once at load, and each pass "
+            "read only the others; the peak includes them."
+        )
     if f.get("cgroup_note"):
         t.notes.append(f"Memory-capped runs: {f['cgroup_note']}.")
     if any(r["system"] == IK for r in f["runs"]):
@@ -727,10 +734,13 @@ def engine_variant(f: Figures) -> str:
     lengths = _lengths_label(free) if free else "no free run"
     # a run with other attention products (bench_engine --attention) sits beside the fp32 one
     att = sorted({str(r["attention"]) for r in f["runs"] if r.get("attention", "f32") != "f32"})
+    # a run with pinned experts (bench_engine --pin) sits beside the one without
+    pinned = any(r.get("pinned_bytes") for r in f["runs"])
     return (
         f"{engine_model(f)}; {lengths}"
         + (f"; capped {_lengths_label(capped)}" if capped else "")
         + (f"; attention {', '.join(att)}" if att else "")
+        + ("; pinned experts" if pinned else "")
     )
 
 

@@ -706,6 +706,27 @@ def test_engine_results_with_other_attention_products_are_kept_apart() -> None:
     assert report.engine_variant(figures("bf16-pv")) == "olmoe-1b-7b, q4_0; 1K; attention bf16-pv"
 
 
+def test_engine_results_with_pinned_experts_are_kept_apart() -> None:
+    """A bench_engine run with `--pin` is its own variant (beside the run without pins), its
+    stream row names the bytes pinned, and a note says what pinning did."""
+
+    def figures(pinned: int) -> dict[str, object]:
+        runs = [
+            {"system": s, "length": 1024, "ttft_s": 2.0, "G": 8, "Q": 1, "B": 3}
+            for s in ("stream", "resident", "llama.cpp")
+        ]
+        runs[0]["pinned_bytes"] = pinned
+        return {"model": "/m/olmoe-olmoe-1b-7b-s0.estream", "quant": "q4_0", "runs": runs}
+
+    assert report.engine_variant(figures(0)) == "olmoe-1b-7b, q4_0; 1K"
+    pinned = figures(891 << 20)
+    assert report.engine_variant(pinned) == "olmoe-1b-7b, q4_0; 1K; pinned experts"
+    table = report.render_engine(pinned)
+    assert table.rows[0][-1] == "8, 1, 3; 891 MiB pinned"
+    assert any("`stream` with `--pin`" in n for n in table.notes)
+    assert report.render_engine(figures(0)).rows[0][-1] == "8, 1, 3"
+
+
 def test_the_ray_note_names_the_blocks_given_or_the_commands_default() -> None:
     """bench_ray's note gives the rows of a block when the run set ``--block-rows`` and says
     the rows were shared between the actors when it used the command's default (no count)."""

@@ -15,6 +15,7 @@ import estream
 import estream.config as config
 from estream import BadRequestError, EngineOptions, memory
 from estream.engine import PIN_AUTO_MARGIN, PROFILE_TOKENS, pass_bytes_per_token
+from estream.packed import PackedModel
 from estream_layout import pack_model, synth_model
 
 
@@ -151,6 +152,13 @@ def test_pin_is_checked_against_the_mode_and_the_budget(
     msg = f"pin 200.00 MiB does not fit the budget: 1.00 GiB leaves {room} over the run's"
     with pytest.raises(BadRequestError, match=re.escape(msg)):
         estream.load(model, budget="1GiB", pin="200MiB")
+    # for a longer prompt than the profile's, its activations (pass_bytes_per_token) too
+    per = pass_bytes_per_token(PackedModel(model).hparams)
+    longer = 3 * (1 << 20) // per + 1  # tokens whose activations take the 3 MiB
+    with pytest.raises(BadRequestError, match=re.escape(f"for {PROFILE_TOKENS + longer} tokens")):
+        estream.load(model, budget="1GiB", budget_tokens=PROFILE_TOKENS + longer, pin=f"{margin}")
+    with estream.load(model, budget="1GiB", budget_tokens=PROFILE_TOKENS + longer, pin="auto") as e:
+        assert e.pin_bytes == 0
     with estream.load(model, budget="1GiB", pin="auto") as eng:
         assert eng.pin_bytes == 3 << 20
         pinned = eng.experts.pinned_bytes

@@ -238,7 +238,8 @@ class EngineOptions:
     pass's metrics as ``op_table`` (off: nothing is counted); ``pin``: memory (bytes or
     "800MiB") for streamed experts read once at load and kept for every pass (whole groups:
     group 0 of every layer, then group 1, ...), or "auto": what ``budget`` leaves over the
-    run's predicted memory less `PIN_AUTO_MARGIN` of the budget (`Engine.pin_bytes`)."""
+    run's predicted memory for ``budget_tokens`` tokens less `PIN_AUTO_MARGIN` of the budget
+    (`Engine.pin_bytes`)."""
 
     dense_ops: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(_one_of(DENSE_OPS))
@@ -355,8 +356,14 @@ class Engine:
         if c is None:
             raise BadRequestError(f"pin keeps streamed experts; mode {o.mode!r} streams none")
         room = None
+        # the prediction holds the activations of the profile's pass; a longer prompt's are
+        # bounded by pass_bytes_per_token
+        prof = self.model.manifest.get("profile") or {}
+        prof_tokens = int(prof.get("meta", {}).get("tokens", PROFILE_TOKENS))
+        tokens = int(o.budget_tokens or prof_tokens)
         if o.budget is not None and c.memory_bytes is not None:
-            room = o.budget - c.memory_bytes
+            longer = max(0, tokens - prof_tokens)
+            room = o.budget - c.memory_bytes - longer * pass_bytes_per_token(self.hp)
         if o.pin == "auto":
             if room is None:
                 raise BadRequestError(
@@ -369,7 +376,8 @@ class Engine:
             raise BadRequestError(
                 f"pin {memory.format_bytes(pin)} does not fit the budget: "
                 f"{memory.format_bytes(o.budget)} leaves {memory.format_bytes(max(room, 0))} "
-                f"over the run's predicted memory ({memory.format_bytes(c.memory_bytes)})"
+                f"over the run's predicted memory ({memory.format_bytes(o.budget - room)} for "
+                f"{tokens} tokens)"
             )
         return pin
 
