@@ -296,6 +296,23 @@ def test_the_headline_keeps_to_the_default_attention(tmp_path: Path) -> None:
     assert "| 1K | 3 s |" in page and "| 1K | 2.5 s |" in page
 
 
+def test_the_headline_keeps_to_runs_without_pinned_experts(tmp_path: Path) -> None:
+    """A newer bench_engine run with `--pin` has its own section on the page; the README
+    headline stays on the run that pins nothing (the engine's default)."""
+    recorded(tmp_path, "bench_engine", engine_figures(stream=3.0), (0.1, 0.1))
+    time.sleep(1.1)  # result files are named by the second
+    pinned = engine_figures(stream=2.5)
+    for r in pinned["runs"]:
+        if r["system"] == "stream":
+            r["pinned_bytes"] = 810 << 20
+    recorded(tmp_path, "bench_engine", pinned, (0.1, 0.1))
+    results = report.load_results(tmp_path / "results")
+    assert "| 1K tokens | 3 s |" in report.headline(results)
+    page = report.render_page(results)
+    assert "(olmoe-1b-7b, q4_0; 1K, 4K; pinned experts)" in page
+    assert "| 1K | 3 s |" in page and "| 1K | 2.5 s |" in page
+
+
 def test_each_engine_model_and_quantization_keeps_its_own_section(tmp_path: Path) -> None:
     """bench_engine runs of another quantization (or model) do not replace each other on the
     page: the newest of each is shown under its own label, and the README headline stays on
