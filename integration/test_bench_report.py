@@ -279,37 +279,31 @@ def test_the_headline_skips_a_newer_loaded_run(tmp_path: Path) -> None:
     assert "| 1K tokens | 2.5 s |" in report.headline(report.load_results(tmp_path / "results"))
 
 
-def test_the_headline_keeps_to_the_default_attention(tmp_path: Path) -> None:
-    """A newer bench_engine run with other attention products (`--attention bf16-pv`) has its
-    own section on the page; the README headline stays on the default (fp32) attention run."""
+@pytest.mark.parametrize(
+    ("field", "value", "systems", "variant"),
+    [
+        ("attention", "bf16-pv", ("stream", "resident"), "attention bf16-pv"),
+        ("pinned_bytes", 810 << 20, ("stream",), "pinned experts"),
+    ],
+    ids=["attention", "pin"],
+)
+def test_the_headline_keeps_to_the_engine_defaults(
+    tmp_path: Path, field: str, value: object, systems: tuple[str, ...], variant: str
+) -> None:
+    """A newer bench_engine run off the engine's defaults (other attention products,
+    `--attention bf16-pv`; pinned experts, `--pin`) has its own section on the page; the README
+    headline stays on the run with the defaults (fp32 attention, nothing pinned)."""
     recorded(tmp_path, "bench_engine", engine_figures(stream=3.0), (0.1, 0.1))
     time.sleep(1.1)  # result files are named by the second
-    pv = engine_figures(stream=2.5)
-    for r in pv["runs"]:
-        if r["system"] in ("stream", "resident"):
-            r["attention"] = "bf16-pv"
-    recorded(tmp_path, "bench_engine", pv, (0.1, 0.1))
+    other = engine_figures(stream=2.5)
+    for r in other["runs"]:
+        if r["system"] in systems:
+            r[field] = value
+    recorded(tmp_path, "bench_engine", other, (0.1, 0.1))
     results = report.load_results(tmp_path / "results")
     assert "| 1K tokens | 3 s |" in report.headline(results)
     page = report.render_page(results)
-    assert "(olmoe-1b-7b, q4_0; 1K, 4K; attention bf16-pv)" in page
-    assert "| 1K | 3 s |" in page and "| 1K | 2.5 s |" in page
-
-
-def test_the_headline_keeps_to_runs_without_pinned_experts(tmp_path: Path) -> None:
-    """A newer bench_engine run with `--pin` has its own section on the page; the README
-    headline stays on the run that pins nothing (the engine's default)."""
-    recorded(tmp_path, "bench_engine", engine_figures(stream=3.0), (0.1, 0.1))
-    time.sleep(1.1)  # result files are named by the second
-    pinned = engine_figures(stream=2.5)
-    for r in pinned["runs"]:
-        if r["system"] == "stream":
-            r["pinned_bytes"] = 810 << 20
-    recorded(tmp_path, "bench_engine", pinned, (0.1, 0.1))
-    results = report.load_results(tmp_path / "results")
-    assert "| 1K tokens | 3 s |" in report.headline(results)
-    page = report.render_page(results)
-    assert "(olmoe-1b-7b, q4_0; 1K, 4K; pinned experts)" in page
+    assert f"(olmoe-1b-7b, q4_0; 1K, 4K; {variant})" in page
     assert "| 1K | 3 s |" in page and "| 1K | 2.5 s |" in page
 
 
