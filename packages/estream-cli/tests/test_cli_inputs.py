@@ -398,6 +398,7 @@ def test_options_that_would_do_nothing_are_refused(model, capsys, extra, needle)
         ["--budget", "1GiB", "--schedule", "after-routing"],
         ["-G", "8", "-Q", "2", "-B", "3"],
         ["--pin", "64MiB", "-G", "2"],
+        ["--mode", "naive", "--pin", "64MiB"],  # naive streams through an arena too
     ],
 )
 def test_options_that_take_effect_are_accepted(model, extra):

@@ -210,8 +210,9 @@ def _bytes(value: int | str | None) -> int | None:
 
 
 #: ``pin="auto"`` leaves this share of the budget unpinned beyond the predicted memory: the
-#: prediction is a model (on the OLMoE-shaped pack a 1K pass peaked at 0.51 GiB against 0.45
-#: predicted, 4 % of a 1.5 GiB budget).
+#: prediction is a model (on the OLMoE-shaped pack, 1K passes that pinned nothing peaked at
+#: 0.51-0.55 GiB against 0.45 GiB predicted for the profile's pass plus 0.08 GiB for the
+#: longer prompt's activations).
 PIN_AUTO_MARGIN = 0.10
 
 

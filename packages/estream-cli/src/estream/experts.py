@@ -528,8 +528,9 @@ class StreamedExperts:
             if known[1] != frozenset(int(k) for k in routed):
                 raise RuntimeError(f"layer {layer.index}: the routes changed after routes_known")
         elif self.schedule == "early":
-            if self._unpinned(layer, unrouted):
-                self.loader.drop(self._unpinned(layer, unrouted))
+            drop = self._unpinned(layer, unrouted)
+            if drop:
+                self.loader.drop(drop)
         elif self.schedule == "after-routing":
             self.loader.submit([self._request(layer, k) for k in self._unpinned(layer, routed)])
         # x: with int8 products, the layer input quantized once for every group (Ops.moe);

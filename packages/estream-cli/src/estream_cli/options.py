@@ -144,7 +144,7 @@ def add_engine_opts(p: argparse.ArgumentParser) -> None:
         "--pin",
         help="memory for experts read once at load and kept for every pass, e.g. 800MiB (whole "
         "groups: group 0 of every layer, then group 1, ...), or auto: what --budget leaves "
-        "over the run's predicted memory (mode stream)",
+        "over the run's predicted memory (not with --mode resident)",
     )
     p.add_argument(
         "-G",
@@ -222,7 +222,8 @@ def check_engine_opts(args: argparse.Namespace) -> None:
         }[mode]
         pin = getattr(args, "pin", None)
         given_opts = [f"--budget {budget}"] if budget is not None else []
-        given_opts += [f"--pin {pin}"] if pin is not None else []
+        # naive and layer stream through an arena: pins work there
+        given_opts += [f"--pin {pin}"] if pin is not None and mode == "resident" else []
         for given in given_opts + explicit:
             raise BadRequestError(
                 f"{given.split()[0]} does nothing with --mode {mode}, which {fixed}; "
