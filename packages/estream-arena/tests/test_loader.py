@@ -547,8 +547,9 @@ def test_read_into_fills_the_banks_it_is_given_and_checks_them(rfile, direct) ->
             (-1, r.group, b) for r, b in zip(reqs, banks, strict=True)
         ]
         bad = GroupRequest(1, reqs[1].offset, reqs[1].n_records, (0,) * reqs[1].n_records)
-        with pytest.raises(ChecksumError, match=r"record 0 .* has crc32"):
-            ld.read_into([reqs[0], bad, reqs[2]], [0, 1, 2])
+        with pytest.raises(ChecksumError, match=r"layer 7, group 1, .* record 0 .* has crc32"):
+            ld.read_into([reqs[0], bad, reqs[2]], [0, 1, 2], layer=7)
+        assert [e.layer for e in ld.stats.events[-2:]] == [7, 7]
         assert ld.stats.n_failed == 1 and ld.stats.n_reads == len(reqs) + 1  # reqs[2]: not read
         with pytest.raises(ValueError, match="2 requests for 1 banks"):
             ld.read_into(reqs[:2], [0])

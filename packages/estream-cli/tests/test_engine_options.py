@@ -171,3 +171,29 @@ def test_pin_is_checked_against_the_mode_and_the_budget(
         per = pass_bytes_per_token(eng.hp)
         want = ((1 << 30) - predicted - pinned + PROFILE_TOKENS * per) // per
         assert eng.default_batch_tokens() == max(64, min(8192, want))
+
+
+def test_a_corrupt_pinned_record_is_refused_at_load(model: Path, tmp_path: Path) -> None:
+    """With ``verify``, a pinned group is checked as it is read at load: a flipped byte in the
+    first layer's group 0 raises `ChecksumError` naming that layer and group, and the failed
+    load leaves no thread behind."""
+    import shutil
+    import threading
+
+    from estream_arena import ChecksumError  # as a streamed read's
+
+    root = tmp_path / "m.estream"
+    shutil.copytree(model, root)
+    first = PackedModel(root).layers
+    lay = first[min(first)]
+    with open(root / "experts.bin", "r+b") as f:
+        f.seek(lay.offset + 100)
+        b = f.read(1)
+        f.seek(lay.offset + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    threads = threading.active_count()
+    with pytest.raises(ChecksumError, match=f"layer {lay.index}, group 0, .* has crc32"):
+        estream.load(root, G=2, Q=2, B=3, pin="1MiB", verify=True)
+    assert threading.active_count() == threads
+    with estream.load(root, G=2, Q=2, B=3, pin="1MiB") as eng:  # unchecked: it loads
+        assert eng.experts.pinned_bytes > 0

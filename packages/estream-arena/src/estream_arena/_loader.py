@@ -496,14 +496,17 @@ class GroupLoader:
                 self._queue.append((r, now))
             self._work.notify(len(requests))
 
-    def read_into(self, requests: Sequence[GroupRequest], banks: Sequence[int]) -> None:
+    def read_into(
+        self, requests: Sequence[GroupRequest], banks: Sequence[int], *, layer: int = -1
+    ) -> None:
         """Read group ``requests[i]`` into bank ``banks[i]`` now, on the calling thread, outside
         the layer protocol: for banks a caller keeps for its whole run (experts pinned in
         memory). Only on a loader with no layer open and nothing queued; a layer opened later
         may take these banks for its reads, so give such a loader an arena of its own. Checks
         the checksums under ``verify``; raises the first failed group's `ReadError` or
         `ChecksumError` (groups before it are in their banks, the rest are not read). The
-        reads count in :attr:`stats` like a layer's."""
+        reads count in :attr:`stats` like a layer's; ``layer`` names the groups' layer in
+        errors and events (-1: none)."""
         requests, banks = list(requests), [int(b) for b in banks]
         if len(requests) != len(banks):
             raise ValueError(f"{len(requests)} requests for {len(banks)} banks")
@@ -526,7 +529,7 @@ class GroupLoader:
         try:
             for req, bank in zip(requests, banks, strict=True):
                 t0 = time.perf_counter()
-                errs, n_sys = self._read_jobs([(req, bank, t0)], -1, scratch)
+                errs, n_sys = self._read_jobs([(req, bank, t0)], layer, scratch)
                 t1 = time.perf_counter()
                 with self._cond:
                     st = self._stats
@@ -537,7 +540,7 @@ class GroupLoader:
                     st.n_failed += not ok
                     st.events.append(
                         ReadEvent(
-                            -1,
+                            layer,
                             req.group,
                             bank,
                             t0,

@@ -410,7 +410,9 @@ class StreamedExperts:
                 by_layer.setdefault(li, []).append((k, bank))
             for li, groups in by_layer.items():  # a group number is unique within a layer
                 lay = self.model.layers[li]
-                loader.read_into([self._request(lay, k) for k, _ in groups], [b for _, b in groups])
+                loader.read_into(
+                    [self._request(lay, k) for k, _ in groups], [b for _, b in groups], layer=li
+                )
             self.pin_bytes_read = int(loader.stats.bytes_read)
         finally:
             loader.close()
