@@ -33,7 +33,7 @@ from .packed import PackedModel
 
 __all__ = ["DEFAULT_CANDIDATES", "measure_bandwidth", "measure_bandwidth_table", "profile_model"]
 
-DEFAULT_CANDIDATES = (1, 2, 4, 8, 16)
+DEFAULT_CANDIDATES = (1, 2, 4, 8, 16, 32)
 DEFAULT_QS = (1, 2, 4, 8)
 DEFAULT_BW_ROUNDS = 3
 

@@ -397,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="G,G,...",
         help="comma-separated group sizes g to profile, each ≤ the model's expert count "
-        "(default: those of 1,2,4,8,16 that are)",
+        "(default: those of 1,2,4,8,16,32 that are)",
     )
     p.add_argument(
         "--queue-depths",
