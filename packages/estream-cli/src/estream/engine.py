@@ -349,6 +349,12 @@ class Engine:
             raise
         self.load_s = time.perf_counter() - t0
 
+    def _profile_tokens(self) -> int:
+        """Tokens of the pass the stored profile measured its memory on (`PROFILE_TOKENS`
+        where it records none)."""
+        prof = self.model.manifest.get("profile") or {}
+        return int(prof.get("meta", {}).get("tokens", PROFILE_TOKENS))
+
     def _resolve_pin(self, o: EngineOptions) -> int:
         """The bytes ``o.pin`` asks for, checked against the mode and the budget."""
         if o.pin is None:
@@ -359,8 +365,7 @@ class Engine:
         room = None
         # the prediction holds the activations of the profile's pass; a longer prompt's are
         # bounded by pass_bytes_per_token
-        prof = self.model.manifest.get("profile") or {}
-        prof_tokens = int(prof.get("meta", {}).get("tokens", PROFILE_TOKENS))
+        prof_tokens = self._profile_tokens()
         tokens = int(o.budget_tokens or prof_tokens)
         if o.budget is not None and c.memory_bytes is not None:
             longer = max(0, tokens - prof_tokens)
@@ -616,10 +621,8 @@ class Engine:
         allowance = DEFAULT_ACTIVATION_BYTES
         predicted = self.config.memory_bytes if self.config is not None else None
         if self.budget is not None and predicted is not None:
-            prof = self.model.manifest.get("profile") or {}
-            prof_tokens = int(prof.get("meta", {}).get("tokens", PROFILE_TOKENS))
             pinned = getattr(self.experts, "pinned_bytes", 0)  # not in the prediction
-            allowance = self.budget - predicted - pinned + prof_tokens * per_token
+            allowance = self.budget - predicted - pinned + self._profile_tokens() * per_token
         n = allowance // per_token
         return int(max(MIN_BATCH_TOKENS, min(MAX_BATCH_TOKENS, n)))
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -574,6 +574,7 @@ class StreamedExperts:
         # y in registered memory (the activation pool): the ops accumulate into it in place
         direct = rb.in_place(y)
         ys = y if direct else rb.put("y", np.zeros_like(y))
+        operands = (xs, ts, es, ws, ys)
         n_e = self._slot_of_expert.size
         table = rb.put("slots", np.full((max(len(routed), 1), n_e), -1, np.int32))
         # per op: its fence, (bank, group, t_wait) of each group it runs (bank None: pinned),
@@ -615,9 +616,7 @@ class StreamedExperts:
                 if error is not None:
                     break
                 if (layer.index, k) in self._pins:
-                    i += self._run_pinned(
-                        layer, order, i, table[i], xs, ts, es, ws, ys, starts, inflight
-                    )
+                    i += self._run_pinned(layer, order, i, table[i], operands, starts, inflight)
                     continue
                 if self.schedule == "ondemand":
                     self.loader.submit([self._request(layer, k)])
@@ -634,22 +633,13 @@ class StreamedExperts:
                         t_next = time.perf_counter()
                         members.append((self.loader.acquire(kn, timeout=0), kn, t_next))
                     t0 = time.perf_counter()
-                    row = table[i]
-                    for bank, kb, _ in members:
-                        first = kb * self.G
-                        row[layer.order[first : first + bank.n_records]] = np.asarray(
-                            bank.slots, dtype=np.int32
-                        )
-                    sl = slice(int(starts[k]), int(starts[members[-1][1] + 1]))
-                    fence = self.graph.submit(
-                        xs, ts[sl], es[sl], ws[sl], row, self._planes, self._strides, ys,
-                        **_formats(self.graph, layer),
-                    )  # fmt: skip
+                    groups = [(kb, bank.slots) for bank, kb, _ in members]
+                    fence = self._submit(layer, groups, table[i], self._planes, operands, starts)
                 except BaseException:
                     for bank, _, _ in members:
                         self.loader.release(bank)
                     raise
-                inflight.append((fence, members, t0))  # type: ignore[arg-type]
+                inflight.append((fence, members, t0))
                 held += len(members)
                 i += len(members)
         finally:
@@ -660,17 +650,34 @@ class StreamedExperts:
         if not direct:
             y += ys
 
+    def _submit(
+        self,
+        layer: ExpertLayer,
+        groups: list[tuple[int, Sequence[int]]],
+        row: np.ndarray,
+        planes: tuple[int, ...],
+        operands: tuple[Any, ...],
+        starts: np.ndarray,
+    ) -> Any:
+        """Submit one expert op for the consecutive groups ``[(k, slots), ...]`` of ``layer``,
+        whose experts sit in ``slots`` of the arena at ``planes``; returns its fence."""
+        xs, ts, es, ws, ys = operands
+        for k, slots in groups:
+            first = k * self.G
+            row[layer.order[first : first + len(slots)]] = np.asarray(slots, dtype=np.int32)
+        sl = slice(int(starts[groups[0][0]]), int(starts[groups[-1][0] + 1]))
+        return self.graph.submit(
+            xs, ts[sl], es[sl], ws[sl], row, planes, self._strides, ys,
+            **_formats(self.graph, layer),
+        )  # fmt: skip
+
     def _run_pinned(
         self,
         layer: ExpertLayer,
         order: list[int],
         i: int,
         row: np.ndarray,
-        xs: Any,
-        ts: Any,
-        es: Any,
-        ws: Any,
-        ys: Any,
+        operands: tuple[Any, ...],
         starts: np.ndarray,
         inflight: deque[tuple[Any, list[tuple[Any, int, float]], float]],
     ) -> int:
@@ -680,18 +687,12 @@ class StreamedExperts:
         while self.coalesce and i + n < len(order) and (layer.index, order[i + n]) in self._pins:
             n += 1
         t0 = time.perf_counter()
+        groups: list[tuple[int, Sequence[int]]] = []
         for k in order[i : i + n]:
-            first = k * self.G
-            count = min(self.G, layer.n_experts - first)
             bank = self._pins[(layer.index, k)]
-            row[layer.order[first : first + count]] = np.arange(
-                bank * self.G, bank * self.G + count, dtype=np.int32
-            )
-        sl = slice(int(starts[order[i]]), int(starts[order[i + n - 1] + 1]))
-        fence = self.graph.submit(
-            xs, ts[sl], es[sl], ws[sl], row, self._pin_planes, self._strides, ys,
-            **_formats(self.graph, layer),
-        )  # fmt: skip
+            count = min(self.G, layer.n_experts - k * self.G)
+            groups.append((k, range(bank * self.G, bank * self.G + count)))
+        fence = self._submit(layer, groups, row, self._pin_planes, operands, starts)
         inflight.append((fence, [(None, k, t0) for k in order[i : i + n]], t0))
         return n
 
