@@ -14,7 +14,8 @@ import pytest
 import estream
 import estream.config as config
 from estream import BadRequestError, EngineOptions, memory
-from estream.engine import PIN_AUTO_MARGIN, PROFILE_TOKENS, pass_bytes_per_token
+from estream.config import PROFILE_TOKENS
+from estream.engine import PIN_AUTO_MARGIN, pass_bytes_per_token
 from estream.packed import PackedModel
 from estream_layout import pack_model, synth_model
 
@@ -74,24 +75,30 @@ def test_options_whole_or_as_keywords(model: Path) -> None:
 def test_a_budget_is_configured_once(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With a budget, loading runs the configurator once and `default_batch_tokens` uses the
     memory figure it predicted (kept in `StreamConfig.memory_bytes`) without running it
-    again: allowance = budget - predicted + the profile pass's activations."""
+    again: allowance = budget - predicted + the profile pass's activations, where the
+    prediction for a ``budget_tokens`` longer than the profile's pass holds that prompt's
+    extra activations (`StreamConfig.extra_bytes`), which are not counted twice."""
     calls: list[tuple[int, int | None, str]] = []
-    predicted = 700 << 20
+    per = pass_bytes_per_token(PackedModel(model).hparams)
+    predicted = (1 << 30) - 2000 * per  # an allowance inside the batch clamp
+    tokens = PROFILE_TOKENS + 1000
 
     def configure(
-        m: object, budget: int, tokens: int | None = None, schedule: str = "early"
+        m: PackedModel, budget: int, tokens: int | None = None, schedule: str = "early"
     ) -> SimpleNamespace:
         calls.append((budget, tokens, schedule))
-        return SimpleNamespace(G=2, Q=2, B=3, memory_bytes=predicted)
+        extra = config.prompt_extra_bytes(m, tokens)
+        return SimpleNamespace(G=2, Q=2, B=3, memory_bytes=predicted + extra, extra_bytes=extra)
 
     monkeypatch.setattr(config, "configure_for_budget", configure)
-    with estream.load(model, budget="1GiB", budget_tokens=64) as eng:
-        assert calls == [(1 << 30, 64, "early")]
-        assert eng.config == config.StreamConfig(2, 2, 3, "budget", predicted)
-        per = pass_bytes_per_token(eng.hp)
-        want = ((1 << 30) - predicted + PROFILE_TOKENS * per) // per
-        assert eng.default_batch_tokens() == max(64, min(8192, want))
-        assert calls == [(1 << 30, 64, "early")]  # not run again
+    with estream.load(model, budget="1GiB", budget_tokens=tokens) as eng:
+        assert calls == [(1 << 30, tokens, "early")]
+        extra = 1000 * per
+        assert eng.config == config.StreamConfig(
+            2, 2, 3, "budget", predicted + extra, extra_bytes=extra
+        )
+        assert eng.default_batch_tokens() == 2000 + PROFILE_TOKENS
+        assert calls == [(1 << 30, tokens, "early")]  # not run again
     with estream.load(model, budget="1GiB", schedule="after-routing"):
         assert calls[-1] == (1 << 30, None, "after-routing")  # the engine's schedule
 
@@ -143,9 +150,10 @@ def test_pin_is_checked_against_the_mode_and_the_budget(
     predicted = (1 << 30) - margin - (3 << 20)  # the budget leaves 3 MiB over the margin
 
     def configure(
-        m: object, budget: int, tokens: int | None = None, schedule: str = "early"
+        m: PackedModel, budget: int, tokens: int | None = None, schedule: str = "early"
     ) -> SimpleNamespace:
-        return SimpleNamespace(G=2, Q=2, B=3, memory_bytes=predicted)
+        extra = config.prompt_extra_bytes(m, tokens)  # as `configure_for_budget` counts it
+        return SimpleNamespace(G=2, Q=2, B=3, memory_bytes=predicted + extra, extra_bytes=extra)
 
     monkeypatch.setattr(config, "configure_for_budget", configure)
     room = memory.format_bytes(margin + (3 << 20))

@@ -214,6 +214,19 @@ def test_the_default_shrinks_to_the_budget_and_refuses_below_it(pack: Path) -> N
     with pytest.raises(BudgetTooSmallError) as exc:
         resolve_config(model, "stream", other + rec - 1, None, None, None, n_threads=THREADS)
     assert exc.value.minimum_bytes == other + rec and "stale profile" in str(exc.value)
+    # for a longer prompt than the profile's pass, its extra activations count too (the
+    # profile's measured memory per token)
+    doc = copy.deepcopy(model.manifest["profile"])
+    doc["m_per_token"] = 4096
+    update_config(pack, "profile", doc)
+    model = PackedModel(pack)
+    tokens = config.profile_tokens(model) + 300
+    extra = 300 * 4096
+    c = resolve_config(model, "stream", other + extra + 4 * g0 * rec - 1, None, None, None, tokens)
+    assert c is not None and c.extra_bytes == extra
+    got = (c.G, c.Q, c.B)
+    assert got == (g0, 2, 2)
+    assert c.memory_bytes == other + extra + 2 * g0 * rec
 
 
 def test_explicit_groups_ignore_the_profile(pack: Path) -> None:

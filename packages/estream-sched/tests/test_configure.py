@@ -19,6 +19,7 @@ from estream_sched import (
     SyntheticSpec,
     choose_q0,
     configure,
+    format_bytes,
     pipeline_time,
     sweep,
     synthetic_profile,
@@ -388,6 +389,60 @@ def test_configure_for_a_longer_prompt_than_the_calibration(budget: int) -> None
         short.B,
         short.predicted_s,
     )
+
+
+@given(profiles(), st.floats(0.0, 1.0), st.integers(1, 2**28))
+def test_extra_bytes_count_in_every_configuration_s_memory(
+    p: Profile, frac: float, extra: int
+) -> None:
+    """A request's ``extra_bytes`` (memory beyond the profile's measured ``M_other``) is part of
+    every candidate's memory: the choice for ``budget`` with ``extra`` is the one for
+    ``budget - extra`` without it, its memory ``extra`` more; below the minimum the error's
+    minimum holds it too."""
+    depths = [
+        q for q in _depths(p, "model") if any(math.ceil(p.n_experts / g) >= q for g in p.groups)
+    ]
+    assume(depths)
+    lo = min(minimum_memory(p, q) for q in depths)
+    budget = int(lo + extra + frac * p.n_experts * p.expert_bytes)
+    plain = configure(p, budget - extra)
+    more = configure(p, budget, extra_bytes=extra)
+    assert (more.G, more.Q, more.B, more.per_layer_s) == (
+        plain.G,
+        plain.Q,
+        plain.B,
+        plain.per_layer_s,
+    )
+    assert more.memory_bytes == plain.memory_bytes + extra <= budget
+    assert more.extra_bytes == more.to_dict()["extra_bytes"] == extra and plain.extra_bytes == 0
+    for r, r0 in zip(more.table, plain.table, strict=True):
+        assert (r.g, r.q, r.b, r.feasible) == (r0.g, r0.q, r0.b, r0.feasible)
+        assert r.memory_bytes == r0.memory_bytes + extra
+    with pytest.raises(BudgetError) as exc:
+        configure(p, lo + extra - 1, extra_bytes=extra)
+    assert exc.value.minimum_bytes == lo + extra
+    assert f"{format_bytes(extra)} of it beyond the calibration request's" in str(exc.value)
+    configure(p, lo + extra, extra_bytes=extra)  # the minimum itself fits
+    with pytest.raises(ValueError, match="extra_bytes must be >= 0"):
+        configure(p, budget, extra_bytes=-1)
+
+
+def test_a_profile_s_memory_per_token_counts_for_a_longer_prompt() -> None:
+    """A profile that records ``m_per_token``: configured for ``tokens`` beyond its calibration
+    prompt, every configuration holds ``m_per_token`` more per extra token (nothing for the
+    calibration length or a shorter prompt, nothing without ``tokens``); an explicit
+    ``extra_bytes`` replaces it."""
+    p = synthetic_profile(SyntheticSpec(n_layers=4, tokens=256), seed=2)
+    p = attrs.evolve(p, m_per_token=150_000)
+    budget = 8 << 30
+    for tokens, extra in ((None, 0), (128, 0), (256, 0), (1024, 768 * 150_000)):
+        c = configure(p, budget, tokens=tokens)
+        assert c.extra_bytes == extra
+        assert c.memory_bytes == p.m_other[c.G] + extra + c.B * c.G * p.expert_bytes
+    assert configure(p, budget, tokens=1024, extra_bytes=7).extra_bytes == 7
+    with pytest.raises(BudgetError) as exc:
+        configure(p, minimum_memory(p, 1) + 768 * 150_000 - 1, tokens=1024)
+    assert exc.value.minimum_bytes == minimum_memory(p, 1) + 768 * 150_000
 
 
 def test_configure_tokens_errors() -> None:

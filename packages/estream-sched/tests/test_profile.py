@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given
@@ -56,6 +57,19 @@ def test_measured_with_round_trips_and_is_optional(doc: dict[str, Any]) -> None:
     assert p.measured_with == ident
     assert p.to_dict()["measured_with"] == ident
     assert p != Profile.from_dict(doc)  # part of the value
+
+
+def test_m_per_token_round_trips_and_is_optional(doc: dict[str, Any]) -> None:
+    """``m_per_token`` comes back as written; a document without it (or with null) reads as
+    None and writes no such key; a direct construction with a negative one is refused."""
+    assert "m_per_token" not in doc
+    assert Profile.from_dict(doc).m_per_token is None
+    assert Profile.from_dict({**doc, "m_per_token": None}).m_per_token is None
+    p = Profile.from_dict(json.loads(json.dumps({**doc, "m_per_token": 151_552})))
+    assert p.m_per_token == 151_552 and p.to_dict()["m_per_token"] == 151_552
+    assert "m_per_token" not in Profile.from_dict(doc).to_dict()
+    with pytest.raises(ProfileError, match="m_per_token: expected bytes >= 0 or null, got -3"):
+        attrs.evolve(p, m_per_token=-3)
 
 
 def test_not_json(tmp_path: Path) -> None:
@@ -156,6 +170,9 @@ BAD: list[tuple[Callable[[dict[str, Any]], None], str]] = [
         "got ['q4_0-t32r4', 3] (list)",
     ),
     (_set(["measured_with"], {"": "x"}), "measured_with: keys must be non-empty strings, got ''"),
+    (_set(["m_per_token"], -1), "m_per_token: expected an integer >= 0, got -1"),
+    (_set(["m_per_token"], 2.5), "m_per_token: expected an integer, got 2.5 (float)"),
+    (_set(["m_per_token"], True), "m_per_token: expected an integer, got True (bool)"),
 ]
 
 

@@ -27,6 +27,7 @@ import attrs
 
 import estream_htp as htp
 import estream_sched as es
+from estream_layout import ModelSpec
 
 from .errors import BadRequestError, BudgetTooSmallError, PackError, StaleProfileError
 from .packed import PackedModel, update_config
@@ -37,13 +38,17 @@ DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
 
 __all__ = [
     "IDENTITY_KEYS",
+    "PROFILE_TOKENS",
     "StaleProfileWarning",
     "StreamConfig",
     "configure_for_budget",
     "cpu_name",
     "kernel_build",
+    "pass_bytes_per_token",
     "profile_mismatch",
     "profile_staleness",
+    "profile_tokens",
+    "prompt_extra_bytes",
     "require_fresh_profile",
     "resolve_config",
     "running_identity",
@@ -55,6 +60,54 @@ __all__ = [
 
 #: What a profile records it was measured with, and what a run compares (`running_identity`).
 IDENTITY_KEYS = ("cpu", "simd", "kernels", "threads", "act", "backend", "expert_formats")
+
+
+PROFILE_TOKENS = 256  # the pass `estream profile` measures by default
+
+
+def pass_bytes_per_token(hp: ModelSpec, *, all_logits: bool = False) -> int:
+    """Bytes of activations and scratch a pass holds per token, at its peak (README:
+    "Batching"): float32 ``4 * (6 d + 2 q + 2 kv + 3 f + E + V_l)`` plus the routes
+    ``12 k`` and the int8 copy of a GEMM input ``d (1 + 8/32)``, where ``d`` is the model
+    width, ``q``/``kv`` the widest query and key+value projections, ``f`` the widest resident
+    FFN (dense or shared experts), ``E``/``k`` the experts and experts per token, ``V_l`` the
+    vocabulary when every position's logits are returned (else 0)."""
+    d = hp.n_embd
+    if hp.arch == "deepseek2":
+        q = hp.n_head * hp.head_dim_k_mla
+        kv = hp.n_head * (hp.head_dim_k_mla + hp.head_dim_v_mla) + hp.kv_lora_rank
+    else:
+        q = hp.n_head * hp.head_dim_k
+        kv = max(hp.n_head_kv, default=0) * (hp.head_dim_k + hp.head_dim_v)
+        kv = max(kv, 3 * d) if hp.shortconv_l_cache else kv  # LFM2's in_proj: B, C, x
+    f = max(hp.n_ff, hp.n_ff_shexp)
+    v = hp.n_vocab if all_logits else 0
+    return (
+        4 * (6 * d + 2 * q + 2 * kv + 3 * f + hp.n_experts + v)
+        + 12 * hp.n_experts_used
+        + (d + d // 4)
+    )
+
+
+def profile_tokens(model: PackedModel) -> int:
+    """Tokens of the pass the stored profile measured its memory on (`PROFILE_TOKENS` where it
+    records none)."""
+    prof = model.manifest.get("profile") or {}
+    meta = prof.get("meta") if isinstance(prof, Mapping) else None
+    t = meta.get("tokens") if isinstance(meta, Mapping) else None
+    return int(t) if isinstance(t, int) and not isinstance(t, bool) and t > 0 else PROFILE_TOKENS
+
+
+def prompt_extra_bytes(model: PackedModel, tokens: int | None) -> int:
+    """Activation memory a ``tokens``-token pass holds beyond the profile's own pass (whose
+    memory the profile measured), for each token beyond it: the profile's measured
+    ``m_per_token``, or the `pass_bytes_per_token` bound for a profile that does not record
+    it (or no profile); 0 for None or a prompt no longer than the profile's."""
+    longer = max(0, int(tokens) - profile_tokens(model)) if tokens is not None else 0
+    if not longer:
+        return 0
+    per = stored_profile(model).m_per_token if model.manifest.get("profile") else None
+    return longer * (pass_bytes_per_token(model.hparams) if per is None else per)
 
 
 class StaleProfileWarning(UserWarning):
@@ -72,6 +125,9 @@ class StreamConfig:
     memory_bytes: int | None = None
     #: why the profile's choice was not taken (a stale profile), else None
     warning: str | None = None
+    #: of ``memory_bytes``, the activations of the prompt it was chosen for beyond those of the
+    #: profile's pass (`configure_for_budget`)
+    extra_bytes: int = 0
 
     def arena_bytes(self, model: PackedModel) -> int:
         return self.B * self.G * sum(size for _, size in model.plane_extents)
@@ -122,11 +178,17 @@ def resolve_config(
                 int(budget),
                 f"no configuration for --budget {_fmt_bytes(budget)} from it",
                 stale,
+                tokens,
             )
         else:
             choice = configure_for_budget(model, budget, tokens, schedule)
             cfg = StreamConfig(
-                int(choice.G), int(choice.Q), int(choice.B), "budget", int(choice.memory_bytes)
+                int(choice.G),
+                int(choice.Q),
+                int(choice.B),
+                "budget",
+                int(choice.memory_bytes),
+                extra_bytes=int(choice.extra_bytes),
             )
     elif stored := model.manifest.get("config"):
         if model.manifest.get("profile") and (stale := _stale_reason(model, **run)):
@@ -270,16 +332,20 @@ def require_fresh_profile(
     return profile
 
 
-def _stale_fallback(model: PackedModel, budget: int | None, what: str, stale: str) -> StreamConfig:
+def _stale_fallback(
+    model: PackedModel, budget: int | None, what: str, stale: str, tokens: int | None = None
+) -> StreamConfig:
     """The default configuration in place of a stale profile's choice (``what``: which one,
     for the message): ``G = min(4, N_e)``, ``Q = 2``, ``B = 4``, or the first of ``(G, 2, 2)``,
-    ``(1, 2, 2)``, ``(1, 1, 1)`` whose memory (the profile's largest non-arena memory plus the
-    arena) fits ``budget``; `BudgetTooSmallError` when none does. Memory does not depend on the
-    kernels' speed, so the profile's memory side still sizes it."""
+    ``(1, 2, 2)``, ``(1, 1, 1)`` whose memory (the profile's largest non-arena memory, a
+    ``tokens``-token prompt's extra activations (`prompt_extra_bytes`) and the arena) fits
+    ``budget``; `BudgetTooSmallError` when none does. Memory does not depend on the kernels'
+    speed, so the profile's memory side still sizes it."""
     n_e = model.hparams.n_experts
     g0 = min(4, n_e)
     cands = [(g0, 2, 4), (g0, 2, 2), (1, 2, 2), (1, 1, 1)]
     mem: dict[tuple[int, int, int], int | None] = {c: None for c in cands}
+    extra = prompt_extra_bytes(model, tokens) if budget is not None else 0
     if budget is not None:
         doc = model.manifest.get("profile") or {}
         m_other = doc.get("m_other") if isinstance(doc, Mapping) else None
@@ -287,7 +353,7 @@ def _stale_fallback(model: PackedModel, budget: int | None, what: str, stale: st
             max(int(v) for v in m_other.values())
             if isinstance(m_other, Mapping) and m_other
             else int(model.dense_bytes)
-        )
+        ) + extra
         rec = sum(size for _, size in model.plane_extents)
         mem = {c: other + c[2] * c[0] * rec for c in cands}
         fits = [c for c in cands if mem[c] <= budget]  # type: ignore[operator]
@@ -306,7 +372,7 @@ def _stale_fallback(model: PackedModel, budget: int | None, what: str, stale: st
         f"{model.path}: the stored profile is stale ({stale}); {what}: running the default "
         f"G={G} Q={Q} B={B} instead; re-profile with `estream profile --if-stale {model.path}`"
     )
-    return StreamConfig(G, Q, B, "stale-profile", mem[(G, Q, B)], note)
+    return StreamConfig(G, Q, B, "stale-profile", mem[(G, Q, B)], note, extra)
 
 
 def warn_stale(cfg: StreamConfig | None) -> None:
@@ -336,6 +402,11 @@ def configure_for_budget(
     """(G, Q, B) for a memory budget from the stored profile, for prompts of ``tokens`` tokens
     (default: the profile's calibration length); clear error below the minimum.
 
+    The profile measured the memory of its own pass; a longer prompt's extra activations
+    (`prompt_extra_bytes`) count in every configuration's memory
+    (`estream_sched.configure`'s ``extra_bytes``), so the choice and the error hold for the
+    prompt asked for.
+
     ``schedule``: ``after-routing`` is modelled with its reads starting when the routes are
     known: at layer start when the architecture's router reads the layer's input (before
     attention), after the layer's non-expert work otherwise; any other schedule as ``early``
@@ -343,12 +414,24 @@ def configure_for_budget(
     profile = stored_profile(model)
     sched = "after-routing" if schedule == "after-routing" else "early"
     at_start = model.hparams.router_input == "layer"
+    extra = prompt_extra_bytes(model, tokens)
     try:
         return es.configure(
-            profile, int(budget), tokens=tokens, schedule=sched, routes_at_layer_start=at_start
+            profile,
+            int(budget),
+            tokens=tokens,
+            schedule=sched,
+            routes_at_layer_start=at_start,
+            extra_bytes=extra,
         )
     except es.BudgetError as exc:
-        raise BudgetTooSmallError(str(exc), exc.minimum_bytes) from None
+        msg = str(exc)
+        if extra:
+            msg += (
+                f" for a {tokens}-token prompt (its activations beyond the profile's "
+                f"{profile_tokens(model)}-token pass: {_fmt_bytes(extra)})"
+            )
+        raise BudgetTooSmallError(msg, exc.minimum_bytes) from None
 
 
 def store_profile(model: PackedModel, profile: es.Profile) -> None:

@@ -25,10 +25,16 @@ import numpy as np
 import estream_arena as ea
 import estream_htp as htp
 import estream_sched as es
-from estream_layout import ModelSpec
 
 from . import memory
-from .config import DEFAULT_THREADS, StreamConfig, resolve_config, warn_stale
+from .config import (
+    DEFAULT_THREADS,
+    StreamConfig,
+    pass_bytes_per_token,
+    profile_tokens,
+    resolve_config,
+    warn_stale,
+)
 from .errors import BadRequestError, EngineClosedError, NonFiniteError
 from .experts import (
     SCHEDULES,
@@ -81,7 +87,6 @@ DENSE_OPS = ("host", "backend")
 #: Activation memory a pass of `Engine.prefill_many` may use when no budget says otherwise.
 DEFAULT_ACTIVATION_BYTES = 256 << 20
 MIN_BATCH_TOKENS, MAX_BATCH_TOKENS = 64, 8192
-PROFILE_TOKENS = 256  # the pass `estream profile` measures by default
 #: Most tokens one pass takes (what the expert op is sized for).
 MAX_PASS_TOKENS = 1 << 16
 #: Times in a row an engine starts a new executor after its executor process died (a pass
@@ -104,30 +109,6 @@ def _arrays(obj: object) -> list[np.ndarray]:
         elif isinstance(o, dict):
             stack.extend(o.values())
     return list(found.values())
-
-
-def pass_bytes_per_token(hp: ModelSpec, *, all_logits: bool = False) -> int:
-    """Bytes of activations and scratch a pass holds per token, at its peak (README:
-    "Batching"): float32 ``4 * (6 d + 2 q + 2 kv + 3 f + E + V_l)`` plus the routes
-    ``12 k`` and the int8 copy of a GEMM input ``d (1 + 8/32)``, where ``d`` is the model
-    width, ``q``/``kv`` the widest query and key+value projections, ``f`` the widest resident
-    FFN (dense or shared experts), ``E``/``k`` the experts and experts per token, ``V_l`` the
-    vocabulary when every position's logits are returned (else 0)."""
-    d = hp.n_embd
-    if hp.arch == "deepseek2":
-        q = hp.n_head * hp.head_dim_k_mla
-        kv = hp.n_head * (hp.head_dim_k_mla + hp.head_dim_v_mla) + hp.kv_lora_rank
-    else:
-        q = hp.n_head * hp.head_dim_k
-        kv = max(hp.n_head_kv, default=0) * (hp.head_dim_k + hp.head_dim_v)
-        kv = max(kv, 3 * d) if hp.shortconv_l_cache else kv  # LFM2's in_proj: B, C, x
-    f = max(hp.n_ff, hp.n_ff_shexp)
-    v = hp.n_vocab if all_logits else 0
-    return (
-        4 * (6 * d + 2 * q + 2 * kv + 3 * f + hp.n_experts + v)
-        + 12 * hp.n_experts_used
-        + (d + d // 4)
-    )
 
 
 @attrs.frozen
@@ -349,12 +330,6 @@ class Engine:
             raise
         self.load_s = time.perf_counter() - t0
 
-    def _profile_tokens(self) -> int:
-        """Tokens of the pass the stored profile measured its memory on (`PROFILE_TOKENS`
-        where it records none)."""
-        prof = self.model.manifest.get("profile") or {}
-        return int(prof.get("meta", {}).get("tokens", PROFILE_TOKENS))
-
     def _resolve_pin(self, o: EngineOptions) -> int:
         """The bytes ``o.pin`` asks for, checked against the mode and the budget."""
         if o.pin is None:
@@ -363,13 +338,10 @@ class Engine:
         if c is None:
             raise BadRequestError(f"pin keeps streamed experts; mode {o.mode!r} streams none")
         room = None
-        # the prediction holds the activations of the profile's pass; a longer prompt's are
-        # bounded by pass_bytes_per_token
-        prof_tokens = self._profile_tokens()
-        tokens = int(o.budget_tokens or prof_tokens)
+        # the prediction holds the activations of a budget_tokens prompt (`configure_for_budget`)
+        tokens = int(o.budget_tokens or profile_tokens(self.model))
         if o.budget is not None and c.memory_bytes is not None:
-            longer = max(0, tokens - prof_tokens)
-            room = o.budget - c.memory_bytes - longer * pass_bytes_per_token(self.hp)
+            room = o.budget - c.memory_bytes
         if o.pin == "auto":
             if room is None:
                 raise BadRequestError(
@@ -619,10 +591,13 @@ class Engine:
         its measured non-arena memory)."""
         per_token = pass_bytes_per_token(self.hp, all_logits=all_logits)
         allowance = DEFAULT_ACTIVATION_BYTES
-        predicted = self.config.memory_bytes if self.config is not None else None
-        if self.budget is not None and predicted is not None:
+        c = self.config
+        if self.budget is not None and c is not None and c.memory_bytes is not None:
             pinned = getattr(self.experts, "pinned_bytes", 0)  # not in the prediction
-            allowance = self.budget - predicted - pinned + self._profile_tokens() * per_token
+            # the prediction without the budget_tokens prompt's activations beyond the
+            # profile's pass (StreamConfig.extra_bytes): those are what is allowed here
+            predicted = c.memory_bytes - c.extra_bytes
+            allowance = self.budget - predicted - pinned + profile_tokens(self.model) * per_token
         n = allowance // per_token
         return int(max(MIN_BATCH_TOKENS, min(MAX_BATCH_TOKENS, n)))
 
@@ -829,9 +804,9 @@ class Engine:
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
-        """Free the arena, the graph and the backend (its executor). Waits for a pass another
-        thread is running; later passes raise `EngineClosedError`. Calling it again does
-        nothing."""
+        """Free the arena, the graph and the backend (its executor), and return the freed heap
+        to the system (`memory.trim_heap`). Waits for a pass another thread is running; later
+        passes raise `EngineClosedError`. Calling it again does nothing."""
         with self._lock:
             self._close_locked()
 
@@ -846,6 +821,7 @@ class Engine:
             self.graph.close()
             if self.backend is not htp.default_backend():
                 self.backend.close()
+            memory.trim_heap()
 
     def __enter__(self) -> Engine:
         return self

@@ -22,6 +22,7 @@ __all__ = [
     "parse_bytes",
     "peak_rss",
     "reset_peak",
+    "trim_heap",
 ]
 
 _UNITS = {
@@ -94,6 +95,17 @@ def reset_peak() -> None:
             f.write("5")
     except OSError:
         pass
+
+
+def trim_heap() -> bool:
+    """Return the heap's free pages to the system (glibc ``malloc_trim(0)``): what
+    `keep_freed_heap` keeps for reuse stays resident otherwise, after the arrays that used it
+    are gone (a closed engine's weights and activations). False where that is not glibc."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    return bool(trim(0))
 
 
 def mem_available() -> int:

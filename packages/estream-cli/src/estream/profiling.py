@@ -28,7 +28,7 @@ from .config import cpu_name, running_identity
 from .engine import DEFAULT_THREADS, Engine, PrefillResult
 from .errors import BadRequestError
 from .experts import READ_MERGE_BYTES
-from .memory import drop_file_cache
+from .memory import drop_file_cache, trim_heap
 from .packed import PackedModel
 
 __all__ = ["DEFAULT_CANDIDATES", "measure_bandwidth", "measure_bandwidth_table", "profile_model"]
@@ -127,14 +127,17 @@ def profile_model(
     calibration ran with (`estream.config.running_identity`: CPU, SIMD kernel set, estream-htp
     build, threads, ``q8``, ``host``, the pack's expert formats). ``candidates``: group sizes,
     each at most the model's experts per layer (default: those of `DEFAULT_CANDIDATES` that
-    fit); ``n_tokens``: at most the model context."""
+    fit); ``n_tokens``: at most the model context. The first candidate's engine also runs a
+    pass twice as long (within the context): the growth of its peak memory per token is the
+    profile's ``m_per_token``, which a budget for a longer prompt counts."""
     say = log or (lambda s: None)
     model = PackedModel(path)
     hp = model.hparams
     gs, T = _calibration(hp, candidates, n_tokens)
     queue_depths = sorted({1, *(int(q) for q in queue_depths)})  # reads are timed at q = 1
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, hp.n_vocab, size=T)
+    T2 = min(2 * T, hp.n_ctx)  # the longer pass that measures memory per token
+    tokens = rng.integers(0, hp.n_vocab, size=T2)
     W_e = model.record_bytes
     load0 = _load_average()  # other work on the machine inflates every time measured below
     if load0 is not None and load0 > max(1.0, (os.cpu_count() or 1) / 2):
@@ -144,16 +147,27 @@ def profile_model(
         )
     cand: dict[int, list[es.LayerProfile]] = {}
     m_other: dict[int, int] = {}
+    m_per_token: int | None = None
     threads = int(n_threads or DEFAULT_THREADS)
     for g in gs:
         t0 = time.perf_counter()
         B = -(-hp.n_experts // g)
         with Engine(path, G=g, Q=1, B=B, n_threads=threads) as eng:
             eng.prefill(tokens[: min(T, 8)])  # warm-up: dense weights paged in, pool started
-            res = eng.prefill(tokens)
+            res = eng.prefill(tokens[:T])
             arena_bytes = eng.experts.memory_bytes
             # what the engine holds beside the arena: the dense weights and their copies
             held = int(eng.model.dense_bytes) + eng.weight_copy_bytes
+            if m_per_token is None and T2 > T:
+                # a longer pass in the same engine: what its peak grows by, per token (each
+                # pass's peak starts from the memory held when it starts)
+                longer = eng.prefill(tokens[:T2]).metrics["peak_rss_bytes"]
+                grown = int(longer) - int(res.metrics["peak_rss_bytes"])
+                m_per_token = max(0, grown) // (T2 - T)
+        # the next candidate's memory without this engine's: its weights go back to the
+        # system, not to a heap the next engine's peak would count (memory.keep_freed_heap)
+        del eng
+        trim_heap()
         # process-owned memory only: MemAvailable also moves with other processes on the
         # machine; never below the weights held (a high-water mark that missed them)
         m_other[g] = max(held, int(res.metrics["peak_rss_bytes"]) - int(arena_bytes))
@@ -193,6 +207,7 @@ def profile_model(
             },
         },
         measured_with=running_identity(model, n_threads=threads, act="q8", backend="host"),
+        m_per_token=m_per_token,
     )
 
 

@@ -171,6 +171,7 @@ class Choice:
     read_model: str
     table: tuple[Row, ...] = attrs.field(repr=False)
     tokens: int | None = None  # the prompt length the choice was made for
+    extra_bytes: int = 0  # the request's memory beyond the profile's, in memory_bytes
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest's ``config`` entry."""
@@ -184,6 +185,7 @@ class Choice:
             "per_layer_s": self.per_layer_s,
             "read_model": self.read_model,
             "tokens": self.tokens,
+            "extra_bytes": self.extra_bytes,
         }
 
 
@@ -325,8 +327,8 @@ def model_arrays(
     return out
 
 
-def _memory(profile: Profile, g: int, b: int | NDArray[np.int64]) -> Any:
-    return profile.m_other[g] + b * g * profile.expert_bytes
+def _memory(profile: Profile, g: int, b: int | NDArray[np.int64], extra: int = 0) -> Any:
+    return profile.m_other[g] + extra + b * g * profile.expert_bytes
 
 
 def sweep(
@@ -385,6 +387,7 @@ def _configure_at(
     tokens: int | None,
     schedule: ScheduleName,
     routes_at_layer_start: bool,
+    extra: int,
 ) -> tuple[list[Row], tuple[float, int, int, int] | None, dict[int, Any]]:
     """Every ``(g, b)`` at queue depth ``Q``: the table rows and the best feasible
     ``(value, memory, g, b)`` (None if none fits)."""
@@ -401,9 +404,9 @@ def _configure_at(
     rows: list[Row] = []
     best: tuple[float, int, int, int] | None = None  # (value, memory, g, b)
     for g, (bs, mean) in sw.items():
-        b_max = min((budget - profile.m_other[g]) // (g * W_e), int(bs[-1]))
+        b_max = min((budget - profile.m_other[g] - extra) // (g * W_e), int(bs[-1]))
         for b, v in zip(bs.tolist(), mean.tolist()):
-            mem = _memory(profile, g, b)
+            mem = _memory(profile, g, b, extra)
             rows.append(
                 Row(
                     g=g,
@@ -418,7 +421,7 @@ def _configure_at(
         if b_max < Q:
             continue
         j = int(np.argmin(mean[: b_max - Q + 1]))  # first minimum: the fewest banks
-        cand = (float(mean[j]), _memory(profile, g, Q + j), g, Q + j)
+        cand = (float(mean[j]), _memory(profile, g, Q + j, extra), g, Q + j)
         if best is None or cand < best:
             best = cand
     return rows, best, sw
@@ -438,15 +441,18 @@ def _depths(profile: Profile, q0: int | None, q_rule: QRule) -> list[int]:
     return [choose_q0(profile.bandwidth, rule=q_rule)]
 
 
-def _below_minimum(profile: Profile, budget: int, sweeps: dict[int, dict[int, Any]]) -> BudgetError:
+def _below_minimum(
+    profile: Profile, budget: int, sweeps: dict[int, dict[int, Any]], extra: int
+) -> BudgetError:
     """The error for a budget no configuration fits: the smallest one's memory (at the
     shallowest depth, ``B = Q``)."""
     Q = min(sweeps)
     g_min = min(sweeps[Q], key=lambda g: (_memory(profile, g, Q), g))
-    minimum = _memory(profile, g_min, Q)
+    minimum = _memory(profile, g_min, Q, extra)
+    of_it = f"; {format_bytes(extra)} of it beyond the calibration request's" if extra else ""
     return BudgetError(
         f"budget {format_bytes(budget)} ({budget} B) is below the minimum "
-        f"{format_bytes(minimum)} ({minimum} B) (G={g_min}, Q={Q}, B={Q}); "
+        f"{format_bytes(minimum)} ({minimum} B) (G={g_min}, Q={Q}, B={Q}{of_it}); "
         f"raise the budget to at least {minimum} bytes",
         budget_bytes=budget,
         minimum_bytes=minimum,
@@ -466,6 +472,7 @@ def configure(
     tokens: int | None = None,
     schedule: ScheduleName = "early",
     routes_at_layer_start: bool = False,
+    extra_bytes: int | None = None,
 ) -> Choice:
     # long: half of it is the docstring of the configurator's options
     """Choose ``(G, Q, B)`` for a process-memory budget (bytes).
@@ -479,6 +486,13 @@ def configure(
     length. At long prompts compute outweighs reads, and fewer, larger groups save the per-op
     fixed costs that a short calibration prompt hides behind its reads.
 
+    ``extra_bytes``: memory the request needs beyond what the calibration request measured
+    (``M_other(g)``), the same for every configuration: a longer prompt's activations. It is
+    part of every candidate's ``memory_bytes``, of the budget test and of the minimum a
+    `BudgetError` gives (``Choice.extra_bytes`` records it). Default: ``m_per_token`` for each
+    of the request's ``tokens`` beyond the calibration prompt's, where the profile records it
+    (else 0).
+
     ``q_rule="model"`` (default): every queue depth ``q`` the bandwidth table holds for every
     ``g`` is a candidate, and the model decides it like ``g`` and ``b``: a read at depth ``q``
     takes ``bytes · q / BW(g, q)`` (``q`` reads share the disk), so a deeper queue pays in
@@ -487,7 +501,7 @@ def configure(
     ``q_rule="pooled"`` / ``"every-g"``: ``Q = Q0`` from `choose_q0` of the bandwidth table
     first (design §6), then ``(g, b)`` at that depth. ``q0`` fixes ``Q`` (any rule).
 
-    At a depth ``Q``: ``B_max(g) = min(floor((budget - M_other(g)) / (g W_e)), ceil(N_e / g))``;
+    At a depth ``Q``: ``B_max(g) = min(floor((budget - M_other(g) - extra) / (g W_e)), ceil(N_e / g))``;
     ``B*(g) = argmin_{Q <= b <= B_max(g)} mean_w T_pipe``; ``G* = argmin_g`` over ``g`` with
     ``B_max(g) >= Q``. ``predicted_s`` is ``n_layers ×`` the mean per-layer ``T_pipe`` (the MoE
     layers of one calibration-sized request). Raises :class:`BudgetError` (with
@@ -501,15 +515,23 @@ def configure(
         tokens = int(tokens)
         if tokens < 1:
             raise ValueError(f"tokens must be >= 1, got {tokens}")
-        if tokens == calibration_tokens(profile):
-            tokens = None  # the measured times as they are (one cache entry)
+    if extra_bytes is not None:
+        extra = int(extra_bytes)
+    elif tokens is not None and profile.m_per_token is not None:
+        extra = max(0, tokens - calibration_tokens(profile)) * profile.m_per_token
+    else:
+        extra = 0
+    if extra < 0:
+        raise ValueError(f"extra_bytes must be >= 0, got {extra}")
+    if tokens is not None and tokens == calibration_tokens(profile):
+        tokens = None  # the measured times as they are (one cache entry)
     depths = _depths(profile, q0, q_rule)
     rows: list[Row] = []
     best: tuple[float, int, int, int, int] | None = None  # (value, memory, q, g, b)
     sweeps: dict[int, dict[int, Any]] = {}
     for Q in depths:
         r, b_at, sw = _configure_at(
-            profile, budget, Q, read_model, tokens, schedule, routes_at_layer_start
+            profile, budget, Q, read_model, tokens, schedule, routes_at_layer_start, extra
         )
         rows += r
         if sw:
@@ -526,7 +548,7 @@ def configure(
             "flight); profile a smaller g or pass a smaller q0",
         )
     if best is None:
-        raise _below_minimum(profile, budget, sweeps)
+        raise _below_minimum(profile, budget, sweeps, extra)
     v, mem, Q, g, b = best
     nl = profile.n_layers
     return Choice(
@@ -540,4 +562,5 @@ def configure(
         read_model=read_model,
         table=tuple(rows),
         tokens=tokens if tokens is not None else profile.meta.get("tokens"),
+        extra_bytes=extra,
     )

@@ -118,6 +118,10 @@ class Profile:
     #: a profile that does not record it. Compared by the program that uses the profile: a
     #: profile measured with other kernels or on another CPU predicts other times.
     measured_with: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+    #: memory a request adds per token beyond the calibration prompt (``meta["tokens"]``), in
+    #: bytes: the activations that grow with the prompt, measured as the growth of a pass's
+    #: peak over a longer one. None for a profile that does not record it.
+    m_per_token: int | None = None
     # Derived arrays (budget independent) cached per profile; not part of the value.
     _cache: dict[Any, Any] = attrs.field(factory=dict, init=False, repr=False, eq=False)
 
@@ -154,6 +158,7 @@ class Profile:
             },
             "meta": dict(self.meta),
             **({"measured_with": dict(self.measured_with)} if self.measured_with else {}),
+            **({"m_per_token": self.m_per_token} if self.m_per_token is not None else {}),
         }
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -312,6 +317,7 @@ def _parse(d: Any) -> Profile:
         candidates[g] = out
     meta = d.get("meta", {})
     measured_with = _obj(d.get("measured_with", {}), "measured_with")
+    per_token = d.get("m_per_token")
     return Profile(
         version=version,
         model=_str(_get(d, "model", ""), "model"),
@@ -325,6 +331,7 @@ def _parse(d: Any) -> Profile:
         candidates=candidates,
         meta=dict(_obj(meta, "meta")),
         measured_with=dict(measured_with),
+        m_per_token=None if per_token is None else _int(per_token, "m_per_token", minimum=0),
     )
 
 
@@ -357,6 +364,9 @@ def _validate(p: Profile) -> None:
             raise ProfileError(
                 _p(name, str(extra[0])), f"no candidate profile for g={extra[0]} (candidates {gs})"
             )
+    mt = p.m_per_token
+    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 0):
+        raise ProfileError("m_per_token", f"expected bytes >= 0 or null, got {mt!r}")
     for g in gs:
         if p.m_other[g] < 0:
             raise ProfileError(_p("m_other", str(g)), f"expected bytes >= 0, got {p.m_other[g]}")
