@@ -427,10 +427,7 @@ def configure_for_budget(
     except es.BudgetError as exc:
         msg = str(exc)
         if extra:
-            msg += (
-                f" for a {tokens}-token prompt (its activations beyond the profile's "
-                f"{profile_tokens(model)}-token pass: {_fmt_bytes(extra)})"
-            )
+            msg += f" for a {tokens}-token prompt (the profile's pass: {profile_tokens(model)})"
         raise BudgetTooSmallError(msg, exc.minimum_bytes) from None
 
 
