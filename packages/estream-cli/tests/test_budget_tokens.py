@@ -17,7 +17,6 @@ from estream.config import (
     configure_for_budget,
     pass_bytes_per_token,
     profile_tokens,
-    store_profile,
 )
 from estream.errors import BudgetTooSmallError
 from estream.packed import PackedModel, update_config
@@ -25,27 +24,8 @@ from estream.profiling import profile_model
 from estream_cli.main import main
 from estream_layout import pack_model, synth_model
 
-THREADS = 1
+THREADS = 1  # the `profiled` pack's calibration threads (conftest)
 LONGER = 500  # tokens beyond the profile's pass
-
-
-@pytest.fixture(scope="module")
-def profiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("budget_tokens")
-    synth_model("olmoe", "tiny", d / "m.gguf", seed=11)
-    pack_model(d / "m.gguf", d / "m.estream", progress=False)
-    prof = profile_model(
-        d / "m.estream",
-        candidates=(1, 2),
-        queue_depths=(1, 2),
-        n_tokens=8,
-        bw_rounds=1,
-        n_threads=THREADS,
-    )
-    store_profile(PackedModel(d / "m.estream"), prof)
-    return d / "m.estream"
-
-
 #: the profile's memory per token in the tests below (None: not recorded, the bound)
 PER_TOKEN = 5000
 

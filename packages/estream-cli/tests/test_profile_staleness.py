@@ -21,34 +21,14 @@ from estream.config import (
     profile_mismatch,
     resolve_config,
     running_identity,
-    store_profile,
 )
 from estream.errors import BudgetTooSmallError, StaleProfileError
 from estream.packed import PackedModel, update_config
 from estream.profiling import profile_model
 from estream_cli.main import main
-from estream_layout import pack_model, synth_model
 
-THREADS = 1  # the calibration's thread count (the runs below say theirs)
+THREADS = 1  # the `profiled` pack's calibration threads (conftest); runs say theirs
 BUDGET = 4 << 30
-
-
-@pytest.fixture(scope="module")
-def profiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny pack with a real (small) profile measured at ``THREADS`` threads."""
-    d = tmp_path_factory.mktemp("stale")
-    synth_model("olmoe", "tiny", d / "m.gguf", seed=5)
-    pack_model(d / "m.gguf", d / "m.estream", progress=False)
-    prof = profile_model(
-        d / "m.estream",
-        candidates=(1, 2),
-        queue_depths=(1, 2),
-        n_tokens=8,
-        bw_rounds=1,
-        n_threads=THREADS,
-    )
-    store_profile(PackedModel(d / "m.estream"), prof)
-    return d / "m.estream"
 
 
 @pytest.fixture
