@@ -561,6 +561,8 @@ def run_system(
         f"{extra}",
         flush=True,
     )
+    if "error" in m and m.get("stderr"):  # why: a refused budget, a bad option, ...
+        print(f"  ({system}: {m['stderr'].splitlines()[-1]})", flush=True)
     return m
 
 
