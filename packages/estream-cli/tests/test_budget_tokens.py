@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from estream import load
+from estream import load, memory
 from estream.config import (
     configure_for_budget,
     pass_bytes_per_token,
@@ -146,3 +146,19 @@ def test_the_profile_measures_memory_per_token(
     assert prof.to_dict()["m_per_token"] == 3000
     slope = -50  # a peak that does not grow: 0, not a negative size
     assert profile_model(tmp_path / "m.estream", n_threads=THREADS, **args).m_per_token == 0  # type: ignore[arg-type]
+
+
+def test_config_prints_the_prompt_s_share_of_the_memory(
+    pack: tuple[Path, int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`estream config --tokens` chooses for that prompt and says how much of the memory is its
+    activations beyond the profile's pass; at the profile's length it says nothing of it."""
+    path, per = pack
+    t0 = profile_tokens(PackedModel(path))
+    argv = ["config", str(path), "--budget", "4GiB", "--threads", str(THREADS), "--tokens"]
+    assert main([*argv, str(t0 + LONGER)]) == 0
+    out = capsys.readouterr().out.splitlines()[0]
+    assert f"of {t0 + LONGER} tokens" in out
+    assert f", {memory.format_bytes(LONGER * per)} of it the longer prompt's" in out
+    assert main([*argv, str(t0)]) == 0
+    assert "longer prompt" not in capsys.readouterr().out

@@ -250,10 +250,13 @@ def _table_rows(choice: Any) -> list[dict[str, Any]]:
 
 
 def _print_choice(choice: Any, budget: int, dt: float) -> None:
+    extra = int(getattr(choice, "extra_bytes", 0) or 0)
+    prompt = f", {memory.format_bytes(extra)} of it the longer prompt's" if extra else ""
     print(
         f"budget {memory.format_bytes(budget)} → G={choice.G} Q={choice.Q} B={choice.B}: "
         f"predicted {choice.predicted_s * 1e3:.1f} ms per request of {choice.tokens or '?'} tokens, "
-        f"memory {memory.format_bytes(choice.memory_bytes)} (selected in {dt * 1e3:.2f} ms)"
+        f"memory {memory.format_bytes(choice.memory_bytes)}{prompt} "
+        f"(selected in {dt * 1e3:.2f} ms)"
     )
     rows = _table_rows(choice)
     if not rows:
