@@ -132,3 +132,67 @@ def test_an_interrupt_after_the_pack_is_placed_reports_it_written(
     else:
         assert code == 130 and not out.exists(), cap
         assert cap.err.strip() == "estream-pack: error: interrupted; nothing was written"
+
+
+@pytest.mark.parametrize("placed", [False, True])
+def test_an_interrupt_after_the_synthetic_file_is_placed_reports_it_written(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    placed: bool,
+) -> None:
+    """`estream-synth`: a Ctrl-C that lands after the finished file was renamed into place
+    prints the written line and exits 0 (the file is there); one that lands before is the
+    one-line error and 130 with nothing left. In-process, the caller's SIGINT handler is left
+    as it was."""
+    from estream_layout import cli, synth
+
+    out = tmp_path / "m.gguf"
+    real = synth.synth_model
+
+    def interrupted(*a, **kw):  # type: ignore[no-untyped-def]
+        if placed:
+            real(*a, **kw)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(synth, "synth_model", interrupted)
+    # Python's own handler, as a caller's (a run started in the background inherits SIG_IGN)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code = cli.synth_main(
+            ["--arch", "olmoe", "--preset", "tiny", "-o", str(out), "--no-progress"]
+        )
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+    cap = capsys.readouterr()
+    if placed:
+        assert code == 0 and cap.out.startswith(f"wrote {out} ("), cap
+        assert "error" not in cap.err and out.is_file()
+    else:
+        assert code == 130 and not out.exists() and os.listdir(tmp_path) == [], cap
+        assert cap.err.strip() == "estream-synth: error: interrupted"
+
+
+def test_a_program_ignores_a_ctrl_c_once_its_output_is_in_place() -> None:
+    """Run as a program (``argv[0]`` one of theirs), `_sigint.ignore` after `_sigint.restore`
+    makes a later SIGINT do nothing (the command's last line is printed whole); run as a
+    library, it leaves the SIGINT handler alone."""
+    code = (
+        "import os, signal, sys\n"
+        "sys.argv[0] = 'estream-synth'\n"
+        "from estream_layout import _sigint\n"
+        "_sigint.restore()\n"
+        "_sigint.ignore()\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "print('finished')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, preexec_fn=_sigint_dfl
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "finished\n", "")
+    library = code.replace("sys.argv[0] = 'estream-synth'\n", "")
+    cut = subprocess.run(
+        [sys.executable, "-c", library], capture_output=True, text=True, preexec_fn=_sigint_dfl
+    )
+    assert cut.returncode != 0 and "KeyboardInterrupt" in cut.stderr

@@ -1,6 +1,8 @@
 """As a program (`estream-pack`, `estream-synth`), a Ctrl-C while numpy and gguf load ends like
 one during the command, not with an import traceback: the package imports this module first,
-and `pack_main` / `synth_main` put Python's KeyboardInterrupt back before they do any work."""
+and `pack_main` / `synth_main` put Python's KeyboardInterrupt back before they do any work.
+Once their output is in place they ignore Ctrl-C (`ignore`): a late one would only turn the
+finished command's last line into a traceback."""
 
 from __future__ import annotations
 
@@ -19,13 +21,25 @@ def interrupted_while_starting(signum: int, frame: object) -> None:
     os._exit(130)
 
 
+_restored = False  # restore() put KeyboardInterrupt back: this process runs as the program
+
+
+def ignore() -> None:
+    """Ctrl-C is ignored from now on, if `restore` was the one to put KeyboardInterrupt back
+    (the process runs as the program; a caller's own handler is left as it is)."""
+    if _restored and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def restore() -> None:
     """Ctrl-C raises KeyboardInterrupt again, if the handler above is the one installed (any
     other handler, or an ignored SIGINT, is left as it is)."""
     if signal.getsignal(signal.SIGINT) is interrupted_while_starting and (
         threading.current_thread() is threading.main_thread()
     ):
+        global _restored
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        _restored = True
 
 
 if (

@@ -148,7 +148,9 @@ def pack_main(argv: Sequence[str] | None = None) -> int:
                     progress=not args.no_progress,
                     requantize=args.requantize,
                 )
+            _sigint.ignore()  # the pack is in place: a Ctrl-C now would only cut the last line
         except KeyboardInterrupt:
+            _sigint.ignore()
             placed = _identity(args.output)
             if placed is None or placed == before:
                 raise
@@ -255,6 +257,7 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
         )
     from .synth import synth_model
 
+    before = _identity(args.output)
     try:
         _sigint.restore()  # from here a Ctrl-C is a KeyboardInterrupt, caught below
         path = synth_model(
@@ -269,6 +272,7 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
             dims=dims,
             progress=not args.no_progress,
         )
+        _sigint.ignore()  # the file is in place: a Ctrl-C now would only cut the last line
     except LayoutError as e:
         return _fail("estream-synth", str(e))
     except (ValueError, TypeError) as e:  # blocks not dividing the widths; an unknown --dim
@@ -276,8 +280,13 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         return _fail("estream-synth", f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
     except KeyboardInterrupt:
-        _fail("estream-synth", "interrupted")
-        return EXIT_INTERRUPTED
+        _sigint.ignore()
+        placed = _identity(args.output)
+        if placed is None or placed == before:
+            _fail("estream-synth", "interrupted")
+            return EXIT_INTERRUPTED
+        # the signal came after the finished file was renamed into place: it is written
+        path = Path(args.output)
     print(f"wrote {path} ({path.stat().st_size / 2**20:,.1f} MiB)")
     return 0
 
