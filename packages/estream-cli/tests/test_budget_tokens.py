@@ -162,3 +162,22 @@ def test_config_prints_the_prompt_s_share_of_the_memory(
     assert f", {memory.format_bytes(LONGER * per)} of it the longer prompt's" in out
     assert main([*argv, str(t0)]) == 0
     assert "longer prompt" not in capsys.readouterr().out
+
+
+def test_profile_tokens_falls_back_where_the_profile_records_none(
+    profiled: Path, tmp_path: Path
+) -> None:
+    """The profile's pass length is its ``meta.tokens`` as estream-sched checks it; without a
+    profile, or with one that records none (or an invalid one), the default 256."""
+    from estream.config import PROFILE_TOKENS
+
+    dst = tmp_path / "p.estream"
+    shutil.copytree(profiled, dst)
+    assert profile_tokens(PackedModel(dst)) == 8
+    doc = copy.deepcopy(PackedModel(dst).manifest["profile"])
+    for bad in (None, 0, True, "8"):
+        doc["meta"] = {**doc["meta"], "tokens": bad}
+        update_config(dst, "profile", doc)
+        assert profile_tokens(PackedModel(dst)) == PROFILE_TOKENS
+    update_config(dst, "profile", None)
+    assert profile_tokens(PackedModel(dst)) == PROFILE_TOKENS

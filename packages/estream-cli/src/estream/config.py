@@ -90,12 +90,15 @@ def pass_bytes_per_token(hp: ModelSpec, *, all_logits: bool = False) -> int:
 
 
 def profile_tokens(model: PackedModel) -> int:
-    """Tokens of the pass the stored profile measured its memory on (`PROFILE_TOKENS` where it
-    records none)."""
-    prof = model.manifest.get("profile") or {}
-    meta = prof.get("meta") if isinstance(prof, Mapping) else None
-    t = meta.get("tokens") if isinstance(meta, Mapping) else None
-    return int(t) if isinstance(t, int) and not isinstance(t, bool) and t > 0 else PROFILE_TOKENS
+    """Tokens of the pass the stored profile measured its memory on
+    (`estream_sched.calibration_tokens`; `PROFILE_TOKENS` without a profile or where it records
+    none)."""
+    if not model.manifest.get("profile"):
+        return PROFILE_TOKENS
+    try:
+        return es.calibration_tokens(stored_profile(model))
+    except es.ProfileError:
+        return PROFILE_TOKENS
 
 
 def prompt_extra_bytes(model: PackedModel, tokens: int | None) -> int:

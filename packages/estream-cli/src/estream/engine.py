@@ -354,7 +354,7 @@ class Engine:
             raise BadRequestError(
                 f"pin {memory.format_bytes(pin)} does not fit the budget: "
                 f"{memory.format_bytes(o.budget)} leaves {memory.format_bytes(max(room, 0))} "
-                f"over the run's predicted memory ({memory.format_bytes(o.budget - room)} for "
+                f"over the run's predicted memory ({memory.format_bytes(c.memory_bytes)} for "
                 f"{tokens} tokens)"
             )
         return pin

@@ -250,7 +250,7 @@ def _table_rows(choice: Any) -> list[dict[str, Any]]:
 
 
 def _print_choice(choice: Any, budget: int, dt: float) -> None:
-    extra = int(getattr(choice, "extra_bytes", 0) or 0)
+    extra = choice.extra_bytes
     prompt = f", {memory.format_bytes(extra)} of it the longer prompt's" if extra else ""
     print(
         f"budget {memory.format_bytes(budget)} → G={choice.G} Q={choice.Q} B={choice.B}: "

@@ -4,7 +4,16 @@ the (G, Q, B) configurator, pipeline metrics and Chrome-trace timelines (docs/de
 from __future__ import annotations
 
 from ._model import Schedule, pipeline_schedule, pipeline_time
-from .configure import BudgetError, Choice, Row, choose_q0, configure, format_bytes, sweep
+from .configure import (
+    BudgetError,
+    Choice,
+    Row,
+    calibration_tokens,
+    choose_q0,
+    configure,
+    format_bytes,
+    sweep,
+)
 from .metrics import (
     bubble_rate,
     busy_time,
@@ -40,6 +49,7 @@ __all__ = [
     "__version__",
     "bubble_rate",
     "busy_time",
+    "calibration_tokens",
     "choose_q0",
     "chrome_trace",
     "configure",
