@@ -181,3 +181,79 @@ def test_profile_tokens_falls_back_where_the_profile_records_none(
         assert profile_tokens(PackedModel(dst)) == PROFILE_TOKENS
     update_config(dst, "profile", None)
     assert profile_tokens(PackedModel(dst)) == PROFILE_TOKENS
+
+
+def test_a_pass_longer_than_the_budget_was_chosen_for_warns(
+    pack: tuple[Path, int], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An engine whose budget configuration was chosen for the profile's pass says so when a
+    longer pass's predicted memory (`Engine.predicted_bytes`: the prediction plus the extra
+    rows' activations) is above the budget, and runs it; a pass it was chosen for, an engine
+    chosen for the longer pass, and an engine without a budget say nothing. `estream eval
+    perplexity --budget` (passes of --ctx tokens) shows the warning as one line and exits 0."""
+    import warnings
+
+    from estream.config import OverBudgetWarning
+
+    path, per = pack
+    model = PackedModel(path)
+    t0 = profile_tokens(model)
+    n = t0 + LONGER
+    m0 = _minimum(model, t0)
+    ids = [1 + i % 50 for i in range(n)]
+    with load(path, budget=m0, n_threads=THREADS) as eng:
+        assert eng.config is not None and eng.config.memory_bytes is not None
+        assert eng.predicted_bytes(t0) == eng.config.memory_bytes
+        assert eng.predicted_bytes(n) == eng.config.memory_bytes + LONGER * per
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", OverBudgetWarning)
+            eng.prefill(ids[:t0])
+        with pytest.warns(OverBudgetWarning) as rec:
+            res = eng.prefill(ids)
+        assert res.logits.shape == (model.hparams.n_vocab,)
+        (w,) = rec.list
+        msg = str(w.message)
+        assert f"a pass of {n} tokens" in msg and f"up to {t0} tokens" in msg
+        assert memory.format_bytes(m0) in msg and f"budget_tokens={n}" in msg
+        assert memory.format_bytes(eng.predicted_bytes(n)) in msg
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OverBudgetWarning)
+        with load(path, budget=m0 + LONGER * per, budget_tokens=n, n_threads=THREADS) as eng:
+            eng.prefill(ids)
+        with load(path, n_threads=THREADS) as eng:
+            assert eng.predicted_bytes(n) is None
+            eng.prefill(ids)
+    (tmp_path / "t.txt").write_text(" ".join(["word"] * n))
+    argv = ["eval", "perplexity", str(path), "--text-file", str(tmp_path / "t.txt")]
+    argv += ["--ctx", str(n), "--threads", str(THREADS), "--budget", str(m0)]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    lines = [x for x in err.splitlines() if "warning" in x]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"estream: warning: a pass of {n} tokens is predicted"), err
+    assert "budget_tokens" not in err and "OverBudgetWarning" not in err
+    assert "Traceback" not in err
+
+
+def test_a_task_command_chooses_its_budget_for_its_longest_request(
+    pack: tuple[Path, int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`estream classify --budget` chooses the configuration for its prompt's pass, as
+    `estream prefill --budget` does: the profile-length minimum is refused for a long prompt
+    (one error line naming its length, exit 1) and the minimum for its length runs without a
+    warning."""
+    path, _ = pack
+    model = PackedModel(path)
+    t0 = profile_tokens(model)
+    prompt = " ".join(["word"] * LONGER)
+    argv = ["classify", str(path), "--prompt", prompt, "--labels", "a,b", "--threads", "1"]
+    rc = main([*argv, "--budget", str(_minimum(model, t0))])
+    out, err = capsys.readouterr()
+    assert rc == 1 and out == "", err
+    (line,) = err.strip().splitlines()
+    n = int(re.search(r"for a (\d+)-token prompt", line).group(1))  # type: ignore[union-attr]
+    assert n > LONGER
+    rc = main([*argv, "--budget", str(_minimum(model, n)), "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "warning" not in err, err

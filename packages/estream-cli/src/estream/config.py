@@ -29,6 +29,7 @@ import estream_htp as htp
 import estream_sched as es
 from estream_layout import ModelSpec
 
+from . import memory
 from .errors import BadRequestError, BudgetTooSmallError, PackError, StaleProfileError
 from .packed import PackedModel, update_config
 
@@ -39,6 +40,7 @@ DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
 __all__ = [
     "IDENTITY_KEYS",
     "PROFILE_TOKENS",
+    "OverBudgetWarning",
     "StaleProfileWarning",
     "StreamConfig",
     "configure_for_budget",
@@ -116,6 +118,35 @@ def prompt_extra_bytes(model: PackedModel, tokens: int | None) -> int:
 class StaleProfileWarning(UserWarning):
     """A run with a budget or a stored configuration found the pack's profile stale and took
     the default configuration instead (the message says what differs and what to run)."""
+
+
+class OverBudgetWarning(UserWarning):
+    """A pass longer than the prompt a memory budget's configuration was chosen for, whose
+    predicted memory (its extra activations counted) is above that budget. The pass runs:
+    nothing is refused after load. The message gives the figures and what to load with
+    instead; the attributes hold them: ``tokens`` (the pass's), ``predicted_bytes``,
+    ``budget_bytes``, ``chosen_tokens`` (the pass length the configuration was chosen for)
+    and ``G``, ``Q``, ``B``."""
+
+    def __init__(
+        self, tokens: int, predicted_bytes: int, budget_bytes: int, chosen_tokens: int, gqb: Any
+    ) -> None:
+        self.tokens, self.predicted_bytes, self.budget_bytes = tokens, predicted_bytes, budget_bytes
+        self.chosen_tokens = chosen_tokens
+        self.G, self.Q, self.B = gqb
+        super().__init__(
+            f"{self.facts}; load with budget_tokens={tokens} to choose one for passes this long"
+        )
+
+    @property
+    def facts(self) -> str:
+        """What happened, without the advice (a command gives its own)."""
+        fmt = memory.format_bytes
+        return (
+            f"a pass of {self.tokens} tokens is predicted to hold {fmt(self.predicted_bytes)}, "
+            f"above the memory budget {fmt(self.budget_bytes)}: its configuration (G={self.G}, "
+            f"Q={self.Q}, B={self.B}) was chosen for passes of up to {self.chosen_tokens} tokens"
+        )
 
 
 @attrs.frozen

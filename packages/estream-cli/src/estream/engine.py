@@ -15,6 +15,7 @@ import contextlib
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,11 @@ import estream_sched as es
 from . import memory
 from .config import (
     DEFAULT_THREADS,
+    OverBudgetWarning,
     StreamConfig,
     pass_bytes_per_token,
     profile_tokens,
+    prompt_extra_bytes,
     resolve_config,
     warn_stale,
 )
@@ -295,6 +298,10 @@ class Engine:
             backend=o.backend,
         )
         warn_stale(self.config)  # a stale profile's choice not taken: say so
+        #: the pass length the budget's configuration was chosen for (None: no budget)
+        self._budget_rows = (
+            int(o.budget_tokens or profile_tokens(self.model)) if o.budget is not None else None
+        )
         #: memory asked for pinned experts (0: none); whole groups of it are pinned
         self.pin_bytes = self._resolve_pin(o)
         self.arch = architecture(hp)
@@ -580,6 +587,31 @@ class Engine:
             total += n
         yield from flush()
 
+    def predicted_bytes(self, tokens: int) -> int | None:
+        """The configurator's predicted memory of a pass of ``tokens`` rows on this engine: its
+        configuration's prediction with the activations of the rows beyond the profile's pass
+        (`prompt_extra_bytes`) and the pinned experts; None when no memory budget chose the
+        configuration from a profile."""
+        c = self.config
+        if self.budget is None or c is None or c.memory_bytes is None:
+            return None
+        pinned = getattr(self.experts, "pinned_bytes", 0)  # not in the prediction
+        extra = prompt_extra_bytes(self.model, int(tokens))
+        return int(c.memory_bytes - c.extra_bytes + pinned + extra)
+
+    def _warn_over_budget(self, n_rows: int) -> None:
+        """`OverBudgetWarning` for a pass longer than the budget's configuration was chosen
+        for whose predicted memory is above the budget."""
+        if self._budget_rows is None or n_rows <= self._budget_rows:
+            return
+        predicted = self.predicted_bytes(n_rows)
+        if predicted is None or self.budget is None or predicted <= self.budget:
+            return
+        c = self.config
+        assert c is not None
+        w = OverBudgetWarning(n_rows, predicted, self.budget, self._budget_rows, (c.G, c.Q, c.B))
+        warnings.warn(w, stacklevel=2)
+
     def default_batch_tokens(self, *, all_logits: bool = False) -> int:
         """Tokens per pass for `prefill_many` when none is given: the activation memory a
         pass may use divided by `pass_bytes_per_token` (README: "Batching"), clamped to
@@ -627,6 +659,7 @@ class Engine:
             raise BadRequestError(
                 f"a pass of {n_rows} tokens is more than this engine takes ({self.max_pass_tokens})"
             )
+        self._warn_over_budget(n_rows)
         layout = SeqLayout.pack([[int(p.size) for p in ps] for ps in parts])
         ids = np.concatenate([p for ps in parts for p in ps]).astype(np.int32)
         rows: list[np.ndarray] = []

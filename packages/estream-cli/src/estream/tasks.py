@@ -165,11 +165,25 @@ def _merge_metrics(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 class Plan:
     """One task request as engine requests (`Engine.prefill_many`) and how to read its answer
     off their results: ``finish(results, metrics)``. ``hidden``: the results need the hidden
-    state. Plans of many task requests run together in `run_plans`."""
+    state. Plans of many task requests run together in `run_plans`. The ``plan_*`` functions
+    read only ``engine.hp`` (the model's hyperparameters): a command can plan its requests
+    before it loads the model."""
 
     requests: list[Any]
     finish: Callable[[list[Any], dict[str, Any]], Any]
     hidden: bool = False
+
+    def longest_request(self) -> int:
+        """Tokens of the plan's longest engine request (a branch request: its prefix and
+        every branch), the shortest pass that runs it."""
+        from .engine import BranchRequest
+
+        def size(r: Any) -> int:
+            if isinstance(r, BranchRequest):
+                return len(r.prefix) + sum(len(b) for b in r.branches)
+            return len(r)
+
+        return max((size(r) for r in self.requests), default=0)
 
 
 def run_plans(

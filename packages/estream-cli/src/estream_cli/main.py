@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 
 import estream_cli
 from estream import memory
+from estream.config import OverBudgetWarning
 from estream.errors import BadRequestError, EStreamError, PackError
 
 from .messages import describe, plural
@@ -38,6 +40,24 @@ __all__ = ["main"]
 
 def _err(msg: str) -> None:
     print(f"estream: error: {msg}", file=sys.stderr)
+
+
+class _OverBudgetLine:
+    """`warnings.showwarning` while a command runs: the first `OverBudgetWarning` as one
+    ``estream: warning:`` line (later ones: nothing, a batch's passes would repeat it); any
+    other warning as Python shows it."""
+
+    def __init__(self, show: Any) -> None:
+        self.show, self.said = show, False
+
+    def __call__(self, message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+        if not issubclass(category, OverBudgetWarning):
+            self.show(message, category, *args, **kwargs)
+        elif not self.said:
+            self.said = True
+            facts = getattr(message, "facts", message)
+            more = "; the run goes on (later passes over the budget are not reported)"
+            print(f"estream: warning: {facts}{more}", file=sys.stderr, flush=True)
 
 
 def _log(msg: str) -> None:
@@ -597,7 +617,10 @@ def _main(argv: list[str]) -> int:
         _check_model(args)
         if hasattr(args, "backend") and hasattr(args, "mode"):
             check_engine_opts(args)  # an option the mode would ignore: refused before any work
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", OverBudgetWarning)
+            warnings.showwarning = _OverBudgetLine(warnings.showwarning)
+            return int(args.func(args) or 0)
     except BrokenPipeError:
         # `estream ... | head`: the reader left; stop quietly (no traceback, nothing on
         # stderr). Point stdout at /dev/null so the interpreter's final flush does not fail.

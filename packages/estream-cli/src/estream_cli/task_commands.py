@@ -22,6 +22,7 @@ import attrs
 
 from estream import tasks
 from estream.errors import BadRequestError, json_kind
+from estream.packed import PackedModel
 
 from .messages import describe, plural
 from .options import add_engine_opts, engine_from_args, positive_int
@@ -380,6 +381,13 @@ def _requests(
         yield key, where, task.check(obj, args, where)
 
 
+@attrs.frozen
+class _ModelShape:
+    """What planning a task request reads of an engine (`estream.tasks`): the hyperparameters."""
+
+    hp: Any
+
+
 def _run(args: argparse.Namespace, task: _Task) -> int:
     """Check every request, load the model once, answer the requests in order.
 
@@ -403,16 +411,23 @@ def _run(args: argparse.Namespace, task: _Task) -> int:
     show = batch and sys.stderr.isatty()
     failed = broken = 0
     pass_ids: set[int] = set()
-    with engine_from_args(args, progress=not (batch or args.json)) as engine:
+    # planned before the model loads (planning reads only its hyperparameters), so that a
+    # --budget configuration is chosen for the longest pass the run needs: its longest request,
+    # or --batch-tokens
+    shape = _ModelShape(PackedModel(args.model).hparams)
+    plans: list[tasks.Plan | BaseException] = []
+    for _, _, req in reqs:
+        try:
+            plans.append(task.plan(shape, tok, template=template, **req))
+        except Exception as exc:  # a request that cannot be planned fails on its own line
+            if not batch:
+                raise
+            plans.append(exc)
+    longest = max((p.longest_request() for p in plans if isinstance(p, tasks.Plan)), default=0)
+    longest = max(longest, args.batch_tokens or 0)
+    progress = not (batch or args.json)
+    with engine_from_args(args, progress=progress, tokens=longest or None) as engine:
         t1 = time.perf_counter()
-        plans: list[tasks.Plan | BaseException] = []
-        for _, _, req in reqs:
-            try:
-                plans.append(task.plan(engine, tok, template=template, **req))
-            except Exception as exc:  # a request that cannot be planned fails on its own line
-                if not batch:
-                    raise
-                plans.append(exc)
         answers = tasks.run_plans(engine, plans, batch_tokens=args.batch_tokens)
         for i, ((key, where, req), res) in enumerate(zip(reqs, answers, strict=True)):
             if isinstance(res, BaseException):
