@@ -184,8 +184,13 @@ def bench_gemm(rng: np.random.Generator, row, n: int, k: int, t: int) -> None:
                 {"peak": "int8_vnni", "amx_speedup": t_v / t_h})  # fmt: skip
 
 
-def _random_tiles(rng: np.random.Generator, fmt: str, n: int, k: int) -> np.ndarray:
-    """Valid random weights of `fmt` (GGUF's own block types, re-laid as tiles)."""
+def _random_tiles(
+    rng: np.random.Generator, fmt: str, n: int, k: int, subnormal: float = 0.0
+) -> np.ndarray:
+    """Valid random weights of `fmt` (GGUF's own block types, re-laid as tiles); MXFP4 with a
+    ``subnormal`` share of blocks at the subnormal scales (none: a model's scales)."""
+    if fmt == "mxfp4-t32r4":
+        return T.pack_mxfp4_t32r4(T.random_mxfp4_blocks(rng, n, k, subnormal=subnormal))
     return T.random_experts(rng, 1, k, n, (fmt, fmt, fmt))[0][0]
 
 
@@ -200,16 +205,18 @@ def bench_gemm_source_types(rng: np.random.Generator, row, n: int, k: int, t: in
     each row's share of the measured peak of its instruction (int8 dot / fp32 FMA)."""
     x = rng.standard_normal((t, k)).astype(np.float32)
     out = np.empty((t, n), np.float32)
-    for fmt in (f"{name}-t32r4" for name in SOURCE_TYPES):
-        buf = _random_tiles(rng, fmt, n, k)
+    cases = [(f"{name}-t32r4", 0.0) for name in SOURCE_TYPES] + [("mxfp4-t32r4", 0.05)]
+    for fmt, subnormal in cases:
+        buf = _random_tiles(rng, fmt, n, k, subnormal)
         wd = T.dequantize_tiles(buf, fmt, n, k)
         ref = x @ wd.T
         t_blas = blas_best_of(lambda wd=wd: np.matmul(x, wd.T, out=out))
+        note = f" ({subnormal:.0%} subnormal scales)" if subnormal else ""
         for act in ("q8", "f32"):
             htp.set_activation_format(act)
             t_h = best_of(lambda buf=buf, fmt=fmt: htp.gemm(x, buf, n, fmt, out=out))
-            row(f"gemm {fmt.split('-')[0]} {n}x{k} T={t} act={act}", 2.0 * t * n * k, t_h, t_blas,
-                {"rel_l2_vs_blas_f32": T.rel_l2(out, ref)})  # fmt: skip
+            row(f"gemm {fmt.split('-')[0]} {n}x{k} T={t} act={act}{note}", 2.0 * t * n * k, t_h,
+                t_blas, {"rel_l2_vs_blas_f32": T.rel_l2(out, ref)})  # fmt: skip
 
 
 def bench_experts_source_types(rng: np.random.Generator, row) -> None:

@@ -496,7 +496,7 @@ Q6K_KERNEL(bw, HTP_T_AVX512, DOT_BW)
 /* ---- MXFP4 x Q8 tile kernel, AVX-512: the Q4_0 kernel's nibble scheme on mxfp4 tiles (codes
  * in Q4_0 order at byte 32), each code turned by one vpshufb into its doubled E2M1 value + 12
  * (0..24, unsigned for the u8 x s8 dot product; no pair of vpmaddubsw saturates: 2 x 24 x 127),
- * integer sums from 0, then per block the exact int32 dot - 12 x sum(activations); the fp32
+ * integer sums from -12 x sum(activations), so per block the exact int32 dot; the fp32
  * epilogue is the portable body's, product then sum ((float)dot x (e8m0_half(e) x da), no fused
  * multiply-add), so the results are the portable table's bits. */
 #define MXFP4_HALF512(TARGET)                                                                    \
@@ -515,12 +515,17 @@ MXFP4_HALF512(HTP_T_AVX512)
         const __m512i m4 = _mm512_set1_epi8(0x0f);                                               \
         const __m512i lut = _mm512_broadcast_i32x4(                                              \
             _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));           \
+        /* -12 * sum(block) of the block's tokens, made once so that the loop broadcasts each   \
+         * from memory: the integer sums start there (the +12 offset of the values) */          \
+        int32_t n12[6 * kb];                                                                     \
+        for (uint32_t i = 0; i < (uint32_t)NT * kb; i++) n12[i] = -12 * s[i];                    \
         __m512 acc[6][2];                                                                        \
         for (int u = 0; u < NT; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();                \
         for (uint32_t j = 0; j < kb; j++) {                                                      \
             const uint8_t *tile = strip + (size_t)j * HTP_MXFP4_TILE_BYTES;                     \
             __m512i ia[6][2];                                                                    \
-            for (int u = 0; u < NT; u++) ia[u][0] = ia[u][1] = _mm512_setzero_si512();           \
+            for (int u = 0; u < NT; u++)                                                         \
+                ia[u][0] = ia[u][1] = _mm512_set1_epi32(n12[(size_t)u * kb + j]);               \
             for (int g = 0; g < 4; g++) {                                                        \
                 const __m512i v0 = _mm512_loadu_si512((const void *)(tile + 32 + 128 * g));     \
                 const __m512i v1 = _mm512_loadu_si512((const void *)(tile + 96 + 128 * g));     \
@@ -547,9 +552,8 @@ MXFP4_HALF512(HTP_T_AVX512)
                 mx_half512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 16)))); \
             for (int u = 0; u < NT; u++) {                                                       \
                 const __m512 da = _mm512_set1_ps(d[(size_t)u * kb + j]);                         \
-                const __m512i s12 = _mm512_set1_epi32(12 * s[(size_t)u * kb + j]);              \
-                const __m512 p0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(ia[u][0], s12));           \
-                const __m512 p1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(ia[u][1], s12));           \
+                const __m512 p0 = _mm512_cvtepi32_ps(ia[u][0]);                                  \
+                const __m512 p1 = _mm512_cvtepi32_ps(ia[u][1]);                                  \
                 acc[u][0] = _mm512_add_ps(acc[u][0], _mm512_mul_ps(p0, _mm512_mul_ps(e0, da)));  \
                 acc[u][1] = _mm512_add_ps(acc[u][1], _mm512_mul_ps(p1, _mm512_mul_ps(e1, da)));  \
             }                                                                                    \

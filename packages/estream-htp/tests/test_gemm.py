@@ -371,6 +371,18 @@ def test_gemm_mxfp4_tables_give_portable_bits() -> None:
         assert np.array_equal(y.view(np.uint32), base.view(np.uint32)), simd
 
 
+def test_random_mxfp4_blocks_subnormal_share() -> None:
+    """`random_mxfp4_blocks`' ``subnormal`` share of blocks takes the subnormal scales (exponent
+    0 or 1), the others 2^-12..2^-1: none for timings, all when asked, some by default."""
+    rng = np.random.default_rng(2)
+    e = {s: T.random_mxfp4_blocks(rng, 64, 512, subnormal=s)[..., 0] for s in (0.0, 0.05, 1.0)}
+    assert e[0.0].min() >= 115 and e[0.0].max() <= 126
+    assert e[1.0].max() <= 1
+    share = float((e[0.05] <= 1).mean())
+    assert 0.02 < share < 0.08, share
+    assert (T.random_mxfp4_blocks(rng, 64, 512)[..., 0] <= 1).any()
+
+
 @pytest.mark.parametrize("act", ["f32", "q8"])
 def test_gemm_paths_and_thread_counts_agree(act: str) -> None:
     x, buf = _case(37, 133, 8, 7, "q4_0-t32r4")
