@@ -736,11 +736,15 @@ def engine_variant(f: Figures) -> str:
     att = sorted({str(r["attention"]) for r in f["runs"] if r.get("attention", "f32") != "f32"})
     # a run with pinned experts (bench_engine --pin) sits beside the one without
     pinned = any(r.get("pinned_bytes") for r in f["runs"])
+    # a run that also measured the reads' cost (bench_engine --io-tax, usually without --trace
+    # or ik_llama.cpp) sits beside the one without
+    io_tax = any(r.get("system") == IO_TAX for r in f["runs"])
     return (
         f"{engine_model(f)}; {lengths}"
         + (f"; capped {_lengths_label(capped)}" if capped else "")
         + (f"; attention {', '.join(att)}" if att else "")
         + ("; pinned experts" if pinned else "")
+        + ("; the reads' cost" if io_tax else "")
     )
 
 

@@ -738,6 +738,16 @@ def test_engine_results_with_pinned_experts_are_kept_apart() -> None:
     assert report.render_engine(figures(0)).rows[0][-1] == "8, 1, 3"
 
 
+def test_engine_results_with_the_reads_cost_are_kept_apart() -> None:
+    """A bench_engine run with `--io-tax` (a `resident+reads` run) is its own variant: it sits
+    beside the same model's and lengths' run without it instead of replacing it."""
+    runs = [{"system": s, "length": 1024} for s in ("stream", "resident", "llama.cpp")]
+    plain = {"model": "/m/olmoe-olmoe-1b-7b-s0.estream", "quant": "q4_0", "runs": runs}
+    taxed = {**plain, "runs": [*runs, {"system": report.IO_TAX, "length": 1024}]}
+    assert report.engine_variant(plain) == "olmoe-1b-7b, q4_0; 1K"
+    assert report.engine_variant(taxed) == "olmoe-1b-7b, q4_0; 1K; the reads' cost"
+
+
 def test_the_ray_note_names_the_blocks_given_or_the_commands_default() -> None:
     """bench_ray's note gives the rows of a block when the run set ``--block-rows`` and says
     the rows were shared between the actors when it used the command's default (no count)."""
