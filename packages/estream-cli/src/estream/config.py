@@ -51,6 +51,7 @@ __all__ = [
     "profile_staleness",
     "profile_tokens",
     "prompt_extra_bytes",
+    "prompt_extra_rate",
     "require_fresh_profile",
     "resolve_config",
     "running_identity",
@@ -103,16 +104,22 @@ def profile_tokens(model: PackedModel) -> int:
         return PROFILE_TOKENS
 
 
+def prompt_extra_rate(model: PackedModel) -> tuple[int, int]:
+    """The profile's pass length (`profile_tokens`) and the activation memory a pass holds for
+    each token beyond it: the profile's measured ``m_per_token``, or the `pass_bytes_per_token`
+    bound for a profile that does not record it (or no profile)."""
+    per = stored_profile(model).m_per_token if model.manifest.get("profile") else None
+    return profile_tokens(model), pass_bytes_per_token(model.hparams) if per is None else per
+
+
 def prompt_extra_bytes(model: PackedModel, tokens: int | None) -> int:
     """Activation memory a ``tokens``-token pass holds beyond the profile's own pass (whose
-    memory the profile measured), for each token beyond it: the profile's measured
-    ``m_per_token``, or the `pass_bytes_per_token` bound for a profile that does not record
-    it (or no profile); 0 for None or a prompt no longer than the profile's."""
-    longer = max(0, int(tokens) - profile_tokens(model)) if tokens is not None else 0
-    if not longer:
+    memory the profile measured): `prompt_extra_rate` for each token beyond it; 0 for None or
+    a prompt no longer than the profile's."""
+    if tokens is None:
         return 0
-    per = stored_profile(model).m_per_token if model.manifest.get("profile") else None
-    return longer * (pass_bytes_per_token(model.hparams) if per is None else per)
+    t0, per = prompt_extra_rate(model)
+    return max(0, int(tokens) - t0) * per
 
 
 class StaleProfileWarning(UserWarning):

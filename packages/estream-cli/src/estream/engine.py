@@ -34,7 +34,7 @@ from .config import (
     StreamConfig,
     pass_bytes_per_token,
     profile_tokens,
-    prompt_extra_bytes,
+    prompt_extra_rate,
     resolve_config,
     warn_stale,
 )
@@ -298,10 +298,13 @@ class Engine:
             backend=o.backend,
         )
         warn_stale(self.config)  # a stale profile's choice not taken: say so
-        #: the pass length the budget's configuration was chosen for (None: no budget)
-        self._budget_rows = (
-            int(o.budget_tokens or profile_tokens(self.model)) if o.budget is not None else None
-        )
+        #: with a budget: the pass length its configuration was chosen for, and the profile's
+        #: pass length and memory per token beyond it (`predicted_bytes`), read once here
+        self._budget_rows: int | None = None
+        self._extra_rate = (0, 0)
+        if o.budget is not None:
+            self._extra_rate = prompt_extra_rate(self.model)
+            self._budget_rows = int(o.budget_tokens or self._extra_rate[0])
         #: memory asked for pinned experts (0: none); whole groups of it are pinned
         self.pin_bytes = self._resolve_pin(o)
         self.arch = architecture(hp)
@@ -596,7 +599,8 @@ class Engine:
         if self.budget is None or c is None or c.memory_bytes is None:
             return None
         pinned = getattr(self.experts, "pinned_bytes", 0)  # not in the prediction
-        extra = prompt_extra_bytes(self.model, int(tokens))
+        t0, per = self._extra_rate  # `prompt_extra_bytes` of the profile read at load
+        extra = max(0, int(tokens) - t0) * per
         return int(c.memory_bytes - c.extra_bytes + pinned + extra)
 
     def _warn_over_budget(self, n_rows: int) -> None:
@@ -623,13 +627,12 @@ class Engine:
         its measured non-arena memory)."""
         per_token = pass_bytes_per_token(self.hp, all_logits=all_logits)
         allowance = DEFAULT_ACTIVATION_BYTES
-        c = self.config
-        if self.budget is not None and c is not None and c.memory_bytes is not None:
-            pinned = getattr(self.experts, "pinned_bytes", 0)  # not in the prediction
-            # the prediction without the budget_tokens prompt's activations beyond the
-            # profile's pass (StreamConfig.extra_bytes): those are what is allowed here
-            predicted = c.memory_bytes - c.extra_bytes
-            allowance = self.budget - predicted - pinned + profile_tokens(self.model) * per_token
+        t0 = self._extra_rate[0]
+        # the predicted memory of the profile's own pass (not of the budget_tokens prompt's
+        # longer one): the activations beyond it are what is allowed here
+        predicted = self.predicted_bytes(t0)
+        if predicted is not None and self.budget is not None:
+            allowance = self.budget - predicted + t0 * per_token
         n = allowance // per_token
         return int(max(MIN_BATCH_TOKENS, min(MAX_BATCH_TOKENS, n)))
 

@@ -17,7 +17,7 @@ import numpy as np
 
 import estream_cli
 from estream import memory
-from estream.config import OverBudgetWarning
+from estream.config import OverBudgetWarning, StaleProfileWarning
 from estream.errors import BadRequestError, EStreamError, PackError
 
 from .messages import describe, plural
@@ -42,22 +42,28 @@ def _err(msg: str) -> None:
     print(f"estream: error: {msg}", file=sys.stderr)
 
 
-class _OverBudgetLine:
-    """`warnings.showwarning` while a command runs: the first `OverBudgetWarning` as one
-    ``estream: warning:`` line (later ones: nothing, a batch's passes would repeat it); any
-    other warning as Python shows it."""
+class WarningLines:
+    """`warnings.showwarning` while a command runs: the library's warnings meant for the user
+    as one ``estream: warning:`` line each, like the command's other messages: a stale
+    profile's `StaleProfileWarning` (at load), the first `OverBudgetWarning` (later ones:
+    nothing, a batch's passes would repeat it). Any other warning as Python shows it."""
+
+    CATEGORIES = (StaleProfileWarning, OverBudgetWarning)
 
     def __init__(self, show: Any) -> None:
-        self.show, self.said = show, False
+        self.show, self.said_over = show, False
 
     def __call__(self, message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
-        if not issubclass(category, OverBudgetWarning):
-            self.show(message, category, *args, **kwargs)
-        elif not self.said:
-            self.said = True
-            facts = getattr(message, "facts", message)
+        if issubclass(category, OverBudgetWarning):
+            if self.said_over:
+                return
+            self.said_over = True
             more = "; the run goes on (later passes over the budget are not reported)"
-            print(f"estream: warning: {facts}{more}", file=sys.stderr, flush=True)
+            print(f"estream: warning: {message.facts}{more}", file=sys.stderr, flush=True)
+        elif issubclass(category, StaleProfileWarning):
+            print(f"estream: warning: {message}", file=sys.stderr, flush=True)
+        else:
+            self.show(message, category, *args, **kwargs)
 
 
 def _log(msg: str) -> None:
@@ -618,8 +624,9 @@ def _main(argv: list[str]) -> int:
         if hasattr(args, "backend") and hasattr(args, "mode"):
             check_engine_opts(args)  # an option the mode would ignore: refused before any work
         with warnings.catch_warnings():
-            warnings.simplefilter("always", OverBudgetWarning)
-            warnings.showwarning = _OverBudgetLine(warnings.showwarning)
+            for category in WarningLines.CATEGORIES:
+                warnings.simplefilter("always", category)
+            warnings.showwarning = WarningLines(warnings.showwarning)
             return int(args.func(args) or 0)
     except BrokenPipeError:
         # `estream ... | head`: the reader left; stop quietly (no traceback, nothing on

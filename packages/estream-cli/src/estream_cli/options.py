@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
-import warnings
 from typing import Any
 
-from estream.config import StaleProfileWarning
 from estream.engine import ACTS, ATTENTION, DENSE_OPS, MODES, Engine, load
 from estream.experts import SCHEDULES
 from estream.memory import parse_bytes
@@ -266,15 +263,9 @@ def engine_from_args(
     the prompt length a ``--budget`` configuration is chosen for (one request's length);
     ``op_stats``: each pass's metrics get the per-op table (`estream.opstats`)."""
     check_engine_opts(args)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", StaleProfileWarning)
-        engine = _load(args, progress, tokens, op_stats)
-    for w in caught:  # a stale profile: one warning line, as the command's other messages
-        if issubclass(w.category, StaleProfileWarning):
-            print(f"estream: warning: {w.message}", file=sys.stderr, flush=True)
-        else:
-            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    return engine
+    # a stale profile's StaleProfileWarning: one line, by the hook the command runs under
+    # (estream_cli.main.WarningLines)
+    return _load(args, progress, tokens, op_stats)
 
 
 def _load(args: argparse.Namespace, progress: bool, tokens: int | None, op_stats: bool) -> Engine:
