@@ -158,6 +158,8 @@ def render_engine(f: Figures) -> Table:
         t.more.append(_ik_table(f))
     if any(r["system"] == IO_TAX for r in f["runs"]):
         t.more.append(_io_tax_table(f))
+    if any(r["system"] in READ_CAP for r in f["runs"]):
+        t.more.append(_read_cap_table(f))
     for r in f["runs"]:
         if r.get("op_table"):
             cap = f" in a {budget} cgroup" if r.get("cgroup") else ""
@@ -236,6 +238,54 @@ def _io_tax_table(f: Figures) -> tuple[str, Table]:
         "**What the reads alone cost compute** (`-- --io-tax`): `resident` once more while "
         "another process reads the pack's experts file (4 MiB `O_DIRECT` requests) at the "
         "stream run's average read rate (read rate: what it achieved)"
+    )
+    return caption, t
+
+
+#: bench_engine's `--read-cap` runs: stream chosen without the configurator's read margin
+#: (free), and both choices with their reads capped.
+NO_MARGIN, CAPPED, CAPPED_NO_MARGIN = (
+    "stream, read margin 0",
+    "stream, reads capped",
+    "stream, reads capped, read margin 0",
+)
+READ_CAP = (NO_MARGIN, CAPPED, CAPPED_NO_MARGIN)
+
+
+def _gqb(run: dict[str, Any] | None) -> str:
+    if not run or not all(k in run for k in "GQB"):
+        return "–"
+    return ", ".join(str(run[k]) for k in "GQB")
+
+
+def _read_cap_table(f: Figures) -> tuple[str, Table]:
+    """bench_engine's `--read-cap` runs: the budget's configuration chosen with the default
+    read margin and without one, at the disk's own speed and with the reads capped."""
+    t = Table(["prompt", "disk", "read margin", "G, Q, B", "stream", "waited for reads",
+               "stream ÷ resident"], [])  # fmt: skip
+    cap = next((r.get("read_cap_bytes_per_s") for r in f["runs"] if r.get("read_cap_bytes_per_s")),
+               None)  # fmt: skip
+    capped = f"capped at {size(cap)}/s" if cap else "capped"
+    for T in _engine_lengths(f, False):
+        r = _engine_run(f, "resident", T, False)
+        for system, disk, margin in (
+            ("stream", "as it is", "0.5"), (NO_MARGIN, "as it is", "0"),
+            (CAPPED, capped, "0.5"), (CAPPED_NO_MARGIN, capped, "0"),
+        ):  # fmt: skip
+            s = _engine_run(f, system, T, False)
+            if s is None:
+                continue
+            wait = s.get("expert_stall_s")
+            t.rows.append(
+                [prompt(T), disk, margin, _gqb(s), ttft(s),
+                 f"{wait:.2f} s" if wait is not None else "–", ratio(s, r)]
+            )  # fmt: skip
+    caption = (
+        "**A disk slower than profiled** (`-- --read-cap`): the budget's configuration chosen "
+        "with the configurator's default read margin (0.5: reads 1.5 times as long as "
+        "profiled) and without one (`--read-margin 0`), at the disk's own speed and with the "
+        "run's reads capped by a block-I/O cgroup; waited for reads: the engine's "
+        "`expert_stall_s`"
     )
     return caption, t
 
@@ -739,12 +789,15 @@ def engine_variant(f: Figures) -> str:
     # a run that also measured the reads' cost (bench_engine --io-tax, usually without --trace
     # or ik_llama.cpp) sits beside the one without
     io_tax = any(r.get("system") == IO_TAX for r in f["runs"])
+    # a run that also measured the read margin under a read cap (bench_engine --read-cap)
+    read_capped = any(r.get("system") in READ_CAP for r in f["runs"])
     return (
         f"{engine_model(f)}; {lengths}"
         + (f"; capped {_lengths_label(capped)}" if capped else "")
         + (f"; attention {', '.join(att)}" if att else "")
         + ("; pinned experts" if pinned else "")
         + ("; the reads' cost" if io_tax else "")
+        + ("; reads capped" if read_capped else "")
     )
 
 

@@ -265,6 +265,38 @@ def test_engine_io_tax_runs_show_what_the_reads_cost_and_what_streaming_adds(
     assert "What the reads alone" not in report.render_page(report.load_results(plain / "results"))
 
 
+def test_engine_read_cap_runs_show_each_choice_at_each_disk_speed(tmp_path: Path) -> None:
+    """A bench_engine result with `--read-cap` runs shows, under the engine table, the stream
+    run chosen with the default read margin and without one, at the disk's own speed and under
+    the cap, each with its G, Q, B, its wait for reads and its time over resident's; a result
+    without such runs adds no such table, and the run is its own variant."""
+    figures = engine_figures(stream=2.4, resident=2.0)
+    for r in figures["runs"]:
+        if r["system"] == "stream":
+            r.update(G=8, Q=1, B=5, expert_stall_s=0.08)
+    for system, t, g, b, wait in (
+        (report.NO_MARGIN, 2.3, 32, 2, 0.02),
+        (report.CAPPED, 2.5, 8, 5, 0.1),
+        (report.CAPPED_NO_MARGIN, 3.0, 32, 2, 0.6),
+    ):
+        figures["runs"].append({"system": system, "length": 1024, "cgroup": False, "ttft_s": t,
+                                "G": g, "Q": 1, "B": b, "expert_stall_s": wait,
+                                "read_cap_bytes_per_s": 2 * 2**30})  # fmt: skip
+    recorded(tmp_path, "bench_engine", figures, (0.1, 0.1))
+    page = report.render_page(report.load_results(tmp_path / "results"))
+    assert "**A disk slower than profiled**" in page
+    assert "| 1K | as it is | 0.5 | 8, 1, 5 | 2.4 s | 0.08 s | 1.200 |" in page
+    assert "| 1K | as it is | 0 | 32, 1, 2 | 2.3 s | 0.02 s | 1.150 |" in page
+    assert "| 1K | capped at 2 GiB/s | 0.5 | 8, 1, 5 | 2.5 s | 0.10 s | 1.250 |" in page
+    assert "| 1K | capped at 2 GiB/s | 0 | 32, 1, 2 | 3 s | 0.60 s | 1.500 |" in page
+    assert "| 4K | as it is | 0.5 | 8, 1, 5 | 9.6 s | 0.08 s | 1.200 |" in page
+    assert "(olmoe-1b-7b, q4_0; 1K, 4K; reads capped)" in page
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    recorded(plain, "bench_engine", engine_figures(), (0.1, 0.1))
+    assert "slower than profiled" not in report.render_page(report.load_results(plain / "results"))
+
+
 def test_the_headline_skips_a_newer_loaded_run(tmp_path: Path) -> None:
     """The README headline shows the newest bench_engine run not taken on a loaded machine; a
     newer loaded run appears on the page (marked) but does not replace the headline."""

@@ -37,6 +37,13 @@ read over its time to first token). ``resident+reads`` over ``resident`` is that
 schedule's own work). On storage whose reads take no CPU or memory bandwidth from the cores
 the first ratio is 1.
 
+``--read-cap BYTES`` measures the configurator's margin for a slower disk (estream-sched:
+``read_margin``): after each length's runs, `stream` once more with ``--read-margin 0`` (chosen
+for the profiled disk exactly), and both again with the reads of their process capped at BYTES
+per second (a block-I/O cgroup on the pack's disk: v1 ``blkio.throttle.read_bps_device`` or v2
+``io.max``). The systems are ``stream, read margin 0``, ``stream, reads capped`` and ``stream,
+reads capped, read margin 0``; each run records its G, Q, B and the time it waited for reads.
+
 ``--pin SIZE|auto`` gives the `stream` runs ``--pin``: experts read once at load and kept (auto:
 what the budget leaves over the configuration's predicted memory), so each pass reads that much
 less; each run records ``pinned_bytes``, and its peak memory includes them.
@@ -171,6 +178,56 @@ class Cgroup:
                 self.path.rmdir()
 
 
+def _whole_disk(dev: int) -> str:
+    """``MAJ:MIN`` of the disk holding device ``dev`` (a partition's parent: block-I/O limits
+    are set on whole disks)."""
+    node = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if (node / "partition").exists():
+        return (node.resolve().parent / "dev").read_text().strip()
+    return f"{os.major(dev)}:{os.minor(dev)}"
+
+
+class ReadCap:
+    """A cgroup whose processes read at most ``bps`` bytes/s from the disk holding ``path``
+    (v2 ``io.max`` if cgroup v2 is mounted, else v1 ``blkio.throttle.read_bps_device``)."""
+
+    def __init__(self, bps: int, path: Path) -> None:
+        self.bps = bps
+        self.path: Path | None = None
+        self.error: str | None = None
+        name = f"estream-bench-io-{os.getpid()}"
+        disk = _whole_disk(path.stat().st_dev)
+        try:
+            if Path("/sys/fs/cgroup/cgroup.controllers").exists():
+                self.path = Path("/sys/fs/cgroup") / name
+                self.path.mkdir()
+                (self.path / "io.max").write_text(f"{disk} rbps={bps}")
+            elif Path("/sys/fs/cgroup/blkio").is_dir():
+                self.path = Path("/sys/fs/cgroup/blkio") / name
+                self.path.mkdir()
+                (self.path / "blkio.throttle.read_bps_device").write_text(f"{disk} {bps}")
+            else:
+                self.error = "no block-I/O cgroup controller mounted"
+        except OSError as exc:
+            self.error = f"{disk}: {exc}"
+            self.close()
+
+    def preexec(self) -> Any:
+        path = self.path
+
+        def enter() -> None:
+            assert path is not None
+            (path / "cgroup.procs").write_text(str(os.getpid()))
+
+        return enter
+
+    def close(self) -> None:
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                self.path.rmdir()
+            self.path = None
+
+
 def _data_limit(limit: int) -> Any:
     def enter() -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
@@ -184,13 +241,16 @@ def _run(
     cgroup: Cgroup | None = None,
     timeout: float = 3600,
     data_limit: int | None = None,
+    preexec: Any = None,
 ) -> dict[str, Any]:
-    """Run one child; `data_limit` caps its private memory (RLIMIT_DATA: anonymous and private
+    """Run one child (``preexec``: run in it before it starts, e.g. to join a cgroup);
+    `data_limit` caps its private memory (RLIMIT_DATA: anonymous and private
     writable mappings, not a read-only mmap of the model), so a child that would need more than
     the machine has fails its own allocation instead of invoking the system-wide OOM killer."""
     t0 = time.perf_counter()
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    preexec = cgroup.preexec() if cgroup else _data_limit(data_limit) if data_limit else None
+    if preexec is None:
+        preexec = cgroup.preexec() if cgroup else _data_limit(data_limit) if data_limit else None
     steal0 = cpu_steal_s()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec)
     wall = time.perf_counter() - t0
@@ -505,6 +565,13 @@ def prepare(
 
 #: ``--io-tax``: the system name of `resident` runs beside the paced reader.
 IO_TAX = "resident+reads"
+#: ``--read-cap``: the system names of its `stream` runs (margin 0 free; margin default and 0
+#: under the cap).
+NO_MARGIN, CAPPED, CAPPED_NO_MARGIN = (
+    "stream, read margin 0",
+    "stream, reads capped",
+    "stream, reads capped, read margin 0",
+)
 
 
 def run_system(
@@ -522,11 +589,13 @@ def run_system(
     data_limit: int | None = None,
     ik: tuple[str, list[str]] | None = None,
     background: tuple[Path, float] | None = None,
+    read_cap: ReadCap | None = None,
 ) -> dict[str, Any]:
     """One cold-cache prefill of `T` random tokens in a fresh process: `stream`/`resident`
     engine, `llama.cpp`, or `ik_llama.cpp` (``ik``: its llama-bench and flags; T tokens of its
     own); prints one line and returns the metrics (or the error: OOM kill, time limit).
-    ``background`` (a file and bytes/s): a paced reader of that file runs beside the child."""
+    ``background`` (a file and bytes/s): a paced reader of that file runs beside the child;
+    ``read_cap``: the child's reads are capped (`ReadCap`)."""
     tokens = np.random.default_rng(T).integers(0, n_vocab, size=T)
     how = drop_page_cache([src, dst / "experts.bin", dst / "dense.bin"])
     if system == "ik_llama.cpp":
@@ -538,7 +607,8 @@ def run_system(
         cmd = [*engine_cmd(dst, tokens, system, threads), *engine_args]
     reader = start_reader(*background) if background is not None else None
     try:
-        m = _run(cmd, cgroup=cgroup, timeout=timeout, data_limit=data_limit)
+        pre = read_cap.preexec() if read_cap is not None else None
+        m = _run(cmd, cgroup=cgroup, timeout=timeout, data_limit=data_limit, preexec=pre)
     except subprocess.TimeoutExpired:
         m = {"error": f"did not finish in {timeout:.0f} s", "timeout_s": timeout}
     finally:
@@ -547,6 +617,8 @@ def run_system(
         m["background_read_target_bytes_per_s"] = background[1]
         m["background_read_bytes_per_s"] = read[0] / read[1] if read[1] > 0 else 0.0
     m.update({"system": system, "length": T, "cache": how, "cgroup": bool(cgroup)})
+    if read_cap is not None:
+        m["read_cap_bytes_per_s"] = read_cap.bps
     ttft = f"{m['ttft_s']:8.2f} s" if "ttft_s" in m else f"{m.get('error', '?'):>10s}"
     peak = format_bytes(m["peak_memory_bytes"]) if "peak_memory_bytes" in m else "-"
     rss = format_bytes(m["peak_rss_bytes"]) if "peak_rss_bytes" in m else "-"
@@ -630,6 +702,13 @@ def main() -> int:
         action="store_true",
         help="after each length's runs, `resident` once more while another process reads the "
         "pack's experts file at the stream run's read rate: what the reads alone cost compute",
+    )
+    ap.add_argument(
+        "--read-cap",
+        metavar="BYTES",
+        help="after each length's runs, `stream` with --read-margin 0, and both stream runs "
+        "again with their reads capped at BYTES/s (e.g. 2GB): the configurator's margin for a "
+        "slower disk",
     )
     ap.add_argument(
         "--ik-llama-bench",
@@ -729,12 +808,44 @@ def main() -> int:
         m["system"] = IO_TAX
         return m
 
-    if not args.skip_free:
-        for T in lengths:
-            for system in systems:
-                rows.append(one(system, T, None))
-            if args.io_tax:
-                rows.append(under_reads(T))
+    def margins(T: int, cap: ReadCap) -> list[dict[str, Any]]:
+        """`stream` at T chosen without a margin, then both choices under the read cap."""
+        out = []
+        for system, capped, zero in (
+            (NO_MARGIN, None, True), (CAPPED, cap, False), (CAPPED_NO_MARGIN, cap, True)
+        ):  # fmt: skip
+            extra: tuple[str, ...] = ("--budget", str(budget))
+            extra += ("--read-margin", "0") if zero else ()
+            extra += ("--op-stats",) if args.trace else ()
+            extra += ("--attention", args.attention) if args.attention else ()
+            m = run_system(
+                "stream", T, src=src, dst=dst, n_vocab=hp.n_vocab, threads=args.threads,
+                timeout=3600.0, engine_args=extra, label=system.removeprefix("stream"),
+                read_cap=capped,
+            )  # fmt: skip
+            m["system"] = system
+            if "G" in m:
+                print(f"  ({system} at T={T} ran with G={m['G']} Q={m['Q']} B={m['B']})")
+            out.append(m)
+        return out
+
+    read_cap = None
+    if args.read_cap:
+        read_cap = ReadCap(parse_bytes(args.read_cap), dst / "experts.bin")
+        if read_cap.path is None:
+            ap.error(f"--read-cap: cannot cap reads here ({read_cap.error})")
+    try:
+        if not args.skip_free:
+            for T in lengths:
+                for system in systems:
+                    rows.append(one(system, T, None))
+                if args.io_tax:
+                    rows.append(under_reads(T))
+                if read_cap is not None:
+                    rows += margins(T, read_cap)
+    finally:
+        if read_cap is not None:
+            read_cap.close()
     cg_lengths = [int(x) for x in (args.cgroup_lengths or args.lengths).split(",")]
     cg_note = None
     if not args.no_cgroup:
@@ -780,6 +891,11 @@ def main() -> int:
             row["resident_reads_over_resident_ttft"] = rr / r
         if rr and s:
             row["stream_over_resident_reads_ttft"] = s / rr
+        for system, key in ((NO_MARGIN, "no_margin"), (CAPPED, "capped"),
+                            (CAPPED_NO_MARGIN, "capped_no_margin")):  # fmt: skip
+            t = get(system, T, False, "ttft_s")
+            if t and r:
+                row[f"stream_{key}_over_resident_ttft"] = t / r
         ik_t = get("ik_llama.cpp", T, False, "ttft_s")
         if ik_t:  # tokens/s over ik's tokens/s: ik's time over EStream's, same T
             row["ik_tokens_per_s"] = T / ik_t
@@ -804,6 +920,8 @@ def main() -> int:
         "summary": summary,
         "cgroup_note": cg_note,
     }
+    if args.read_cap:
+        doc["read_cap_bytes_per_s"] = parse_bytes(args.read_cap)
     if peaks is not None:
         doc["peaks_gops"] = peaks
     if ik is not None:

@@ -84,8 +84,13 @@ def test_a_budget_is_configured_once(model: Path, monkeypatch: pytest.MonkeyPatc
     tokens = PROFILE_TOKENS + 1000
 
     def configure(
-        m: PackedModel, budget: int, tokens: int | None = None, schedule: str = "early"
+        m: PackedModel,
+        budget: int,
+        tokens: int | None = None,
+        schedule: str = "early",
+        read_margin: float | None = None,
     ) -> SimpleNamespace:
+        assert read_margin is None  # the configurator's default
         calls.append((budget, tokens, schedule))
         extra = config.prompt_extra_bytes(m, tokens)
         return SimpleNamespace(G=2, Q=2, B=3, memory_bytes=predicted + extra, extra_bytes=extra)
@@ -150,7 +155,11 @@ def test_pin_is_checked_against_the_mode_and_the_budget(
     predicted = (1 << 30) - margin - (3 << 20)  # the budget leaves 3 MiB over the margin
 
     def configure(
-        m: PackedModel, budget: int, tokens: int | None = None, schedule: str = "early"
+        m: PackedModel,
+        budget: int,
+        tokens: int | None = None,
+        schedule: str = "early",
+        read_margin: float | None = None,
     ) -> SimpleNamespace:
         extra = config.prompt_extra_bytes(m, tokens)  # as `configure_for_budget` counts it
         return SimpleNamespace(G=2, Q=2, B=3, memory_bytes=predicted + extra, extra_bytes=extra)

@@ -12,8 +12,10 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from estream_sched import (
+    DEFAULT_READ_MARGIN,
     BudgetError,
     Choice,
+    LayerProfile,
     Profile,
     ProfileError,
     SyntheticSpec,
@@ -52,8 +54,11 @@ def reference_layers(profile: Profile, g: int, q: int, read_model: str = "calibr
     return out
 
 
-def exhaustive(profile: Profile, budget: int, q: int, read_model: str = "calibrated"):
-    """Every (g, b) at queue depth q with memory <= budget: {(g, b): mean T_pipe}."""
+def exhaustive(
+    profile: Profile, budget: int, q: int, read_model: str = "calibrated", read_scale: float = 1.0
+):
+    """Every (g, b) at queue depth q with memory <= budget: {(g, b): mean T_pipe}, every read
+    ``read_scale`` times as long as the model's."""
     res = {}
     for g in profile.groups:
         layers = reference_layers(profile, g, q, read_model)
@@ -61,7 +66,9 @@ def exhaustive(profile: Profile, budget: int, q: int, read_model: str = "calibra
             mem = profile.m_other[g] + b * g * profile.expert_bytes
             if mem > budget:
                 continue
-            res[(g, b)] = float(np.mean([pipeline_time(L, X, t, q, b) for L, X, t in layers]))
+            res[(g, b)] = float(
+                np.mean([pipeline_time(L * read_scale, X, t, q, b) for L, X, t in layers])
+            )
     return res
 
 
@@ -146,12 +153,19 @@ def _depths(p: Profile, q_rule: str) -> list[int]:
 
 
 @pytest.mark.parametrize("q_rule", ["model", "pooled"])
-@given(profiles(), st.floats(0.0, 1.0), st.sampled_from(["calibrated", "bandwidth", "measured"]))
+@given(
+    profiles(),
+    st.floats(0.0, 1.0),
+    st.sampled_from(["calibrated", "bandwidth", "measured"]),
+    st.sampled_from([0.0, 0.5, 2.0]),
+)
 def test_zero_regret_against_exhaustive_sweep(
-    q_rule: str, p: Profile, frac: float, read_model: str
+    q_rule: str, p: Profile, frac: float, read_model: str, margin: float
 ) -> None:
     # "model": the exhaustive sweep is over every feasible (g, q, b) with q any depth measured
-    # for every g; "pooled": over every feasible (g, b) at Q = Q0.
+    # for every g; "pooled": over every feasible (g, b) at Q = Q0. The choice is the sweep's
+    # minimum with every read 1 + margin times as long; its reported times are the profiled
+    # reads' (no margin).
     depths = [
         q for q in _depths(p, q_rule) if any(math.ceil(p.n_experts / g) >= q for g in p.groups)
     ]
@@ -159,25 +173,39 @@ def test_zero_regret_against_exhaustive_sweep(
     lo = min(minimum_memory(p, q) for q in depths)
     hi = max(p.m_other[g] + math.ceil(p.n_experts / g) * g * p.expert_bytes for g in p.groups)
     budget = int(lo + frac * (hi - lo))
-    choice = configure(p, budget, q_rule=q_rule, read_model=read_model)
+    choice = configure(p, budget, q_rule=q_rule, read_model=read_model, read_margin=margin)
     sweep = {
         (g, q, b): v for q in depths for (g, b), v in exhaustive(p, budget, q, read_model).items()
     }
-    best = min(sweep.values())
-    mine = sweep[(choice.G, choice.Q, choice.B)]  # evaluated by the test's own model
-    assert mine <= best * (1 + 1e-12)
+    slow = {
+        (g, q, b): v
+        for q in depths
+        for (g, b), v in exhaustive(p, budget, q, read_model, 1.0 + margin).items()
+    }
+    key = (choice.G, choice.Q, choice.B)
+    assert slow[key] <= min(slow.values()) * (1 + 1e-12)
+    # among the slow-reads minima, the best at the profiled reads
+    ties = [k for k, v in slow.items() if v <= slow[key] * (1 + 1e-12)]
+    assert sweep[key] <= min(sweep[k] for k in ties) * (1 + 1e-12)
+    if margin == 0.0:
+        assert sweep[key] <= min(sweep.values()) * (1 + 1e-12)
+    mine = sweep[key]  # evaluated by the test's own model
     assert choice.Q in depths
     assert choice.memory_bytes <= budget
     assert choice.memory_bytes == p.m_other[choice.G] + choice.B * choice.G * p.expert_bytes
     assert choice.per_layer_s == pytest.approx(mine, rel=1e-12, abs=0)
     assert choice.predicted_s == pytest.approx(p.n_layers * mine, rel=1e-12, abs=0)
+    assert choice.slow_reads_s == pytest.approx(p.n_layers * slow[key], rel=1e-12, abs=0)
+    assert choice.read_margin == margin
     # the table covers the whole (g, q, b) landscape and marks exactly the feasible rows
     feasible = {(r.g, r.q, r.b) for r in choice.table if r.feasible}
     assert feasible == set(sweep)
     for r in choice.table:
         assert r.feasible == (r.memory_bytes <= budget)
         if r.feasible:
-            assert r.per_layer_s == pytest.approx(sweep[(r.g, r.q, r.b)], rel=1e-12, abs=0)
+            k = (r.g, r.q, r.b)
+            assert r.per_layer_s == pytest.approx(sweep[k], rel=1e-12, abs=0)
+            assert r.slow_reads_s == pytest.approx(p.n_layers * slow[k], rel=1e-12, abs=0)
 
 
 def test_model_rule_weighs_every_depth_and_q0_still_fixes_it() -> None:
@@ -491,3 +519,60 @@ def test_routes_at_layer_start_hide_reads_behind_attention() -> None:
     assert waits.predicted_s - row.predicted_s <= p.n_layers * t_ne * (1 + 1e-9)
     with pytest.raises(ValueError, match="schedule"):
         configure(p, budget, schedule="ondemand")  # type: ignore[arg-type]
+
+
+def _fragile_and_robust() -> Profile:
+    """Four 100-byte experts read at 100 B/s, 2 s of attention, one layer. G=2: two 2 s reads
+    behind 2.2 s of compute each, hidden with 0.2 s to spare; G=1: four 1 s reads behind
+    1.15 s each (more per-op cost: 4.6 s of compute against 4.4 s)."""
+
+    def layer(g: int, exec_s: float) -> LayerProfile:
+        n = 4 // g
+        return LayerProfile(
+            t_ne=2.0,
+            group_bytes=[100 * g] * n,
+            routes=[10] * n,
+            read_times=[1.0 * g] * n,
+            exec_times=[exec_s] * n,
+            layer=0,
+        )
+
+    return Profile(
+        model="m",
+        device="d",
+        n_experts=4,
+        n_layers=1,
+        expert_bytes=100,
+        q_measured=1,
+        m_other={1: 1000, 2: 1000},
+        bandwidth={1: {1: 100.0}, 2: {1: 100.0}},
+        candidates={1: [layer(1, 1.15)], 2: [layer(2, 2.2)]},
+    )
+
+
+def test_read_margin_prefers_the_configuration_that_keeps_hiding_slower_reads() -> None:
+    """By hand: G=2 B=2 finishes at 2 + 2.2 + 2.2 = 6.4 s, and with reads 1.5 times as long
+    (3 s) at 3 + 2.2, then 6 + 2.2 = 8.2 s; G=1 B=3 at 2 + 4 · 1.15 = 6.6 s, and with 1.5 s
+    reads its third group waits for its read (4.5 s) and its fourth (6 s): 7.15 s."""
+    p = _fragile_and_robust()
+    plain = configure(p, 1400, read_margin=0.0)
+    assert (plain.G, plain.Q, plain.B) == (2, 1, 2)
+    assert plain.predicted_s == pytest.approx(6.4) and plain.slow_reads_s == plain.predicted_s
+    robust = configure(p, 1400)  # DEFAULT_READ_MARGIN: 0.5
+    assert DEFAULT_READ_MARGIN == 0.5 and robust.read_margin == 0.5
+    assert (robust.G, robust.Q, robust.B) == (1, 1, 3)  # the fewest banks of the ties (b=3, 4)
+    assert robust.predicted_s == pytest.approx(6.6)  # at the profiled reads
+    assert robust.slow_reads_s == pytest.approx(7.15)
+    rows = {(r.g, r.q, r.b): r for r in robust.table}
+    assert rows[(2, 1, 2)].predicted_s == pytest.approx(6.4)
+    assert rows[(2, 1, 2)].slow_reads_s == pytest.approx(8.2)
+    assert robust.to_dict()["read_margin"] == 0.5
+    assert robust.to_dict()["slow_reads_s"] == pytest.approx(7.15)
+    # reads slower still: G=2 falls further behind; 5 % slower (2.1 s): G=2 still hides them (6.5 s)
+    assert (configure(p, 1400, read_margin=2.0).G, configure(p, 1400, read_margin=0.05).G) == (1, 2)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 10.5, float("nan"), float("inf"), "half", None, True])
+def test_read_margin_out_of_range_is_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="read_margin must be between 0 and 10"):
+        configure(_fragile_and_robust(), 1400, read_margin=bad)

@@ -187,12 +187,14 @@ def resolve_config(
     n_threads: int | None = None,
     act: str = "q8",
     backend: str = "host",
+    read_margin: float | None = None,
 ) -> StreamConfig | None:
     """`(G, Q, B)` for a stream-kind mode; None for ``resident`` (no arena). ``tokens``: the
     prompt length a budget's configuration is chosen for (default: the calibration length);
     ``schedule``: the streamed source's, as the configurator models it (`configure_for_budget`);
     ``n_threads`` (default: the engine's), ``act``, ``backend``: what the run computes with
-    (`running_identity`). A budget or a stored configuration with a stale profile (module
+    (`running_identity`); ``read_margin``: the configurator's margin for slower reads (None:
+    `estream_sched.DEFAULT_READ_MARGIN`). A budget or a stored configuration with a stale profile (module
     docstring) gives the default configuration, shrunk to fit the budget
     (`StreamConfig.warning` says why; the engine warns with it)."""
     hp = model.hparams
@@ -222,7 +224,7 @@ def resolve_config(
                 tokens,
             )
         else:
-            choice = configure_for_budget(model, budget, tokens, schedule)
+            choice = configure_for_budget(model, budget, tokens, schedule, read_margin)
             cfg = StreamConfig(
                 int(choice.G),
                 int(choice.Q),
@@ -438,7 +440,11 @@ def stored_profile(model: PackedModel) -> es.Profile:
 
 
 def configure_for_budget(
-    model: PackedModel, budget: int, tokens: int | None = None, schedule: str = "early"
+    model: PackedModel,
+    budget: int,
+    tokens: int | None = None,
+    schedule: str = "early",
+    read_margin: float | None = None,
 ) -> es.Choice:
     """(G, Q, B) for a memory budget from the stored profile, for prompts of ``tokens`` tokens
     (default: the profile's calibration length); clear error below the minimum.
@@ -464,6 +470,7 @@ def configure_for_budget(
             schedule=sched,
             routes_at_layer_start=at_start,
             extra_bytes=extra,
+            read_margin=es.DEFAULT_READ_MARGIN if read_margin is None else read_margin,
         )
     except es.BudgetError as exc:
         msg = str(exc)

@@ -189,6 +189,14 @@ def _budget_tokens(_: Any, attr: attrs.Attribute[Any], value: Any) -> None:
         raise BadRequestError(f"{attr.name} must be an int >= 1, got {value!r}")
 
 
+def _read_margin(_: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        try:
+            es.check_read_margin(value)
+        except ValueError as exc:
+            raise BadRequestError(str(exc)) from None
+
+
 def _bytes(value: int | str | None) -> int | None:
     return None if value is None else memory.parse_bytes(value)
 
@@ -224,7 +232,9 @@ class EngineOptions:
     "800MiB") for streamed experts read once at load and kept for every pass (whole groups:
     group 0 of every layer, then group 1, ...), or "auto": what ``budget`` leaves over the
     run's predicted memory for ``budget_tokens`` tokens less `PIN_AUTO_MARGIN` of the budget
-    (`Engine.pin_bytes`)."""
+    (`Engine.pin_bytes`); ``read_margin``: with ``budget``, ``G, Q, B`` are chosen for reads
+    that much longer than the profile measured (None: `estream_sched.DEFAULT_READ_MARGIN`,
+    0.5; 0: for the profiled disk exactly)."""
 
     dense_ops: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(_one_of(DENSE_OPS))
@@ -245,6 +255,7 @@ class EngineOptions:
     progress: bool = False
     op_stats: bool = False
     pin: int | str | None = attrs.field(default=None, converter=_pin)
+    read_margin: float | None = attrs.field(default=None, validator=_read_margin)
 
 
 class Engine:
@@ -296,6 +307,7 @@ class Engine:
             n_threads=int(o.n_threads or DEFAULT_THREADS),
             act=o.act,
             backend=o.backend,
+            read_margin=o.read_margin,
         )
         warn_stale(self.config)  # a stale profile's choice not taken: say so
         #: with a budget: the pass length its configuration was chosen for, and the profile's

@@ -23,6 +23,7 @@ from estream.errors import BadRequestError, EStreamError, PackError
 from .messages import describe, plural
 from .options import (
     MAX_THREADS,
+    READ_MARGIN_HELP,
     add_engine_opts,
     bounded_int,
     check_engine_opts,
@@ -30,6 +31,7 @@ from .options import (
     int_list,
     parse_ints,
     positive_int,
+    read_margin,
 )
 from .output import check_output, stdout_claimed, write_output, write_output_named
 from .report import print_metrics, public_metrics, with_measured_peaks, write_trace
@@ -247,11 +249,17 @@ def cmd_config(args: argparse.Namespace) -> int:
         )
     require_fresh_profile(model, args.threads)  # stale times would choose for other kernels
     t0 = time.perf_counter()
-    choice = configure_for_budget(model, budget, args.tokens)
+    choice = configure_for_budget(model, budget, args.tokens, read_margin=args.read_margin)
     dt = time.perf_counter() - t0
     cfg = store_config(model, choice, budget)
     if args.json:
-        doc = {"config": cfg, "select_ms": dt * 1e3, "table": _table_rows(choice)}
+        doc = {
+            "config": cfg,
+            "read_margin": choice.read_margin,
+            "slow_reads_s": choice.slow_reads_s,
+            "select_ms": dt * 1e3,
+            "table": _table_rows(choice),
+        }
         print(json.dumps(doc), file=report)
     else:
         with contextlib.redirect_stdout(report):
@@ -278,28 +286,41 @@ def _table_rows(choice: Any) -> list[dict[str, Any]]:
 def _print_choice(choice: Any, budget: int, dt: float) -> None:
     extra = choice.extra_bytes
     prompt = f", {memory.format_bytes(extra)} of it the longer prompt's" if extra else ""
+    margin = float(getattr(choice, "read_margin", 0.0) or 0.0)
+    slow = (
+        f" ({choice.slow_reads_s * 1e3:.1f} ms with reads {1 + margin:g} times as long)"
+        if margin
+        else ""
+    )
     print(
         f"budget {memory.format_bytes(budget)} → G={choice.G} Q={choice.Q} B={choice.B}: "
-        f"predicted {choice.predicted_s * 1e3:.1f} ms per request of {choice.tokens or '?'} tokens, "
-        f"memory {memory.format_bytes(choice.memory_bytes)}{prompt} "
+        f"predicted {choice.predicted_s * 1e3:.1f} ms{slow} per request of "
+        f"{choice.tokens or '?'} tokens, memory {memory.format_bytes(choice.memory_bytes)}{prompt} "
         f"(selected in {dt * 1e3:.2f} ms)"
     )
     rows = _table_rows(choice)
     if not rows:
         return
-    # One line per candidate group size: its best feasible bank count B*(g).
-    print(f"  {'g':>4s} {'B*(g)':>6s} {'B_max':>6s} {'predicted':>12s} {'memory':>12s}")
+    # One line per candidate group size: its best feasible bank count B*(g), ranked as the
+    # configurator ranks them (reads slowed by the margin first, then as profiled).
+    slow_head = f" {'slow reads':>12s}" if margin else ""
+    print(f"  {'g':>4s} {'B*(g)':>6s} {'B_max':>6s} {'predicted':>12s}{slow_head} {'memory':>12s}")
     for g in sorted({int(r["g"]) for r in rows}):
         mine = [r for r in rows if int(r["g"]) == g]
         feas = [r for r in mine if r["feasible"]]
         if not feas:
             print(f"  {g:>4d} {'-':>6s} {'-':>6s} {'infeasible':>12s} {'':>12s}")
             continue
-        best = min(feas, key=lambda r: (r["predicted_s"], r["memory_bytes"]))
+        best = min(
+            feas,
+            key=lambda r: (r.get("slow_reads_s", 0.0), r["predicted_s"], r["memory_bytes"]),
+        )
         mark = " *" if (g, int(best["b"])) == (choice.G, choice.B) else ""
+        slow_col = f" {best['slow_reads_s'] * 1e3:>9.1f} ms" if margin else ""
         print(
             f"  {g:>4d} {int(best['b']):>6d} {max(int(r['b']) for r in feas):>6d} "
-            f"{best['predicted_s'] * 1e3:>9.1f} ms {memory.format_bytes(best['memory_bytes']):>12s}{mark}"
+            f"{best['predicted_s'] * 1e3:>9.1f} ms{slow_col} "
+            f"{memory.format_bytes(best['memory_bytes']):>12s}{mark}"
         )
 
 
@@ -460,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt length to configure for, ≤ the model context (default: the profile's "
         "calibration length; "
         "`estream prefill --budget` uses each request's own)",
+    )
+    p.add_argument(
+        "--read-margin", type=read_margin, help=READ_MARGIN_HELP.removeprefix("with --budget: ")
     )
     p.add_argument(
         "--json", action="store_true", help="machine-readable output (the choice and its table)"

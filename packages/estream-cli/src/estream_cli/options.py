@@ -98,6 +98,30 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def read_margin(text: str) -> float:
+    """argparse type: the configurator's margin for slower reads, a decimal number from 0 to
+    `estream_sched.MAX_READ_MARGIN` (`estream_sched.check_read_margin`)."""
+    import estream_sched as es
+
+    s = text.strip(" \t")
+    if not re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", s):
+        raise argparse.ArgumentTypeError(
+            f"expected a number from 0 to {es.MAX_READ_MARGIN:g} (0.5: reads 1.5 times as long "
+            f"as profiled), got {_shown(text)}"
+        )
+    try:
+        return es.check_read_margin(float(s))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("read_margin ")) from None
+
+
+READ_MARGIN_HELP = (
+    "with --budget: choose G, Q and B for reads this much longer than the profile measured "
+    "(default 0.5: 1.5 times as long, so that a disk slowed by another reader still hides "
+    "behind compute; 0: for the profiled disk exactly)"
+)
+
+
 #: Upper bounds of the engine's count options: beyond them a value starts thousands of threads
 #: or reads before anything useful happens.
 MAX_THREADS = 1024
@@ -137,6 +161,7 @@ def add_engine_opts(p: argparse.ArgumentParser) -> None:
         help="memory budget, e.g. 1.5GiB: G, Q and B chosen for it from the stored profile "
         "(mode stream; not with -G/-Q/-B)",
     )
+    p.add_argument("--read-margin", type=read_margin, help=READ_MARGIN_HELP)
     p.add_argument(
         "--pin",
         help="memory for experts read once at load and kept for every pass, e.g. 800MiB (whole "
@@ -238,6 +263,11 @@ def check_engine_opts(args: argparse.Namespace) -> None:
         )
     if pin is not None and pin != "auto":
         parse_bytes(pin)  # a size that cannot be read: refused before any input is read
+    if getattr(args, "read_margin", None) is not None and budget is None:
+        raise BadRequestError(
+            "--read-margin sets how the configurator chooses G, Q and B for --budget: give "
+            "--budget, or drop it"
+        )
     if budget is not None and explicit:
         raise BadRequestError(
             f"--budget chooses G, Q and B itself; give either --budget or {' '.join(explicit)}"
@@ -287,4 +317,5 @@ def _load(args: argparse.Namespace, progress: bool, tokens: int | None, op_stats
         progress=progress,
         op_stats=op_stats,
         pin=getattr(args, "pin", None),
+        read_margin=getattr(args, "read_margin", None),
     )

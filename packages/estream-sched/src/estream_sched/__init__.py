@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from ._model import Schedule, pipeline_schedule, pipeline_time
 from .configure import (
+    DEFAULT_READ_MARGIN,
+    MAX_READ_MARGIN,
     BudgetError,
     Choice,
     Row,
     calibration_tokens,
+    check_read_margin,
     choose_q0,
     configure,
     format_bytes,
@@ -33,6 +36,8 @@ GroupCandidate = LayerProfile  # name used by the engine's brief: one g's profil
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_READ_MARGIN",
+    "MAX_READ_MARGIN",
     "SCHEMA_VERSION",
     "BudgetError",
     "Choice",
@@ -50,6 +55,7 @@ __all__ = [
     "bubble_rate",
     "busy_time",
     "calibration_tokens",
+    "check_read_margin",
     "choose_q0",
     "chrome_trace",
     "configure",

@@ -31,6 +31,12 @@ Service-time model (see README "Modelling choices"):
   at ``T_ne`` and overlap nothing before it; an architecture whose router reads the layer's
   input before attention (``routes_at_layer_start=True``) knows them at layer start, and its
   routed reads overlap attention as ``early``'s do (the router's own time is taken as 0).
+* A margin for a slower disk (``read_margin``, default `DEFAULT_READ_MARGIN`): the candidates
+  are ranked by their predicted time with every read ``1 + read_margin`` times as long as the
+  profile measured (``Row.slow_reads_s``), ties by the time as measured (``predicted_s``). A
+  configuration with one large read in flight and two banks hides its reads only while the
+  disk keeps the profiled rate; one with more, smaller groups keeps hiding them when it
+  slows, usually for a percent or two at the profiled rate.
 """
 
 from __future__ import annotations
@@ -46,10 +52,13 @@ from ._model import sweep_banks
 from .profile import Profile, ProfileError, n_groups
 
 __all__ = [
+    "DEFAULT_READ_MARGIN",
+    "MAX_READ_MARGIN",
     "BudgetError",
     "Choice",
     "Row",
     "calibration_tokens",
+    "check_read_margin",
     "choose_q0",
     "configure",
     "format_bytes",
@@ -64,6 +73,30 @@ ReadModel = Literal["calibrated", "bandwidth", "measured"]
 _READ_MODELS = ("calibrated", "bandwidth", "measured")
 ScheduleName = Literal["early", "after-routing"]
 _SCHEDULES = ("early", "after-routing")
+
+#: How much slower than profiled the configurator lets reads be (``configure(read_margin=)``):
+#: the candidates are ranked with every read 1.5 times as long. On the development VM, whose
+#: profiles measured 3.2-3.7 GB/s, one quiet cold-cache run read at 2.38 GB/s (1.44 times
+#: slower) and the choice made without a margin waited 1.14 s for its reads; the shared
+#: disk of a phone or a VM slows as much when another reader or the host takes its share.
+DEFAULT_READ_MARGIN = 0.5
+#: The largest ``read_margin`` accepted: reads 11 times as long as profiled.
+MAX_READ_MARGIN = 10.0
+
+
+def check_read_margin(value: Any) -> float:
+    """``value`` as a `configure` ``read_margin`` (a number from 0 to `MAX_READ_MARGIN`), else
+    ValueError saying what it must be."""
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, bool
+    )
+    margin = float(value) if number else float("nan")
+    if not (0.0 <= margin <= MAX_READ_MARGIN):  # NaN fails too
+        raise ValueError(
+            f"read_margin must be between 0 and {MAX_READ_MARGIN:g} (reads taken that much "
+            f"longer than profiled: 0.5 is 1.5 times as long), got {value!r}"
+        )
+    return margin
 
 
 def reads_wait_for_attention(schedule: str, routes_at_layer_start: bool) -> bool:
@@ -155,6 +188,8 @@ class Row:
     memory_bytes: int
     feasible: bool
     per_layer_s: float
+    #: ``predicted_s`` with every read ``1 + read_margin`` times as long (`configure`).
+    slow_reads_s: float = 0.0
 
 
 @attrs.frozen
@@ -172,6 +207,8 @@ class Choice:
     table: tuple[Row, ...] = attrs.field(repr=False)
     tokens: int | None = None  # the prompt length the choice was made for
     extra_bytes: int = 0  # the request's memory beyond the profile's, in memory_bytes
+    read_margin: float = 0.0  # reads ranked 1 + read_margin times as long as profiled
+    slow_reads_s: float = 0.0  # predicted_s with those slower reads
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest's ``config`` entry."""
@@ -186,6 +223,8 @@ class Choice:
             "read_model": self.read_model,
             "tokens": self.tokens,
             "extra_bytes": self.extra_bytes,
+            "read_margin": self.read_margin,
+            "slow_reads_s": self.slow_reads_s,
         }
 
 
@@ -258,16 +297,24 @@ def scaled_exec_times(
 
 
 def model_arrays(
-    profile: Profile, q: int, read_model: ReadModel = "calibrated", tokens: int | None = None
+    profile: Profile,
+    q: int,
+    read_model: ReadModel = "calibrated",
+    tokens: int | None = None,
+    read_scale: float = 1.0,
 ) -> dict[int, _GroupModel]:
     """Per ``g``: ``L``, ``X`` (``[W, K_max]``) and pooled ``t_ne`` (``[W]``) at queue depth ``q``,
-    for a request of ``tokens`` tokens (default: the calibration prompt's length).
+    for a request of ``tokens`` tokens (default: the calibration prompt's length), every read
+    ``read_scale`` times as long as the read model says (the configurator's margin).
 
     Cached on the profile (it is budget independent)."""
     t_scale = 1.0 if tokens is None else int(tokens) / calibration_tokens(profile)
     if t_scale <= 0:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
-    key = ("model", q, read_model, t_scale)
+    read_scale = float(read_scale)
+    if not (np.isfinite(read_scale) and read_scale > 0):
+        raise ValueError(f"read_scale must be a positive number, got {read_scale}")
+    key = ("model", q, read_model, t_scale, read_scale)
     hit = profile._cache.get(key)
     if hit is not None:
         return hit  # type: ignore[no-any-return]
@@ -314,6 +361,7 @@ def model_arrays(
             sel_bytes = float(nbytes[routed].sum())
             lam = float(reads[routed].sum()) / sel_bytes if sel_bytes > 0 else 0.0
             L = nbytes * lam * scale
+        L = L * read_scale
         # Compact each layer's routed groups to the front (stable), zero the tail.
         W = routes.shape[0]
         counts = routed.sum(axis=1)
@@ -339,9 +387,11 @@ def sweep(
     tokens: int | None = None,
     schedule: ScheduleName = "early",
     routes_at_layer_start: bool = False,
+    read_scale: float = 1.0,
 ) -> dict[int, tuple[NDArray[np.int64], NDArray[np.float64]]]:
     """Mean per-layer ``T_pipe`` for every ``g`` and every ``b`` in ``q..ceil(N_e/g)``, reads
-    released as ``schedule`` and ``routes_at_layer_start`` say (module docstring).
+    released as ``schedule`` and ``routes_at_layer_start`` say (module docstring) and each
+    ``read_scale`` times as long as the read model's (`model_arrays`).
 
     Returns ``{g: (b_values, mean_T_pipe)}``. Bank counts ``b >= K_max`` (the most groups any
     calibration layer schedules) cannot bind (``f_{k-b}`` is then ``f_{<=0} = 0``), so they are
@@ -351,11 +401,12 @@ def sweep(
     if q0 < 1:
         raise ValueError(f"q must be >= 1, got {q0}")
     wait = reads_wait_for_attention(schedule, routes_at_layer_start)
-    key = ("sweep", q0, read_model, tokens, wait)  # budget-independent: once per profile, depth
+    # budget-independent: once per profile, depth, read scale
+    key = ("sweep", q0, read_model, tokens, wait, float(read_scale))
     hit = profile._cache.get(key)
     if hit is not None:
         return dict(hit)  # type: ignore[arg-type]
-    models = model_arrays(profile, q0, read_model, tokens)
+    models = model_arrays(profile, q0, read_model, tokens, read_scale)
     out: dict[int, tuple[NDArray[np.int64], NDArray[np.float64]]] = {}
     for g in profile.groups:
         b_top = n_groups(profile.n_experts, g)
@@ -388,24 +439,32 @@ def _configure_at(
     schedule: ScheduleName,
     routes_at_layer_start: bool,
     extra: int,
-) -> tuple[list[Row], tuple[float, int, int, int] | None, dict[int, Any]]:
+    read_scale: float,
+) -> tuple[list[Row], tuple[float, float, int, int, int] | None, dict[int, Any]]:
     """Every ``(g, b)`` at queue depth ``Q``: the table rows and the best feasible
-    ``(value, memory, g, b)`` (None if none fits)."""
-    sw = sweep(
-        profile,
-        q=Q,
-        read_model=read_model,
-        tokens=tokens,
-        schedule=schedule,
-        routes_at_layer_start=routes_at_layer_start,
-    )
+    ``(slow-reads value, value, memory, g, b)`` (None if none fits)."""
+
+    def at(scale: float) -> dict[int, Any]:
+        return sweep(
+            profile,
+            q=Q,
+            read_model=read_model,
+            tokens=tokens,
+            schedule=schedule,
+            routes_at_layer_start=routes_at_layer_start,
+            read_scale=scale,
+        )
+
+    sw = at(1.0)
+    slow_sw = sw if read_scale == 1.0 else at(read_scale)
     W_e = profile.expert_bytes
     nl = profile.n_layers
     rows: list[Row] = []
-    best: tuple[float, int, int, int] | None = None  # (value, memory, g, b)
+    best: tuple[float, float, int, int, int] | None = None
     for g, (bs, mean) in sw.items():
+        slow = slow_sw[g][1]
         b_max = min((budget - profile.m_other[g] - extra) // (g * W_e), int(bs[-1]))
-        for b, v in zip(bs.tolist(), mean.tolist()):
+        for b, v, vs in zip(bs.tolist(), mean.tolist(), slow.tolist()):
             mem = _memory(profile, g, b, extra)
             rows.append(
                 Row(
@@ -416,12 +475,15 @@ def _configure_at(
                     memory_bytes=mem,
                     feasible=b <= b_max,
                     per_layer_s=v,
+                    slow_reads_s=nl * vs,
                 )
             )
         if b_max < Q:
             continue
-        j = int(np.argmin(mean[: b_max - Q + 1]))  # first minimum: the fewest banks
-        cand = (float(mean[j]), _memory(profile, g, Q + j, extra), g, Q + j)
+        n = b_max - Q + 1
+        # by the slow-reads time, then the time as profiled, then the fewest banks
+        j = int(np.lexsort((np.arange(n), mean[:n], slow[:n]))[0])
+        cand = (float(slow[j]), float(mean[j]), _memory(profile, g, Q + j, extra), g, Q + j)
         if best is None or cand < best:
             best = cand
     return rows, best, sw
@@ -473,6 +535,7 @@ def configure(
     schedule: ScheduleName = "early",
     routes_at_layer_start: bool = False,
     extra_bytes: int | None = None,
+    read_margin: float = DEFAULT_READ_MARGIN,
 ) -> Choice:
     # long: half of it is the docstring of the configurator's options
     """Choose ``(G, Q, B)`` for a process-memory budget (bytes).
@@ -506,6 +569,11 @@ def configure(
     ``B_max(g) >= Q``. ``predicted_s`` is ``n_layers ×`` the mean per-layer ``T_pipe`` (the MoE
     layers of one calibration-sized request). Raises :class:`BudgetError` (with
     ``.minimum_bytes``) when no configuration fits.
+
+    ``read_margin`` (default `DEFAULT_READ_MARGIN`, 0 to ``MAX_READ_MARGIN``): the minimum above
+    is taken over ``slow_reads_s``, the predicted time with every read ``1 + read_margin`` times
+    as long as profiled, ties by ``predicted_s`` (module docstring); 0 ranks by ``predicted_s``
+    alone. ``predicted_s`` and ``per_layer_s`` stay the predictions at the profiled reads.
     """
     if q_rule not in _Q_RULES:
         raise ValueError(f"q_rule must be one of {_Q_RULES}, got {q_rule!r}")
@@ -523,21 +591,31 @@ def configure(
         extra = 0
     if extra < 0:
         raise ValueError(f"extra_bytes must be >= 0, got {extra}")
+    margin = check_read_margin(read_margin)
     if tokens is not None and tokens == calibration_tokens(profile):
         tokens = None  # the measured times as they are (one cache entry)
     depths = _depths(profile, q0, q_rule)
     rows: list[Row] = []
-    best: tuple[float, int, int, int, int] | None = None  # (value, memory, q, g, b)
+    # (slow-reads value, value, memory, q, g, b)
+    best: tuple[float, float, int, int, int, int] | None = None
     sweeps: dict[int, dict[int, Any]] = {}
     for Q in depths:
         r, b_at, sw = _configure_at(
-            profile, budget, Q, read_model, tokens, schedule, routes_at_layer_start, extra
+            profile,
+            budget,
+            Q,
+            read_model,
+            tokens,
+            schedule,
+            routes_at_layer_start,
+            extra,
+            1.0 + margin,
         )
         rows += r
         if sw:
             sweeps[Q] = sw
         if b_at is not None:
-            cand = (b_at[0], b_at[1], Q, b_at[2], b_at[3])
+            cand = (b_at[0], b_at[1], b_at[2], Q, b_at[3], b_at[4])
             if best is None or cand < best:
                 best = cand
     if not sweeps:
@@ -549,7 +627,7 @@ def configure(
         )
     if best is None:
         raise _below_minimum(profile, budget, sweeps, extra)
-    v, mem, Q, g, b = best
+    vs, v, mem, Q, g, b = best
     nl = profile.n_layers
     return Choice(
         G=g,
@@ -563,4 +641,6 @@ def configure(
         table=tuple(rows),
         tokens=tokens if tokens is not None else profile.meta.get("tokens"),
         extra_bytes=extra,
+        read_margin=margin,
+        slow_reads_s=nl * vs,
     )
