@@ -165,7 +165,7 @@ def render_engine(f: Figures) -> Table:
             cap = f" in a {budget} cgroup" if r.get("cgroup") else ""
             title = f"Per-op table: `{r['system']}`, {prompt(r['length'])} tokens{cap}"
             t.more.append((f"**{title}** (TTFT {ttft(r)})", _op_table(r["op_table"])))
-    if t.more:
+    if any(r.get("op_table") for r in f["runs"]):
         peaks = f.get("peaks_gops") or {}
         shown = ", ".join(f"{k} {num(v)}" for k, v in peaks.items() if v) or "not measured"
         t.notes.append(

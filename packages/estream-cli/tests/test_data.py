@@ -287,3 +287,32 @@ def test_a_thread_of_an_actor_process_reuses_the_freed_activations_of_a_pass() -
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout)
     assert got["faults"] < got["pages"], got
+
+
+def test_each_actor_loads_with_the_commands_engine_options(pack) -> None:
+    """`--ray`'s actors load with every engine option the command was given (none dropped
+    on the way): `--pin` and `--read-margin` too, and a `--budget` chosen for passes of
+    `--batch-tokens` (without it, for the profile's pass: `budget_tokens` None)."""
+    from estream_cli.main import build_parser
+    from estream_cli.ray_commands import _engine_kwargs
+
+    base = ["classify", str(pack), "--input", "in.jsonl", "--labels", "a,b", "--ray"]
+    args = build_parser().parse_args(
+        [*base, "--budget", "1GiB", "--pin", "auto", "--read-margin", "0.25",
+         "--batch-tokens", "512", "--act", "f32", "--schedule", "after-routing"]
+    )  # fmt: skip
+    kw = _engine_kwargs(args)
+    assert kw["budget"] == "1GiB" and kw["budget_tokens"] == 512
+    assert kw["pin"] == "auto" and kw["read_margin"] == 0.25
+    assert kw["act"] == "f32" and kw["schedule"] == "after-routing"
+    kw = _engine_kwargs(build_parser().parse_args([*base, "--budget", "1GiB"]))
+    assert kw["budget_tokens"] is None and kw["pin"] is None and kw["read_margin"] is None
+    # a batch length without a budget chooses nothing: the stored configuration is used
+    assert (
+        _engine_kwargs(build_parser().parse_args([*base, "--batch-tokens", "64"]))["budget_tokens"]
+        is None
+    )
+    # every keyword is an engine option (the actors' `estream.load` takes them as they are)
+    from estream import EngineOptions
+
+    EngineOptions(**_engine_kwargs(build_parser().parse_args([*base, "-G", "2", "-Q", "1"])))

@@ -143,16 +143,24 @@ def run_single(args: argparse.Namespace, run: Any) -> int:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Each actor's `estream.load` options: the command's engine options. A ``--budget``
+    is chosen for passes of ``--batch-tokens`` when given (the actors' passes are at most that
+    long, a longer request alone; the requests are not read here to find the longest), else for
+    the profile's pass, from which the actors' default pass length is derived to fit it."""
+    budget = args.budget
     return {
         "mode": args.mode,
         "schedule": args.schedule or "early",
-        "budget": args.budget,
+        "budget": budget,
+        "budget_tokens": args.batch_tokens if budget is not None else None,
         "G": args.G,
         "Q": args.Q,
         "B": args.B,
         "verify": args.verify,
         "act": args.act,
         "attention": args.attention,
+        "pin": getattr(args, "pin", None),
+        "read_margin": getattr(args, "read_margin", None),
     }
 
 
