@@ -24,6 +24,8 @@ def plot_frontier(
 ) -> None:
     """Latency–memory plot: every ``(g, b)`` of ``table`` (one colour per ``g``), the Pareto
     frontier, and for each chosen configuration its budget (dotted line) and point (star).
+    Choices made with a read margin (`configure`'s ``read_margin``) also get the frontier of
+    ``slow_reads_s``, the times they were ranked by (dashed).
 
     ``chosen``: one :class:`Choice` or several (e.g. one per budget); ``budget`` overrides the
     budget line of a single choice.
@@ -62,6 +64,14 @@ def plot_frontier(
     ax.step(
         pts[front, 0] / mib, pts[front, 1], where="post", color="k", lw=1.2, label="Pareto frontier"
     )
+    margins = sorted({c.read_margin for c in choices if c.read_margin > 0})
+    if len(margins) == 1:  # the configurator ranked by these: the chosen points lie on them
+        slow = np.array([(r.memory_bytes, r.slow_reads_s) for r in table])
+        sf = pareto_frontier(slow)
+        ax.step(
+            slow[sf, 0] / mib, slow[sf, 1], where="post", color="0.45", ls="--", lw=1.0,
+            label=f"frontier with reads {1 + margins[0]:g}× as long (ranked by)",
+        )  # fmt: skip
     chosen: dict[tuple[int, int], Choice] = {}
     for c in choices:
         ax.axvline(c.budget_bytes / mib, color="0.6", ls=":", lw=0.8)
