@@ -138,7 +138,29 @@ print(json.dumps({"ttft_s": t2 - t1, "end_to_end_s": t2 - t0, "peak_rss_bytes": 
 )
 
 
-class Cgroup:
+class _ChildGroup:
+    """A cgroup this benchmark made (``path``; None when it could not) that a child joins
+    before it starts (`preexec`) and that `close` removes."""
+
+    path: Path | None = None
+
+    def preexec(self) -> Any:
+        path = self.path
+
+        def enter() -> None:
+            assert path is not None
+            (path / "cgroup.procs").write_text(str(os.getpid()))
+
+        return enter
+
+    def close(self) -> None:
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                self.path.rmdir()
+            self.path = None
+
+
+class Cgroup(_ChildGroup):
     """A memory-capped cgroup (v2 if mounted as such, else v1) for child processes."""
 
     def __init__(self, limit: int) -> None:
@@ -163,20 +185,6 @@ class Cgroup:
         else:
             self.error = None
 
-    def preexec(self) -> Any:
-        path = self.path
-
-        def enter() -> None:
-            assert path is not None
-            (path / "cgroup.procs").write_text(str(os.getpid()))
-
-        return enter
-
-    def close(self) -> None:
-        if self.path is not None:
-            with contextlib.suppress(OSError):
-                self.path.rmdir()
-
 
 def _whole_disk(dev: int) -> str:
     """``MAJ:MIN`` of the disk holding device ``dev`` (a partition's parent: block-I/O limits
@@ -187,7 +195,7 @@ def _whole_disk(dev: int) -> str:
     return f"{os.major(dev)}:{os.minor(dev)}"
 
 
-class ReadCap:
+class ReadCap(_ChildGroup):
     """A cgroup whose processes read at most ``bps`` bytes/s from the disk holding ``path``
     (v2 ``io.max`` if cgroup v2 is mounted, else v1 ``blkio.throttle.read_bps_device``)."""
 
@@ -211,21 +219,6 @@ class ReadCap:
         except OSError as exc:
             self.error = f"{disk}: {exc}"
             self.close()
-
-    def preexec(self) -> Any:
-        path = self.path
-
-        def enter() -> None:
-            assert path is not None
-            (path / "cgroup.procs").write_text(str(os.getpid()))
-
-        return enter
-
-    def close(self) -> None:
-        if self.path is not None:
-            with contextlib.suppress(OSError):
-                self.path.rmdir()
-            self.path = None
 
 
 def _data_limit(limit: int) -> Any:
