@@ -128,7 +128,7 @@ def render_engine(f: Figures) -> Table:
         s, r, ll = (_engine_run(f, x, T, False) for x in ("stream", "resident", "llama.cpp"))
         peaks = " / ".join(size((x or {}).get("peak_memory_bytes")) for x in (s, r, ll))
         steal = seconds((x or {}).get("steal_s") for x in (s, r))
-        cfg = ", ".join(str(s[k]) for k in "GQB") if s and all(k in s for k in "GQB") else "–"
+        cfg = _gqb(s)
         if s and s.get("pinned_bytes"):
             cfg += f"; {size(s['pinned_bytes'])} pinned"
         t.rows.append(
@@ -266,11 +266,12 @@ def _read_cap_table(f: Figures) -> tuple[str, Table]:
     cap = next((r.get("read_cap_bytes_per_s") for r in f["runs"] if r.get("read_cap_bytes_per_s")),
                None)  # fmt: skip
     capped = f"capped at {size(cap)}/s" if cap else "capped"
+    default = f"{f.get('read_margin_default', 0.5):g}"  # recorded by bench_engine --read-cap
     for T in _engine_lengths(f, False):
         r = _engine_run(f, "resident", T, False)
         for system, disk, margin in (
-            ("stream", "as it is", "0.5"), (NO_MARGIN, "as it is", "0"),
-            (CAPPED, capped, "0.5"), (CAPPED_NO_MARGIN, capped, "0"),
+            ("stream", "as it is", default), (NO_MARGIN, "as it is", "0"),
+            (CAPPED, capped, default), (CAPPED_NO_MARGIN, capped, "0"),
         ):  # fmt: skip
             s = _engine_run(f, system, T, False)
             if s is None:
@@ -282,8 +283,8 @@ def _read_cap_table(f: Figures) -> tuple[str, Table]:
             )  # fmt: skip
     caption = (
         "**A disk slower than profiled** (`-- --read-cap`): the budget's configuration chosen "
-        "with the configurator's default read margin (0.5: reads 1.5 times as long as "
-        "profiled) and without one (`--read-margin 0`), at the disk's own speed and with the "
+        f"with the configurator's default read margin ({default}: reads {1 + float(default):g} "
+        "times as long as profiled) and without one (`--read-margin 0`), at the disk's own speed and with the "
         "run's reads capped by a block-I/O cgroup; waited for reads: the engine's "
         "`expert_stall_s`"
     )

@@ -809,6 +809,7 @@ def main() -> int:
         ):  # fmt: skip
             extra: tuple[str, ...] = ("--budget", str(budget))
             extra += ("--read-margin", "0") if zero else ()
+            extra += ("--pin", args.pin) if args.pin else ()  # as the `stream` runs
             extra += ("--op-stats",) if args.trace else ()
             extra += ("--attention", args.attention) if args.attention else ()
             m = run_system(
@@ -914,7 +915,10 @@ def main() -> int:
         "cgroup_note": cg_note,
     }
     if args.read_cap:
+        import estream_sched as es
+
         doc["read_cap_bytes_per_s"] = parse_bytes(args.read_cap)
+        doc["read_margin_default"] = es.DEFAULT_READ_MARGIN  # what the plain `stream` runs had
     if peaks is not None:
         doc["peaks_gops"] = peaks
     if ik is not None:

@@ -194,8 +194,8 @@ def resolve_config(
     ``schedule``: the streamed source's, as the configurator models it (`configure_for_budget`);
     ``n_threads`` (default: the engine's), ``act``, ``backend``: what the run computes with
     (`running_identity`); ``read_margin``: the configurator's margin for slower reads (None:
-    `estream_sched.DEFAULT_READ_MARGIN`). A budget or a stored configuration with a stale profile (module
-    docstring) gives the default configuration, shrunk to fit the budget
+    `estream_sched.DEFAULT_READ_MARGIN`). A budget or a stored configuration with a stale
+    profile (module docstring) gives the default configuration, shrunk to fit the budget
     (`StreamConfig.warning` says why; the engine warns with it)."""
     hp = model.hparams
     run = {"n_threads": n_threads, "act": act, "backend": backend}
