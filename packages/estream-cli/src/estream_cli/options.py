@@ -298,24 +298,34 @@ def engine_from_args(
     return _load(args, progress, tokens, op_stats)
 
 
+def engine_kwargs(args: argparse.Namespace, tokens: int | None = None) -> dict[str, Any]:
+    """The `estream.load` keywords of the engine options `add_engine_opts` added that every
+    engine of the command takes, in this process or in a Ray actor: ``tokens`` is the pass
+    length a ``--budget`` configuration is chosen for (None: the profile's pass). The threads,
+    backend and what a pass reports are the caller's (`_load`; a Ray actor has its own)."""
+    return {
+        "mode": args.mode,
+        "schedule": args.schedule or "early",
+        "budget": args.budget,
+        "budget_tokens": tokens if args.budget is not None else None,
+        "G": args.G,
+        "Q": args.Q,
+        "B": args.B,
+        "verify": args.verify,
+        "act": args.act,
+        "attention": args.attention,
+        "pin": getattr(args, "pin", None),
+        "read_margin": getattr(args, "read_margin", None),
+    }
+
+
 def _load(args: argparse.Namespace, progress: bool, tokens: int | None, op_stats: bool) -> Engine:
     return load(
         args.model,
-        mode=args.mode,
-        schedule=args.schedule or "early",
-        budget=args.budget,
-        budget_tokens=tokens if args.budget is not None else None,
-        G=args.G,
-        Q=args.Q,
-        B=args.B,
+        **engine_kwargs(args, tokens),
         n_threads=args.threads,
-        verify=args.verify,
-        act=args.act,
-        attention=args.attention,
         backend=args.backend,
         dense_ops=args.dense_ops,
         progress=progress,
         op_stats=op_stats,
-        pin=getattr(args, "pin", None),
-        read_margin=getattr(args, "read_margin", None),
     )

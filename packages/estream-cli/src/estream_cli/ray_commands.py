@@ -36,7 +36,7 @@ from typing import Any
 from estream.errors import BadRequestError, EStreamError
 
 from .messages import plural
-from .options import check_engine_opts, positive_int
+from .options import check_engine_opts, engine_kwargs, positive_int
 from .output import STDOUT, check_output, write_json
 
 __all__ = ["add_ray_opts", "run_ray"]
@@ -143,25 +143,11 @@ def run_single(args: argparse.Namespace, run: Any) -> int:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Each actor's `estream.load` options: the command's engine options. A ``--budget``
-    is chosen for passes of ``--batch-tokens`` when given (the actors' passes are at most that
+    """Each actor's `estream.load` options: the command's (`engine_kwargs`). A ``--budget`` is
+    chosen for passes of ``--batch-tokens`` when given (the actors' passes are at most that
     long, a longer request alone; the requests are not read here to find the longest), else for
     the profile's pass, from which the actors' default pass length is derived to fit it."""
-    budget = args.budget
-    return {
-        "mode": args.mode,
-        "schedule": args.schedule or "early",
-        "budget": budget,
-        "budget_tokens": args.batch_tokens if budget is not None else None,
-        "G": args.G,
-        "Q": args.Q,
-        "B": args.B,
-        "verify": args.verify,
-        "act": args.act,
-        "attention": args.attention,
-        "pin": getattr(args, "pin", None),
-        "read_margin": getattr(args, "read_margin", None),
-    }
+    return engine_kwargs(args, args.batch_tokens)
 
 
 def _defaults(args: argparse.Namespace, name: str) -> dict[str, Any]:
