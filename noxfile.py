@@ -375,16 +375,29 @@ def bench_hexagon(session: nox.Session) -> None:
     _recorded(session, "bench_hexagon", PKG / "estream-htp" / "bench" / "bench_hexagon.py")
 
 
+def _arm64_session(session: nox.Session) -> None:
+    """The arm64 cross toolchain and emulator installed, or the session's error naming them."""
+    _arm64_toolchain(session)
+    if "ESTREAM_HTP_REQUIRE_ARM64" not in session.env:
+        session.error(f"the {session.name} session needs " + ", ".join(ARM64_TOOLS))
+
+
 @nox.session
 def arm64(session: nox.Session) -> None:
     """The arm64 (NEON) kernels alone, cross-compiled from the tree and run under qemu-aarch64
-    (the same tests also run in `nox -s htp`), then the instructions per 32x32 tile of the strip
-    kernels by kind (recorded in benchmarks/results/). Builds nothing in-tree."""
-    _arm64_toolchain(session)
-    if "ESTREAM_HTP_REQUIRE_ARM64" not in session.env:
-        session.error("the arm64 session needs " + ", ".join(ARM64_TOOLS))
+    (the same tests also run in `nox -s htp`; their instruction mix: `bench_arm64`). Builds
+    nothing in-tree."""
+    _arm64_session(session)
     session.install("pytest>=8", "hypothesis>=6.100")
     _pytest(session, PKG / "estream-htp" / "tests" / "test_cross_arm64.py")
+
+
+@nox.session
+def bench_arm64(session: nox.Session) -> None:
+    """The instructions per 32x32 tile of the arm64 strip kernels and per key block of the
+    attention tasks, by kind, under qemu-aarch64 (recorded in benchmarks/results/); no test
+    runs first. Builds nothing in-tree."""
+    _arm64_session(session)
     mix = ROOT / "bench-results" / bench_record.BENCHES["neon_instr_mix"]
     _recorded(session, "neon_instr_mix", PKG / "estream-htp" / "tools" / "neon_instr_mix.py",
               "--json", str(mix))  # fmt: skip

@@ -445,8 +445,8 @@ def test_the_newest_result_is_rendered(tmp_path: Path) -> None:
 
 def test_every_benchmark_session_is_recorded_and_rendered() -> None:
     """Every session that runs a benchmark script through `_bench` (and the bench_hexagon
-    session's two, the arm64 session's one) has a figures file in record.BENCHES and a renderer in report.BENCHES, and nothing
-    else does."""
+    session's two, the bench_arm64 session's one) has a figures file in record.BENCHES and a
+    renderer in report.BENCHES, and nothing else does."""
     nox_src = (ROOT / "noxfile.py").read_text()
     sessions = set(re.findall(r"def (\w+)\(session: nox.Session\) -> None:\n(?:.*\n){0,4}?"
                               r"\s+_bench\(session", nox_src))  # fmt: skip

@@ -37,6 +37,22 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+#: the tile formats of the GEMM checks
+FORMATS = (
+    "q4_0",
+    "q8_0",
+    "q4_k",
+    "q5_k",
+    "q6_k",
+    "mxfp4",
+    "iq4_nl",
+    "q4_1",
+    "q5_0",
+    "q5_1",
+    "iq4_xs",
+)
+
+
 def _qemu(exe: Path, cpu: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [mix.qemu() or "qemu-aarch64", "-cpu", cpu, str(exe), *args],
@@ -58,8 +74,8 @@ def selftest(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     """On a CPU with the dot-product extension every check of the self-test passes (GEMM of
     every tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0, Q5_1, IQ4_XS) and
-    activation format within the fp32 rounding bound of float64; IQ4_NL, Q4_1, Q5_0, Q5_1 and IQ4_XS
-    int8 GEMMs giving the portable table's bits on 5 awkward shapes each; F16 / BF16 dense tiles in fp32
+    activation format within the fp32 rounding bound of float64; every format's int8 GEMM
+    giving the portable table's bits on 5 awkward shapes; F16 / BF16 dense tiles in fp32
     under either act, NEON giving the portable bits, the values read exactly; exact-integer GEMMs
     bit-identical to the int64 dot product and to the portable table, GEMM from Q8 rows and
     with a shared input, the expert op (SwiGLU, ReGLU and SwiGLU-OAI, with and without
@@ -73,25 +89,13 @@ def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     assert lines[-1] == "OK"
     assert lines[0] == "bf16 attention products: native (FEAT_BF16: BFMLALT / BFMLALB)"
     _assert_attention_bits(lines)
-    for fmt in (
-        "q4_0",
-        "q8_0",
-        "q4_k",
-        "q5_k",
-        "q6_k",
-        "mxfp4",
-        "iq4_nl",
-        "q4_1",
-        "q5_0",
-        "q5_1",
-        "iq4_xs",
-    ):
+    for fmt in FORMATS:
         for act in ("f32", "q8"):
             assert any(re.match(rf"gemm {fmt} act={act} n=\d+ k=\d+ t=\d+: ok$", s) for s in lines)
             assert any(s.startswith(f"expert {fmt} act={act} neon ") for s in lines)
         assert any(s.startswith(f"gemm {fmt} exact integer sums") for s in lines)
         assert any(s.startswith(f"gemm {fmt} from Q8 rows and shared input") for s in lines)
-    for fmt in ("iq4_nl", "q4_1", "q5_0", "q5_1", "iq4_xs"):  # the NEON kernel lq_half_neon
+    for fmt in FORMATS:  # the NEON kernels: q4q8_half_neon, lq_half_neon, kn_half_neon
         ok = [s for s in lines if re.match(rf"gemm {fmt} neon = portable bits .*: ok$", s)]
         assert len(ok) == 5, fmt
     for fmt in ("f16", "bf16"):  # dense tiles: every shape, fp32 under either act, exact values
@@ -199,11 +203,11 @@ def test_selftest_fails_when_a_dot_product_is_off_by_one(selftest: Path, tmp_pat
 
 
 def test_instruction_mix_per_tile(selftest: Path, tmp_path: Path) -> None:
-    """tools/neon_instr_mix.py counts what the kernels execute: the NEON Q4_0 kernel issues
-    exactly 1024 / 16 = 64 SDOT per 32x32 tile and token (one SDOT is 16 int8 MACs) and none in
-    its per-tile setup, the portable kernels none at all, and fewer instructions per tile-token
-    than the portable kernel; every tile format's kernel is counted, and every count is
-    non-negative where measured directly. The attention tasks are counted per fully visible
+    """tools/neon_instr_mix.py counts what the kernels execute: the NEON table has its own
+    kernel for each format counted (Q4_0, Q8_0, Q4_K, Q6_K, Q5_K, MXFP4), each issues exactly
+    1024 / 16 = 64 SDOT per 32x32 tile and token (one SDOT is 16 int8 MACs) and none in its
+    per-tile setup, and fewer instructions per tile-token than the portable Q4_0 kernel, which
+    issues none; every count is non-negative where measured directly. The attention tasks are counted per fully visible
     key block of 64 queries x 64 keys (dk = dv = 64): the bf16 task issues exactly
     64 * 64 * (dk + dv) / 4 BFMLALB / BFMLALT (4 MACs each), the fp32 task at least as many
     float instructions (its FMLA) and no bf16 ones, the portable task none, and each NEON task
@@ -217,15 +221,19 @@ def test_instruction_mix_per_tile(selftest: Path, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     labels = [label for label in res if label != "executable" and "per_tile" in res[label]]
-    assert {"neon_q4_0", "neon_q8_0", "neon_q4_k", "neon_q6_k", "portable_q4_0"} <= set(labels)
-    neon, port = res["neon_q4_0"], res["portable_q4_0"]
-    assert neon["per_tile_per_token"]["sdot"] == 1024 // 16
-    assert neon["per_tile_setup"]["sdot"] == 0
-    assert neon["per_tile"]["2"]["sdot"] == 2 * 1024 // 16
+    neon_fmts = ("q4_0", "q8_0", "q4_k", "q6_k", "q5_k", "mxfp4")
+    assert {*(f"neon_{f}" for f in neon_fmts), "portable_q4_0"} <= set(labels)
+    port = res["portable_q4_0"]
+    for fmt in neon_fmts:
+        neon = res[f"neon_{fmt}"]
+        assert neon["function"].endswith("_neon"), (fmt, neon["function"])
+        assert neon["per_tile_per_token"]["sdot"] == 1024 // 16, fmt
+        assert neon["per_tile_setup"]["sdot"] == 0, fmt
+        assert neon["per_tile"]["2"]["sdot"] == 2 * 1024 // 16, fmt
+        assert neon["per_tile_per_token"]["total"] < port["per_tile_per_token"]["total"], fmt
     for label in labels:
         if res[label]["function"].endswith("_portable"):
             assert all(v["sdot"] == 0 for v in res[label]["measured"].values()), label
-    assert neon["per_tile_per_token"]["total"] < port["per_tile_per_token"]["total"]
     for label in labels:
         for counts in (*res[label]["measured"].values(), *res[label]["per_tile"].values()):
             assert all(v >= 0 for v in counts.values()), label

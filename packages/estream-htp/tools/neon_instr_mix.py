@@ -61,6 +61,8 @@ STRIP_FORMATS = {
     "q8q8_strip": "q8_0",
     "q4kq8_strip": "q4_k",
     "q6kq8_strip": "q6_k",
+    "q5kq8_strip": "q5_k",
+    "mxq8_strip": "mxfp4",
 }
 
 

@@ -22,6 +22,8 @@
  * - GEMM, every tile format (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q4_1, Q5_0, Q5_1, IQ4_XS) x both activation formats, NEON and portable tables, 1 and 2
  *   threads: each within the rounding bound of its fp32 sums of a float64 reference (Q8: of the
  *   library's own quantized activations), 1 and 2 threads bit-identical.
+ * - Q8-activation GEMM of every tile format on 5 awkward shapes: the NEON kernel gives the
+ *   portable table's bits.
  * - GEMM of F16 / BF16 dense tiles: fp32 products under either act, the values read exactly.
  * - GEMM from Q8 rows quantized once and GEMM of three matrices sharing one input: bit-identical
  *   to the one-matrix GEMM of the fp32 input.
@@ -429,14 +431,17 @@ static int check_gemm(uint32_t fmt, uint32_t act, uint32_t n, uint32_t k, uint32
     return bad;
 }
 
-/* The NEON table's int8 GEMM gives the portable table's bits (IQ4_NL, IQ4_XS, Q4_1, Q5_0,
- * Q5_1: exact integer dots, one fp32 epilogue): random codes and awkward scales (zero,
- * subnormal, the largest half), activation blocks of +-127, token counts off the kernel's
- * 2-token step, rows off its 16-row halves, odd block counts; the output's margins stay
- * poisoned. */
+/* The NEON table's int8 GEMM gives the portable table's bits (every tile format: exact integer
+ * dots, then the portable body's fp32 epilogue): random codes and awkward scales (zero,
+ * subnormal, the largest half; MXFP4 also the subnormal E8M0 exponents 0 and 1), activation
+ * blocks of +-127, token counts off the kernel's 2-token step, rows off its 16-row halves, odd
+ * block counts; the output's margins stay poisoned. */
 static int check_gemm_bits(uint32_t fmt, uint32_t n, uint32_t k, uint32_t t) {
     const uint32_t ldy = n + 3;
     uint8_t *w = make_weights(fmt, n, k, 0);
+    if (fmt == HTP_FMT_MXFP4_T32R4) /* E8M0 exponents 0, 1 (subnormal scales), 2 in some rows */
+        for (size_t tile = 0; tile < (size_t)((n + 31) / 32) * (k / 32); tile++)
+            for (uint32_t r = 0; r < 32; r += 5) w[tile * tile_bytes(fmt) + r] = (uint8_t)(r % 3);
     float *x = malloc(sizeof(float) * t * k);
     float *y0 = malloc(sizeof(float) * t * ldy), *y1 = malloc(sizeof(float) * t * ldy);
     for (size_t i = 0; i < (size_t)t * k; i++) x[i] = frand() * (float)(1 + rnd() % 1000);
@@ -1107,7 +1112,7 @@ int main(int argc, char **argv) {
             const uint32_t n = 1 + rnd() % 130, k = 32 * (1 + rnd() % 12), t = 1 + rnd() % 20;
             for (uint32_t act = 0; act < 2; act++) CHECK(check_gemm(fmts[f], act, n, k, t));
         }
-        if (f >= 6) { /* the formats of the NEON kernel lq_half_neon */
+        { /* every format's NEON kernel gives the portable bits */
             const uint32_t bs[][3] = {{1, 32, 1}, {17, 96, 5}, {31, 32, 3}, {70, 160, 7}, {33, 256, 4}};
             for (size_t i = 0; i < sizeof bs / sizeof bs[0]; i++)
                 CHECK(check_gemm_bits(fmts[f], bs[i][0], bs[i][1], bs[i][2]));
