@@ -20,7 +20,9 @@
  * build flips to replace those parts by qf32/hf HVX code (v68+; QEMU 7.2 does not emulate HVX
  * float, so that code is not written here and selecting it is a compile error).
  *
- * Q8_0 tiles (eight groups of signed bytes) use the same vrmpy with the sign bits flipped. */
+ * Q8_0 tiles (eight groups of signed bytes) use the same vrmpy with the sign bits flipped, and
+ * the K-quant tiles (Q4_K, Q5_K, Q6_K) the same scheme with their own integer operands and the
+ * portable bodies' scalar epilogues (below). */
 #include "htp_gemm_body.h"
 
 #ifdef HTP_HVX
@@ -142,6 +144,127 @@ __attribute__((noinline)) void htp_hvx_q8q8_strip(const uint8_t *strip, uint32_t
         for (uint32_t r = 0; r < rows; r++) out[(size_t)u * ldo + r] = acc[u][r];
 }
 
+/* Q4_K / Q5_K tiles x int8 activations: the Q4_0 kernel's scheme on the nibbles at byte 192
+ * (values 0..15, vrmpy's unsigned operand as they are, sums from 0), Q5_K's fifth bits added
+ * (row r's word at 704 + 4r is one vector whose lanes are the rows: hvx_fifth moves the bits of
+ * a group's 4 columns to bit 4 of the lane's 4 bytes); nibble vectors and row scales made once
+ * per tile, then per token eight vrmpy and the shared scalar epilogue htp_q45k_epilogue per row
+ * (ds = d·sc and dm = dmin·m exact, as in the portable body): the portable bits. */
+static inline hvx_vec hvx_fifth(hvx_vec h, int first) {
+    const hvx_vec x = Q6_V_vand_VV(Q6_Vuw_vlsr_VuwR(h, first), Q6_V_vsplat_R(0xf));
+    hvx_vec y = Q6_V_vor_VV(Q6_Vw_vasl_VwR(x, 4), Q6_Vw_vasl_VwR(x, 11)); /* bit b -> 8b + 4 */
+    y = Q6_V_vor_VV(y, Q6_V_vor_VV(Q6_Vw_vasl_VwR(x, 18), Q6_Vw_vasl_VwR(x, 25)));
+    return Q6_V_vand_VV(y, Q6_V_vsplat_R(0x10101010));
+}
+
+static inline __attribute__((always_inline)) void hvx_q45k_strip(
+    const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out, uint32_t ldo,
+    uint32_t rows, const int q5) {
+    const uint32_t k = kb * 32;
+    float acc[HVX_Q4_NT][32];
+    int32_t dot[32] __attribute__((aligned(128)));
+    for (uint32_t u = 0; u < nt; u++)
+        for (int r = 0; r < 32; r++) acc[u][r] = 0.0f;
+    const hvx_vec m4 = Q6_V_vsplat_R(0x0f0f0f0f);
+    const int aligned = ((uintptr_t)a->q & 3) == 0;
+    for (uint32_t j = 0; j < kb; j++) {
+        const uint8_t *tile = strip + (size_t)j * (q5 ? HTP_Q5K_TILE_BYTES : HTP_Q4K_TILE_BYTES);
+        hvx_vec lo[4], hi[4];
+        const hvx_vec h = q5 ? (hvx_vec) * (const hvx_uvec *)(tile + 704) : Q6_V_vsplat_R(0);
+        for (int g = 0; g < 4; g++) {
+            const hvx_vec v = (hvx_vec) * (const hvx_uvec *)(tile + 192 + 128 * g);
+            lo[g] = Q6_V_vand_VV(v, m4);
+            hi[g] = Q6_V_vand_VV(Q6_Vuh_vlsr_VuhR(v, 4), m4);
+            if (q5) {
+                lo[g] = Q6_V_vor_VV(lo[g], hvx_fifth(h, 4 * g));
+                hi[g] = Q6_V_vor_VV(hi[g], hvx_fifth(h, 16 + 4 * g));
+            }
+        }
+        float ds[32], dm[32]; /* HTP_HVX_FLOAT: scalar */
+        hvx_f16_scales(tile, ds);
+        hvx_f16_scales(tile + 64, dm);
+        for (int r = 0; r < 32; r++) {
+            ds[r] *= (float)tile[128 + r];
+            dm[r] *= (float)tile[160 + r];
+        }
+        for (uint32_t u = 0; u < nt; u++) {
+            const int8_t *qb = a->q + (size_t)u * k + 32 * j;
+            int32_t wu[8];
+            const int32_t *w = (const int32_t *)(const void *)qb;
+            if (!aligned) w = (const int32_t *)memcpy(wu, qb, 32);
+            hvx_vec d = Q6_Vw_vrmpy_VubRb(lo[0], w[0]);
+            for (int g = 0; g < 4; g++) {
+                if (g) d = Q6_Vw_vrmpyacc_VwVubRb(d, lo[g], w[g]);
+                d = Q6_Vw_vrmpyacc_VwVubRb(d, hi[g], w[4 + g]);
+            }
+            *(hvx_vec *)dot = d;
+            const float da = a->d[(size_t)u * kb + j]; /* HTP_HVX_FLOAT: scalar */
+            const int32_t sa = a->s[(size_t)u * kb + j];
+            float *ac = acc[u];
+            for (int r = 0; r < 32; r++) ac[r] = htp_q45k_epilogue(ac[r], dot[r], sa, ds[r], dm[r], da);
+        }
+    }
+    for (uint32_t u = 0; u < nt; u++)
+        for (uint32_t r = 0; r < rows; r++) out[(size_t)u * ldo + r] = acc[u][r];
+}
+__attribute__((noinline)) void htp_hvx_q4kq8_strip(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                                   uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    hvx_q45k_strip(strip, kb, a, nt, out, ldo, rows, 0);
+}
+__attribute__((noinline)) void htp_hvx_q5kq8_strip(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                                   uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    hvx_q45k_strip(strip, kb, a, nt, out, ldo, rows, 1);
+}
+
+/* Q6_K tiles x int8 activations: the signed values (-32..31) + 32 as vrmpy's unsigned operand,
+ * the two halves' sums (columns 0..15 from groups 0..3, 16..31 from 4..7) started at -32 x the
+ * half's activation sum (htp_act_q8.z where the op made it), then per row the exact int32
+ * sc0 * lo + sc1 * hi and htp_q6k_epilogue, scalar: the portable bits. */
+__attribute__((noinline)) void htp_hvx_q6kq8_strip(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                                   uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    const uint32_t k = kb * 32;
+    float acc[HVX_Q4_NT][32];
+    int32_t dl[32] __attribute__((aligned(128))), dh[32] __attribute__((aligned(128)));
+    for (uint32_t u = 0; u < nt; u++)
+        for (int r = 0; r < 32; r++) acc[u][r] = 0.0f;
+    const hvx_vec b32 = Q6_V_vsplat_R(0x20202020);
+    const int aligned = ((uintptr_t)a->q & 3) == 0;
+    for (uint32_t j = 0; j < kb; j++) {
+        const uint8_t *tile = strip + (size_t)j * HTP_Q6K_TILE_BYTES;
+        hvx_vec gv[8];
+        for (int g = 0; g < 8; g++)
+            gv[g] = Q6_Vb_vadd_VbVb((hvx_vec) * (const hvx_uvec *)(tile + 128 + 128 * g), b32);
+        float dr[32]; /* HTP_HVX_FLOAT: scalar */
+        hvx_f16_scales(tile, dr);
+        for (uint32_t u = 0; u < nt; u++) {
+            const int8_t *qb = a->q + (size_t)u * k + 32 * j;
+            int32_t wu[8], z[2];
+            const int32_t *w = (const int32_t *)(const void *)qb;
+            if (!aligned) w = (const int32_t *)memcpy(wu, qb, 32);
+            if (a->z) {
+                z[0] = a->z[((size_t)u * kb + j) * 2], z[1] = a->z[((size_t)u * kb + j) * 2 + 1];
+            } else {
+                htp_q8_q6k_seeds(qb, 1, z);
+            }
+            hvx_vec l = Q6_V_vsplat_R(z[0]), hh = Q6_V_vsplat_R(z[1]);
+            for (int g = 0; g < 4; g++) {
+                l = Q6_Vw_vrmpyacc_VwVubRb(l, gv[g], w[g]);
+                hh = Q6_Vw_vrmpyacc_VwVubRb(hh, gv[4 + g], w[4 + g]);
+            }
+            *(hvx_vec *)dl = l;
+            *(hvx_vec *)dh = hh;
+            const float da = a->d[(size_t)u * kb + j]; /* HTP_HVX_FLOAT: scalar */
+            float *ac = acc[u];
+            for (int r = 0; r < 32; r++) {
+                const int32_t dot = (int32_t)(int8_t)tile[64 + 2 * r] * dl[r] + (int32_t)(int8_t)tile[65 + 2 * r] * dh[r];
+                ac[r] = htp_q6k_epilogue(ac[r], dot, dr[r], da);
+            }
+        }
+    }
+    for (uint32_t u = 0; u < nt; u++)
+        for (uint32_t r = 0; r < rows; r++) out[(size_t)u * ldo + r] = acc[u][r];
+}
+
 /* One 32-float block per vector: amax in HVX integer, the rest scalar float (as portable). */
 static void quantize_q8_hvx(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s) {
     const hvx_vec nosign = Q6_V_vsplat_R(0x7fffffff);
@@ -183,6 +306,10 @@ const htp_isa htp_isa_hvx = {
     .q4q8_nt = HVX_Q4_NT,
     .q8q8_strip = htp_hvx_q8q8_strip,
     .q8q8_nt = HVX_Q4_NT,
+    .q4kq8_strip = htp_hvx_q4kq8_strip,
+    .q6kq8_strip = htp_hvx_q6kq8_strip,
+    .kq8_nt = HVX_Q4_NT,
+    .q5kq8_strip = htp_hvx_q5kq8_strip,
     .dequant_tile = htp_dequant_portable,
     .f32_strip = htp_f32_strip_portable,
     .f32_nt = 4,

@@ -825,3 +825,32 @@ def test_no_packet_of_the_executor_reloads_what_it_stores() -> None:
     ).stdout  # fmt: skip
     assert listing.count("{") > 1000  # a Hexagon listing of the whole program
     assert store_then_load_packets(listing) == []
+
+
+@pytest.mark.parametrize("fmt", ["q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4"])
+def test_hvx_table_runs_its_own_kquant_kernels(fmt: str) -> None:
+    """The `hvx` table multiplies K-quant tiles with its HVX kernel (htp_hvx_q4kq8_strip, ...)
+    and never the portable one, and the `portable` table the reverse: counted from QEMU's
+    execution log of one GEMM (tools/hexagon_packets.py), which the bit-exact tests above
+    cannot tell apart."""
+    import importlib.util
+    from pathlib import Path
+
+    from estream_htp import _hexagon
+
+    if shutil.which("llvm-nm-19") is None:
+        assert os.environ.get("ESTREAM_HTP_REQUIRE_HEXAGON", "").strip() != "1", "no llvm-nm-19"
+        pytest.skip("llvm-nm-19 not installed (apt-get install llvm-19)")
+    tool = Path(__file__).resolve().parents[1] / "tools" / "hexagon_packets.py"
+    spec = importlib.util.spec_from_file_location("hexagon_packets", tool)
+    assert spec and spec.loader
+    pk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pk)
+    exe = _hexagon.executor_path()
+    kernel = fmt[:4].replace("_", "") + "q8_strip"  # q4kq8_strip
+    hvx = pk._symbol_range(exe, f"htp_hvx_{kernel}")
+    portable = pk._symbol_range(exe, f"htp_{kernel}_portable")
+    assert pk.measure(exe, *hvx, 8, 3, "hvx", fmt) > 0
+    assert pk.measure(exe, *portable, 8, 3, "hvx", fmt) == 0
+    assert pk.measure(exe, *portable, 8, 3, "portable", fmt) > 0
+    assert pk.measure(exe, *hvx, 8, 3, "portable", fmt) == 0

@@ -1,4 +1,5 @@
-"""Packets per 32x32 tile of the HVX Q4_0 (and Q8_0) x int8 kernels, counted on the compiled code.
+"""Packets per 32x32 tile of the HVX Q4_0, Q8_0, Q4_K, Q5_K and Q6_K x int8 kernels (and of the
+portable kernels they replace), counted on the compiled code.
 
     python tools/hexagon_packets.py [--json OUT]
 
@@ -8,9 +9,10 @@ on the ``hexagon`` backend with QEMU's execution log (``-d in_asm,exec,nochain``
 execution of a block is logged, so the packets the kernel issued are counted exactly for that
 run. A packet issues in one cycle at best (VLIW: up to four instructions), so the counts bound
 the cycles from below on a real core (no stalls, no memory latency). Two strip lengths
-(kb = 1, 2 tiles) and two token counts (nt = 1, 8) separate the per-tile setup (nibble split of
-the four 128-byte groups, the 32 f16 row scales) from the per-token work (eight ``vrmpy``, the
-``8·sum`` correction, and the 32 rows' fp32 scale-and-accumulate in scalar float)."""
+(kb = 1, 2 tiles; the K-quants 8, 16: one and two 256-value super-blocks) and two token counts
+(nt = 1, 8) separate the per-tile setup (nibble split of the four 128-byte groups, the 32 f16
+row scales) from the per-token work (eight ``vrmpy``, the ``8·sum`` correction, and the 32
+rows' fp32 scale-and-accumulate in scalar float)."""
 
 from __future__ import annotations
 
@@ -26,8 +28,15 @@ import numpy as np
 
 import estream_htp as htp
 from estream_htp import _hexagon
+from estream_htp import testing as T
 
 FUNC = "htp_hvx_q4q8_strip"
+#: the K-quant tile formats: (packer, random GGML blocks); K a multiple of 256
+KQUANTS = {
+    "q4_k-t32r4": (T.pack_q4_k_t32r4, T.random_q4_k_blocks),
+    "q5_k-t32r4": (T.pack_q5_k_t32r4, T.random_q5_k_blocks),
+    "q6_k-t32r4": (T.pack_q6_k_t32r4, T.random_q6_k_blocks),
+}
 
 
 def _symbol_range(exe: Path, func: str) -> tuple[int, int]:
@@ -65,9 +74,12 @@ def measure(
 ) -> int:
     rng = np.random.default_rng(kb * 100 + nt)
     k = 32 * kb
-    wf = rng.standard_normal((32, k)).astype(np.float32)
-    w = htp.pack_q4_0_t32r4(wf) if fmt == "q4_0-t32r4" else htp.pack_q8_0_t32r4(wf)
     x = rng.standard_normal((nt, k)).astype(np.float32)
+    if fmt in KQUANTS:
+        w = KQUANTS[fmt][0](KQUANTS[fmt][1](rng, 32, k))
+    else:
+        wf = rng.standard_normal((32, k)).astype(np.float32)
+        w = htp.pack_q4_0_t32r4(wf) if fmt == "q4_0-t32r4" else htp.pack_q8_0_t32r4(wf)
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "qemu.log"
         cmd = ["qemu-hexagon-static", "-d", "in_asm,exec,nochain", "-D", str(log),
@@ -79,8 +91,10 @@ def measure(
 
 def tile_costs(exe: Path, func: str, simd: str, fmt: str = "q4_0-t32r4") -> dict[str, object]:
     lo, size = _symbol_range(exe, func)
-    m = {(kb, nt): measure(exe, lo, size, kb, nt, simd, fmt) for kb in (1, 2) for nt in (1, 8)}
-    tile1, tile8 = m[(2, 1)] - m[(1, 1)], m[(2, 8)] - m[(1, 8)]  # one more tile
+    k1, k2 = (8, 16) if fmt in KQUANTS else (1, 2)
+    m = {(kb, nt): measure(exe, lo, size, kb, nt, simd, fmt) for kb in (k1, k2) for nt in (1, 8)}
+    # one more tile (the mean of k2 - k1 more)
+    tile1, tile8 = ((m[(k2, nt)] - m[(k1, nt)]) / (k2 - k1) for nt in (1, 8))
     per_token = (tile8 - tile1) / 7
     setup = tile1 - per_token
     print(f"{func} ({simd}, {fmt}): packets executed (QEMU exec log), one 32-row strip")
@@ -107,6 +121,11 @@ def main(argv: list[str]) -> int:
         "hvx_q8_0": tile_costs(exe, "htp_hvx_q8q8_strip", "hvx", "q8_0-t32r4"),
         "portable_q8_0": tile_costs(exe, "htp_q8q8_strip_portable", "portable", "q8_0-t32r4"),
     }
+    for f in ("q4_k", "q5_k", "q6_k"):
+        fmt = f"{f}-t32r4"
+        kernel = f.replace("_", "") + "q8_strip"  # q4kq8_strip
+        res[f"hvx_{f}"] = tile_costs(exe, f"htp_hvx_{kernel}", "hvx", fmt)
+        res[f"portable_{f}"] = tile_costs(exe, f"htp_{kernel}_portable", "portable", fmt)
     if len(argv) > 2 and argv[1] == "--json":
         Path(argv[2]).write_text(json.dumps(res, indent=2) + "\n")
     return 0
