@@ -21,8 +21,8 @@
  * float, so that code is not written here and selecting it is a compile error).
  *
  * Q8_0 tiles (eight groups of signed bytes) use the same vrmpy with the sign bits flipped, and
- * the K-quant tiles (Q4_K, Q5_K, Q6_K) the same scheme with their own integer operands and the
- * portable bodies' scalar epilogues (below). */
+ * the other weight formats (Q4_K, Q5_K, Q6_K; IQ4_NL, IQ4_XS, Q4_1, Q5_0, Q5_1, MXFP4) the same
+ * scheme with their own integer operands and the portable bodies' scalar epilogues (below). */
 #include "htp_gemm_body.h"
 
 #ifdef HTP_HVX
@@ -265,6 +265,110 @@ __attribute__((noinline)) void htp_hvx_q6kq8_strip(const uint8_t *strip, uint32_
         for (uint32_t r = 0; r < rows; r++) out[(size_t)u * ldo + r] = acc[u][r];
 }
 
+/* IQ4_NL, IQ4_XS, Q4_1, Q5_0, Q5_1 (K: the LQ_* kind, htp_internal.h) and MXFP4 (K = HX_MX)
+ * tiles x int8 activations, the Q4_0 kernel's scheme: per tile the codes' values as vrmpy's
+ * unsigned operand, made once and used for every token (Q4_1: the nibbles; Q5_0 / Q5_1: plus 16 x
+ * the fifth bit, hvx_fifth; IQ4 and MXFP4: kv[code] + 128 by a 16-way compare and select, the
+ * sums starting at -128 x the block's activation sum), eight vrmpy per token, then the portable
+ * body's scalar epilogue row by row, each product and sum its own statement (the executor is
+ * built with -ffp-contract=off): the portable bits. */
+#define HX_MX 5
+static inline hvx_vec hvx_lut16(hvx_vec nib, const hvx_vec tab[16]) {
+    hvx_vec r = tab[0];
+    for (int c = 1; c < 16; c++) r = Q6_V_vmux_QVV(Q6_Q_vcmp_eq_VbVb(nib, Q6_Vb_vsplat_R(c)), tab[c], r);
+    return r;
+}
+
+static inline __attribute__((always_inline)) void hvx_lq_strip(
+    const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out, uint32_t ldo,
+    uint32_t rows, const int K) {
+    const int lut = K == HX_MX || LQ_IQ4(K);
+    const size_t tbytes = K == HX_MX ? HTP_MXFP4_TILE_BYTES : LQ_BYTES(K);
+    const uint32_t nib = K == HX_MX ? 32 : LQ_NIB(K);
+    const uint32_t k = kb * 32;
+    float acc[HVX_Q4_NT][32];
+    int32_t dot[32] __attribute__((aligned(128)));
+    for (uint32_t u = 0; u < nt; u++)
+        for (int r = 0; r < 32; r++) acc[u][r] = 0.0f;
+    const hvx_vec m4 = Q6_V_vsplat_R(0x0f0f0f0f);
+    hvx_vec tab[16];
+    for (int c = 0; c < 16; c++) {
+        const int8_t kv = K == HX_MX ? htp_mxfp4_kvalues[c] : htp_iq4nl_kvalues[c];
+        tab[c] = Q6_Vb_vsplat_R((uint8_t)(kv + 128));
+    }
+    const int aligned = ((uintptr_t)a->q & 3) == 0;
+    for (uint32_t j = 0; j < kb; j++) {
+        const uint8_t *tile = strip + (size_t)j * tbytes;
+        hvx_vec lo[4], hi[4];
+        const hvx_vec h = K != HX_MX && LQ_Q5(K) ? (hvx_vec) * (const hvx_uvec *)(tile + LQ_QH(K)) : Q6_V_vsplat_R(0);
+        for (int g = 0; g < 4; g++) {
+            const hvx_vec v = (hvx_vec) * (const hvx_uvec *)(tile + nib + 128 * g);
+            lo[g] = Q6_V_vand_VV(v, m4);
+            hi[g] = Q6_V_vand_VV(Q6_Vuh_vlsr_VuhR(v, 4), m4);
+            if (lut) {
+                lo[g] = hvx_lut16(lo[g], tab);
+                hi[g] = hvx_lut16(hi[g], tab);
+            } else if (LQ_Q5(K)) {
+                lo[g] = Q6_V_vor_VV(lo[g], hvx_fifth(h, 4 * g));
+                hi[g] = Q6_V_vor_VV(hi[g], hvx_fifth(h, 16 + 4 * g));
+            }
+        }
+        float d[32], m[32]; /* HTP_HVX_FLOAT: scalar */
+        int32_t sc[32];
+        for (int r = 0; r < 32; r++) {
+            uint16_t hd, hm = 0;
+            if (K == HX_MX) {
+                d[r] = htp_e8m0_half(tile[r]);
+                continue;
+            }
+            memcpy(&hd, tile + (LQ_HASM(K) ? 4 * r : 2 * r), 2);
+            if (LQ_HASM(K)) memcpy(&hm, tile + 4 * r + 2, 2);
+            d[r] = htp_f16_to_f32(hd);
+            m[r] = htp_f16_to_f32(hm);
+            sc[r] = K == LQ_IQ4XS ? (int32_t)(int8_t)tile[64 + r] : 1;
+        }
+        for (uint32_t u = 0; u < nt; u++) {
+            const int8_t *qb = a->q + (size_t)u * k + 32 * j;
+            int32_t wu[8];
+            const int32_t *w = (const int32_t *)(const void *)qb;
+            if (!aligned) w = (const int32_t *)memcpy(wu, qb, 32);
+            const int32_t sa = a->s[(size_t)u * kb + j];
+            hvx_vec dv = Q6_V_vsplat_R(lut ? -128 * sa : 0);
+            for (int g = 0; g < 4; g++) {
+                dv = Q6_Vw_vrmpyacc_VwVubRb(dv, lo[g], w[g]);
+                dv = Q6_Vw_vrmpyacc_VwVubRb(dv, hi[g], w[4 + g]);
+            }
+            *(hvx_vec *)dot = dv;
+            const float da = a->d[(size_t)u * kb + j]; /* HTP_HVX_FLOAT: scalar */
+            float *ac = acc[u];
+            for (int r = 0; r < 32; r++) {
+                float v;
+                if (K == HX_MX) {
+                    const float s = d[r] * da;
+                    v = (float)dot[r] * s;
+                } else if (LQ_IQ4(K)) {
+                    const float dd = d[r] * da;
+                    v = (float)(sc[r] * dot[r]) * dd;
+                } else if (LQ_HASM(K)) {
+                    const float p1 = (float)dot[r] * (d[r] * da);
+                    const float p2 = (float)sa * (m[r] * da);
+                    v = p1 + p2;
+                } else {
+                    v = (float)(dot[r] - 16 * sa) * (d[r] * da);
+                }
+                ac[r] += v;
+            }
+        }
+    }
+    for (uint32_t u = 0; u < nt; u++)
+        for (uint32_t r = 0; r < rows; r++) out[(size_t)u * ldo + r] = acc[u][r];
+}
+LQ_ENTRIES(hvx, __attribute__((noinline)), hvx_lq_strip)
+__attribute__((noinline)) static void mxq8_strip_hvx(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
+                                                     uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    hvx_lq_strip(strip, kb, a, nt, out, ldo, rows, HX_MX);
+}
+
 /* One 32-float block per vector: amax in HVX integer, the rest scalar float (as portable). */
 static void quantize_q8_hvx(const float *x, uint32_t k, int8_t *q, float *d, int32_t *s) {
     const hvx_vec nosign = Q6_V_vsplat_R(0x7fffffff);
@@ -310,6 +414,11 @@ const htp_isa htp_isa_hvx = {
     .q6kq8_strip = htp_hvx_q6kq8_strip,
     .kq8_nt = HVX_Q4_NT,
     .q5kq8_strip = htp_hvx_q5kq8_strip,
+    .nlq8_strip = nlq8_strip_hvx,
+    .xsq8_strip = xsq8_strip_hvx,
+    .affq8_strip = affq8_strip_hvx,
+    .mxq8_strip = mxq8_strip_hvx,
+    .mxq8_nt = HVX_Q4_NT,
     .dequant_tile = htp_dequant_portable,
     .f32_strip = htp_f32_strip_portable,
     .f32_nt = 4,

@@ -827,12 +827,16 @@ def test_no_packet_of_the_executor_reloads_what_it_stores() -> None:
     assert store_then_load_packets(listing) == []
 
 
-@pytest.mark.parametrize("fmt", ["q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4"])
-def test_hvx_table_runs_its_own_kquant_kernels(fmt: str) -> None:
-    """The `hvx` table multiplies K-quant tiles with its HVX kernel (htp_hvx_q4kq8_strip, ...)
-    and never the portable one, and the `portable` table the reverse: counted from QEMU's
-    execution log of one GEMM (tools/hexagon_packets.py), which the bit-exact tests above
-    cannot tell apart."""
+@pytest.mark.parametrize(
+    "fmt",
+    ["q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "iq4_nl-t32r4", "iq4_xs-t32r4", "q4_1-t32r4",
+     "q5_0-t32r4", "q5_1-t32r4", "mxfp4-t32r4"],
+)  # fmt: skip
+def test_hvx_table_runs_its_own_kernels(fmt: str) -> None:
+    """The `hvx` table multiplies tiles of every format beside Q4_0 and Q8_0 with its own HVX
+    kernel (htp_hvx_q4kq8_strip, nlq8_strip_hvx, ...) and never the portable one, and the
+    `portable` table the reverse: counted from QEMU's execution log of one GEMM
+    (tools/hexagon_packets.py), which the bit-exact tests above cannot tell apart."""
     import importlib.util
     from pathlib import Path
 
@@ -847,9 +851,7 @@ def test_hvx_table_runs_its_own_kquant_kernels(fmt: str) -> None:
     pk = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pk)
     exe = _hexagon.executor_path()
-    kernel = fmt[:4].replace("_", "") + "q8_strip"  # q4kq8_strip
-    hvx = pk._symbol_range(exe, f"htp_hvx_{kernel}")
-    portable = pk._symbol_range(exe, f"htp_{kernel}_portable")
+    hvx, portable = (pk._symbol_range(exe, f) for f in pk.KERNELS[fmt])
     assert pk.measure(exe, *hvx, 8, 3, "hvx", fmt) > 0
     assert pk.measure(exe, *portable, 8, 3, "hvx", fmt) == 0
     assert pk.measure(exe, *portable, 8, 3, "portable", fmt) > 0

@@ -1,5 +1,5 @@
-"""Packets per 32x32 tile of the HVX Q4_0, Q8_0, Q4_K, Q5_K and Q6_K x int8 kernels (and of the
-portable kernels they replace), counted on the compiled code.
+"""Packets per 32x32 tile of the HVX x int8 kernels of every weight format (and of the portable
+kernels they replace), counted on the compiled code.
 
     python tools/hexagon_packets.py [--json OUT]
 
@@ -9,7 +9,7 @@ on the ``hexagon`` backend with QEMU's execution log (``-d in_asm,exec,nochain``
 execution of a block is logged, so the packets the kernel issued are counted exactly for that
 run. A packet issues in one cycle at best (VLIW: up to four instructions), so the counts bound
 the cycles from below on a real core (no stalls, no memory latency). Two strip lengths
-(kb = 1, 2 tiles; the K-quants 8, 16: one and two 256-value super-blocks) and two token counts
+(kb = 1, 2 tiles; the K-quants and IQ4_XS 8, 16: one and two 256-value super-blocks) and two token counts
 (nt = 1, 8) separate the per-tile setup (nibble split of the four 128-byte groups, the 32 f16
 row scales) from the per-token work (eight ``vrmpy``, the ``8·sum`` correction, and the 32
 rows' fp32 scale-and-accumulate in scalar float)."""
@@ -31,11 +31,19 @@ from estream_htp import _hexagon
 from estream_htp import testing as T
 
 FUNC = "htp_hvx_q4q8_strip"
-#: the K-quant tile formats: (packer, random GGML blocks); K a multiple of 256
-KQUANTS = {
-    "q4_k-t32r4": (T.pack_q4_k_t32r4, T.random_q4_k_blocks),
-    "q5_k-t32r4": (T.pack_q5_k_t32r4, T.random_q5_k_blocks),
-    "q6_k-t32r4": (T.pack_q6_k_t32r4, T.random_q6_k_blocks),
+#: the tile formats of 256-value super-blocks (K a multiple of 256)
+SUPER_BLOCKS = ("q4_k-t32r4", "q5_k-t32r4", "q6_k-t32r4", "iq4_xs-t32r4")
+#: format -> (HVX kernel, portable kernel) of the other formats, counted after Q4_0 and Q8_0
+KERNELS = {
+    "q4_k-t32r4": ("htp_hvx_q4kq8_strip", "htp_q4kq8_strip_portable"),
+    "q5_k-t32r4": ("htp_hvx_q5kq8_strip", "htp_q5kq8_strip_portable"),
+    "q6_k-t32r4": ("htp_hvx_q6kq8_strip", "htp_q6kq8_strip_portable"),
+    "iq4_nl-t32r4": ("nlq8_strip_hvx", "htp_nlq8_strip_portable"),
+    "iq4_xs-t32r4": ("xsq8_strip_hvx", "htp_xsq8_strip_portable"),
+    "q4_1-t32r4": ("affq8_strip_hvx", "htp_affq8_strip_portable"),
+    "q5_0-t32r4": ("affq8_strip_hvx", "htp_affq8_strip_portable"),
+    "q5_1-t32r4": ("affq8_strip_hvx", "htp_affq8_strip_portable"),
+    "mxfp4-t32r4": ("mxq8_strip_hvx", "htp_mxq8_strip_portable"),
 }
 
 
@@ -75,11 +83,12 @@ def measure(
     rng = np.random.default_rng(kb * 100 + nt)
     k = 32 * kb
     x = rng.standard_normal((nt, k)).astype(np.float32)
-    if fmt in KQUANTS:
-        w = KQUANTS[fmt][0](KQUANTS[fmt][1](rng, 32, k))
-    else:
+    if fmt in ("q4_0-t32r4", "q8_0-t32r4"):
         wf = rng.standard_normal((32, k)).astype(np.float32)
         w = htp.pack_q4_0_t32r4(wf) if fmt == "q4_0-t32r4" else htp.pack_q8_0_t32r4(wf)
+    else:  # valid random blocks of the format, re-laid as tiles: the first strip of a gate
+        gate = T.random_experts(rng, 1, k, 256, (fmt, fmt, fmt))[0][0]
+        w = np.ascontiguousarray(gate.reshape(-1)[: T.matrix_nbytes(fmt, 32, k)])
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "qemu.log"
         cmd = ["qemu-hexagon-static", "-d", "in_asm,exec,nochain", "-D", str(log),
@@ -91,7 +100,7 @@ def measure(
 
 def tile_costs(exe: Path, func: str, simd: str, fmt: str = "q4_0-t32r4") -> dict[str, object]:
     lo, size = _symbol_range(exe, func)
-    k1, k2 = (8, 16) if fmt in KQUANTS else (1, 2)
+    k1, k2 = (8, 16) if fmt in SUPER_BLOCKS else (1, 2)
     m = {(kb, nt): measure(exe, lo, size, kb, nt, simd, fmt) for kb in (k1, k2) for nt in (1, 8)}
     # one more tile (the mean of k2 - k1 more)
     tile1, tile8 = ((m[(k2, nt)] - m[(k1, nt)]) / (k2 - k1) for nt in (1, 8))
@@ -121,11 +130,10 @@ def main(argv: list[str]) -> int:
         "hvx_q8_0": tile_costs(exe, "htp_hvx_q8q8_strip", "hvx", "q8_0-t32r4"),
         "portable_q8_0": tile_costs(exe, "htp_q8q8_strip_portable", "portable", "q8_0-t32r4"),
     }
-    for f in ("q4_k", "q5_k", "q6_k"):
-        fmt = f"{f}-t32r4"
-        kernel = f.replace("_", "") + "q8_strip"  # q4kq8_strip
-        res[f"hvx_{f}"] = tile_costs(exe, f"htp_hvx_{kernel}", "hvx", fmt)
-        res[f"portable_{f}"] = tile_costs(exe, f"htp_{kernel}_portable", "portable", fmt)
+    for fmt, (hvx, portable) in KERNELS.items():
+        f = fmt.removesuffix("-t32r4")
+        res[f"hvx_{f}"] = tile_costs(exe, hvx, "hvx", fmt)
+        res[f"portable_{f}"] = tile_costs(exe, portable, "portable", fmt)
     if len(argv) > 2 and argv[1] == "--json":
         Path(argv[2]).write_text(json.dumps(res, indent=2) + "\n")
     return 0
