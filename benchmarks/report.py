@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -160,6 +161,8 @@ def render_engine(f: Figures) -> Table:
         t.more.append(_io_tax_table(f))
     if any(r["system"] in READ_CAP for r in f["runs"]):
         t.more.append(_read_cap_table(f))
+    if any(r["system"] in PAIRED for r in f["runs"]):
+        t.more.append(_pairs_table(f))
     for r in f["runs"]:
         if r.get("op_table"):
             cap = f" in a {budget} cgroup" if r.get("cgroup") else ""
@@ -250,6 +253,40 @@ NO_MARGIN, CAPPED, CAPPED_NO_MARGIN = (
     "stream, reads capped, read margin 0",
 )
 READ_CAP = (NO_MARGIN, CAPPED, CAPPED_NO_MARGIN)
+
+
+#: bench_engine's `--pairs` runs: their system names (each run also has its `pair` index).
+PAIRED = ("stream, pair", "resident, pair")
+
+
+def _pairs_table(f: Figures) -> tuple[str, Table]:
+    """bench_engine's `--pairs`: stream ÷ resident over the length's pairs of runs (the main
+    runs' and the extra ones'), as the median of the pairs' ratios and their range."""
+    t = Table(["prompt", "pairs", "stream (median)", "resident (median)",
+               "stream ÷ resident: median [min..max]", "steal: stream / resident"], [])  # fmt: skip
+    by_length = {row["length"]: row for row in f.get("summary") or []}
+    for T in _engine_lengths(f, False):
+        ratios = (by_length.get(T) or {}).get("stream_over_resident_pairs") or []
+        runs = {side: [r for r in f["runs"] if not r.get("cgroup") and r["length"] == T
+                       and r["system"] in (side, f"{side}, pair") and r.get("ttft_s")]
+                for side in ("stream", "resident")}  # fmt: skip
+        if not ratios:
+            continue
+        med = [statistics.median(r["ttft_s"] for r in runs[x]) if runs[x] else None
+               for x in ("stream", "resident")]  # fmt: skip
+        steal = seconds(
+            sum(r.get("steal_s") or 0.0 for r in runs[x]) for x in ("stream", "resident")
+        )
+        t.rows.append(
+            [prompt(T), str(len(ratios)), ttft({"ttft_s": med[0]}), ttft({"ttft_s": med[1]}),
+             f"{statistics.median(ratios):.3f} [{min(ratios):.3f}..{max(ratios):.3f}]", steal]
+        )  # fmt: skip
+    caption = (
+        "**Stream against resident over pairs of runs** (`-- --pairs N`): the main runs' pair "
+        "and N more, alternating which runs first; each pair's stream ÷ resident, their median "
+        "and range (a single pair moves with the machine's noise); steal summed over the runs"
+    )
+    return caption, t
 
 
 def _gqb(run: dict[str, Any] | None) -> str:
@@ -792,6 +829,8 @@ def engine_variant(f: Figures) -> str:
     io_tax = any(r.get("system") == IO_TAX for r in f["runs"])
     # a run that also measured the read margin under a read cap (bench_engine --read-cap)
     read_capped = any(r.get("system") in READ_CAP for r in f["runs"])
+    # a run with extra stream / resident pairs (bench_engine --pairs)
+    pairs = len({r.get("pair") for r in f["runs"] if r.get("system") in PAIRED})
     return (
         f"{engine_model(f)}; {lengths}"
         + (f"; capped {_lengths_label(capped)}" if capped else "")
@@ -799,6 +838,7 @@ def engine_variant(f: Figures) -> str:
         + ("; pinned experts" if pinned else "")
         + ("; the reads' cost" if io_tax else "")
         + ("; reads capped" if read_capped else "")
+        + (f"; {pairs + 1} pairs" if pairs else "")
     )
 
 

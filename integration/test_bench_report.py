@@ -265,6 +265,30 @@ def test_engine_io_tax_runs_show_what_the_reads_cost_and_what_streaming_adds(
     assert "What the reads alone" not in report.render_page(report.load_results(plain / "results"))
 
 
+def test_engine_pairs_show_the_median_ratio_and_its_range(tmp_path: Path) -> None:
+    """A bench_engine result with `--pairs` runs shows, under the engine table, per length the
+    number of pairs (the main runs' included), each side's median time, the median of the
+    pairs' stream ÷ resident with its range, and the steal summed per side; the pair runs add
+    no column to the engine table, and the run is its own variant."""
+    figures = engine_figures(stream=2.2, resident=2.0)
+    for pair, st, rt in ((1, 2.0, 2.0), (2, 2.05, 2.0)):
+        for system, t in (("stream, pair", st), ("resident, pair", rt)):
+            figures["runs"].append({"system": system, "length": 1024, "cgroup": False,
+                                    "ttft_s": t, "steal_s": 0.1, "pair": pair})  # fmt: skip
+    figures["summary"] = [{"length": 1024, "stream_over_resident_pairs": [1.1, 1.0, 1.025]}]
+    recorded(tmp_path, "bench_engine", figures, (0.1, 0.1))
+    page = report.render_page(report.load_results(tmp_path / "results"))
+    assert "**Stream against resident over pairs of runs**" in page
+    assert "| 1K | 3 | 2.05 s | 2 s | 1.025 [1.000..1.100] | 0.7 / 0.7 s |" in page
+    assert "| 4K | 1 |" not in page  # no pairs recorded at 4K
+    assert "| 1K | 2.2 s | 2 s | 8 s | 1.100 |" in page  # the main runs' row, as without pairs
+    assert "(olmoe-1b-7b, q4_0; 1K, 4K; 3 pairs)" in page
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    recorded(plain, "bench_engine", engine_figures(), (0.1, 0.1))
+    assert "over pairs of runs" not in report.render_page(report.load_results(plain / "results"))
+
+
 def test_engine_read_cap_runs_show_each_choice_at_each_disk_speed(tmp_path: Path) -> None:
     """A bench_engine result with `--read-cap` runs shows, under the engine table, the stream
     run chosen with the default read margin and without one, at the disk's own speed and under

@@ -334,3 +334,24 @@ def test_bench_engine_paced_reader_keeps_to_its_rate_and_stops_on_request(tmp_pa
     time.sleep(0.3)
     done, _ = be.stop_reader(fast)
     assert done > 3 << 20
+
+
+def test_bench_engine_pair_ratios_take_each_pair_once() -> None:
+    """`pair_ratios`: stream ÷ resident of the main free runs, then of each `--pairs` pair by
+    its index, at the one length; capped runs, other lengths and a pair with a failed side are
+    left out."""
+    be = _bench_engine()
+
+    def run(system: str, t: float | None, pair: int = 0, length: int = 1024, cg: bool = False):
+        r = {"system": system, "length": length, "cgroup": cg, "pair": pair}
+        return {**r, "ttft_s": t} if t else {**r, "error": "failed"}
+
+    rows = [
+        run("stream", 2.2), run("resident", 2.0), run("stream", 9.0, cg=True),
+        run("stream", 8.0, length=4096), run("resident", 8.0, length=4096),
+        run(be.PAIRED["resident"], 2.0, 1), run(be.PAIRED["stream"], 2.0, 1),
+        run(be.PAIRED["stream"], 2.1, 2), run(be.PAIRED["resident"], 2.0, 2),
+        run(be.PAIRED["resident"], None, 3), run(be.PAIRED["stream"], 2.5, 3),
+    ]  # fmt: skip
+    assert be.pair_ratios(rows, 1024) == pytest.approx([1.1, 1.0, 1.05])
+    assert be.pair_ratios(rows, 4096) == pytest.approx([1.0])

@@ -565,6 +565,29 @@ NO_MARGIN, CAPPED, CAPPED_NO_MARGIN = (
     "stream, reads capped",
     "stream, reads capped, read margin 0",
 )
+#: ``--pairs``: the system names of the extra `stream` / `resident` runs.
+PAIRED = {"stream": "stream, pair", "resident": "resident, pair"}
+
+
+def pair_ratios(rows: list[dict[str, Any]], length: int) -> list[float]:
+    """stream ÷ resident TTFT of each pair at `length`: the main free runs (pair 0), then the
+    ``--pairs`` runs by their ``pair`` index; a pair with a failed side is left out."""
+
+    def ttft(system: str, pair: int) -> float | None:
+        for r in rows:
+            if (r["system"] == system and r["length"] == length and not r["cgroup"]
+                    and r.get("pair", 0) == pair and r.get("ttft_s")):  # fmt: skip
+                return float(r["ttft_s"])
+        return None
+
+    pairs = sorted({r.get("pair", 0) for r in rows if r["system"] in PAIRED.values()} | {0})
+    out = []
+    for i in pairs:
+        sides = ("stream", "resident") if i == 0 else (PAIRED["stream"], PAIRED["resident"])
+        s, r = ttft(sides[0], i), ttft(sides[1], i)
+        if s and r:
+            out.append(s / r)
+    return out
 
 
 def run_system(
@@ -697,6 +720,15 @@ def main() -> int:
         "pack's experts file at the stream run's read rate: what the reads alone cost compute",
     )
     ap.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after each length's runs, N more `stream` / `resident` pairs in alternating order "
+        "(resident first in the first): stream ÷ resident as the median of the pairs' ratios, "
+        "the main runs' pair included, so one run's noise does not decide it",
+    )
+    ap.add_argument(
         "--read-cap",
         metavar="BYTES",
         help="after each length's runs, `stream` with --read-margin 0, and both stream runs "
@@ -721,6 +753,8 @@ def main() -> int:
         "reports none (a build outside a git checkout says 'unknown')",
     )
     args = ap.parse_args()
+    if args.pairs < 0:
+        ap.error(f"--pairs: {args.pairs} is negative")
     budget = parse_bytes(args.budget)
     lengths = [int(x) for x in args.lengths.split(",")]
     from estream_layout import PRESET_ARCH
@@ -762,11 +796,11 @@ def main() -> int:
     systems += ["ik_llama.cpp"] if ik else []
     peaks_start = measure_peaks(args.threads) if args.trace else None
 
-    def one(system: str, T: int, cg: Cgroup | None) -> dict[str, Any]:
+    def one(system: str, T: int, cg: Cgroup | None, trace: bool = True) -> dict[str, Any]:
         timeout = args.cgroup_timeout if cg else 3600.0
         # stream: the budget's configuration for this prompt length, chosen by `prefill` itself
         extra: tuple[str, ...] = ("--budget", str(budget)) if system == "stream" else ()
-        if args.trace and system in ("stream", "resident"):
+        if args.trace and trace and system in ("stream", "resident"):
             extra += ("--op-stats",)
         if args.pin and system == "stream":
             extra += ("--pin", args.pin)
@@ -833,6 +867,11 @@ def main() -> int:
             for T in lengths:
                 for system in systems:
                     rows.append(one(system, T, None))
+                for i in range(args.pairs):  # (no per-op tables: the main runs have them)
+                    for system in ("resident", "stream") if i % 2 == 0 else ("stream", "resident"):
+                        m = one(system, T, None, trace=False)
+                        m["system"], m["pair"] = PAIRED[system], i + 1
+                        rows.append(m)
                 if args.io_tax:
                     rows.append(under_reads(T))
                 if read_cap is not None:
@@ -880,6 +919,8 @@ def main() -> int:
         if s and lc:
             row["stream_over_llama_ttft"] = s / lc
             row["stream_over_llama_peak"] = sm / lm if sm and lm else None
+        if args.pairs:
+            row["stream_over_resident_pairs"] = pair_ratios(rows, T)
         rr = get(IO_TAX, T, False, "ttft_s")
         if rr and r:
             row["resident_reads_over_resident_ttft"] = rr / r
@@ -901,7 +942,12 @@ def main() -> int:
         print(
             "  "
             + "  ".join(
-                f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                f"{k}={v:.3f}"
+                if isinstance(v, float)
+                else f"{k}=[{', '.join(f'{x:.3f}' for x in v)}]"
+                if isinstance(v, list)
+                else f"{k}={v}"
+                for k, v in row.items()
             )
         )
     RESULTS.mkdir(exist_ok=True)
