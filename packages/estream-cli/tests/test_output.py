@@ -322,3 +322,51 @@ def test_eval_and_config_outputs_go_through_the_writer(
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and f"--plot {tmp_path}: is a directory" in err
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def _interrupt_on_making(monkeypatch: pytest.MonkeyPatch, call: str, part: str) -> list[str]:
+    """`os.<call>` (open or mkdir) raises KeyboardInterrupt right after it made a path whose
+    name holds `part`, as a Ctrl-C landing just as the call returns would; the paths made."""
+    real = getattr(os, call)
+    made: list[str] = []
+
+    def interrupted(path, *args, **kwargs):
+        result = real(path, *args, **kwargs)
+        if part in os.path.basename(os.fspath(path)):
+            made.append(os.fspath(path))
+            if call == "open":
+                os.close(result)
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(os, call, interrupted)
+    return made
+
+
+def test_an_interrupt_as_the_temporary_is_made_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C the moment the output's temporary file is made: the temporary is removed and
+    the target is as it was (the Parquet output's directory: tests_ray)."""
+    target = tmp_path / "out.json"
+    target.write_bytes(b"old\n")
+    made = _interrupt_on_making(monkeypatch, "open", ".tmp")
+    with pytest.raises(KeyboardInterrupt):
+        write_output(str(target), "--output", put)
+    assert len(made) == 1
+    assert listing(tmp_path) == ["out.json"] and target.read_bytes() == b"old\n"
+
+
+def test_a_demo_interrupted_as_its_directory_is_made_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`estream demo` without --dir works in a directory of its own under the temporary
+    directory: a Ctrl-C the moment it is made ends the command (status 130) and removes it."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made = _interrupt_on_making(monkeypatch, "mkdir", "estream-demo-")
+    rc = main(["demo", "--tokens", "16"])
+    capsys.readouterr()
+    assert rc == 130 and len(made) == 1
+    assert listing(tmp_path) == []

@@ -374,3 +374,26 @@ def test_each_block_carries_its_timings_and_the_first_the_actors_start(pack):
     assert t1["check_s"] > 0 and t1["init"]["load_s"] > 0
     assert "init" not in t2 and "check_s" not in t2
     assert "_timings" not in bare.column_names
+
+
+def test_an_interrupt_as_the_parquet_temporary_is_made_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C the moment the Parquet output's temporary directory is made: it is removed,
+    nothing is at the target."""
+    from estream_cli.ray_commands import _write_parquet
+
+    real = os.mkdir
+    made: list[str] = []
+
+    def interrupted(path, *args, **kwargs):
+        real(path, *args, **kwargs)
+        if ".tmp" in os.path.basename(os.fspath(path)):
+            made.append(os.fspath(path))
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "mkdir", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _write_parquet(object(), str(tmp_path / "out.parquet"), [])
+    assert len(made) == 1
+    assert list(tmp_path.iterdir()) == []

@@ -255,3 +255,39 @@ def test_readme_example_is_a_valid_profile() -> None:
     p = Profile.from_dict(json.loads(block))
     assert p.groups == [1, 4] and p.n_calibration_layers == 1
     assert p.candidates[4][0].group_bytes.tolist() == [4 * 3538944, 3538944]
+
+
+def test_save_leaves_no_temporary_on_an_interrupt_or_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupt the moment the temporary file is made, and an error while it is written,
+    leave neither it nor a changed profile behind."""
+    import os
+
+    p = synthetic_profile(SPEC, seed=1)
+    path = tmp_path / "profile.json"
+    p.save(path)
+    before = path.read_bytes()
+    real_open = os.open
+
+    def interrupted(name, *args, **kwargs):
+        fd = real_open(name, *args, **kwargs)
+        if ".tmp-" in os.fspath(name):
+            os.close(fd)
+            raise KeyboardInterrupt
+        return fd
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "open", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            synthetic_profile(SPEC, seed=2).save(path)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["profile.json"]
+
+    def failing(self: Profile) -> dict[str, Any]:
+        return {"x": float("nan"), "y": object()}  # json.dump fails part-way
+
+    monkeypatch.setattr(Profile, "to_dict", failing)
+    with pytest.raises(TypeError):
+        p.save(path)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["profile.json"]
+    assert path.read_bytes() == before

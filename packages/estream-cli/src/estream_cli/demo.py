@@ -7,6 +7,7 @@ then the same prompt resident (all experts in memory) for comparison.
 from __future__ import annotations
 
 import argparse
+import secrets
 import shutil
 import sys
 import tempfile
@@ -50,9 +51,22 @@ def run_demo(args: argparse.Namespace) -> int:
         )
     t_all = time.perf_counter()
     own = args.dir is None
-    work = Path(tempfile.mkdtemp(prefix="estream-demo-", dir=None)) if own else Path(args.dir)
-    work.mkdir(parents=True, exist_ok=True)
+    # our own directory is named first and made inside the `try` that removes it: an interrupt
+    # at any moment leaves nothing behind
+    if own:
+        work = Path(tempfile.gettempdir()) / f"estream-demo-{secrets.token_hex(6)}"
+    else:
+        work = Path(args.dir)
+    made = own  # the handler below removes `work` (False: nothing made here)
     try:
+        if own:
+            try:
+                work.mkdir(mode=0o700)
+            except OSError:
+                made = False
+                raise
+        else:
+            work.mkdir(parents=True, exist_ok=True)
         dst = _synth_and_pack(args, work)
         n_vocab = _profile_and_configure(dst, args.tokens)
         tokens = np.random.default_rng(1).integers(0, n_vocab, size=args.tokens)
@@ -62,7 +76,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"demo finished in {time.perf_counter() - t_all:.1f} s")
         return 0
     finally:
-        if own:
+        if made:
             shutil.rmtree(work, ignore_errors=True)
 
 

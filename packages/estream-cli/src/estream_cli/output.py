@@ -171,12 +171,17 @@ def write_output(path: str, option: str, write: Callable[[BinaryIO], object]) ->
         return
     target, before = _target(path, option)
     where = f"{option} {path}"
-    tmp = target.with_name(f".{target.name[:200]}.{secrets.token_hex(4)}.tmp{target.suffix}")
+    # the name first, the file made under it inside the `try` that removes it: an interrupt at
+    # any moment leaves nothing behind
+    tmp: Path | None = target.with_name(
+        f".{target.name[:200]}.{secrets.token_hex(6)}.tmp{target.suffix}"
+    )
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    except OSError as exc:
-        raise BadRequestError(f"{where}: cannot write ({exc.strerror})") from None
-    try:
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        except OSError as exc:
+            tmp = None  # not made here: nothing to remove
+            raise BadRequestError(f"{where}: cannot write ({exc.strerror})") from None
         with os.fdopen(fd, "wb") as f:
             if before is not None:
                 os.fchmod(f.fileno(), stat.S_IMODE(before.st_mode))
@@ -188,8 +193,9 @@ def write_output(path: str, option: str, write: Callable[[BinaryIO], object]) ->
     except OSError as exc:
         raise BadRequestError(f"{where}: cannot write ({exc.strerror or exc})") from None
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        if tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
 
 
 def write_output_named(path: str, option: str, write_to: Callable[[Path], object]) -> None:

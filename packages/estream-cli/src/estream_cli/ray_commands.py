@@ -496,9 +496,15 @@ def _write_parquet(out: Any, path: str, ids: list[Any]) -> int:
     import pyarrow.parquet as pq
 
     target = Path(path)
-    tmp = target.with_name(f".{target.name[:200]}.{secrets.token_hex(4)}.tmp")
-    tmp.mkdir()
+    # the name first, the directory made under it inside the `try` that removes it: an
+    # interrupt at any moment leaves nothing behind
+    tmp: Path | None = target.with_name(f".{target.name[:200]}.{secrets.token_hex(6)}.tmp")
     try:
+        try:
+            tmp.mkdir()
+        except OSError:
+            tmp = None  # not made here: nothing to remove
+            raise
         out.write_parquet(str(tmp))
         table = pq.read_table(tmp, columns=["id", "error"])
         got = collections.Counter(json.dumps(i) for i in table.column("id").to_pylist())
@@ -516,5 +522,6 @@ def _write_parquet(out: Any, path: str, ids: list[Any]) -> int:
             )
         os.rename(tmp, target)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return failed

@@ -21,7 +21,7 @@ import json
 import math
 import os
 import re
-import tempfile
+import secrets
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -668,8 +668,16 @@ def write_json_atomic(target: Path, doc: Any) -> None:
     writers never share one), fsync, rename over the target. The temporary is removed on
     any failure."""
     target = Path(target)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    # the name first, the file made under it inside the `try` that removes it: an interrupt at
+    # any moment leaves nothing behind
+    tmp = target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
+    made: Path | None = tmp  # what the handler below removes (None: nothing made here)
     try:
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError:
+            made = None
+            raise
         with os.fdopen(fd, "w") as fh:
             json.dump(doc, fh, indent=1, allow_nan=False)
             fh.write("\n")
@@ -678,8 +686,9 @@ def write_json_atomic(target: Path, doc: Any) -> None:
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        if made is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(made)
         raise
 
 

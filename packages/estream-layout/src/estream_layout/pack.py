@@ -23,6 +23,7 @@ import mmap
 import os
 import queue
 import re
+import secrets
 import shutil
 import stat
 import struct
@@ -672,14 +673,11 @@ def planned_pack_bytes(spec: ModelSpec) -> int:
 
 
 # ------------------------------------------------------------------------------ main entry
-def _temp_dir(dst: Path) -> Path:
-    """A new directory next to ``dst`` (the pack is built there, then renamed into place),
-    with the permissions the umask gives a new directory."""
-    tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".tmp-", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    return tmp
+def _temp_name(dst: Path) -> Path:
+    """A fresh name next to ``dst`` for the pack to be built under, then renamed into place.
+    The name comes first and the directory is made under it inside the `try` that removes it,
+    so an interrupt at any moment leaves nothing behind."""
+    return dst.parent / f"{dst.name}.tmp-{secrets.token_hex(6)}"
 
 
 def _check_requantize(spec: ModelSpec, requantize: str | None) -> list[TensorInfo]:
@@ -816,8 +814,14 @@ def pack_model(
         dst_path.parent, planned_pack_bytes(spec), f"packing {Path(spec.path).name}"
     )  # the old pack, if any, is removed only once the new one is complete: no credit for it
     dst_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_dir(dst_path)
+    tmp = _temp_name(dst_path)
+    made: Path | None = tmp  # what the handler below removes (None: nothing made here)
     try:
+        try:
+            os.mkdir(tmp, 0o777)  # the permissions the umask gives a new directory
+        except OSError:
+            made = None
+            raise
         write_metadata_gguf(spec.path, tmp / MODEL_GGUF)
         dense_entries, layers, dense_bytes, experts_bytes, sha256 = _write_data(
             spec, tmp, dense_plan, orders, chunk_bytes, layer_buffer_bytes, progress
@@ -853,7 +857,8 @@ def pack_model(
         Manifest.from_path(tmp)  # what every reader will check, before it becomes visible
         _place(tmp, dst_path, replacing)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
         raise
     return Manifest.from_path(dst_path)
 

@@ -11,7 +11,7 @@ real models. Tensor data is generated and written one tensor at a time, so the 4
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -547,16 +547,20 @@ def synth_model(
     check_disk_space(out, planned, f"writing {out.name}")
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = _Progress(data_bytes, f"synthesizing {out.name}", progress)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    # the name first, the file made under it inside the `try` that removes it: an interrupt at
+    # any moment leaves nothing behind
+    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(6)}"
+    made: Path | None = tmp  # what the handler below removes (None: nothing made here)
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # the mode a plain new file gets (mkstemp's is 0600)
+        try:  # the mode a plain new file gets (the umask's)
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
+        except OSError:
+            made = None
+            raise
         writer = GGUFWriter(tmp, GGUF_ARCH[arch])
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if made is not None:
+            made.unlink(missing_ok=True)
         raise
     try:
         _add_header(writer, arch, d, n_vocab, expert_type, vocab_kv, plan)

@@ -8,9 +8,11 @@ microbenchmark yields ``BW(g, q)``; the smallest-``g`` run also measures the non
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -162,13 +164,26 @@ class Profile:
         }
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the JSON atomically (temporary file + rename)."""
+        """Write the JSON atomically: a temporary file of its own beside `path` (named first,
+        made inside the `try` that removes it, so neither an error nor an interrupt at any
+        moment leaves it behind), renamed over `path`."""
         path = os.fspath(path)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(self.to_dict(), fh, indent=1)
-            fh.write("\n")
-        os.replace(tmp, path)
+        tmp: str | None = f"{path}.tmp-{secrets.token_hex(6)}"
+        try:
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            except OSError:
+                tmp = None  # not made here: nothing to remove
+                raise
+            with open(fd, "w", encoding="utf-8") as fh:
+                json.dump(self.to_dict(), fh, indent=1)
+                fh.write("\n")
+            os.replace(tmp, path)
+        except BaseException:
+            if tmp is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            raise
 
     @classmethod
     def from_path(cls, path: str | os.PathLike[str]) -> Profile:
