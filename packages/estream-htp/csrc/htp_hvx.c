@@ -54,6 +54,18 @@ static inline hvx_vec hvx_q4_dot(const hvx_vec lo[4], const hvx_vec hi[4], const
     return Q6_Vw_vsub_VwVw(acc, Q6_V_vsplat_R(8 * s));
 }
 
+/* The activation block's eight 4-byte words (w[i] = bytes 4i..4i+3) as vrmpy's scalar operands:
+ * read in place (eight memw) when the rows are 4-byte aligned, else copied to `wu`. */
+static inline const int32_t *hvx_act_words(const int8_t *qb, int aligned, int32_t wu[8]) {
+    return aligned ? (const int32_t *)(const void *)qb : (const int32_t *)memcpy(wu, qb, 32);
+}
+
+/* The strips' outputs: rows 0..rows-1 of each of the nt tokens' fp32 accumulators. */
+static inline void hvx_store(const float acc[][32], uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
+    for (uint32_t u = 0; u < nt; u++)
+        for (uint32_t r = 0; r < rows; r++) out[(size_t)u * ldo + r] = acc[u][r];
+}
+
 /* The 32 row scales of a tile, f16 -> f32: a branch-free pass for normal numbers and zeros
  * (bits = sign | ((h & 0x7fff) << 13) + (112 << 23)), redone with the general conversion when a
  * tile holds a subnormal, an infinity or a NaN. Same values as htp_f16_to_f32. */
@@ -80,8 +92,7 @@ __attribute__((noinline)) void htp_hvx_q4q8_strip(const uint8_t *strip, uint32_t
     const uint32_t k = kb * 32;
     float acc[HVX_Q4_NT][32];
     int32_t dot[32] __attribute__((aligned(128)));
-    for (uint32_t u = 0; u < nt; u++)
-        for (int r = 0; r < 32; r++) acc[u][r] = 0.0f;
+    memset(acc, 0, sizeof(float) * 32 * nt);
     const hvx_vec m4 = Q6_V_vsplat_R(0x0f0f0f0f);
     const int aligned = ((uintptr_t)a->q & 3) == 0; /* k is a multiple of 32 */
     for (uint32_t j = 0; j < kb; j++) {
@@ -97,16 +108,14 @@ __attribute__((noinline)) void htp_hvx_q4q8_strip(const uint8_t *strip, uint32_t
         for (uint32_t u = 0; u < nt; u++) {
             const int8_t *qb = a->q + (size_t)u * k + 32 * j;
             int32_t wu[8];
-            const int32_t *w = (const int32_t *)(const void *)qb; /* eight memw */
-            if (!aligned) w = (const int32_t *)memcpy(wu, qb, 32);
+            const int32_t *w = hvx_act_words(qb, aligned, wu);
             *(hvx_vec *)dot = hvx_q4_dot(lo, hi, w, a->s[(size_t)u * kb + j]);
             const float da = a->d[(size_t)u * kb + j]; /* HTP_HVX_FLOAT: scalar */
             float *ac = acc[u];
             for (int r = 0; r < 32; r++) ac[r] = HTP_FMAF((float)dot[r], dr[r] * da, ac[r]);
         }
     }
-    for (uint32_t u = 0; u < nt; u++)
-        for (uint32_t r = 0; r < rows; r++) out[(size_t)u * ldo + r] = acc[u][r];
+    hvx_store(acc, nt, out, ldo, rows);
 }
 
 /* Q8_0 tiles x int8 activations: a group's bytes are signed, vrmpy wants unsigned weights, so
@@ -117,8 +126,7 @@ __attribute__((noinline)) void htp_hvx_q8q8_strip(const uint8_t *strip, uint32_t
     const uint32_t k = kb * 32;
     float acc[HVX_Q4_NT][32];
     int32_t dot[32] __attribute__((aligned(128)));
-    for (uint32_t u = 0; u < nt; u++)
-        for (int r = 0; r < 32; r++) acc[u][r] = 0.0f;
+    memset(acc, 0, sizeof(float) * 32 * nt);
     const hvx_vec flip = Q6_V_vsplat_R((int32_t)0x80808080);
     const int aligned = ((uintptr_t)a->q & 3) == 0;
     for (uint32_t j = 0; j < kb; j++) {
@@ -130,8 +138,7 @@ __attribute__((noinline)) void htp_hvx_q8q8_strip(const uint8_t *strip, uint32_t
         for (uint32_t u = 0; u < nt; u++) {
             const int8_t *qb = a->q + (size_t)u * k + 32 * j;
             int32_t wu[8];
-            const int32_t *w = (const int32_t *)(const void *)qb;
-            if (!aligned) w = (const int32_t *)memcpy(wu, qb, 32);
+            const int32_t *w = hvx_act_words(qb, aligned, wu);
             hvx_vec d = Q6_Vw_vrmpy_VubRb(gv[0], w[0]);
             for (int g = 1; g < 8; g++) d = Q6_Vw_vrmpyacc_VwVubRb(d, gv[g], w[g]);
             *(hvx_vec *)dot = Q6_Vw_vsub_VwVw(d, Q6_V_vsplat_R(128 * a->s[(size_t)u * kb + j]));
@@ -140,8 +147,7 @@ __attribute__((noinline)) void htp_hvx_q8q8_strip(const uint8_t *strip, uint32_t
             for (int r = 0; r < 32; r++) ac[r] = HTP_FMAF((float)dot[r], dr[r] * da, ac[r]);
         }
     }
-    for (uint32_t u = 0; u < nt; u++)
-        for (uint32_t r = 0; r < rows; r++) out[(size_t)u * ldo + r] = acc[u][r];
+    hvx_store(acc, nt, out, ldo, rows);
 }
 
 /* Q4_K / Q5_K tiles x int8 activations: the Q4_0 kernel's scheme on the nibbles at byte 192
@@ -163,8 +169,7 @@ static inline __attribute__((always_inline)) void hvx_q45k_strip(
     const uint32_t k = kb * 32;
     float acc[HVX_Q4_NT][32];
     int32_t dot[32] __attribute__((aligned(128)));
-    for (uint32_t u = 0; u < nt; u++)
-        for (int r = 0; r < 32; r++) acc[u][r] = 0.0f;
+    memset(acc, 0, sizeof(float) * 32 * nt);
     const hvx_vec m4 = Q6_V_vsplat_R(0x0f0f0f0f);
     const int aligned = ((uintptr_t)a->q & 3) == 0;
     for (uint32_t j = 0; j < kb; j++) {
@@ -190,8 +195,7 @@ static inline __attribute__((always_inline)) void hvx_q45k_strip(
         for (uint32_t u = 0; u < nt; u++) {
             const int8_t *qb = a->q + (size_t)u * k + 32 * j;
             int32_t wu[8];
-            const int32_t *w = (const int32_t *)(const void *)qb;
-            if (!aligned) w = (const int32_t *)memcpy(wu, qb, 32);
+            const int32_t *w = hvx_act_words(qb, aligned, wu);
             hvx_vec d = Q6_Vw_vrmpy_VubRb(lo[0], w[0]);
             for (int g = 0; g < 4; g++) {
                 if (g) d = Q6_Vw_vrmpyacc_VwVubRb(d, lo[g], w[g]);
@@ -204,8 +208,7 @@ static inline __attribute__((always_inline)) void hvx_q45k_strip(
             for (int r = 0; r < 32; r++) ac[r] = htp_q45k_epilogue(ac[r], dot[r], sa, ds[r], dm[r], da);
         }
     }
-    for (uint32_t u = 0; u < nt; u++)
-        for (uint32_t r = 0; r < rows; r++) out[(size_t)u * ldo + r] = acc[u][r];
+    hvx_store(acc, nt, out, ldo, rows);
 }
 __attribute__((noinline)) void htp_hvx_q4kq8_strip(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
                                                    uint32_t nt, float *out, uint32_t ldo, uint32_t rows) {
@@ -225,8 +228,7 @@ __attribute__((noinline)) void htp_hvx_q6kq8_strip(const uint8_t *strip, uint32_
     const uint32_t k = kb * 32;
     float acc[HVX_Q4_NT][32];
     int32_t dl[32] __attribute__((aligned(128))), dh[32] __attribute__((aligned(128)));
-    for (uint32_t u = 0; u < nt; u++)
-        for (int r = 0; r < 32; r++) acc[u][r] = 0.0f;
+    memset(acc, 0, sizeof(float) * 32 * nt);
     const hvx_vec b32 = Q6_V_vsplat_R(0x20202020);
     const int aligned = ((uintptr_t)a->q & 3) == 0;
     for (uint32_t j = 0; j < kb; j++) {
@@ -239,8 +241,7 @@ __attribute__((noinline)) void htp_hvx_q6kq8_strip(const uint8_t *strip, uint32_
         for (uint32_t u = 0; u < nt; u++) {
             const int8_t *qb = a->q + (size_t)u * k + 32 * j;
             int32_t wu[8], z[2];
-            const int32_t *w = (const int32_t *)(const void *)qb;
-            if (!aligned) w = (const int32_t *)memcpy(wu, qb, 32);
+            const int32_t *w = hvx_act_words(qb, aligned, wu);
             if (a->z) {
                 z[0] = a->z[((size_t)u * kb + j) * 2], z[1] = a->z[((size_t)u * kb + j) * 2 + 1];
             } else {
@@ -261,8 +262,7 @@ __attribute__((noinline)) void htp_hvx_q6kq8_strip(const uint8_t *strip, uint32_
             }
         }
     }
-    for (uint32_t u = 0; u < nt; u++)
-        for (uint32_t r = 0; r < rows; r++) out[(size_t)u * ldo + r] = acc[u][r];
+    hvx_store(acc, nt, out, ldo, rows);
 }
 
 /* IQ4_NL, IQ4_XS, Q4_1, Q5_0, Q5_1 (K: the LQ_* kind, htp_internal.h) and MXFP4 (K = HX_MX)
@@ -288,8 +288,7 @@ static inline __attribute__((always_inline)) void hvx_lq_strip(
     const uint32_t k = kb * 32;
     float acc[HVX_Q4_NT][32];
     int32_t dot[32] __attribute__((aligned(128)));
-    for (uint32_t u = 0; u < nt; u++)
-        for (int r = 0; r < 32; r++) acc[u][r] = 0.0f;
+    memset(acc, 0, sizeof(float) * 32 * nt);
     const hvx_vec m4 = Q6_V_vsplat_R(0x0f0f0f0f);
     hvx_vec tab[16];
     for (int c = 0; c < 16; c++) {
@@ -330,8 +329,7 @@ static inline __attribute__((always_inline)) void hvx_lq_strip(
         for (uint32_t u = 0; u < nt; u++) {
             const int8_t *qb = a->q + (size_t)u * k + 32 * j;
             int32_t wu[8];
-            const int32_t *w = (const int32_t *)(const void *)qb;
-            if (!aligned) w = (const int32_t *)memcpy(wu, qb, 32);
+            const int32_t *w = hvx_act_words(qb, aligned, wu);
             const int32_t sa = a->s[(size_t)u * kb + j];
             hvx_vec dv = Q6_V_vsplat_R(lut ? -128 * sa : 0);
             for (int g = 0; g < 4; g++) {
@@ -360,8 +358,7 @@ static inline __attribute__((always_inline)) void hvx_lq_strip(
             }
         }
     }
-    for (uint32_t u = 0; u < nt; u++)
-        for (uint32_t r = 0; r < rows; r++) out[(size_t)u * ldo + r] = acc[u][r];
+    hvx_store(acc, nt, out, ldo, rows);
 }
 LQ_ENTRIES(hvx, __attribute__((noinline)), hvx_lq_strip)
 __attribute__((noinline)) static void mxq8_strip_hvx(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,

@@ -22,6 +22,36 @@ int htp_neon_dotprod_supported(void) { return (getauxval(AT_HWCAP) & HWCAP_ASIMD
 
 #define HTP_T_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
 
+/* One token's outputs of a 16-row half (`half` 0: rows 0..15, 1: 16..31) from its four
+ * accumulators, the rows past `rows` left alone. */
+HTP_T_DOTPROD static inline __attribute__((always_inline)) void neon_store_half(
+    float *out, uint32_t rows, int half, const float32x4_t acc[4]) {
+    float tmp[16];
+    for (int i = 0; i < 4; i++) vst1q_f32(tmp + 4 * i, acc[i]);
+    const uint32_t r0 = 16u * (uint32_t)half;
+    for (uint32_t r = 0; r < 16 && r0 + r < rows; r++) out[r0 + r] = tmp[r];
+}
+
+/* The strip drivers of the kernels below that take 2 tokens a pass: HALF(strip, kb, q, d, s, k,
+ * out, ldo, rows, half, NT, KIND) for each 16-row half of each block of 2 tokens (NT a
+ * constant 2, or 1 for the last odd token). */
+#define NEON_STRIP2(HALF, KIND)                                                                   \
+    do {                                                                                          \
+        const uint32_t k = kb * 32;                                                               \
+        for (uint32_t t0 = 0; t0 < nt; t0 += 2) {                                                 \
+            const int8_t *q = a->q + (size_t)t0 * k;                                              \
+            const float *d = a->d + (size_t)t0 * kb;                                              \
+            const int32_t *s = a->s + (size_t)t0 * kb;                                            \
+            float *o = out + (size_t)t0 * ldo;                                                    \
+            for (int half = 0; half < (rows > 16 ? 2 : 1); half++) {                              \
+                if (nt - t0 >= 2)                                                                 \
+                    HALF(strip, kb, q, d, s, k, o, ldo, rows, half, 2, KIND);                     \
+                else                                                                              \
+                    HALF(strip, kb, q, d, s, k, o, ldo, rows, half, 1, KIND);                     \
+            }                                                                                     \
+        }                                                                                         \
+    } while (0)
+
 HTP_T_DOTPROD static inline __attribute__((always_inline)) void q4q8_half_neon(
     const uint8_t *strip, uint32_t kb, const int8_t *q, const float *d, const int32_t *s, uint32_t k,
     float *out, uint32_t ldo, uint32_t rows, int half, const int NT) {
@@ -68,12 +98,7 @@ HTP_T_DOTPROD static inline __attribute__((always_inline)) void q4q8_half_neon(
             }
         }
     }
-    for (int u = 0; u < NT; u++) {
-        float tmp[16];
-        for (int i = 0; i < 4; i++) vst1q_f32(tmp + 4 * i, acc[u][i]);
-        const uint32_t r0 = 16u * (uint32_t)half;
-        for (uint32_t r = 0; r < 16 && r0 + r < rows; r++) out[(size_t)u * ldo + r0 + r] = tmp[r];
-    }
+    for (int u = 0; u < NT; u++) neon_store_half(out + (size_t)u * ldo, rows, half, acc[u]);
 }
 
 HTP_T_DOTPROD static void q4q8_strip_neon(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
@@ -179,30 +204,13 @@ HTP_T_DOTPROD HTP_NO_CONTRACT static inline __attribute__((always_inline)) void 
             }
         }
     }
-    for (int u = 0; u < NT; u++) {
-        float tmp[16];
-        for (int i = 0; i < 4; i++) vst1q_f32(tmp + 4 * i, acc[u][i]);
-        const uint32_t r0 = 16u * (uint32_t)half;
-        for (uint32_t r = 0; r < 16 && r0 + r < rows; r++) out[(size_t)u * ldo + r0 + r] = tmp[r];
-    }
+    for (int u = 0; u < NT; u++) neon_store_half(out + (size_t)u * ldo, rows, half, acc[u]);
 }
 
 HTP_T_DOTPROD HTP_NO_CONTRACT static inline __attribute__((always_inline)) void lq_strip_neon(
     const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out, uint32_t ldo,
     uint32_t rows, const int K) {
-    const uint32_t k = kb * 32;
-    for (uint32_t t0 = 0; t0 < nt; t0 += 2) {
-        const int8_t *q = a->q + (size_t)t0 * k;
-        const float *d = a->d + (size_t)t0 * kb;
-        const int32_t *s = a->s + (size_t)t0 * kb;
-        float *o = out + (size_t)t0 * ldo;
-        for (int half = 0; half < (rows > 16 ? 2 : 1); half++) {
-            if (nt - t0 >= 2)
-                lq_half_neon(strip, kb, q, d, s, k, o, ldo, rows, half, 2, K);
-            else
-                lq_half_neon(strip, kb, q, d, s, k, o, ldo, rows, half, 1, K);
-        }
-    }
+    NEON_STRIP2(lq_half_neon, K);
 }
 LQ_ENTRIES(neon, HTP_T_DOTPROD HTP_NO_CONTRACT, lq_strip_neon)
 
@@ -341,30 +349,13 @@ HTP_T_DOTPROD HTP_NO_CONTRACT static inline __attribute__((always_inline)) void 
             }
         }
     }
-    for (int u = 0; u < NT; u++) {
-        float tmp[16];
-        for (int i = 0; i < 4; i++) vst1q_f32(tmp + 4 * i, acc[u][i]);
-        const uint32_t r0 = 16u * (uint32_t)half;
-        for (uint32_t r = 0; r < 16 && r0 + r < rows; r++) out[(size_t)u * ldo + r0 + r] = tmp[r];
-    }
+    for (int u = 0; u < NT; u++) neon_store_half(out + (size_t)u * ldo, rows, half, acc[u]);
 }
 
 HTP_T_DOTPROD HTP_NO_CONTRACT static inline __attribute__((always_inline)) void kn_strip_neon(
     const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt, float *out, uint32_t ldo,
     uint32_t rows, const int F) {
-    const uint32_t k = kb * 32;
-    for (uint32_t t0 = 0; t0 < nt; t0 += 2) {
-        const int8_t *q = a->q + (size_t)t0 * k;
-        const float *d = a->d + (size_t)t0 * kb;
-        const int32_t *s = a->s + (size_t)t0 * kb;
-        float *o = out + (size_t)t0 * ldo;
-        for (int half = 0; half < (rows > 16 ? 2 : 1); half++) {
-            if (nt - t0 >= 2)
-                kn_half_neon(strip, kb, q, d, s, k, o, ldo, rows, half, 2, F);
-            else
-                kn_half_neon(strip, kb, q, d, s, k, o, ldo, rows, half, 1, F);
-        }
-    }
+    NEON_STRIP2(kn_half_neon, F);
 }
 #define KN_ENTRY(NAME, F)                                                                         \
     HTP_T_DOTPROD HTP_NO_CONTRACT static void NAME(const uint8_t *strip, uint32_t kb,             \
