@@ -259,26 +259,40 @@ READ_CAP = (NO_MARGIN, CAPPED, CAPPED_NO_MARGIN)
 PAIRED = ("stream, pair", "resident, pair")
 
 
+def _pairs(f: Figures, length: int) -> tuple[list[float], dict[str, list[dict[str, Any]]]] | None:
+    """bench_engine's `--pairs` at `length`: the pairs' stream ÷ resident ratios (the main
+    runs' pair first) and each side's runs with a time; None without pairs."""
+    by_length = {row["length"]: row for row in f.get("summary") or []}
+    ratios = (by_length.get(length) or {}).get("stream_over_resident_pairs") or []
+    if not ratios:
+        return None
+    runs = {side: [r for r in f["runs"] if not r.get("cgroup") and r["length"] == length
+                   and r["system"] in (side, f"{side}, pair") and r.get("ttft_s")]
+            for side in ("stream", "resident")}  # fmt: skip
+    return ratios, runs
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A run whose time is the median of `runs`' (for the tables' time cells)."""
+    return {"ttft_s": statistics.median(r["ttft_s"] for r in runs)} if runs else None
+
+
 def _pairs_table(f: Figures) -> tuple[str, Table]:
     """bench_engine's `--pairs`: stream ÷ resident over the length's pairs of runs (the main
     runs' and the extra ones'), as the median of the pairs' ratios and their range."""
     t = Table(["prompt", "pairs", "stream (median)", "resident (median)",
                "stream ÷ resident: median [min..max]", "steal: stream / resident"], [])  # fmt: skip
-    by_length = {row["length"]: row for row in f.get("summary") or []}
     for T in _engine_lengths(f, False):
-        ratios = (by_length.get(T) or {}).get("stream_over_resident_pairs") or []
-        runs = {side: [r for r in f["runs"] if not r.get("cgroup") and r["length"] == T
-                       and r["system"] in (side, f"{side}, pair") and r.get("ttft_s")]
-                for side in ("stream", "resident")}  # fmt: skip
-        if not ratios:
+        got = _pairs(f, T)
+        if got is None:
             continue
-        med = [statistics.median(r["ttft_s"] for r in runs[x]) if runs[x] else None
-               for x in ("stream", "resident")]  # fmt: skip
+        ratios, runs = got
         steal = seconds(
             sum(r.get("steal_s") or 0.0 for r in runs[x]) for x in ("stream", "resident")
         )
         t.rows.append(
-            [prompt(T), str(len(ratios)), ttft({"ttft_s": med[0]}), ttft({"ttft_s": med[1]}),
+            [prompt(T), str(len(ratios)), ttft(_median_run(runs["stream"])),
+             ttft(_median_run(runs["resident"])),
              f"{statistics.median(ratios):.3f} [{min(ratios):.3f}..{max(ratios):.3f}]", steal]
         )  # fmt: skip
     caption = (
@@ -1085,7 +1099,13 @@ def _headline_table(f: Figures) -> Table:
         s, r, ll = (_engine_run(f, x, T, False) for x in ("stream", "resident", "llama.cpp"))
         if s or r or ll:
             peaks = " / ".join(size((x or {}).get("peak_memory_bytes")) for x in (s, r, ll))
-            t.rows.append([f"{prompt(T)} tokens", ttft(s), ttft(r), ttft(ll), ratio(s, r),
+            over_r = ratio(s, r)
+            pairs = _pairs(f, T)
+            if pairs is not None:  # the medians over the pairs, not one pair's figures
+                ratios, runs = pairs
+                s, r = _median_run(runs["stream"]), _median_run(runs["resident"])
+                over_r = f"{statistics.median(ratios):.3f} (median of {len(ratios)} pairs)"
+            t.rows.append([f"{prompt(T)} tokens", ttft(s), ttft(r), ttft(ll), over_r,
                            ratio(s, ll), peaks])  # fmt: skip
     return t
 

@@ -269,7 +269,8 @@ def test_engine_pairs_show_the_median_ratio_and_its_range(tmp_path: Path) -> Non
     """A bench_engine result with `--pairs` runs shows, under the engine table, per length the
     number of pairs (the main runs' included), each side's median time, the median of the
     pairs' stream ÷ resident with its range, and the steal summed per side; the pair runs add
-    no column to the engine table, and the run is its own variant."""
+    no column to the engine table, and the run is its own variant. The README headline shows
+    the medians over the pairs, not the first pair's figures."""
     figures = engine_figures(stream=2.2, resident=2.0)
     for pair, st, rt in ((1, 2.0, 2.0), (2, 2.05, 2.0)):
         for system, t in (("stream, pair", st), ("resident, pair", rt)):
@@ -283,6 +284,10 @@ def test_engine_pairs_show_the_median_ratio_and_its_range(tmp_path: Path) -> Non
     assert "| 4K | 1 |" not in page  # no pairs recorded at 4K
     assert "| 1K | 2.2 s | 2 s | 8 s | 1.100 |" in page  # the main runs' row, as without pairs
     assert "(olmoe-1b-7b, q4_0; 1K, 4K; 3 pairs)" in page
+    # the README headline takes the medians over the pairs where there are pairs
+    head = report.headline(report.load_results(tmp_path / "results"))
+    assert "| 1K tokens | 2.05 s | 2 s | 8 s | 1.025 (median of 3 pairs) | 0.256 |" in head
+    assert "| 4K tokens | 8.8 s | 8 s | 32 s | 1.100 | 0.275 |" in head
     plain = tmp_path / "plain"
     plain.mkdir()
     recorded(plain, "bench_engine", engine_figures(), (0.1, 0.1))
