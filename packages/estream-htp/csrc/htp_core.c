@@ -3,6 +3,7 @@
  * per-run state lives in the backend (htp_backend.c). */
 #include "htp_gemm_body.h"
 #include "htp_matmul_body.h"
+#include "htp_norm_body.h"
 
 /* ---- portable table ---- */
 static void q4q8_strip_portable(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a, uint32_t nt,
@@ -90,6 +91,7 @@ const htp_isa htp_isa_portable = {
     .attention_bf16_pack = NULL,
     .attention_bf16_task = NULL,
     .swiglu = htp_swiglu_portable,
+    .rms_rows = htp_rms_rows_portable,
     .matmul_f32 = htp_matmul_f32_portable,
     .dot_peak = NULL,
     .dot_macs_per_iter = 0,
@@ -465,38 +467,28 @@ void htp_exec_get_rows(const htp_get_rows_params *pr, const uint8_t *p, const in
 /* ---- RMSNorm (validated by the caller): rows split across the pool's threads, each row
  * computed the same way whatever the split (results do not depend on the thread count) ---- */
 typedef struct rms_ctx {
+    const htp_isa *isa;
     const htp_rms_norm_params *p;
     const float *x, *w;
     float *out;
 } rms_ctx;
 
+void htp_rms_rows_portable(const float *x, const float *w, uint32_t d, float eps, size_t rows,
+                           float *out) {
+    htp_rms_rows_body(x, w, d, eps, rows, out);
+}
+
 static void rms_task(void *arg, uint32_t ith, uint32_t nth) {
     const rms_ctx *c = (const rms_ctx *)arg;
     const uint32_t d = c->p->d;
-    const float *w = c->w;
     uint32_t b, e;
     htp_split(c->p->t * c->p->n_groups, ith, nth, &b, &e);
-    for (size_t i = b; i < e; i++) {
-        const float *xr = c->x + i * d;
-        float *o = c->out + i * d;
-        double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}; /* 8 lanes: vectorisable, fixed order */
-        uint32_t col = 0;
-        for (; col + 8 <= d; col += 8)
-            for (int l = 0; l < 8; l++) acc[l] += (double)xr[col + l] * xr[col + l];
-        double ss = 0.0;
-        for (; col < d; col++) ss += (double)xr[col] * xr[col];
-        ss += ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        const float inv = (float)(1.0 / sqrt(ss / d + (double)c->p->eps));
-        if (w)
-            for (uint32_t k = 0; k < d; k++) o[k] = xr[k] * inv * w[k];
-        else
-            for (uint32_t k = 0; k < d; k++) o[k] = xr[k] * inv;
-    }
+    if (b < e) c->isa->rms_rows(c->x + (size_t)b * d, c->w, d, c->p->eps, e - b, c->out + (size_t)b * d);
 }
 
 void htp_exec_rms_norm(htp_exec *e, const htp_rms_norm_params *p, const float *x, const float *w,
                        float *out) {
-    rms_ctx c = {p, x, w, out};
+    rms_ctx c = {e->isa, p, x, w, out};
     /* below ~64K elements a wake-up costs more than it saves */
     if ((uint64_t)p->t * p->n_groups * p->d < 65536)
         rms_task(&c, 0, 1);

@@ -309,6 +309,8 @@ typedef struct htp_isa {
     void (*attention_bf16_task)(const htp_attn_ctx *c, uint32_t task, float *scratch);
     void (*attention_bf16_pv_task)(const htp_attn_ctx *c, uint32_t task, float *scratch);
     void (*swiglu)(const float *g, const float *u, uint64_t n, float *out); /* u may be NULL */
+    /* RMSNorm of `rows` rows of d floats (w may be NULL): htp_norm_body.h's bits on every table */
+    void (*rms_rows)(const float *x, const float *w, uint32_t d, float eps, size_t rows, float *out);
     /* rows [i0, i1) of y[t][n] = x[t][k] @ w[k][n], each output summed over k in order */
     void (*matmul_f32)(const float *x, const float *w, uint32_t k, uint32_t n, uint32_t i0,
                        uint32_t i1, float *y);
@@ -393,6 +395,8 @@ void htp_q8_q6k_seeds(const int8_t *q, uint32_t kb, int32_t *z);
 void htp_q8_q45k_sada(const float *d, const int32_t *s, uint32_t kb, float *sd);
 void htp_attn_task_portable(const htp_attn_ctx *c, uint32_t task, float *scratch);
 void htp_swiglu_portable(const float *g, const float *u, uint64_t n, float *out);
+void htp_rms_rows_portable(const float *x, const float *w, uint32_t d, float eps, size_t rows,
+                           float *out);
 /* the vector SwiGLU (htp_vswiglu.h), in the attention task's translation units */
 void htp_swiglu_avx2(const float *g, const float *u, uint64_t n, float *out);
 void htp_swiglu_avx512(const float *g, const float *u, uint64_t n, float *out);

@@ -395,6 +395,7 @@ const htp_isa htp_isa_neon = {
     .attention_bf16_pack = htp_attn_bf16_pack_scalar, /* on FEAT_BF16 CPUs (htp_cpu_bf16) */
     .attention_bf16_task = htp_attn_bf16_task_neon,
     .swiglu = htp_swiglu_portable,
+    .rms_rows = htp_rms_rows_portable,
     .matmul_f32 = htp_matmul_f32_portable,
     .dot_peak = NULL,
     .dot_macs_per_iter = 0,

@@ -7,6 +7,7 @@
 #include "htp_attn_body.h"
 #include "htp_gemm_body.h"
 #include "htp_matmul_body.h"
+#include "htp_norm_body.h"
 
 #include <immintrin.h>
 
@@ -52,6 +53,10 @@ HTP_T_AVX512 static inline __attribute__((always_inline)) void store_rows32(floa
                                                            uint32_t k, uint32_t n, uint32_t i0,  \
                                                            uint32_t i1, float *y) {              \
         htp_matmul_f32_body(x, w, k, n, i0, i1, y);                                              \
+    }                                                                                            \
+    TARGET static void rms_rows_##SUFFIX(const float *x, const float *w, uint32_t d, float eps,   \
+                                         size_t rows, float *out) {                              \
+        htp_rms_rows_body(x, w, d, eps, rows, out);                                              \
     }
 
 HTP_INSTANTIATE(avx2, HTP_T_AVX2)
@@ -1422,6 +1427,7 @@ const htp_isa htp_isa_avx2 = {
     .attention_bf16_pack = NULL,
     .attention_bf16_task = NULL,
     .swiglu = htp_swiglu_avx2,
+    .rms_rows = rms_rows_avx2,
     .matmul_f32 = matmul_f32_avx2,
     .dot_peak = peak_dot_avx2,
     .dot_macs_per_iter = 12 * 32,
@@ -1437,6 +1443,7 @@ const htp_isa htp_isa_avx2 = {
     .attention_bf16_pack = htp_attn_bf16_pack_avx512,                                          \
     .attention_bf16_task = htp_attn_bf16_task_avx512,                                          \
     .attention_bf16_pv_task = htp_attn_bf16_pv_task_avx512, .swiglu = htp_swiglu_avx512,         \
+    .rms_rows = rms_rows_avx512,                                                                 \
     .matmul_f32 = matmul_f32_avx512, .fma_peak = peak_fma, .fma_macs_per_iter = 12 * 16,        \
     .bf16_peak = peak_bf16, .bf16_macs_per_iter = 12 * 32
 

@@ -43,6 +43,50 @@ def test_rms_norm(t: int, h: int, dh: int, seed: int, with_w: bool) -> None:
     assert zi is xi and np.array_equal(xi, y)
 
 
+def _rms_bits(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    """The kernel's RMSNorm, bit for bit: each row's squares (exact in double) summed in order
+    on 8 lanes (column c on lane c % 8, up to the last full 8) and a tail sum, the lanes added
+    ((0+4)+(1+5))+((2+6)+(3+7)), eps as the fp32 the kernel takes, then fp32 x * inv (* w)."""
+    t, d = x.shape
+    x64 = x.astype(np.float64) ** 2
+    full = d - d % 8
+    out = np.empty_like(x)
+    for i in range(t):
+        lane = [np.cumsum(x64[i, j:full:8])[-1] if full else 0.0 for j in range(8)]
+        ss = np.cumsum(x64[i, full:])[-1] if d > full else 0.0
+        ss += ((lane[0] + lane[4]) + (lane[1] + lane[5])) + (
+            (lane[2] + lane[6]) + (lane[3] + lane[7])
+        )
+        inv = np.float32(1.0 / np.sqrt(ss / d + float(np.float32(eps))))
+        out[i] = x[i] * inv if w is None else (x[i] * inv) * w
+    return out
+
+
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
+@settings(max_examples=30, deadline=None)
+@given(
+    t=st.integers(1, 70),
+    d=st.integers(1, 300),
+    seed=st.integers(0, 2**32 - 1),
+    with_w=st.booleans(),
+)
+def test_rms_norm_bits_on_every_level(simd: str, t: int, d: int, seed: int, with_w: bool) -> None:
+    """Every kernel table gives the portable body's bits (the sums' lanes and order written out
+    in `_rms_bits`), on widths with and without a tail past the last full 8, whatever the
+    threads' split of the rows (t * d above the kernel's threshold for threading)."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((t, d)) * rng.choice([1e-3, 1.0, 30.0])).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32) if with_w else None
+    want = _rms_bits(x, w, 1e-6)
+    big = np.repeat(x, 70000 // (t * d) + 1, axis=0)
+    for threads in (1, 2):
+        with mode(simd=simd, threads=threads):
+            got = htp.rms_norm(x, w, 1e-6, out=np.full_like(x, np.nan))
+            got_big = htp.rms_norm(big, w, 1e-6)
+        assert _same_bits(got, want)
+        assert _same_bits(got_big, np.repeat(want, big.shape[0] // t, axis=0))
+
+
 @given(
     t=st.integers(1, 9),
     h=st.integers(1, 3),
