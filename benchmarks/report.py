@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import re
 import statistics
 import sys
@@ -579,6 +581,26 @@ def _bf16_ratio(q8: dict[str, Any], bf16: dict[str, Any]) -> float | None:
     return b["rel_l2"] / a["rel_l2"] if a and b and a["rel_l2"] > 0 else None
 
 
+def _log_ratios(q8: dict[str, Any], bf16: dict[str, Any]) -> list[float] | None:
+    """Per prompt, log(error with the bf16 mode) - log(error with fp32 attention): the two
+    runs saw the same prompts; None without per-prompt errors for both (or a zero error)."""
+    a = (q8.get("engine_vs_ref") or {}).get("rel_l2_prompts")
+    b = (bf16.get("engine_vs_ref") or {}).get("rel_l2_prompts")
+    if not a or not b or len(a) != len(b) or min(a) <= 0 or min(b) <= 0:
+        return None
+    return [math.log(y) - math.log(x) for x, y in zip(a, b, strict=True)]
+
+
+def _ratio_ci(logs: list[float], draws: int = 4000) -> tuple[float, float, float]:
+    """exp of the mean log ratio (the ratio of geometric-mean errors) and its 95 % percentile
+    bootstrap interval over the prompts (resampled with replacement; seeded, so a report is
+    rendered the same every time)."""
+    rng, n = random.Random(0), len(logs)
+    means = sorted(sum(rng.choices(logs, k=n)) / n for _ in range(draws))
+    lo, hi = means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
+    return math.exp(sum(logs) / n), math.exp(lo), math.exp(hi)
+
+
 def render_parity(f: Figures) -> Table:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in f["rows"]:  # one row per engine run (activation format, attention precision)
@@ -591,6 +613,7 @@ def render_parity(f: Figures) -> Table:
                "engine f32 vs packed ref",
                "vs the F32 original: ref / engine q8 / llama.cpp", "note"], [])  # fmt: skip
     ratios: dict[str, list[tuple[str, float | None]]] = {m: [] for m in modes}
+    paired: dict[str, list[tuple[str, list[float]]]] = {m: [] for m in modes}
     for (arch, variant), rows in groups.items():
         act = {(r.get("engine_act"), r.get("engine_attention", "f32")): r for r in rows}
         q8, f32, first = act.get(("q8", "f32"), {}), act.get(("f32", "f32"), {}), rows[0]
@@ -600,10 +623,14 @@ def render_parity(f: Figures) -> Table:
         bf16_cells: list[str] = []
         for m in modes:
             bf16 = act.get(("q8", m), {})
-            ratio = _bf16_ratio(q8, bf16)
+            ratio, logs = _bf16_ratio(q8, bf16), _log_ratios(q8, bf16)
             if q8.get("engine_vs_ref") or bf16.get("engine_vs_ref"):
                 ratios[m].append((f"{arch} `{variant}`", ratio))
             of_f32 = f"; ×{ratio:.3f} of fp32 attention's" if ratio is not None else ""
+            if logs is not None and len(logs) > 1:
+                paired[m].append((f"{arch} `{variant}`", logs))
+                _, lo, hi = _ratio_ci(logs)
+                of_f32 = f"; ×{ratio:.3f} [{lo:.3f}, {hi:.3f}] of fp32 attention's"
             bf16_cells.append(_vs(bf16.get("engine_vs_ref")) + of_f32)
         t.rows.append([
             arch, f"`{variant}`", _vs(first.get("llamacpp_vs_ref")),
@@ -629,8 +656,29 @@ def render_parity(f: Figures) -> Table:
         + (f" llama-cpp-python {f['llama_cpp_python']}." if f.get("llama_cpp_python") else "")
     )
     for m in modes:
-        t.notes.append(_bf16_verdict(ratios[m], BF16_MODES[m]))
+        t.notes.append(_bf16_verdict(ratios[m], BF16_MODES[m]) + _bf16_paired(paired[m]))
     return t
+
+
+def _bf16_paired(rows: list[tuple[str, list[float]]]) -> str:
+    """What the prompts resolve (rows with per-prompt errors): the ratio over every prompt of
+    every such row, paired, with its 95 % bootstrap interval, and the rows whose own interval
+    lies wholly above `BF16_ATTENTION_LIMIT` (a row's ratio over few prompts moves by several
+    per cent with the routing decisions that rounding flips, so its point value alone does not
+    tell the modes apart)."""
+    if not rows:
+        return ""
+    logs = [x for _, row in rows for x in row]
+    ratio, lo, hi = _ratio_ci(logs)
+    above = [f"{name} [{ci[1]:.3f}, {ci[2]:.3f}]" for name, row in rows
+             if (ci := _ratio_ci(row))[1] > BF16_ATTENTION_LIMIT]  # fmt: skip
+    return (
+        f" Paired over the {len(logs)} prompts of {len(rows)} row{'s' if len(rows) > 1 else ''}: "
+        f"×{ratio:.3f} [{lo:.3f}, {hi:.3f}] of the fp32-attention error (95 % bootstrap interval "
+        f"over prompts); rows whose interval lies above {round((BF16_ATTENTION_LIMIT - 1) * 100)} %: "
+        + (", ".join(above) if above else "none")
+        + "."
+    )
 
 
 def _bf16_verdict(ratios: list[tuple[str, float | None]], name: str = "bf16 attention") -> str:

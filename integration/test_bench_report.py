@@ -5,6 +5,7 @@ page and README headline are exactly what the committed results render to."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -889,3 +890,44 @@ def test_parity_with_both_bf16_modes_has_a_column_and_a_verdict_for_each() -> No
     assert "bf16 attention (engine q8" in t.notes[-2] and "rows over 5 %: qwen3moe" in t.notes[-2]
     assert t.notes[-1].startswith("bf16 P·V attention (engine q8")
     assert "every row within 5 % of the fp32-attention error (ratios 1.020–1.020)" in t.notes[-1]
+
+
+def test_parity_bf16_rows_with_per_prompt_errors_get_paired_intervals() -> None:
+    """Rows that carry per-prompt errors for both attention modes get the ratio's 95 %
+    bootstrap interval over prompts in their cell, and the verdict adds the ratio over every
+    prompt of those rows, paired, and names the rows whose interval lies wholly above 5 %; a
+    row without per-prompt errors keeps its point ratio and is left out of the pooled one."""
+    f32_p = [0.010, 0.012, 0.008, 0.011]
+    per_row = {
+        "v0": [e * 1.2 for e in f32_p],  # every prompt 20 % worse: [1.2, 1.2], named
+        "v1": [e * r for e, r in zip(f32_p, (0.9, 1.1, 0.95, 1.08), strict=True)],  # spans 1
+    }
+    rows: list[dict[str, Any]] = []
+    for variant, bf16_p in [*per_row.items(), ("v2", None)]:
+        base = {"arch": "olmoe", "variant": variant, "llamacpp_vs_ref": {"rel_l2": 0.02}}
+
+        def err(p: list[float] | None, scale: float) -> dict[str, Any]:
+            if p is None:  # an older run: the geometric mean only
+                return {"rel_l2": 0.01 * scale, "top1": 0.97}
+            return {"rel_l2": math.exp(sum(map(math.log, p)) / len(p)), "top1": 0.97,
+                    "rel_l2_prompts": p}  # fmt: skip
+
+        rows += [
+            {**base, "engine_act": "q8", "engine_attention": "f32",
+             "engine_vs_ref": err(f32_p if bf16_p else None, 1.0)},
+            {**base, "engine_act": "q8", "engine_attention": "bf16-pv",
+             "engine_vs_ref": err(bf16_p, 1.3)},
+        ]  # fmt: skip
+    t = report.render_parity({"tokens": 256, "prompts": 4, "rows": rows})
+    col = t.headers.index("engine q8, bf16 P·V attention vs ref")
+    cells = {r[1]: r[col] for r in t.rows}
+    assert cells["`v0`"].endswith("; ×1.200 [1.200, 1.200] of fp32 attention's")
+    lo, hi = map(float, re.search(r"\[(\S+), (\S+)\]", cells["`v1`"]).groups())  # type: ignore[union-attr]
+    assert lo < 1.0 < hi < 1.2
+    assert cells["`v2`"].endswith("; ×1.300 of fp32 attention's")  # no interval without prompts
+    logs = [math.log(b / a) for v in per_row.values() for a, b in zip(f32_p, v, strict=True)]
+    pooled = math.exp(sum(logs) / len(logs))
+    note = t.notes[-1]
+    assert f"Paired over the 8 prompts of 2 rows: ×{pooled:.3f} [" in note
+    assert "rows whose interval lies above 5 %: olmoe `v0` [1.200, 1.200]." in note
+    assert "v1` [" not in note and "v2` [" not in note
