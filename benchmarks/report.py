@@ -613,7 +613,8 @@ def render_parity(f: Figures) -> Table:
                "engine f32 vs packed ref",
                "vs the F32 original: ref / engine q8 / llama.cpp", "note"], [])  # fmt: skip
     ratios: dict[str, list[tuple[str, float | None]]] = {m: [] for m in modes}
-    paired: dict[str, list[tuple[str, list[float]]]] = {m: [] for m in modes}
+    # per mode: (row name, per-prompt log ratios, that row's interval) for the pooled verdict
+    paired: dict[str, list[tuple[str, list[float], tuple[float, float]]]] = {m: [] for m in modes}
     for (arch, variant), rows in groups.items():
         act = {(r.get("engine_act"), r.get("engine_attention", "f32")): r for r in rows}
         q8, f32, first = act.get(("q8", "f32"), {}), act.get(("f32", "f32"), {}), rows[0]
@@ -628,8 +629,8 @@ def render_parity(f: Figures) -> Table:
                 ratios[m].append((f"{arch} `{variant}`", ratio))
             of_f32 = f"; ×{ratio:.3f} of fp32 attention's" if ratio is not None else ""
             if logs is not None and len(logs) > 1:
-                paired[m].append((f"{arch} `{variant}`", logs))
                 _, lo, hi = _ratio_ci(logs)
+                paired[m].append((f"{arch} `{variant}`", logs, (lo, hi)))
                 of_f32 = f"; ×{ratio:.3f} [{lo:.3f}, {hi:.3f}] of fp32 attention's"
             bf16_cells.append(_vs(bf16.get("engine_vs_ref")) + of_f32)
         t.rows.append([
@@ -660,18 +661,18 @@ def render_parity(f: Figures) -> Table:
     return t
 
 
-def _bf16_paired(rows: list[tuple[str, list[float]]]) -> str:
-    """What the prompts resolve (rows with per-prompt errors): the ratio over every prompt of
-    every such row, paired, with its 95 % bootstrap interval, and the rows whose own interval
-    lies wholly above `BF16_ATTENTION_LIMIT` (a row's ratio over few prompts moves by several
+def _bf16_paired(rows: list[tuple[str, list[float], tuple[float, float]]]) -> str:
+    """What the prompts resolve (rows with per-prompt errors, each with its own interval): the
+    ratio over every prompt of every such row, paired, with its 95 % bootstrap interval, and
+    the rows whose interval lies wholly above `BF16_ATTENTION_LIMIT` (a row's ratio over few prompts moves by several
     per cent with the routing decisions that rounding flips, so its point value alone does not
     tell the modes apart)."""
     if not rows:
         return ""
-    logs = [x for _, row in rows for x in row]
+    logs = [x for _, row, _ in rows for x in row]
     ratio, lo, hi = _ratio_ci(logs)
-    above = [f"{name} [{ci[1]:.3f}, {ci[2]:.3f}]" for name, row in rows
-             if (ci := _ratio_ci(row))[1] > BF16_ATTENTION_LIMIT]  # fmt: skip
+    above = [f"{name} [{r_lo:.3f}, {r_hi:.3f}]" for name, _, (r_lo, r_hi) in rows
+             if r_lo > BF16_ATTENTION_LIMIT]  # fmt: skip
     return (
         f" Paired over the {len(logs)} prompts of {len(rows)} row{'s' if len(rows) > 1 else ''}: "
         f"×{ratio:.3f} [{lo:.3f}, {hi:.3f}] of the fp32-attention error (95 % bootstrap interval "
