@@ -760,22 +760,28 @@ NEON_KINDS = ("sdot", "mmla", "load", "store", "fp", "convert", "int_vector")
 
 
 def render_neon_mix(f: Figures) -> Table:
-    t = Table(["strip kernel", "table, tiles", "tile at 1 / 2 tokens", "per token",
-               "SDOT / MMLA / load / store / fp / convert / other vector / scalar, 2 tokens"],
+    t = Table(["strip kernel", "table, tiles, QEMU CPU", "tile at 1 / 2 / 4 / 8 tokens",
+               "per token", "SDOT / MMLA / load / store / fp / convert / other vector / scalar, "
+               "per token"],
               [])  # fmt: skip
     for c in f.values():
         if not isinstance(c, dict) or "per_tile" not in c:
             continue
-        p1, p2 = c["per_tile"]["1"], c["per_tile"]["2"]
-        mix = [f"{p2[k]:.0f}" for k in NEON_KINDS] + [f"{p2['scalar'] + p2['branch']:.0f}"]
+        per = c["per_tile_per_token"]
+        mix = [num(per.get(k)) for k in NEON_KINDS]
+        mix.append(num(per["scalar"] + per["branch"]) if "scalar" in per else "–")
+        tiles = " / ".join(num(c["per_tile"].get(n, {}).get("total")) for n in ("1", "2", "4", "8"))
         t.rows.append([
-            f"`{c['function']}`", f"{c['table']}, {c['format']}",
-            f"{p1['total']:.0f} / {p2['total']:.0f}", f"{c['per_tile_per_token']['total']:.0f}",
-            " / ".join(mix),
+            f"`{c['function']}`", f"{c['table']}, {c['format']}, {c.get('cpu', 'max')}", tiles,
+            num(per["total"]), " / ".join(mix),
         ])  # fmt: skip
     t.notes.append(
-        "arm64 instructions executed per 32×32 tile (QEMU's execution log, qemu-aarch64 -cpu max), "
-        "one 32-row strip, Q8 activations; a tile and token is 1024 MACs, 64 SDOT."
+        "arm64 instructions executed per 32×32 tile (QEMU's execution log), one 32-row strip, Q8 "
+        "activations; a tile and token is 1024 MACs: 64 SDOT or 32 SMMLA. The neon table is "
+        "traced on QEMU's cortex-a76 (dot product, no FEAT_I8MM), neon_i8mm on its max CPU "
+        "(FEAT_I8MM: the library takes that table there). Per token: the steady state, the "
+        "8-token tile less the 4-token one, over 4 (older runs: the 2-token tile less the "
+        "1-token one)."
     )
     att = Table(["attention task", "table, products", "diagonal block", "per key block",
                  "BF16 / load / store / fp / convert / other vector / scalar, per key block"],

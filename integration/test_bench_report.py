@@ -675,15 +675,18 @@ FIGURES: dict[str, tuple[dict[str, Any], str]] = {
         "| hvx | 40 | 10 | 50 / 120 / 680 |",
     ),
     "neon_instr_mix": (
-        {"executable": "built", "neon_q4_0": {
-            "function": "q4q8_strip_neon", "format": "q4_0", "table": "neon",
-            "per_tile_per_token": {"total": 150},
+        {"executable": "built", "neon_i8mm_q4_k": {
+            "function": "q4kq8_strip_i8mm", "format": "q4_k", "table": "neon_i8mm", "cpu": "max",
+            "per_tile_per_token": {"sdot": 0, "mmla": 32, "load": 48, "store": 16, "fp": 20.5,
+                                   "convert": 12, "int_vector": 63, "branch": 1.25,
+                                   "scalar": 12, "total": 224.25},
             "per_tile": {
-                "1": {"sdot": 64, "mmla": 0, "load": 34, "store": 6, "fp": 18, "convert": 16,
-                      "int_vector": 86, "branch": 2, "scalar": 14, "total": 240},
-                "2": {"sdot": 128, "mmla": 0, "load": 58, "store": 18, "fp": 36, "convert": 24,
-                      "int_vector": 106, "branch": 2, "scalar": 18, "total": 390}}}},
-        "| `q4q8_strip_neon` | neon, q4_0 | 240 / 390 | 150 | 128 / 0 / 58 / 18 / 36 / 24 / 106 / 20 |",
+                "1": {"sdot": 64, "mmla": 0, "total": 311},
+                "2": {"sdot": 0, "mmla": 64, "total": 468},
+                "4": {"sdot": 0, "mmla": 128, "total": 897},
+                "8": {"sdot": 0, "mmla": 256, "total": 1794}}}},
+        "| `q4kq8_strip_i8mm` | neon_i8mm, q4_k, max | 311 / 468 / 897 / 1794 | 224 | "
+        "0 / 32 / 48 / 16 / 20.5 / 12 / 63 / 13.2 |",
     ),
 }  # fmt: skip
 

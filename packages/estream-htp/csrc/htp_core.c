@@ -137,7 +137,7 @@ const htp_isa *htp_isa_for(uint32_t level) {
     case HTP_SIMD_AMX: return &htp_isa_amx;
 #endif
 #ifdef HTP_ARM64
-    case HTP_SIMD_NEON: return &htp_isa_neon;
+    case HTP_SIMD_NEON: return htp_neon_i8mm_supported() ? &htp_isa_neon_i8mm : &htp_isa_neon;
 #endif
 #ifdef HTP_HVX
     case HTP_SIMD_HVX: return &htp_isa_hvx;

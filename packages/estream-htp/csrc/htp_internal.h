@@ -140,7 +140,7 @@ typedef struct htp_act_q8 {
 } htp_act_q8;
 
 /* The IQ4_NL, IQ4_XS, Q4_1, Q5_0, Q5_1 int8 kernels (htp_x86.c's LQ_KERNEL / lqq8_rows16_avx2,
- * htp_neon.c's lq_half_neon): which tile (K, a compile-time constant in each instantiation), its
+ * htp_neon.c's lq_part_neon): which tile (K, a compile-time constant in each instantiation), its
  * bytes, where its Q4_0-ordered nibbles start, where its fifth-bit words start (Q5_0, Q5_1). */
 #define LQ_IQ4NL 0
 #define LQ_IQ4XS 1
@@ -350,6 +350,8 @@ void htp_q4q8_strip_vnni(const uint8_t *strip, uint32_t kb, const htp_act_q8 *a,
 #endif
 #ifdef HTP_ARM64
 int htp_neon_dotprod_supported(void);
+/* whether this CPU has the dot-product and int8 matrix-multiply (FEAT_I8MM: SMMLA) extensions */
+int htp_neon_i8mm_supported(void);
 /* whether this CPU has FEAT_BF16 (BFMLALB / BFMLALT: the NEON bf16 attention task) */
 int htp_neon_bf16_supported(void);
 /* key columns per register block of the NEON fp32 attention task (htp_attn_neon.c) */
@@ -357,6 +359,7 @@ int htp_neon_bf16_supported(void);
 void htp_attn_task_neon(const htp_attn_ctx *c, uint32_t task, float *scratch);
 void htp_attn_bf16_task_neon(const htp_attn_ctx *c, uint32_t task, float *scratch);
 extern const htp_isa htp_isa_neon;
+extern const htp_isa htp_isa_neon_i8mm; /* the same with SMMLA strip kernels (FEAT_I8MM) */
 #endif
 #ifdef HTP_HVX
 extern const htp_isa htp_isa_hvx;

@@ -1,5 +1,5 @@
-"""The arm64 kernel table (NEON with the dot-product extension), cross-compiled and run under
-qemu-aarch64: tools/neon_selftest.c checks it against float64 references and the portable table,
+"""The arm64 kernel tables (NEON with the dot-product extension, and its SMMLA form for
+FEAT_I8MM CPUs), cross-compiled and run under qemu-aarch64: tools/neon_selftest.c checks it against float64 references and the portable table,
 tools/neon_instr_mix.py counts its instructions per tile.
 
 Needs Debian's gcc-aarch64-linux-gnu and qemu-user (or qemu-user-static); skipped, naming the
@@ -82,12 +82,14 @@ def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     biases), quantization, attention with fp32, bf16 and bf16-pv products (MLA's head dims with
     a sliding window and sinks among them) bit-identical to the portable table, SwiGLU, fp32 matmul), and
     each kind of check ran. QEMU's `max` CPU has FEAT_BF16, so the bf16 attention ran the native
-    BFMLALT / BFMLALB task."""
+    BFMLALT / BFMLALB task, and FEAT_I8MM, so the int8 GEMMs ran the SMMLA kernels (the library
+    agreeing with HWCAP2_I8MM)."""
     r = _qemu(selftest, "max")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr
     lines = r.stdout.splitlines()
     assert lines[-1] == "OK"
     assert lines[0] == "bf16 attention products: native (FEAT_BF16: BFMLALT / BFMLALB)"
+    assert lines[1] == "int8 products: SMMLA on token pairs (FEAT_I8MM)"
     _assert_attention_bits(lines)
     for fmt in FORMATS:
         for act in ("f32", "q8"):
@@ -95,9 +97,7 @@ def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
             assert any(s.startswith(f"expert {fmt} act={act} neon ") for s in lines)
         assert any(s.startswith(f"gemm {fmt} exact integer sums") for s in lines)
         assert any(s.startswith(f"gemm {fmt} from Q8 rows and shared input") for s in lines)
-    for fmt in FORMATS:  # the NEON kernels: q4q8_half_neon, lq_half_neon, kn_half_neon
-        ok = [s for s in lines if re.match(rf"gemm {fmt} neon = portable bits .*: ok$", s)]
-        assert len(ok) == 5, fmt
+    _assert_gemm_bits(lines)
     for fmt in ("f16", "bf16"):  # dense tiles: every shape, fp32 under either act, exact values
         assert sum(bool(re.match(rf"gemm {fmt} n=\d+ k=\d+ t=\d+: ok$", s)) for s in lines) == 8
     assert any(s.startswith("quantize") for s in lines)
@@ -112,6 +112,28 @@ def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
 
 
 ATTENTION_SHAPES = 8  # tools/neon_selftest.c check_attention (7 drawn, 1 built)
+
+
+def _assert_gemm_bits(lines: list[str]) -> None:
+    """Every format's NEON kernel (lq_part_neon, kn_part_neon) gave the portable table's bits on
+    the 5 shapes of the check."""
+    for fmt in FORMATS:
+        ok = [s for s in lines if re.match(rf"gemm {fmt} neon = portable bits .*: ok$", s)]
+        assert len(ok) == 5, fmt
+
+
+def test_without_i8mm_the_sdot_kernels_give_the_same_bits(selftest: Path) -> None:
+    """On a core with the dot product but without FEAT_I8MM (Cortex-A76) the library takes the
+    SDOT kernels, and every check passes with them too: the portable bits for every format (the
+    integer sums are exact either way), and no SMMLA reached where it would fault."""
+    r = _qemu(selftest, "cortex-a76")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[-1] == "OK"
+    assert lines[1] == "int8 products: SDOT (no FEAT_I8MM)"
+    _assert_gemm_bits(lines)
+    for fmt in FORMATS:
+        assert any(s.startswith(f"gemm {fmt} exact integer sums") for s in lines), fmt
 
 
 def _assert_attention_bits(lines: list[str]) -> None:
@@ -183,20 +205,23 @@ def test_without_dotprod_the_library_reports_portable(selftest: Path) -> None:
     assert "NEON dot-product level not available (best = 0)" in r.stdout
 
 
-def test_selftest_fails_when_a_dot_product_is_off_by_one(selftest: Path, tmp_path: Path) -> None:
-    """The self-test is able to fail: with every int8 dot-product (and matrix-product) call of
-    the NEON kernels adding 1 to its accumulator, it reports mismatches and exits 1."""
+@pytest.mark.parametrize(("what", "call", "cpu"), [
+    ("dot product", r"v\w*dotq\w*_s32", "cortex-a76"),
+    ("matrix product", r"(?<!int32x4_t )neon_smmla", "max"),
+])  # fmt: skip
+def test_selftest_fails_when_a_product_is_off_by_one(
+    selftest: Path, tmp_path: Path, what: str, call: str, cpu: str
+) -> None:
+    """The self-test is able to fail: with every int8 dot-product (SDOT, run on a core without
+    FEAT_I8MM) or matrix-product (SMMLA, on one with it) call of the NEON kernels adding 1 to its
+    accumulator, it reports mismatches and exits 1."""
     csrc = tmp_path / "csrc"
     shutil.copytree(PKG / "csrc", csrc)
     src = (csrc / "htp_neon.c").read_text()
-    broken, n = re.subn(
-        r"\b(v\w*(?:dot|mmla)q\w*_s32)\(([^,()]+),", r"\1(vaddq_s32(\2, vdupq_n_s32(1)),", src
-    )
-    assert n >= 1, "htp_neon.c has no int8 dot-product call to break"
+    broken, n = re.subn(rf"\b({call})\(([^,()]+),", r"\1(vaddq_s32(\2, vdupq_n_s32(1)),", src)
+    assert n >= 1, f"htp_neon.c has no int8 {what} call to break"
     (csrc / "htp_neon.c").write_text(broken)
-    r = _qemu(
-        mix.build_selftest(tmp_path / "broken", csrc, reuse=selftest), "max", "--first-failure"
-    )
+    r = _qemu(mix.build_selftest(tmp_path / "broken", csrc, reuse=selftest), cpu, "--first-failure")
     assert r.returncode == 1, r.stdout[-4000:] + r.stderr
     assert r.stdout.splitlines()[-1] == "FAILED"
     assert re.search(r"^gemm q4_0 act=q8 neon .*float64 reference", r.stdout, re.M)
@@ -207,7 +232,10 @@ def test_instruction_mix_per_tile(selftest: Path, tmp_path: Path) -> None:
     kernel for each format counted (Q4_0, Q8_0, Q4_K, Q6_K, Q5_K, MXFP4), each issues exactly
     1024 / 16 = 64 SDOT per 32x32 tile and token (one SDOT is 16 int8 MACs) and none in its
     per-tile setup, and fewer instructions per tile-token than the portable Q4_0 kernel, which
-    issues none; every count is non-negative where measured directly. The attention tasks are counted per fully visible
+    issues none. The i8mm table's kernels (traced where the library picks them: QEMU's max CPU)
+    issue 1024 / 32 = 32 SMMLA per tile and token (32 MACs each) and no SDOT for an even token
+    count, while a single token takes the 64 SDOT of the dot-product form. Every count is
+    non-negative where measured directly. The attention tasks are counted per fully visible
     key block of 64 queries x 64 keys (dk = dv = 64): the bf16 task issues exactly
     64 * 64 * (dk + dv) / 4 BFMLALB / BFMLALT (4 MACs each), the fp32 task at least as many
     float instructions (its FMLA) and no bf16 ones, the portable task none, and each NEON task
@@ -231,6 +259,16 @@ def test_instruction_mix_per_tile(selftest: Path, tmp_path: Path) -> None:
         assert neon["per_tile_setup"]["sdot"] == 0, fmt
         assert neon["per_tile"]["2"]["sdot"] == 2 * 1024 // 16, fmt
         assert neon["per_tile_per_token"]["total"] < port["per_tile_per_token"]["total"], fmt
+        assert neon["per_tile_per_token"]["mmla"] == 0 and neon["cpu"] == "cortex-a76", fmt
+        mm = res[f"neon_i8mm_{fmt}"]
+        assert mm["function"].endswith("_i8mm") and mm["cpu"] == "max", (fmt, mm["function"])
+        assert (mm["per_tile_per_token"]["mmla"], mm["per_tile_per_token"]["sdot"]) == (32, 0)
+        assert (mm["per_tile_setup"]["mmla"], mm["per_tile_setup"]["sdot"]) == (0, 0), fmt
+        for nt in (2, 4, 8):
+            assert (mm["per_tile"][str(nt)]["mmla"], mm["per_tile"][str(nt)]["sdot"]) == (
+                nt * 1024 // 32, 0), (fmt, nt)  # fmt: skip
+        assert (mm["per_tile"]["1"]["mmla"], mm["per_tile"]["1"]["sdot"]) == (0, 1024 // 16)
+        assert mm["per_tile_per_token"]["total"] < port["per_tile_per_token"]["total"], fmt
     for label in labels:
         if res[label]["function"].endswith("_portable"):
             assert all(v["sdot"] == 0 for v in res[label]["measured"].values()), label

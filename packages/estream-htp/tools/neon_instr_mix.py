@@ -5,8 +5,8 @@ tasks, by kind, counted on the compiled code.
 
 Cross-compiles ``tools/neon_selftest.c`` with the library's C sources (aarch64-linux-gnu-gcc,
 the package's own compiler flags, static) unless given one, and runs its ``strip`` mode (one
-Q8-activation GEMM of one 32-row tile strip, one thread) under qemu-aarch64 ``-cpu max`` with
-QEMU's execution log (``-d in_asm,exec,nochain``) restricted to one kernel: every translated
+Q8-activation GEMM of one 32-row tile strip, one thread) under qemu-aarch64 with QEMU's
+execution log (``-d in_asm,exec,nochain``) restricted to one kernel: every translated
 block is listed once with its instructions, every execution of a block is logged, so the
 instructions the kernel executed are counted exactly for that run. Each instruction is
 classified by its disassembly (aarch64-linux-gnu-objdump): ``sdot`` (the int8 dot products,
@@ -17,13 +17,16 @@ half <-> single), ``int_vector`` (the other vector integer work: nibble masks an
 ``8·sum`` correction, bit selects and masks), ``branch`` and ``scalar`` (address and loop
 arithmetic).
 
-Two strip lengths (kb = 1, 2 tiles) and two token counts (nt = 1, 2: the NEON kernel's token
-block) separate the per-tile setup (weight loads, nibble split, row scales) from the per-token
-work, as ``tools/hexagon_packets.py`` does for the HVX kernel's packets. The NEON kernel is
-compiled once per token count (1 and 2), so that split is a fit across two instantiations and a
-kind can come out negative in the setup (registers the 2-token body spills and the 1-token body
-keeps); the per-tile counts at 1 and 2 tokens are measured directly. A 32x32 tile and one
-token is 1024 multiply-accumulates: 64 ``sdot`` (16 each). The counts are executed
+The NEON level has two tables (htp_neon.c): SDOT kernels, traced on QEMU's ``cortex-a76``
+(dot product, no FEAT_I8MM), and the same kernels taking tokens in pairs through SMMLA, traced on
+its ``max`` CPU (FEAT_I8MM; the library picks that table there). Two strip lengths (kb = 1, 2
+tiles) give the cost of one tile; three token counts (nt = 1, 2, 4) its cost at each, measured
+directly. The kernels take 2 tokens a pass (decoding the tile's weights once a pass), so the
+per-token cost is the steady state's, half the difference between 4 and 2 tokens, and the
+per-tile setup what remains at 2 tokens (work done once a strip call, such as the row scales
+of the portable kernel); as ``tools/hexagon_packets.py`` does for the HVX kernel's packets. A
+32x32 tile and one token is 1024 multiply-accumulates: 64 ``sdot`` (16 each) or 32 ``smmla``
+(32 each; the odd token of a count takes the SDOT body). The counts are executed
 instructions, not cycles: they say what the kernel asks of a core, not how fast one runs it.
 
 The attention tasks (the table's ``attention_task`` and ``attention_bf16_task``, and the
@@ -54,6 +57,9 @@ NM = "aarch64-linux-gnu-nm"
 QEMU_NAMES = ("qemu-aarch64", "qemu-aarch64-static")
 KINDS = ("sdot", "mmla", "bf16", "load", "store", "fp", "convert", "int_vector", "branch", "scalar")
 ATTN_DK = 64  # the attention workload's head dims (dk = dv)
+TOKENS = (1, 2, 4, 8)  # the token counts of the strip traces
+# the QEMU CPU each table is traced on: the library picks the SMMLA table where FEAT_I8MM is
+CPU = {"neon": "cortex-a76", "neon_i8mm": "max", "portable": "max"}
 
 # the strip entries of an htp_isa table and the tile format each multiplies
 STRIP_FORMATS = {
@@ -66,28 +72,42 @@ STRIP_FORMATS = {
 }
 
 
-def _table(csrc: Path, table: str, source: str) -> dict[str, str]:
-    """entry -> function of the strip entries an htp_isa table's initializer names."""
+def _initializer(csrc: Path, table: str, source: str) -> str:
+    """The initializer of an htp_isa table: written out, or a one-parameter macro's body (as
+    htp_neon.c's HTP_NEON_TABLE(SUF)) with the argument pasted in."""
     text = (csrc / source).read_text()
     body = re.search(rf"const htp_isa htp_isa_{table} = \{{(.*?)\}};", text, re.S)
-    if body is None:
+    if body is not None:
+        return body.group(1)
+    use = re.search(rf"const htp_isa htp_isa_{table} = (\w+)\((\w+)\);", text)
+    macro = use and re.search(rf"#define {use.group(1)}\((\w+)\)(.*?[^\\])\n", text, re.S)
+    if use is None or macro is None:
         raise SystemExit(f"no htp_isa_{table} table in {csrc / source}")
+    return macro.group(2).replace(f"##{macro.group(1)}", use.group(2))
+
+
+def _table(csrc: Path, table: str, source: str) -> dict[str, str]:
+    """entry -> function of the strip entries an htp_isa table's initializer names."""
     return {
         e: f
-        for e, f in re.findall(r"\.(\w+_strip)\s*=\s*(\w+)", body.group(1))
+        for e, f in re.findall(r"\.(\w+_strip)\s*=\s*(\w+)", _initializer(csrc, table, source))
         if e in STRIP_FORMATS
     }
 
 
 def kernels(csrc: Path | None = None) -> list[tuple[str, str, str, str]]:
-    """(label, kernel symbol, tile format, table) of the strip kernel the neon table runs for
-    every tile format (its own, or the portable one where it names none: the driver falls back),
-    then the portable Q4_0 kernel for comparison; read from the tables' initializers
-    (htp_neon.c, htp_core.c), so a new kernel is traced without editing this list."""
+    """(label, kernel symbol, tile format, table) of the strip kernel the neon and neon_i8mm
+    tables run for every tile format (their own, or the portable one where they name none: the
+    driver falls back), then the portable Q4_0 kernel for comparison; read from the tables'
+    initializers (htp_neon.c, htp_core.c), so a new kernel is traced without editing this
+    list."""
     csrc = csrc or PKG / "csrc"
-    neon, portable = _table(csrc, "neon", "htp_neon.c"), _table(csrc, "portable", "htp_core.c")
-    out = [(f"neon_{STRIP_FORMATS[e]}", neon.get(e, f), STRIP_FORMATS[e], "neon")
-           for e, f in portable.items()]  # fmt: skip
+    portable = _table(csrc, "portable", "htp_core.c")
+    out = []
+    for table in ("neon", "neon_i8mm"):
+        own = _table(csrc, table, "htp_neon.c")
+        out += [(f"{table}_{STRIP_FORMATS[e]}", own.get(e, f), STRIP_FORMATS[e], table)
+                for e, f in portable.items()]  # fmt: skip
     return [*out, ("portable_q4_0", portable["q4q8_strip"], "q4_0", "portable")]
 
 
@@ -98,11 +118,8 @@ def attention_tasks(csrc: Path | None = None) -> list[tuple[str, str, str, str]]
     csrc = csrc or PKG / "csrc"
 
     def entries(table: str, source: str) -> dict[str, str]:
-        text = (csrc / source).read_text()
-        body = re.search(rf"const htp_isa htp_isa_{table} = \{{(.*?)\}};", text, re.S)
-        if body is None:
-            raise SystemExit(f"no htp_isa_{table} table in {csrc / source}")
-        return dict(re.findall(r"\.(attention_\w*task)\s*=\s*(\w+)", body.group(1)))
+        init = _initializer(csrc, table, source)
+        return dict(re.findall(r"\.(attention_\w*task)\s*=\s*(\w+)", init))
 
     neon, portable = entries("neon", "htp_neon.c"), entries("portable", "htp_core.c")
     ptask = portable["attention_task"]
@@ -283,11 +300,12 @@ def count_kinds(log: str, kinds: dict[int, str]) -> Counter[str]:
 
 
 def _traced(exe: Path, ranges: list[tuple[int, int]], kinds: dict[int, str],
-            args: list[str]) -> Counter[str]:  # fmt: skip
-    """Instructions executed in the address ranges by the self-test run with args."""
+            args: list[str], cpu: str = "max") -> Counter[str]:  # fmt: skip
+    """Instructions executed in the address ranges by the self-test run with args on QEMU's
+    CPU model cpu."""
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "qemu.log"
-        cmd = [qemu() or QEMU_NAMES[0], "-cpu", "max", "-d", "in_asm,exec,nochain", "-D",
+        cmd = [qemu() or QEMU_NAMES[0], "-cpu", cpu, "-d", "in_asm,exec,nochain", "-D",
                str(log), "-dfilter", ",".join(f"{lo:#x}+{size:#x}" for lo, size in ranges),
                str(exe), *args]  # fmt: skip
         subprocess.run(cmd, check=True, capture_output=True, timeout=300)
@@ -295,8 +313,9 @@ def _traced(exe: Path, ranges: list[tuple[int, int]], kinds: dict[int, str],
 
 
 def measure(exe: Path, lo: int, size: int, kinds: dict[int, str], fmt: str, kb: int, nt: int,
-            simd: str) -> Counter[str]:  # fmt: skip
-    return _traced(exe, [(lo, size)], kinds, ["strip", fmt, str(kb), str(nt), simd])
+            table: str) -> Counter[str]:  # fmt: skip
+    level = "portable" if table == "portable" else "neon"
+    return _traced(exe, [(lo, size)], kinds, ["strip", fmt, str(kb), str(nt), level], CPU[table])
 
 
 def _with_total(c: dict[str, float]) -> dict[str, float]:
@@ -305,30 +324,35 @@ def _with_total(c: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def tile_mix(exe: Path, func: str, fmt: str, simd: str) -> dict[str, object]:
+def tile_mix(exe: Path, func: str, fmt: str, table: str) -> dict[str, object]:
     lo, size = _symbol_range(exe, func)
     kinds = disassemble(exe, lo, size)
     m = {
-        (kb, nt): measure(exe, lo, size, kinds, fmt, kb, nt, simd) for kb in (1, 2) for nt in (1, 2)
+        (kb, nt): measure(exe, lo, size, kinds, fmt, kb, nt, table)
+        for kb in (1, 2)
+        for nt in TOKENS
     }
-    tile = {nt: {k: m[(2, nt)][k] - m[(1, nt)][k] for k in KINDS} for nt in (1, 2)}
-    per_token = {k: tile[2][k] - tile[1][k] for k in KINDS}
-    setup = {k: tile[1][k] - per_token[k] for k in KINDS}
+    tile = {nt: {k: m[(2, nt)][k] - m[(1, nt)][k] for k in KINDS} for nt in TOKENS}
+    per_token = {k: (tile[8][k] - tile[4][k]) / 4 for k in KINDS}
+    setup = {k: tile[4][k] - 4 * per_token[k] for k in KINDS}
     res = {
         "function": func,
         "format": fmt,
-        "table": simd,
+        "table": table,
+        "cpu": CPU[table],
         "measured": {f"kb={kb},nt={nt}": _with_total(v) for (kb, nt), v in m.items()},
         "per_tile": {str(nt): _with_total(v) for nt, v in tile.items()},
         "per_tile_setup": _with_total(setup),
         "per_tile_per_token": _with_total(per_token),
     }
-    t1, t2 = res["per_tile"]["1"], res["per_tile"]["2"]
     st, pt = res["per_tile_setup"], res["per_tile_per_token"]
-    print(f"{func} ({simd} table, {fmt}): instructions executed (QEMU exec log), one 32-row strip")
-    print(f"  {'kind':<11} {'tile, 1 tok':>11} {'tile, 2 tok':>11} {'setup':>7} {'per tok':>7}")
+    print(f"{func} ({table} table, {fmt}, qemu -cpu {CPU[table]}): instructions executed (QEMU "
+          "exec log), one 32-row strip")  # fmt: skip
+    print(f"  {'kind':<11}" + "".join(f" {f'tile, {n} tok':>11}" for n in TOKENS)
+          + f" {'setup':>7} {'per tok':>7}")  # fmt: skip
     for k in (*KINDS, "total"):
-        print(f"  {k:<11} {t1[k]:>11.0f} {t2[k]:>11.0f} {st[k]:>7.0f} {pt[k]:>7.0f}")
+        cols = "".join(f" {res['per_tile'][str(n)][k]:>11.0f}" for n in TOKENS)
+        print(f"  {k:<11}{cols} {st[k]:>7.0f} {pt[k]:>7.0f}")
     return res
 
 

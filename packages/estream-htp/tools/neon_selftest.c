@@ -23,7 +23,8 @@
  *   threads: each within the rounding bound of its fp32 sums of a float64 reference (Q8: of the
  *   library's own quantized activations), 1 and 2 threads bit-identical.
  * - Q8-activation GEMM of every tile format on 5 awkward shapes: the NEON kernel gives the
- *   portable table's bits.
+ *   portable table's bits (its SMMLA form where the CPU has FEAT_I8MM, else its SDOT form: the
+ *   second line says which, and that the library agrees with HWCAP2_I8MM).
  * - GEMM of F16 / BF16 dense tiles: fp32 products under either act, the values read exactly.
  * - GEMM from Q8 rows quantized once and GEMM of three matrices sharing one input: bit-identical
  *   to the one-matrix GEMM of the fp32 input.
@@ -48,6 +49,11 @@
 
 #include "htp.h"
 
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1 << 13)
+#endif
+/* the library's FEAT_I8MM test (htp_internal.h): its NEON level then runs the SMMLA kernels */
+int htp_neon_i8mm_supported(void);
 #ifndef HWCAP2_BF16
 #define HWCAP2_BF16 (1 << 14)
 #endif
@@ -1083,6 +1089,15 @@ int main(int argc, char **argv) {
                hw ? "native (FEAT_BF16: BFMLALT / BFMLALB)" : "emulated (no FEAT_BF16)");
         if (htp_cpu_bf16() != hw) {
             printf("the library's FEAT_BF16 test says %d, HWCAP2_BF16 %d\n", htp_cpu_bf16(), hw);
+            bad = 1;
+        }
+    }
+    { /* int8 products: SMMLA on token pairs where the CPU has FEAT_I8MM, SDOT otherwise */
+        const int hw = (getauxval(AT_HWCAP2) & HWCAP2_I8MM) != 0;
+        printf("int8 products: %s\n", hw ? "SMMLA on token pairs (FEAT_I8MM)" : "SDOT (no FEAT_I8MM)");
+        if (htp_neon_i8mm_supported() != hw) {
+            printf("the library's FEAT_I8MM test says %d, HWCAP2_I8MM %d\n",
+                   htp_neon_i8mm_supported(), hw);
             bad = 1;
         }
     }
