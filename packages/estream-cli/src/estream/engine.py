@@ -78,11 +78,12 @@ ACTS = ("q8", "f32")
 # v and the softmax weights rounded to bfloat16, fp32 sums: about twice the fp32 rate where the
 # CPU multiplies bf16 natively, a few 1e-3 off per op), "bf16-pv" (fp32 scores; only the
 # softmax weights and v rounded to bfloat16, so half the products at the bf16 rate and about
-# half bf16's error) or "auto": resolved at load by `resolve_attention`, bf16-pv under act "q8"
-# where the dense ops' kernel set runs bf16 attention natively
-# (`estream_htp.native_bf16_attention`), else f32 (always f32 under act "f32", which keeps to a
-# float64 reference to ~1e-5). "auto" is not the default: see docs/benchmarks.md's parity table
-# for each bf16 mode's q8 error against fp32 attention's.
+# half bf16's error) or "auto": resolved at load by `resolve_attention`, under act "q8" where the
+# dense ops' kernel set runs bf16 attention natively (`estream_htp.native_bf16_attention`) the
+# architecture's ``ATTENTION_AUTO`` (bf16 where docs/benchmarks.md's parity table shows its q8
+# error within 5 % of fp32 attention's, else f32), else f32 (always f32 under act "f32", which
+# keeps to a float64 reference to ~1e-5). "auto" is not the default: not every row of the
+# parity table shows bf16 within 5 %.
 ATTENTION = ("auto", "f32", "bf16", "bf16-pv")
 # Where the dense kernel ops (GEMMs, norms, RoPE, attention, ...) run: this process's default
 # backend, or the expert backend (its executor process: the DSP for `hexagon`).
@@ -331,6 +332,7 @@ class Engine:
             o.attention,
             o.act,
             self.backend if self.dense_ops == "backend" else htp.default_backend(),
+            native=self.arch.ATTENTION_AUTO,
         )
         # every op of a pass on the expert backend (dense_ops="backend"): activations in its
         # arena (memory registered with its executor; private memory on the host)
@@ -903,21 +905,27 @@ def _check_finite(x: np.ndarray) -> None:
         )
 
 
-def resolve_attention(attention: str, act: str, dense: htp.Backend | None = None) -> str:
+def resolve_attention(
+    attention: str, act: str, dense: htp.Backend | None = None, *, native: str = "f32"
+) -> str:
     """The attention precision an engine runs for option ``attention`` (`ATTENTION`): "f32",
-    "bf16" and "bf16-pv" as they are; "auto" is "bf16-pv" when ``act`` is "q8" and ``dense``,
-    the backend running the dense ops (default: this process's), multiplies bf16 attention
-    natively at about twice the fp32 rate (`estream_htp.native_bf16_attention`: an AVX-512 or
-    AMX kernel set on a CPU with AVX512_BF16), else "f32" (emulated bf16, and NEON's native
-    FEAT_BF16 kernel, are slower than fp32 products; act "f32" keeps fp32 attention so that it
-    stays within ~1e-5 of a float64 reference)."""
+    "bf16" and "bf16-pv" as they are; "auto" is ``native`` (the architecture's
+    ``ATTENTION_AUTO``: "bf16" where its parity rows keep bf16's error within 5 % of fp32
+    attention's, else "f32") when ``act`` is "q8" and ``dense``, the backend running the dense
+    ops (default: this process's), multiplies bf16 attention natively at about twice the fp32
+    rate (`estream_htp.native_bf16_attention`: an AVX-512 or AMX kernel set on a CPU with
+    AVX512_BF16), else "f32" (emulated bf16, and NEON's native FEAT_BF16 kernel, are slower
+    than fp32 products; act "f32" keeps fp32 attention so that it stays within ~1e-5 of a
+    float64 reference)."""
     if attention not in ATTENTION:
         raise BadRequestError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+    if native not in ("bf16", "f32"):
+        raise ValueError(f"an architecture's ATTENTION_AUTO is bf16 or f32, not {native!r}")
     if attention != "auto":
         return attention
-    if act != "q8":
+    if act != "q8" or native == "f32":
         return "f32"
-    return "bf16-pv" if htp.native_bf16_attention(dense) else "f32"
+    return native if htp.native_bf16_attention(dense) else "f32"
 
 
 def load(path: str | Path, **kwargs: Any) -> Engine:

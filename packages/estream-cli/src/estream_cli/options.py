@@ -206,8 +206,9 @@ def add_engine_opts(p: argparse.ArgumentParser) -> None:
         "has AVX512_BF16 with an AVX-512 or AMX kernel set; slower than f32 elsewhere, emulated "
         "or, on NEON with FEAT_BF16, native at one product a lane), bf16-pv (fp32 scores, only "
         "v and the softmax weights rounded: ~2e-3, the weighted sum at bf16's rate) or auto "
-        "(bf16-pv with --act q8 where bf16 runs at twice fp32's rate, else f32; always f32 with "
-        "--act f32). Results report the precision that ran",
+        "(with --act q8 where bf16 runs at twice fp32's rate: bf16 for the architectures whose "
+        "parity rows show its error within 5 %% of f32's (OLMoE, Mixtral, DeepSeek-V2, "
+        "LFM2-MoE), else f32; always f32 with --act f32). Results report the precision that ran",
     )
     p.add_argument(
         "--backend",

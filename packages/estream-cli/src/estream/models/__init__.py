@@ -10,7 +10,8 @@ layer starts (before attention, so that reads overlap it) and does the timing, s
 so that a layer function holds only the math. A layer without routed experts (a leading dense
 layer) simply never calls ``ops.moe``: nothing is read for it.
 
-Adding an architecture is one new module here and one line in `ARCHITECTURES`, keyed by GGUF's
+An architecture module also states ``ATTENTION_AUTO`` (above). Adding an architecture is one new
+module here and one line in `ARCHITECTURES`, keyed by GGUF's
 ``general.architecture``. Its facts (RoPE type, q/k norm, gating, …) come from estream-layout's
 `ModelSpec`, stored in the packed model's manifest.
 """
@@ -33,7 +34,11 @@ __all__ = ["ARCHITECTURES", "Architecture", "architecture"]
 
 
 class Architecture(Protocol):
-    """What the engine needs of an architecture module."""
+    """What the engine needs of an architecture module (and ``ATTENTION_AUTO``: "bf16" or
+    "f32", what ``attention="auto"`` runs on a kernel set with native bf16 products: bf16 only
+    where the parity table shows its error within 5 % of fp32 attention's)."""
+
+    ATTENTION_AUTO: str
 
     def bind(self, model: PackedModel) -> Weights[Any]: ...
 
