@@ -408,18 +408,17 @@ HTP_T_DOTPROD HTP_NO_CONTRACT static inline __attribute__((always_inline)) void 
                                                    uint32_t ldo, uint32_t rows) {                 \
         kn_strip_neon(strip, kb, a, nt, out, ldo, rows, F, MM);                                   \
     }
-KN_ENTRY(q4q8_strip_neon, KN_Q40, 0)
-KN_ENTRY(q8q8_strip_neon, KN_Q8, 0)
-KN_ENTRY(q4kq8_strip_neon, KN_Q4K, 0)
-KN_ENTRY(q5kq8_strip_neon, KN_Q5K, 0)
-KN_ENTRY(q6kq8_strip_neon, KN_Q6K, 0)
-KN_ENTRY(mxq8_strip_neon, KN_MX, 0)
-KN_ENTRY(q4q8_strip_i8mm, KN_Q40, 1)
-KN_ENTRY(q8q8_strip_i8mm, KN_Q8, 1)
-KN_ENTRY(q4kq8_strip_i8mm, KN_Q4K, 1)
-KN_ENTRY(q5kq8_strip_i8mm, KN_Q5K, 1)
-KN_ENTRY(q6kq8_strip_i8mm, KN_Q6K, 1)
-KN_ENTRY(mxq8_strip_i8mm, KN_MX, 1)
+/* the six formats' entries of one table (SUF neon: SDOT, MM 0; i8mm: SMMLA, MM 1) */
+#define KN_ENTRIES(SUF, MM)                                                                       \
+    KN_ENTRY(q4q8_strip_##SUF, KN_Q40, MM)                                                        \
+    KN_ENTRY(q8q8_strip_##SUF, KN_Q8, MM)                                                         \
+    KN_ENTRY(q4kq8_strip_##SUF, KN_Q4K, MM)                                                       \
+    KN_ENTRY(q5kq8_strip_##SUF, KN_Q5K, MM)                                                       \
+    KN_ENTRY(q6kq8_strip_##SUF, KN_Q6K, MM)                                                       \
+    KN_ENTRY(mxq8_strip_##SUF, KN_MX, MM)
+KN_ENTRIES(neon, 0)
+KN_ENTRIES(i8mm, 1)
+#undef KN_ENTRIES
 #undef KN_ENTRY
 
 /* The portable table with the NEON strip kernels (SUF neon: SDOT; i8mm: SMMLA on token pairs,

@@ -233,7 +233,7 @@ def test_instruction_mix_per_tile(selftest: Path, tmp_path: Path) -> None:
     1024 / 16 = 64 SDOT per 32x32 tile and token (one SDOT is 16 int8 MACs) and none in its
     per-tile setup, and fewer instructions per tile-token than the portable Q4_0 kernel, which
     issues none. The i8mm table's kernels (traced where the library picks them: QEMU's max CPU)
-    issue 1024 / 32 = 32 SMMLA per tile and token (32 MACs each) and no SDOT for an even token
+    execute 1024 / 32 = 32 SMMLA per tile and token (32 MACs each) and no SDOT for an even token
     count, while a single token takes the 64 SDOT of the dot-product form. Every count is
     non-negative where measured directly. The attention tasks are counted per fully visible
     key block of 64 queries x 64 keys (dk = dv = 64): the bf16 task issues exactly
