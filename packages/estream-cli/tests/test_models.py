@@ -74,6 +74,8 @@ class _FfnOnly:
 
 
 class _FfnOnlyArchitecture:
+    ATTENTION_AUTO = "f32"  # (no attention at all)
+
     @staticmethod
     def bind(model: PackedModel) -> Weights[_FfnOnly]:
         layers = []
