@@ -114,8 +114,8 @@ htp_status htp_exec_attention(htp_exec *e, const htp_attention_params *p, const 
 }
 
 /* K and V of every KV head into bf16 pairs (see htp_attn_ctx), rows split across threads, in
- * scalar code: the NEON table's packer, and the AVX-512 one's for heads wider than its row
- * buffer (the same layout and bits: htp_bf16_bits, nearest even, subnormals to zero). */
+ * scalar code: the NEON table's packer (the AVX-512 one lays out the same words with the same
+ * bits: htp_bf16_bits, nearest even, subnormals to zero). */
 void htp_attn_bf16_pack_scalar(const htp_attn_ctx *c, uint32_t ith, uint32_t nth) {
     const uint32_t BK = HTP_ATTN_BK, dk = c->dk, dv = c->dv, t = c->tk; /* key rows */
     const uint32_t dp = dk / 2, nblk = (uint32_t)c->kt_ld;

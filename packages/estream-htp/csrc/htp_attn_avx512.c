@@ -63,34 +63,72 @@ HTP_T_BF16 static inline __m512 f32_of(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* r[i] lane j <- r[j] lane i: a 16 x 16 transpose of 32-bit words (pairs within 128-bit lanes,
+ * then quads, then the lanes across two shuffles) */
+HTP_T_BF16 static inline __attribute__((always_inline)) void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* u[4i + c], 128-bit lane L: rows 4i .. 4i + 3 of column 4L + c */
+    for (int i = 0; i < 4; i++) {
+        u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+        const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+        r[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
+        r[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+    }
+}
+
 /* K and V of every KV head into bf16 pairs (see htp_attn_ctx), rows split across threads. */
 HTP_T_BF16 void htp_attn_bf16_pack_avx512(const htp_attn_ctx *c, uint32_t ith, uint32_t nth) {
     const uint32_t BK = HTP_ATTN_BK, dk = c->dk, dv = c->dv, t = c->tk; /* key rows */
     const uint32_t dp = dk / 2;
     const size_t ks = (size_t)c->hkv * dk, vs = (size_t)c->hkv * dv;
     const uint32_t nblk = (uint32_t)c->kt_ld;
-    if (dk > 512) { /* wider than the row buffer below */
-        htp_attn_bf16_pack_scalar(c, ith, nth);
-        return;
-    }
     uint32_t b, e;
     /* K: one (head, key block) per step; each key row becomes dp words, stored transposed
-     * (not under BF16_PV, whose K is fp32) */
+     * (not under BF16_PV, whose K is fp32): 16 keys x 16 words at a time through a register
+     * transpose, 8-word tails (dk is a multiple of 16) through a small buffer */
     htp_split(c->kw ? c->hkv * nblk : 0, ith, nth, &b, &e);
     for (uint32_t rr = b; rr < e; rr++) {
         const uint32_t hk = rr / nblk, kb = rr % nblk;
         uint32_t *dst = c->kw + ((size_t)hk * nblk + kb) * dp * BK;
-        for (uint32_t jj = 0; jj < BK; jj++) {
-            const uint32_t j = kb * BK + jj;
-            uint32_t row[HTP_ATTN_BK * 4]; /* up to dk = 512 */
-            if (j < t) {
-                const float *src = c->k + (size_t)j * ks + (size_t)hk * dk;
-                for (uint32_t d = 0; d < dk; d += 16)
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)row + d), bf16_of(_mm512_loadu_ps(src + d)));
-                for (uint32_t p = 0; p < dp; p++) dst[(size_t)p * BK + jj] = row[p];
-            } else {
-                for (uint32_t p = 0; p < dp; p++) dst[(size_t)p * BK + jj] = 0;
+        for (uint32_t jj0 = 0; jj0 < BK; jj0 += 16) {
+            const uint32_t j0 = kb * BK + jj0; /* key rows j0 .. j0 + 15; those from t on are 0 */
+#define KROW(r) (c->k + (size_t)(j0 + (uint32_t)(r)) * ks + (size_t)hk * dk)
+            uint32_t p0 = 0;
+            for (; p0 + 16 <= dp; p0 += 16) {
+                __m512i w[16];
+                for (int r = 0; r < 16; r++) {
+                    w[r] = j0 + (uint32_t)r < t
+                               ? _mm512_inserti64x4(_mm512_castsi256_si512(bf16_of(_mm512_loadu_ps(KROW(r) + 2 * p0))),
+                                                    bf16_of(_mm512_loadu_ps(KROW(r) + 2 * p0 + 16)), 1)
+                               : _mm512_setzero_si512();
+                }
+                transpose16_epi32(w);
+                for (int p = 0; p < 16; p++) _mm512_storeu_si512((void *)(dst + (size_t)(p0 + p) * BK + jj0), w[p]);
             }
+            for (; p0 < dp; p0 += 8) {
+                uint32_t tail[16][8];
+                for (int r = 0; r < 16; r++) {
+                    if (j0 + (uint32_t)r < t)
+                        _mm256_storeu_si256((__m256i *)tail[r], bf16_of(_mm512_loadu_ps(KROW(r) + 2 * p0)));
+                    else
+                        memset(tail[r], 0, sizeof tail[r]);
+                }
+                for (int p = 0; p < 8; p++)
+                    for (int r = 0; r < 16; r++) dst[(size_t)(p0 + p) * BK + jj0 + r] = tail[r][p];
+            }
+#undef KROW
         }
     }
     /* V: one (head, key pair) per step */
@@ -111,7 +149,7 @@ HTP_T_BF16 void htp_attn_bf16_pack_avx512(const htp_attn_ctx *c, uint32_t ith, u
 }
 
 /* S[4][64] = Qw[4][dp] · Kw[dp][64] (bf16 pairs, fp32 sums) */
-HTP_T_BF16 static inline void qk_bf16_4x64(const uint32_t *qw, uint32_t dp, const uint32_t *kw,
+HTP_T_BF16 static inline __attribute__((always_inline)) void qk_bf16_4x64(const uint32_t *qw, uint32_t dp, const uint32_t *kw,
                                            float *s, int nr) {
     __m512 acc[4][4];
     for (int r = 0; r < 4; r++)
@@ -135,7 +173,7 @@ HTP_T_BF16 static inline void qk_bf16_4x64(const uint32_t *qw, uint32_t dp, cons
 }
 
 /* O[4][ncol dims] += P[4][2 njp] · V (pairs of keys per word; P rows of 32 words) */
-HTP_T_BF16 static inline void pv_bf16_4x64(const uint32_t *pw, uint32_t njp, const uint32_t *vw,
+HTP_T_BF16 static inline __attribute__((always_inline)) void pv_bf16_4x64(const uint32_t *pw, uint32_t njp, const uint32_t *vw,
                                            size_t ldv, float *o, uint32_t ldo, int nr, int ncol) {
     __m512 acc[4][4];
     const int nc = ncol / 16;

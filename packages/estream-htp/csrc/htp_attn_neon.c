@@ -119,7 +119,7 @@ HTP_T_NEON_BF16 static inline __attribute__((always_inline)) float32x4_t dpbf16_
 HTP_T_NEON_BF16 static inline bfloat16x8_t bf16_pair_bcast(uint32_t w) { return vreinterpretq_bf16_u32(vdupq_n_u32(w)); }
 
 /* S[4][64] = Qw[4][dp] · Kw[dp][64] (bf16 pairs, fp32 sums), 16 columns at a time */
-HTP_T_NEON_BF16 static inline void qk_bf16_4x64(const uint32_t *qw, uint32_t dp, const uint32_t *kw,
+HTP_T_NEON_BF16 static inline __attribute__((always_inline)) void qk_bf16_4x64(const uint32_t *qw, uint32_t dp, const uint32_t *kw,
                                                 float *s, int nr) {
     for (uint32_t c0 = 0; c0 < HTP_ATTN_BK; c0 += 16) {
         float32x4_t acc[4][4];
@@ -141,7 +141,7 @@ HTP_T_NEON_BF16 static inline void qk_bf16_4x64(const uint32_t *qw, uint32_t dp,
 
 /* O[4][ncol dims] += P[4][2 njp] · V (pairs of keys per word; P rows of 32 words), 16 dims at
  * a time (ncol a multiple of 16) */
-HTP_T_NEON_BF16 static inline void pv_bf16_4x64(const uint32_t *pw, uint32_t njp, const uint32_t *vw,
+HTP_T_NEON_BF16 static inline __attribute__((always_inline)) void pv_bf16_4x64(const uint32_t *pw, uint32_t njp, const uint32_t *vw,
                                                 size_t ldv, float *o, uint32_t ldo, int nr, int ncol) {
     for (int c0 = 0; c0 < ncol; c0 += 16) {
         float32x4_t acc[4][4];

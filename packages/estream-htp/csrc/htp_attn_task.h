@@ -115,9 +115,12 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
         const uint32_t nj = HTP_MIN(BK, kend - j0), kb = j0 / BK;
         /* S = (q·scale) Kᵀ for the block */
 #if ATTN_BF16 == 1
-        for (uint32_t i = 0; i < ni; i += 4)
-            qk_bf16_4x64(qw + (size_t)i * dp, dp, k_head + (size_t)kb * dp * BK, s + (size_t)i * BK,
-                         (int)HTP_MIN(4u, ni - i));
+        /* (the full 4-row block a constant: a loop free of the partial block's tests) */
+        for (uint32_t i = 0; i < ni; i += 4) {
+            const uint32_t *kwb = k_head + (size_t)kb * dp * BK;
+            if (ni - i >= 4) qk_bf16_4x64(qw + (size_t)i * dp, dp, kwb, s + (size_t)i * BK, 4);
+            else qk_bf16_4x64(qw + (size_t)i * dp, dp, kwb, s + (size_t)i * BK, (int)(ni - i));
+        }
 #else
         /* column blocks outside: one block of K's columns stays in L1 for every row block */
         for (uint32_t c0 = 0; c0 < BK; c0 += CB)
@@ -165,9 +168,12 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
         /* O += P V */
 #if ATTN_BF16
         for (uint32_t i = 0; i < ni; i += 4)
-            for (uint32_t d0 = 0; d0 < dv; d0 += 64)
-                pv_bf16_4x64(pw + (size_t)i * (BK / 2), (nj + 1) / 2, v_head + (size_t)kb * (BK / 2) * dv + d0, dv,
-                             o + (size_t)i * dv + d0, dv, (int)HTP_MIN(4u, ni - i), (int)HTP_MIN(64u, dv - d0));
+            for (uint32_t d0 = 0; d0 < dv; d0 += 64) {
+                const uint32_t *pwi = pw + (size_t)i * (BK / 2), *vwb = v_head + (size_t)kb * (BK / 2) * dv + d0;
+                float *oi = o + (size_t)i * dv + d0;
+                if (ni - i >= 4 && dv - d0 >= 64) pv_bf16_4x64(pwi, (nj + 1) / 2, vwb, dv, oi, dv, 4, 64);
+                else pv_bf16_4x64(pwi, (nj + 1) / 2, vwb, dv, oi, dv, (int)HTP_MIN(4u, ni - i), (int)HTP_MIN(64u, dv - d0));
+            }
 #else
         for (uint32_t d0 = 0; d0 < dv; d0 += CB)
             for (uint32_t i = 0; i < ni; i += ATTN_MR)
