@@ -100,7 +100,7 @@ HTP_T_BF16 void htp_attn_bf16_pack_avx512(const htp_attn_ctx *c, uint32_t ith, u
      * transpose, 8-word tails (dk is a multiple of 16) through a small buffer */
     htp_split(c->kw ? c->hkv * nblk : 0, ith, nth, &b, &e);
     for (uint32_t rr = b; rr < e; rr++) {
-        const uint32_t hk = rr / nblk, kb = rr % nblk;
+        const uint32_t hk = rr % c->hkv, kb = rr / c->hkv; /* the heads of a block together: the rows they read are adjacent */
         uint32_t *dst = c->kw + ((size_t)hk * nblk + kb) * dp * BK;
         for (uint32_t jj0 = 0; jj0 < BK; jj0 += 16) {
             const uint32_t j0 = kb * BK + jj0; /* key rows j0 .. j0 + 15; those from t on are 0 */
@@ -135,7 +135,7 @@ HTP_T_BF16 void htp_attn_bf16_pack_avx512(const htp_attn_ctx *c, uint32_t ith, u
     const uint32_t npair = nblk * (BK / 2);
     htp_split(c->hkv * npair, ith, nth, &b, &e);
     for (uint32_t rr = b; rr < e; rr++) {
-        const uint32_t hk = rr / npair, jp = rr % npair;
+        const uint32_t hk = rr % c->hkv, jp = rr / c->hkv; /* (as for K) */
         uint32_t *dst = c->vw + ((size_t)hk * npair + jp) * dv;
         const uint32_t j = 2 * jp;
         const float *v0 = c->v + (size_t)j * vs + (size_t)hk * dv;

@@ -16,8 +16,8 @@
  *   VF (the float vector type), VW (its lanes), V_LOAD, V_STORE, V_SET1,
  *   V_ZERO, V_FMA(a, b, c) = a·b + c, V_MUL, V_SUB, V_ADD, V_EXPNEG (exp of lanes <= 0),
  *   V_RMAX, V_RADD (horizontal max and sum), V_FIRST(n) (mask of the first n lanes; n may be
- *   <= 0 or >= VW), V_MASK_ANDNOT(a, b) (b and not a, on masks), V_MAXM(a, m, x) (max(a, x)
- *   where m, else a), V_ANDM(m, x) (x where m, else 0).
+ *   <= 0 or >= VW), V_MASK_ANDNOT(a, b) (b and not a, on masks), V_MAX(a, x), V_MAXM(a, m, x)
+ *   (max(a, x) where m, else a; the same max), V_ANDM(m, x) (x where m, else 0).
  * Everything else — the block loop, the key limits of causal, context and sliding-window
  * attention, the sinks, the running max and sum, the rescaling of O, the final normalisation
  * and the fp32 register block for both products — is shared. Each output element sums its products in one fixed order
@@ -57,6 +57,58 @@ ATTN_TARGET static inline __attribute__((always_inline)) void ATTN_MK(
             if (r < nr && q < nc) V_STORE(cm + (size_t)r * ldc + VW * q, acc[r][q]);
 }
 #endif
+
+/* One row's step of the online softmax over a key block: the new running max *m of the row's
+ * scores sr on its visible keys (the first lim of the block, from lo on when lo > 0), their
+ * weights P = exp(S - max) (fp32 over sr, or bf16 at pr: the weights actually applied), the
+ * running sum *l rescaled and added to, and the row oi of O (dv values) rescaled. full: every
+ * key is visible (a constant at each call, so those blocks run without masks; the same
+ * values). */
+#define ATTN_ROW ATTN_CAT(ATTN_NAME, _row)
+#if ATTN_BF16
+#define ATTN_PR uint16_t
+#else
+#define ATTN_PR float
+#endif
+ATTN_TARGET static inline __attribute__((always_inline)) void ATTN_ROW(
+    float *sr, ATTN_PR *pr, float *oi, uint32_t dv, int lim, int lo, float *m, float *l, const int full) {
+    const uint32_t BK = HTP_ATTN_BK;
+#define ATTN_VIS(cc) (lo ? V_MASK_ANDNOT(V_FIRST(lo - (int)(cc)), V_FIRST(lim - (int)(cc))) : V_FIRST(lim - (int)(cc)))
+    VF vmx = V_SET1(*m);
+    for (uint32_t cc = 0; cc < BK; cc += VW)
+        vmx = full ? V_MAX(vmx, V_LOAD(sr + cc)) : V_MAXM(vmx, ATTN_VIS(cc), V_LOAD(sr + cc));
+    const float mx = V_RMAX(vmx);
+    const VF vm = V_SET1(mx);
+    /* the row sum in 16 lanes, key j in lane j % 16: vector u of vsum holds lanes
+     * u·VW .. u·VW + VW - 1 */
+    VF vsum[16 / VW];
+    for (int u = 0; u < 16 / VW; u++) vsum[u] = V_ZERO();
+    for (uint32_t c16 = 0; c16 < BK; c16 += 16)
+        for (int u = 0; u < 16 / VW; u++) {
+            const uint32_t cc = c16 + (uint32_t)u * VW;
+            const VF e = V_EXPNEG(V_SUB(V_LOAD(sr + cc), vm));
+            const VF pv = full ? e : V_ANDM(ATTN_VIS(cc), e);
+#if ATTN_BF16 /* the weights actually applied, as bf16 */
+            vsum[u] = V_ADD(vsum[u], V_BF16_STORE(pr + cc, pv));
+#else
+            V_STORE(pr + cc, pv);
+            vsum[u] = V_ADD(vsum[u], pv);
+#endif
+        }
+    /* the 16-lane tree's first steps: upper half + lower half while wider than VW */
+    for (int n = 16 / VW / 2; n >= 1; n /= 2)
+        for (int u = 0; u < n; u++) vsum[u] = V_ADD(vsum[u + n], vsum[u]);
+    /* (an unchanged max: exp(0) = 1 exactly, the scalar exp skipped) */
+    const float corr = *m == -INFINITY ? 0.0f : *m == mx ? 1.0f : htp_exp_neg(*m - mx);
+    *l = HTP_FMAF(*l, corr, V_RADD(vsum[0])); /* fused: no contraction can change it */
+    *m = mx;
+    if (corr != 1.0f) {
+        const VF vc = V_SET1(corr);
+        for (uint32_t d = 0; d < dv; d += VW) V_STORE(oi + d, V_MUL(V_LOAD(oi + d), vc));
+    }
+#undef ATTN_VIS
+}
+#undef ATTN_PR
 
 ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch) {
 #if !ATTN_BF16
@@ -128,42 +180,18 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
                 ATTN_MK(qs + (size_t)i * dk, dk, dk, k_head + (size_t)kb * dk * BK + (size_t)c0 * dk, CB,
                         s + (size_t)i * BK + c0, BK, (int)HTP_MIN((uint32_t)ATTN_MR, ni - i), ATTN_MC, 0);
 #endif
-        /* online softmax: new running max, P = exp(S - max) on the visible keys, rescale O */
+        /* online softmax: new running max, P = exp(S - max) on the visible keys, rescale O;
+         * rows that see the whole block take the body without masks */
         for (uint32_t i = 0; i < ni; i++) {
             const int lim = (int)htp_attn_key_lim(c, i0 + i, j0, nj);
             const int lo = (int)htp_attn_key_lo(c, i0 + i, j0); /* > 0: a sliding window */
-#define ATTN_VIS(cc) (lo ? V_MASK_ANDNOT(V_FIRST(lo - (int)(cc)), V_FIRST(lim - (int)(cc))) : V_FIRST(lim - (int)(cc)))
-            float *sr = s + (size_t)i * BK;
-            VF vmx = V_SET1(m[i]);
-            for (uint32_t cc = 0; cc < BK; cc += VW) vmx = V_MAXM(vmx, ATTN_VIS(cc), V_LOAD(sr + cc));
-            const float mx = V_RMAX(vmx);
-            const VF vm = V_SET1(mx);
-            /* the row sum in 16 lanes, key j in lane j % 16: vector u of vsum holds lanes
-             * u·VW .. u·VW + VW - 1 */
-            VF vsum[16 / VW];
-            for (int u = 0; u < 16 / VW; u++) vsum[u] = V_ZERO();
-            for (uint32_t c16 = 0; c16 < BK; c16 += 16)
-                for (int u = 0; u < 16 / VW; u++) {
-                    const uint32_t cc = c16 + (uint32_t)u * VW;
-                    const VF pv = V_ANDM(ATTN_VIS(cc), V_EXPNEG(V_SUB(V_LOAD(sr + cc), vm)));
-#if ATTN_BF16 /* the weights actually applied, as bf16 */
-                    vsum[u] = V_ADD(vsum[u], V_BF16_STORE((uint16_t *)(pw + (size_t)i * (BK / 2)) + cc, pv));
+#if ATTN_BF16
+            uint16_t *pr = (uint16_t *)(pw + (size_t)i * (BK / 2));
 #else
-                    V_STORE(sr + cc, pv);
-                    vsum[u] = V_ADD(vsum[u], pv);
+            float *pr = s + (size_t)i * BK;
 #endif
-                }
-            /* the 16-lane tree's first steps: upper half + lower half while wider than VW */
-            for (int n = 16 / VW / 2; n >= 1; n /= 2)
-                for (int u = 0; u < n; u++) vsum[u] = V_ADD(vsum[u + n], vsum[u]);
-            const float corr = m[i] == -INFINITY ? 0.0f : htp_exp_neg(m[i] - mx);
-            l[i] = HTP_FMAF(l[i], corr, V_RADD(vsum[0])); /* fused: no contraction can change it */
-            m[i] = mx;
-            if (corr != 1.0f) {
-                const VF vc = V_SET1(corr);
-                float *oi = o + (size_t)i * dv;
-                for (uint32_t d = 0; d < dv; d += VW) V_STORE(oi + d, V_MUL(V_LOAD(oi + d), vc));
-            }
+            if (!lo && lim >= (int)BK) ATTN_ROW(s + (size_t)i * BK, pr, o + (size_t)i * dv, dv, lim, lo, &m[i], &l[i], 1);
+            else ATTN_ROW(s + (size_t)i * BK, pr, o + (size_t)i * dv, dv, lim, lo, &m[i], &l[i], 0);
         }
         /* O += P V */
 #if ATTN_BF16
@@ -188,7 +216,7 @@ ATTN_TARGET void ATTN_NAME(const htp_attn_ctx *c, uint32_t task, float *scratch)
     }
 }
 
-#undef ATTN_VIS
+#undef ATTN_ROW
 #undef ATTN_MK
 #undef ATTN_NAME
 #undef ATTN_TARGET
