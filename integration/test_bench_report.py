@@ -43,16 +43,21 @@ def engine_figures(stream: float = 2.0, resident: float = 4.0) -> dict[str, Any]
 
 
 def recorded(
-    tmp_path: Path, bench: str, figures: dict[str, Any], load: tuple[float, float]
+    tmp_path: Path,
+    bench: str,
+    figures: dict[str, Any],
+    load: tuple[float, float],
+    args: str = "--x 1",
 ) -> dict[str, Any]:
-    """A result written through `record.record`, as the nox sessions do, with given loads."""
+    """A result written through `record.record`, as the nox sessions do, with given loads and
+    the session's arguments ``args``."""
     fig_dir = tmp_path / "bench-results"
     fig_dir.mkdir(exist_ok=True)
     before = {**record.sample(), "loadavg_1min": load[0]}
     (fig_dir / record.BENCHES[bench]).write_text(json.dumps(figures))
     after = {**record.sample(), "loadavg_1min": load[1]}
     path = record.record(
-        bench, before=before, after=after, command=f"nox -s {bench} -- --x 1",
+        bench, before=before, after=after, command=f"nox -s {bench} -- {args}",
         script_command=["python", "s.py", "--x", "1"], figures_dir=fig_dir,
         results=tmp_path / "results",
     )  # fmt: skip
@@ -343,30 +348,39 @@ def test_the_headline_skips_a_newer_loaded_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "systems", "variant"),
+    ("field", "value", "systems", "variant", "args"),
     [
-        ("attention", "bf16-pv", ("stream", "resident"), "attention bf16-pv"),
-        ("pinned_bytes", 810 << 20, ("stream",), "pinned experts"),
+        ("attention", "bf16-pv", ("stream", "resident"), "attention bf16-pv",
+         "--attention bf16-pv"),
+        ("attention", "f32", ("stream", "resident"), "", "--attention=f32"),
+        ("pinned_bytes", 810 << 20, ("stream",), "pinned experts", "--pin 810MiB"),
     ],
-    ids=["attention", "pin"],
-)
+    ids=["attention", "attention-f32", "pin"],
+)  # fmt: skip
 def test_the_headline_keeps_to_the_engine_defaults(
-    tmp_path: Path, field: str, value: object, systems: tuple[str, ...], variant: str
+    tmp_path: Path, field: str, value: object, systems: tuple[str, ...], variant: str, args: str
 ) -> None:
-    """A newer bench_engine run off the engine's defaults (other attention products,
-    `--attention bf16-pv`; pinned experts, `--pin`) has its own section on the page; the README
-    headline stays on the run with the defaults (fp32 attention, nothing pinned)."""
-    recorded(tmp_path, "bench_engine", engine_figures(stream=3.0), (0.1, 0.1))
+    """A newer bench_engine run off the engine's defaults (attention products asked for,
+    `--attention bf16-pv` or `--attention=f32`; pinned experts, `--pin`) has its own section on
+    the page (f32, what ran before auto was the default, shares the default's); the README
+    headline stays on the run with the defaults (attention as the engine picks it, here its
+    bf16, nothing pinned)."""
+    default = engine_figures(stream=3.0)
+    for r in default["runs"]:
+        if r["system"] in ("stream", "resident"):
+            r["attention"] = "bf16"
+    recorded(tmp_path, "bench_engine", default, (0.1, 0.1), "--attention auto")
     time.sleep(1.1)  # result files are named by the second
     other = engine_figures(stream=2.5)
     for r in other["runs"]:
         if r["system"] in systems:
             r[field] = value
-    recorded(tmp_path, "bench_engine", other, (0.1, 0.1))
+    recorded(tmp_path, "bench_engine", other, (0.1, 0.1), args)
     results = report.load_results(tmp_path / "results")
     assert "| 1K tokens | 3 s |" in report.headline(results)
     page = report.render_page(results)
-    assert f"(olmoe-1b-7b, q4_0; 1K, 4K; {variant})" in page
+    assert "(olmoe-1b-7b, q4_0; 1K, 4K; attention bf16)" in page
+    assert f"(olmoe-1b-7b, q4_0; 1K, 4K{'; ' + variant if variant else ''})" in page
     assert "| 1K | 3 s |" in page and "| 1K | 2.5 s |" in page
 
 

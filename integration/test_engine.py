@@ -52,7 +52,9 @@ def test_engine_f32_matches_float64_reference(packed):
 
 def test_engine_q8_close_to_float64_reference(packed):
     """The default int8-activation path (GGML Q8_0-style: int8 per 32-block with an fp32 scale,
-    how llama.cpp computes Q4_0 GEMMs) against the float64 reference.
+    how llama.cpp computes Q4_0 GEMMs) against the float64 reference, with fp32 attention (the
+    default's attention depends on the CPU, `attention="auto"`; bf16 attention's own cost is
+    held to the parity table's 5 % rule and by estream-htp's bf16 tests).
 
     Tolerance, from the activation format: Q8_0 rounding puts ~0.5–1 % relative error into
     every projection (the kernel benchmark measures 1.0 % for the expert op alone), and a random
@@ -65,7 +67,7 @@ def test_engine_q8_close_to_float64_reference(packed):
     from reference import reference_forward
 
     arch, src, dst = packed
-    with estream.load(dst, G=2, Q=2, B=3) as eng:
+    with estream.load(dst, G=2, Q=2, B=3, attention="f32") as eng:
         assert eng.act == "q8"
         toks = _tokens(eng.hp.n_vocab, 37)
         res = eng.prefill(toks, all_logits=True)
@@ -252,8 +254,8 @@ def test_yarn_rope_matches_the_float64_reference(arch, tmp_path):
 )
 def test_published_layouts_match_the_reference_in_every_mode(arch, dims, tmp_path):
     """The published models' layer layouts (not just the tiny presets'): fp32 activations
-    against the float64 reference, int8 within the tolerance explained above, and every mode
-    and schedule equal to resident."""
+    against the float64 reference, int8 (with fp32 attention) within the tolerance explained
+    above, and every mode and schedule equal to resident."""
     from reference import reference_forward
 
     src = synth_model(arch, "tiny", tmp_path / "m.gguf", seed=13, dims=dims)
@@ -270,7 +272,7 @@ def test_published_layouts_match_the_reference_in_every_mode(arch, dims, tmp_pat
         assert (hp.q_lora_rank, hp.n_shared_experts) == (0, 2)
     assert rel_l2(got, ref) <= 1e-4
     assert np.array_equal(np.argmax(got, axis=1), np.argmax(ref, axis=1))
-    with estream.load(dst, G=2, Q=2, B=3) as eng:
+    with estream.load(dst, G=2, Q=2, B=3, attention="f32") as eng:
         q8 = eng.prefill(toks, all_logits=True).logits
     assert rel_l2(q8, ref) <= 5e-2
     assert np.mean(np.argmax(q8, axis=1) == np.argmax(ref, axis=1)) >= 0.90

@@ -1,8 +1,8 @@
 """``attention="auto"``: under act q8 where the kernel set running the dense ops multiplies bf16
 natively (`estream_htp.native_bf16_attention`) the architecture's ``ATTENTION_AUTO`` (bf16 where
 the parity table shows its error within 5 % of fp32 attention's, else f32), fp32 otherwise and
-always under act f32; the engine, its results and ``--json`` report the precision that ran. The
-default stays "f32" (see docs/benchmarks.md's parity table)."""
+always under act f32; the engine, its results and ``--json`` report the precision that ran. It is
+the default."""
 
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def _logits(model: Path, **kw: object) -> tuple[np.ndarray, str, str]:
         return np.asarray(r.logits), eng.attention, r.metrics["attention"]
 
 
-def test_f32_is_the_default_and_a_bad_value_lists_the_choices(tmp_path: Path) -> None:
-    assert EngineOptions().attention == "f32" and ATTENTION == ("auto", "f32", "bf16", "bf16-pv")
+def test_auto_is_the_default_and_a_bad_value_lists_the_choices(tmp_path: Path) -> None:
+    assert EngineOptions().attention == "auto" and ATTENTION == ("auto", "f32", "bf16", "bf16-pv")
     msg = "attention must be one of auto, f32, bf16, bf16-pv, got 'fp16'"
     with pytest.raises(BadRequestError, match=msg):
         EngineOptions(attention="fp16")
@@ -180,22 +180,22 @@ def test_auto_follows_the_capability_check(model: Path, monkeypatch: pytest.Monk
             assert eng.attention == ("bf16" if native else "f32")
         with estream.load(model, act="f32", attention="auto") as eng:
             assert eng.attention == "f32"
-        with estream.load(model) as eng:  # the default: f32, nothing asked
-            assert eng.attention == "f32"
-    assert asked == [htp.default_backend()] * 2
+        with estream.load(model) as eng:  # the default: auto
+            assert eng.attention == ("bf16" if native else "f32")
+    assert asked == [htp.default_backend()] * 4
 
 
 def test_cli_json_reports_the_resolved_attention(
     model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`estream prefill --json` says which precision ran: auto's resolution, never "auto";
-    without --attention, f32."""
+    without --attention, auto's."""
     ids = ",".join(map(str, TOKENS))
     want = {
         ("q8", "auto"): "bf16" if NATIVE else "f32",
         ("q8", "bf16-pv"): "bf16-pv",
         ("f32", "auto"): "f32",
-        ("q8",): "f32",
+        ("q8",): "bf16" if NATIVE else "f32",
     }
     for (act, *att), ran in want.items():
         extra = ["--attention", *att] if att else []

@@ -539,6 +539,16 @@ def test_text_report_names_the_backend():
     print_metrics({"mode": "stream", "tokens": 1, "backend": "host-process", "threads": 2}, out)
     assert "backend=host-process" in out.getvalue()
     assert "tokens=1 " in out.getvalue()
+    assert "attention=" not in out.getvalue()  # (not in the metrics: not in the line)
+
+
+def test_text_report_names_the_attention_that_ran():
+    """The metrics block says which attention precision ran (what auto resolved to)."""
+    from estream_cli.report import print_metrics
+
+    out = io.StringIO()
+    print_metrics({"mode": "stream", "tokens": 1, "act": "q8", "attention": "bf16"}, out)
+    assert "act=q8  attention=bf16" in out.getvalue()
 
 
 # -- chat templates ------------------------------------------------------------------------------

@@ -74,16 +74,15 @@ MODES = ("stream", "resident", "naive", "layer")
 # How activations meet the Q4_0/Q8_0 weights: "q8" (int8 per 32-block, like GGML's Q8_0: fast)
 # or "f32" (dequantized weights, fp32 products: matches a float64 reference to ~1e-6).
 ACTS = ("q8", "f32")
-# How the attention kernel multiplies: "f32" (exact products; the default), "bf16" (q·scale, k,
-# v and the softmax weights rounded to bfloat16, fp32 sums: about twice the fp32 rate where the
-# CPU multiplies bf16 natively, a few 1e-3 off per op), "bf16-pv" (fp32 scores; only the
-# softmax weights and v rounded to bfloat16, so half the products at the bf16 rate and about
-# half bf16's error) or "auto": resolved at load by `resolve_attention`, under act "q8" where the
-# dense ops' kernel set runs bf16 attention natively (`estream_htp.native_bf16_attention`) the
-# architecture's ``ATTENTION_AUTO`` (bf16 where docs/benchmarks.md's parity table shows its q8
-# error within 5 % of fp32 attention's, else f32), else f32 (always f32 under act "f32", which
-# keeps to a float64 reference to ~1e-5). "auto" is not the default: not every row of the
-# parity table shows bf16 within 5 %.
+# How the attention kernel multiplies: "f32" (exact products), "bf16" (q·scale, k, v and the
+# softmax weights rounded to bfloat16, fp32 sums: about twice the fp32 rate where the CPU
+# multiplies bf16 natively, a few 1e-3 off per op), "bf16-pv" (fp32 scores; only the softmax
+# weights and v rounded to bfloat16, so half the products at the bf16 rate and about half
+# bf16's error) or "auto", the default: resolved at load by `resolve_attention`, under act "q8"
+# where the dense ops' kernel set runs bf16 attention natively
+# (`estream_htp.native_bf16_attention`) the architecture's ``ATTENTION_AUTO`` (bf16 where every
+# row of docs/benchmarks.md's parity table shows its q8 error within 5 % of fp32 attention's,
+# else f32), else f32 (always f32 under act "f32", which keeps to a float64 reference to ~1e-5).
 ATTENTION = ("auto", "f32", "bf16", "bf16-pv")
 # Where the dense kernel ops (GEMMs, norms, RoPE, attention, ...) run: this process's default
 # backend, or the expert backend (its executor process: the DSP for `hexagon`).
@@ -241,7 +240,7 @@ class EngineOptions:
         default=None, validator=attrs.validators.optional(_one_of(DENSE_OPS))
     )
     act: str = attrs.field(default="q8", validator=_one_of(ACTS))
-    attention: str = attrs.field(default="f32", validator=_one_of(ATTENTION))
+    attention: str = attrs.field(default="auto", validator=_one_of(ATTENTION))
     backend: str = attrs.field(default="host", validator=_one_of(htp.BACKENDS))
     mode: str = attrs.field(default="stream", validator=_one_of(MODES))
     schedule: str = attrs.field(default="early", validator=_one_of(SCHEDULES))

@@ -200,15 +200,16 @@ def add_engine_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention",
         choices=ATTENTION,
-        default="f32",
-        help="attention products: f32 (default), bf16 (q, k, v and the softmax weights rounded "
-        "to bfloat16, fp32 sums, ~3e-3 relative per op: about twice fp32's rate where the CPU "
-        "has AVX512_BF16 with an AVX-512 or AMX kernel set; slower than f32 elsewhere, emulated "
-        "or, on NEON with FEAT_BF16, native at one product a lane), bf16-pv (fp32 scores, only "
-        "v and the softmax weights rounded: ~2e-3, the weighted sum at bf16's rate) or auto "
-        "(with --act q8 where bf16 runs at twice fp32's rate: bf16 for the architectures whose "
-        "parity rows show its error within 5 %% of f32's (OLMoE, Mixtral, DeepSeek-V2, "
-        "LFM2-MoE), else f32; always f32 with --act f32). Results report the precision that ran",
+        default="auto",
+        help="attention products: auto (default: with --act q8 where bf16 runs at twice fp32's "
+        "rate, bf16 for the architectures whose parity rows all show its error within 5 %% of "
+        "f32's (OLMoE, Mixtral, DeepSeek-V2, LFM2-MoE), else f32; always f32 with --act f32), "
+        "f32 (fp32 products), bf16 (q, k, v and the softmax weights rounded to bfloat16, fp32 "
+        "sums, ~3e-3 relative per op: about twice fp32's rate where the CPU has AVX512_BF16 with "
+        "an AVX-512 or AMX kernel set; slower than f32 elsewhere, emulated or, on NEON with "
+        "FEAT_BF16, native at one product a lane) or bf16-pv (fp32 scores, only v and the "
+        "softmax weights rounded: ~2e-3, the weighted sum at bf16's rate). Results report the "
+        "precision that ran",
     )
     p.add_argument(
         "--backend",

@@ -38,7 +38,8 @@ def print_metrics(m: dict[str, Any], out: TextIO | None = None) -> None:
         cfg += f" G={m['G']} Q={m['Q']} B={m['B']} ({m.get('config_source')}) schedule={m.get('schedule')}"
     print(
         f"  {cfg}  tokens={m.get('tokens')}  backend={m.get('backend')}  "
-        f"threads={m.get('threads')}  simd={m.get('simd')}  act={m.get('act')}",
+        f"threads={m.get('threads')}  simd={m.get('simd')}  act={m.get('act')}"
+        + (f"  attention={m['attention']}" if m.get("attention") else ""),
         file=out,
     )
     for key, label, fmt in _METRIC_ROWS:

@@ -13,9 +13,9 @@ from .ops import Ops
 from .weights import Attention, MoE, Weights, bind_attention, bind_head, bind_moe
 
 #: What ``attention="auto"`` runs under q8 activations on a kernel set with native bf16
-#: products: bf16, whose error here is within 5 % of fp32 attention's (32 prompts: q4_0
-#: ×1.013 [0.968, 1.057] of it, Q4_K_M ×1.004 [0.960, 1.055], Q8_0 ×1.025 [0.983, 1.070];
-#: docs/benchmarks.md, parity).
+#: products: bf16, whose error here is within 5 % of fp32 attention's on every parity row (32
+#: prompts each: q4_0 ×1.013 of it, llama.cpp's Q4_0 ×0.992, Q4_K_M ×1.004, Q5_K_M ×0.966,
+#: Q6_K ×1.015, Q8_0 ×1.025; docs/benchmarks.md, parity).
 ATTENTION_AUTO = "bf16"
 
 __all__ = ["ATTENTION_AUTO", "Layer", "bind", "layer"]
