@@ -69,6 +69,9 @@ def test_prefill_on_hexagon_matches_host(packed, kw, monkeypatch):
     toks = np.random.default_rng(4).integers(0, 64, size=37)
     kw = dict(kw)
     dense = kw.pop("dense_ops", "backend")
+    # fp32 attention on both sides: the default, auto, resolves by the backend running the dense
+    # ops (bf16 where this CPU has it natively, fp32 on the DSP)
+    kw["attention"] = "f32"
     with estream.load(packed, backend="host", **kw) as eng:
         ref = eng.prefill(toks, all_logits=True).logits
     with estream.load(packed, backend="hexagon", dense_ops=dense, **kw) as eng:
@@ -194,6 +197,7 @@ def test_every_op_of_the_pass_runs_in_the_dsp(any_arch, mode, monkeypatch):
 @pytest.mark.parametrize("mode", ["resident", "stream"])
 def test_branches_and_batches_on_hexagon_match_host(any_arch, mode):
     kw = {"mode": "resident"} if mode == "resident" else {"mode": "stream", "G": 2, "Q": 2, "B": 3}
+    kw["attention"] = "f32"  # (as above: the same attention on both backends)
     rng = np.random.default_rng(6)
     prefix = rng.integers(0, 64, 9)
     branches = [rng.integers(0, 64, n) for n in (1, 5, 3)]
