@@ -265,6 +265,9 @@ typedef struct htp_attention_params {
 
 typedef struct htp_eltwise_params {
     uint64_t n;
+    uint32_t glu;       /* appended: HTP_OP_SWIGLU's activation, HTP_GLU_SWIGLU (0) or
+                           HTP_GLU_SWIGLU_OAI; 0 for HTP_OP_SILU */
+    float alpha, limit; /* appended: HTP_GLU_SWIGLU_OAI's (finite, > 0), else 0 */
 } htp_eltwise_params;
 
 typedef struct htp_router_params {

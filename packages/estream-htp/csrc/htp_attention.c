@@ -21,6 +21,11 @@ void htp_swiglu_portable(const float *g, const float *u, uint64_t n, float *out)
     htp_swiglu_body(g, u, n, out);
 }
 
+void htp_swiglu_oai_portable(const float *g, const float *u, uint64_t n, float alpha, float limit,
+                             float *out) {
+    htp_swiglu_oai_body(g, u, n, alpha, limit, out);
+}
+
 /* The i-th task handed out: heads one after another (the threads share one head's K and V,
  * a few MiB that stay in the last-level cache, instead of each streaming a different head's
  * from memory), and within a head the heavy (late) causal query blocks first, so the light

@@ -64,7 +64,9 @@ _Static_assert(ATTN_MC * VW == HTP_ATTN_COLS_AVX2, "the K panels the table asks 
 
 #define V_DIV(a, b) _mm256_div_ps((a), (b))
 #define V_SEL_GE0(x, a, b) _mm256_blendv_ps((b), (a), _mm256_cmp_ps((x), _mm256_setzero_ps(), _CMP_GE_OQ))
+#define V_SEL_GT(a, b, x, y) _mm256_blendv_ps((y), (x), _mm256_cmp_ps((a), (b), _CMP_GT_OQ))
 #define VSWIGLU_NAME htp_swiglu_avx2
+#define VSWIGLU_OAI_NAME htp_swiglu_oai_avx2
 #include "htp_vswiglu.h"
 
 #define ATTN_NAME htp_attn_task_avx2

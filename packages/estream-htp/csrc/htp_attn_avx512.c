@@ -52,7 +52,9 @@ _Static_assert(ATTN_MC * VW == HTP_ATTN_COLS_AVX512, "the K panels the table ask
 
 #define V_DIV(a, b) _mm512_div_ps((a), (b))
 #define V_SEL_GE0(x, a, b) _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), _mm512_setzero_ps(), _CMP_GE_OQ), (b), (a))
+#define V_SEL_GT(a, b, x, y) _mm512_mask_blend_ps(_mm512_cmp_ps_mask((a), (b), _CMP_GT_OQ), (y), (x))
 #define VSWIGLU_NAME htp_swiglu_avx512
+#define VSWIGLU_OAI_NAME htp_swiglu_oai_avx512
 #include "htp_vswiglu.h"
 
 /* ---- bf16 products ---- */

@@ -60,6 +60,22 @@ HTP_INLINE void htp_swiglu_body(const float *g, const float *u, uint64_t n, floa
     }
 }
 
+/* out[i] = gpt-oss's SwiGLU-OAI of g[i], u[i]: x = min(g, limit), v = u clamped to
+ * [-limit, limit], x·sigmoid(alpha·x)·(v + 1), the sigmoid as htp_swiglu_body's. The clamps are
+ * ordered compares, so a NaN passes through them (and out is NaN). out may be g or u. */
+HTP_INLINE void htp_swiglu_oai_body(const float *g, const float *u, uint64_t n, float alpha,
+                                    float limit, float *out) {
+    for (uint64_t i = 0; i < n; i++) {
+        const float x = g[i] > limit ? limit : g[i];
+        const float v = u[i] > limit ? limit : (-limit > u[i] ? -limit : u[i]);
+        const float z = alpha * x;
+        const float e = htp_exp_neg(-fabsf(z));
+        const float sig = (z >= 0.0f ? 1.0f : e) / (1.0f + e);
+        const float s = x * sig;
+        out[i] = s * (v + 1.0f);
+    }
+}
+
 /* fp32 results flushed to zero below FLT_MIN (sign kept), as vdpbf16ps's FTZ output */
 HTP_INLINE float htp_ftz(float x) { return fabsf(x) < 1.17549435e-38f ? x * 0.0f : x; }
 /* acc + a1*b1, then + a0*b0, each one fused multiply-add flushed to zero: vdpbf16ps on one lane

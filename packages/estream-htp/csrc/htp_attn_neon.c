@@ -77,6 +77,14 @@ _Static_assert(ATTN_MC * VW == HTP_ATTN_COLS_NEON, "the K panels the table asks 
 #define VEXP_TARGET
 #include "htp_attn_vexp.h"
 
+/* the SwiGLU and SwiGLU-OAI bodies (htp_vswiglu.h) on the same vocabulary */
+#define V_DIV(a, b) vdivq_f32((a), (b))
+#define V_SEL_GE0(x, a, b) vbslq_f32(vcgeq_f32((x), vdupq_n_f32(0.0f)), (a), (b))
+#define V_SEL_GT(a, b, x, y) vbslq_f32(vcgtq_f32((a), (b)), (x), (y))
+#define VSWIGLU_NAME htp_swiglu_neon
+#define VSWIGLU_OAI_NAME htp_swiglu_oai_neon
+#include "htp_vswiglu.h"
+
 #define ATTN_NAME htp_attn_task_neon
 #define ATTN_TARGET
 #define ATTN_BF16 0

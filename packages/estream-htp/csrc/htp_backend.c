@@ -344,6 +344,16 @@ static uint32_t refs_of(const htp_op_desc *op) {
     }
 }
 
+/* a gated activation's parameters (the expert op's and HTP_OP_SWIGLU's): a known htp_glu;
+ * SwiGLU-OAI's alpha and limit positive and finite, and for the others both 0 */
+static htp_status glu_check(uint32_t glu, float alpha, float limit) {
+    if (glu > HTP_GLU_SWIGLU_OAI) return HTP_E_INVALID;
+    if (glu == HTP_GLU_SWIGLU_OAI)
+        return alpha > 0.0f && isfinite(alpha) && limit > 0.0f && isfinite(limit) ? HTP_OK
+                                                                                   : HTP_E_INVALID;
+    return alpha != 0.0f || limit != 0.0f ? HTP_E_BAD_OP : HTP_OK; /* unused fields must be 0 */
+}
+
 static htp_status exec_expert(htp_backend *b, const htp_op_desc *op) {
     const htp_expert_params *p = &op->p.expert;
     if (p->x_q8 > 1) return HTP_E_BAD_OP;
@@ -352,14 +362,8 @@ static htp_status exec_expert(htp_backend *b, const htp_op_desc *op) {
     const uint32_t d = p->d_model, ff = p->d_ff, T = p->n_tokens, R = p->n_routes, E = p->n_experts;
     if (!d || !ff || d % 32 || ff % 32 || !p->capacity) return HTP_E_INVALID;
     if (p->x_q8 && op->act != HTP_ACT_Q8) return HTP_E_INVALID; /* Q8 rows need Q8 products */
-    if (p->glu > HTP_GLU_SWIGLU_OAI) return HTP_E_INVALID;
-    if (p->glu == HTP_GLU_SWIGLU_OAI) { /* alpha and limit positive and finite */
-        if (!(p->glu_alpha > 0.0f && isfinite(p->glu_alpha) && p->glu_limit > 0.0f &&
-              isfinite(p->glu_limit)))
-            return HTP_E_INVALID;
-    } else if (p->glu_alpha != 0.0f || p->glu_limit != 0.0f) {
-        return HTP_E_BAD_OP; /* fields the activation does not use must be zero */
-    }
+    const htp_status gs = glu_check(p->glu, p->glu_alpha, p->glu_limit);
+    if (gs != HTP_OK) return gs;
     if (!p->has_bias && (p->bias_up || p->bias_down)) return HTP_E_BAD_OP;
     if (p->has_bias && (p->bias_up % 4 || p->bias_down % 4)) return HTP_E_INVALID;
     const float *x = NULL, *w;
@@ -568,7 +572,13 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
     }
     case HTP_OP_SILU:
     case HTP_OP_SWIGLU: {
-        const uint64_t bytes = nbytes(op->p.eltwise.n, 4);
+        const htp_eltwise_params *p = &op->p.eltwise;
+        const htp_status gs = glu_check(p->glu, p->alpha, p->limit);
+        if (gs != HTP_OK) return gs;
+        /* SiLU is SwiGLU's activation alone; ReGLU is the expert op's only */
+        if (p->glu == HTP_GLU_REGLU || (op->opcode == HTP_OP_SILU && p->glu != HTP_GLU_SWIGLU))
+            return HTP_E_BAD_OP;
+        const uint64_t bytes = nbytes(p->n, 4);
         const float *g, *u = NULL;
         float *out;
         GET(0, bytes, RD, 4, g);
@@ -578,7 +588,7 @@ htp_status htp_host_execute(htp_backend *b, const htp_op_desc *op) {
          * would make the result depend on the order the pool's threads run in */
         if ((overlaps(g, bytes, out, bytes) && g != out) || (u && overlaps(u, bytes, out, bytes) && u != out))
             return HTP_E_INVALID;
-        htp_exec_swiglu(&b->ex, g, u, op->p.eltwise.n, out);
+        htp_exec_swiglu(&b->ex, g, u, p->n, p->glu, p->alpha, p->limit, out);
         return HTP_OK;
     }
     case HTP_OP_ROUTER_TOPK: {

@@ -91,6 +91,7 @@ const htp_isa htp_isa_portable = {
     .attention_bf16_pack = NULL,
     .attention_bf16_task = NULL,
     .swiglu = htp_swiglu_portable,
+    .swiglu_oai = htp_swiglu_oai_portable,
     .rms_rows = htp_rms_rows_portable,
     .matmul_f32 = htp_matmul_f32_portable,
     .dot_peak = NULL,
@@ -742,31 +743,41 @@ void htp_exec_binary(htp_exec *e, uint32_t opcode, const htp_binary_params *p, c
     htp_parallel(e->pool, rows_task, &c);
 }
 
-/* silu(g)·u (u NULL: silu alone) over n values: split across the pool in pieces of whole
- * 64-value blocks (the table's vector body gives every element the same bits wherever it sits,
- * a padded tail included, so the split changes nothing). out is g or u element for element, or
- * apart from both (htp_backend.c checks). */
+/* silu(g)·u (u NULL: silu alone), or SwiGLU-OAI (glu HTP_GLU_SWIGLU_OAI, alpha, limit: u not
+ * NULL), over n values: split across the pool in pieces of whole 64-value blocks (the table's
+ * vector body gives every element the same bits wherever it sits, a padded tail included, so
+ * the split changes nothing). out is g or u element for element, or apart from both
+ * (htp_backend.c checks). */
 typedef struct glu_ctx {
     const htp_isa *isa;
     const float *g, *u;
     float *out;
     uint64_t n;
+    uint32_t glu;
+    float alpha, limit;
 } glu_ctx;
+
+static void glu_run(const glu_ctx *c, uint64_t b, uint64_t e) {
+    if (c->glu == HTP_GLU_SWIGLU_OAI)
+        c->isa->swiglu_oai(c->g + b, c->u + b, e - b, c->alpha, c->limit, c->out + b);
+    else
+        c->isa->swiglu(c->g + b, c->u ? c->u + b : NULL, e - b, c->out + b);
+}
 
 static void glu_task(void *arg, uint32_t ith, uint32_t nth) {
     const glu_ctx *c = (const glu_ctx *)arg;
     const uint64_t blocks = (c->n + 63) / 64;
     const uint64_t b = blocks * ith / nth * 64, e = HTP_MIN(c->n, blocks * (ith + 1) / nth * 64);
-    if (b < e) c->isa->swiglu(c->g + b, c->u ? c->u + b : NULL, e - b, c->out + b);
+    if (b < e) glu_run(c, b, e);
 }
 
-void htp_exec_swiglu(htp_exec *e, const float *g, const float *u, uint64_t n, float *out) {
-    if (n < HTP_ROWS_PARALLEL_MIN) {
-        e->isa->swiglu(g, u, n, out);
-        return;
-    }
-    glu_ctx c = {e->isa, g, u, out, n};
-    htp_parallel(e->pool, glu_task, &c);
+void htp_exec_swiglu(htp_exec *e, const float *g, const float *u, uint64_t n, uint32_t glu,
+                     float alpha, float limit, float *out) {
+    glu_ctx c = {e->isa, g, u, out, n, glu, alpha, limit};
+    if (n < HTP_ROWS_PARALLEL_MIN)
+        glu_run(&c, 0, n);
+    else
+        htp_parallel(e->pool, glu_task, &c);
 }
 
 void htp_exec_copy_rows(htp_exec *e, const htp_copy_params *p, const uint32_t *src, uint32_t *dst) {

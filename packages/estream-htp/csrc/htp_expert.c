@@ -14,7 +14,6 @@
  *       traffic (32 MB of h at 4K tokens) for no better balance.
  * Every output element is produced by one thread in slot order, so results are bit-identical
  * for any thread count and whichever thread takes an item. */
-#include "htp_attn_body.h" /* htp_exp_neg */
 #include "htp_internal.h"
 
 #define SUB 128  /* routes per GEMM call inside a slot (bounds per-thread scratch) */
@@ -68,23 +67,13 @@ typedef struct run_ctx {
     float alpha, limit;       /* SwiGLU-OAI's */
 } run_ctx;
 
-/* g = act(g, u) over n values (htp.h's htp_glu). SwiGLU is the table's vector body; ReGLU and
- * SwiGLU-OAI one scalar body for every table (the sigmoid as the scalar SwiGLU computes it:
- * e = exp(-|z|), (z >= 0 ? 1 : e) / (1 + e)). NaN propagates through the clamps. */
+/* g = act(g, u) over n values (htp.h's htp_glu): SwiGLU and SwiGLU-OAI the table's vector
+ * bodies (the same bits on every table), ReGLU a scalar loop. */
 static void glu_apply(const run_ctx *c, float *g, const float *u, uint32_t n) {
     if (c->glu == HTP_GLU_REGLU) {
         for (uint32_t i = 0; i < n; i++) g[i] = (g[i] < 0.0f ? 0.0f : g[i]) * u[i];
     } else if (c->glu == HTP_GLU_SWIGLU_OAI) {
-        const float lim = c->limit, alpha = c->alpha;
-        for (uint32_t i = 0; i < n; i++) {
-            const float x = g[i] > lim ? lim : g[i];
-            const float v = u[i] > lim ? lim : (u[i] < -lim ? -lim : u[i]);
-            const float z = alpha * x;
-            const float e = htp_exp_neg(-fabsf(z));
-            const float sig = (z >= 0.0f ? 1.0f : e) / (1.0f + e);
-            const float s = x * sig;
-            g[i] = s * (v + 1.0f);
-        }
+        c->isa->swiglu_oai(g, u, n, c->alpha, c->limit, g);
     } else {
         c->isa->swiglu(g, u, n, g);
     }

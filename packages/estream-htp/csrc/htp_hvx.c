@@ -423,6 +423,7 @@ const htp_isa htp_isa_hvx = {
     .attention_task = htp_attn_task_portable,
     .attention_kt_cols = 0,
     .swiglu = htp_swiglu_portable,
+    .swiglu_oai = htp_swiglu_oai_portable,
     .rms_rows = htp_rms_rows_portable,
     .matmul_f32 = htp_matmul_f32_portable,
     .dot_peak = dot_peak_hvx,

@@ -309,6 +309,9 @@ typedef struct htp_isa {
     void (*attention_bf16_task)(const htp_attn_ctx *c, uint32_t task, float *scratch);
     void (*attention_bf16_pv_task)(const htp_attn_ctx *c, uint32_t task, float *scratch);
     void (*swiglu)(const float *g, const float *u, uint64_t n, float *out); /* u may be NULL */
+    /* gpt-oss's SwiGLU-OAI (htp_swiglu_oai_body); out may be g or u */
+    void (*swiglu_oai)(const float *g, const float *u, uint64_t n, float alpha, float limit,
+                       float *out);
     /* RMSNorm of `rows` rows of d floats (w may be NULL): htp_norm_body.h's bits on every table */
     void (*rms_rows)(const float *x, const float *w, uint32_t d, float eps, size_t rows, float *out);
     /* rows [i0, i1) of y[t][n] = x[t][k] @ w[k][n], each output summed over k in order */
@@ -398,11 +401,20 @@ void htp_q8_q6k_seeds(const int8_t *q, uint32_t kb, int32_t *z);
 void htp_q8_q45k_sada(const float *d, const int32_t *s, uint32_t kb, float *sd);
 void htp_attn_task_portable(const htp_attn_ctx *c, uint32_t task, float *scratch);
 void htp_swiglu_portable(const float *g, const float *u, uint64_t n, float *out);
+void htp_swiglu_oai_portable(const float *g, const float *u, uint64_t n, float alpha, float limit,
+                             float *out);
 void htp_rms_rows_portable(const float *x, const float *w, uint32_t d, float eps, size_t rows,
                            float *out);
 /* the vector SwiGLU (htp_vswiglu.h), in the attention task's translation units */
 void htp_swiglu_avx2(const float *g, const float *u, uint64_t n, float *out);
 void htp_swiglu_avx512(const float *g, const float *u, uint64_t n, float *out);
+void htp_swiglu_oai_avx2(const float *g, const float *u, uint64_t n, float alpha, float limit,
+                         float *out);
+void htp_swiglu_oai_avx512(const float *g, const float *u, uint64_t n, float alpha, float limit,
+                           float *out);
+void htp_swiglu_neon(const float *g, const float *u, uint64_t n, float *out);
+void htp_swiglu_oai_neon(const float *g, const float *u, uint64_t n, float alpha, float limit,
+                         float *out);
 void htp_matmul_f32_portable(const float *x, const float *w, uint32_t k, uint32_t n, uint32_t i0,
                              uint32_t i1, float *y);
 
@@ -465,7 +477,8 @@ htp_status htp_exec_conv1d(const htp_conv1d_params *p, const float *x, const flo
 void htp_exec_binary(htp_exec *e, uint32_t opcode, const htp_binary_params *p, const float *a,
                      const float *b, float *out);
 void htp_exec_copy_rows(htp_exec *e, const htp_copy_params *p, const uint32_t *src, uint32_t *dst);
-void htp_exec_swiglu(htp_exec *e, const float *g, const float *u, uint64_t n, float *out);
+void htp_exec_swiglu(htp_exec *e, const float *g, const float *u, uint64_t n, uint32_t glu,
+                     float alpha, float limit, float *out);
 void htp_exec_fill(const htp_fill_params *p, uint32_t *out);
 htp_status htp_exec_matmul_f32(htp_exec *e, const htp_matmul_params *p, const float *x,
                                const float *w, float *y);

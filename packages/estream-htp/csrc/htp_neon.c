@@ -447,7 +447,8 @@ KN_ENTRIES(i8mm, 1)
         .attention_kt_cols = HTP_ATTN_COLS_NEON,                                                  \
         .attention_bf16_pack = htp_attn_bf16_pack_scalar, /* on FEAT_BF16 CPUs (htp_cpu_bf16) */  \
         .attention_bf16_task = htp_attn_bf16_task_neon,                                           \
-        .swiglu = htp_swiglu_portable,                                                            \
+        .swiglu = htp_swiglu_neon,                                                                \
+        .swiglu_oai = htp_swiglu_oai_neon,                                                        \
         .rms_rows = htp_rms_rows_portable,                                                        \
         .matmul_f32 = htp_matmul_f32_portable,                                                    \
         .dot_peak = NULL,                                                                         \

@@ -1427,6 +1427,7 @@ const htp_isa htp_isa_avx2 = {
     .attention_bf16_pack = NULL,
     .attention_bf16_task = NULL,
     .swiglu = htp_swiglu_avx2,
+    .swiglu_oai = htp_swiglu_oai_avx2,
     .rms_rows = rms_rows_avx2,
     .matmul_f32 = matmul_f32_avx2,
     .dot_peak = peak_dot_avx2,
@@ -1443,6 +1444,7 @@ const htp_isa htp_isa_avx2 = {
     .attention_bf16_pack = htp_attn_bf16_pack_avx512,                                          \
     .attention_bf16_task = htp_attn_bf16_task_avx512,                                          \
     .attention_bf16_pv_task = htp_attn_bf16_pv_task_avx512, .swiglu = htp_swiglu_avx512,         \
+    .swiglu_oai = htp_swiglu_oai_avx512,                                                         \
     .rms_rows = rms_rows_avx512,                                                                 \
     .matmul_f32 = matmul_f32_avx512, .fma_peak = peak_fma, .fma_macs_per_iter = 12 * 16,        \
     .bf16_peak = peak_bf16, .bf16_macs_per_iter = 12 * 32

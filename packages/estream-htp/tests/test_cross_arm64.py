@@ -101,7 +101,7 @@ def test_neon_kernels_match_references_under_qemu(selftest: Path) -> None:
     for fmt in ("f16", "bf16"):  # dense tiles: every shape, fp32 under either act, exact values
         assert sum(bool(re.match(rf"gemm {fmt} n=\d+ k=\d+ t=\d+: ok$", s)) for s in lines) == 8
     assert any(s.startswith("quantize") for s in lines)
-    for op in ("swiglu", "matmul_f32"):
+    for op in ("swiglu n", "swiglu_oai n", "matmul_f32"):
         assert any(s.startswith(op) and "vs float64" in s for s in lines), op
     for glu in (0, 1, 2):  # SwiGLU, ReGLU, SwiGLU-OAI with biases on the NEON table
         for act in ("f32", "q8"):

@@ -577,7 +577,7 @@ def test_attention_and_swiglu_bit_exact_with_the_hosts_simd_tables(
 ) -> None:
     """Attention (fp32, bf16 and bf16-pv products; two query blocks, a context, a sliding
     window, sinks)
-    and SiLU/SwiGLU in the DSP process give the bits of the host's every kernel table — its
+    and SiLU/SwiGLU/SwiGLU-OAI in the DSP process give the bits of the host's every kernel table — its
     best SIMD level with two threads (AVX-512's register-blocked and AVX512_BF16 kernels where
     the CPU has them) as well as portable and AVX2: one sequence of fp32 operations (fused
     multiply-adds, exp, the 16-lane row sums) on every table."""
@@ -606,6 +606,7 @@ def test_attention_and_swiglu_bit_exact_with_the_hosts_simd_tables(
             )
         r.append(np.array(htp.silu(sh(g), backend=be)))
         r.append(np.array(htp.swiglu(sh(g), sh(u), backend=be)))
+        r.append(np.array(htp.swiglu_oai(sh(g), sh(u), 1.702, 1.5, backend=be)))  # clamps reached
         return r
 
     got = run(hexagon)

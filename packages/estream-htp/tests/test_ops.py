@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import estream_htp as htp
 from estream_htp import testing as T
+from estream_htp._ffi import lib
 
 TOL = 1e-5  # fp32 ops vs float64 references
 
@@ -397,6 +398,86 @@ def test_silu_swiglu(simd: str, n: int, seed: int) -> None:
     assert np.abs(a - s).max(initial=0.0) <= 1e-5 * max(1.0, np.abs(s).max(initial=0.0))
     assert np.abs(b - s * u64).max(initial=0.0) <= 1e-5 * max(1.0, np.abs(s * u64).max(initial=0.0))
     assert b1.tobytes() == b[1:].tobytes()
+
+
+@pytest.mark.parametrize("simd", SIMD_PARAMS)
+@given(
+    n=st.integers(0, 300),
+    seed=st.integers(0, 2**32 - 1),
+    alpha=st.sampled_from([1.702, 0.5, 3.0]),
+    limit=st.sampled_from([7.0, 0.75, 30.0]),
+)
+def test_swiglu_oai(simd: str, n: int, seed: int, alpha: float, limit: float) -> None:
+    """gpt-oss's clamped SwiGLU: every level gives the portable level's bits (the scalar and
+    vector bodies share the exp and the clamps' ordered compares), in place too, and each
+    element the same bits wherever it sits in the row; against float64 with both clamps
+    reached and far tails of the sigmoid; a NaN input gives NaN at every level."""
+    rng = np.random.default_rng(seed)
+    g = (rng.standard_normal(n) * 2 * limit).astype(np.float32)
+    u = (rng.standard_normal(n) * 2 * limit).astype(np.float32)
+    g[rng.random(n) < 0.05] = rng.choice([-200.0, -90.0, -limit, 0.0, limit, 90.0])
+    u[rng.random(n) < 0.05] = rng.choice([-limit, limit, 1e30])
+    nan = rng.random(n) < 0.02
+    g[nan & (rng.random(n) < 0.5)] = np.nan
+    u[nan & ~np.isnan(g)] = np.nan
+    with mode(simd=simd):
+        a = htp.swiglu_oai(g, u, alpha, limit, out=np.full_like(g, -3.0))
+        a1 = htp.swiglu_oai(g[1:].copy(), u[1:].copy(), alpha, limit)
+        ip = u.copy()
+        htp.swiglu_oai(g, ip, alpha, limit, out=ip)
+    with mode(simd="portable"):
+        p = htp.swiglu_oai(g, u, alpha, limit)
+    assert _same_bits(a, p) and _same_bits(ip, a)
+    assert a1.tobytes() == a[1:].tobytes()
+    assert np.array_equal(np.isnan(a), nan)
+    g64 = np.minimum(g.astype(np.float64), limit)
+    u64 = np.clip(u.astype(np.float64), -limit, limit)
+    ref = g64 / (1 + np.exp(-alpha * g64)) * (u64 + 1)
+    ok = ~nan
+    assert np.abs(a[ok] - ref[ok]).max(initial=0.0) <= 1e-5 * max(
+        1.0, np.abs(ref[ok]).max(initial=0.0)
+    )
+    if n >= 200:  # the clamps were reached
+        assert (g[ok] > limit).any() and (np.abs(u[ok]) > limit).any()
+
+
+def test_swiglu_oai_refuses_bad_parameters_and_descriptors() -> None:
+    """alpha and limit finite and > 0, matching shapes; the backend's one validator of the
+    eltwise descriptor refuses an unknown activation, ReGLU (the expert op's only), SiLU with
+    an activation, and SwiGLU with alpha or limit set, before reading anything."""
+    g = np.ones(40, np.float32)
+    for a, lim in ((0.0, 7.0), (1.7, float("inf")), (float("nan"), 7.0), (1.7, -1.0), ("x", 7)):
+        with pytest.raises(htp.HTPInputError, match="alpha and limit"):
+            htp.swiglu_oai(g, g, a, lim)  # type: ignore[arg-type]
+    with pytest.raises(htp.HTPInputError, match="same shape"):
+        htp.swiglu_oai(g, g[:39])
+    be = htp.default_backend()
+    out = np.zeros_like(g)
+
+    def run(opcode: int, **fields: float) -> None:
+        c = be.call(opcode)
+        c.what = "swiglu_oai"
+        c.p.eltwise.n = g.size
+        for k, v in fields.items():
+            setattr(c.p.eltwise, k, v)
+        c.ref(g)
+        if opcode == lib.HTP_OP_SWIGLU:
+            c.ref(g)
+        c.ref(out, "w")
+        be.run(c)
+
+    run(lib.HTP_OP_SWIGLU, glu=2, alpha=1.702, limit=7.0)  # the well-formed one runs
+    assert out[0] == np.float32(htp.swiglu_oai(g[:1], g[:1])[0]) and out[0] != 0
+    for opcode, fields, msg in (
+        (lib.HTP_OP_SWIGLU, {"glu": 3}, "rejected"),
+        (lib.HTP_OP_SWIGLU, {"glu": 2, "alpha": float("nan"), "limit": 7.0}, "rejected"),
+        (lib.HTP_OP_SWIGLU, {"glu": 2, "alpha": 1.0, "limit": 0.0}, "rejected"),
+        (lib.HTP_OP_SWIGLU, {"glu": 1}, "malformed descriptor"),
+        (lib.HTP_OP_SWIGLU, {"alpha": 1.0}, "malformed descriptor"),
+        (lib.HTP_OP_SILU, {"glu": 2, "alpha": 1.0, "limit": 7.0}, "malformed descriptor"),
+    ):
+        with pytest.raises(htp.HTPError, match=msg):
+            run(opcode, **fields)
 
 
 @given(

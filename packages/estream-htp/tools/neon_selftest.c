@@ -894,7 +894,16 @@ static int check_others(void) {
         buf b[3] = {{g, 4 * n, RD}, {u, 4 * n, RD}, {o, 4 * n, RW}};
         double *ref = malloc(sizeof(double) * n);
         for (uint64_t i = 0; i < n; i++) ref[i] = g[i] / (1.0 + exp(-(double)g[i])) * u[i];
-        bad |= both("swiglu n=1001", &op, b, 3, 1, n, n, 1e-6, ref);
+        bad |= both("swiglu n=1001", &op, b, 3, 1, n, n, 0, ref); /* the portable bits */
+        /* SwiGLU-OAI (gpt-oss's), both clamps reached (limit 3) */
+        for (uint64_t i = 0; i < n; i++) u[i] = 6 * frand();
+        op.p.eltwise.glu = HTP_GLU_SWIGLU_OAI;
+        op.p.eltwise.alpha = 1.702f, op.p.eltwise.limit = 3.0f;
+        for (uint64_t i = 0; i < n; i++) {
+            const double x = fmin((double)g[i], 3.0), v = fmin(fmax((double)u[i], -3.0), 3.0);
+            ref[i] = x / (1.0 + exp(-1.702 * x)) * (v + 1);
+        }
+        bad |= both("swiglu_oai n=1001", &op, b, 3, 1, n, n, 0, ref);
         free(g), free(u), free(o), free(ref);
     }
     { /* fp32 matmul: every column block width */

@@ -62,6 +62,7 @@ from estream_htp._core import (
     simd_level,
     simd_supported,
     swiglu,
+    swiglu_oai,
 )
 from estream_htp._formats import (
     FLOAT_TILE_FORMATS,
@@ -132,6 +133,7 @@ __all__ = [
     "simd_level",
     "simd_supported",
     "swiglu",
+    "swiglu_oai",
     "unpack_q4_0_t32r4",
     "unpack_q8_0_t32r4",
 ]

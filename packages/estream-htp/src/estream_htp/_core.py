@@ -76,6 +76,7 @@ __all__ = [
     "silu",
     "simd_level",
     "swiglu",
+    "swiglu_oai",
 ]
 
 F32 = npt.NDArray[np.float32]
@@ -457,6 +458,19 @@ def _expert_formats(formats: str | Sequence[str]) -> tuple[str, str, str]:
 GLU_KINDS = {"swiglu": 0, "reglu": 1, "swiglu_oai": 2}
 
 
+def _oai_params(alpha: object, limit: object) -> tuple[float, float]:
+    """SwiGLU-OAI's ``alpha`` and ``limit`` as floats, both finite and > 0."""
+    try:
+        a, lim = float(alpha), float(limit)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        a = lim = float("nan")
+    if not (0 < a < float("inf") and 0 < lim < float("inf")):
+        raise HTPInputError(
+            f"swiglu_oai needs alpha and limit finite and > 0, got {alpha!r}, {limit!r}"
+        )
+    return a, lim
+
+
 class ExpertGraph:
     """The fused routed-expert op for ``d_model``/``d_ff``, cut into passes of ``capacity``
     routes, accepting up to ``t_max`` tokens, on a backend (default: the default backend).
@@ -481,16 +495,8 @@ class ExpertGraph:
     ) -> None:
         if glu not in GLU_KINDS:
             raise HTPInputError(f"glu must be one of {list(GLU_KINDS)}, got {glu!r}")
-        try:
-            a, lim = float(alpha), float(limit)
-        except (TypeError, ValueError):
-            a = lim = float("nan")
-        if glu == "swiglu_oai" and not (0 < a < float("inf") and 0 < lim < float("inf")):
-            raise HTPInputError(
-                f"swiglu_oai needs alpha and limit finite and > 0, got {alpha!r}, {limit!r}"
-            )
         self.glu = glu
-        self.alpha, self.limit = (a, lim) if glu == "swiglu_oai" else (0.0, 0.0)
+        self.alpha, self.limit = _oai_params(alpha, limit) if glu == "swiglu_oai" else (0.0, 0.0)
         for v, nm in ((d_model, "d_model"), (d_ff, "d_ff")):
             if _u32(v, nm, 1) % 32:
                 raise HTPInputError(f"{nm} must be a multiple of 32, got {v}")
@@ -1084,6 +1090,36 @@ def swiglu(g: F32, u: F32, out: F32 | None = None, *, backend: Backend | None = 
         c = be.call(lib.HTP_OP_SWIGLU)
         c.what = "swiglu"
         c.p.eltwise.n = g.size
+        c.ref(g).ref(u).ref(o, "w")
+        be.run(c)
+    return o
+
+
+def swiglu_oai(
+    g: F32,
+    u: F32,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    out: F32 | None = None,
+    *,
+    backend: Backend | None = None,
+) -> F32:
+    """gpt-oss's clamped SwiGLU element-wise: ``g' * sigmoid(alpha * g') * (u' + 1)`` with
+    ``g' = min(g, limit)`` and ``u' = clamp(u, -limit, limit)`` (the expert op's "swiglu_oai";
+    a NaN input gives NaN)."""
+    a, lim = _oai_params(alpha, limit)
+    g = _arr(g, "g", np.float32)
+    u = _arr(u, "u", np.float32)
+    if g.shape != u.shape:
+        raise HTPInputError(f"g and u must have the same shape, got {g.shape}, {u.shape}")
+    o = _out(out, g.shape)
+    if g.size:
+        be = _be(backend)
+        c = be.call(lib.HTP_OP_SWIGLU)
+        c.what = "swiglu_oai"
+        c.p.eltwise.n = g.size
+        c.p.eltwise.glu = GLU_KINDS["swiglu_oai"]
+        c.p.eltwise.alpha, c.p.eltwise.limit = a, lim
         c.ref(g).ref(u).ref(o, "w")
         be.run(c)
     return o
