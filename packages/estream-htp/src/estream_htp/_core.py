@@ -1078,8 +1078,10 @@ def matmul_f32(x: F32, w: F32, out: F32 | None = None, *, backend: Backend | Non
     return o
 
 
-def swiglu(g: F32, u: F32, out: F32 | None = None, *, backend: Backend | None = None) -> F32:
-    """``silu(g) * u`` element-wise."""
+def _glu(
+    g: F32, u: F32, out: F32 | None, backend: Backend | None, glu: str, alpha: float, limit: float
+) -> F32:
+    """HTP_OP_SWIGLU with activation ``glu`` (`GLU_KINDS`: "swiglu" or "swiglu_oai")."""
     g = _arr(g, "g", np.float32)
     u = _arr(u, "u", np.float32)
     if g.shape != u.shape:
@@ -1088,11 +1090,18 @@ def swiglu(g: F32, u: F32, out: F32 | None = None, *, backend: Backend | None = 
     if g.size:
         be = _be(backend)
         c = be.call(lib.HTP_OP_SWIGLU)
-        c.what = "swiglu"
+        c.what = glu
         c.p.eltwise.n = g.size
+        c.p.eltwise.glu = GLU_KINDS[glu]
+        c.p.eltwise.alpha, c.p.eltwise.limit = alpha, limit
         c.ref(g).ref(u).ref(o, "w")
         be.run(c)
     return o
+
+
+def swiglu(g: F32, u: F32, out: F32 | None = None, *, backend: Backend | None = None) -> F32:
+    """``silu(g) * u`` element-wise."""
+    return _glu(g, u, out, backend, "swiglu", 0.0, 0.0)
 
 
 def swiglu_oai(
@@ -1108,21 +1117,7 @@ def swiglu_oai(
     ``g' = min(g, limit)`` and ``u' = clamp(u, -limit, limit)`` (the expert op's "swiglu_oai";
     a NaN input gives NaN)."""
     a, lim = _oai_params(alpha, limit)
-    g = _arr(g, "g", np.float32)
-    u = _arr(u, "u", np.float32)
-    if g.shape != u.shape:
-        raise HTPInputError(f"g and u must have the same shape, got {g.shape}, {u.shape}")
-    o = _out(out, g.shape)
-    if g.size:
-        be = _be(backend)
-        c = be.call(lib.HTP_OP_SWIGLU)
-        c.what = "swiglu_oai"
-        c.p.eltwise.n = g.size
-        c.p.eltwise.glu = GLU_KINDS["swiglu_oai"]
-        c.p.eltwise.alpha, c.p.eltwise.limit = a, lim
-        c.ref(g).ref(u).ref(o, "w")
-        be.run(c)
-    return o
+    return _glu(g, u, out, backend, "swiglu_oai", a, lim)
 
 
 def router_topk(
