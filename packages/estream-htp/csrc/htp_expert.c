@@ -68,11 +68,8 @@ typedef struct run_ctx {
 } run_ctx;
 
 /* g = act(g, u) over n values (htp.h's htp_glu): SwiGLU and SwiGLU-OAI the table's vector
- * bodies (the same bits on every table), ReGLU a scalar loop. Not inlined: inlined into
- * run_task's route loop, clang-19's Hexagon build of it never finished an expert op on the
- * portable table with Q8 products under qemu-hexagon (test_hexagon's glu test, 10 routes);
- * the cause was not found. */
-__attribute__((noinline)) static void glu_apply(const run_ctx *c, float *g, const float *u, uint32_t n) {
+ * bodies (the same bits on every table), ReGLU a scalar loop. */
+static void glu_apply(const run_ctx *c, float *g, const float *u, uint32_t n) {
     if (c->glu == HTP_GLU_REGLU) {
         for (uint32_t i = 0; i < n; i++) g[i] = (g[i] < 0.0f ? 0.0f : g[i]) * u[i];
     } else if (c->glu == HTP_GLU_SWIGLU_OAI) {

@@ -10,10 +10,14 @@ float64 references. Outputs are poisoned with NaN. Both of the executor's kernel
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -30,6 +34,39 @@ pytestmark = needs_hexagon
 LEVELS = ["portable", "hvx"]
 # nox -s hexagon: five times the examples
 _X = 5 if os.environ.get("ESTREAM_HEXAGON_FULL", "").strip() == "1" else 1
+
+
+# seconds a test may take before the run is ended (see _hang_guard)
+HANG_S = 600
+
+
+@pytest.fixture(autouse=True)
+def _hang_guard(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test still running after `HANG_S` seconds ends the whole run, printing which test and
+    every thread's traceback past pytest's capture, and kills the executors: an emulated
+    executor that never answers (a hung Hexagon program) fails the suite in bounded time
+    instead of holding it until the CI job's limit. (faulthandler's own watchdog, a minute
+    later, ends it if the interpreter is stuck too.)"""
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+
+    def expire() -> None:
+        with capman.global_and_fixture_disabled():
+            print(f"\n{request.node.nodeid}: still running after {HANG_S} s; ending the run",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)
+        for task in os.listdir("/proc/self/task"):  # the executors too: a hung one never exits
+            with open(f"/proc/self/task/{task}/children") as f:
+                for pid in f.read().split():
+                    os.kill(int(pid), signal.SIGKILL)
+        os._exit(1)
+
+    timer = threading.Timer(HANG_S, expire)
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(HANG_S + 60, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+    timer.cancel()
 
 
 @pytest.fixture(scope="module")

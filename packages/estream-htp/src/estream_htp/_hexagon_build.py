@@ -60,6 +60,12 @@ CFLAGS = [
     # no fused multiply-adds: the host's portable build has none either, so float results of
     # the same source agree bit for bit
     "-ffp-contract=off",
+    # clang-19's post-register-allocation RDF optimization on Hexagon miscompiles: in the
+    # expert op's route loop it left the loop counter in a caller-saved register (r8) across
+    # the indirect call to the row quantizer, which clobbered it, and the loop never ended.
+    # Off for the whole program, so no other function can carry the same fault.
+    "-mllvm",
+    "-rdf-opt=false",
     "-Wall",
     "-Wno-unused-function",
 ]
