@@ -910,7 +910,8 @@ def resolve_attention(
     """The attention precision an engine runs for option ``attention`` (`ATTENTION`): "f32",
     "bf16" and "bf16-pv" as they are; "auto" is ``native`` (the architecture's
     ``ATTENTION_AUTO``: "bf16" where its parity rows keep bf16's error within 5 % of fp32
-    attention's, else "f32") when ``act`` is "q8" and ``dense``, the backend running the dense
+    attention's, else "bf16-pv" where they keep that mode's, else "f32") when ``act`` is "q8"
+    and ``dense``, the backend running the dense
     ops (default: this process's), multiplies bf16 attention natively at about twice the fp32
     rate (`estream_htp.native_bf16_attention`: an AVX-512 or AMX kernel set on a CPU with
     AVX512_BF16), else "f32" (emulated bf16, and NEON's native FEAT_BF16 kernel, are slower
@@ -918,8 +919,10 @@ def resolve_attention(
     float64 reference)."""
     if attention not in ATTENTION:
         raise BadRequestError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
-    if native not in ("bf16", "f32"):
-        raise ValueError(f"an architecture's ATTENTION_AUTO is bf16 or f32, not {native!r}")
+    if native not in ("bf16", "bf16-pv", "f32"):
+        raise ValueError(
+            f"an architecture's ATTENTION_AUTO is bf16, bf16-pv or f32, not {native!r}"
+        )
     if attention != "auto":
         return attention
     if act != "q8" or native == "f32":

@@ -34,9 +34,10 @@ __all__ = ["ARCHITECTURES", "Architecture", "architecture"]
 
 
 class Architecture(Protocol):
-    """What the engine needs of an architecture module (and ``ATTENTION_AUTO``: "bf16" or
-    "f32", what ``attention="auto"`` runs on a kernel set with native bf16 products: bf16 only
-    where the parity table shows its error within 5 % of fp32 attention's)."""
+    """What the engine needs of an architecture module (and ``ATTENTION_AUTO``: "bf16",
+    "bf16-pv" or "f32", what ``attention="auto"`` runs on a kernel set with native bf16
+    products: a bf16 mode only where every row of the parity table shows its error within 5 %
+    of fp32 attention's, bf16 before bf16-pv)."""
 
     ATTENTION_AUTO: str
 
