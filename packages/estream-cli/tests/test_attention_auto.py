@@ -112,7 +112,7 @@ def test_each_architecture_states_what_auto_runs() -> None:
     """bf16 for the architectures whose parity rows at 32 prompts show bf16 attention's error
     within 5 % of fp32 attention's (OLMoE, Mixtral, DeepSeek-V2, LFM2-MoE); bf16-pv for
     SmallThinker (two bf16 rows at x1.051 and x1.055, every bf16-pv row within); f32 for
-    Qwen3-MoE (x1.050 there) and gpt-oss (no run at 32 prompts)."""
+    Qwen3-MoE (x1.050 there) and gpt-oss (its q4_0 row x1.100 with bf16, x1.052 with bf16-pv)."""
     got = {name: mod.ATTENTION_AUTO for name, mod in ARCHITECTURES.items()}
     assert got == {
         "olmoe": "bf16", "llama": "bf16", "deepseek2": "bf16", "lfm2moe": "bf16",
