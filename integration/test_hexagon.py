@@ -24,6 +24,7 @@ import pytest
 
 import estream
 from estream_htp import _hexagon
+from estream_htp import testing as T
 from estream_layout import pack_model, synth_model
 
 _TOOLS = _hexagon.missing_tools()  # qemu, and the compiler when the executor must be built
@@ -46,6 +47,21 @@ MODES = (
     if FULL
     else [{"mode": "stream", "G": 2, "Q": 2, "B": 3, "pin": 48 << 10}]  # streamed and pinned
 )
+
+
+# seconds a test may take before the run is ended (estream_htp.testing.end_run_after)
+HANG_S = 900
+
+
+@pytest.fixture(autouse=True)
+def _hang_guard(request):
+    """A test still running after `HANG_S` seconds ends the run, naming the test, with every
+    thread's traceback, and kills the executors: a hung Hexagon program fails the suite in
+    bounded time."""
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+    cancel = T.end_run_after(HANG_S, request.node.nodeid, capman.global_and_fixture_disabled)
+    yield
+    cancel()
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -10,14 +10,10 @@ float64 references. Outputs are poisoned with NaN. Both of the executor's kernel
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -42,31 +38,14 @@ HANG_S = 600
 
 @pytest.fixture(autouse=True)
 def _hang_guard(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A test still running after `HANG_S` seconds ends the whole run, printing which test and
-    every thread's traceback past pytest's capture, and kills the executors: an emulated
-    executor that never answers (a hung Hexagon program) fails the suite in bounded time
-    instead of holding it until the CI job's limit. (faulthandler's own watchdog, a minute
-    later, ends it if the interpreter is stuck too.)"""
+    """A test still running after `HANG_S` seconds ends the whole run, naming the test, with
+    every thread's traceback, and kills the executors (`estream_htp.testing.end_run_after`): a
+    hung Hexagon program fails the suite in bounded time instead of holding it until the CI
+    job's limit."""
     capman = request.config.pluginmanager.getplugin("capturemanager")
-
-    def expire() -> None:
-        with capman.global_and_fixture_disabled():
-            print(f"\n{request.node.nodeid}: still running after {HANG_S} s; ending the run",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            faulthandler.dump_traceback(sys.stderr, all_threads=True)
-        for task in os.listdir("/proc/self/task"):  # the executors too: a hung one never exits
-            with open(f"/proc/self/task/{task}/children") as f:
-                for pid in f.read().split():
-                    os.kill(int(pid), signal.SIGKILL)
-        os._exit(1)
-
-    timer = threading.Timer(HANG_S, expire)
-    timer.daemon = True
-    timer.start()
-    faulthandler.dump_traceback_later(HANG_S + 60, exit=True)
+    cancel = T.end_run_after(HANG_S, request.node.nodeid, capman.global_and_fixture_disabled)
     yield
-    faulthandler.cancel_dump_traceback_later()
-    timer.cancel()
+    cancel()
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,14 @@ estream-layout), float64 reference implementations of every op, and Hypothesis s
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -38,6 +46,7 @@ __all__ = [
     "dequantize_q4_0",
     "dequantize_q8_0",
     "dequantize_tiles",
+    "end_run_after",
     "matrix_nbytes",
     "pack_f16_t32r4",
     "pack_iq4_nl_t32r4",
@@ -81,6 +90,42 @@ __all__ = [
 ]
 
 F64 = npt.NDArray[np.float64]
+
+
+def end_run_after(
+    seconds: float,
+    what: str,
+    unmute: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> Callable[[], None]:
+    """A deadline for a test whose executor may never answer (a hung emulated program): unless
+    the returned function is called within ``seconds``, print ``what`` and every thread's
+    traceback to stderr (inside ``unmute()``: pytest's
+    ``capturemanager.global_and_fixture_disabled``, so it reaches the terminal), kill this
+    process's child processes (a hung executor never exits by itself) and end this process
+    with status 1. faulthandler's watchdog, a minute later, ends it if the interpreter cannot
+    run the timer's thread."""
+
+    def expire() -> None:
+        with unmute():
+            print(f"\n{what}: still running after {seconds} s; ending the run", file=sys.stderr)
+            sys.stderr.flush()
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                for pid in f.read().split():
+                    os.kill(int(pid), signal.SIGKILL)
+        os._exit(1)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(seconds + 60, exit=True)
+
+    def cancel() -> None:
+        faulthandler.cancel_dump_traceback_later()
+        timer.cancel()
+
+    return cancel
 
 
 def rel_l2(got: npt.ArrayLike, ref: npt.ArrayLike) -> float:
