@@ -442,19 +442,31 @@ def render_scale(f: Figures) -> Table:
 
 
 def render_kernels(f: Figures) -> Table:
-    t = Table(["op", "htp GFLOP/s", "share of peak", "best BLAS GFLOP/s", "htp ÷ best BLAS"], [])
+    # runs that measured the int8 dot product in the Q4_0 / Q8_0 kernels' mix get its column
+    step = any(r.get("pct_of_best_step") is not None for r in f["rows"])
+    t = Table(["op", "htp GFLOP/s", "share of peak", *(["share of int8_step"] if step else []),
+               "best BLAS GFLOP/s", "htp ÷ best BLAS"], [])  # fmt: skip
     for r in f["rows"]:
         share = r.get("pct_of_best_peak", r.get("pct_of_peak"))
+        of_step = r.get("pct_of_best_step")
         blas = [v for v in (r.get("blas_gflops"), r.get("blas_1thread_gflops")) if v is not None]
         t.rows.append([
             r["op"], num(r["htp_gflops"]),
             f"{share:.0f} % {r['peak_kind']}" if share is not None else "–",
+            *([f"{of_step:.0f} %" if of_step is not None else "–"] if step else []),
             num(max(blas)) if blas else "–",
             f"{r['speedup_vs_best_blas']:.1f}×" if r.get("speedup_vs_best_blas") else "–",
         ])  # fmt: skip
     if f.get("peaks_best"):
-        peaks = ", ".join(f"{k} {num(v)}" for k, v in f["peaks_best"].items())
+        peaks = ", ".join(f"{k} {num(v)}" for k, v in f["peaks_best"].items() if v is not None)
         t.notes.append(f"Peaks (better of start and end of the run, GOP/s): {peaks}.")
+    if step:
+        t.notes.append(
+            "int8_step: the int8 dot product in the mix of the Q4_0 and Q8_0 kernels, per 32-row "
+            "block and token 16 dot products and the fp32 step of each 16-row half (d_w·d_a, "
+            "then acc += dot·that: a multiply and an FMA), its dot products' work only: the "
+            "ceiling of those rows where the step's multiplies share the dot product's pipes."
+        )
     t.notes.append(
         "BLAS: numpy float32 matmul on the same dequantized weights; the better of 2 and 1 threads."
     )

@@ -471,6 +471,25 @@ def test_an_attention_only_kernel_run_keeps_the_kernel_table(tmp_path: Path) -> 
     assert "fused expert op, q8" in page and "attention Y T=4096 f32" in page
 
 
+def test_kernel_rows_with_the_int8_step_ceiling_show_their_share_of_it() -> None:
+    """A kernel run that measured the int8 dot product in the Q4_0 / Q8_0 kernels' mix shows each
+    such row's share of that ceiling in a column of its own (a dash for the other rows) and says
+    what the ceiling is; a run without it keeps the table it had."""
+    row = {"op": "gemm q4_0", "htp_gflops": 600.0, "blas_gflops": 150.0,
+           "blas_1thread_gflops": None, "speedup_vs_best_blas": 4.0, "peak_kind": "int8",
+           "pct_of_best_peak": 64.0}  # fmt: skip
+    other = {**row, "op": "gemm q4_k", "pct_of_best_peak": 50.0}
+    figures = {"rows": [{**row, "pct_of_best_step": 74.1}, other],
+               "peaks_best": {"int8": 937.0, "int8_step": 810.0, "bf16": None}}  # fmt: skip
+    table = report.render_kernels(figures)
+    assert table.headers[3] == "share of int8_step"
+    assert table.rows[0][2:4] == ["64 % int8", "74 %"] and table.rows[1][3] == "–"
+    assert any("int8_step" in n and "16 dot products" in n for n in table.notes)
+    assert "int8_step 810" in table.notes[0] and "bf16" not in table.notes[0]
+    plain = report.render_kernels({"rows": [row]})
+    assert "share of int8_step" not in plain.headers and len(plain.rows[0]) == 5
+
+
 def test_the_newest_result_is_rendered(tmp_path: Path) -> None:
     """Of several results of one benchmark the page shows the newest by date, and a recorded
     run is newer than a transcribed one of the same day."""

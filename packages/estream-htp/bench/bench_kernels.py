@@ -101,6 +101,11 @@ INT8_INSTRUCTION = {
 }
 
 
+#: The tile formats whose Q8 kernels multiply in the `int8_step` mix (per 32-row block and
+#: token: 16 dot products and the fp32 step, d_w * d_a then one FMA, for each 16-row half).
+Q8_STEP_FORMATS = frozenset({"q4_0-t32r4", "q8_0-t32r4"})
+
+
 def measure_peak() -> float:
     """int8 dot throughput (GOP/s, 2 ops per multiply-add) of the level's instruction
     (INT8_INSTRUCTION), best of several short runs on the pool's threads; this
@@ -127,9 +132,12 @@ VNNI_TOO = htp.simd_level() == "amx"
 
 def measure_peaks() -> dict[str, float | None]:
     """GOP/s (2 per multiply-add) of the int8 dot product, the fp32 FMA and the bf16 dot
-    product on the pool's threads, best of several short runs (None: no such instruction)."""
+    product on the pool's threads, best of several short runs (None: no such instruction);
+    ``int8_step``: the int8 dot product in the mix of the Q4_0 / Q8_0 kernels with their fp32
+    step per 32-value block (16 dot products, 2 multiplies, 2 FMAs), the ceiling of the rows
+    marked ``q8_step`` (AVX-512 VNNI only)."""
     out: dict[str, float | None] = {}
-    for kind in ("int8", "fp32", "bf16"):
+    for kind in ("int8", "fp32", "bf16", "int8_step"):
         try:
             iters = 200_000 if kind == "int8" and VNNI_TOO else 2_000_000
             out[kind] = max(_core._mac_peak(kind, iters) for _ in range(5)) * 2 / 1e9
@@ -175,7 +183,7 @@ def bench_gemm(rng: np.random.Generator, row, n: int, k: int, t: int) -> None:
             2.0 * t * n * k,
             t_h,
             t_blas,
-            {"rel_l2_vs_blas_f32": T.rel_l2(out, ref)},
+            {"rel_l2_vs_blas_f32": T.rel_l2(out, ref), "q8_step": act == "q8"},
         )
         if act == "q8" and VNNI_TOO:
             with simd("avx512vnni"):
@@ -216,7 +224,8 @@ def bench_gemm_source_types(rng: np.random.Generator, row, n: int, k: int, t: in
             htp.set_activation_format(act)
             t_h = best_of(lambda buf=buf, fmt=fmt: htp.gemm(x, buf, n, fmt, out=out))
             row(f"gemm {fmt.split('-')[0]} {n}x{k} T={t} act={act}{note}", 2.0 * t * n * k, t_h,
-                t_blas, {"rel_l2_vs_blas_f32": T.rel_l2(out, ref)})  # fmt: skip
+                t_blas, {"rel_l2_vs_blas_f32": T.rel_l2(out, ref),
+                         "q8_step": act == "q8" and fmt in Q8_STEP_FORMATS})  # fmt: skip
 
 
 def bench_experts_source_types(rng: np.random.Generator, row) -> None:
@@ -251,7 +260,8 @@ def bench_experts_source_types(rng: np.random.Generator, row) -> None:
 
                 t_h = best_of(run, reps=2)
                 row(f"expert op OLMoE {name} T={t} act={act}", flops, t_h, t_blas,
-                    {"rel_l2_vs_blas_f32": T.rel_l2(y, ref)})  # fmt: skip
+                    {"rel_l2_vs_blas_f32": T.rel_l2(y, ref),
+                     "q8_step": act == "q8" and set(fmts) <= Q8_STEP_FORMATS})  # fmt: skip
 
 
 def blas_moe(x, tokens, experts, weights, deq) -> np.ndarray:
@@ -306,7 +316,7 @@ def bench_experts(rng: np.random.Generator, row) -> None:
                     flops,
                     t_h,
                     t_blas,
-                    {"rel_l2_vs_blas_f32": T.rel_l2(y, ref)},
+                    {"rel_l2_vs_blas_f32": T.rel_l2(y, ref), "q8_step": act == "q8"},
                 )
                 if act == "q8" and VNNI_TOO:
                     with simd("avx512vnni"):
@@ -348,6 +358,14 @@ ATTN_SHAPES = (
     ("DeepSeek-V2-Lite MLA", 16, 16, 192, 128, 0, False),
     ("GQA 64/8 window 128 sinks", 64, 8, 64, 64, 128, True),
 )
+
+
+def pct_of_step(r: dict, peaks: dict) -> float | None:
+    """A ``q8_step`` row's rate as a share of the ``int8_step`` ceiling (the int8 dot product in
+    its kernel's mix with the per-block fp32 step); None for other rows or without it."""
+    if not r.get("q8_step") or r.get("peak_kind") != "int8" or not peaks.get("int8_step"):
+        return None
+    return 100.0 * r["htp_gflops"] / peaks["int8_step"]
 
 
 def pct_of_peak(r: dict, peaks: dict) -> float | None:
@@ -552,6 +570,7 @@ def main() -> None:
             r["flops_by_peak"], kind = kind, "+".join(sorted(kind))
         r["peak_kind"] = kind
         r["pct_of_peak"] = pct_of_peak(r, results["peaks_start"])
+        r["pct_of_step"] = pct_of_step(r, results["peaks_start"])
         rows.append(r)
         b1 = f"{r['blas_1thread_gflops']:9.1f}" if t1 is not None else " " * 9
         pct = f"{r['pct_of_peak']:5.0f}% {kind}" if r["pct_of_peak"] is not None else ""
@@ -619,9 +638,14 @@ def main() -> None:
     print("share of the better of the start/end peaks:")
     for r in rows:
         r["pct_of_best_peak"] = pct_of_peak(r, best)
+        r["pct_of_best_step"] = pct_of_step(r, best)
         if r["pct_of_best_peak"] is not None:
             pk = "+".join(f"{best[k]:.0f}" for k in r["peak_kind"].split("+"))
-            print(f"  {r['op']:44s} {r['pct_of_best_peak']:5.0f}% of {r['peak_kind']} {pk} GOP/s")
+            step = (f", {r['pct_of_best_step']:.0f}% of int8_step {best['int8_step']:.0f}"
+                    if r["pct_of_best_step"] is not None else "")  # fmt: skip
+            print(
+                f"  {r['op']:44s} {r['pct_of_best_peak']:5.0f}% of {r['peak_kind']} {pk} GOP/s{step}"
+            )
     path = Path(OUT) if OUT else ROOT / "bench-results" / "bench_kernels.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

@@ -435,7 +435,11 @@ int htp_executor_serve(int sock_fd);
  * threads: multiply-accumulates per second in *macs_per_s (HOST backends). */
 htp_status htp_bench_dot_peak(htp_backend *backend, uint64_t iters, double *macs_per_s);
 /* Same for another instruction: kind 0 the int8 dot product (as above), 1 the fp32 FMA, 2 the
- * bf16 dot product (vdpbf16ps; HTP_E_UNSUPPORTED without AVX512_BF16). */
+ * bf16 dot product (vdpbf16ps; HTP_E_UNSUPPORTED without AVX512_BF16), 3 the int8 dot product
+ * in the mix of the Q4_0 / Q8_0 x Q8 kernels: per 32-row block and token 16 dot products, 2
+ * multiplies and 2 FMAs (the fp32 step per 32-value block, d_w*d_a then acc += dot * that),
+ * int8 multiply-accumulates only counted: the rate those kernels can reach where the fp32
+ * operations share the dot product's pipes (HTP_E_UNSUPPORTED but on the AVX-512 VNNI level). */
 htp_status htp_bench_mac_peak(htp_backend *backend, uint32_t kind, uint64_t iters,
                               double *macs_per_s);
 

@@ -821,16 +821,19 @@ htp_status htp_bench_dot_peak(htp_backend *b, uint64_t iters, double *macs_per_s
 }
 
 htp_status htp_bench_mac_peak(htp_backend *b, uint32_t kind, uint64_t iters, double *macs_per_s) {
-    if (!b || !macs_per_s || iters == 0 || kind > 2) return HTP_E_INVALID;
+    if (!b || !macs_per_s || iters == 0 || kind > 3) return HTP_E_INVALID;
     return b->vt->mac_peak(b, kind, iters, macs_per_s);
 }
 
 static htp_status host_mac_peak(htp_backend *b, uint32_t chain, uint64_t iters,
                                 double *macs_per_s) {
-    const htp_isa *isa = b->ex.isa; /* chain: 0 int8 dot, 1 fp32 FMA, 2 bf16 */
-    int32_t (*fn)(uint64_t) = chain == 0 ? isa->dot_peak : chain == 1 ? isa->fma_peak : isa->bf16_peak;
-    const uint32_t per = chain == 0 ? isa->dot_macs_per_iter : chain == 1 ? isa->fma_macs_per_iter
-                                                                          : isa->bf16_macs_per_iter;
+    const htp_isa *isa = b->ex.isa; /* chain: 0 int8 dot, 1 fp32 FMA, 2 bf16, 3 int8 + step */
+    int32_t (*const fns[4])(uint64_t) = {isa->dot_peak, isa->fma_peak, isa->bf16_peak,
+                                         isa->dotstep_peak};
+    const uint32_t pers[4] = {isa->dot_macs_per_iter, isa->fma_macs_per_iter,
+                              isa->bf16_macs_per_iter, isa->dotstep_macs_per_iter};
+    int32_t (*fn)(uint64_t) = fns[chain];
+    const uint32_t per = pers[chain];
     if (!fn || (chain == 2 && !htp_cpu_bf16())) return HTP_E_UNSUPPORTED;
     enter(b);
     peak_ctx c = {.pool = b->ex.pool, .fn = fn, .iters = iters};

@@ -325,6 +325,10 @@ typedef struct htp_isa {
     uint32_t fma_macs_per_iter;
     int32_t (*bf16_peak)(uint64_t iters);
     uint32_t bf16_macs_per_iter;
+    /* the int8 dot product in the Q4_0 / Q8_0 kernels' mix with their per-block fp32 step
+     * (htp_bench_mac_peak kind 3); NULL where not measured */
+    int32_t (*dotstep_peak)(uint64_t iters);
+    uint32_t dotstep_macs_per_iter;
 } htp_isa;
 
 extern const htp_isa htp_isa_portable;

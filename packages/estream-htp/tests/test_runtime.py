@@ -180,6 +180,24 @@ def test_mac_peaks(level: str) -> None:
 
 
 @pytest.mark.parametrize("level", SIMD_PARAMS)
+def test_int8_step_peak(level: str) -> None:
+    """The int8 dot product in the Q4_0 / Q8_0 kernels' mix with their fp32 step is measured on
+    the AVX-512 VNNI level only (a positive rate; with its multiplies and FMAs it cannot beat
+    the dot product alone by more than the two measurements' noise), and an executor's CPU is
+    not this process's to time."""
+    with htp.Backend("host", n_threads=1, simd=level) as be:
+        if level != "avx512vnni":
+            with pytest.raises(htp.HTPUnsupportedError):
+                _core._mac_peak("int8_step", 1000, backend=be)
+            return
+        step = max(_core._mac_peak("int8_step", 200_000, backend=be) for _ in range(3))
+        dot = max(_core._mac_peak("int8", 200_000, backend=be) for _ in range(3))
+        assert 0 < step < 1.25 * dot
+    with htp.Backend("host-process", n_threads=1) as remote, pytest.raises(htp.HTPUnsupportedError):
+        _core._mac_peak("int8_step", 1000, backend=remote)
+
+
+@pytest.mark.parametrize("level", SIMD_PARAMS)
 def test_measure_peaks_public(level: str) -> None:
     """`measure_peaks` gives a positive rate exactly for the kinds whose instruction the level
     has and None for the others; a backend in an executor process, whose CPU this process

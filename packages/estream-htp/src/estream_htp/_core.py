@@ -1407,13 +1407,16 @@ def _dot_peak(iters: int = 20_000_000, *, backend: Backend | None = None) -> flo
     return float(p[0])
 
 
-_PEAKS = {"int8": 0, "fp32": 1, "bf16": 2}
+_PEAKS = {"int8": 0, "fp32": 1, "bf16": 2, "int8_step": 3}
 
 
 def _mac_peak(kind: str, iters: int = 5_000_000, *, backend: Backend | None = None) -> float:
     """Measured multiply-accumulate peak (MAC/s, all of a host backend's threads) of its SIMD
-    level's int8 dot product ("int8"), fp32 FMA ("fp32") or bf16 dot product ("bf16");
-    HTPUnsupportedError where the level/CPU has no such instruction."""
+    level's int8 dot product ("int8"), fp32 FMA ("fp32") or bf16 dot product ("bf16"), or of
+    the int8 dot product in the Q4_0 / Q8_0 x Q8 kernels' mix with their fp32 step per 32-value
+    block ("int8_step": 16 dot products, 2 multiplies, 2 FMAs; its int8 MACs only);
+    HTPUnsupportedError where the level/CPU has no such instruction (int8_step: but on the
+    AVX-512 VNNI level)."""
     if kind not in _PEAKS:
         raise HTPInputError(f"kind must be one of {sorted(_PEAKS)}, got {kind!r}")
     be = _be(backend)
@@ -1437,7 +1440,7 @@ def measure_peaks(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise HTPInputError(f"repeats must be a positive int, got {repeats!r}")
     out: dict[str, float | None] = {}
-    for kind in _PEAKS:
+    for kind in ("int8", "fp32", "bf16"):
         try:
             out[kind] = max(_mac_peak(kind, iters, backend=backend) for _ in range(repeats)) * 2e-9
         except HTPUnsupportedError:
