@@ -179,6 +179,14 @@ def render_engine(f: Figures) -> Table:
             f"the machine's measured peak for its precision (GOP/s: {shown}); `expert_wait` is "
             "time the routed-expert phase waited for reads, `untimed` what no op accounts for."
         )
+        if peaks.get("int8_step") and peaks.get("int8"):
+            step = peaks["int8_step"] / peaks["int8"]
+            t.notes.append(
+                f"int8_step: the int8 dot product in the mix of the Q4_0 and Q8_0 kernels with "
+                f"their fp32 step per 32-value block ({step:.0%} of the int8 peak here), the "
+                f"ceiling of int8 ops on those formats: such an op's share of it is its share of "
+                f"the int8 peak ÷ {step:.2f}."
+            )
         over = sorted({o["op"] for r in f["runs"] if r.get("op_table")
                        for o in r["op_table"]["rows"] if (o.get("pct_of_peak") or 0) > 100})  # fmt: skip
         if over:

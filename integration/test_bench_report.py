@@ -198,7 +198,18 @@ def test_engine_runs_with_a_per_op_table_render_it(tmp_path: Path) -> None:
     assert "| `experts` | 2000 ms | 66.7 % | 50 | 25 | int8 | 12.5 % |" in page
     assert "| `expert_wait` | 500 ms | 16.7 % | – | – | – | – |" in page
     assert "int8 200, fp32 80)" in page
+    assert "int8_step" not in page  # not measured in this run
     assert "shares of peak are not results" not in page
+    stepped = tmp_path / "stepped"
+    stepped.mkdir()
+    recorded(
+        stepped,
+        "bench_engine",
+        {**figures, "peaks_gops": {**figures["peaks_gops"], "int8_step": 160.0}},
+        (0.1, 0.1),
+    )
+    page = report.render_page(report.load_results(stepped / "results"))
+    assert "(80% of the int8 peak here)" in page and "the int8 peak ÷ 0.80." in page
     stream_1k["op_table"]["rows"][0]["pct_of_peak"] = 135.0  # a peak measured low
     low = tmp_path / "low"
     low.mkdir()

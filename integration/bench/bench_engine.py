@@ -294,7 +294,8 @@ print(json.dumps(bench_kernels.measure_peaks()))
 
 def measure_peaks(threads: int) -> dict[str, float | None]:
     """bench_kernels' measured peaks (GOP/s, 2 per multiply-add, per precision: "int8",
-    "fp32", "bf16"; None: no such instruction) on ``threads`` threads, in a child process
+    "fp32", "bf16", and "int8_step", the int8 dot product in the Q4_0 / Q8_0 kernels' mix;
+    None: no such instruction) on ``threads`` threads, in a child process
     with the environment bench_kernels sets itself (so that it does not re-execute)."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
