@@ -183,7 +183,7 @@ def render_engine(f: Figures) -> Table:
             step = peaks["int8_step"] / peaks["int8"]
             t.notes.append(
                 f"int8_step: the int8 dot product in the mix of the Q4_0 and Q8_0 kernels with "
-                f"their fp32 step per 32-value block ({step:.0%} of the int8 peak here), the "
+                f"their fp32 step per 32-value block ({100 * step:.0f} % of the int8 peak here), the "
                 f"ceiling of int8 ops on those formats: such an op's share of it is its share of "
                 f"the int8 peak ÷ {step:.2f}."
             )

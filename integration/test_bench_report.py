@@ -209,7 +209,7 @@ def test_engine_runs_with_a_per_op_table_render_it(tmp_path: Path) -> None:
         (0.1, 0.1),
     )
     page = report.render_page(report.load_results(stepped / "results"))
-    assert "(80% of the int8 peak here)" in page and "the int8 peak ÷ 0.80." in page
+    assert "(80 % of the int8 peak here)" in page and "the int8 peak ÷ 0.80." in page
     stream_1k["op_table"]["rows"][0]["pct_of_peak"] = 135.0  # a peak measured low
     low = tmp_path / "low"
     low.mkdir()
