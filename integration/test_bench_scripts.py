@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import estream_htp as htp
 from estream_layout import synth_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,12 +144,14 @@ def _bench_engine():
 
 def test_bench_engine_peaks_are_bench_kernels_measurement() -> None:
     """bench_engine's peaks come from bench_kernels' `measure_peaks` (run in a child on the
-    given threads): a GOP/s figure for int8 and fp32 (bf16 where there is such an instruction),
-    and the better of two measurements is kept per precision."""
+    given threads): a GOP/s figure for int8 and fp32 (bf16 where there is such an instruction,
+    int8_step on the AVX-512 VNNI level), and the better of two measurements is kept per
+    precision."""
     be = _bench_engine()
     peaks = be.measure_peaks(1)
-    assert set(peaks) == {"int8", "fp32", "bf16"}
+    assert set(peaks) == {"int8", "fp32", "bf16", "int8_step"}
     assert peaks["int8"] > 0 and peaks["fp32"] > 0
+    assert (peaks["int8_step"] is not None) == (htp.simd_level() == "avx512vnni")
     best = be.best_peaks({"int8": 10.0, "fp32": None}, {"int8": 12.0, "fp32": 3.0, "bf16": None})
     assert best == {"bf16": None, "fp32": 3.0, "int8": 12.0}
 
